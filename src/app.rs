@@ -1,0 +1,178 @@
+//! Builds every component once from a [`Config`] and runs the listeners.
+//!
+//! Shutdown order: stop accepting on both listeners, drain in-flight requests (bounded by
+//! `server.shutdown_grace`), then stop background tasks (the Redis probe).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use anyhow::Context as _;
+use prometheus::Registry;
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tracing::info;
+
+use crate::admin::Admin;
+use crate::cache::l1::L1;
+use crate::cache::l2::L2;
+use crate::config::Config;
+use crate::coord::RedisConn;
+use crate::metrics::Metrics;
+use crate::protect::flight::Flights;
+use crate::proxy::Proxy;
+use crate::proxy::origin_guard::OriginGuard;
+use crate::proxy::route::RouteTable;
+use crate::proxy::server::{self, ConnLimits};
+use crate::proxy::upstream::Upstream;
+
+/// Entry point: `App::start(config)` binds the proxy and admin listeners and serves.
+#[derive(Debug)]
+pub struct App;
+
+/// A started cacheguard: its bound addresses and the handle to stop it.
+#[derive(Debug)]
+pub struct Running {
+    addr: SocketAddr,
+    admin_addr: SocketAddr,
+    stop_listeners: CancellationToken,
+    stop_tasks: CancellationToken,
+    servers: Vec<JoinHandle<()>>,
+}
+
+impl App {
+    /// Binds `server.listen` and `admin.listen` (port 0 picks a free port) and starts serving.
+    /// A Redis that is down at start is not an error: the instance starts degraded and
+    /// connects when Redis answers.
+    ///
+    /// # Errors
+    /// When a listener cannot be bound or a component cannot be built.
+    pub async fn start(config: Config) -> anyhow::Result<Running> {
+        let registry = Registry::new();
+        let metrics = Metrics::register(&registry).context("registering metrics")?;
+        let stop_listeners = CancellationToken::new();
+        let stop_tasks = CancellationToken::new();
+
+        let redis = match &config.redis {
+            Some(redis) => Some(
+                RedisConn::start(redis, metrics.clone(), stop_tasks.clone())
+                    .context("creating the Redis client")?,
+            ),
+            None => None,
+        };
+        let l1 = L1::new(config.cache.l1_max_bytes);
+        let l2 = match (&redis, &config.redis) {
+            (Some(conn), Some(rc)) => Some(L2::new(conn.clone(), &rc.key_prefix, metrics.clone())),
+            _ => None,
+        };
+        let routes = RouteTable::build(&config.routes, &metrics).context("building routes")?;
+        let upstream = Upstream::new(&config.upstream).context("building the upstream client")?;
+        let guard = OriginGuard::new(
+            config.upstream.max_concurrency,
+            config.upstream.max_rps,
+            config.upstream.queue_timeout,
+            metrics.origin_in_flight.clone(),
+            metrics.origin_queue_wait.clone(),
+        );
+        let proxy = Arc::new(Proxy {
+            routes,
+            l1: l1.clone(),
+            l2,
+            flights: Arc::new(Flights::default()),
+            upstream,
+            guard,
+            queue_timeout: config.upstream.queue_timeout,
+            max_header_bytes: config.server.max_header_bytes,
+            max_body_bytes: config.server.max_body_bytes,
+            passthrough_metrics: metrics.for_route("_passthrough"),
+            metrics: metrics.clone(),
+        });
+        let admin = Arc::new(Admin {
+            registry,
+            metrics,
+            l1,
+            redis,
+        });
+
+        let listener = TcpListener::bind(config.server.listen)
+            .await
+            .with_context(|| format!("binding server.listen {}", config.server.listen))?;
+        let admin_listener = TcpListener::bind(config.admin.listen)
+            .await
+            .with_context(|| format!("binding admin.listen {}", config.admin.listen))?;
+        let addr = listener.local_addr()?;
+        let admin_addr = admin_listener.local_addr()?;
+        let limits = ConnLimits {
+            max_header_bytes: config.server.max_header_bytes,
+            header_read_timeout: config.server.header_read_timeout,
+            shutdown_grace: config.server.shutdown_grace,
+        };
+
+        let proxy_handler = Arc::new(move |request, peer| {
+            let proxy = Arc::clone(&proxy);
+            async move { proxy.handle(request, peer).await }
+        });
+        let admin_handler = Arc::new(move |request, _peer| Arc::clone(&admin).handle(request));
+        let servers = vec![
+            tokio::spawn(server::serve(
+                "proxy",
+                listener,
+                limits,
+                stop_listeners.clone(),
+                proxy_handler,
+            )),
+            tokio::spawn(server::serve(
+                "admin",
+                admin_listener,
+                limits,
+                stop_listeners.clone(),
+                admin_handler,
+            )),
+        ];
+        info!(
+            message = "cacheguard started.",
+            listen = %addr,
+            admin = %admin_addr,
+            mode = if config.redis.is_some() { "shared" } else { "embedded" },
+            routes = config.routes.len(),
+        );
+        Ok(Running {
+            addr,
+            admin_addr,
+            stop_listeners,
+            stop_tasks,
+            servers,
+        })
+    }
+}
+
+impl Running {
+    /// The proxy listener's bound address.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The admin listener's bound address.
+    pub fn admin_addr(&self) -> SocketAddr {
+        self.admin_addr
+    }
+
+    /// Graceful shutdown: stop accepting, drain in-flight requests (bounded by
+    /// `server.shutdown_grace`), stop background tasks.
+    pub async fn shutdown(mut self) {
+        self.stop_listeners.cancel();
+        for server in std::mem::take(&mut self.servers) {
+            let _ = server.await;
+        }
+        self.stop_tasks.cancel();
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        // A `Running` dropped without `shutdown()` (a test that panicked) must not leave
+        // listeners or probes behind.
+        self.stop_listeners.cancel();
+        self.stop_tasks.cancel();
+    }
+}

@@ -1,0 +1,224 @@
+//! The stored entry: one origin answer plus what is needed to serve and age it.
+//!
+//! Wire format (L2): `b"CG"`, a format version byte, then the postcard encoding of
+//! [`StoredV1`]. Decoding anything else (garbage, another program's value, a future
+//! version) is an error the caller treats as a miss, never a crash.
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
+use serde::{Deserialize, Serialize};
+
+use super::CacheKey;
+
+const MAGIC: &[u8; 2] = b"CG";
+const VERSION_1: u8 = 1;
+
+/// A cached answer, ready to serve (headers already parsed).
+#[derive(Debug)]
+pub(crate) struct Entry {
+    /// The full cache key; compared on read so a hash collision is a miss.
+    pub(crate) key: String,
+    pub(crate) status: StatusCode,
+    /// End-to-end headers worth keeping (hop-by-hop, `Set-Cookie`, `Age` removed).
+    pub(crate) headers: HeaderMap,
+    pub(crate) body: Bytes,
+    /// Wall-clock store time, ms since the Unix epoch.
+    pub(crate) stored_at_ms: u64,
+    /// Freshness lifetime (already jittered).
+    pub(crate) ttl_ms: u64,
+    /// How long past `ttl` a stale copy is kept.
+    pub(crate) grace_ms: u64,
+}
+
+/// Where an entry is in its life at a given moment.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Freshness {
+    Fresh,
+    /// Past ttl, within grace: usable for stale-while-revalidate / stale-if-error.
+    Stale,
+    Expired,
+}
+
+/// Why a stored value could not be decoded.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum DecodeEntryError {
+    #[error("not a cacheguard entry (bad magic)")]
+    Magic,
+    #[error("unknown entry format version {0}")]
+    Version(u8),
+    #[error("corrupt entry: {0}")]
+    Corrupt(#[from] postcard::Error),
+    #[error("corrupt entry: bad status or header")]
+    Invalid,
+}
+
+#[derive(Serialize, Deserialize)]
+struct StoredV1 {
+    key: String,
+    status: u16,
+    headers: Vec<(String, Bytes)>,
+    body: Bytes,
+    stored_at_ms: u64,
+    ttl_ms: u64,
+    grace_ms: u64,
+}
+
+impl Entry {
+    /// Is this a negative entry (a cached "does not exist")?
+    pub(crate) fn is_negative(&self) -> bool {
+        matches!(self.status.as_u16(), 404 | 410)
+    }
+
+    pub(crate) fn matches(&self, key: &CacheKey) -> bool {
+        self.key == key.full
+    }
+
+    pub(crate) fn freshness(&self, now_ms: u64) -> Freshness {
+        let fresh_until = self.stored_at_ms.saturating_add(self.ttl_ms);
+        if now_ms < fresh_until {
+            Freshness::Fresh
+        } else if now_ms < fresh_until.saturating_add(self.grace_ms) {
+            Freshness::Stale
+        } else {
+            Freshness::Expired
+        }
+    }
+
+    /// Whole seconds since the entry was stored (the `Age` header).
+    pub(crate) fn age_secs(&self, now_ms: u64) -> u64 {
+        now_ms.saturating_sub(self.stored_at_ms) / 1000
+    }
+
+    /// Milliseconds until the entry leaves its grace period (its physical lifetime).
+    pub(crate) fn remaining_life_ms(&self, now_ms: u64) -> u64 {
+        (self.stored_at_ms + self.ttl_ms + self.grace_ms).saturating_sub(now_ms)
+    }
+
+    /// Approximate memory held by this entry, for L1's byte bound.
+    pub(crate) fn weight(&self) -> usize {
+        let headers: usize = self
+            .headers
+            .iter()
+            .map(|(n, v)| n.as_str().len() + v.len() + 32)
+            .sum();
+        self.key.len() + self.body.len() + headers + 160
+    }
+
+    pub(crate) fn encode(&self) -> Result<Vec<u8>, postcard::Error> {
+        let stored = StoredV1 {
+            key: self.key.clone(),
+            status: self.status.as_u16(),
+            headers: self
+                .headers
+                .iter()
+                .map(|(n, v)| (n.as_str().to_owned(), Bytes::copy_from_slice(v.as_bytes())))
+                .collect(),
+            body: self.body.clone(),
+            stored_at_ms: self.stored_at_ms,
+            ttl_ms: self.ttl_ms,
+            grace_ms: self.grace_ms,
+        };
+        let mut out = Vec::with_capacity(self.body.len() + self.key.len() + 256);
+        out.extend_from_slice(MAGIC);
+        out.push(VERSION_1);
+        postcard::to_extend(&stored, out)
+    }
+
+    pub(crate) fn decode(bytes: &[u8]) -> Result<Entry, DecodeEntryError> {
+        let Some(rest) = bytes.strip_prefix(MAGIC) else {
+            return Err(DecodeEntryError::Magic);
+        };
+        let (&version, payload) = rest.split_first().ok_or(DecodeEntryError::Magic)?;
+        if version != VERSION_1 {
+            return Err(DecodeEntryError::Version(version));
+        }
+        let stored: StoredV1 = postcard::from_bytes(payload)?;
+        let status = StatusCode::from_u16(stored.status).map_err(|_| DecodeEntryError::Invalid)?;
+        let mut headers = HeaderMap::with_capacity(stored.headers.len());
+        for (name, value) in stored.headers {
+            let name =
+                HeaderName::from_bytes(name.as_bytes()).map_err(|_| DecodeEntryError::Invalid)?;
+            let value =
+                HeaderValue::from_maybe_shared(value).map_err(|_| DecodeEntryError::Invalid)?;
+            headers.append(name, value);
+        }
+        Ok(Entry {
+            key: stored.key,
+            status,
+            headers,
+            body: stored.body,
+            stored_at_ms: stored.stored_at_ms,
+            ttl_ms: stored.ttl_ms,
+            grace_ms: stored.grace_ms,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> Entry {
+        let mut headers = HeaderMap::new();
+        headers.insert("content-type", HeaderValue::from_static("application/json"));
+        headers.append("x-multi", HeaderValue::from_static("a"));
+        headers.append("x-multi", HeaderValue::from_static("b"));
+        Entry {
+            key: "item\n/api/items/1\n".into(),
+            status: StatusCode::OK,
+            headers,
+            body: Bytes::from_static(b"{\"id\":1}"),
+            stored_at_ms: 1_000,
+            ttl_ms: 60_000,
+            grace_ms: 30_000,
+        }
+    }
+
+    #[test]
+    fn round_trip() {
+        let e = sample();
+        let d = Entry::decode(&e.encode().unwrap()).unwrap();
+        assert_eq!(d.key, e.key);
+        assert_eq!(d.status, e.status);
+        assert_eq!(d.headers, e.headers);
+        assert_eq!(d.body, e.body);
+        assert_eq!(
+            (d.stored_at_ms, d.ttl_ms, d.grace_ms),
+            (1_000, 60_000, 30_000)
+        );
+    }
+
+    #[test]
+    fn garbage_is_an_error_not_a_panic() {
+        assert!(matches!(Entry::decode(b""), Err(DecodeEntryError::Magic)));
+        assert!(matches!(
+            Entry::decode(b"hello"),
+            Err(DecodeEntryError::Magic)
+        ));
+        assert!(matches!(
+            Entry::decode(b"CG\x09xx"),
+            Err(DecodeEntryError::Version(9))
+        ));
+        let mut bytes = sample().encode().unwrap();
+        bytes.truncate(bytes.len() / 2);
+        assert!(Entry::decode(&bytes).is_err());
+        // Every prefix and a sweep of byte flips must decode to Ok or Err, never panic.
+        let full = sample().encode().unwrap();
+        for i in 0..full.len() {
+            let _ = Entry::decode(&full[..i]);
+            let mut flipped = full.clone();
+            flipped[i] ^= 0xff;
+            let _ = Entry::decode(&flipped);
+        }
+    }
+
+    #[test]
+    fn freshness_windows() {
+        let e = sample();
+        assert_eq!(e.freshness(1_000), Freshness::Fresh);
+        assert_eq!(e.freshness(60_999), Freshness::Fresh);
+        assert_eq!(e.freshness(61_000), Freshness::Stale);
+        assert_eq!(e.freshness(91_000), Freshness::Expired);
+        assert_eq!(e.age_secs(11_500), 10);
+    }
+}

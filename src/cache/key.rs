@@ -1,0 +1,240 @@
+//! Cache key derivation.
+//!
+//! The key and the URL forwarded to the origin come from one parse of the request: the
+//! normalized path, the query as the route's policy keeps it, and the values of the route's
+//! `vary` headers. Whatever is not in the key is not forwarded either ("forward only what you
+//! key"), so two requests with one key can never make the origin answer differently.
+//!
+//! Keys are hashed to 128 bits (xxh3) for L1 and Redis; the full key travels inside the
+//! stored entry and is compared on read, so a hash collision is a miss, never a wrong answer.
+
+use http::HeaderMap;
+
+use crate::config::{QueryPolicy, RouteConfig};
+
+/// A derived cache key.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct CacheKey {
+    /// `route \n path \n query \n vary…`; stored in the entry and compared on read.
+    pub(crate) full: String,
+    /// xxh3-128 of `full`.
+    pub(crate) hash: u128,
+}
+
+/// What the read path needs from one parse of the request.
+#[derive(Debug)]
+pub(crate) struct Derived {
+    pub(crate) key: CacheKey,
+    /// Path and query to send to the origin (normalized, unkeyed parameters removed).
+    pub(crate) forward_path_and_query: String,
+}
+
+impl CacheKey {
+    pub(crate) fn new(full: String) -> Self {
+        let hash = xxhash_rust::xxh3::xxh3_128(full.as_bytes());
+        CacheKey { full, hash }
+    }
+
+    /// The hex form of the hash, used inside Redis key names (`cg:{<hex>}:v`).
+    pub(crate) fn hex(&self) -> String {
+        format!("{:032x}", self.hash)
+    }
+}
+
+/// Derives the key of a read request on `route`.
+pub(crate) fn derive(
+    route: &RouteConfig,
+    path: &str,
+    query: Option<&str>,
+    headers: &HeaderMap,
+) -> Derived {
+    let path = normalize_percent(path);
+    let query = keyed_query(&route.query, query.unwrap_or(""));
+
+    let mut full = String::with_capacity(route.name.len() + path.len() + query.len() + 8);
+    full.push_str(&route.name);
+    full.push('\n');
+    full.push_str(&path);
+    full.push('\n');
+    full.push_str(&query);
+    for name in &route.vary {
+        full.push('\n');
+        full.push_str(name.as_str());
+        full.push('=');
+        let mut first = true;
+        for value in headers.get_all(name) {
+            if !first {
+                full.push(',');
+            }
+            first = false;
+            // Non-UTF-8 bytes are kept distinct by escaping them; they never collide with text.
+            full.push_str(
+                &String::from_utf8_lossy(value.as_bytes())
+                    .escape_default()
+                    .to_string(),
+            );
+        }
+    }
+
+    let mut forward = path;
+    if !query.is_empty() {
+        forward.push('?');
+        forward.push_str(&query);
+    }
+    Derived {
+        key: CacheKey::new(full),
+        forward_path_and_query: forward,
+    }
+}
+
+/// The query string the key (and the forwarded URL) carries under `policy`.
+fn keyed_query(policy: &QueryPolicy, raw: &str) -> String {
+    if matches!(policy, QueryPolicy::Ignore) || raw.is_empty() {
+        return String::new();
+    }
+    let mut pairs: Vec<String> = raw
+        .split('&')
+        .filter(|p| !p.is_empty())
+        .map(normalize_percent)
+        .filter(|pair| match policy {
+            QueryPolicy::Allow(names) => {
+                let name = pair.split_once('=').map_or(pair.as_str(), |(n, _)| n);
+                names.iter().any(|allowed| allowed == name)
+            }
+            _ => true,
+        })
+        .collect();
+    pairs.sort();
+    pairs.join("&")
+}
+
+/// RFC 3986 §6.2.2 normalization: percent-escapes of unreserved characters are decoded,
+/// the hex digits of every other escape are uppercased. Meaning is preserved, so the
+/// normalized form is also what is forwarded.
+fn normalize_percent(s: &str) -> String {
+    let bytes = s.as_bytes();
+    if !bytes.contains(&b'%') {
+        return s.to_owned();
+    }
+    let mut out = String::with_capacity(s.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' && i + 2 < bytes.len() {
+            let hi = (bytes[i + 1] as char).to_digit(16);
+            let lo = (bytes[i + 2] as char).to_digit(16);
+            if let (Some(hi), Some(lo)) = (hi, lo) {
+                let b = (hi * 16 + lo) as u8;
+                if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~') {
+                    out.push(b as char);
+                } else {
+                    out.push('%');
+                    out.push(bytes[i + 1].to_ascii_uppercase() as char);
+                    out.push(bytes[i + 2].to_ascii_uppercase() as char);
+                }
+                i += 3;
+                continue;
+            }
+        }
+        // `s` is a valid &str and we only step over ASCII escapes, so pushing the char at
+        // `i` keeps UTF-8 intact.
+        let ch = s[i..].chars().next().unwrap_or('\u{fffd}');
+        out.push(ch);
+        i += ch.len_utf8();
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::L1Policy;
+    use http::{HeaderName, HeaderValue, Method};
+    use std::time::Duration;
+
+    fn route(query: QueryPolicy, vary: &[&str]) -> RouteConfig {
+        RouteConfig {
+            name: "item".into(),
+            pattern: "/api/items/{id}".into(),
+            methods: vec![Method::GET],
+            ttl: Duration::from_secs(60),
+            jitter: 0.2,
+            grace: Duration::from_secs(30),
+            negative_ttl: Duration::from_secs(10),
+            max_entry_bytes: 1 << 20,
+            l1: L1Policy::Hot,
+            query,
+            vary: vary.iter().map(|v| HeaderName::from_static(v)).collect(),
+            invalidate: vec![],
+            double_delete_delay: Duration::from_secs(1),
+        }
+    }
+
+    #[test]
+    fn sorted_query_is_order_independent() {
+        let r = route(QueryPolicy::Sorted, &[]);
+        let h = HeaderMap::new();
+        let a = derive(&r, "/api/items/1", Some("b=2&a=1"), &h);
+        let b = derive(&r, "/api/items/1", Some("a=1&b=2"), &h);
+        assert_eq!(a.key, b.key);
+        assert_eq!(a.forward_path_and_query, "/api/items/1?a=1&b=2");
+    }
+
+    #[test]
+    fn ignored_query_is_neither_keyed_nor_forwarded() {
+        let r = route(QueryPolicy::Ignore, &[]);
+        let h = HeaderMap::new();
+        let a = derive(&r, "/api/items/1", Some("x=1"), &h);
+        let b = derive(&r, "/api/items/1", None, &h);
+        assert_eq!(a.key, b.key);
+        assert_eq!(a.forward_path_and_query, "/api/items/1");
+    }
+
+    #[test]
+    fn allow_list_drops_unkeyed_parameters_from_key_and_url() {
+        let r = route(QueryPolicy::Allow(vec!["page".into()]), &[]);
+        let h = HeaderMap::new();
+        let a = derive(&r, "/api/items/1", Some("utm=x&page=2"), &h);
+        let b = derive(&r, "/api/items/1", Some("page=2"), &h);
+        assert_eq!(a.key, b.key);
+        assert_eq!(a.forward_path_and_query, "/api/items/1?page=2");
+        let c = derive(&r, "/api/items/1", Some("page=3"), &h);
+        assert_ne!(a.key, c.key);
+    }
+
+    #[test]
+    fn vary_headers_split_keys() {
+        let r = route(QueryPolicy::Sorted, &["accept-language"]);
+        let mut en = HeaderMap::new();
+        en.insert("accept-language", HeaderValue::from_static("en"));
+        let mut de = HeaderMap::new();
+        de.insert("accept-language", HeaderValue::from_static("de"));
+        assert_ne!(
+            derive(&r, "/a", None, &en).key,
+            derive(&r, "/a", None, &de).key
+        );
+    }
+
+    #[test]
+    fn percent_encoding_is_normalized() {
+        assert_eq!(normalize_percent("/a%41%2f%2F"), "/aA%2F%2F");
+        assert_eq!(normalize_percent("/%zz%4"), "/%zz%4");
+        assert_eq!(normalize_percent("/ü%41"), "/üA");
+        let r = route(QueryPolicy::Sorted, &[]);
+        let h = HeaderMap::new();
+        assert_eq!(
+            derive(&r, "/api/items/%61", None, &h).key,
+            derive(&r, "/api/items/a", None, &h).key
+        );
+    }
+
+    #[test]
+    fn routes_do_not_share_keys() {
+        let mut r2 = route(QueryPolicy::Sorted, &[]);
+        r2.name = "other".into();
+        let h = HeaderMap::new();
+        assert_ne!(
+            derive(&route(QueryPolicy::Sorted, &[]), "/a", None, &h).key,
+            derive(&r2, "/a", None, &h).key
+        );
+    }
+}

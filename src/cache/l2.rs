@@ -1,0 +1,75 @@
+//! L2: entries in the shared Redis, one key per cache key: `<prefix>{<hash>}:v`.
+//!
+//! The hash sits in a Redis Cluster hash tag so a key's entry, lock and generation share one
+//! slot (see DESIGN.md, Redis layout). A value that fails to decode is counted and treated
+//! as a miss; the next fill overwrites it.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tracing::debug;
+
+use super::{CacheKey, Entry, now_ms};
+use crate::coord::RedisConn;
+use crate::metrics::Metrics;
+
+/// What an L2 read found.
+#[derive(Debug)]
+pub(crate) enum Lookup {
+    Hit(Arc<Entry>),
+    Miss,
+    /// Redis is down or did not answer in time: carry on without it.
+    Unavailable,
+}
+
+#[derive(Clone, Debug)]
+pub(crate) struct L2 {
+    redis: RedisConn,
+    prefix: Arc<str>,
+    metrics: Metrics,
+}
+
+impl L2 {
+    pub(crate) fn new(redis: RedisConn, prefix: &str, metrics: Metrics) -> Self {
+        L2 {
+            redis,
+            prefix: prefix.into(),
+            metrics,
+        }
+    }
+
+    fn entry_key(&self, key: &CacheKey) -> String {
+        format!("{}{{{}}}:v", self.prefix, key.hex())
+    }
+
+    pub(crate) async fn get(&self, key: &CacheKey) -> Lookup {
+        let bytes = match self.redis.get(&self.entry_key(key)).await {
+            Ok(Some(bytes)) => bytes,
+            Ok(None) => return Lookup::Miss,
+            Err(_) => return Lookup::Unavailable,
+        };
+        match Entry::decode(&bytes) {
+            Ok(entry) if entry.matches(key) => Lookup::Hit(Arc::new(entry)),
+            // Another key with the same 128-bit hash: a miss, never a wrong answer.
+            Ok(_) => Lookup::Miss,
+            Err(error) => {
+                self.metrics.entry_decode_errors.inc();
+                debug!(message = "Undecodable L2 value treated as a miss.", %error);
+                Lookup::Miss
+            }
+        }
+    }
+
+    /// Stores `entry` with a physical TTL of its remaining life (ttl + grace).
+    /// Failures are absorbed: Redis is an accelerator.
+    pub(crate) async fn store(&self, key: &CacheKey, entry: &Entry) {
+        let life = Duration::from_millis(entry.remaining_life_ms(now_ms()));
+        if life.is_zero() {
+            return;
+        }
+        let Ok(bytes) = entry.encode() else {
+            return;
+        };
+        let _ = self.redis.set_px(&self.entry_key(key), &bytes, life).await;
+    }
+}

@@ -1,0 +1,186 @@
+//! Configuration: the validated model the rest of cacheguard reads.
+//!
+//! The TOML file is parsed into the serde mirror in `config/raw.rs`, then turned into
+//! [`Config`] by `config/validate.rs`, the only constructor of these types ("parse, don't
+//! validate"). Environment overrides (`CACHEGUARD_*`) are read through [`Vars`] so tests never
+//! touch the process environment. Every error names the file, the line and the key.
+
+mod env;
+mod raw;
+#[cfg(test)]
+mod tests;
+mod validate;
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::Duration;
+
+use http::{HeaderName, Method, Uri};
+
+pub use env::{ProcessEnv, Vars};
+pub use validate::{ConfigError, ConfigProblem};
+
+/// The whole validated configuration.
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// Where the config came from (file path or a label), for messages.
+    pub source: String,
+    pub server: ServerConfig,
+    pub upstream: UpstreamConfig,
+    /// `None` = embedded mode (L1 only, in-process single-flight).
+    pub redis: Option<RedisConfig>,
+    pub admin: AdminConfig,
+    pub cache: CacheDefaults,
+    pub lock: LockConfig,
+    /// Cached routes, in file order. Matching is by path pattern, then method.
+    pub routes: Vec<RouteConfig>,
+}
+
+#[derive(Clone, Debug)]
+pub struct ServerConfig {
+    pub listen: SocketAddr,
+    /// Largest request head (request line + headers) accepted; larger → 431.
+    pub max_header_bytes: usize,
+    /// Largest request body accepted; larger → 413.
+    pub max_body_bytes: u64,
+    /// Time a client has to send its request head.
+    pub header_read_timeout: Duration,
+    /// How long shutdown waits for in-flight requests before cutting them.
+    pub shutdown_grace: Duration,
+}
+
+#[derive(Clone, Debug)]
+pub struct UpstreamConfig {
+    /// Origin base URL, `http://host:port` (a path prefix is allowed).
+    pub url: Uri,
+    /// Whole-response timeout for one origin request (head and body); exceeded → 504.
+    pub timeout: Duration,
+    pub connect_timeout: Duration,
+    /// Origin guard: at most this many origin requests in flight.
+    pub max_concurrency: usize,
+    /// Origin guard: requests per second cap, 0 = none.
+    pub max_rps: u32,
+    /// Origin guard: how long a request may wait for a slot before it is shed (503).
+    pub queue_timeout: Duration,
+    /// Idle keep-alive connections kept per origin host.
+    pub pool_max_idle: usize,
+}
+
+#[derive(Clone, Debug)]
+pub struct RedisConfig {
+    /// `redis://[user:pass@]host:port[/db]`; secret parts are redacted when shown.
+    pub url: String,
+    /// Upper bound on every Redis command; a slower answer is treated as Redis being down.
+    pub command_timeout: Duration,
+    pub connect_timeout: Duration,
+    /// Prefix of every key cacheguard writes (default `cg:`).
+    pub key_prefix: String,
+}
+
+#[derive(Clone, Debug)]
+pub struct AdminConfig {
+    pub listen: SocketAddr,
+    /// Bearer token for mutating admin calls. `None` = mutating calls are refused.
+    pub token: Option<String>,
+}
+
+/// Which responses are kept in the in-process L1.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum L1Policy {
+    /// Only hot keys (in embedded mode L1 is the only tier and holds everything).
+    Hot,
+    /// Every cacheable response.
+    All,
+    /// Never (embedded mode then caches nothing).
+    Off,
+}
+
+/// What a waiter does when the lock holder does not fill in time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OnTimeout {
+    Origin,
+    Error,
+}
+
+/// How the query string takes part in the cache key (and the forwarded URL).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum QueryPolicy {
+    /// The query is not keyed and is removed from the forwarded URL.
+    Ignore,
+    /// Every parameter is keyed, sorted by name then value.
+    Sorted,
+    /// Only these parameters are keyed (sorted) and forwarded; others are removed.
+    Allow(Vec<String>),
+}
+
+/// Defaults for every route (`[cache]`).
+#[derive(Clone, Debug)]
+pub struct CacheDefaults {
+    pub ttl: Duration,
+    /// Fraction in `0.0..=1.0`: stored ttl is uniform in ttl × [1 - jitter, 1 + jitter].
+    pub jitter: f64,
+    /// Extra time a stale copy is kept past its ttl.
+    pub grace: Duration,
+    pub negative_ttl: Duration,
+    pub max_entry_bytes: usize,
+    pub l1_max_bytes: u64,
+    pub l1: L1Policy,
+}
+
+#[derive(Clone, Debug)]
+pub struct LockConfig {
+    pub lease: Duration,
+    pub wait_timeout: Duration,
+    pub on_timeout: OnTimeout,
+}
+
+/// One `[[routes]]` entry with the `[cache]` defaults already applied.
+#[derive(Clone, Debug)]
+pub struct RouteConfig {
+    /// Unique name; part of the cache key and the `route` metric label.
+    pub name: String,
+    /// matchit pattern, e.g. `/api/items/{id}`.
+    pub pattern: String,
+    /// Methods this route handles; `GET` implies `HEAD`.
+    pub methods: Vec<Method>,
+    pub ttl: Duration,
+    pub jitter: f64,
+    pub grace: Duration,
+    pub negative_ttl: Duration,
+    pub max_entry_bytes: usize,
+    pub l1: L1Policy,
+    pub query: QueryPolicy,
+    /// Request headers whose values are part of the key (and the only client headers,
+    /// besides a fixed safe set, forwarded to the origin on a cached fetch).
+    pub vary: Vec<HeaderName>,
+    /// Write routes: path patterns to invalidate (used by the write path).
+    pub invalidate: Vec<String>,
+    pub double_delete_delay: Duration,
+}
+
+impl RouteConfig {
+    /// A route with any read method is a cached (read) route; otherwise it is a write route.
+    pub fn is_read(&self) -> bool {
+        self.methods
+            .iter()
+            .any(|m| m == Method::GET || m == Method::HEAD)
+    }
+}
+
+impl Config {
+    /// Reads, parses and validates `path`, applying environment overrides from `vars`.
+    ///
+    /// # Errors
+    /// Every problem found, each naming `file:line: key: what was expected`.
+    pub fn load(path: &Path, vars: &dyn Vars) -> Result<Config, ConfigError> {
+        validate::load_file(path, vars)
+    }
+
+    /// Parses and validates TOML text; `source` names it in messages.
+    ///
+    /// # Errors
+    /// As [`Config::load`].
+    pub fn from_toml(text: &str, source: &str, vars: &dyn Vars) -> Result<Config, ConfigError> {
+        validate::from_toml(text, source, vars)
+    }
+}

@@ -1,0 +1,354 @@
+//! Serde mirror of `cacheguard.toml`: what the file says, with its defaults, and no
+//! invariants yet.
+//!
+//! Every table is `deny_unknown_fields`, so a misspelt key is an error rather than a silently
+//! ignored line. Type-level problems (wrong type, bad duration, bad keyword, unknown or
+//! missing key) surface here, as serde errors that `validate.rs` turns into
+//! `file:line: key: message`. Values that need checks serde cannot make (addresses, URLs,
+//! ranges, route patterns) are kept as [`Spanned`] so `validate.rs` can report their line.
+//! Nothing outside `config/` sees these types; the program reads [`super::Config`].
+
+use std::fmt;
+use std::time::Duration;
+
+use serde::Deserialize;
+use serde::de::{self, Deserializer, SeqAccess, Visitor};
+use toml::Spanned;
+
+use super::{L1Policy, OnTimeout};
+
+/// Span used for values that did not come from the file (defaults, environment overrides).
+/// Such values are already valid, so no problem is ever reported at this span.
+pub(super) const NO_SPAN: std::ops::Range<usize> = 0..0;
+
+fn unspanned<T>(value: T) -> Spanned<T> {
+    Spanned::new(NO_SPAN, value)
+}
+
+/// The whole file. Every section may be absent; `[redis]` being absent means embedded mode.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawConfig {
+    #[serde(default)]
+    pub(super) server: RawServer,
+    /// Spanned so a missing `url` can be reported at the `[upstream]` header.
+    pub(super) upstream: Option<Spanned<RawUpstream>>,
+    pub(super) redis: Option<Spanned<RawRedis>>,
+    #[serde(default)]
+    pub(super) admin: RawAdmin,
+    #[serde(default)]
+    pub(super) cache: RawCache,
+    #[serde(default)]
+    pub(super) lock: RawLock,
+    #[serde(default)]
+    pub(super) routes: Vec<Spanned<RawRoute>>,
+}
+
+/// `[server]`: the proxy listener.
+#[derive(Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub(super) struct RawServer {
+    pub(super) listen: Spanned<String>,
+    pub(super) max_header_bytes: usize,
+    pub(super) max_body_bytes: u64,
+    pub(super) header_read_timeout: HumanDuration,
+    pub(super) shutdown_grace: HumanDuration,
+}
+
+impl Default for RawServer {
+    fn default() -> Self {
+        Self {
+            listen: unspanned(defaults::SERVER_LISTEN.to_owned()),
+            max_header_bytes: 16 * 1024,
+            max_body_bytes: 10 * 1024 * 1024,
+            header_read_timeout: HumanDuration::secs(10),
+            shutdown_grace: HumanDuration::secs(10),
+        }
+    }
+}
+
+/// `[upstream]`: the origin and the origin guard.
+#[derive(Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub(super) struct RawUpstream {
+    /// Required (by the file or `CACHEGUARD_UPSTREAM`); checked in `validate.rs`.
+    pub(super) url: Option<Spanned<String>>,
+    pub(super) timeout: HumanDuration,
+    pub(super) connect_timeout: HumanDuration,
+    pub(super) max_concurrency: Spanned<usize>,
+    pub(super) max_rps: u32,
+    pub(super) queue_timeout: HumanDuration,
+    pub(super) pool_max_idle: usize,
+}
+
+impl Default for RawUpstream {
+    fn default() -> Self {
+        Self {
+            url: None,
+            timeout: HumanDuration::secs(10),
+            connect_timeout: HumanDuration::secs(2),
+            max_concurrency: unspanned(256),
+            max_rps: 0,
+            queue_timeout: HumanDuration::millis(100),
+            pool_max_idle: 64,
+        }
+    }
+}
+
+/// `[redis]`: the shared L2 and coordination store.
+#[derive(Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub(super) struct RawRedis {
+    /// Required in the section (or from `CACHEGUARD_REDIS_URL`); checked in `validate.rs`.
+    pub(super) url: Option<Spanned<String>>,
+    pub(super) command_timeout: HumanDuration,
+    pub(super) connect_timeout: HumanDuration,
+    pub(super) key_prefix: String,
+}
+
+impl Default for RawRedis {
+    fn default() -> Self {
+        Self {
+            url: None,
+            command_timeout: HumanDuration::millis(50),
+            connect_timeout: HumanDuration::secs(1),
+            key_prefix: "cg:".to_owned(),
+        }
+    }
+}
+
+/// `[admin]`: the admin listener.
+#[derive(Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub(super) struct RawAdmin {
+    pub(super) listen: Spanned<String>,
+    pub(super) token: Option<Spanned<String>>,
+}
+
+impl Default for RawAdmin {
+    fn default() -> Self {
+        Self {
+            listen: unspanned(defaults::ADMIN_LISTEN.to_owned()),
+            token: None,
+        }
+    }
+}
+
+/// `[cache]`: defaults for every route.
+#[derive(Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub(super) struct RawCache {
+    pub(super) ttl: HumanDuration,
+    pub(super) jitter: Spanned<f64>,
+    pub(super) grace: HumanDuration,
+    pub(super) negative_ttl: HumanDuration,
+    pub(super) max_entry_bytes: usize,
+    pub(super) l1_max_bytes: u64,
+    pub(super) l1: RawL1,
+}
+
+impl Default for RawCache {
+    fn default() -> Self {
+        Self {
+            ttl: HumanDuration::secs(60),
+            jitter: unspanned(0.2),
+            grace: HumanDuration::secs(30),
+            negative_ttl: HumanDuration::secs(10),
+            max_entry_bytes: 1024 * 1024,
+            l1_max_bytes: 256 * 1024 * 1024,
+            l1: RawL1(L1Policy::Hot),
+        }
+    }
+}
+
+/// `[lock]`: the single-flight lock.
+#[derive(Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub(super) struct RawLock {
+    pub(super) lease: HumanDuration,
+    pub(super) wait_timeout: HumanDuration,
+    pub(super) on_timeout: RawOnTimeout,
+}
+
+impl Default for RawLock {
+    fn default() -> Self {
+        Self {
+            lease: HumanDuration::secs(5),
+            wait_timeout: HumanDuration::secs(3),
+            on_timeout: RawOnTimeout(OnTimeout::Origin),
+        }
+    }
+}
+
+/// One `[[routes]]` entry. `None` overrides inherit from `[cache]` in `validate.rs`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawRoute {
+    pub(super) name: Spanned<String>,
+    #[serde(rename = "match")]
+    pub(super) pattern: Spanned<String>,
+    /// `None` = `["GET"]`.
+    pub(super) methods: Option<Vec<Spanned<String>>>,
+    pub(super) ttl: Option<HumanDuration>,
+    pub(super) jitter: Option<Spanned<f64>>,
+    pub(super) grace: Option<HumanDuration>,
+    pub(super) negative_ttl: Option<HumanDuration>,
+    pub(super) max_entry_bytes: Option<usize>,
+    pub(super) l1: Option<RawL1>,
+    /// `None` = `"sorted"`.
+    pub(super) query: Option<Spanned<RawQuery>>,
+    #[serde(default)]
+    pub(super) vary: Vec<Spanned<String>>,
+    #[serde(default)]
+    pub(super) invalidate: Vec<Spanned<String>>,
+    pub(super) double_delete_delay: Option<HumanDuration>,
+}
+
+/// Defaults shared with `env.rs` and the messages in `validate.rs`.
+pub(super) mod defaults {
+    use std::time::Duration;
+
+    pub(in crate::config) const SERVER_LISTEN: &str = "0.0.0.0:8080";
+    pub(in crate::config) const ADMIN_LISTEN: &str = "127.0.0.1:9091";
+    pub(in crate::config) const ROUTE_METHOD: &str = "GET";
+    pub(in crate::config) const DOUBLE_DELETE_DELAY: Duration = Duration::from_secs(1);
+}
+
+// === impl HumanDuration ===
+
+/// A duration written as a human string: `"250ms"`, `"30s"`, `"5m"`, `"1h 30m"`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct HumanDuration(pub(super) Duration);
+
+impl HumanDuration {
+    const fn secs(secs: u64) -> Self {
+        Self(Duration::from_secs(secs))
+    }
+
+    const fn millis(millis: u64) -> Self {
+        Self(Duration::from_millis(millis))
+    }
+}
+
+impl<'de> Deserialize<'de> for HumanDuration {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct DurationVisitor;
+
+        impl Visitor<'_> for DurationVisitor {
+            type Value = HumanDuration;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a duration like \"30s\"")
+            }
+
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<HumanDuration, E> {
+                humantime::parse_duration(v)
+                    .map(HumanDuration)
+                    .map_err(|_| E::custom(format!("expected a duration like \"30s\", got {v:?}")))
+            }
+        }
+
+        deserializer.deserialize_str(DurationVisitor)
+    }
+}
+
+// === impl RawL1, RawOnTimeout ===
+
+/// `l1 = "hot" | "all" | "off"`.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct RawL1(pub(super) L1Policy);
+
+impl<'de> Deserialize<'de> for RawL1 {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        const WORDS: &[(&str, L1Policy)] = &[
+            ("hot", L1Policy::Hot),
+            ("all", L1Policy::All),
+            ("off", L1Policy::Off),
+        ];
+        deserializer.deserialize_str(Keyword(WORDS)).map(Self)
+    }
+}
+
+/// `on_timeout = "origin" | "error"`.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct RawOnTimeout(pub(super) OnTimeout);
+
+impl<'de> Deserialize<'de> for RawOnTimeout {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        const WORDS: &[(&str, OnTimeout)] =
+            &[("origin", OnTimeout::Origin), ("error", OnTimeout::Error)];
+        deserializer.deserialize_str(Keyword(WORDS)).map(Self)
+    }
+}
+
+/// Visitor for a string that must be one of a fixed set of words. Written by hand (rather
+/// than a derived enum) so the message reads `expected one of "hot", "all", "off", got "x"`.
+struct Keyword<T: 'static>(&'static [(&'static str, T)]);
+
+impl<T: 'static> Keyword<T> {
+    fn choices(&self) -> String {
+        let quoted: Vec<String> = self.0.iter().map(|(word, _)| format!("{word:?}")).collect();
+        format!("one of {}", quoted.join(", "))
+    }
+}
+
+impl<T: Copy + 'static> Visitor<'_> for Keyword<T> {
+    type Value = T;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.choices())
+    }
+
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<T, E> {
+        self.0
+            .iter()
+            .find(|(word, _)| *word == v)
+            .map(|(_, value)| *value)
+            .ok_or_else(|| E::custom(format!("expected {}, got {v:?}", self.choices())))
+    }
+}
+
+// === impl RawQuery ===
+
+/// `query = "sorted" | "ignore" | ["param", ...]`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) enum RawQuery {
+    Sorted,
+    Ignore,
+    /// Names as written; sorted, deduplicated and checked in `validate.rs`.
+    Allow(Vec<String>),
+}
+
+impl<'de> Deserialize<'de> for RawQuery {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct QueryVisitor;
+
+        const EXPECTED: &str = "\"sorted\", \"ignore\" or an array of parameter names";
+
+        impl<'de> Visitor<'de> for QueryVisitor {
+            type Value = RawQuery;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(EXPECTED)
+            }
+
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<RawQuery, E> {
+                match v {
+                    "sorted" => Ok(RawQuery::Sorted),
+                    "ignore" => Ok(RawQuery::Ignore),
+                    _ => Err(E::custom(format!("expected {EXPECTED}, got {v:?}"))),
+                }
+            }
+
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<RawQuery, A::Error> {
+                let mut names = Vec::new();
+                while let Some(name) = seq.next_element::<String>()? {
+                    names.push(name);
+                }
+                Ok(RawQuery::Allow(names))
+            }
+        }
+
+        deserializer.deserialize_any(QueryVisitor)
+    }
+}

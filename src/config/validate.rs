@@ -1,0 +1,886 @@
+//! `RawConfig` → [`Config`]: the only constructor of the validated configuration.
+//!
+//! Owns the error model ([`ConfigProblem`], [`ConfigError`]) and every check. Loading runs in
+//! three steps:
+//!
+//! 1. parse: TOML syntax and serde errors (wrong type, bad duration or keyword, unknown or
+//!    missing key). These stop at the first problem; `serde_path_to_error` supplies the key
+//!    path and toml's span the line.
+//! 2. environment overrides (`env.rs`), each checked on its own and reported as
+//!    `environment: CACHEGUARD_…: …`.
+//! 3. semantic checks (addresses, URLs, ranges, routes), all collected before failing, each
+//!    located through the [`Spanned`] values kept in the raw model.
+//!
+//! Every message reads `file:line: key: what was expected, got what`. Route indexes in keys
+//! are 0-based, as in `routes[0].ttl`.
+
+use std::collections::HashMap;
+use std::collections::hash_map::Entry;
+use std::fmt;
+use std::net::SocketAddr;
+use std::ops::Range;
+use std::path::Path;
+
+use http::{HeaderName, Method, Uri};
+use toml::Spanned;
+
+use super::raw::{NO_SPAN, RawAdmin, RawCache, RawConfig, RawQuery, RawRoute, defaults};
+use super::{
+    AdminConfig, CacheDefaults, Config, LockConfig, QueryPolicy, RedisConfig, RouteConfig,
+    ServerConfig, UpstreamConfig, Vars, env,
+};
+
+/// One problem in a config source: `file:line: key: message`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ConfigProblem {
+    /// The file path, the label given to [`Config::from_toml`], or `environment`.
+    pub file: String,
+    /// 1-based line; `None` when the problem has no line (environment, unreadable file).
+    pub line: Option<usize>,
+    /// Dotted key path such as `routes[1].ttl`, or `syntax` / `cannot read`.
+    pub key: String,
+    /// What was expected and what was found.
+    pub message: String,
+}
+
+impl fmt::Display for ConfigProblem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.line {
+            Some(line) => write!(f, "{}:{}: {}: {}", self.file, line, self.key, self.message),
+            None => write!(f, "{}: {}: {}", self.file, self.key, self.message),
+        }
+    }
+}
+
+/// Every problem found in one config source, one per line when displayed.
+#[derive(Clone, Debug)]
+pub struct ConfigError {
+    pub problems: Vec<ConfigProblem>,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, p) in self.problems.iter().enumerate() {
+            if i > 0 {
+                writeln!(f)?;
+            }
+            write!(f, "{p}")?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+impl From<ConfigProblem> for ConfigError {
+    fn from(problem: ConfigProblem) -> Self {
+        Self {
+            problems: vec![problem],
+        }
+    }
+}
+
+pub(super) fn load_file(path: &Path, vars: &dyn Vars) -> Result<Config, ConfigError> {
+    let file = path.display().to_string();
+    let text = match std::fs::read_to_string(path) {
+        Ok(text) => text,
+        Err(error) => {
+            return Err(ConfigProblem {
+                file,
+                line: None,
+                key: "cannot read".to_owned(),
+                message: error.to_string(),
+            }
+            .into());
+        }
+    };
+    from_toml(&text, &file, vars)
+}
+
+pub(super) fn from_toml(text: &str, source: &str, vars: &dyn Vars) -> Result<Config, ConfigError> {
+    let mut raw = parse(text, source)?;
+    let mut checker = Checker {
+        file: source,
+        text,
+        problems: Vec::new(),
+    };
+    env::apply(&mut raw, vars, &mut checker.problems);
+    let config = checker.config(&raw);
+    if checker.problems.is_empty() {
+        Ok(config)
+    } else {
+        Err(ConfigError {
+            problems: checker.problems,
+        })
+    }
+}
+
+// === parse ===
+
+fn parse(text: &str, file: &str) -> Result<RawConfig, ConfigProblem> {
+    let deserializer = toml::de::Deserializer::parse(text).map_err(|error| ConfigProblem {
+        file: file.to_owned(),
+        line: line_at(text, error.span()),
+        key: "syntax".to_owned(),
+        message: error
+            .message()
+            .lines()
+            .next()
+            .unwrap_or("invalid TOML")
+            .to_owned(),
+    })?;
+    serde_path_to_error::deserialize(deserializer).map_err(|error| {
+        let path = error.path().to_string();
+        let inner = error.into_inner();
+        let (key, message) = describe_serde_error(&path, inner.message());
+        ConfigProblem {
+            file: file.to_owned(),
+            line: line_at(text, inner.span()),
+            key,
+            message,
+        }
+    })
+}
+
+/// 1-based line of a byte offset.
+fn line_at(text: &str, span: Option<Range<usize>>) -> Option<usize> {
+    let start = span?.start.min(text.len());
+    Some(text.as_bytes()[..start].iter().filter(|b| **b == b'\n').count() + 1)
+}
+
+/// Turns serde's message into `key` + `expected …, got …`. serde's wording is stable
+/// (`missing field`, `unknown field`, `invalid type`, `invalid value`); anything else (our
+/// own custom messages) passes through unchanged.
+fn describe_serde_error(path: &str, message: &str) -> (String, String) {
+    let key = if path == "." { "config" } else { path };
+    if let Some(rest) = message.strip_prefix("missing field `") {
+        let field = rest.split('`').next().unwrap_or(rest);
+        let key = if path == "." {
+            field.to_owned()
+        } else {
+            format!("{path}.{field}")
+        };
+        return (key, "required key is missing".to_owned());
+    }
+    if let Some(rest) = message.strip_prefix("unknown field `") {
+        // The path already ends with the unknown key.
+        let (field, expected) = rest.split_once('`').unwrap_or((rest, ""));
+        let choices: Vec<&str> = expected.split('`').skip(1).step_by(2).collect();
+        let mut text = if choices.is_empty() {
+            "unknown key".to_owned()
+        } else {
+            format!("unknown key, expected one of {}", choices.join(", "))
+        };
+        if matches!(field, "hot_keys" | "bloom") {
+            text.push_str(&format!(
+                " ({field} is not supported yet: it arrives with a later release)"
+            ));
+        }
+        return (key.to_owned(), text);
+    }
+    for prefix in ["invalid type: ", "invalid value: "] {
+        if let Some((got, expected)) = message
+            .strip_prefix(prefix)
+            .and_then(|rest| rest.rsplit_once(", expected "))
+        {
+            let text = format!(
+                "expected {}, got {}",
+                describe_expected(expected),
+                describe_got(got)
+            );
+            return (key.to_owned(), text);
+        }
+    }
+    (key.to_owned(), message.to_owned())
+}
+
+fn describe_expected(expected: &str) -> String {
+    let plain = match expected {
+        "u64" | "usize" => "a non-negative integer",
+        "u32" => "an integer from 0 to 4294967295",
+        "u16" => "an integer from 0 to 65535",
+        "i64" | "i32" | "isize" => "an integer",
+        "f64" | "f32" => "a number",
+        "a sequence" => "an array",
+        "a map" => "a table",
+        other if other.starts_with("struct ") => "a table",
+        other => other,
+    };
+    plain.to_owned()
+}
+
+fn describe_got(got: &str) -> String {
+    if let Some(quoted) = got.strip_prefix("string ") {
+        return quoted.to_owned();
+    }
+    for kind in ["integer ", "floating point ", "boolean "] {
+        if let Some(value) = got.strip_prefix(kind) {
+            return value.trim_matches('`').to_owned();
+        }
+    }
+    match got {
+        "sequence" => "an array".to_owned(),
+        "map" => "a table".to_owned(),
+        other => other.to_owned(),
+    }
+}
+
+// === shared value checks (also used by env.rs) ===
+
+/// `example` is the documented default, shown in the message.
+pub(super) fn parse_listen(value: &str, example: &str) -> Result<SocketAddr, String> {
+    value
+        .parse()
+        .map_err(|_| format!("expected a socket address like {example:?}, got {value:?}"))
+}
+
+const UPSTREAM_EXAMPLE: &str = "http://127.0.0.1:9000";
+
+/// `http://host:port[/prefix]`, nothing else.
+pub(super) fn parse_upstream_url(value: &str) -> Result<Uri, String> {
+    let shown = redact_url(value);
+    let expected = format!("expected a URL like \"{UPSTREAM_EXAMPLE}[/prefix]\", got {shown:?}");
+    let uri: Uri = value
+        .parse()
+        .map_err(|error| format!("{expected} ({error})"))?;
+    match uri.scheme_str() {
+        Some("http") => {}
+        Some(scheme) if scheme.eq_ignore_ascii_case("https") => {
+            return Err(format!(
+                "https is not supported: the upstream client speaks plain HTTP to a \
+                 sidecar-local origin; {expected}"
+            ));
+        }
+        _ => return Err(format!("{expected} (the scheme must be http://)")),
+    }
+    let Some(authority) = uri.authority() else {
+        return Err(format!("{expected} (no host)"));
+    };
+    if authority.as_str().contains('@') {
+        return Err(format!("{expected} (user info is not allowed)"));
+    }
+    if authority.host().is_empty() {
+        return Err(format!("{expected} (no host)"));
+    }
+    if uri.port_u16().is_none() {
+        return Err(format!("{expected} (the port is required)"));
+    }
+    if uri.query().is_some() || value.contains('#') {
+        return Err(format!(
+            "{expected} (a query or fragment is not allowed)"
+        ));
+    }
+    Ok(uri)
+}
+
+/// `redis://`, `rediss://` or `unix://`, and parseable by the redis client.
+pub(super) fn check_redis_url(value: &str) -> Result<(), String> {
+    use redis::IntoConnectionInfo;
+
+    let shown = redact_url(value);
+    let expected = format!(
+        "expected a Redis URL like \"redis://127.0.0.1:6379\" (redis://, rediss:// or unix://), \
+         got {shown:?}"
+    );
+    if !["redis://", "rediss://", "unix://"]
+        .iter()
+        .any(|scheme| value.starts_with(scheme))
+    {
+        return Err(expected);
+    }
+    value
+        .into_connection_info()
+        .map(|_| ())
+        .map_err(|error| format!("{expected} ({error})"))
+}
+
+pub(super) fn check_token(value: &str) -> Result<(), String> {
+    if value.is_empty() {
+        Err("expected a non-empty string (omit the token to refuse mutating admin calls)".into())
+    } else {
+        Ok(())
+    }
+}
+
+/// Hides the password of `scheme://user:password@host…` so messages never show secrets.
+pub(super) fn redact_url(url: &str) -> String {
+    let Some(scheme_end) = url.find("://") else {
+        return url.to_owned();
+    };
+    let start = scheme_end + 3;
+    let end = url[start..].find('/').map_or(url.len(), |i| start + i);
+    let Some(at) = url[start..end].rfind('@').map(|i| start + i) else {
+        return url.to_owned();
+    };
+    match url[start..at].split_once(':') {
+        Some((user, _password)) => format!("{}{user}:***{}", &url[..start], &url[at..]),
+        None => url.to_owned(),
+    }
+}
+
+fn check_jitter(value: f64) -> Result<f64, String> {
+    if (0.0..1.0).contains(&value) {
+        Ok(value)
+    } else {
+        Err(format!(
+            "expected a number from 0.0 up to (not including) 1.0, got {value:?}"
+        ))
+    }
+}
+
+fn check_route_name(name: &str) -> Result<(), String> {
+    let valid = |c: char| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-');
+    if !name.is_empty() && name.chars().all(valid) {
+        Ok(())
+    } else {
+        Err(format!(
+            "expected a name of letters, digits, '_', '.' and '-' like \"item\", got {name:?}"
+        ))
+    }
+}
+
+/// Checks the syntax of one matchit pattern on its own (conflicts are checked across routes).
+fn check_pattern(pattern: &str) -> Result<(), String> {
+    if !pattern.starts_with('/') {
+        return Err(format!(
+            "expected a path pattern starting with \"/\" like \"/api/items/{{id}}\", \
+             got {pattern:?}"
+        ));
+    }
+    matchit::Router::<()>::new()
+        .insert(pattern, ())
+        .map_err(|error| {
+            format!(
+                "{pattern:?} is not a valid route pattern: {}",
+                lowercase_first(&error.to_string())
+            )
+        })
+}
+
+/// Names of the `{param}` and `{*param}` segments of a matchit pattern (`{{` is a literal).
+fn pattern_params(pattern: &str) -> Vec<&str> {
+    let mut params = Vec::new();
+    let mut rest = pattern;
+    while let Some(open) = rest.find('{') {
+        let after = &rest[open + 1..];
+        if let Some(escaped) = after.strip_prefix('{') {
+            rest = escaped;
+            continue;
+        }
+        let Some(close) = after.find('}') else { break };
+        params.push(after[..close].trim_start_matches('*'));
+        rest = &after[close + 1..];
+    }
+    params
+}
+
+fn lowercase_first(text: &str) -> String {
+    let mut chars = text.chars();
+    match chars.next() {
+        Some(first) => first.to_lowercase().chain(chars).collect(),
+        None => String::new(),
+    }
+}
+
+fn is_write_method(method: &Method) -> bool {
+    [Method::POST, Method::PUT, Method::PATCH, Method::DELETE].contains(method)
+}
+
+/// The methods a route really answers: `GET` implies `HEAD`.
+fn effective_methods(methods: &[Method]) -> Vec<Method> {
+    let mut all = methods.to_vec();
+    if all.contains(&Method::GET) && !all.contains(&Method::HEAD) {
+        all.push(Method::HEAD);
+    }
+    all
+}
+
+/// Request headers that carry a user's identity: keying on them would store one cache entry
+/// per user, and cacheguard never shares per-user responses.
+const PER_USER_HEADERS: [&str; 3] = ["authorization", "cookie", "proxy-authorization"];
+
+// === impl Checker ===
+
+/// Collects every semantic problem; values that fail a check are replaced by a placeholder,
+/// and the half-built [`Config`] is dropped when any problem was found.
+struct Checker<'a> {
+    file: &'a str,
+    text: &'a str,
+    problems: Vec<ConfigProblem>,
+}
+
+impl Checker<'_> {
+    fn report(&mut self, span: Range<usize>, key: impl Into<String>, message: impl Into<String>) {
+        self.problems.push(ConfigProblem {
+            file: self.file.to_owned(),
+            line: line_at(self.text, Some(span)),
+            key: key.into(),
+            message: message.into(),
+        });
+    }
+
+    /// Keeps the `Ok` value, or records the message at `span` and returns `None`.
+    fn check<T>(&mut self, result: Result<T, String>, span: Range<usize>, key: &str) -> Option<T> {
+        match result {
+            Ok(value) => Some(value),
+            Err(message) => {
+                self.report(span, key, message);
+                None
+            }
+        }
+    }
+
+    fn listen(&mut self, value: &Spanned<String>, example: &str, key: &str) -> SocketAddr {
+        let parsed = parse_listen(value.get_ref(), example);
+        self.check(parsed, value.span(), key)
+            .unwrap_or(SocketAddr::from(([0, 0, 0, 0], 0)))
+    }
+
+    fn jitter(&mut self, value: &Spanned<f64>, key: &str) -> f64 {
+        let checked = check_jitter(*value.get_ref());
+        self.check(checked, value.span(), key).unwrap_or(0.0)
+    }
+
+    fn config(&mut self, raw: &RawConfig) -> Config {
+        let server = ServerConfig {
+            listen: self.listen(&raw.server.listen, defaults::SERVER_LISTEN, "server.listen"),
+            max_header_bytes: raw.server.max_header_bytes,
+            max_body_bytes: raw.server.max_body_bytes,
+            header_read_timeout: raw.server.header_read_timeout.0,
+            shutdown_grace: raw.server.shutdown_grace.0,
+        };
+        let upstream = self.upstream(raw);
+        let redis = match &raw.redis {
+            Some(section) => Some(self.redis(section)),
+            None => None,
+        };
+        let admin = self.admin(&raw.admin, &server);
+        let cache = self.cache(&raw.cache);
+        let lock = LockConfig {
+            lease: raw.lock.lease.0,
+            wait_timeout: raw.lock.wait_timeout.0,
+            on_timeout: raw.lock.on_timeout.0,
+        };
+        let routes = self.routes(&raw.routes, &cache);
+        Config {
+            source: self.file.to_owned(),
+            server,
+            upstream,
+            redis,
+            admin,
+            cache,
+            lock,
+            routes,
+        }
+    }
+
+    fn upstream(&mut self, raw: &RawConfig) -> UpstreamConfig {
+        let absent = Spanned::new(NO_SPAN, Default::default());
+        let section = raw.upstream.as_ref().unwrap_or(&absent);
+        let up = section.get_ref();
+        let url = match &up.url {
+            Some(url) => {
+                let parsed = parse_upstream_url(url.get_ref());
+                self.check(parsed, url.span(), "upstream.url")
+            }
+            None => {
+                self.report(
+                    section.span(),
+                    "upstream.url",
+                    format!(
+                        "required key is missing: expected the origin URL like \
+                         \"{UPSTREAM_EXAMPLE}\" (or set CACHEGUARD_UPSTREAM)"
+                    ),
+                );
+                None
+            }
+        };
+        let max_concurrency = *up.max_concurrency.get_ref();
+        if max_concurrency == 0 {
+            self.report(
+                up.max_concurrency.span(),
+                "upstream.max_concurrency",
+                "expected an integer of at least 1, got 0",
+            );
+        }
+        UpstreamConfig {
+            url: url.unwrap_or_default(),
+            timeout: up.timeout.0,
+            connect_timeout: up.connect_timeout.0,
+            max_concurrency,
+            max_rps: up.max_rps,
+            queue_timeout: up.queue_timeout.0,
+            pool_max_idle: up.pool_max_idle,
+        }
+    }
+
+    fn redis(&mut self, section: &Spanned<super::raw::RawRedis>) -> RedisConfig {
+        let redis = section.get_ref();
+        let url = match &redis.url {
+            Some(url) => {
+                let checked = check_redis_url(url.get_ref());
+                self.check(checked, url.span(), "redis.url");
+                url.get_ref().clone()
+            }
+            None => {
+                self.report(
+                    section.span(),
+                    "redis.url",
+                    "required key is missing: expected a Redis URL like \
+                     \"redis://127.0.0.1:6379\" (or remove [redis] for embedded mode)",
+                );
+                String::new()
+            }
+        };
+        RedisConfig {
+            url,
+            command_timeout: redis.command_timeout.0,
+            connect_timeout: redis.connect_timeout.0,
+            key_prefix: redis.key_prefix.clone(),
+        }
+    }
+
+    fn admin(&mut self, raw: &RawAdmin, server: &ServerConfig) -> AdminConfig {
+        let listen = self.listen(&raw.listen, defaults::ADMIN_LISTEN, "admin.listen");
+        let proxy = server.listen;
+        let overlaps = listen.port() != 0
+            && listen.port() == proxy.port()
+            && (listen.ip() == proxy.ip() || listen.ip().is_unspecified() || proxy.ip().is_unspecified());
+        if overlaps {
+            self.report(
+                raw.listen.span(),
+                "admin.listen",
+                format!("expected an address apart from server.listen ({proxy}), got \"{listen}\""),
+            );
+        }
+        let token = match &raw.token {
+            Some(token) => {
+                let checked = check_token(token.get_ref());
+                self.check(checked, token.span(), "admin.token");
+                Some(token.get_ref().clone())
+            }
+            None => None,
+        };
+        AdminConfig { listen, token }
+    }
+
+    fn cache(&mut self, raw: &RawCache) -> CacheDefaults {
+        CacheDefaults {
+            ttl: raw.ttl.0,
+            jitter: self.jitter(&raw.jitter, "cache.jitter"),
+            grace: raw.grace.0,
+            negative_ttl: raw.negative_ttl.0,
+            max_entry_bytes: raw.max_entry_bytes,
+            l1_max_bytes: raw.l1_max_bytes,
+            l1: raw.l1.0,
+        }
+    }
+
+    fn routes(&mut self, raw: &[Spanned<RawRoute>], cache: &CacheDefaults) -> Vec<RouteConfig> {
+        let routes: Vec<RouteConfig> = raw
+            .iter()
+            .enumerate()
+            .map(|(i, route)| self.route(i, route, cache))
+            .collect();
+        self.unique_names(raw);
+        self.distinct_methods(raw, &routes);
+        self.routable_together(raw);
+        routes
+    }
+
+    fn route(&mut self, i: usize, spanned: &Spanned<RawRoute>, cache: &CacheDefaults) -> RouteConfig {
+        let raw = spanned.get_ref();
+        let key = |field: &str| format!("routes[{i}].{field}");
+
+        let name = raw.name.get_ref();
+        self.check(check_route_name(name), raw.name.span(), &key("name"));
+        // The pattern's syntax; conflicts between routes are checked in `routable_together`.
+        let pattern = raw.pattern.get_ref();
+        self.check(check_pattern(pattern), raw.pattern.span(), &key("match"));
+
+        let methods = self.methods(i, spanned);
+        let is_read = methods.iter().any(|m| m == Method::GET || m == Method::HEAD);
+
+        let jitter = match &raw.jitter {
+            Some(jitter) => self.jitter(jitter, &key("jitter")),
+            None => cache.jitter,
+        };
+        let query = self.query(i, raw);
+        let vary = self.vary(i, raw);
+        let invalidate = self.invalidate(i, raw, is_read);
+
+        RouteConfig {
+            name: name.clone(),
+            pattern: pattern.clone(),
+            methods,
+            ttl: raw.ttl.map_or(cache.ttl, |d| d.0),
+            jitter,
+            grace: raw.grace.map_or(cache.grace, |d| d.0),
+            negative_ttl: raw.negative_ttl.map_or(cache.negative_ttl, |d| d.0),
+            max_entry_bytes: raw.max_entry_bytes.unwrap_or(cache.max_entry_bytes),
+            l1: raw.l1.map_or(cache.l1, |l1| l1.0),
+            query,
+            vary,
+            invalidate,
+            double_delete_delay: raw
+                .double_delete_delay
+                .map_or(defaults::DOUBLE_DELETE_DELAY, |d| d.0),
+        }
+    }
+
+    fn methods(&mut self, i: usize, spanned: &Spanned<RawRoute>) -> Vec<Method> {
+        let Some(list) = &spanned.get_ref().methods else {
+            return vec![Method::GET];
+        };
+        if list.is_empty() {
+            self.report(
+                spanned.span(),
+                format!("routes[{i}].methods"),
+                format!(
+                    "expected at least one method like {:?}, got an empty array",
+                    defaults::ROUTE_METHOD
+                ),
+            );
+        }
+        let mut methods: Vec<Method> = Vec::new();
+        let mut first_write = None;
+        for (j, value) in list.iter().enumerate() {
+            let text = value.get_ref();
+            let Ok(method) = Method::from_bytes(text.to_ascii_uppercase().as_bytes()) else {
+                self.report(
+                    value.span(),
+                    format!("routes[{i}].methods[{j}]"),
+                    format!("expected an HTTP method like \"GET\", got {text:?}"),
+                );
+                continue;
+            };
+            if is_write_method(&method) && first_write.is_none() {
+                first_write = Some(value.span());
+            }
+            if !methods.contains(&method) {
+                methods.push(method);
+            }
+        }
+        let is_read = methods.iter().any(|m| m == Method::GET || m == Method::HEAD);
+        if let (true, Some(span)) = (is_read, first_write) {
+            let writes: Vec<&str> = methods
+                .iter()
+                .filter(|m| is_write_method(m))
+                .map(Method::as_str)
+                .collect();
+            self.report(
+                span,
+                format!("routes[{i}].methods"),
+                format!(
+                    "a read route (GET/HEAD) cannot also take {}: split read and write \
+                     methods into two routes with the same match",
+                    writes.join(", ")
+                ),
+            );
+        }
+        methods
+    }
+
+    fn query(&mut self, i: usize, raw: &RawRoute) -> QueryPolicy {
+        let Some(query) = &raw.query else {
+            return QueryPolicy::Sorted;
+        };
+        let key = format!("routes[{i}].query");
+        match query.get_ref() {
+            RawQuery::Sorted => QueryPolicy::Sorted,
+            RawQuery::Ignore => QueryPolicy::Ignore,
+            RawQuery::Allow(names) => {
+                if names.is_empty() {
+                    self.report(
+                        query.span(),
+                        key.as_str(),
+                        "expected at least one parameter name, got an empty array \
+                         (use query = \"ignore\" to key no parameter)",
+                    );
+                }
+                if names.iter().any(String::is_empty) {
+                    self.report(
+                        query.span(),
+                        key.as_str(),
+                        "expected parameter names, got an empty string",
+                    );
+                }
+                let mut names = names.clone();
+                names.sort();
+                names.dedup();
+                QueryPolicy::Allow(names)
+            }
+        }
+    }
+
+    fn vary(&mut self, i: usize, raw: &RawRoute) -> Vec<HeaderName> {
+        let mut vary = Vec::new();
+        for (j, value) in raw.vary.iter().enumerate() {
+            let key = format!("routes[{i}].vary[{j}]");
+            let text = value.get_ref();
+            let lower = text.to_ascii_lowercase();
+            let Ok(name) = HeaderName::from_bytes(lower.as_bytes()) else {
+                self.report(
+                    value.span(),
+                    key,
+                    format!("expected a header name like \"accept-language\", got {text:?}"),
+                );
+                continue;
+            };
+            if PER_USER_HEADERS.contains(&name.as_str()) {
+                self.report(
+                    value.span(),
+                    key,
+                    format!(
+                        "{:?} cannot be a vary header: it identifies the user, and \
+                         per-user responses are never shared (leave this path uncached)",
+                        name.as_str()
+                    ),
+                );
+                continue;
+            }
+            vary.push(name);
+        }
+        vary.sort_by(|a, b| a.as_str().cmp(b.as_str()));
+        vary.dedup();
+        vary
+    }
+
+    fn invalidate(&mut self, i: usize, raw: &RawRoute, is_read: bool) -> Vec<String> {
+        if is_read && let Some(first) = raw.invalidate.first() {
+            self.report(
+                first.span(),
+                format!("routes[{i}].invalidate"),
+                "only write routes (no GET/HEAD) invalidate; move it to the route that \
+                 takes the writes",
+            );
+        }
+        let own_params = pattern_params(raw.pattern.get_ref());
+        let mut invalidate = Vec::new();
+        for (j, value) in raw.invalidate.iter().enumerate() {
+            let key = format!("routes[{i}].invalidate[{j}]");
+            let pattern = value.get_ref();
+            if self.check(check_pattern(pattern), value.span(), &key).is_none() {
+                continue;
+            }
+            let unknown: Vec<&str> = pattern_params(pattern)
+                .into_iter()
+                .filter(|p| !own_params.contains(p))
+                .collect();
+            if !unknown.is_empty() {
+                self.report(
+                    value.span(),
+                    key,
+                    format!(
+                        "expected parameters taken from this route's match {:?}, got {{{}}} \
+                         in {pattern:?}",
+                        raw.pattern.get_ref(),
+                        unknown.join("}, {")
+                    ),
+                );
+                continue;
+            }
+            invalidate.push(pattern.clone());
+        }
+        invalidate
+    }
+
+    fn unique_names(&mut self, raw: &[Spanned<RawRoute>]) {
+        let mut seen: HashMap<&str, usize> = HashMap::new();
+        for (i, route) in raw.iter().enumerate() {
+            let name = route.get_ref().name.get_ref();
+            match seen.entry(name.as_str()) {
+                Entry::Occupied(first) => {
+                    let first = *first.get();
+                    let first_line = line_at(self.text, Some(raw[first].get_ref().name.span()));
+                    self.report(
+                        route.get_ref().name.span(),
+                        format!("routes[{i}].name"),
+                        format!(
+                            "expected a unique route name, got {name:?} again (routes[{first}], \
+                             line {})",
+                            first_line.unwrap_or(1)
+                        ),
+                    );
+                }
+                Entry::Vacant(slot) => {
+                    slot.insert(i);
+                }
+            }
+        }
+    }
+
+    /// Two routes with the same `match` must not answer the same method.
+    fn distinct_methods(&mut self, raw: &[Spanned<RawRoute>], routes: &[RouteConfig]) {
+        for (i, route) in routes.iter().enumerate() {
+            let mine = effective_methods(&route.methods);
+            let Some((j, other)) = routes[..i]
+                .iter()
+                .enumerate()
+                .find(|(_, other)| other.pattern == route.pattern)
+            else {
+                continue;
+            };
+            let theirs = effective_methods(&other.methods);
+            let shared: Vec<&str> = mine
+                .iter()
+                .filter(|m| theirs.contains(m))
+                .map(Method::as_str)
+                .collect();
+            if shared.is_empty() {
+                continue;
+            }
+            let spanned = &raw[i];
+            let span = match &spanned.get_ref().methods {
+                Some(list) if !list.is_empty() => list[0].span(),
+                _ => spanned.span(),
+            };
+            self.report(
+                span,
+                format!("routes[{i}].methods"),
+                format!(
+                    "{} already handled by route {:?} (routes[{j}]) with the same match {:?}",
+                    shared.join(", "),
+                    other.name,
+                    other.pattern
+                ),
+            );
+        }
+    }
+
+    /// Every distinct pattern must fit in one router; a conflict is reported on the later route.
+    fn routable_together(&mut self, raw: &[Spanned<RawRoute>]) {
+        let mut router = matchit::Router::<()>::new();
+        let mut inserted: HashMap<&str, usize> = HashMap::new();
+        for (i, route) in raw.iter().enumerate() {
+            let pattern = route.get_ref().pattern.get_ref().as_str();
+            if inserted.contains_key(pattern) || check_pattern(pattern).is_err() {
+                continue; // same pattern as an earlier route, or already reported
+            }
+            match router.insert(pattern, ()) {
+                Ok(()) => {
+                    inserted.insert(pattern, i);
+                }
+                Err(error) => {
+                    let with = match &error {
+                        matchit::InsertError::Conflict { with } => match inserted.get(with.as_str()) {
+                            Some(&j) => {
+                                format!("route {:?} (routes[{j}])", raw[j].get_ref().name.get_ref())
+                            }
+                            None => "an earlier route".to_owned(),
+                        },
+                        _ => "an earlier route".to_owned(),
+                    };
+                    self.report(
+                        route.get_ref().pattern.span(),
+                        format!("routes[{i}].match"),
+                        format!(
+                            "pattern {pattern:?} conflicts with {with}: {}",
+                            lowercase_first(&error.to_string())
+                        ),
+                    );
+                }
+            }
+        }
+    }
+}

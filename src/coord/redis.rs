@@ -1,0 +1,205 @@
+//! The shared Redis connection with health tracking.
+//!
+//! One multiplexed [`ConnectionManager`] serves every request (commands are pipelined on one
+//! socket; redis-rs reconnects it after I/O errors). Around it:
+//!
+//! - every command is wrapped in `command_timeout`, because a reconnecting manager makes
+//!   callers wait for the reconnection, which the manager's own response timeout does not
+//!   cover;
+//! - the first failure marks Redis *down*: from then on commands fail at once with
+//!   [`Unavailable`] (no per-request timeout cost) until a background probe gets a `PING`
+//!   answer, which marks it *up* again. The probe runs every [`PROBE_INTERVAL`], so
+//!   recovery is noticed well within a second.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::{AsyncCommands, RedisError, SetExpiry, SetOptions};
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use crate::config::RedisConfig;
+use crate::metrics::{Metrics, RedisOp};
+
+/// How often a down Redis is probed.
+pub(crate) const PROBE_INTERVAL: Duration = Duration::from_millis(200);
+
+/// Redis could not be used for this command (down, timed out, or failed).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Unavailable;
+
+/// A cheap-to-clone handle to the shared connection.
+#[derive(Clone)]
+pub(crate) struct RedisConn {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    conn: ConnectionManager,
+    command_timeout: Duration,
+    probe_timeout: Duration,
+    up: AtomicBool,
+    metrics: Metrics,
+}
+
+impl std::fmt::Debug for RedisConn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisConn")
+            .field("up", &self.is_up())
+            .finish_non_exhaustive()
+    }
+}
+
+impl RedisConn {
+    /// Creates the connection lazily (a Redis that is down at start is not an error: the
+    /// instance starts degraded) and spawns the health probe, which stops on `stop`.
+    ///
+    /// # Errors
+    /// When the URL cannot be turned into a client (validated at config load already).
+    pub(crate) fn start(
+        config: &RedisConfig,
+        metrics: Metrics,
+        stop: CancellationToken,
+    ) -> Result<Self, RedisError> {
+        let client = redis::Client::open(config.url.as_str())?;
+        let manager_config = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(config.connect_timeout))
+            .set_response_timeout(Some(config.command_timeout))
+            // Few, short retries: the probe below retries for us every PROBE_INTERVAL, and a
+            // long backoff would delay noticing that Redis is back.
+            .set_number_of_retries(1)
+            .set_min_delay(Duration::from_millis(50))
+            .set_max_delay(Duration::from_millis(200));
+        let conn = ConnectionManager::new_lazy_with_config(client, manager_config)?;
+        let inner = Arc::new(Inner {
+            conn,
+            command_timeout: config.command_timeout,
+            probe_timeout: config.connect_timeout.max(config.command_timeout),
+            // Down until the first probe answers: requests never wait on a first connect.
+            up: AtomicBool::new(false),
+            metrics,
+        });
+        inner.metrics.redis_up.set(0);
+        let this = RedisConn { inner };
+        tokio::spawn(this.clone().probe_loop(stop));
+        Ok(this)
+    }
+
+    pub(crate) fn is_up(&self) -> bool {
+        self.inner.up.load(Ordering::Relaxed)
+    }
+
+    /// `GET key`, or `Unavailable` at once while Redis is down.
+    pub(crate) async fn get(&self, key: &str) -> Result<Option<Vec<u8>>, Unavailable> {
+        if !self.is_up() {
+            return Err(Unavailable);
+        }
+        let mut conn = self.inner.conn.clone();
+        let result = tokio::time::timeout(
+            self.inner.command_timeout,
+            conn.get::<_, Option<Vec<u8>>>(key),
+        )
+        .await;
+        self.settle(RedisOp::Get, result)
+    }
+
+    /// `SET key value PX ttl`, or `Unavailable` at once while Redis is down.
+    pub(crate) async fn set_px(
+        &self,
+        key: &str,
+        value: &[u8],
+        ttl: Duration,
+    ) -> Result<(), Unavailable> {
+        if !self.is_up() {
+            return Err(Unavailable);
+        }
+        let mut conn = self.inner.conn.clone();
+        let px = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1);
+        let options = SetOptions::default().with_expiration(SetExpiry::PX(px));
+        let result = tokio::time::timeout(
+            self.inner.command_timeout,
+            conn.set_options::<_, _, ()>(key, value, options),
+        )
+        .await;
+        self.settle(RedisOp::Set, result)
+    }
+
+    /// Turns a bounded command result into a value or `Unavailable`, marking Redis down on
+    /// any failure.
+    fn settle<T>(
+        &self,
+        op: RedisOp,
+        result: Result<Result<T, RedisError>, tokio::time::error::Elapsed>,
+    ) -> Result<T, Unavailable> {
+        match result {
+            Ok(Ok(value)) => Ok(value),
+            Ok(Err(error)) => {
+                self.inner.metrics.redis_error(op);
+                self.mark_down(&format!("{op:?} failed: {error}"));
+                Err(Unavailable)
+            }
+            Err(_) => {
+                self.inner.metrics.redis_error(op);
+                self.mark_down(&format!(
+                    "{op:?} timed out after {:?}",
+                    self.inner.command_timeout
+                ));
+                Err(Unavailable)
+            }
+        }
+    }
+
+    fn mark_down(&self, why: &str) {
+        if self.inner.up.swap(false, Ordering::AcqRel) {
+            self.inner.metrics.redis_up.set(0);
+            self.inner.metrics.redis_transitions.inc();
+            warn!(
+                message = "Redis unavailable; serving degraded (L1 and origin).",
+                reason = why
+            );
+        }
+    }
+
+    fn mark_up(&self) {
+        if !self.inner.up.swap(true, Ordering::AcqRel) {
+            self.inner.metrics.redis_up.set(1);
+            self.inner.metrics.redis_transitions.inc();
+            info!(message = "Redis available.");
+        }
+    }
+
+    /// Probes Redis with `PING` while it is down (and, less often, while it is up, so an
+    /// idle instance notices an outage before a request pays for it).
+    async fn probe_loop(self, stop: CancellationToken) {
+        let mut ticks: u32 = 0;
+        loop {
+            tokio::select! {
+                () = stop.cancelled() => return,
+                () = tokio::time::sleep(PROBE_INTERVAL) => {}
+            }
+            ticks = ticks.wrapping_add(1);
+            if self.is_up() && ticks % 5 != 0 {
+                continue;
+            }
+            let mut conn = self.inner.conn.clone();
+            let ping = tokio::time::timeout(
+                self.inner.probe_timeout,
+                redis::cmd("PING").query_async::<String>(&mut conn),
+            )
+            .await;
+            match ping {
+                Ok(Ok(_)) => self.mark_up(),
+                Ok(Err(error)) => {
+                    self.inner.metrics.redis_error(RedisOp::Ping);
+                    self.mark_down(&format!("PING failed: {error}"));
+                }
+                Err(_) => {
+                    self.inner.metrics.redis_error(RedisOp::Ping);
+                    self.mark_down("PING timed out");
+                }
+            }
+        }
+    }
+}

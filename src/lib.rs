@@ -1,0 +1,33 @@
+//! cacheguard: a cache-protection sidecar. An HTTP reverse proxy in front of a
+//! database-backed API that keeps the API and its database alive and correct under the
+//! classic cache failure modes (penetration, stampede, avalanche, hot keys, inconsistency).
+//!
+//! # Layout
+//!
+//! - [`config`]: the TOML model, validated once; errors name file, line and key.
+//! - [`app`]: builds every component from a [`Config`] and runs the listeners.
+//! - `proxy/`: the HTTP server, routing, the read pipeline, the upstream client and the
+//!   origin guard.
+//! - `cache/`: cache keys, the entry format, TTL jitter, L1 (moka) and L2 (Redis).
+//! - `protect/`: single-flight (and, later, Bloom filters, hot keys, rate limits).
+//! - `coord/`: the Redis connection with bounded command times and health tracking.
+//! - `admin/`: the admin listener (`/metrics`, `/healthz`, `/readyz`).
+//! - [`metrics`]: every metric, defined and registered in one place.
+//!
+//! The read path, in order (see `proxy/read.rs`): route match → cache key → L1 → L2 →
+//! single-flight → origin guard → origin → store (L2 with jittered TTL, L1).
+
+pub mod app;
+pub mod config;
+pub mod metrics;
+
+mod admin;
+mod cache;
+mod coord;
+mod error;
+mod protect;
+mod proxy;
+pub mod shutdown;
+
+pub use app::{App, Running};
+pub use config::Config;

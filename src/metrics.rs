@@ -1,0 +1,382 @@
+//! Every metric cacheguard exports, defined and registered in one place.
+//!
+//! One explicit [`Registry`] is created by the app and passed here; nothing else in the
+//! crate creates or registers a metric (the global registry is banned in `clippy.toml`).
+//! Label values come from enums ([`Outcome`], [`OriginStatus`], [`RedisOp`]), so the label
+//! sets are bounded by construction: never a raw key or path as a label.
+//!
+//! Per-route handles ([`RouteMetrics`]) are resolved once when the routes are built, so the
+//! request path only touches atomics.
+
+use std::sync::Arc;
+
+use prometheus::{
+    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
+};
+
+/// How a request was answered; the `outcome` label and the `X-Cache` header value.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    HitL1,
+    HitL2,
+    Miss,
+    Negative,
+    Bypass,
+    /// Answered with an error status by cacheguard itself (shed, timeout, bad gateway, limits).
+    Error,
+}
+
+impl Outcome {
+    pub const ALL: [Outcome; 6] = [
+        Outcome::HitL1,
+        Outcome::HitL2,
+        Outcome::Miss,
+        Outcome::Negative,
+        Outcome::Bypass,
+        Outcome::Error,
+    ];
+
+    /// The metric label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::HitL1 => "hit_l1",
+            Outcome::HitL2 => "hit_l2",
+            Outcome::Miss => "miss",
+            Outcome::Negative => "negative",
+            Outcome::Bypass => "bypass",
+            Outcome::Error => "error",
+        }
+    }
+
+    /// The `X-Cache` header value.
+    pub fn header_value(self) -> &'static str {
+        match self {
+            Outcome::HitL1 => "HIT-L1",
+            Outcome::HitL2 => "HIT-L2",
+            Outcome::Miss => "MISS",
+            Outcome::Negative => "NEGATIVE",
+            Outcome::Bypass | Outcome::Error => "BYPASS",
+        }
+    }
+
+    fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// The `status` label of origin requests: the status class, or why there was none.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OriginStatus {
+    S1xx,
+    S2xx,
+    S3xx,
+    S4xx,
+    S5xx,
+    Timeout,
+    Error,
+}
+
+impl OriginStatus {
+    pub const ALL: [OriginStatus; 7] = [
+        OriginStatus::S1xx,
+        OriginStatus::S2xx,
+        OriginStatus::S3xx,
+        OriginStatus::S4xx,
+        OriginStatus::S5xx,
+        OriginStatus::Timeout,
+        OriginStatus::Error,
+    ];
+
+    pub fn from_status(status: u16) -> Self {
+        match status {
+            100..=199 => OriginStatus::S1xx,
+            200..=299 => OriginStatus::S2xx,
+            300..=399 => OriginStatus::S3xx,
+            400..=499 => OriginStatus::S4xx,
+            _ => OriginStatus::S5xx,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OriginStatus::S1xx => "1xx",
+            OriginStatus::S2xx => "2xx",
+            OriginStatus::S3xx => "3xx",
+            OriginStatus::S4xx => "4xx",
+            OriginStatus::S5xx => "5xx",
+            OriginStatus::Timeout => "timeout",
+            OriginStatus::Error => "error",
+        }
+    }
+
+    fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// The `op` label of Redis errors.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RedisOp {
+    Get,
+    Set,
+    Ping,
+}
+
+impl RedisOp {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RedisOp::Get => "get",
+            RedisOp::Set => "set",
+            RedisOp::Ping => "ping",
+        }
+    }
+}
+
+/// Process-wide metric families. Cheap to clone (every field is an `Arc` inside).
+#[derive(Clone, Debug)]
+pub struct Metrics {
+    requests: IntCounterVec,
+    request_duration: HistogramVec,
+    origin_requests: IntCounterVec,
+    origin_duration: HistogramVec,
+    shed: IntCounterVec,
+    uncacheable: IntCounterVec,
+    oversized: IntCounterVec,
+    coalesced: IntCounterVec,
+    pub l1_entries: IntGauge,
+    pub l1_bytes: IntGauge,
+    pub redis_up: IntGauge,
+    redis_errors: IntCounterVec,
+    pub redis_transitions: IntCounter,
+    pub origin_in_flight: IntGauge,
+    pub origin_queue_wait: Histogram,
+    pub entry_decode_errors: IntCounter,
+    pub rejected_requests: IntCounterVec,
+}
+
+fn buckets_latency() -> Vec<f64> {
+    vec![
+        0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+        5.0, 10.0,
+    ]
+}
+
+impl Metrics {
+    /// Creates every metric family and registers it in `registry`.
+    ///
+    /// # Errors
+    /// When a family is registered twice in the same registry.
+    pub fn register(registry: &Registry) -> prometheus::Result<Self> {
+        let requests = IntCounterVec::new(
+            Opts::new(
+                "cacheguard_requests_total",
+                "Requests answered, by route and outcome (the X-Cache value).",
+            ),
+            &["route", "outcome"],
+        )?;
+        let request_duration = HistogramVec::new(
+            HistogramOpts::new(
+                "cacheguard_request_duration_seconds",
+                "Time from request head to response head, by route.",
+            )
+            .buckets(buckets_latency()),
+            &["route"],
+        )?;
+        let origin_requests = IntCounterVec::new(
+            Opts::new(
+                "cacheguard_origin_requests_total",
+                "Requests sent to the origin, by route and status class.",
+            ),
+            &["route", "status"],
+        )?;
+        let origin_duration = HistogramVec::new(
+            HistogramOpts::new(
+                "cacheguard_origin_duration_seconds",
+                "Origin request duration (head and, for cached routes, body), by route.",
+            )
+            .buckets(buckets_latency()),
+            &["route"],
+        )?;
+        let shed = IntCounterVec::new(
+            Opts::new(
+                "cacheguard_shed_total",
+                "Requests answered 503 by the origin guard (no slot within queue_timeout).",
+            ),
+            &["route"],
+        )?;
+        let uncacheable = IntCounterVec::new(
+            Opts::new(
+                "cacheguard_uncacheable_responses_total",
+                "Origin answers on cached routes that were not stored (status, private, cookie).",
+            ),
+            &["route"],
+        )?;
+        let oversized = IntCounterVec::new(
+            Opts::new(
+                "cacheguard_oversized_responses_total",
+                "Origin answers larger than max_entry_bytes, served but not stored.",
+            ),
+            &["route"],
+        )?;
+        let coalesced = IntCounterVec::new(
+            Opts::new(
+                "cacheguard_coalesced_requests_total",
+                "Requests that waited for another request's origin fetch instead of their own.",
+            ),
+            &["route"],
+        )?;
+        let l1_entries = IntGauge::new("cacheguard_l1_entries", "Entries in the in-process L1.")?;
+        let l1_bytes = IntGauge::new(
+            "cacheguard_l1_bytes",
+            "Weighted size of the in-process L1 in bytes.",
+        )?;
+        let redis_up = IntGauge::new(
+            "cacheguard_redis_up",
+            "1 when Redis answers, 0 when cacheguard runs degraded (or no Redis is configured).",
+        )?;
+        let redis_errors = IntCounterVec::new(
+            Opts::new(
+                "cacheguard_redis_errors_total",
+                "Redis commands that failed or timed out, by operation.",
+            ),
+            &["op"],
+        )?;
+        let redis_transitions = IntCounter::new(
+            "cacheguard_redis_state_changes_total",
+            "Times Redis went from up to down or back.",
+        )?;
+        let origin_in_flight = IntGauge::new(
+            "cacheguard_origin_in_flight",
+            "Origin requests holding an origin guard slot.",
+        )?;
+        let origin_queue_wait = Histogram::with_opts(
+            HistogramOpts::new(
+                "cacheguard_origin_queue_wait_seconds",
+                "Time requests waited for an origin guard slot.",
+            )
+            .buckets(buckets_latency()),
+        )?;
+        let entry_decode_errors = IntCounter::new(
+            "cacheguard_entry_decode_errors_total",
+            "Stored values that failed to decode (treated as a miss and overwritten).",
+        )?;
+        let rejected_requests = IntCounterVec::new(
+            Opts::new(
+                "cacheguard_rejected_requests_total",
+                "Client requests refused before proxying, by reason.",
+            ),
+            &["reason"],
+        )?;
+
+        registry.register(Box::new(requests.clone()))?;
+        registry.register(Box::new(request_duration.clone()))?;
+        registry.register(Box::new(origin_requests.clone()))?;
+        registry.register(Box::new(origin_duration.clone()))?;
+        registry.register(Box::new(shed.clone()))?;
+        registry.register(Box::new(uncacheable.clone()))?;
+        registry.register(Box::new(oversized.clone()))?;
+        registry.register(Box::new(coalesced.clone()))?;
+        registry.register(Box::new(l1_entries.clone()))?;
+        registry.register(Box::new(l1_bytes.clone()))?;
+        registry.register(Box::new(redis_up.clone()))?;
+        registry.register(Box::new(redis_errors.clone()))?;
+        registry.register(Box::new(redis_transitions.clone()))?;
+        registry.register(Box::new(origin_in_flight.clone()))?;
+        registry.register(Box::new(origin_queue_wait.clone()))?;
+        registry.register(Box::new(entry_decode_errors.clone()))?;
+        registry.register(Box::new(rejected_requests.clone()))?;
+
+        // Pre-create the Redis error series so dashboards see zeros, not gaps.
+        for op in [RedisOp::Get, RedisOp::Set, RedisOp::Ping] {
+            redis_errors.with_label_values(&[op.as_str()]);
+        }
+        for reason in ["header_too_large", "body_too_large", "bad_request"] {
+            rejected_requests.with_label_values(&[reason]);
+        }
+
+        Ok(Metrics {
+            requests,
+            request_duration,
+            origin_requests,
+            origin_duration,
+            shed,
+            uncacheable,
+            oversized,
+            coalesced,
+            l1_entries,
+            l1_bytes,
+            redis_up,
+            redis_errors,
+            redis_transitions,
+            origin_in_flight,
+            origin_queue_wait,
+            entry_decode_errors,
+            rejected_requests,
+        })
+    }
+
+    /// Resolves every per-route handle once (at config load), so requests only touch atomics.
+    pub fn for_route(&self, route: &str) -> Arc<RouteMetrics> {
+        Arc::new(RouteMetrics {
+            outcomes: Outcome::ALL.map(|o| self.requests.with_label_values(&[route, o.as_str()])),
+            duration: self.request_duration.with_label_values(&[route]),
+            origin: OriginStatus::ALL
+                .map(|s| self.origin_requests.with_label_values(&[route, s.as_str()])),
+            origin_duration: self.origin_duration.with_label_values(&[route]),
+            shed: self.shed.with_label_values(&[route]),
+            uncacheable: self.uncacheable.with_label_values(&[route]),
+            oversized: self.oversized.with_label_values(&[route]),
+            coalesced: self.coalesced.with_label_values(&[route]),
+        })
+    }
+
+    pub fn redis_error(&self, op: RedisOp) {
+        self.redis_errors.with_label_values(&[op.as_str()]).inc();
+    }
+}
+
+/// Handles for one route (or for the pass-through pseudo-route `_passthrough`).
+#[derive(Debug)]
+pub struct RouteMetrics {
+    outcomes: [IntCounter; 6],
+    duration: Histogram,
+    origin: [IntCounter; 7],
+    origin_duration: Histogram,
+    pub shed: IntCounter,
+    pub uncacheable: IntCounter,
+    pub oversized: IntCounter,
+    pub coalesced: IntCounter,
+}
+
+impl RouteMetrics {
+    /// Records one answered request.
+    pub fn answered(&self, outcome: Outcome, seconds: f64) {
+        self.outcomes[outcome.index()].inc();
+        self.duration.observe(seconds);
+    }
+
+    /// Records one origin request.
+    pub fn origin(&self, status: OriginStatus, seconds: f64) {
+        self.origin[status.index()].inc();
+        self.origin_duration.observe(seconds);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn route_handles_share_families() {
+        let registry = Registry::new();
+        let metrics = Metrics::register(&registry).unwrap();
+        let a = metrics.for_route("item");
+        a.answered(Outcome::HitL1, 0.001);
+        a.origin(OriginStatus::S2xx, 0.01);
+        let text = prometheus::TextEncoder::new()
+            .encode_to_string(&registry.gather())
+            .unwrap();
+        assert!(text.contains(r#"cacheguard_requests_total{outcome="hit_l1",route="item"} 1"#));
+        assert!(text.contains(r#"cacheguard_origin_requests_total{route="item",status="2xx"} 1"#));
+    }
+}

@@ -1,0 +1,206 @@
+//! In-process single-flight: concurrent misses for one key make one origin request.
+//!
+//! The first request for a key becomes the [`Leader`] and fetches; the others become
+//! followers and wait for the leader's [`FlightResult`] on a `watch` channel. Shaped like
+//! pingora-cache's lock: the leader's permit has a `Drop` that never strands followers —
+//! a leader that is cancelled (client hung up, shutdown) publishes `Abandoned`, and the
+//! followers race to elect a new leader among themselves.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use tokio::sync::watch;
+
+use crate::cache::Entry;
+
+/// How a flight ended, as seen by its followers.
+#[derive(Clone, Debug)]
+pub(crate) enum FlightResult {
+    /// The answer was stored; followers serve it.
+    Filled(Arc<Entry>),
+    /// The answer must not be shared (per-user, uncacheable status, too large): each
+    /// follower fetches for itself.
+    Uncacheable,
+    /// The fetch failed (5xx, timeout, shed): followers elect a new leader.
+    Failed,
+    /// The leader went away without an answer: followers elect a new leader.
+    Abandoned,
+}
+
+type Slot = watch::Sender<Option<FlightResult>>;
+
+/// The table of flights in progress, one per key hash.
+#[derive(Debug, Default)]
+pub(crate) struct Flights {
+    // A std mutex: it is held only to look up or remove a map entry, never across an await.
+    in_progress: Mutex<HashMap<u128, Arc<Slot>>>,
+}
+
+/// The role a request got for one key.
+pub(crate) enum Role {
+    Leader(Leader),
+    Follower(Follower),
+}
+
+/// Proof of leadership for one key; must be [`finish`](Leader::finish)ed.
+pub(crate) struct Leader {
+    flights: Arc<Flights>,
+    hash: u128,
+    slot: Arc<Slot>,
+    finished: bool,
+}
+
+/// A waiter on another request's fetch.
+pub(crate) struct Follower {
+    rx: watch::Receiver<Option<FlightResult>>,
+}
+
+impl Flights {
+    /// Joins the flight for `hash`, becoming its leader when there is none.
+    pub(crate) fn join(self: &Arc<Self>, hash: u128) -> Role {
+        let mut map = self
+            .in_progress
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some(slot) = map.get(&hash) {
+            return Role::Follower(Follower {
+                rx: slot.subscribe(),
+            });
+        }
+        let slot = Arc::new(watch::Sender::new(None));
+        map.insert(hash, Arc::clone(&slot));
+        Role::Leader(Leader {
+            flights: Arc::clone(self),
+            hash,
+            slot,
+            finished: false,
+        })
+    }
+
+    /// Number of flights in progress (for tests and metrics).
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        self.in_progress
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .len()
+    }
+
+    fn remove(&self, hash: u128, slot: &Arc<Slot>) {
+        let mut map = self
+            .in_progress
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        // Only remove our own slot: a newer flight for the same key may already exist.
+        if map.get(&hash).is_some_and(|s| Arc::ptr_eq(s, slot)) {
+            map.remove(&hash);
+        }
+    }
+}
+
+impl Leader {
+    /// Publishes the result to every follower and ends the flight.
+    ///
+    /// The flight is removed from the table *before* followers are woken, and the caller
+    /// stores the entry (L1/L2) before calling this: a request arriving after the removal
+    /// finds the entry in the cache or starts a fresh flight, never a finished one.
+    pub(crate) fn finish(mut self, result: FlightResult) {
+        self.finished = true;
+        self.flights.remove(self.hash, &self.slot);
+        self.slot.send_replace(Some(result));
+    }
+}
+
+impl Drop for Leader {
+    fn drop(&mut self) {
+        if !self.finished {
+            self.flights.remove(self.hash, &self.slot);
+            self.slot.send_replace(Some(FlightResult::Abandoned));
+        }
+    }
+}
+
+impl Follower {
+    /// Waits for the leader's result, at most `limit`; a timeout reads as `Abandoned`.
+    ///
+    /// # Cancel safety
+    /// Cancel-safe: dropping the future only drops this follower's receiver.
+    pub(crate) async fn wait(mut self, limit: Duration) -> FlightResult {
+        let waited = tokio::time::timeout(limit, self.rx.wait_for(Option::is_some)).await;
+        match waited {
+            Ok(Ok(result)) => result.clone().unwrap_or(FlightResult::Abandoned),
+            // Sender dropped without a value (cannot happen: Drop sends) or timed out.
+            Ok(Err(_)) | Err(_) => FlightResult::Abandoned,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    #[tokio::test]
+    async fn one_leader_many_followers() {
+        let flights = Arc::new(Flights::default());
+        let leaders = Arc::new(AtomicUsize::new(0));
+        let barrier = Arc::new(tokio::sync::Barrier::new(100));
+        let mut tasks = Vec::new();
+        for _ in 0..100 {
+            let (flights, leaders, barrier) = (flights.clone(), leaders.clone(), barrier.clone());
+            tasks.push(tokio::spawn(async move {
+                barrier.wait().await;
+                match flights.join(42) {
+                    Role::Leader(l) => {
+                        leaders.fetch_add(1, Ordering::SeqCst);
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        l.finish(FlightResult::Uncacheable);
+                        true
+                    }
+                    Role::Follower(f) => {
+                        matches!(
+                            f.wait(Duration::from_secs(5)).await,
+                            FlightResult::Uncacheable
+                        )
+                    }
+                }
+            }));
+        }
+        for t in tasks {
+            assert!(t.await.unwrap());
+        }
+        assert_eq!(leaders.load(Ordering::SeqCst), 1);
+        assert_eq!(flights.len(), 0);
+    }
+
+    #[tokio::test]
+    async fn dropped_leader_releases_followers() {
+        let flights = Arc::new(Flights::default());
+        let Role::Leader(leader) = flights.join(1) else {
+            panic!("first join must lead")
+        };
+        let Role::Follower(follower) = flights.join(1) else {
+            panic!("second join must follow")
+        };
+        drop(leader);
+        assert!(matches!(
+            follower.wait(Duration::from_secs(1)).await,
+            FlightResult::Abandoned
+        ));
+        assert!(matches!(flights.join(1), Role::Leader(_)));
+    }
+
+    #[tokio::test]
+    async fn follower_wait_is_bounded() {
+        let flights = Arc::new(Flights::default());
+        let _leader = flights.join(7);
+        let Role::Follower(follower) = flights.join(7) else {
+            panic!("second join must follow")
+        };
+        assert!(matches!(
+            follower.wait(Duration::from_millis(20)).await,
+            FlightResult::Abandoned
+        ));
+    }
+}

@@ -1,0 +1,114 @@
+//! The proxy: HTTP server, routing, the read pipeline, pass-through, the upstream client
+//! and the origin guard.
+
+pub(crate) mod body;
+pub(crate) mod origin_guard;
+pub(crate) mod passthrough;
+pub(crate) mod read;
+pub(crate) mod respond;
+pub(crate) mod route;
+pub(crate) mod server;
+pub(crate) mod upstream;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::{Method, Request, Response, header};
+use hyper::body::Incoming;
+
+use self::body::Body;
+use self::origin_guard::OriginGuard;
+use self::route::RouteTable;
+use self::upstream::Upstream;
+use crate::cache::l1::L1;
+use crate::cache::l2::L2;
+use crate::error::ProxyError;
+use crate::metrics::{Metrics, RouteMetrics};
+use crate::protect::flight::Flights;
+
+/// Everything a request needs, built once by the app and shared by every connection.
+#[derive(Debug)]
+pub(crate) struct Proxy {
+    pub(crate) routes: RouteTable,
+    pub(crate) l1: L1,
+    /// `None` in embedded mode.
+    pub(crate) l2: Option<L2>,
+    pub(crate) flights: Arc<Flights>,
+    pub(crate) upstream: Upstream,
+    pub(crate) guard: OriginGuard,
+    pub(crate) queue_timeout: Duration,
+    pub(crate) max_header_bytes: usize,
+    pub(crate) max_body_bytes: u64,
+    pub(crate) metrics: Metrics,
+    /// Metric handles for requests that match no route (`route="_passthrough"`).
+    pub(crate) passthrough_metrics: Arc<RouteMetrics>,
+}
+
+impl Proxy {
+    /// Entry point for every proxied request: limits, then route, then the read path or
+    /// pass-through.
+    pub(crate) async fn handle(
+        &self,
+        request: Request<Incoming>,
+        client: SocketAddr,
+    ) -> Response<Body> {
+        if let Err(error) = self.check_limits(&request) {
+            let reason = match error {
+                ProxyError::HeaderTooLarge(_) => "header_too_large",
+                ProxyError::BodyTooLarge(_) => "body_too_large",
+                _ => "bad_request",
+            };
+            self.metrics
+                .rejected_requests
+                .with_label_values(&[reason])
+                .inc();
+            return respond::error(&error);
+        }
+        let method = request.method();
+        match self.routes.find(method, request.uri().path()) {
+            Some(route)
+                if route.config.is_read() && (method == Method::GET || method == Method::HEAD) =>
+            {
+                let route = Arc::clone(route);
+                self.serve_read(&route, request, client).await
+            }
+            // Write routes are forwarded as they are (invalidation arrives with the write
+            // path); their traffic is still counted under the route's name.
+            Some(route) => {
+                let metrics = Arc::clone(&route.metrics);
+                self.serve_passthrough(&metrics, request, client).await
+            }
+            None => {
+                let metrics = Arc::clone(&self.passthrough_metrics);
+                self.serve_passthrough(&metrics, request, client).await
+            }
+        }
+    }
+
+    /// Request head over `max_header_bytes` → 431; declared body over `max_body_bytes` → 413
+    /// (undeclared bodies are cut at the limit while streaming).
+    fn check_limits(&self, request: &Request<Incoming>) -> Result<(), ProxyError> {
+        let head_bytes: usize = request
+            .uri()
+            .path_and_query()
+            .map_or(0, |pq| pq.as_str().len())
+            + request
+                .headers()
+                .iter()
+                .map(|(n, v)| n.as_str().len() + v.len() + 4)
+                .sum::<usize>();
+        if head_bytes > self.max_header_bytes {
+            return Err(ProxyError::HeaderTooLarge(self.max_header_bytes));
+        }
+        let declared = request
+            .headers()
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok());
+        if declared.is_some_and(|len| len > self.max_body_bytes) {
+            return Err(ProxyError::BodyTooLarge(self.max_body_bytes));
+        }
+        Ok(())
+    }
+}

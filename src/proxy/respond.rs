@@ -1,0 +1,130 @@
+//! Building responses: cache hits, cacheguard's own errors, and the header hygiene shared
+//! by every path (`X-Cache`, `Age`, hop-by-hop removal).
+
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{Response, StatusCode};
+
+use super::body::Body;
+use crate::cache::Entry;
+use crate::error::ProxyError;
+use crate::metrics::Outcome;
+
+pub(crate) static X_CACHE: HeaderName = HeaderName::from_static("x-cache");
+
+/// Headers that describe one connection, not the message (RFC 9110 §7.6.1), plus the
+/// proxy-only ones. Never forwarded in either direction.
+const HOP_BY_HOP: [HeaderName; 8] = [
+    header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    header::PROXY_AUTHENTICATE,
+    header::PROXY_AUTHORIZATION,
+    header::TE,
+    header::TRAILER,
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
+];
+
+/// Removes hop-by-hop headers, including those named by `Connection`.
+pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    let named: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+        .collect();
+    for name in named {
+        headers.remove(name);
+    }
+    for name in &HOP_BY_HOP {
+        headers.remove(name);
+    }
+    headers.remove("proxy-connection");
+}
+
+fn x_cache_value(outcome: Outcome) -> HeaderValue {
+    HeaderValue::from_static(outcome.header_value())
+}
+
+/// Marks a response with its `X-Cache` value.
+pub(crate) fn mark(response: &mut Response<Body>, outcome: Outcome) {
+    response
+        .headers_mut()
+        .insert(X_CACHE.clone(), x_cache_value(outcome));
+}
+
+/// A response from a cached entry. `head` answers a HEAD request (headers only).
+pub(crate) fn from_entry(
+    entry: &Entry,
+    outcome: Outcome,
+    head: bool,
+    now_ms: u64,
+) -> Response<Body> {
+    let body = if head {
+        Body::empty()
+    } else {
+        Body::Full(Some(entry.body.clone()).filter(|b| !b.is_empty()))
+    };
+    let mut response = Response::new(body);
+    *response.status_mut() = entry.status;
+    let headers = response.headers_mut();
+    headers.reserve(entry.headers.len() + 3);
+    for (name, value) in &entry.headers {
+        headers.append(name.clone(), value.clone());
+    }
+    if head {
+        headers.insert(header::CONTENT_LENGTH, HeaderValue::from(entry.body.len()));
+    }
+    headers.insert(header::AGE, HeaderValue::from(entry.age_secs(now_ms)));
+    headers.insert(X_CACHE.clone(), x_cache_value(outcome));
+    response
+}
+
+/// cacheguard's own answer for `error`: the right status, a short text body, and
+/// `Retry-After` where the client should come back later.
+pub(crate) fn error(error: &ProxyError) -> Response<Body> {
+    let mut response = Response::new(Body::full(format!("cacheguard: {error}\n")));
+    *response.status_mut() = error.status();
+    let headers = response.headers_mut();
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    if let Some(seconds) = error.retry_after() {
+        headers.insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+    }
+    headers.insert(X_CACHE.clone(), x_cache_value(Outcome::Error));
+    response
+}
+
+/// A plain text response (admin endpoints, simple answers).
+pub(crate) fn text(status: StatusCode, body: impl Into<String>) -> Response<Body> {
+    let mut response = Response::new(Body::full(body.into()));
+    *response.status_mut() = status;
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hop_by_hop_and_connection_named_headers_are_removed() {
+        let mut h = HeaderMap::new();
+        h.insert(
+            header::CONNECTION,
+            HeaderValue::from_static("close, x-secret"),
+        );
+        h.insert("x-secret", HeaderValue::from_static("1"));
+        h.insert("keep-alive", HeaderValue::from_static("timeout=5"));
+        h.insert(header::TE, HeaderValue::from_static("trailers"));
+        h.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
+        strip_hop_by_hop(&mut h);
+        assert_eq!(h.len(), 1);
+        assert!(h.contains_key(header::CONTENT_TYPE));
+    }
+}
