@@ -18,6 +18,8 @@ use crate::cache::l1::L1;
 use crate::cache::l2::L2;
 use crate::config::Config;
 use crate::coord::RedisConn;
+use crate::coord::events::{BusMetrics, EventBus, Waiters};
+use crate::protect::lock::DistLock;
 use crate::metrics::Metrics;
 use crate::protect::flight::Flights;
 use crate::proxy::Proxy;
@@ -25,6 +27,9 @@ use crate::proxy::origin_guard::OriginGuard;
 use crate::proxy::route::RouteTable;
 use crate::proxy::server::{self, ConnLimits};
 use crate::proxy::upstream::Upstream;
+
+/// How long a key whose background refresh failed waits before the next attempt.
+const REFRESH_BACKOFF: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Entry point: `App::start(config)` binds the proxy and admin listeners and serves.
 #[derive(Debug)]
@@ -56,6 +61,7 @@ impl App {
         let redis = match &config.redis {
             Some(redis) => Some(
                 RedisConn::start(redis, metrics.clone(), stop_tasks.clone())
+                    .await
                     .context("creating the Redis client")?,
             ),
             None => None,
@@ -63,6 +69,33 @@ impl App {
         let l1 = L1::new(config.cache.l1_max_bytes);
         let l2 = match (&redis, &config.redis) {
             (Some(conn), Some(rc)) => Some(L2::new(conn.clone(), &rc.key_prefix, metrics.clone())),
+            _ => None,
+        };
+        // The fleet-wide fill lock and the event bus that wakes its waiters.
+        let dist = match (&redis, &config.redis) {
+            (Some(conn), Some(rc)) => {
+                let instance = rand::random::<u64>();
+                let waiters = Waiters::new(metrics.lock_waiters.clone());
+                let bus = EventBus::new(format!("{}events", rc.key_prefix), instance, waiters);
+                let bus_metrics = BusMetrics {
+                    subscribed: metrics.bus_subscribed.clone(),
+                    resubscriptions: metrics.bus_resubscriptions.clone(),
+                    events: metrics.bus_events.clone(),
+                };
+                tokio::spawn(Arc::clone(&bus).run(
+                    conn.client().clone(),
+                    rc.connect_timeout,
+                    bus_metrics,
+                    stop_tasks.clone(),
+                ));
+                // Give the first subscription a moment, so the first stampede after start
+                // already coalesces across instances (bounded; degraded until then).
+                let ready = tokio::time::Instant::now() + rc.connect_timeout;
+                while conn.is_up() && !bus.is_connected() && tokio::time::Instant::now() < ready {
+                    tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+                }
+                Some(DistLock::new(conn.clone(), &rc.key_prefix, config.lock.lease, bus))
+            }
             _ => None,
         };
         let routes = RouteTable::build(&config.routes, &metrics).context("building routes")?;
@@ -79,6 +112,16 @@ impl App {
             l1: l1.clone(),
             l2,
             flights: Arc::new(Flights::default()),
+            dist,
+            lock: config.lock.clone(),
+            uncacheable: moka::sync::Cache::builder()
+                .max_capacity(100_000)
+                .time_to_live(config.lock.uncacheable_ttl)
+                .build(),
+            refresh_backoff: moka::sync::Cache::builder()
+                .max_capacity(100_000)
+                .time_to_live(REFRESH_BACKOFF)
+                .build(),
             upstream,
             guard,
             queue_timeout: config.upstream.queue_timeout,

@@ -117,7 +117,8 @@ pub enum QueryPolicy {
 #[derive(Clone, Debug)]
 pub struct CacheDefaults {
     pub ttl: Duration,
-    /// Fraction in `0.0..=1.0`: stored ttl is uniform in ttl × [1 - jitter, 1 + jitter].
+    /// Fraction in `0.0..1.0` (1.0 excluded): stored ttl is uniform in
+    /// ttl × [1 - jitter, 1 + jitter].
     pub jitter: f64,
     /// Extra time a stale copy is kept past its ttl.
     pub grace: Duration,
@@ -132,6 +133,8 @@ pub struct LockConfig {
     pub lease: Duration,
     pub wait_timeout: Duration,
     pub on_timeout: OnTimeout,
+    /// How long a key whose answer was not shareable skips single-flight (hit-for-miss).
+    pub uncacheable_ttl: Duration,
 }
 
 /// One `[[routes]]` entry with the `[cache]` defaults already applied.
@@ -151,11 +154,14 @@ pub struct RouteConfig {
     pub l1: L1Policy,
     pub query: QueryPolicy,
     /// Request headers whose values are part of the key (and the only client headers,
-    /// besides a fixed safe set, forwarded to the origin on a cached fetch).
+    /// besides a fixed safe set, forwarded to the origin on a cached fetch). Sorted and
+    /// deduplicated; never `authorization`, `proxy-authorization` or `cookie`.
     pub vary: Vec<HeaderName>,
     /// Write routes: path patterns to invalidate (used by the write path).
     pub invalidate: Vec<String>,
     pub double_delete_delay: Duration,
+    /// Probabilistic early refresh (XFetch) strength; 0 = off, 1 = the paper's default.
+    pub early_refresh_beta: f64,
 }
 
 impl RouteConfig {

@@ -17,6 +17,8 @@ pub(crate) enum ProxyError {
     OriginTimeout(Duration),
     #[error("origin unreachable: {0}")]
     OriginConnect(String),
+    #[error("another instance's fill did not finish within {0:?}")]
+    LockWait(Duration),
     #[error("bad request: {0}")]
     BadRequest(&'static str),
 }
@@ -26,7 +28,7 @@ impl ProxyError {
         match self {
             ProxyError::HeaderTooLarge(_) => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
             ProxyError::BodyTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
-            ProxyError::Shed(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ProxyError::Shed(_) | ProxyError::LockWait(_) => StatusCode::SERVICE_UNAVAILABLE,
             ProxyError::OriginTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
             ProxyError::OriginConnect(_) => StatusCode::BAD_GATEWAY,
             ProxyError::BadRequest(_) => StatusCode::BAD_REQUEST,
@@ -36,7 +38,7 @@ impl ProxyError {
     /// Seconds to put in `Retry-After`, for errors a client should retry later.
     pub(crate) fn retry_after(&self) -> Option<u64> {
         match self {
-            ProxyError::Shed(_) => Some(1),
+            ProxyError::Shed(_) | ProxyError::LockWait(_) => Some(1),
             _ => None,
         }
     }

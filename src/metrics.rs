@@ -21,17 +21,20 @@ pub enum Outcome {
     HitL2,
     Miss,
     Negative,
+    /// A copy past its ttl (within grace), served while one request refreshes it.
+    Stale,
     Bypass,
     /// Answered with an error status by cacheguard itself (shed, timeout, bad gateway, limits).
     Error,
 }
 
 impl Outcome {
-    pub const ALL: [Outcome; 6] = [
+    pub const ALL: [Outcome; 7] = [
         Outcome::HitL1,
         Outcome::HitL2,
         Outcome::Miss,
         Outcome::Negative,
+        Outcome::Stale,
         Outcome::Bypass,
         Outcome::Error,
     ];
@@ -43,6 +46,7 @@ impl Outcome {
             Outcome::HitL2 => "hit_l2",
             Outcome::Miss => "miss",
             Outcome::Negative => "negative",
+            Outcome::Stale => "stale",
             Outcome::Bypass => "bypass",
             Outcome::Error => "error",
         }
@@ -55,6 +59,7 @@ impl Outcome {
             Outcome::HitL2 => "HIT-L2",
             Outcome::Miss => "MISS",
             Outcome::Negative => "NEGATIVE",
+            Outcome::Stale => "STALE",
             Outcome::Bypass | Outcome::Error => "BYPASS",
         }
     }
@@ -114,12 +119,72 @@ impl OriginStatus {
     }
 }
 
+/// The `outcome` label of distributed lock events.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LockEvent {
+    /// This instance took the lock and fetches.
+    Acquired,
+    /// Another instance held the lock; this instance waited.
+    Contended,
+    /// The lease was extended while the fetch ran.
+    Renewed,
+    /// A renewal found the lock gone or someone else's.
+    Lost,
+    /// The lock was taken after waiting on another holder (its lease expired or it
+    /// released without a fill).
+    Takeover,
+    /// A waiter gave up after `lock.wait_timeout`.
+    WaitTimeout,
+}
+
+impl LockEvent {
+    pub const ALL: [LockEvent; 6] = [
+        LockEvent::Acquired,
+        LockEvent::Contended,
+        LockEvent::Renewed,
+        LockEvent::Lost,
+        LockEvent::Takeover,
+        LockEvent::WaitTimeout,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LockEvent::Acquired => "acquired",
+            LockEvent::Contended => "contended",
+            LockEvent::Renewed => "renewed",
+            LockEvent::Lost => "lost",
+            LockEvent::Takeover => "takeover",
+            LockEvent::WaitTimeout => "wait_timeout",
+        }
+    }
+}
+
+/// The `reason` label of fills the fill script refused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FillRefusal {
+    Generation,
+    LockTaken,
+}
+
+impl FillRefusal {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FillRefusal::Generation => "generation",
+            FillRefusal::LockTaken => "lock_taken",
+        }
+    }
+}
+
 /// The `op` label of Redis errors.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RedisOp {
     Get,
     Set,
     Ping,
+    Lock,
+    Renew,
+    Fill,
+    Release,
 }
 
 impl RedisOp {
@@ -128,6 +193,10 @@ impl RedisOp {
             RedisOp::Get => "get",
             RedisOp::Set => "set",
             RedisOp::Ping => "ping",
+            RedisOp::Lock => "lock",
+            RedisOp::Renew => "renew",
+            RedisOp::Fill => "fill",
+            RedisOp::Release => "release",
         }
     }
 }
@@ -152,6 +221,16 @@ pub struct Metrics {
     pub origin_queue_wait: Histogram,
     pub entry_decode_errors: IntCounter,
     pub rejected_requests: IntCounterVec,
+    lock_events: IntCounterVec,
+    pub lock_waiters: IntGauge,
+    pub lock_wait: Histogram,
+    fill_refused: IntCounterVec,
+    stale_served: IntCounterVec,
+    early_refreshes: IntCounterVec,
+    background_refreshes: IntCounterVec,
+    pub bus_subscribed: IntGauge,
+    pub bus_resubscriptions: IntCounter,
+    pub bus_events: IntCounter,
 }
 
 fn buckets_latency() -> Vec<f64> {
@@ -268,6 +347,81 @@ impl Metrics {
             &["reason"],
         )?;
 
+        let lock_events = IntCounterVec::new(
+            Opts::new(
+                "cacheguard_lock_events_total",
+                "Distributed fill lock events, by outcome.",
+            ),
+            &["outcome"],
+        )?;
+        let lock_waiters = IntGauge::new(
+            "cacheguard_lock_waiters",
+            "Requests waiting on another instance's fetch right now.",
+        )?;
+        let lock_wait = Histogram::with_opts(
+            HistogramOpts::new(
+                "cacheguard_lock_wait_seconds",
+                "Time a request waited on another instance's fetch.",
+            )
+            .buckets(buckets_latency()),
+        )?;
+        let fill_refused = IntCounterVec::new(
+            Opts::new(
+                "cacheguard_fill_refused_total",
+                "Fetched answers the fill script refused to store, by reason.",
+            ),
+            &["reason"],
+        )?;
+        let stale_served = IntCounterVec::new(
+            Opts::new(
+                "cacheguard_stale_served_total",
+                "Stale copies served (stale-while-revalidate, stale-if-error), by route.",
+            ),
+            &["route"],
+        )?;
+        let early_refreshes = IntCounterVec::new(
+            Opts::new(
+                "cacheguard_early_refreshes_total",
+                "Fresh entries refreshed early by probabilistic early expiration, by route.",
+            ),
+            &["route"],
+        )?;
+        let background_refreshes = IntCounterVec::new(
+            Opts::new(
+                "cacheguard_background_refreshes_total",
+                "Refreshes run in the background while a stale or early copy was served.",
+            ),
+            &["route"],
+        )?;
+        let bus_subscribed = IntGauge::new(
+            "cacheguard_event_bus_subscribed",
+            "1 while the pub/sub event subscription is live.",
+        )?;
+        let bus_resubscriptions = IntCounter::new(
+            "cacheguard_event_bus_resubscriptions_total",
+            "Times the event subscription was re-established after a loss.",
+        )?;
+        let bus_events = IntCounter::new(
+            "cacheguard_event_bus_messages_total",
+            "Messages received on the event bus.",
+        )?;
+        for event in LockEvent::ALL {
+            lock_events.with_label_values(&[event.as_str()]);
+        }
+        for refusal in [FillRefusal::Generation, FillRefusal::LockTaken] {
+            fill_refused.with_label_values(&[refusal.as_str()]);
+        }
+
+        registry.register(Box::new(lock_events.clone()))?;
+        registry.register(Box::new(lock_waiters.clone()))?;
+        registry.register(Box::new(lock_wait.clone()))?;
+        registry.register(Box::new(fill_refused.clone()))?;
+        registry.register(Box::new(stale_served.clone()))?;
+        registry.register(Box::new(early_refreshes.clone()))?;
+        registry.register(Box::new(background_refreshes.clone()))?;
+        registry.register(Box::new(bus_subscribed.clone()))?;
+        registry.register(Box::new(bus_resubscriptions.clone()))?;
+        registry.register(Box::new(bus_events.clone()))?;
         registry.register(Box::new(requests.clone()))?;
         registry.register(Box::new(request_duration.clone()))?;
         registry.register(Box::new(origin_requests.clone()))?;
@@ -287,7 +441,15 @@ impl Metrics {
         registry.register(Box::new(rejected_requests.clone()))?;
 
         // Pre-create the Redis error series so dashboards see zeros, not gaps.
-        for op in [RedisOp::Get, RedisOp::Set, RedisOp::Ping] {
+        for op in [
+            RedisOp::Get,
+            RedisOp::Set,
+            RedisOp::Ping,
+            RedisOp::Lock,
+            RedisOp::Renew,
+            RedisOp::Fill,
+            RedisOp::Release,
+        ] {
             redis_errors.with_label_values(&[op.as_str()]);
         }
         for reason in ["header_too_large", "body_too_large", "bad_request"] {
@@ -312,7 +474,25 @@ impl Metrics {
             origin_queue_wait,
             entry_decode_errors,
             rejected_requests,
+            lock_events,
+            lock_waiters,
+            lock_wait,
+            fill_refused,
+            stale_served,
+            early_refreshes,
+            background_refreshes,
+            bus_subscribed,
+            bus_resubscriptions,
+            bus_events,
         })
+    }
+
+    pub fn lock_event(&self, event: LockEvent) {
+        self.lock_events.with_label_values(&[event.as_str()]).inc();
+    }
+
+    pub fn fill_refused(&self, reason: FillRefusal) {
+        self.fill_refused.with_label_values(&[reason.as_str()]).inc();
     }
 
     /// Resolves every per-route handle once (at config load), so requests only touch atomics.
@@ -327,6 +507,9 @@ impl Metrics {
             uncacheable: self.uncacheable.with_label_values(&[route]),
             oversized: self.oversized.with_label_values(&[route]),
             coalesced: self.coalesced.with_label_values(&[route]),
+            stale_served: self.stale_served.with_label_values(&[route]),
+            early_refreshes: self.early_refreshes.with_label_values(&[route]),
+            background_refreshes: self.background_refreshes.with_label_values(&[route]),
         })
     }
 
@@ -338,7 +521,7 @@ impl Metrics {
 /// Handles for one route (or for the pass-through pseudo-route `_passthrough`).
 #[derive(Debug)]
 pub struct RouteMetrics {
-    outcomes: [IntCounter; 6],
+    outcomes: [IntCounter; 7],
     duration: Histogram,
     origin: [IntCounter; 7],
     origin_duration: Histogram,
@@ -346,6 +529,9 @@ pub struct RouteMetrics {
     pub uncacheable: IntCounter,
     pub oversized: IntCounter,
     pub coalesced: IntCounter,
+    pub stale_served: IntCounter,
+    pub early_refreshes: IntCounter,
+    pub background_refreshes: IntCounter,
 }
 
 impl RouteMetrics {

@@ -1,4 +1,6 @@
-//! Protections in front of the origin. For now: in-process single-flight ([`flight`]).
+//! Protections in front of the origin: in-process single-flight ([`flight`]) and the
+//! fleet-wide fill lock ([`lock`]).
 //! The origin guard lives with the upstream client in `proxy/origin_guard.rs`.
 
 pub(crate) mod flight;
+pub(crate) mod lock;

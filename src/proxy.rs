@@ -2,6 +2,8 @@
 //! and the origin guard.
 
 pub(crate) mod body;
+pub(crate) mod fetch;
+pub(crate) mod fill;
 pub(crate) mod origin_guard;
 pub(crate) mod passthrough;
 pub(crate) mod read;
@@ -25,7 +27,9 @@ use crate::cache::l1::L1;
 use crate::cache::l2::L2;
 use crate::error::ProxyError;
 use crate::metrics::{Metrics, RouteMetrics};
+use crate::config::LockConfig;
 use crate::protect::flight::Flights;
+use crate::protect::lock::DistLock;
 
 /// Everything a request needs, built once by the app and shared by every connection.
 #[derive(Debug)]
@@ -35,6 +39,14 @@ pub(crate) struct Proxy {
     /// `None` in embedded mode.
     pub(crate) l2: Option<L2>,
     pub(crate) flights: Arc<Flights>,
+    /// The fleet-wide fill lock; `None` in embedded mode.
+    pub(crate) dist: Option<DistLock>,
+    pub(crate) lock: LockConfig,
+    /// Keys whose last answer was not shareable (hit-for-miss), for a short time.
+    pub(crate) uncacheable: moka::sync::Cache<u128, ()>,
+    /// Keys whose background refresh just failed: not retried for a moment, so a failing
+    /// origin is not hit once per stale-served request.
+    pub(crate) refresh_backoff: moka::sync::Cache<u128, ()>,
     pub(crate) upstream: Upstream,
     pub(crate) guard: OriginGuard,
     pub(crate) queue_timeout: Duration,
@@ -49,7 +61,7 @@ impl Proxy {
     /// Entry point for every proxied request: limits, then route, then the read path or
     /// pass-through.
     pub(crate) async fn handle(
-        &self,
+        self: &Arc<Self>,
         request: Request<Incoming>,
         client: SocketAddr,
     ) -> Response<Body> {

@@ -28,6 +28,8 @@ pub(crate) struct Entry {
     pub(crate) ttl_ms: u64,
     /// How long past `ttl` a stale copy is kept.
     pub(crate) grace_ms: u64,
+    /// How long the origin fetch took: the `delta` of probabilistic early expiration.
+    pub(crate) fetch_ms: u32,
 }
 
 /// Where an entry is in its life at a given moment.
@@ -61,6 +63,7 @@ struct StoredV1 {
     stored_at_ms: u64,
     ttl_ms: u64,
     grace_ms: u64,
+    fetch_ms: u32,
 }
 
 impl Entry {
@@ -90,6 +93,19 @@ impl Entry {
     }
 
     /// Milliseconds until the entry leaves its grace period (its physical lifetime).
+    /// Probabilistic early expiration (XFetch; Vattani, Chierichetti, Lowenstein, VLDB 2015):
+    /// refresh now if `now - delta * beta * ln(u) >= expiry`, with `u` uniform in (0, 1].
+    /// The closer the expiry and the slower the fetch, the likelier one request refreshes
+    /// before the entry expires, so a hot key never goes through a miss.
+    pub(crate) fn should_refresh_early(&self, now_ms: u64, beta: f64, u: f64) -> bool {
+        if beta <= 0.0 || u <= 0.0 {
+            return false;
+        }
+        let expiry = self.stored_at_ms.saturating_add(self.ttl_ms) as f64;
+        let gap = f64::from(self.fetch_ms.max(1)) * beta * -u.ln();
+        now_ms as f64 + gap >= expiry
+    }
+
     pub(crate) fn remaining_life_ms(&self, now_ms: u64) -> u64 {
         (self.stored_at_ms + self.ttl_ms + self.grace_ms).saturating_sub(now_ms)
     }
@@ -117,6 +133,7 @@ impl Entry {
             stored_at_ms: self.stored_at_ms,
             ttl_ms: self.ttl_ms,
             grace_ms: self.grace_ms,
+            fetch_ms: self.fetch_ms,
         };
         let mut out = Vec::with_capacity(self.body.len() + self.key.len() + 256);
         out.extend_from_slice(MAGIC);
@@ -150,6 +167,7 @@ impl Entry {
             stored_at_ms: stored.stored_at_ms,
             ttl_ms: stored.ttl_ms,
             grace_ms: stored.grace_ms,
+            fetch_ms: stored.fetch_ms,
         })
     }
 }
@@ -171,6 +189,7 @@ mod tests {
             stored_at_ms: 1_000,
             ttl_ms: 60_000,
             grace_ms: 30_000,
+            fetch_ms: 20,
         }
     }
 
@@ -210,6 +229,20 @@ mod tests {
             flipped[i] ^= 0xff;
             let _ = Entry::decode(&flipped);
         }
+    }
+
+    #[test]
+    fn early_refresh_gets_likelier_towards_expiry() {
+        let e = sample(); // fresh until 61_000, fetch 20 ms
+        let share = |now: u64| {
+            (1..=1000)
+                .filter(|i| e.should_refresh_early(now, 1.0, f64::from(*i) / 1000.0))
+                .count()
+        };
+        assert_eq!(share(1_000), 0);
+        assert!(share(60_990) > share(60_950));
+        assert_eq!(share(61_000), 1000);
+        assert!(!e.should_refresh_early(60_999, 0.0, 0.5));
     }
 
     #[test]

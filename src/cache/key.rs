@@ -34,11 +34,6 @@ impl CacheKey {
         let hash = xxhash_rust::xxh3::xxh3_128(full.as_bytes());
         CacheKey { full, hash }
     }
-
-    /// The hex form of the hash, used inside Redis key names (`cg:{<hex>}:v`).
-    pub(crate) fn hex(&self) -> String {
-        format!("{:032x}", self.hash)
-    }
 }
 
 /// Derives the key of a read request on `route`.
@@ -151,7 +146,7 @@ mod tests {
     use http::{HeaderName, HeaderValue, Method};
     use std::time::Duration;
 
-    fn route(query: QueryPolicy, vary: &[&str]) -> RouteConfig {
+    fn route(query: QueryPolicy, vary: &[&'static str]) -> RouteConfig {
         RouteConfig {
             name: "item".into(),
             pattern: "/api/items/{id}".into(),
@@ -166,6 +161,7 @@ mod tests {
             vary: vary.iter().map(|v| HeaderName::from_static(v)).collect(),
             invalidate: vec![],
             double_delete_delay: Duration::from_secs(1),
+            early_refresh_beta: 0.0,
         }
     }
 

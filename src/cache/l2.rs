@@ -5,12 +5,11 @@
 //! as a miss; the next fill overwrites it.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use tracing::debug;
 
-use super::{CacheKey, Entry, now_ms};
-use crate::coord::RedisConn;
+use super::{CacheKey, Entry};
+use crate::coord::{RedisConn, tagged_key};
 use crate::metrics::Metrics;
 
 /// What an L2 read found.
@@ -38,8 +37,12 @@ impl L2 {
         }
     }
 
+    pub(crate) fn redis(&self) -> &RedisConn {
+        &self.redis
+    }
+
     fn entry_key(&self, key: &CacheKey) -> String {
-        format!("{}{{{}}}:v", self.prefix, key.hex())
+        tagged_key(&self.prefix, key.hash, "v")
     }
 
     pub(crate) async fn get(&self, key: &CacheKey) -> Lookup {
@@ -58,18 +61,5 @@ impl L2 {
                 Lookup::Miss
             }
         }
-    }
-
-    /// Stores `entry` with a physical TTL of its remaining life (ttl + grace).
-    /// Failures are absorbed: Redis is an accelerator.
-    pub(crate) async fn store(&self, key: &CacheKey, entry: &Entry) {
-        let life = Duration::from_millis(entry.remaining_life_ms(now_ms()));
-        if life.is_zero() {
-            return;
-        }
-        let Ok(bytes) = entry.encode() else {
-            return;
-        };
-        let _ = self.redis.set_px(&self.entry_key(key), &bytes, life).await;
     }
 }

@@ -107,30 +107,40 @@ pub(super) fn from_toml(text: &str, source: &str, vars: &dyn Vars) -> Result<Con
     env::apply(&mut raw, vars, &mut checker.problems);
     let config = checker.config(&raw);
     if checker.problems.is_empty() {
-        Ok(config)
-    } else {
-        Err(ConfigError {
-            problems: checker.problems,
-        })
+        return Ok(config);
     }
+    // Environment problems (no line) first, then the file's in line order; the sort is
+    // stable, so problems on one line keep the order they were found in.
+    let mut problems = checker.problems;
+    problems.sort_by_key(|problem| problem.line);
+    Err(ConfigError { problems })
 }
 
 // === parse ===
 
 fn parse(text: &str, file: &str) -> Result<RawConfig, ConfigProblem> {
-    let deserializer = toml::de::Deserializer::parse(text).map_err(|error| ConfigProblem {
-        file: file.to_owned(),
-        line: line_at(text, error.span()),
-        key: "syntax".to_owned(),
-        message: error
+    let deserializer = toml::de::Deserializer::parse(text).map_err(|error| {
+        let mut message = error
             .message()
             .lines()
             .next()
             .unwrap_or("invalid TOML")
-            .to_owned(),
+            .to_owned();
+        // toml does not name the repeated key; its span does.
+        if message == "duplicate key"
+            && let Some(key) = error.span().and_then(|span| text.get(span))
+        {
+            message.push_str(&format!(" {key:?}"));
+        }
+        ConfigProblem {
+            file: file.to_owned(),
+            line: line_at(text, error.span()),
+            key: "syntax".to_owned(),
+            message,
+        }
     })?;
     serde_path_to_error::deserialize(deserializer).map_err(|error| {
-        let path = error.path().to_string();
+        let path = key_path(error.path());
         let inner = error.into_inner();
         let (key, message) = describe_serde_error(&path, inner.message());
         ConfigProblem {
@@ -142,20 +152,54 @@ fn parse(text: &str, file: &str) -> Result<RawConfig, ConfigProblem> {
     })
 }
 
+/// `routes[1].ttl` from serde's path, without the segments `toml::Spanned` adds.
+fn key_path(path: &serde_path_to_error::Path) -> String {
+    use serde_path_to_error::Segment;
+
+    let mut key = String::new();
+    for segment in path.iter() {
+        match segment {
+            Segment::Seq { index } => key.push_str(&format!("[{index}]")),
+            Segment::Map { key: name } | Segment::Enum { variant: name } => {
+                if name.starts_with("$__serde_spanned_private_") {
+                    continue;
+                }
+                if !key.is_empty() {
+                    key.push('.');
+                }
+                key.push_str(name);
+            }
+            Segment::Unknown => {
+                if !key.is_empty() {
+                    key.push('.');
+                }
+                key.push('?');
+            }
+        }
+    }
+    key
+}
+
 /// 1-based line of a byte offset.
 fn line_at(text: &str, span: Option<Range<usize>>) -> Option<usize> {
     let start = span?.start.min(text.len());
-    Some(text.as_bytes()[..start].iter().filter(|b| **b == b'\n').count() + 1)
+    Some(
+        text.as_bytes()[..start]
+            .iter()
+            .filter(|b| **b == b'\n')
+            .count()
+            + 1,
+    )
 }
 
 /// Turns serde's message into `key` + `expected …, got …`. serde's wording is stable
 /// (`missing field`, `unknown field`, `invalid type`, `invalid value`); anything else (our
 /// own custom messages) passes through unchanged.
 fn describe_serde_error(path: &str, message: &str) -> (String, String) {
-    let key = if path == "." { "config" } else { path };
+    let key = if path.is_empty() { "config" } else { path };
     if let Some(rest) = message.strip_prefix("missing field `") {
         let field = rest.split('`').next().unwrap_or(rest);
-        let key = if path == "." {
+        let key = if path.is_empty() {
             field.to_owned()
         } else {
             format!("{path}.{field}")
@@ -266,9 +310,7 @@ pub(super) fn parse_upstream_url(value: &str) -> Result<Uri, String> {
         return Err(format!("{expected} (the port is required)"));
     }
     if uri.query().is_some() || value.contains('#') {
-        return Err(format!(
-            "{expected} (a query or fragment is not allowed)"
-        ));
+        return Err(format!("{expected} (a query or fragment is not allowed)"));
     }
     Ok(uri)
 }
@@ -450,16 +492,14 @@ impl Checker<'_> {
             shutdown_grace: raw.server.shutdown_grace.0,
         };
         let upstream = self.upstream(raw);
-        let redis = match &raw.redis {
-            Some(section) => Some(self.redis(section)),
-            None => None,
-        };
+        let redis = raw.redis.as_ref().map(|section| self.redis(section));
         let admin = self.admin(&raw.admin, &server);
         let cache = self.cache(&raw.cache);
         let lock = LockConfig {
             lease: raw.lock.lease.0,
             wait_timeout: raw.lock.wait_timeout.0,
             on_timeout: raw.lock.on_timeout.0,
+            uncacheable_ttl: std::time::Duration::from_secs(10),
         };
         let routes = self.routes(&raw.routes, &cache);
         Config {
@@ -545,7 +585,9 @@ impl Checker<'_> {
         let proxy = server.listen;
         let overlaps = listen.port() != 0
             && listen.port() == proxy.port()
-            && (listen.ip() == proxy.ip() || listen.ip().is_unspecified() || proxy.ip().is_unspecified());
+            && (listen.ip() == proxy.ip()
+                || listen.ip().is_unspecified()
+                || proxy.ip().is_unspecified());
         if overlaps {
             self.report(
                 raw.listen.span(),
@@ -588,7 +630,12 @@ impl Checker<'_> {
         routes
     }
 
-    fn route(&mut self, i: usize, spanned: &Spanned<RawRoute>, cache: &CacheDefaults) -> RouteConfig {
+    fn route(
+        &mut self,
+        i: usize,
+        spanned: &Spanned<RawRoute>,
+        cache: &CacheDefaults,
+    ) -> RouteConfig {
         let raw = spanned.get_ref();
         let key = |field: &str| format!("routes[{i}].{field}");
 
@@ -599,7 +646,9 @@ impl Checker<'_> {
         self.check(check_pattern(pattern), raw.pattern.span(), &key("match"));
 
         let methods = self.methods(i, spanned);
-        let is_read = methods.iter().any(|m| m == Method::GET || m == Method::HEAD);
+        let is_read = methods
+            .iter()
+            .any(|m| m == Method::GET || m == Method::HEAD);
 
         let jitter = match &raw.jitter {
             Some(jitter) => self.jitter(jitter, &key("jitter")),
@@ -625,6 +674,7 @@ impl Checker<'_> {
             double_delete_delay: raw
                 .double_delete_delay
                 .map_or(defaults::DOUBLE_DELETE_DELAY, |d| d.0),
+            early_refresh_beta: 0.0,
         }
     }
 
@@ -661,7 +711,9 @@ impl Checker<'_> {
                 methods.push(method);
             }
         }
-        let is_read = methods.iter().any(|m| m == Method::GET || m == Method::HEAD);
+        let is_read = methods
+            .iter()
+            .any(|m| m == Method::GET || m == Method::HEAD);
         if let (true, Some(span)) = (is_read, first_write) {
             let writes: Vec<&str> = methods
                 .iter()
@@ -760,7 +812,10 @@ impl Checker<'_> {
         for (j, value) in raw.invalidate.iter().enumerate() {
             let key = format!("routes[{i}].invalidate[{j}]");
             let pattern = value.get_ref();
-            if self.check(check_pattern(pattern), value.span(), &key).is_none() {
+            if self
+                .check(check_pattern(pattern), value.span(), &key)
+                .is_none()
+            {
                 continue;
             }
             let unknown: Vec<&str> = pattern_params(pattern)
@@ -863,12 +918,17 @@ impl Checker<'_> {
                 }
                 Err(error) => {
                     let with = match &error {
-                        matchit::InsertError::Conflict { with } => match inserted.get(with.as_str()) {
-                            Some(&j) => {
-                                format!("route {:?} (routes[{j}])", raw[j].get_ref().name.get_ref())
+                        matchit::InsertError::Conflict { with } => {
+                            match inserted.get(with.as_str()) {
+                                Some(&j) => {
+                                    format!(
+                                        "route {:?} (routes[{j}])",
+                                        raw[j].get_ref().name.get_ref()
+                                    )
+                                }
+                                None => "an earlier route".to_owned(),
                             }
-                            None => "an earlier route".to_owned(),
-                        },
+                        }
                         _ => "an earlier route".to_owned(),
                     };
                     self.report(

@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use redis::{AsyncCommands, RedisError, SetExpiry, SetOptions};
+use redis::{AsyncCommands, FromRedisValue, RedisError, Script};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
@@ -37,6 +37,7 @@ pub(crate) struct RedisConn {
 }
 
 struct Inner {
+    client: redis::Client,
     conn: ConnectionManager,
     command_timeout: Duration,
     probe_timeout: Duration,
@@ -53,12 +54,13 @@ impl std::fmt::Debug for RedisConn {
 }
 
 impl RedisConn {
-    /// Creates the connection lazily (a Redis that is down at start is not an error: the
-    /// instance starts degraded) and spawns the health probe, which stops on `stop`.
+    /// Creates the connection, probes it once (a Redis that is down at start is not an
+    /// error: the instance starts degraded) and spawns the health probe, which stops on
+    /// `stop`.
     ///
     /// # Errors
     /// When the URL cannot be turned into a client (validated at config load already).
-    pub(crate) fn start(
+    pub(crate) async fn start(
         config: &RedisConfig,
         metrics: Metrics,
         stop: CancellationToken,
@@ -72,8 +74,9 @@ impl RedisConn {
             .set_number_of_retries(1)
             .set_min_delay(Duration::from_millis(50))
             .set_max_delay(Duration::from_millis(200));
-        let conn = ConnectionManager::new_lazy_with_config(client, manager_config)?;
+        let conn = ConnectionManager::new_lazy_with_config(client.clone(), manager_config)?;
         let inner = Arc::new(Inner {
+            client,
             conn,
             command_timeout: config.command_timeout,
             probe_timeout: config.connect_timeout.max(config.command_timeout),
@@ -83,12 +86,46 @@ impl RedisConn {
         });
         inner.metrics.redis_up.set(0);
         let this = RedisConn { inner };
+        this.probe().await;
+        if !this.is_up() {
+            warn!(message = "Redis unavailable at start; serving degraded until it answers.");
+        }
         tokio::spawn(this.clone().probe_loop(stop));
         Ok(this)
     }
 
     pub(crate) fn is_up(&self) -> bool {
         self.inner.up.load(Ordering::Relaxed)
+    }
+
+    /// The client, for connections of their own (the pub/sub subscription).
+    pub(crate) fn client(&self) -> &redis::Client {
+        &self.inner.client
+    }
+
+    /// Runs a Lua script (EVALSHA, loading it on first use), bounded like every command.
+    pub(crate) async fn run_script<T: FromRedisValue>(
+        &self,
+        op: RedisOp,
+        script: &Script,
+        keys: &[&str],
+        args: &[&[u8]],
+    ) -> Result<T, Unavailable> {
+        if !self.is_up() {
+            return Err(Unavailable);
+        }
+        let mut invocation = script.prepare_invoke();
+        for key in keys {
+            invocation.key(*key);
+        }
+        for arg in args {
+            invocation.arg(*arg);
+        }
+        let mut conn = self.inner.conn.clone();
+        let result =
+            tokio::time::timeout(self.inner.command_timeout, invocation.invoke_async(&mut conn))
+                .await;
+        self.settle(op, result)
     }
 
     /// `GET key`, or `Unavailable` at once while Redis is down.
@@ -103,27 +140,6 @@ impl RedisConn {
         )
         .await;
         self.settle(RedisOp::Get, result)
-    }
-
-    /// `SET key value PX ttl`, or `Unavailable` at once while Redis is down.
-    pub(crate) async fn set_px(
-        &self,
-        key: &str,
-        value: &[u8],
-        ttl: Duration,
-    ) -> Result<(), Unavailable> {
-        if !self.is_up() {
-            return Err(Unavailable);
-        }
-        let mut conn = self.inner.conn.clone();
-        let px = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1);
-        let options = SetOptions::default().with_expiration(SetExpiry::PX(px));
-        let result = tokio::time::timeout(
-            self.inner.command_timeout,
-            conn.set_options::<_, _, ()>(key, value, options),
-        )
-        .await;
-        self.settle(RedisOp::Set, result)
     }
 
     /// Turns a bounded command result into a value or `Unavailable`, marking Redis down on
@@ -180,25 +196,30 @@ impl RedisConn {
                 () = tokio::time::sleep(PROBE_INTERVAL) => {}
             }
             ticks = ticks.wrapping_add(1);
-            if self.is_up() && ticks % 5 != 0 {
+            if self.is_up() && !ticks.is_multiple_of(5) {
                 continue;
             }
-            let mut conn = self.inner.conn.clone();
-            let ping = tokio::time::timeout(
-                self.inner.probe_timeout,
-                redis::cmd("PING").query_async::<String>(&mut conn),
-            )
-            .await;
-            match ping {
-                Ok(Ok(_)) => self.mark_up(),
-                Ok(Err(error)) => {
-                    self.inner.metrics.redis_error(RedisOp::Ping);
-                    self.mark_down(&format!("PING failed: {error}"));
-                }
-                Err(_) => {
-                    self.inner.metrics.redis_error(RedisOp::Ping);
-                    self.mark_down("PING timed out");
-                }
+            self.probe().await;
+        }
+    }
+
+    /// One `PING`, bounded by the probe timeout; marks Redis up or down.
+    async fn probe(&self) {
+        let mut conn = self.inner.conn.clone();
+        let ping = tokio::time::timeout(
+            self.inner.probe_timeout,
+            redis::cmd("PING").query_async::<String>(&mut conn),
+        )
+        .await;
+        match ping {
+            Ok(Ok(_)) => self.mark_up(),
+            Ok(Err(error)) => {
+                self.inner.metrics.redis_error(RedisOp::Ping);
+                self.mark_down(&format!("PING failed: {error}"));
+            }
+            Err(_) => {
+                self.inner.metrics.redis_error(RedisOp::Ping);
+                self.mark_down("PING timed out");
             }
         }
     }

@@ -94,13 +94,12 @@ impl Proxy {
         *request.method_mut() = parts.method;
         *request.uri_mut() = uri;
         *request.headers_mut() = parts.headers;
-        if let Some(host) = parts.uri.authority() {
-            // HTTP/2 clients send :authority instead of Host; keep what they addressed.
-            if !request.headers().contains_key(header::HOST) {
-                if let Ok(value) = HeaderValue::from_str(host.as_str()) {
-                    request.headers_mut().insert(header::HOST, value);
-                }
-            }
+        // HTTP/2 clients send :authority instead of Host; keep what they addressed.
+        if let Some(host) = parts.uri.authority()
+            && !request.headers().contains_key(header::HOST)
+            && let Ok(value) = HeaderValue::from_str(host.as_str())
+        {
+            request.headers_mut().insert(header::HOST, value);
         }
 
         // The slot is held until the origin's response head arrives; streaming the body

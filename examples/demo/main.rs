@@ -1,0 +1,438 @@
+//! Run with: cargo run --release --example demo
+//!
+//! The one-command cacheguard demo. It needs nothing but the Rust toolchain (SQLite is
+//! bundled, Redis is optional):
+//!
+//! 1. starts a small SQLite-backed JSON API in-process (`origin.rs`: 10 000 items, 20 ms per
+//!    database query, an atomic counter of queries exposed at `/stats`);
+//! 2. starts cacheguard in front of it from the embedded [`DEMO_CONFIG`] (embedded mode; set
+//!    `CACHEGUARD_REDIS_URL=redis://127.0.0.1:6379` to run in shared mode with Redis as L2);
+//! 3. fires a short, bounded burst (`burst.rs`) first directly at the API, then through
+//!    cacheguard, and counts the database queries each phase caused:
+//!    - **stampede**: 500 GETs of one cold id — cacheguard coalesces them into one query;
+//!    - **hot set**: 5000 GETs over 50 popular ids — about one query per id;
+//!    - **penetration**: 1000 GETs of ids that do not exist, twice — the second pass is
+//!      answered from cacheguard's negative cache without touching the database;
+//! 4. prints a table of requests, DB queries and errors per path, the `X-Cache` breakdown
+//!    seen through cacheguard, and a read-after-write check;
+//! 5. keeps running (cacheguard URL, admin URL and curl lines are printed) until Ctrl-C, or
+//!    exits right away with `--exit` (as CI runs it). The exit status is non-zero when any
+//!    request failed (transport error, 5xx or a wrong answer).
+//!
+//! Options: `--items N`, `--db-delay-ms MS`, `--concurrency N`, `--exit`. `RUST_LOG` sets
+//! cacheguard's log level (default `warn`).
+
+mod burst;
+mod origin;
+mod report;
+
+use std::net::SocketAddr;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::{Context as _, bail};
+use bytes::Bytes;
+use clap::Parser;
+use http_body_util::{BodyExt as _, Full};
+use hyper::{Method, Request, StatusCode, Uri};
+
+use crate::burst::{Counter, Expect, HttpClient, Phase};
+use crate::origin::{ApiOptions, DemoApi};
+use crate::report::Row;
+
+/// The cacheguard configuration the demo runs with (see `config/cacheguard.toml` for every
+/// key). `@UPSTREAM_URL@` becomes the demo API's address and both listeners bind
+/// `127.0.0.1:0` (a free port). There is no `[redis]` section, so this is embedded mode;
+/// the config loader switches to shared mode by itself when `CACHEGUARD_REDIS_URL` is set.
+pub const DEMO_CONFIG: &str = r#"
+# cacheguard — configuration of the one-command demo (embedded mode).
+
+[server]
+listen = "@LISTEN@"            # the proxy listener; the demo uses 127.0.0.1:0
+
+[upstream]
+url = "@UPSTREAM_URL@"         # the in-process SQLite demo API
+timeout = "5s"                 # whole-response timeout of one origin request (then 504)
+max_concurrency = 128          # origin guard: at most 128 origin requests in flight
+queue_timeout = "250ms"        # wait at most this for a slot, then shed with 503
+
+[admin]
+listen = "@ADMIN_LISTEN@"      # /metrics, /healthz, /readyz; the demo uses 127.0.0.1:0
+
+[cache]
+jitter = 0.1                   # stored ttl is uniform in ttl × [0.9, 1.1]
+grace = "30s"                  # stale copies kept this long past ttl (stale-while-revalidate)
+l1 = "hot"                     # embedded mode: L1 is the only tier and holds every entry
+
+[lock]
+lease = "5s"                   # shared mode: lock lease of the one fetching instance
+wait_timeout = "3s"            # how long a coalesced waiter waits for the fill
+on_timeout = "origin"          # then fetch from the origin itself (through the origin guard)
+
+# Reads of one item: cached for 60 s; a 404 is cached as NEGATIVE for 10 s, so floods of
+# ids that do not exist reach the database once per id and negative_ttl.
+[[routes]]
+name = "item"
+match = "/api/items/{id}"
+methods = ["GET"]
+ttl = "60s"
+negative_ttl = "10s"
+
+# Writes of one item go straight to the origin and invalidate the cached read
+# (delete before and after the write, and once more after double_delete_delay).
+[[routes]]
+name = "item-write"
+match = "/api/items/{id}"
+methods = ["PUT", "PATCH", "DELETE"]
+invalidate = ["/api/items/{id}"]
+double_delete_delay = "1s"
+"#;
+
+/// Requests in the stampede phase (all for one cold id).
+const STAMPEDE_REQUESTS: usize = 500;
+/// Requests and distinct ids in the hot-set phase.
+const HOT_REQUESTS: usize = 5_000;
+const HOT_IDS: i64 = 50;
+/// Distinct absent ids in each penetration pass.
+const PENETRATION_IDS: i64 = 1_000;
+/// How long shutdown of either server may take before the demo gives up on it.
+const SHUTDOWN_LIMIT: Duration = Duration::from_secs(15);
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "demo",
+    about = "cacheguard in front of a SQLite-backed API: stampede, hot set and penetration, with and without cacheguard"
+)]
+struct Args {
+    /// Items seeded in the demo database (ids 1..=N).
+    #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(100..=10_000_000))]
+    items: u64,
+    /// Artificial latency of each item read in the demo database, in milliseconds.
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u64).range(0..=5_000))]
+    db_delay_ms: u64,
+    /// Requests in flight at once during the burst (keep-alive connections per path).
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..=512))]
+    concurrency: u64,
+    /// Shut down and exit right after printing the results (for CI).
+    #[arg(long)]
+    exit: bool,
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let args = Args::parse();
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .try_init();
+    match run(args).await {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("demo: error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(args: Args) -> anyhow::Result<ExitCode> {
+    let api = DemoApi::start(ApiOptions {
+        items: args.items,
+        db_delay: Duration::from_millis(args.db_delay_ms),
+    })
+    .await?;
+
+    let config = match demo_config(api.addr()) {
+        Ok(c) => c,
+        Err(e) => {
+            api.shutdown().await;
+            return Err(e);
+        }
+    };
+    let mode = match &config.redis {
+        None => "embedded (L1 only, in-process single-flight; no Redis)".to_owned(),
+        Some(_) => {
+            "shared (Redis from CACHEGUARD_REDIS_URL as L2, lock service and event bus)".to_owned()
+        }
+    };
+    let running = match cacheguard::App::start(config).await {
+        Ok(r) => r,
+        Err(e) => {
+            api.shutdown().await;
+            return Err(e.context("starting cacheguard"));
+        }
+    };
+
+    let outcome = burst_and_report(&args, &api, running.addr(), &mode).await;
+    let ok = match outcome {
+        Ok(ok) => ok,
+        Err(e) => {
+            eprintln!("demo: error: {e:#}");
+            false
+        }
+    };
+
+    if !args.exit {
+        print_try_it(api.addr(), running.addr(), running.admin_addr(), args.items);
+        wait_for_signal().await;
+        println!("\nshutting down…");
+    }
+    if tokio::time::timeout(SHUTDOWN_LIMIT, running.shutdown())
+        .await
+        .is_err()
+    {
+        eprintln!("demo: cacheguard did not shut down within {SHUTDOWN_LIMIT:?}");
+    }
+    if tokio::time::timeout(SHUTDOWN_LIMIT, api.shutdown())
+        .await
+        .is_err()
+    {
+        eprintln!("demo: the demo API did not shut down within {SHUTDOWN_LIMIT:?}");
+    }
+    Ok(if ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+/// Builds the cacheguard config from [`DEMO_CONFIG`] for an API at `api`.
+fn demo_config(api: SocketAddr) -> anyhow::Result<cacheguard::Config> {
+    let upstream = format!("http://{api}");
+    let text = DEMO_CONFIG
+        .replace("@UPSTREAM_URL@", &upstream)
+        .replace("@ADMIN_LISTEN@", "127.0.0.1:0")
+        .replace("@LISTEN@", "127.0.0.1:0");
+    let mut config =
+        cacheguard::Config::from_toml(&text, "demo (embedded)", &cacheguard::config::ProcessEnv)
+            .map_err(|e| anyhow::anyhow!("{e}"))
+            .context("the demo's embedded cacheguard config was refused")?;
+    if config.upstream.url.authority().map(|a| a.as_str())
+        != Some(upstream.trim_start_matches("http://"))
+    {
+        bail!(
+            "CACHEGUARD_UPSTREAM points cacheguard at {} instead of the demo API; unset it to run the demo",
+            config.upstream.url
+        );
+    }
+    if let Some(redis) = config.redis.as_mut() {
+        // A fresh key prefix per run: entries a previous demo run left in Redis (same ids,
+        // same data) would otherwise turn this run's misses into HIT-L2.
+        let run_id = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_millis())
+            .unwrap_or(0);
+        redis.key_prefix = format!("{}demo-{}-{run_id}:", redis.key_prefix, std::process::id());
+    }
+    Ok(config)
+}
+
+fn phases(items: i64) -> Vec<Phase> {
+    let cold = items / 2 + 1; // exists, and is not one of the hot ids 1..=50
+    let absent: Vec<i64> = (1..=PENETRATION_IDS).map(|i| items + i).collect();
+    vec![
+        Phase {
+            name: "stampede: 1 cold id".to_owned(),
+            ids: vec![cold; STAMPEDE_REQUESTS],
+            expect: Expect::Item,
+        },
+        Phase {
+            name: format!("hot set: {HOT_IDS} ids"),
+            ids: (0..HOT_REQUESTS as i64).map(|i| 1 + i % HOT_IDS).collect(),
+            expect: Expect::Item,
+        },
+        Phase {
+            name: "penetration, pass 1".to_owned(),
+            ids: absent.clone(),
+            expect: Expect::Missing,
+        },
+        Phase {
+            name: "penetration, pass 2".to_owned(),
+            ids: absent,
+            expect: Expect::Missing,
+        },
+    ]
+}
+
+/// Runs every phase directly, then through cacheguard, and prints the results.
+/// Returns whether every request got a right answer.
+async fn burst_and_report(
+    args: &Args,
+    api: &DemoApi,
+    proxy: SocketAddr,
+    mode: &str,
+) -> anyhow::Result<bool> {
+    let concurrency = usize::try_from(args.concurrency)?;
+    let items = i64::try_from(args.items)?;
+    let client = burst::client(concurrency);
+    let counter = Counter::new(client.clone(), api.addr());
+    let phases = phases(items);
+
+    println!("cacheguard demo");
+    println!("  mode:        {mode}");
+    println!(
+        "  origin:      SQLite demo API, {} items, {} ms per query, at http://{}",
+        args.items,
+        args.db_delay_ms,
+        api.addr()
+    );
+    println!("  cacheguard:  http://{proxy}");
+    println!("  burst:       {concurrency} requests in flight, keep-alive connections");
+    println!();
+
+    let mut direct = Vec::new();
+    for phase in &phases {
+        direct.push(burst::run(&client, &counter, api.addr(), phase, concurrency).await?);
+    }
+    let mut cached = Vec::new();
+    for phase in &phases {
+        cached.push(burst::run(&client, &counter, proxy, phase, concurrency).await?);
+    }
+    let rows: Vec<Row> = phases
+        .iter()
+        .zip(direct.into_iter().zip(cached))
+        .map(|(p, (direct, cached))| Row {
+            phase: p.name.clone(),
+            direct,
+            cached,
+        })
+        .collect();
+
+    println!("DB queries per phase, directly at the API and via cacheguard (cg):");
+    print!("{}", report::table(&rows));
+    println!();
+    println!("X-Cache seen via cacheguard (MISS counts every request answered by a fresh");
+    println!("origin fetch, including the coalesced waiters that shared one DB query):");
+    print!("{}", report::x_cache_table(&rows));
+    let details = report::error_details(&rows);
+    if !details.is_empty() {
+        println!();
+        println!("errors:");
+        print!("{details}");
+    }
+    println!();
+    match read_after_write(&client, proxy).await {
+        Ok(line) => println!("read after write via cacheguard: {line}"),
+        Err(e) => println!("read after write via cacheguard: could not check: {e:#}"),
+    }
+    let ok = rows
+        .iter()
+        .all(|r| r.direct.errors() == 0 && r.cached.errors() == 0);
+    if !ok {
+        println!("\nFAILED: some requests failed (see errors above)");
+    }
+    Ok(ok)
+}
+
+/// PUTs a new name for a hot item through cacheguard, then GETs it through cacheguard.
+async fn read_after_write(client: &HttpClient, proxy: SocketAddr) -> anyhow::Result<String> {
+    let id = 2;
+    let name = format!("renamed by the demo (pid {})", std::process::id());
+    let body = serde_json::json!({"name": name, "price": 4.2}).to_string();
+    let uri: Uri = format!("http://{proxy}/api/items/{id}").parse()?;
+    let put = Request::builder()
+        .method(Method::PUT)
+        .uri(uri.clone())
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body)))?;
+    let (status, _, _) = send(client, put).await?;
+    if !status.is_success() {
+        bail!("PUT /api/items/{id} answered {status}");
+    }
+    let get = Request::get(uri).body(Full::new(Bytes::new()))?;
+    let (status, x_cache, body) = send(client, get).await?;
+    let seen = serde_json::from_slice::<serde_json::Value>(&body)
+        .ok()
+        .and_then(|v| v.get("name").and_then(|n| n.as_str()).map(str::to_owned));
+    let x_cache = x_cache.unwrap_or_else(|| burst::NO_X_CACHE.to_owned());
+    Ok(
+        if status == StatusCode::OK && seen.as_deref() == Some(name.as_str()) {
+            format!("PUT /api/items/{id}, then GET → the new name (X-Cache: {x_cache}) — fresh")
+        } else {
+            format!(
+                "PUT /api/items/{id}, then GET → {status}, {seen:?} (X-Cache: {x_cache}) — STALE"
+            )
+        },
+    )
+}
+
+async fn send(
+    client: &HttpClient,
+    req: Request<Full<Bytes>>,
+) -> anyhow::Result<(StatusCode, Option<String>, Bytes)> {
+    let resp = tokio::time::timeout(Duration::from_secs(10), client.request(req))
+        .await
+        .context("timed out")??;
+    let status = resp.status();
+    let x_cache = resp
+        .headers()
+        .get("x-cache")
+        .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
+    let body = resp.into_body().collect().await?.to_bytes();
+    Ok((status, x_cache, body))
+}
+
+fn print_try_it(api: SocketAddr, proxy: SocketAddr, admin: SocketAddr, items: u64) {
+    let cold = items - 7; // an id the burst did not touch
+    let absent = items + 1_000_001;
+    let tries = [
+        (
+            format!("curl -i http://{proxy}/api/items/1"),
+            "warmed by the burst: a hit",
+        ),
+        (
+            format!("curl -i http://{proxy}/api/items/{cold}"),
+            "MISS, then a hit on the second try",
+        ),
+        (
+            format!("curl -i http://{proxy}/api/items/{absent}"),
+            "404: MISS, then NEGATIVE for 10 s",
+        ),
+        (
+            format!("curl -s http://{api}/stats"),
+            "DB queries so far (the API itself)",
+        ),
+        (
+            format!("curl -s http://{admin}/metrics | grep ^cacheguard_"),
+            "metrics",
+        ),
+    ];
+    let width = tries.iter().map(|(c, _)| c.len()).max().unwrap_or(0);
+    println!();
+    println!("cacheguard is running (Ctrl-C to stop):");
+    println!("  proxy:  http://{proxy}");
+    println!("  admin:  http://{admin}  (/metrics, /healthz, /readyz)");
+    println!("  origin: http://{api}  (the demo API itself, bypassing cacheguard)");
+    println!();
+    println!("try:");
+    for (command, what) in &tries {
+        println!("  {command:<width$}  # {what}");
+    }
+    println!(
+        "  curl -i -X PUT -H 'content-type: application/json' -d '{{\"name\":\"new\",\"price\":1.5}}' http://{proxy}/api/items/1"
+    );
+}
+
+async fn wait_for_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The one test command: installs what the tests need, then runs every quality gate and the
+# whole test suite. `.ci/run` calls exactly this.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
+
+# Real Redis for the integration tests (never mocked).
+if ! command -v redis-server >/dev/null 2>&1; then
+    echo "== installing redis-server"
+    as_root apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq redis-server >/dev/null
+fi
+# The redis-server package may start a system instance on 6379; tests never use it (each
+# test starts its own server on a free port), so it is left alone.
+
+echo "== cargo fmt --check"
+cargo fmt --all -- --check
+
+echo "== cargo clippy --all-targets -- -D warnings"
+cargo clippy --all-targets --locked -- -D warnings
+
+echo "== cargo test"
+cargo test --all-targets --locked
+
+echo "== demo smoke run"
+cargo run --locked --example demo -- --exit

@@ -1,0 +1,797 @@
+//! Unit tests of config loading: the documented example, defaults, every kind of error
+//! message (with its exact `file:line: key:` prefix), environment overrides and query
+//! policies. The binary's `--check-config` is tested in `tests/config_errors.rs`.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use http::Method;
+
+use super::{Config, ConfigError, L1Policy, OnTimeout, QueryPolicy};
+
+const EXAMPLE: &str = include_str!("../../config/cacheguard.toml");
+const EMBEDDED: &str = include_str!("../../config/embedded.toml");
+
+/// The smallest valid file.
+const MINIMAL: &str = "[upstream]\nurl = \"http://127.0.0.1:9000\"\n";
+
+fn no_env() -> HashMap<String, String> {
+    HashMap::new()
+}
+
+fn env(pairs: &[(&str, &str)]) -> HashMap<String, String> {
+    pairs
+        .iter()
+        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+        .collect()
+}
+
+fn load(text: &str) -> Result<Config, ConfigError> {
+    Config::from_toml(text, "test.toml", &no_env())
+}
+
+fn problems_with(text: &str, vars: &HashMap<String, String>) -> Vec<String> {
+    match Config::from_toml(text, "test.toml", vars) {
+        Ok(_) => panic!("expected errors for:\n{text}"),
+        Err(error) => error.problems.iter().map(ToString::to_string).collect(),
+    }
+}
+
+fn problems(text: &str) -> Vec<String> {
+    problems_with(text, &no_env())
+}
+
+/// The single problem reported for `text`.
+fn problem(text: &str) -> String {
+    let mut all = problems(text);
+    assert_eq!(all.len(), 1, "expected exactly one problem, got {all:#?}");
+    all.remove(0)
+}
+
+/// `MINIMAL` followed by `rest`; `rest` starts on line 3.
+fn with_minimal(rest: &str) -> String {
+    format!("{MINIMAL}{rest}")
+}
+
+// === the documented examples ===
+
+#[test]
+fn example_file_parses_with_the_documented_values() {
+    let config = Config::from_toml(EXAMPLE, "config/cacheguard.toml", &no_env()).unwrap();
+    assert_eq!(config.source, "config/cacheguard.toml");
+
+    assert_eq!(config.server.listen, "0.0.0.0:8080".parse().unwrap());
+    assert_eq!(config.server.max_header_bytes, 16384);
+    assert_eq!(config.server.max_body_bytes, 10_485_760);
+    assert_eq!(config.server.header_read_timeout, Duration::from_secs(10));
+    assert_eq!(config.server.shutdown_grace, Duration::from_secs(10));
+
+    assert_eq!(config.upstream.url, "http://127.0.0.1:9000");
+    assert_eq!(config.upstream.timeout, Duration::from_secs(10));
+    assert_eq!(config.upstream.connect_timeout, Duration::from_secs(2));
+    assert_eq!(config.upstream.max_concurrency, 256);
+    assert_eq!(config.upstream.max_rps, 0);
+    assert_eq!(config.upstream.queue_timeout, Duration::from_millis(100));
+    assert_eq!(config.upstream.pool_max_idle, 64);
+
+    let redis = config
+        .redis
+        .as_ref()
+        .expect("the example runs in shared mode");
+    assert_eq!(redis.url, "redis://127.0.0.1:6379");
+    assert_eq!(redis.command_timeout, Duration::from_millis(50));
+    assert_eq!(redis.connect_timeout, Duration::from_secs(1));
+    assert_eq!(redis.key_prefix, "cg:");
+
+    assert_eq!(config.admin.listen, "127.0.0.1:9091".parse().unwrap());
+    assert_eq!(config.admin.token, None);
+
+    assert_eq!(config.cache.ttl, Duration::from_secs(60));
+    assert_eq!(config.cache.jitter, 0.2);
+    assert_eq!(config.cache.grace, Duration::from_secs(30));
+    assert_eq!(config.cache.negative_ttl, Duration::from_secs(10));
+    assert_eq!(config.cache.max_entry_bytes, 1_048_576);
+    assert_eq!(config.cache.l1_max_bytes, 268_435_456);
+    assert_eq!(config.cache.l1, L1Policy::Hot);
+
+    assert_eq!(config.lock.lease, Duration::from_secs(5));
+    assert_eq!(config.lock.wait_timeout, Duration::from_secs(3));
+    assert_eq!(config.lock.on_timeout, OnTimeout::Origin);
+
+    let [item, write] = config.routes.as_slice() else {
+        panic!("expected two routes, got {:#?}", config.routes);
+    };
+    assert_eq!(item.name, "item");
+    assert_eq!(item.pattern, "/api/items/{id}");
+    assert_eq!(item.methods, [Method::GET]);
+    assert!(item.is_read());
+    assert_eq!(item.ttl, Duration::from_secs(300));
+    assert_eq!(item.jitter, 0.2, "inherited from [cache]");
+    assert_eq!(
+        item.grace,
+        Duration::from_secs(30),
+        "inherited from [cache]"
+    );
+    assert_eq!(item.query, QueryPolicy::Sorted);
+    assert_eq!(item.vary, ["accept-language"]);
+    assert!(item.invalidate.is_empty());
+
+    assert_eq!(write.name, "item-write");
+    assert_eq!(write.methods, [Method::PUT, Method::PATCH, Method::DELETE]);
+    assert!(!write.is_read());
+    assert_eq!(write.invalidate, ["/api/items/{id}"]);
+    assert_eq!(write.double_delete_delay, Duration::from_secs(1));
+}
+
+#[test]
+fn example_file_documents_every_key() {
+    // Every key the loader knows appears in the example, so the example cannot fall behind.
+    let keys = [
+        "listen",
+        "max_header_bytes",
+        "max_body_bytes",
+        "header_read_timeout",
+        "shutdown_grace",
+        "url",
+        "timeout",
+        "connect_timeout",
+        "max_concurrency",
+        "max_rps",
+        "queue_timeout",
+        "pool_max_idle",
+        "command_timeout",
+        "key_prefix",
+        "token",
+        "ttl",
+        "jitter",
+        "grace",
+        "negative_ttl",
+        "max_entry_bytes",
+        "l1_max_bytes",
+        "l1",
+        "lease",
+        "wait_timeout",
+        "on_timeout",
+        "name",
+        "match",
+        "methods",
+        "query",
+        "vary",
+        "invalidate",
+        "double_delete_delay",
+    ];
+    for key in keys {
+        assert!(
+            EXAMPLE.contains(key),
+            "config/cacheguard.toml does not mention {key}"
+        );
+    }
+}
+
+#[test]
+fn embedded_example_has_no_redis() {
+    let config = Config::from_toml(EMBEDDED, "config/embedded.toml", &no_env()).unwrap();
+    assert!(config.redis.is_none());
+    assert_eq!(config.cache.ttl, Duration::from_secs(30));
+    assert_eq!(config.routes.len(), 2);
+}
+
+#[test]
+fn defaults_apply_to_a_minimal_file() {
+    let config = load(MINIMAL).unwrap();
+    assert_eq!(config.source, "test.toml");
+    assert_eq!(config.server.listen, "0.0.0.0:8080".parse().unwrap());
+    assert_eq!(config.server.max_header_bytes, 16384);
+    assert_eq!(config.server.max_body_bytes, 10 * 1024 * 1024);
+    assert_eq!(config.upstream.max_concurrency, 256);
+    assert_eq!(config.upstream.queue_timeout, Duration::from_millis(100));
+    assert!(config.redis.is_none(), "no [redis] = embedded mode");
+    assert_eq!(config.admin.listen, "127.0.0.1:9091".parse().unwrap());
+    assert_eq!(config.cache.jitter, 0.2);
+    assert_eq!(config.cache.l1, L1Policy::Hot);
+    assert_eq!(config.lock.on_timeout, OnTimeout::Origin);
+    assert!(config.routes.is_empty());
+}
+
+#[test]
+fn redis_section_takes_defaults() {
+    let config = load(&with_minimal("[redis]\nurl = \"unix:///run/redis.sock\"\n")).unwrap();
+    let redis = config.redis.unwrap();
+    assert_eq!(redis.url, "unix:///run/redis.sock");
+    assert_eq!(redis.command_timeout, Duration::from_millis(50));
+    assert_eq!(redis.connect_timeout, Duration::from_secs(1));
+    assert_eq!(redis.key_prefix, "cg:");
+}
+
+#[test]
+fn route_defaults_and_overrides() {
+    let config = load(&with_minimal(
+        "[cache]\nttl = \"2m\"\nl1 = \"all\"\n\n\
+         [[routes]]\nname = \"plain\"\nmatch = \"/a/{id}\"\n\n\
+         [[routes]]\nname = \"tuned\"\nmatch = \"/b/{*rest}\"\nmethods = [\"get\", \"HEAD\"]\n\
+         ttl = \"250ms\"\njitter = 0.0\ngrace = \"0s\"\nnegative_ttl = \"1s\"\n\
+         max_entry_bytes = 10\nl1 = \"off\"\nvary = [\"X-Tenant\", \"accept\", \"x-tenant\"]\n",
+    ))
+    .unwrap();
+    let [plain, tuned] = config.routes.as_slice() else {
+        panic!("two routes expected");
+    };
+    assert_eq!(plain.methods, [Method::GET]);
+    assert_eq!(plain.ttl, Duration::from_secs(120));
+    assert_eq!(plain.l1, L1Policy::All);
+    assert_eq!(plain.jitter, 0.2);
+    assert_eq!(plain.double_delete_delay, Duration::from_secs(1));
+    assert!(plain.vary.is_empty());
+
+    assert_eq!(tuned.methods, [Method::GET, Method::HEAD], "uppercased");
+    assert_eq!(tuned.ttl, Duration::from_millis(250));
+    assert_eq!(tuned.jitter, 0.0);
+    assert_eq!(tuned.grace, Duration::ZERO);
+    assert_eq!(tuned.negative_ttl, Duration::from_secs(1));
+    assert_eq!(tuned.max_entry_bytes, 10);
+    assert_eq!(tuned.l1, L1Policy::Off);
+    assert_eq!(
+        tuned.vary,
+        ["accept", "x-tenant"],
+        "lowercased, sorted, deduplicated"
+    );
+}
+
+#[test]
+fn query_policy_variants() {
+    let route = |query: &str| {
+        let text = with_minimal(&format!(
+            "[[routes]]\nname = \"r\"\nmatch = \"/r\"\n{query}\n"
+        ));
+        load(&text).unwrap().routes.remove(0).query
+    };
+    assert_eq!(route(""), QueryPolicy::Sorted);
+    assert_eq!(route("query = \"sorted\""), QueryPolicy::Sorted);
+    assert_eq!(route("query = \"ignore\""), QueryPolicy::Ignore);
+    assert_eq!(
+        route("query = [\"page\", \"limit\", \"page\"]"),
+        QueryPolicy::Allow(vec!["limit".to_owned(), "page".to_owned()]),
+        "sorted and deduplicated"
+    );
+}
+
+// === one test per kind of error; each asserts the whole line, file:line: key: message ===
+
+#[test]
+fn syntax_error_names_the_line() {
+    assert_eq!(
+        problem("[server]\nlisten = \"0.0.0.0:8080\"\nmax_body_bytes = \n"),
+        "test.toml:3: syntax: string values must be quoted, expected literal string"
+    );
+}
+
+#[test]
+fn duplicate_key_is_a_syntax_error() {
+    assert_eq!(
+        problem(&with_minimal("[cache]\nttl = \"1s\"\nttl = \"2s\"\n")),
+        "test.toml:5: syntax: duplicate key \"ttl\""
+    );
+}
+
+#[test]
+fn unknown_key_lists_the_known_ones() {
+    assert_eq!(
+        problem(&with_minimal("[cache]\ntll = \"5s\"\n")),
+        "test.toml:4: cache.tll: unknown key, expected one of ttl, jitter, grace, negative_ttl, \
+         max_entry_bytes, l1_max_bytes, l1"
+    );
+}
+
+#[test]
+fn unknown_key_in_a_route() {
+    assert_eq!(
+        problem(&with_minimal(
+            "[[routes]]\nname = \"r\"\nmatch = \"/r\"\nbloom = { filter = \"items\" }\n"
+        )),
+        "test.toml:6: routes[0].bloom: unknown key, expected one of name, match, methods, ttl, \
+         jitter, grace, negative_ttl, max_entry_bytes, l1, query, vary, invalidate, \
+         double_delete_delay (bloom is not supported yet: it arrives with a later release)"
+    );
+}
+
+#[test]
+fn sections_of_later_releases_are_refused() {
+    let message = problem(&with_minimal("[hot_keys]\nthreshold_rps = 100\n"));
+    assert!(
+        message.starts_with("test.toml:3: hot_keys: unknown key, expected one of server, "),
+        "{message}"
+    );
+    assert!(
+        message.ends_with("arrives with a later release)"),
+        "{message}"
+    );
+}
+
+#[test]
+fn wrong_type() {
+    assert_eq!(
+        problem("[upstream]\nmax_concurrency = \"many\"\nurl = \"http://127.0.0.1:9000\"\n"),
+        "test.toml:2: upstream.max_concurrency: expected a non-negative integer, got \"many\""
+    );
+    assert_eq!(
+        problem(&with_minimal("[server]\nmax_body_bytes = -1\n")),
+        "test.toml:4: server.max_body_bytes: expected a non-negative integer, got -1"
+    );
+    assert_eq!(
+        problem(&with_minimal("[cache]\nl1_max_bytes = \"1GB\"\n")),
+        "test.toml:4: cache.l1_max_bytes: expected a non-negative integer, got \"1GB\""
+    );
+    assert_eq!(
+        problem(&with_minimal(
+            "[[routes]]\nname = \"r\"\nmatch = \"/r\"\nmethods = \"GET\"\n"
+        )),
+        "test.toml:6: routes[0].methods: expected an array, got \"GET\""
+    );
+    assert_eq!(
+        problem(&format!("routes = 5\n{MINIMAL}")),
+        "test.toml:1: routes: expected an array, got 5"
+    );
+}
+
+#[test]
+fn bad_duration_names_route_and_line() {
+    let text = "\
+[upstream]
+url = \"http://127.0.0.1:9000\"
+
+[[routes]]
+name = \"item\"
+match = \"/api/items/{id}\"
+ttl = \"5m\"
+
+[[routes]]
+name = \"list\"
+match = \"/api/items\"
+methods = [\"GET\"]
+query = [\"page\", \"limit\"]
+ttl = \"thirty\"
+";
+    assert_eq!(
+        problem(text),
+        "test.toml:14: routes[1].ttl: expected a duration like \"30s\", got \"thirty\""
+    );
+    assert_eq!(
+        problem(&with_minimal("[lock]\nlease = 5\n")),
+        "test.toml:4: lock.lease: expected a duration like \"30s\", got 5"
+    );
+}
+
+#[test]
+fn missing_required_keys() {
+    // A route without `match`: the line of its [[routes]] header.
+    assert_eq!(
+        problem(&with_minimal("\n[[routes]]\nname = \"r\"\n")),
+        "test.toml:4: routes[0].match: required key is missing"
+    );
+    // [upstream] without url: the line of the header.
+    assert_eq!(
+        problem("[server]\nlisten = \"0.0.0.0:8080\"\n\n[upstream]\ntimeout = \"1s\"\n"),
+        "test.toml:4: upstream.url: required key is missing: expected the origin URL like \
+         \"http://127.0.0.1:9000\" (or set CACHEGUARD_UPSTREAM)"
+    );
+    // No [upstream] at all: line 1.
+    assert_eq!(
+        problem("[cache]\nttl = \"1s\"\n"),
+        "test.toml:1: upstream.url: required key is missing: expected the origin URL like \
+         \"http://127.0.0.1:9000\" (or set CACHEGUARD_UPSTREAM)"
+    );
+    assert_eq!(
+        problem(&with_minimal("[redis]\nkey_prefix = \"x:\"\n")),
+        "test.toml:3: redis.url: required key is missing: expected a Redis URL like \
+         \"redis://127.0.0.1:6379\" (or remove [redis] for embedded mode)"
+    );
+}
+
+#[test]
+fn bad_enum_value() {
+    assert_eq!(
+        problem(&with_minimal("[cache]\nl1 = \"sometimes\"\n")),
+        "test.toml:4: cache.l1: expected one of \"hot\", \"all\", \"off\", got \"sometimes\""
+    );
+    assert_eq!(
+        problem(&with_minimal("[lock]\non_timeout = \"retry\"\n")),
+        "test.toml:4: lock.on_timeout: expected one of \"origin\", \"error\", got \"retry\""
+    );
+    assert_eq!(
+        problem(&with_minimal(
+            "[[routes]]\nname = \"r\"\nmatch = \"/r\"\nl1 = 1\n"
+        )),
+        "test.toml:6: routes[0].l1: expected one of \"hot\", \"all\", \"off\", got 1"
+    );
+    assert_eq!(
+        problem(&with_minimal(
+            "[[routes]]\nname = \"r\"\nmatch = \"/r\"\nquery = \"all\"\n"
+        )),
+        "test.toml:6: routes[0].query: expected \"sorted\", \"ignore\" or an array of \
+         parameter names, got \"all\""
+    );
+}
+
+#[test]
+fn out_of_range_numbers() {
+    assert_eq!(
+        problem(&with_minimal("[cache]\njitter = 1.5\n")),
+        "test.toml:4: cache.jitter: expected a number from 0.0 up to (not including) 1.0, got 1.5"
+    );
+    assert_eq!(
+        problem(&with_minimal("[cache]\njitter = 1\n")),
+        "test.toml:4: cache.jitter: expected a number from 0.0 up to (not including) 1.0, got 1.0"
+    );
+    assert_eq!(
+        problem(&with_minimal(
+            "[[routes]]\nname = \"r\"\nmatch = \"/r\"\njitter = -0.1\n"
+        )),
+        "test.toml:6: routes[0].jitter: expected a number from 0.0 up to (not including) 1.0, \
+         got -0.1"
+    );
+    assert_eq!(
+        problem("[upstream]\nurl = \"http://127.0.0.1:9000\"\nmax_concurrency = 0\n"),
+        "test.toml:3: upstream.max_concurrency: expected an integer of at least 1, got 0"
+    );
+    assert_eq!(
+        problem("[upstream]\nmax_rps = 5000000000\nurl = \"http://127.0.0.1:9000\"\n"),
+        "test.toml:2: upstream.max_rps: expected an integer from 0 to 4294967295, got 5000000000"
+    );
+}
+
+#[test]
+fn bad_listen_addresses() {
+    assert_eq!(
+        problem(&with_minimal("[server]\nlisten = \"localhost:8080\"\n")),
+        "test.toml:4: server.listen: expected a socket address like \"0.0.0.0:8080\", \
+         got \"localhost:8080\""
+    );
+    assert_eq!(
+        problem(&with_minimal("[admin]\nlisten = \"9091\"\n")),
+        "test.toml:4: admin.listen: expected a socket address like \"127.0.0.1:9091\", \
+         got \"9091\""
+    );
+    assert_eq!(
+        problem(&with_minimal("[server]\nlisten = \"0.0.0.0:9091\"\n")),
+        "test.toml:1: admin.listen: expected an address apart from server.listen \
+         (0.0.0.0:9091), got \"127.0.0.1:9091\""
+    );
+}
+
+#[test]
+fn bad_upstream_urls() {
+    let url = |url: &str| problem(&format!("[upstream]\nurl = \"{url}\"\n"));
+    assert_eq!(
+        url("https://127.0.0.1:9443"),
+        "test.toml:2: upstream.url: https is not supported: the upstream client speaks plain \
+         HTTP to a sidecar-local origin; expected a URL like \"http://127.0.0.1:9000[/prefix]\", \
+         got \"https://127.0.0.1:9443\""
+    );
+    assert_eq!(
+        url("127.0.0.1:9000"),
+        "test.toml:2: upstream.url: expected a URL like \"http://127.0.0.1:9000[/prefix]\", \
+         got \"127.0.0.1:9000\" (the scheme must be http://)"
+    );
+    assert_eq!(
+        url("http://origin"),
+        "test.toml:2: upstream.url: expected a URL like \"http://127.0.0.1:9000[/prefix]\", \
+         got \"http://origin\" (the port is required)"
+    );
+    assert_eq!(
+        url("http://h:1/v1?x=1"),
+        "test.toml:2: upstream.url: expected a URL like \"http://127.0.0.1:9000[/prefix]\", \
+         got \"http://h:1/v1?x=1\" (a query or fragment is not allowed)"
+    );
+    assert_eq!(
+        url("http://user:secret@h:1"),
+        "test.toml:2: upstream.url: expected a URL like \"http://127.0.0.1:9000[/prefix]\", \
+         got \"http://user:***@h:1\" (user info is not allowed)"
+    );
+    assert!(url("http://exa mple:80").starts_with("test.toml:2: upstream.url: expected a URL"));
+    let config = load("[upstream]\nurl = \"http://origin.local:9000/v1\"\n").unwrap();
+    assert_eq!(config.upstream.url.path(), "/v1");
+}
+
+#[test]
+fn bad_redis_urls() {
+    let redis = |url: &str| problem(&with_minimal(&format!("[redis]\nurl = \"{url}\"\n")));
+    assert_eq!(
+        redis("http://127.0.0.1:6379"),
+        "test.toml:4: redis.url: expected a Redis URL like \"redis://127.0.0.1:6379\" \
+         (redis://, rediss:// or unix://), got \"http://127.0.0.1:6379\""
+    );
+    let message = redis("redis://:hunter2@127.0.0.1:6379/zero");
+    assert!(
+        message.starts_with(
+            "test.toml:4: redis.url: expected a Redis URL like \"redis://127.0.0.1:6379\" \
+             (redis://, rediss:// or unix://), got \"redis://:***@127.0.0.1:6379/zero\" ("
+        ),
+        "{message}"
+    );
+    assert!(
+        !message.contains("hunter2"),
+        "the password leaked: {message}"
+    );
+}
+
+#[test]
+fn admin_token_must_not_be_empty() {
+    assert_eq!(
+        problem(&with_minimal("[admin]\ntoken = \"\"\n")),
+        "test.toml:4: admin.token: expected a non-empty string (omit the token to refuse \
+         mutating admin calls)"
+    );
+}
+
+#[test]
+fn route_name_rules() {
+    let text = with_minimal(
+        "[[routes]]\nname = \"item\"\nmatch = \"/a/{id}\"\n\n\
+         [[routes]]\nname = \"item\"\nmatch = \"/b/{id}\"\n\n\
+         [[routes]]\nname = \"bad name\"\nmatch = \"/c\"\n",
+    );
+    assert_eq!(
+        problems(&text),
+        [
+            "test.toml:8: routes[1].name: expected a unique route name, got \"item\" again \
+             (routes[0], line 4)",
+            "test.toml:12: routes[2].name: expected a name of letters, digits, '_', '.' and '-' \
+             like \"item\", got \"bad name\"",
+        ]
+    );
+}
+
+#[test]
+fn conflicting_patterns() {
+    let text = with_minimal(
+        "[[routes]]\nname = \"one\"\nmatch = \"/files/{id}\"\n\n\
+         [[routes]]\nname = \"all\"\nmatch = \"/files/{*rest}\"\n",
+    );
+    assert_eq!(
+        problem(&text),
+        "test.toml:9: routes[1].match: pattern \"/files/{*rest}\" conflicts with route \"one\" \
+         (routes[0]): insertion failed due to conflict with previously registered route: \
+         /files/{id}"
+    );
+}
+
+#[test]
+fn invalid_patterns() {
+    let route = |pattern: &str| {
+        problem(&with_minimal(&format!(
+            "[[routes]]\nname = \"r\"\nmatch = \"{pattern}\"\n"
+        )))
+    };
+    assert_eq!(
+        route("api/items"),
+        "test.toml:5: routes[0].match: expected a path pattern starting with \"/\" like \
+         \"/api/items/{id}\", got \"api/items\""
+    );
+    assert_eq!(
+        route("/api/{id"),
+        "test.toml:5: routes[0].match: \"/api/{id\" is not a valid route pattern: parameters \
+         must be registered with a valid name"
+    );
+}
+
+#[test]
+fn read_routes_must_not_take_writes() {
+    assert_eq!(
+        problem(&with_minimal(
+            "[[routes]]\nname = \"r\"\nmatch = \"/r\"\nmethods = [\"GET\", \"POST\", \"DELETE\"]\n"
+        )),
+        "test.toml:6: routes[0].methods: a read route (GET/HEAD) cannot also take POST, DELETE: \
+         split read and write methods into two routes with the same match"
+    );
+}
+
+#[test]
+fn routes_with_the_same_match_must_not_share_a_method() {
+    let text = with_minimal(
+        "[[routes]]\nname = \"get\"\nmatch = \"/r\"\n\n\
+         [[routes]]\nname = \"head\"\nmatch = \"/r\"\nmethods = [\"HEAD\"]\n",
+    );
+    assert_eq!(
+        problem(&text),
+        "test.toml:10: routes[1].methods: HEAD already handled by route \"get\" (routes[0]) \
+         with the same match \"/r\""
+    );
+}
+
+#[test]
+fn bad_methods() {
+    assert_eq!(
+        problems(&with_minimal(
+            "[[routes]]\nname = \"r\"\nmatch = \"/r\"\nmethods = [\"GE T\"]\n\n\
+             [[routes]]\nname = \"w\"\nmatch = \"/w\"\nmethods = []\n"
+        )),
+        [
+            "test.toml:6: routes[0].methods[0]: expected an HTTP method like \"GET\", got \"GE T\"",
+            "test.toml:8: routes[1].methods: expected at least one method like \"GET\", got an \
+             empty array",
+        ]
+    );
+}
+
+#[test]
+fn vary_refuses_per_user_headers() {
+    assert_eq!(
+        problems(&with_minimal(
+            "[[routes]]\nname = \"r\"\nmatch = \"/r\"\nvary = [\"Authorization\", \"cookie\", \"bad header\"]\n"
+        )),
+        [
+            "test.toml:6: routes[0].vary[0]: \"authorization\" cannot be a vary header: it \
+             identifies the user, and per-user responses are never shared (leave this path \
+             uncached)",
+            "test.toml:6: routes[0].vary[1]: \"cookie\" cannot be a vary header: it identifies \
+             the user, and per-user responses are never shared (leave this path uncached)",
+            "test.toml:6: routes[0].vary[2]: expected a header name like \"accept-language\", \
+             got \"bad header\"",
+        ]
+    );
+}
+
+#[test]
+fn invalidate_rules() {
+    assert_eq!(
+        problem(&with_minimal(
+            "[[routes]]\nname = \"r\"\nmatch = \"/r/{id}\"\ninvalidate = [\"/r/{id}\"]\n"
+        )),
+        "test.toml:6: routes[0].invalidate: only write routes (no GET/HEAD) invalidate; move it \
+         to the route that takes the writes"
+    );
+    assert_eq!(
+        problems(&with_minimal(
+            "[[routes]]\nname = \"w\"\nmatch = \"/r/{id}\"\nmethods = [\"POST\"]\n\
+             invalidate = [\"/r/{id}\", \"/r/{sku}\", \"r\"]\n"
+        )),
+        [
+            "test.toml:7: routes[0].invalidate[1]: expected parameters taken from this route's \
+             match \"/r/{id}\", got {sku} in \"/r/{sku}\"",
+            "test.toml:7: routes[0].invalidate[2]: expected a path pattern starting with \"/\" \
+             like \"/api/items/{id}\", got \"r\"",
+        ]
+    );
+}
+
+#[test]
+fn missing_file_names_the_io_error() {
+    let error = Config::load(
+        std::path::Path::new("/nonexistent/cacheguard.toml"),
+        &no_env(),
+    )
+    .unwrap_err();
+    let message = error.to_string();
+    assert!(
+        message.starts_with("/nonexistent/cacheguard.toml: cannot read: "),
+        "{message}"
+    );
+    assert_eq!(error.problems[0].line, None);
+}
+
+#[test]
+fn problems_are_sorted_environment_first_then_by_line() {
+    let text = with_minimal(
+        "[[routes]]\nname = \"a\"\nmatch = \"/a/{id}\"\n\n\
+         [[routes]]\nname = \"a\"\nmatch = \"/a/{*rest}\"\n\n\
+         [server]\nlisten = \"x\"\n",
+    );
+    let vars = env(&[("CACHEGUARD_ADMIN_TOKEN", "t"), ("CACHEGUARD_LISTEN", "y")]);
+    let lines: Vec<String> = problems_with(&text, &vars)
+        .iter()
+        .map(|p| p.split(": ").take(2).collect::<Vec<_>>().join(": "))
+        .collect();
+    assert_eq!(
+        lines,
+        [
+            "environment: CACHEGUARD_LISTEN",
+            "test.toml:8: routes[1].name",
+            "test.toml:9: routes[1].match",
+            "test.toml:12: server.listen",
+        ]
+    );
+}
+
+#[test]
+fn semantic_problems_are_all_collected() {
+    let text = "\
+[server]
+listen = \"nowhere\"
+
+[upstream]
+url = \"https://origin:443\"
+
+[cache]
+jitter = 2.0
+";
+    let error = load(text).unwrap_err();
+    let lines: Vec<(Option<usize>, &str)> = error
+        .problems
+        .iter()
+        .map(|p| (p.line, p.key.as_str()))
+        .collect();
+    assert_eq!(
+        lines,
+        [
+            (Some(2), "server.listen"),
+            (Some(5), "upstream.url"),
+            (Some(8), "cache.jitter")
+        ]
+    );
+    assert_eq!(error.to_string().lines().count(), 3, "one problem per line");
+}
+
+// === environment overrides ===
+
+#[test]
+fn env_overrides_replace_file_values() {
+    let vars = env(&[
+        ("CACHEGUARD_LISTEN", "127.0.0.1:18080"),
+        ("CACHEGUARD_UPSTREAM", "http://10.0.0.5:8000/api"),
+        ("CACHEGUARD_REDIS_URL", "redis://redis:6379/2"),
+        ("CACHEGUARD_ADMIN_TOKEN", "s3cret"),
+    ]);
+    let config = Config::from_toml(EXAMPLE, "x.toml", &vars).unwrap();
+    assert_eq!(config.server.listen, "127.0.0.1:18080".parse().unwrap());
+    assert_eq!(config.upstream.url, "http://10.0.0.5:8000/api");
+    assert_eq!(config.redis.unwrap().url, "redis://redis:6379/2");
+    assert_eq!(config.admin.token.as_deref(), Some("s3cret"));
+}
+
+#[test]
+fn env_supplies_required_values_and_creates_redis() {
+    let vars = env(&[
+        ("CACHEGUARD_UPSTREAM", "http://127.0.0.1:9000"),
+        ("CACHEGUARD_REDIS_URL", "redis://127.0.0.1:6379"),
+    ]);
+    let config = Config::from_toml("", "empty.toml", &vars).unwrap();
+    assert_eq!(config.upstream.url, "http://127.0.0.1:9000");
+    assert_eq!(
+        config.upstream.timeout,
+        Duration::from_secs(10),
+        "section defaults"
+    );
+    let redis = config.redis.expect("CACHEGUARD_REDIS_URL creates [redis]");
+    assert_eq!(redis.command_timeout, Duration::from_millis(50));
+    assert_eq!(redis.key_prefix, "cg:");
+}
+
+#[test]
+fn empty_env_values_do_not_override() {
+    let vars = env(&[
+        ("CACHEGUARD_LISTEN", ""),
+        ("CACHEGUARD_UPSTREAM", ""),
+        ("CACHEGUARD_REDIS_URL", ""),
+        ("CACHEGUARD_ADMIN_TOKEN", ""),
+    ]);
+    let config = Config::from_toml(EMBEDDED, "x.toml", &vars).unwrap();
+    assert!(
+        config.redis.is_none(),
+        "an empty CACHEGUARD_REDIS_URL keeps embedded mode"
+    );
+    assert_eq!(config.server.listen, "0.0.0.0:8080".parse().unwrap());
+    assert_eq!(config.upstream.url, "http://127.0.0.1:9000");
+    assert_eq!(config.admin.token, None);
+}
+
+#[test]
+fn bad_env_values_name_the_variable() {
+    let vars = env(&[
+        ("CACHEGUARD_LISTEN", "x"),
+        ("CACHEGUARD_UPSTREAM", "https://origin:443"),
+        ("CACHEGUARD_REDIS_URL", "memcached://h:11211"),
+    ]);
+    assert_eq!(
+        problems_with(MINIMAL, &vars),
+        [
+            "environment: CACHEGUARD_LISTEN: expected a socket address like \"0.0.0.0:8080\", \
+             got \"x\"",
+            "environment: CACHEGUARD_UPSTREAM: https is not supported: the upstream client \
+             speaks plain HTTP to a sidecar-local origin; expected a URL like \
+             \"http://127.0.0.1:9000[/prefix]\", got \"https://origin:443\"",
+            "environment: CACHEGUARD_REDIS_URL: expected a Redis URL like \
+             \"redis://127.0.0.1:6379\" (redis://, rediss:// or unix://), got \
+             \"memcached://h:11211\"",
+        ]
+    );
+}

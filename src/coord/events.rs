@@ -1,0 +1,371 @@
+//! The event bus: one pub/sub subscription per instance on `<prefix>events`.
+//!
+//! Messages are short text lines, `<type> <instance id> <key hash>`, so they can be read
+//! with `redis-cli SUBSCRIBE` when debugging. Types today: `fill` (an entry was stored:
+//! waiters read L2), `released` (a lock was dropped without a fill: one waiter takes over)
+//! and `uncacheable` (the answer must not be shared: waiters fetch for themselves). Later
+//! issues add `invalidate`, `bloom_add` and `hot`.
+//!
+//! Requests waiting on another instance's fetch register per key in [`Waiters`] and are
+//! woken by these events: no sleep-and-retry loop. The subscription reconnects by itself
+//! with backoff; after any gap every waiter is woken to re-check L2 (a `fill` it missed
+//! while disconnected must not leave it waiting until its timeout).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use prometheus::{IntCounter, IntGauge};
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+/// What happened to a key, as carried on the bus.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum EventKind {
+    Fill,
+    Released,
+    Uncacheable,
+}
+
+impl EventKind {
+    fn as_str(self) -> &'static str {
+        match self {
+            EventKind::Fill => "fill",
+            EventKind::Released => "released",
+            EventKind::Uncacheable => "uncacheable",
+        }
+    }
+
+    fn parse(s: &str) -> Option<Self> {
+        match s {
+            "fill" => Some(EventKind::Fill),
+            "released" => Some(EventKind::Released),
+            "uncacheable" => Some(EventKind::Uncacheable),
+            _ => None,
+        }
+    }
+}
+
+/// One message on the bus.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Event {
+    pub(crate) kind: EventKind,
+    pub(crate) instance: u64,
+    pub(crate) hash: u128,
+}
+
+impl Event {
+    pub(crate) fn encode(&self) -> String {
+        format!(
+            "{} {:016x} {:032x}",
+            self.kind.as_str(),
+            self.instance,
+            self.hash
+        )
+    }
+
+    /// `None` for anything malformed or of a type this version does not know.
+    pub(crate) fn decode(text: &str) -> Option<Event> {
+        let mut parts = text.split_ascii_whitespace();
+        let kind = EventKind::parse(parts.next()?)?;
+        let instance = u64::from_str_radix(parts.next()?, 16).ok()?;
+        let hash = u128::from_str_radix(parts.next()?, 16).ok()?;
+        Some(Event {
+            kind,
+            instance,
+            hash,
+        })
+    }
+}
+
+/// What a waiter is woken with: the latest event for its key, or `None` for "re-check,
+/// events may have been missed" (after a reconnect).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Signal {
+    seq: u64,
+    pub(crate) kind: Option<EventKind>,
+}
+
+/// Requests waiting for an event on a key, registered per key hash.
+#[derive(Debug)]
+pub(crate) struct Waiters {
+    // A std mutex: held only to find, insert or remove a map entry, never across an await.
+    by_key: Mutex<HashMap<u128, watch::Sender<Signal>>>,
+    gauge: IntGauge,
+}
+
+/// One registered waiter. Register *before* checking L2, so an event that lands between
+/// the check and the wait is not missed: the receiver sees every change after it was made.
+#[derive(Debug)]
+pub(crate) struct WaitHandle {
+    waiters: Arc<Waiters>,
+    hash: u128,
+    rx: Option<watch::Receiver<Signal>>,
+}
+
+impl Waiters {
+    pub(crate) fn new(gauge: IntGauge) -> Arc<Self> {
+        Arc::new(Waiters {
+            by_key: Mutex::new(HashMap::new()),
+            gauge,
+        })
+    }
+
+    pub(crate) fn register(self: &Arc<Self>, hash: u128) -> WaitHandle {
+        let mut map = self.by_key.lock().unwrap_or_else(PoisonError::into_inner);
+        let rx = map
+            .entry(hash)
+            .or_insert_with(|| watch::Sender::new(Signal::default()))
+            .subscribe();
+        self.gauge.inc();
+        WaitHandle {
+            waiters: Arc::clone(self),
+            hash,
+            rx: Some(rx),
+        }
+    }
+
+    /// Wakes the waiters of `hash` with `kind`.
+    pub(crate) fn notify(&self, hash: u128, kind: EventKind) {
+        let map = self.by_key.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(tx) = map.get(&hash) {
+            tx.send_modify(|s| {
+                s.seq = s.seq.wrapping_add(1);
+                s.kind = Some(kind);
+            });
+        }
+    }
+
+    /// Wakes every waiter to re-check (events may have been missed).
+    pub(crate) fn wake_all(&self) {
+        let map = self.by_key.lock().unwrap_or_else(PoisonError::into_inner);
+        for tx in map.values() {
+            tx.send_modify(|s| {
+                s.seq = s.seq.wrapping_add(1);
+                s.kind = None;
+            });
+        }
+    }
+
+    #[cfg(test)]
+    fn keys(&self) -> usize {
+        self.by_key
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .len()
+    }
+}
+
+impl WaitHandle {
+    /// Waits for the next signal on this key.
+    ///
+    /// # Cancel safety
+    /// Cancel-safe: a signal that arrives while not waiting is seen by the next call.
+    pub(crate) async fn changed(&mut self) -> Signal {
+        let Some(rx) = self.rx.as_mut() else {
+            return Signal::default();
+        };
+        match rx.changed().await {
+            Ok(()) => *rx.borrow_and_update(),
+            // The sender lives in the map as long as any handle exists, so this is
+            // unreachable; answer "re-check" rather than hang.
+            Err(_) => Signal::default(),
+        }
+    }
+}
+
+impl Drop for WaitHandle {
+    fn drop(&mut self) {
+        self.waiters.gauge.dec();
+        // Drop our receiver first, then remove the key's sender if nobody else waits on it.
+        drop(self.rx.take());
+        let mut map = self
+            .waiters
+            .by_key
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if map
+            .get(&self.hash)
+            .is_some_and(|tx| tx.receiver_count() == 0)
+        {
+            map.remove(&self.hash);
+        }
+    }
+}
+
+/// The subscription side of the bus; publishing happens inside the Lua scripts.
+#[derive(Debug)]
+pub(crate) struct EventBus {
+    pub(crate) channel: String,
+    pub(crate) instance: u64,
+    pub(crate) waiters: Arc<Waiters>,
+    connected: AtomicBool,
+}
+
+/// Counters the subscription loop reports to.
+#[derive(Clone, Debug)]
+pub(crate) struct BusMetrics {
+    pub(crate) subscribed: IntGauge,
+    pub(crate) resubscriptions: IntCounter,
+    pub(crate) events: IntCounter,
+}
+
+const BACKOFF_MIN: Duration = Duration::from_millis(25);
+const BACKOFF_MAX: Duration = Duration::from_millis(500);
+/// A subscription idle for this long is pinged, so a half-open connection is noticed.
+const IDLE_PING: Duration = Duration::from_secs(1);
+
+impl EventBus {
+    pub(crate) fn new(channel: String, instance: u64, waiters: Arc<Waiters>) -> Arc<Self> {
+        Arc::new(EventBus {
+            channel,
+            instance,
+            waiters,
+            connected: AtomicBool::new(false),
+        })
+    }
+
+    /// Whether the subscription is live right now.
+    pub(crate) fn is_connected(&self) -> bool {
+        self.connected.load(Ordering::Relaxed)
+    }
+
+    /// Runs the subscription until `stop`, reconnecting with backoff.
+    pub(crate) async fn run(
+        self: Arc<Self>,
+        client: redis::Client,
+        connect_timeout: Duration,
+        metrics: BusMetrics,
+        stop: CancellationToken,
+    ) {
+        let mut backoff = BACKOFF_MIN;
+        let mut first = true;
+        loop {
+            let subscribed = tokio::select! {
+                () = stop.cancelled() => return,
+                s = tokio::time::timeout(connect_timeout, self.subscribe(&client)) => s,
+            };
+            match subscribed {
+                Ok(Ok(pubsub)) => {
+                    backoff = BACKOFF_MIN;
+                    self.connected.store(true, Ordering::Relaxed);
+                    metrics.subscribed.set(1);
+                    if !first {
+                        metrics.resubscriptions.inc();
+                        info!(message = "Event bus re-subscribed.", channel = %self.channel);
+                    }
+                    first = false;
+                    // Anything published while we were away is lost: wake every waiter
+                    // to re-check L2.
+                    self.waiters.wake_all();
+                    let ended = self.consume(pubsub, &metrics, &stop).await;
+                    self.connected.store(false, Ordering::Relaxed);
+                    metrics.subscribed.set(0);
+                    // Waiters must not sit out a lease on a bus that cannot wake them:
+                    // let them re-check (and degrade) now.
+                    self.waiters.wake_all();
+                    if ended == Ended::Stopped {
+                        return;
+                    }
+                    warn!(message = "Event bus subscription lost; reconnecting.", channel = %self.channel);
+                }
+                Ok(Err(error)) => {
+                    warn!(message = "Event bus cannot subscribe.", %error);
+                }
+                Err(_) => warn!(message = "Event bus subscribe timed out."),
+            }
+            tokio::select! {
+                () = stop.cancelled() => return,
+                () = tokio::time::sleep(backoff) => {}
+            }
+            backoff = (backoff * 2).min(BACKOFF_MAX);
+        }
+    }
+
+    async fn subscribe(&self, client: &redis::Client) -> redis::RedisResult<redis::aio::PubSub> {
+        let mut pubsub = client.get_async_pubsub().await?;
+        pubsub.subscribe(&self.channel).await?;
+        Ok(pubsub)
+    }
+
+    async fn consume(
+        &self,
+        pubsub: redis::aio::PubSub,
+        metrics: &BusMetrics,
+        stop: &CancellationToken,
+    ) -> Ended {
+        let (mut sink, mut stream) = pubsub.split();
+        loop {
+            let next = tokio::select! {
+                () = stop.cancelled() => return Ended::Stopped,
+                next = tokio::time::timeout(IDLE_PING, stream.next()) => next,
+            };
+            match next {
+                Ok(Some(message)) => {
+                    metrics.events.inc();
+                    if let Some(event) = std::str::from_utf8(message.get_payload_bytes())
+                        .ok()
+                        .and_then(Event::decode)
+                    {
+                        self.waiters.notify(event.hash, event.kind);
+                    }
+                }
+                Ok(None) => return Ended::Lost,
+                Err(_) => {
+                    // Idle: make sure the connection is still there.
+                    let ping = tokio::time::timeout(IDLE_PING, sink.ping::<String>()).await;
+                    if !matches!(ping, Ok(Ok(_))) {
+                        return Ended::Lost;
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[derive(Debug, PartialEq, Eq)]
+enum Ended {
+    Stopped,
+    Lost,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn events_round_trip_and_garbage_is_ignored() {
+        let e = Event {
+            kind: EventKind::Fill,
+            instance: 0xabc,
+            hash: u128::MAX - 5,
+        };
+        assert_eq!(Event::decode(&e.encode()), Some(e));
+        assert_eq!(Event::decode(""), None);
+        assert_eq!(Event::decode("fill zz 12"), None);
+        assert_eq!(Event::decode("bogus 1 2"), None);
+    }
+
+    #[tokio::test]
+    async fn waiters_are_woken_per_key_and_cleaned_up() {
+        let gauge = IntGauge::new("t_waiters", "t").unwrap();
+        let waiters = Waiters::new(gauge.clone());
+        let mut a = waiters.register(1);
+        let mut b = waiters.register(1);
+        let _c = waiters.register(2);
+        assert_eq!(gauge.get(), 3);
+        // Notified before anyone awaits: not lost.
+        waiters.notify(1, EventKind::Fill);
+        assert_eq!(a.changed().await.kind, Some(EventKind::Fill));
+        assert_eq!(b.changed().await.kind, Some(EventKind::Fill));
+        waiters.wake_all();
+        assert_eq!(a.changed().await.kind, None);
+        drop(a);
+        drop(b);
+        assert_eq!(waiters.keys(), 1);
+        assert_eq!(gauge.get(), 1);
+    }
+}

@@ -1,0 +1,333 @@
+//! One origin fetch for a cached route: through the origin guard, with only the keyed
+//! inputs forwarded, the body read for storage (bounded by `max_entry_bytes`), then
+//! classified. Storing is the caller's business (`fill.rs`).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Instant;
+
+use bytes::{Bytes, BytesMut};
+use http::header::{self, HeaderMap};
+use http::{Method, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Empty};
+use hyper::body::Incoming;
+
+use super::Proxy;
+use super::body::Body;
+use super::respond::{self, strip_hop_by_hop};
+use super::route::Route;
+use super::upstream::UpstreamBody;
+use crate::cache::{CacheKey, Entry, now_ms, ttl};
+use crate::error::ProxyError;
+use crate::metrics::{OriginStatus, Outcome};
+
+/// A miss to fill, detached from the client connection that asked for it: the fill runs in
+/// its own task, so a client that hangs up never cancels a fetch other requests wait on.
+#[derive(Clone, Debug)]
+pub(crate) struct FillJob {
+    pub(crate) route: Arc<Route>,
+    pub(crate) key: CacheKey,
+    /// Path and keyed query to request from the origin.
+    pub(crate) forward: String,
+    /// The values of the route's `vary` headers, the only client headers forwarded.
+    pub(crate) vary: HeaderMap,
+    pub(crate) client: SocketAddr,
+    /// A refresh nobody waits on (stale-while-revalidate, early refresh).
+    pub(crate) background: bool,
+}
+
+/// How an origin answer on a cached route was classified.
+pub(crate) enum Classified {
+    /// May be stored and shared.
+    Storable(Entry),
+    /// A good answer that must not be shared (per-user, status outside the allowlist, too
+    /// large): goes to one client only.
+    Uncacheable(Response<Body>),
+    /// Origin 5xx, timeout, unreachable, or shed: goes to one client only, never stored.
+    /// The outcome is `Error` when cacheguard wrote the answer itself.
+    Failed(Response<Body>, Outcome),
+}
+
+impl Proxy {
+    pub(crate) async fn fetch_origin(&self, job: &FillJob) -> Classified {
+        let route = &job.route;
+        let slot = match self.guard.acquire().await {
+            Ok(slot) => slot,
+            Err(error) => {
+                route.metrics.shed.inc();
+                tracing::debug!(message = "Origin guard shed a request.", route = %route.config.name);
+                return Classified::Failed(respond::error(&error), Outcome::Error);
+            }
+        };
+        let request = match self.cached_fetch_request(job) {
+            Ok(request) => request,
+            Err(error) => return Classified::Failed(respond::error(&error), Outcome::Error),
+        };
+
+        let started = Instant::now();
+        let limit = route.config.max_entry_bytes;
+        let timeout = self.upstream.timeout;
+        let read = tokio::time::timeout(timeout, async {
+            let response = self.upstream.send(request).await?;
+            Ok::<_, ProxyError>(read_bounded(response, limit).await)
+        })
+        .await;
+        let elapsed = started.elapsed();
+        drop(slot);
+
+        let read = match read {
+            Err(_) => Err(ProxyError::OriginTimeout(timeout)),
+            Ok(result) => result,
+        };
+        let seconds = elapsed.as_secs_f64();
+        let (head, body) = match read {
+            Ok(Ok(read)) => read,
+            Ok(Err(_)) | Err(ProxyError::OriginConnect(_)) => {
+                route.metrics.origin(OriginStatus::Error, seconds);
+                let error = ProxyError::OriginConnect("origin closed the connection".into());
+                return Classified::Failed(respond::error(&error), Outcome::Error);
+            }
+            Err(error) => {
+                let status = match error {
+                    ProxyError::OriginTimeout(_) => OriginStatus::Timeout,
+                    _ => OriginStatus::Error,
+                };
+                route.metrics.origin(status, seconds);
+                return Classified::Failed(respond::error(&error), Outcome::Error);
+            }
+        };
+        route
+            .metrics
+            .origin(OriginStatus::from_status(head.status.as_u16()), seconds);
+
+        if head.status.is_server_error() {
+            return Classified::Failed(
+                origin_response(head, body.into_body(), Outcome::Bypass),
+                Outcome::Bypass,
+            );
+        }
+        let complete = match body {
+            ReadBody::Complete(bytes) => bytes,
+            oversized @ ReadBody::Oversized(..) => {
+                route.metrics.oversized.inc();
+                return Classified::Uncacheable(origin_response(
+                    head,
+                    oversized.into_body(),
+                    Outcome::Bypass,
+                ));
+            }
+        };
+        if !storable(head.status, &head.headers) {
+            route.metrics.uncacheable.inc();
+            return Classified::Uncacheable(origin_response(
+                head,
+                Body::full(complete),
+                Outcome::Bypass,
+            ));
+        }
+        let fetch_ms = u32::try_from(elapsed.as_millis()).unwrap_or(u32::MAX);
+        Classified::Storable(new_entry(job, head, complete, fetch_ms))
+    }
+
+    /// The request sent to the origin for a cached fetch. Only what is keyed goes out: the
+    /// normalized path and keyed query, the route's `vary` headers, and headers cacheguard
+    /// itself sets (`Host`, `X-Forwarded-For`, `X-Forwarded-Proto`). Method-override headers,
+    /// cookies, unkeyed query parameters and bodies never reach the origin from here.
+    fn cached_fetch_request(&self, job: &FillJob) -> Result<Request<UpstreamBody>, ProxyError> {
+        let uri = self.upstream.uri(&job.forward)?;
+        let mut request = Request::new(Empty::new().map_err(|never| match never {}).boxed());
+        *request.method_mut() = Method::GET;
+        *request.uri_mut() = uri;
+        let headers = request.headers_mut();
+        headers.insert(header::HOST, self.upstream.authority().clone());
+        for (name, value) in &job.vary {
+            headers.append(name.clone(), value.clone());
+        }
+        super::passthrough::set_forwarded(headers, job.client);
+        Ok(request)
+    }
+}
+
+fn new_entry(job: &FillJob, head: Head, body: Bytes, fetch_ms: u32) -> Entry {
+    let route = &job.route.config;
+    let negative = matches!(head.status.as_u16(), 404 | 410);
+    let nominal = if negative {
+        route.negative_ttl
+    } else {
+        route.ttl
+    };
+    let ttl = ttl::jittered(nominal, route.jitter, &mut rand::rng());
+    let mut origin_headers = head.headers;
+    strip_hop_by_hop(&mut origin_headers);
+    for name in [
+        header::SET_COOKIE,
+        header::AGE,
+        header::CONTENT_LENGTH,
+        respond::X_CACHE.clone(),
+    ] {
+        origin_headers.remove(name);
+    }
+    // hyper's header values are slices of the connection's read buffer (8 KiB and more):
+    // keeping them would pin a whole buffer per cached entry. Copy what is kept.
+    let mut headers = HeaderMap::with_capacity(origin_headers.len());
+    for (name, value) in &origin_headers {
+        let mut owned = http::HeaderValue::from_bytes(value.as_bytes()).unwrap_or_else(|_| value.clone());
+        owned.set_sensitive(value.is_sensitive());
+        headers.append(name.clone(), owned);
+    }
+    Entry {
+        key: job.key.full.clone(),
+        status: head.status,
+        headers,
+        body,
+        stored_at_ms: now_ms(),
+        ttl_ms: u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX),
+        grace_ms: u64::try_from(route.grace.as_millis()).unwrap_or(u64::MAX),
+        fetch_ms,
+    }
+}
+
+/// The status and headers of an origin answer.
+struct Head {
+    status: StatusCode,
+    headers: HeaderMap,
+}
+
+/// An origin body read for storage.
+enum ReadBody {
+    Complete(Bytes),
+    /// Outgrew `max_entry_bytes`: what was read so far, and the rest still streaming.
+    Oversized(Bytes, Incoming),
+}
+
+impl ReadBody {
+    fn into_body(self) -> Body {
+        match self {
+            ReadBody::Complete(bytes) => Body::full(bytes),
+            ReadBody::Oversized(prefix, rest) => Body::Prefixed(Some(prefix), rest),
+        }
+    }
+}
+
+/// Reads an origin body into memory up to `limit` bytes.
+async fn read_bounded(
+    response: Response<Incoming>,
+    limit: usize,
+) -> Result<(Head, ReadBody), hyper::Error> {
+    let (parts, mut body) = response.into_parts();
+    let head = Head {
+        status: parts.status,
+        headers: parts.headers,
+    };
+    // A declared length over the limit is not buffered at all.
+    let declared = head
+        .headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok());
+    if declared.is_some_and(|len| len > limit) {
+        return Ok((head, ReadBody::Oversized(Bytes::new(), body)));
+    }
+    let mut buf = BytesMut::with_capacity(declared.unwrap_or(0).min(limit));
+    while let Some(frame) = body.frame().await {
+        let frame = frame?;
+        if let Ok(data) = frame.into_data() {
+            buf.extend_from_slice(&data);
+            if buf.len() > limit {
+                return Ok((head, ReadBody::Oversized(buf.freeze(), body)));
+            }
+        }
+    }
+    Ok((head, ReadBody::Complete(buf.freeze())))
+}
+
+/// Statuses that may be stored (404 and 410 as negative entries).
+fn storable_status(status: StatusCode) -> bool {
+    matches!(
+        status.as_u16(),
+        200 | 203 | 204 | 300 | 301 | 308 | 404 | 410
+    )
+}
+
+/// Whether an origin answer may be stored and shared.
+fn storable(status: StatusCode, headers: &HeaderMap) -> bool {
+    if !storable_status(status) || headers.contains_key(header::SET_COOKIE) {
+        return false;
+    }
+    let forbidden = headers
+        .get_all(header::CACHE_CONTROL)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(|directive| {
+            directive
+                .split('=')
+                .next()
+                .unwrap_or("")
+                .trim()
+                .to_ascii_lowercase()
+        })
+        .any(|d| d == "private" || d == "no-store" || d == "no-cache");
+    let vary_star = headers
+        .get_all(header::VARY)
+        .iter()
+        .any(|v| v.as_bytes().trim_ascii() == b"*");
+    !forbidden && !vary_star
+}
+
+/// An origin answer passed to one client, with hop-by-hop headers removed.
+fn origin_response(head: Head, body: Body, outcome: Outcome) -> Response<Body> {
+    let mut response = Response::new(body);
+    *response.status_mut() = head.status;
+    *response.headers_mut() = head.headers;
+    strip_hop_by_hop(response.headers_mut());
+    respond::mark(&mut response, outcome);
+    response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    use http::HeaderValue;
+
+    fn headers(pairs: &[(&'static str, &'static str)]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for (n, v) in pairs {
+            h.append(*n, HeaderValue::from_static(v));
+        }
+        h
+    }
+
+    #[test]
+    fn storable_rules() {
+        assert!(storable(StatusCode::OK, &HeaderMap::new()));
+        assert!(storable(StatusCode::NOT_FOUND, &HeaderMap::new()));
+        assert!(!storable(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            &HeaderMap::new()
+        ));
+        assert!(!storable(StatusCode::FORBIDDEN, &HeaderMap::new()));
+        assert!(!storable(
+            StatusCode::OK,
+            &headers(&[("set-cookie", "a=b")])
+        ));
+        assert!(!storable(
+            StatusCode::OK,
+            &headers(&[("cache-control", "max-age=5, private")])
+        ));
+        assert!(!storable(
+            StatusCode::OK,
+            &headers(&[("cache-control", "no-store")])
+        ));
+        assert!(!storable(
+            StatusCode::OK,
+            &headers(&[("cache-control", "private=\"x\"")])
+        ));
+        assert!(storable(
+            StatusCode::OK,
+            &headers(&[("cache-control", "public, max-age=60")])
+        ));
+        assert!(!storable(StatusCode::OK, &headers(&[("vary", "*")])));
+    }
+}
