@@ -19,9 +19,9 @@ use crate::cache::l2::L2;
 use crate::config::Config;
 use crate::coord::RedisConn;
 use crate::coord::events::{BusMetrics, EventBus, Waiters};
-use crate::protect::lock::DistLock;
 use crate::metrics::Metrics;
 use crate::protect::flight::Flights;
+use crate::protect::lock::DistLock;
 use crate::proxy::Proxy;
 use crate::proxy::origin_guard::OriginGuard;
 use crate::proxy::route::RouteTable;
@@ -94,7 +94,12 @@ impl App {
                 while conn.is_up() && !bus.is_connected() && tokio::time::Instant::now() < ready {
                     tokio::time::sleep(std::time::Duration::from_millis(5)).await;
                 }
-                Some(DistLock::new(conn.clone(), &rc.key_prefix, config.lock.lease, bus))
+                Some(DistLock::new(
+                    conn.clone(),
+                    &rc.key_prefix,
+                    config.lock.lease,
+                    bus,
+                ))
             }
             _ => None,
         };

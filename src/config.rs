@@ -66,7 +66,8 @@ pub struct UpstreamConfig {
     pub pool_max_idle: usize,
 }
 
-#[derive(Clone, Debug)]
+/// `Debug` redacts the password in `url`.
+#[derive(Clone)]
 pub struct RedisConfig {
     /// `redis://[user:pass@]host:port[/db]`; secret parts are redacted when shown.
     pub url: String,
@@ -77,11 +78,32 @@ pub struct RedisConfig {
     pub key_prefix: String,
 }
 
-#[derive(Clone, Debug)]
+/// `Debug` never shows the token.
+#[derive(Clone)]
 pub struct AdminConfig {
     pub listen: SocketAddr,
     /// Bearer token for mutating admin calls. `None` = mutating calls are refused.
     pub token: Option<String>,
+}
+
+impl std::fmt::Debug for RedisConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisConfig")
+            .field("url", &validate::redact_url(&self.url))
+            .field("command_timeout", &self.command_timeout)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("key_prefix", &self.key_prefix)
+            .finish()
+    }
+}
+
+impl std::fmt::Debug for AdminConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AdminConfig")
+            .field("listen", &self.listen)
+            .field("token", &self.token.as_ref().map(|_| "***"))
+            .finish()
+    }
 }
 
 /// Which responses are kept in the in-process L1.

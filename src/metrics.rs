@@ -492,7 +492,9 @@ impl Metrics {
     }
 
     pub fn fill_refused(&self, reason: FillRefusal) {
-        self.fill_refused.with_label_values(&[reason.as_str()]).inc();
+        self.fill_refused
+            .with_label_values(&[reason.as_str()])
+            .inc();
     }
 
     /// Resolves every per-route handle once (at config load), so requests only touch atomics.

@@ -25,9 +25,9 @@ use self::route::RouteTable;
 use self::upstream::Upstream;
 use crate::cache::l1::L1;
 use crate::cache::l2::L2;
+use crate::config::LockConfig;
 use crate::error::ProxyError;
 use crate::metrics::{Metrics, RouteMetrics};
-use crate::config::LockConfig;
 use crate::protect::flight::Flights;
 use crate::protect::lock::DistLock;
 

@@ -168,6 +168,7 @@ pub(super) struct RawLock {
     pub(super) lease: HumanDuration,
     pub(super) wait_timeout: HumanDuration,
     pub(super) on_timeout: RawOnTimeout,
+    pub(super) uncacheable_ttl: HumanDuration,
 }
 
 impl Default for RawLock {
@@ -176,6 +177,7 @@ impl Default for RawLock {
             lease: HumanDuration::secs(5),
             wait_timeout: HumanDuration::secs(3),
             on_timeout: RawOnTimeout(OnTimeout::Origin),
+            uncacheable_ttl: HumanDuration::secs(10),
         }
     }
 }
@@ -202,6 +204,7 @@ pub(super) struct RawRoute {
     #[serde(default)]
     pub(super) invalidate: Vec<Spanned<String>>,
     pub(super) double_delete_delay: Option<HumanDuration>,
+    pub(super) early_refresh_beta: Option<Spanned<f64>>,
 }
 
 /// Defaults shared with `env.rs` and the messages in `validate.rs`.

@@ -290,7 +290,8 @@ fn unknown_key_in_a_route() {
         )),
         "test.toml:6: routes[0].bloom: unknown key, expected one of name, match, methods, ttl, \
          jitter, grace, negative_ttl, max_entry_bytes, l1, query, vary, invalidate, \
-         double_delete_delay (bloom is not supported yet: it arrives with a later release)"
+         double_delete_delay, early_refresh_beta (bloom is not supported yet: it arrives with a \
+         later release)"
     );
 }
 
@@ -794,4 +795,33 @@ fn bad_env_values_name_the_variable() {
              \"memcached://h:11211\"",
         ]
     );
+}
+
+#[test]
+fn early_refresh_and_hit_for_miss_settings() {
+    let config = load(&with_minimal(
+        "[lock]\nuncacheable_ttl = \"3s\"\n[[routes]]\nname = \"r\"\nmatch = \"/r\"\nearly_refresh_beta = 2.5\n",
+    ))
+    .unwrap();
+    assert_eq!(config.lock.uncacheable_ttl, Duration::from_secs(3));
+    assert!((config.routes[0].early_refresh_beta - 2.5).abs() < f64::EPSILON);
+    assert_eq!(
+        problem(&with_minimal(
+            "[[routes]]\nname = \"r\"\nmatch = \"/r\"\nearly_refresh_beta = -1.0\n"
+        )),
+        "test.toml:6: routes[0].early_refresh_beta: expected a number from 0.0 (off) to 100.0, \
+         like 1.0, got -1.0"
+    );
+}
+
+#[test]
+fn debug_output_redacts_secrets() {
+    let config = load(&with_minimal(
+        "[redis]\nurl = \"redis://app:hunter2@127.0.0.1:6379\"\n[admin]\ntoken = \"s3cret-token\"\n",
+    ))
+    .unwrap();
+    let shown = format!("{config:?}");
+    assert!(!shown.contains("hunter2"), "{shown}");
+    assert!(!shown.contains("s3cret-token"), "{shown}");
+    assert!(shown.contains("app:***@127.0.0.1:6379"), "{shown}");
 }

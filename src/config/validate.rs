@@ -345,7 +345,7 @@ pub(super) fn check_token(value: &str) -> Result<(), String> {
 }
 
 /// Hides the password of `scheme://user:password@host…` so messages never show secrets.
-pub(super) fn redact_url(url: &str) -> String {
+pub(crate) fn redact_url(url: &str) -> String {
     let Some(scheme_end) = url.find("://") else {
         return url.to_owned();
     };
@@ -366,6 +366,16 @@ fn check_jitter(value: f64) -> Result<f64, String> {
     } else {
         Err(format!(
             "expected a number from 0.0 up to (not including) 1.0, got {value:?}"
+        ))
+    }
+}
+
+fn check_beta(value: f64) -> Result<f64, String> {
+    if (0.0..=100.0).contains(&value) {
+        Ok(value)
+    } else {
+        Err(format!(
+            "expected a number from 0.0 (off) to 100.0, like 1.0, got {value:?}"
         ))
     }
 }
@@ -499,7 +509,7 @@ impl Checker<'_> {
             lease: raw.lock.lease.0,
             wait_timeout: raw.lock.wait_timeout.0,
             on_timeout: raw.lock.on_timeout.0,
-            uncacheable_ttl: std::time::Duration::from_secs(10),
+            uncacheable_ttl: raw.lock.uncacheable_ttl.0,
         };
         let routes = self.routes(&raw.routes, &cache);
         Config {
@@ -654,6 +664,14 @@ impl Checker<'_> {
             Some(jitter) => self.jitter(jitter, &key("jitter")),
             None => cache.jitter,
         };
+        let early_refresh_beta = match &raw.early_refresh_beta {
+            Some(beta) => {
+                let checked = check_beta(*beta.get_ref());
+                self.check(checked, beta.span(), &key("early_refresh_beta"))
+                    .unwrap_or(0.0)
+            }
+            None => 0.0,
+        };
         let query = self.query(i, raw);
         let vary = self.vary(i, raw);
         let invalidate = self.invalidate(i, raw, is_read);
@@ -674,7 +692,7 @@ impl Checker<'_> {
             double_delete_delay: raw
                 .double_delete_delay
                 .map_or(defaults::DOUBLE_DELETE_DELAY, |d| d.0),
-            early_refresh_beta: 0.0,
+            early_refresh_beta,
         }
     }
 

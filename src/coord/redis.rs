@@ -122,9 +122,11 @@ impl RedisConn {
             invocation.arg(*arg);
         }
         let mut conn = self.inner.conn.clone();
-        let result =
-            tokio::time::timeout(self.inner.command_timeout, invocation.invoke_async(&mut conn))
-                .await;
+        let result = tokio::time::timeout(
+            self.inner.command_timeout,
+            invocation.invoke_async(&mut conn),
+        )
+        .await;
         self.settle(op, result)
     }
 

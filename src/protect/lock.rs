@@ -31,7 +31,9 @@ pub(crate) struct Lease {
 pub(crate) enum Acquired {
     Won(Lease),
     /// Another holder fetches; its lease has about this long left.
-    Held { remaining: Duration },
+    Held {
+        remaining: Duration,
+    },
 }
 
 /// What the fill script did.
@@ -122,11 +124,10 @@ impl DistLock {
     /// and the generation read here is unchanged.
     pub(crate) async fn unlocked_lease(&self, key: &CacheKey) -> Result<Lease, Unavailable> {
         let gen_key = tagged_key(&self.prefix, key.hash, "gen");
-        let generation = self
-            .redis
-            .get(&gen_key)
-            .await?
-            .map_or_else(|| "0".to_owned(), |g| String::from_utf8_lossy(&g).into_owned());
+        let generation = self.redis.get(&gen_key).await?.map_or_else(
+            || "0".to_owned(),
+            |g| String::from_utf8_lossy(&g).into_owned(),
+        );
         Ok(Lease {
             token: "-".to_owned(),
             generation,

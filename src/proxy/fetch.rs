@@ -171,7 +171,8 @@ fn new_entry(job: &FillJob, head: Head, body: Bytes, fetch_ms: u32) -> Entry {
     // keeping them would pin a whole buffer per cached entry. Copy what is kept.
     let mut headers = HeaderMap::with_capacity(origin_headers.len());
     for (name, value) in &origin_headers {
-        let mut owned = http::HeaderValue::from_bytes(value.as_bytes()).unwrap_or_else(|_| value.clone());
+        let mut owned =
+            http::HeaderValue::from_bytes(value.as_bytes()).unwrap_or_else(|_| value.clone());
         owned.set_sensitive(value.is_sensitive());
         headers.append(name.clone(), owned);
     }

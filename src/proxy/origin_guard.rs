@@ -116,6 +116,10 @@ mod tests {
         let results = futures_util::future::join_all((0..20).map(|_| g.acquire())).await;
         let ok = results.iter().filter(|r| r.is_ok()).count();
         assert_eq!(ok, 5, "{ok}");
-        assert!(results.iter().all(|r| r.is_ok() || matches!(r, Err(ProxyError::Shed(_)))));
+        assert!(
+            results
+                .iter()
+                .all(|r| r.is_ok() || matches!(r, Err(ProxyError::Shed(_))))
+        );
     }
 }

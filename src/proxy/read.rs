@@ -195,10 +195,7 @@ impl Proxy {
         match route.config.l1 {
             L1Policy::Off => false,
             L1Policy::All => true,
-            L1Policy::Hot => self
-                .l2
-                .as_ref()
-                .is_none_or(|l2| !l2.redis().is_up()),
+            L1Policy::Hot => self.l2.as_ref().is_none_or(|l2| !l2.redis().is_up()),
         }
     }
 

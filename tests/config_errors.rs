@@ -1,0 +1,128 @@
+//! `cacheguard --check-config FILE`: exit 0 and `config OK: FILE` for a valid file; exit 1
+//! and one `FILE:LINE: key: message` line per problem on stderr otherwise.
+//!
+//! Runs the real binary. `CACHEGUARD_*` variables are removed from its environment so the
+//! developer's shell cannot change the outcome.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+const ENV_OVERRIDES: [&str; 4] = [
+    "CACHEGUARD_LISTEN",
+    "CACHEGUARD_UPSTREAM",
+    "CACHEGUARD_REDIS_URL",
+    "CACHEGUARD_ADMIN_TOKEN",
+];
+
+fn check_config(path: &Path) -> Output {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_cacheguard"));
+    command.arg("--check-config").arg(path);
+    for name in ENV_OVERRIDES {
+        command.env_remove(name);
+    }
+    command.output().expect("run cacheguard")
+}
+
+fn write(dir: &tempfile::TempDir, name: &str, text: &str) -> PathBuf {
+    let path = dir.path().join(name);
+    std::fs::write(&path, text).expect("write config");
+    path
+}
+
+/// Runs `--check-config` on `text` and asserts exit 1 with `FILE:LINE: KEY:` on stderr.
+fn assert_refused(dir: &tempfile::TempDir, name: &str, text: &str, line: usize, key: &str) {
+    let path = write(dir, name, text);
+    let output = check_config(&path);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{name}: stderr:\n{stderr}");
+    let expected = format!("{}:{line}: {key}: ", path.display());
+    assert!(
+        stderr.lines().any(|l| l.starts_with(&expected)),
+        "{name}: expected a line starting with {expected:?}, got:\n{stderr}"
+    );
+    assert!(output.stdout.is_empty(), "{name}: nothing on stdout");
+}
+
+#[test]
+fn documented_example_is_valid() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("config/cacheguard.toml");
+    let output = check_config(&path);
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert_eq!(
+        output.status.code(),
+        Some(0),
+        "stderr:\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert_eq!(stdout.trim_end(), format!("config OK: {}", path.display()));
+}
+
+#[test]
+fn embedded_example_is_valid() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("config/embedded.toml");
+    assert_eq!(check_config(&path).status.code(), Some(0));
+}
+
+const UPSTREAM: &str = "[upstream]\nurl = \"http://127.0.0.1:9000\"\n";
+
+#[test]
+fn syntax_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = format!("{UPSTREAM}\n[cache]\nttl = 60s\n");
+    assert_refused(&dir, "syntax.toml", &text, 5, "syntax");
+}
+
+#[test]
+fn unknown_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = format!("{UPSTREAM}\n[cache]\nttl = \"60s\"\ntll = \"60s\"\n");
+    assert_refused(&dir, "unknown.toml", &text, 6, "cache.tll");
+}
+
+#[test]
+fn bad_duration_in_a_route() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = format!(
+        "{UPSTREAM}\n[[routes]]\nname = \"a\"\nmatch = \"/a\"\n\n\
+         [[routes]]\nname = \"b\"\nmatch = \"/b\"\nttl = \"thirty\"\n"
+    );
+    assert_refused(&dir, "duration.toml", &text, 11, "routes[1].ttl");
+}
+
+#[test]
+fn bad_enum_value() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = format!("{UPSTREAM}\n[lock]\non_timeout = \"retry\"\n");
+    assert_refused(&dir, "enum.toml", &text, 5, "lock.on_timeout");
+}
+
+#[test]
+fn https_upstream() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = "[server]\nlisten = \"0.0.0.0:8080\"\n\n[upstream]\nurl = \"https://origin:443\"\n";
+    assert_refused(&dir, "https.toml", text, 5, "upstream.url");
+}
+
+#[test]
+fn every_route_problem_is_reported() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = format!(
+        "{UPSTREAM}\n[[routes]]\nname = \"item\"\nmatch = \"/items/{{id}}\"\n\n\
+         [[routes]]\nname = \"item\"\nmatch = \"/items/{{*rest}}\"\n"
+    );
+    assert_refused(&dir, "routes.toml", &text, 9, "routes[1].name");
+    assert_refused(&dir, "routes.toml", &text, 10, "routes[1].match");
+}
+
+#[test]
+fn missing_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("absent.toml");
+    let output = check_config(&path);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1));
+    assert!(
+        stderr.starts_with(&format!("{}: cannot read: ", path.display())),
+        "{stderr}"
+    );
+}
