@@ -1,0 +1,279 @@
+//! Shared harness for the integration tests.
+//!
+//! - [`RedisServer`]: a real `redis-server` on a free loopback port (never mock Redis).
+//! - [`TestOrigin`]: the fake origin API (counters, in-flight gauge, per-path behaviour).
+//! - [`CgConfig`] / [`config_toml`] + [`start_cacheguard`]: an in-process cacheguard.
+//! - [`HttpClient`]: keep-alive client; [`raw_request`] for exact headers.
+//! - [`spawn_cacheguard_process`]: the real binary as a child process.
+//! - [`prom`]: a Prometheus text parser for `/metrics`.
+//!
+//! Every fixture owns what it started and stops it on `Drop` (by PID for processes).
+#![allow(dead_code, unused_imports, unreachable_pub)]
+
+pub mod client;
+pub mod origin;
+pub mod process;
+pub mod prom;
+pub mod redis_server;
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+pub use client::{HttpClient, Resp, raw_request};
+pub use origin::{TestOrigin, default_body};
+pub use process::{CacheguardProcess, spawn_cacheguard_process};
+pub use redis_server::RedisServer;
+
+/// The cached route most tests use.
+pub const ITEM_ROUTE: &str = r#"
+[[routes]]
+name = "item"
+match = "/api/items/{id}"
+methods = ["GET"]
+"#;
+
+/// A free loopback port: bind `127.0.0.1:0`, read the port, drop the listener.
+pub fn free_port() -> u16 {
+    for _ in 0..20 {
+        if let Ok(l) = std::net::TcpListener::bind("127.0.0.1:0")
+            && let Ok(addr) = l.local_addr()
+        {
+            return addr.port();
+        }
+    }
+    panic!("no free loopback port");
+}
+
+/// Builds the usual TOML config. Each section is an ordered list of `key = <toml value>`
+/// lines; [`CgConfig::set`] replaces or adds one.
+#[derive(Clone, Debug)]
+pub struct CgConfig {
+    sections: Vec<(String, Vec<(String, String)>)>,
+    routes: String,
+}
+
+fn q(s: &str) -> String {
+    format!("{s:?}")
+}
+
+impl CgConfig {
+    /// Defaults: embedded mode, both listeners on `127.0.0.1:0`, the `[cache]` values of the
+    /// contract (ttl 60s, jitter 0.2, grace 30s, negative_ttl 10s), and [`ITEM_ROUTE`].
+    pub fn new(origin: &TestOrigin) -> CgConfig {
+        CgConfig::with_upstream(&origin.url())
+    }
+
+    pub fn with_upstream(url: &str) -> CgConfig {
+        let s = |v: &[(&str, String)]| -> Vec<(String, String)> {
+            v.iter()
+                .map(|(k, v)| ((*k).to_string(), v.clone()))
+                .collect()
+        };
+        CgConfig {
+            sections: vec![
+                (
+                    "server".into(),
+                    s(&[
+                        ("listen", q("127.0.0.1:0")),
+                        ("max_header_bytes", "16384".into()),
+                        ("max_body_bytes", "10485760".into()),
+                    ]),
+                ),
+                (
+                    "upstream".into(),
+                    s(&[
+                        ("url", q(url)),
+                        ("timeout", q("10s")),
+                        ("max_concurrency", "256".into()),
+                        ("queue_timeout", q("1s")),
+                    ]),
+                ),
+                ("admin".into(), s(&[("listen", q("127.0.0.1:0"))])),
+                (
+                    "cache".into(),
+                    s(&[
+                        ("ttl", q("60s")),
+                        ("jitter", "0.2".into()),
+                        ("grace", q("30s")),
+                        ("negative_ttl", q("10s")),
+                        ("max_entry_bytes", "1048576".into()),
+                        ("l1", q("hot")),
+                    ]),
+                ),
+                ("lock".into(), s(&[("lease", q("5s"))])),
+            ],
+            routes: ITEM_ROUTE.to_string(),
+        }
+    }
+
+    /// Shared mode against `redis` (command_timeout 200ms: generous for a loaded CI box).
+    pub fn redis(self, redis: &RedisServer) -> CgConfig {
+        self.set("redis", "url", &q(&redis.url()))
+            .set("redis", "command_timeout", &q("200ms"))
+    }
+
+    /// Sets `key = value` in `[section]`; `value` is TOML (quote strings: `"\"10s\""`).
+    pub fn set(mut self, section: &str, key: &str, value: &str) -> CgConfig {
+        let idx = match self.sections.iter().position(|(name, _)| name == section) {
+            Some(i) => i,
+            None => {
+                self.sections.push((section.to_string(), Vec::new()));
+                self.sections.len() - 1
+            }
+        };
+        let entries = &mut self.sections[idx].1;
+        match entries.iter_mut().find(|(k, _)| k == key) {
+            Some(entry) => entry.1 = value.to_string(),
+            None => entries.push((key.to_string(), value.to_string())),
+        }
+        self
+    }
+
+    /// Sets a string value (quoted for you).
+    pub fn set_str(self, section: &str, key: &str, value: &str) -> CgConfig {
+        self.set(section, key, &q(value))
+    }
+
+    /// Removes `key` from `[section]` (e.g. to rely on a default).
+    pub fn unset(mut self, section: &str, key: &str) -> CgConfig {
+        if let Some((_, entries)) = self.sections.iter_mut().find(|(n, _)| n == section) {
+            entries.retain(|(k, _)| k != key);
+        }
+        self
+    }
+
+    /// `l1 = "hot" | "all" | "off"` in `[cache]`.
+    pub fn l1(self, policy: &str) -> CgConfig {
+        self.set_str("cache", "l1", policy)
+    }
+
+    /// Replaces the `[[routes]]` text.
+    pub fn routes(mut self, routes: &str) -> CgConfig {
+        self.routes = routes.to_string();
+        self
+    }
+
+    pub fn toml(&self) -> String {
+        let mut out = String::new();
+        for (name, entries) in &self.sections {
+            out.push_str(&format!("[{name}]\n"));
+            for (k, v) in entries {
+                out.push_str(&format!("{k} = {v}\n"));
+            }
+            out.push('\n');
+        }
+        out.push_str(&self.routes);
+        out
+    }
+
+    pub async fn start(&self) -> cacheguard::Running {
+        start_cacheguard(&self.toml()).await
+    }
+}
+
+/// The usual config file text: embedded mode without `redis`, shared mode with it.
+pub fn config_toml(origin: &TestOrigin, redis: Option<&RedisServer>, routes_toml: &str) -> String {
+    let mut cfg = CgConfig::new(origin).routes(routes_toml);
+    if let Some(r) = redis {
+        cfg = cfg.redis(r);
+    }
+    cfg.toml()
+}
+
+/// Parses `toml` as `test.toml` (no environment overrides) and starts cacheguard in-process.
+pub async fn start_cacheguard(toml: &str) -> cacheguard::Running {
+    let vars = HashMap::<String, String>::new();
+    let config = cacheguard::Config::from_toml(toml, "test.toml", &vars)
+        .unwrap_or_else(|e| panic!("config rejected:\n{e}\n--- config ---\n{toml}"));
+    tokio::time::timeout(Duration::from_secs(15), cacheguard::App::start(config))
+        .await
+        .unwrap_or_else(|_| panic!("App::start did not return within 15s"))
+        .unwrap_or_else(|e| panic!("App::start failed: {e:#}\n--- config ---\n{toml}"))
+}
+
+/// `http://ADDR{path}`
+pub fn url(addr: SocketAddr, path: &str) -> String {
+    format!("http://{addr}{path}")
+}
+
+/// Polls `check` every `every` until it returns `Some`, or gives up at `timeout`.
+pub async fn poll_until<T, F, Fut>(timeout: Duration, every: Duration, mut check: F) -> Option<T>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = check().await {
+            return Some(v);
+        }
+        if Instant::now() >= deadline {
+            return None;
+        }
+        tokio::time::sleep(every).await;
+    }
+}
+
+/// Runs `n` copies of `f(i)` concurrently (all spawned at once), bounded by `timeout`
+/// overall; results in index order.
+pub async fn concurrently<T, F, Fut>(n: usize, timeout: Duration, f: F) -> Vec<T>
+where
+    T: Send + 'static,
+    F: Fn(usize) -> Fut,
+    Fut: Future<Output = T> + Send + 'static,
+{
+    let handles: Vec<_> = (0..n).map(|i| tokio::spawn(f(i))).collect();
+    let all = async {
+        let mut out = Vec::with_capacity(n);
+        for h in handles {
+            out.push(h.await.expect("task panicked"));
+        }
+        out
+    };
+    tokio::time::timeout(timeout, all)
+        .await
+        .unwrap_or_else(|_| panic!("{n} concurrent tasks did not finish within {timeout:?}"))
+}
+
+/// Runs `f(i)` for `i in 0..n` with at most `width` in flight, bounded by `timeout` overall.
+pub async fn bounded_parallel<T, F, Fut>(n: usize, width: usize, timeout: Duration, f: F) -> Vec<T>
+where
+    T: Send + 'static,
+    F: Fn(usize) -> Fut,
+    Fut: Future<Output = T> + Send + 'static,
+{
+    let sem = std::sync::Arc::new(tokio::sync::Semaphore::new(width));
+    let handles: Vec<_> = (0..n)
+        .map(|i| {
+            let sem = sem.clone();
+            let fut = f(i);
+            tokio::spawn(async move {
+                let _permit = sem.acquire_owned().await.expect("semaphore");
+                fut.await
+            })
+        })
+        .collect();
+    let all = async {
+        let mut out = Vec::with_capacity(n);
+        for h in handles {
+            out.push(h.await.expect("task panicked"));
+        }
+        out
+    };
+    tokio::time::timeout(timeout, all)
+        .await
+        .unwrap_or_else(|_| panic!("{n} tasks did not finish within {timeout:?}"))
+}
+
+/// GET `/metrics` on the admin listener and parse it.
+pub async fn scrape(client: &HttpClient, admin: SocketAddr) -> (String, prom::Exposition) {
+    let resp = client.get(&url(admin, "/metrics")).await;
+    assert_eq!(resp.status, 200, "/metrics: {resp}");
+    let text = resp.text();
+    let exp = prom::parse(&text).unwrap_or_else(|e| panic!("/metrics does not parse: {e}"));
+    (text, exp)
+}

@@ -1,0 +1,158 @@
+//! The real `cacheguard` binary as a child process, killed by PID on `Drop`.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::Duration;
+
+use tempfile::TempDir;
+use tokio::time::Instant;
+
+use super::client::HttpClient;
+
+const READY_DEADLINE: Duration = Duration::from_secs(15);
+
+#[derive(Debug)]
+pub struct CacheguardProcess {
+    child: Option<Child>,
+    addr: SocketAddr,
+    admin_addr: SocketAddr,
+    logs: TempDir,
+}
+
+impl CacheguardProcess {
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    pub fn admin_addr(&self) -> SocketAddr {
+        self.admin_addr
+    }
+
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// stdout and stderr captured so far.
+    pub fn output(&self) -> String {
+        let read = |p: PathBuf| std::fs::read_to_string(p).unwrap_or_default();
+        format!(
+            "--- stdout ---\n{}\n--- stderr ---\n{}",
+            read(self.logs.path().join("stdout")),
+            read(self.logs.path().join("stderr"))
+        )
+    }
+
+    /// Sends SIGTERM (by PID).
+    pub fn terminate(&self) {
+        let pid = self.pid().expect("cacheguard is not running");
+        let status = Command::new("kill")
+            .args(["-TERM", &pid.to_string()])
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill -TERM {pid} failed");
+    }
+
+    /// Waits (bounded) for the process to exit; `None` if it is still running at the deadline.
+    pub async fn wait_exit(&mut self, timeout: Duration) -> Option<ExitStatus> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let child = self.child.as_mut()?;
+            if let Ok(Some(status)) = child.try_wait() {
+                self.child = None;
+                return Some(status);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// SIGKILL by PID, then reap. Idempotent.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Drop for CacheguardProcess {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+fn listen_addr(table: &toml::Table, section: &str) -> SocketAddr {
+    let value = table
+        .get(section)
+        .and_then(|s| s.get("listen"))
+        .and_then(|v| v.as_str())
+        .unwrap_or_else(|| panic!("config has no [{section}] listen"));
+    let addr: SocketAddr = value
+        .parse()
+        .unwrap_or_else(|e| panic!("[{section}] listen {value:?}: {e}"));
+    assert_ne!(
+        addr.port(),
+        0,
+        "process tests need a fixed [{section}] listen port (use free_port())"
+    );
+    addr
+}
+
+/// Runs `cacheguard --config FILE` and waits until `/healthz` on the admin port answers 200.
+/// The file must name fixed ports for `[server]` and `[admin]` (see `free_port`).
+pub async fn spawn_cacheguard_process(config_path: &Path) -> CacheguardProcess {
+    let text = std::fs::read_to_string(config_path).expect("read config file");
+    let table: toml::Table = text.parse().expect("config file is TOML");
+    let addr = listen_addr(&table, "server");
+    let admin_addr = listen_addr(&table, "admin");
+
+    let logs = tempfile::tempdir().expect("tempdir for process logs");
+    let stdout = std::fs::File::create(logs.path().join("stdout")).expect("stdout file");
+    let stderr = std::fs::File::create(logs.path().join("stderr")).expect("stderr file");
+    let child = Command::new(env!("CARGO_BIN_EXE_cacheguard"))
+        .arg("--config")
+        .arg(config_path)
+        .env_remove("CACHEGUARD_LISTEN")
+        .env_remove("CACHEGUARD_UPSTREAM")
+        .env_remove("CACHEGUARD_REDIS_URL")
+        .env_remove("CACHEGUARD_ADMIN_TOKEN")
+        .stdin(Stdio::null())
+        .stdout(stdout)
+        .stderr(stderr)
+        .spawn()
+        .expect("spawn cacheguard binary");
+    let mut process = CacheguardProcess {
+        child: Some(child),
+        addr,
+        admin_addr,
+        logs,
+    };
+
+    let client = HttpClient::new();
+    let url = format!("http://{admin_addr}/healthz");
+    let deadline = Instant::now() + READY_DEADLINE;
+    loop {
+        if let Some(status) = process.wait_exit(Duration::ZERO).await {
+            panic!(
+                "cacheguard exited early with {status}\n{}",
+                process.output()
+            );
+        }
+        if let Ok(Ok(resp)) =
+            tokio::time::timeout(Duration::from_millis(500), client.try_get(&url)).await
+            && resp.status == 200
+        {
+            return process;
+        }
+        if Instant::now() >= deadline {
+            panic!(
+                "cacheguard /healthz did not answer 200 within {READY_DEADLINE:?}\n{}",
+                process.output()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}

@@ -1,0 +1,252 @@
+//! A real `redis-server` process on a free loopback port, killed by PID on `Drop`.
+//!
+//! Never mock Redis: every test that needs Redis starts its own server with
+//! [`RedisServer::start`].
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use redis::aio::MultiplexedConnection;
+use tempfile::TempDir;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::time::Instant;
+
+use super::free_port;
+
+const REDIS_SERVER: &str = "/usr/bin/redis-server";
+const START_DEADLINE: Duration = Duration::from_secs(5);
+
+/// One `redis-server` child process. Killed (SIGKILL, then reaped) on `Drop`.
+pub struct RedisServer {
+    port: u16,
+    child: Option<Child>,
+    dir: TempDir,
+}
+
+impl std::fmt::Debug for RedisServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisServer")
+            .field("port", &self.port)
+            .field("pid", &self.child.as_ref().map(Child::id))
+            .finish()
+    }
+}
+
+impl RedisServer {
+    /// Starts a server on a free loopback port and waits until it answers `PING`.
+    pub async fn start() -> RedisServer {
+        let dir = tempfile::tempdir().expect("tempdir for redis-server");
+        let mut last_error = String::new();
+        for _ in 0..8 {
+            let port = free_port();
+            match spawn_on(port, dir.path()).await {
+                Ok(child) => {
+                    return RedisServer {
+                        port,
+                        child: Some(child),
+                        dir,
+                    };
+                }
+                Err(e) => last_error = e,
+            }
+        }
+        panic!("could not start redis-server after 8 attempts: {last_error}");
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    pub fn is_running(&self) -> bool {
+        self.child.is_some()
+    }
+
+    /// A fresh multiplexed connection (the test's own view of Redis).
+    pub async fn client(&self) -> MultiplexedConnection {
+        let client = redis::Client::open(self.url()).expect("redis url");
+        tokio::time::timeout(
+            Duration::from_secs(5),
+            client.get_multiplexed_async_connection(),
+        )
+        .await
+        .expect("redis connect timed out")
+        .expect("redis connect")
+    }
+
+    /// SIGKILL by PID, then reap. Idempotent.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Kills the server (if running) and starts a fresh, empty one on the same port.
+    pub async fn restart(&mut self) {
+        self.kill();
+        let deadline = Instant::now() + START_DEADLINE;
+        loop {
+            match spawn_on(self.port, self.dir.path()).await {
+                Ok(child) => {
+                    self.child = Some(child);
+                    return;
+                }
+                Err(e) if Instant::now() >= deadline => {
+                    panic!("could not restart redis-server on port {}: {e}", self.port)
+                }
+                Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+            }
+        }
+    }
+
+    /// SIGSTOP: the server keeps its socket open but answers nothing (a hung Redis).
+    pub fn pause(&self) {
+        self.signal("-STOP");
+    }
+
+    /// SIGCONT after [`RedisServer::pause`].
+    pub fn resume(&self) {
+        self.signal("-CONT");
+    }
+
+    fn signal(&self, sig: &str) {
+        let pid = self.pid().expect("redis-server is not running");
+        let status = Command::new("kill")
+            .arg(sig)
+            .arg(pid.to_string())
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill {sig} {pid} failed");
+    }
+
+    /// Every entry key (`cg:*:v`), found with `SCAN`.
+    pub async fn entry_keys(&self) -> Vec<Vec<u8>> {
+        self.scan("cg:*:v").await
+    }
+
+    /// Every key matching `pattern`, found with `SCAN` (bounded number of rounds).
+    pub async fn scan(&self, pattern: &str) -> Vec<Vec<u8>> {
+        let mut con = self.client().await;
+        let mut cursor: u64 = 0;
+        let mut keys = Vec::new();
+        for _ in 0..100_000 {
+            let (next, batch): (u64, Vec<Vec<u8>>) = redis::cmd("SCAN")
+                .arg(cursor)
+                .arg("MATCH")
+                .arg(pattern)
+                .arg("COUNT")
+                .arg(1000)
+                .query_async(&mut con)
+                .await
+                .expect("SCAN");
+            keys.extend(batch);
+            cursor = next;
+            if cursor == 0 {
+                return keys;
+            }
+        }
+        panic!("SCAN did not finish");
+    }
+
+    fn log_path(&self) -> PathBuf {
+        self.dir.path().join("redis.log")
+    }
+
+    /// The server's log file, for failure messages.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.log_path()).unwrap_or_default()
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+async fn spawn_on(port: u16, dir: &Path) -> Result<Child, String> {
+    let log = dir.join("redis.log");
+    let mut child = Command::new(REDIS_SERVER)
+        .arg("--port")
+        .arg(port.to_string())
+        .args(["--bind", "127.0.0.1"])
+        .args(["--save", ""])
+        .args(["--appendonly", "no"])
+        .args(["--daemonize", "no"])
+        .arg("--dir")
+        .arg(dir)
+        .arg("--logfile")
+        .arg(&log)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .map_err(|e| format!("spawn {REDIS_SERVER}: {e}"))?;
+    let deadline = Instant::now() + START_DEADLINE;
+    loop {
+        if let Ok(Some(status)) = child.try_wait() {
+            let log = std::fs::read_to_string(&log).unwrap_or_default();
+            return Err(format!(
+                "redis-server on port {port} exited with {status}: {log}"
+            ));
+        }
+        // Identity check: a PONG alone could come from another test's server that
+        // won the race for this port.
+        if server_pid(port).await == Some(child.id()) {
+            return Ok(child);
+        }
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(format!("redis-server on port {port} never answered PING"));
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// `INFO server` over a raw socket; the `process_id` of whatever answers on `port`.
+async fn server_pid(port: u16) -> Option<u32> {
+    let attempt = async {
+        let mut s = TcpStream::connect(("127.0.0.1", port)).await.ok()?;
+        s.write_all(b"*2\r\n$4\r\nINFO\r\n$6\r\nserver\r\n")
+            .await
+            .ok()?;
+        let mut buf = Vec::new();
+        let mut chunk = [0u8; 4096];
+        // Bulk string reply: `$<len>\r\n<len bytes>\r\n`.
+        loop {
+            let n = s.read(&mut chunk).await.ok()?;
+            if n == 0 {
+                return None;
+            }
+            buf.extend_from_slice(&chunk[..n]);
+            let text = String::from_utf8_lossy(&buf);
+            let header_end = text.find("\r\n")?;
+            let len: usize = text.get(1..header_end)?.parse().ok()?;
+            if buf.len() >= header_end + 2 + len {
+                break;
+            }
+            if buf.len() > 1 << 20 {
+                return None;
+            }
+        }
+        let text = String::from_utf8_lossy(&buf).into_owned();
+        text.lines()
+            .find_map(|l| l.strip_prefix("process_id:"))
+            .and_then(|v| v.trim().parse().ok())
+    };
+    tokio::time::timeout(Duration::from_millis(500), attempt)
+        .await
+        .ok()
+        .flatten()
+}

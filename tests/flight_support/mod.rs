@@ -1,0 +1,352 @@
+//! Helpers shared by the breakdown-protection tests (`stampede.rs`, `stale.rs`,
+//! `lock_failover.rs`): fleets of cacheguard processes, pre-warmed connections released
+//! together behind a barrier with per-request latency, and metric readers.
+//!
+//! Included from each of those files with `#[path = "flight_support/mod.rs"] mod
+//! flight_support;` (a subdirectory, so cargo does not build it as a test of its own).
+#![allow(dead_code, unreachable_pub)]
+
+use std::collections::{BTreeMap, HashSet};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::Request;
+use http_body_util::{BodyExt, Empty};
+use hyper::client::conn::http1::SendRequest;
+use hyper_util::rt::TokioIo;
+use tempfile::TempDir;
+use tokio::net::TcpStream;
+use tokio::sync::Barrier;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+use crate::common::{
+    CacheguardProcess, CgConfig, HttpClient, Resp, free_port, poll_until, prom, scrape,
+    spawn_cacheguard_process,
+};
+
+/// Upper bound for one request on a warm connection.
+pub const SHOT_TIMEOUT: Duration = Duration::from_secs(15);
+
+// === processes ===
+
+/// Cacheguard instances running as separate OS processes (each killed by PID on drop).
+pub struct Fleet {
+    pub procs: Vec<CacheguardProcess>,
+    pub configs: Vec<PathBuf>,
+    _dir: TempDir,
+}
+
+impl Fleet {
+    pub fn addrs(&self) -> Vec<SocketAddr> {
+        self.procs.iter().map(CacheguardProcess::addr).collect()
+    }
+
+    pub fn admin_addrs(&self) -> Vec<SocketAddr> {
+        self.procs.iter().map(CacheguardProcess::admin_addr).collect()
+    }
+
+    /// Every process's captured output, for failure messages.
+    pub fn output(&self) -> String {
+        self.procs
+            .iter()
+            .enumerate()
+            .map(|(i, p)| format!("=== instance {i} (pid {:?}) ===\n{}\n", p.pid(), p.output()))
+            .collect()
+    }
+}
+
+/// `n` distinct free loopback ports.
+fn distinct_ports(n: usize) -> Vec<u16> {
+    let mut seen = HashSet::new();
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n * 20 {
+        if out.len() == n {
+            break;
+        }
+        let p = free_port();
+        if seen.insert(p) {
+            out.push(p);
+        }
+    }
+    assert_eq!(out.len(), n, "could not find {n} distinct free ports");
+    out
+}
+
+/// Starts `n` cacheguard processes from `cfg` (each with its own fixed loopback ports),
+/// all at once, and waits until each answers `/healthz`.
+pub async fn spawn_fleet(cfg: &CgConfig, n: usize) -> Fleet {
+    let dir = tempfile::tempdir().expect("tempdir for fleet configs");
+    let ports = distinct_ports(2 * n);
+    let mut configs = Vec::with_capacity(n);
+    for i in 0..n {
+        let c = cfg
+            .clone()
+            .set_str("server", "listen", &format!("127.0.0.1:{}", ports[2 * i]))
+            .set_str("admin", "listen", &format!("127.0.0.1:{}", ports[2 * i + 1]));
+        let path = dir.path().join(format!("cacheguard-{i}.toml"));
+        std::fs::write(&path, c.toml()).expect("write fleet config");
+        configs.push(path);
+    }
+    let procs =
+        futures_util::future::join_all(configs.iter().map(|p| spawn_cacheguard_process(p))).await;
+    Fleet {
+        procs,
+        configs,
+        _dir: dir,
+    }
+}
+
+// === metrics ===
+
+/// `/metrics` of one instance, parsed.
+pub async fn metrics(client: &HttpClient, admin: SocketAddr) -> prom::Exposition {
+    scrape(client, admin).await.1
+}
+
+/// `cacheguard_lock_events_total{outcome}` of one instance.
+pub fn lock_events(exp: &prom::Exposition, outcome: &str) -> f64 {
+    exp.sum("cacheguard_lock_events_total", &[("outcome", outcome)])
+}
+
+/// An unlabelled gauge or counter (0 when absent).
+pub fn value(exp: &prom::Exposition, name: &str) -> f64 {
+    exp.value(name).unwrap_or(0.0)
+}
+
+/// Sum of `cacheguard_lock_events_total{outcome}` over several instances.
+pub async fn lock_events_sum(client: &HttpClient, admins: &[SocketAddr], outcome: &str) -> f64 {
+    let mut total = 0.0;
+    for admin in admins {
+        total += lock_events(&metrics(client, *admin).await, outcome);
+    }
+    total
+}
+
+/// Waits (bounded) until every instance reports Redis up and the event bus subscribed:
+/// before that an instance fills without the fleet lock (degraded), by design.
+pub async fn wait_coordinated(client: &HttpClient, admins: &[SocketAddr]) {
+    for admin in admins {
+        let ok = poll_until(Duration::from_secs(10), Duration::from_millis(25), || {
+            let client = client.clone();
+            let admin = *admin;
+            async move {
+                let exp = metrics(&client, admin).await;
+                (value(&exp, "cacheguard_redis_up") == 1.0
+                    && value(&exp, "cacheguard_event_bus_subscribed") == 1.0)
+                    .then_some(())
+            }
+        })
+        .await;
+        assert!(
+            ok.is_some(),
+            "instance with admin {admin}: Redis up + event bus subscribed not reported within 10s"
+        );
+    }
+}
+
+/// Waits (bounded) until `cacheguard_lock_waiters` ≥ `at_least` on `admin`.
+pub async fn wait_for_lock_waiters(client: &HttpClient, admin: SocketAddr, at_least: f64) {
+    let ok = poll_until(Duration::from_secs(3), Duration::from_millis(10), || {
+        let client = client.clone();
+        async move {
+            let exp = metrics(&client, admin).await;
+            (value(&exp, "cacheguard_lock_waiters") >= at_least).then_some(())
+        }
+    })
+    .await;
+    assert!(
+        ok.is_some(),
+        "instance with admin {admin}: no request registered as a lock waiter within 3s"
+    );
+}
+
+// === warm connections and bursts ===
+
+/// One HTTP/1.1 connection, opened and used once before the measured request, so the
+/// server has accepted it and its connection task runs.
+pub struct WarmConn {
+    addr: SocketAddr,
+    sender: SendRequest<Empty<Bytes>>,
+    task: JoinHandle<()>,
+}
+
+impl Drop for WarmConn {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl WarmConn {
+    /// Connects to `addr` and sends `GET {warm_path}` (expected to answer 2xx).
+    pub async fn open(addr: SocketAddr, warm_path: &str) -> Result<WarmConn, String> {
+        let stream = tokio::time::timeout(Duration::from_secs(5), TcpStream::connect(addr))
+            .await
+            .map_err(|_| format!("connect {addr} timed out"))?
+            .map_err(|e| format!("connect {addr}: {e}"))?;
+        let _ = stream.set_nodelay(true);
+        let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+            .await
+            .map_err(|e| format!("handshake: {e}"))?;
+        let task = tokio::spawn(async move {
+            let _ = conn.await;
+        });
+        let mut warm = WarmConn { addr, sender, task };
+        let r = warm.get(warm_path).await?;
+        if !r.status.is_success() {
+            return Err(format!("warm-up GET {warm_path} via {addr}: {r}"));
+        }
+        Ok(warm)
+    }
+
+    /// `GET path` on this connection, bounded by [`SHOT_TIMEOUT`].
+    pub async fn get(&mut self, path: &str) -> Result<Resp, String> {
+        let req = Request::builder()
+            .method("GET")
+            .uri(path)
+            .header("host", self.addr.to_string())
+            .body(Empty::<Bytes>::new())
+            .map_err(|e| format!("bad request: {e}"))?;
+        let fut = async {
+            self.sender
+                .ready()
+                .await
+                .map_err(|e| format!("connection not ready: {e}"))?;
+            let resp = self
+                .sender
+                .send_request(req)
+                .await
+                .map_err(|e| format!("request error: {e:?}"))?;
+            let (parts, body) = resp.into_parts();
+            let body = body
+                .collect()
+                .await
+                .map_err(|e| format!("body error: {e:?}"))?
+                .to_bytes();
+            Ok(Resp {
+                status: parts.status,
+                headers: parts.headers,
+                body,
+            })
+        };
+        tokio::time::timeout(SHOT_TIMEOUT, fut)
+            .await
+            .map_err(|_| format!("timed out after {SHOT_TIMEOUT:?}"))?
+    }
+}
+
+/// Opens `per_instance` warm connections to each of `addrs` (tagged with the instance
+/// index), at most 64 connects at a time.
+pub async fn open_warm(
+    addrs: &[SocketAddr],
+    per_instance: usize,
+    warm_path: &str,
+) -> Vec<(usize, WarmConn)> {
+    let targets: Vec<(usize, SocketAddr)> = (0..per_instance)
+        .flat_map(|_| addrs.iter().copied().enumerate())
+        .collect();
+    let sem = Arc::new(tokio::sync::Semaphore::new(64));
+    let handles: Vec<_> = targets
+        .into_iter()
+        .map(|(i, addr)| {
+            let sem = sem.clone();
+            let warm_path = warm_path.to_string();
+            tokio::spawn(async move {
+                let _permit = sem.acquire_owned().await.expect("semaphore");
+                (i, WarmConn::open(addr, &warm_path).await)
+            })
+        })
+        .collect();
+    let mut out = Vec::with_capacity(handles.len());
+    let all = async {
+        for h in handles {
+            let (i, conn) = h.await.expect("warm-up task panicked");
+            out.push((i, conn.unwrap_or_else(|e| panic!("warm-up to instance {i}: {e}"))));
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(30), all)
+        .await
+        .unwrap_or_else(|_| panic!("warm-up of connections did not finish within 30s"));
+    out
+}
+
+/// One measured request of a burst.
+#[derive(Debug)]
+pub struct Shot {
+    pub instance: usize,
+    pub result: Result<Resp, String>,
+    /// From this request's release (right after the barrier) to its complete response.
+    pub latency: Duration,
+}
+
+/// Sends `GET path` on every connection at once: each request waits on one barrier, the
+/// barrier opens, and each measures its own latency from that moment. Bounded by
+/// `timeout` overall. Returns when every request has answered.
+pub async fn burst(conns: Vec<(usize, WarmConn)>, path: &str, timeout: Duration) -> Vec<Shot> {
+    let barrier = Arc::new(Barrier::new(conns.len() + 1));
+    let handles: Vec<_> = conns
+        .into_iter()
+        .map(|(instance, mut conn)| {
+            let barrier = barrier.clone();
+            let path = path.to_string();
+            tokio::spawn(async move {
+                barrier.wait().await;
+                let started = Instant::now();
+                let result = conn.get(&path).await;
+                Shot {
+                    instance,
+                    result,
+                    latency: started.elapsed(),
+                }
+            })
+        })
+        .collect();
+    barrier.wait().await;
+    let n = handles.len();
+    let all = async {
+        let mut out = Vec::with_capacity(n);
+        for h in handles {
+            out.push(h.await.expect("burst task panicked"));
+        }
+        out
+    };
+    tokio::time::timeout(timeout, all)
+        .await
+        .unwrap_or_else(|_| panic!("a burst of {n} requests did not finish within {timeout:?}"))
+}
+
+/// `(status x-cache body) => count`, for failure messages.
+pub fn outcomes(shots: &[Shot]) -> BTreeMap<String, usize> {
+    let mut out = BTreeMap::new();
+    for s in shots {
+        let k = match &s.result {
+            Ok(r) => format!("{} {} {}", r.status.as_u16(), r.x_cache(), r.text()),
+            Err(e) => format!("error: {e}"),
+        };
+        *out.entry(k).or_default() += 1;
+    }
+    out
+}
+
+/// The `p`-th percentile (0 < p ≤ 100) by nearest rank.
+pub fn percentile(latencies: &[Duration], p: f64) -> Duration {
+    assert!(!latencies.is_empty(), "percentile of no samples");
+    let mut v = latencies.to_vec();
+    v.sort();
+    let rank = ((p / 100.0) * v.len() as f64).ceil() as usize;
+    v[rank.clamp(1, v.len()) - 1]
+}
+
+/// `p50/p99/max` as text.
+pub fn latency_summary(latencies: &[Duration]) -> String {
+    format!(
+        "n={} p50={:?} p99={:?} max={:?}",
+        latencies.len(),
+        percentile(latencies, 50.0),
+        percentile(latencies, 99.0),
+        percentile(latencies, 100.0)
+    )
+}

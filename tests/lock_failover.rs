@@ -1,0 +1,355 @@
+//! The distributed fill lock under failure (issue #3): a holder that dies is replaced by
+//! exactly one waiter once its lease ends; a slow fetch keeps its lease by renewing it; a
+//! failed fetch hands the key to exactly one waiter; `on_timeout = "error"` answers 503.
+
+#![allow(clippy::unwrap_used)]
+
+mod common;
+#[path = "flight_support/mod.rs"]
+mod flight_support;
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+use common::{
+    CgConfig, HttpClient, RedisServer, Resp, TestOrigin, default_body, poll_until, url,
+};
+use flight_support::{
+    lock_events, lock_events_sum, metrics, spawn_fleet, wait_coordinated, wait_for_lock_waiters,
+};
+
+/// `n` GETs of `path` on `addr`, each reporting its answer and the moment it completed.
+fn spawn_waiters(
+    client: &HttpClient,
+    addr: SocketAddr,
+    path: &str,
+    n: usize,
+) -> Vec<JoinHandle<(Result<Resp, String>, Instant)>> {
+    (0..n)
+        .map(|_| {
+            let client = client.clone();
+            let u = url(addr, path);
+            tokio::spawn(async move {
+                let r = client.try_get(&u).await;
+                (r, Instant::now())
+            })
+        })
+        .collect()
+}
+
+async fn join_waiters(
+    handles: Vec<JoinHandle<(Result<Resp, String>, Instant)>>,
+    timeout: Duration,
+) -> Vec<(Result<Resp, String>, Instant)> {
+    let all = async {
+        let mut out = Vec::with_capacity(handles.len());
+        for h in handles {
+            out.push(h.await.expect("waiter task panicked"));
+        }
+        out
+    };
+    tokio::time::timeout(timeout, all)
+        .await
+        .unwrap_or_else(|_| panic!("waiters did not finish within {timeout:?}"))
+}
+
+/// Waits (bounded) until the origin has received `n` requests for `path`.
+async fn wait_origin_count(origin: &TestOrigin, path: &str, n: u64, timeout: Duration) {
+    let ok = poll_until(timeout, Duration::from_millis(2), || async {
+        (origin.count(path) >= n).then_some(())
+    })
+    .await;
+    assert!(
+        ok.is_some(),
+        "origin did not receive request #{n} for {path} within {timeout:?} (count {})",
+        origin.count(path)
+    );
+}
+
+/// (a) The lock holder, a separate process, is SIGKILLed mid-fetch (lease 1 s). Its lease
+/// expires, exactly one waiting instance takes over (origin count 2: the abandoned fetch
+/// and the takeover), and every waiter is answered 200 within lease + origin delay +
+/// 200 ms of the kill.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn holder_killed_mid_fetch_one_waiter_takes_over_after_the_lease() {
+    const LEASE: Duration = Duration::from_secs(1);
+    const DELAY: Duration = Duration::from_millis(800);
+    let redis = RedisServer::start().await;
+    let origin = TestOrigin::start().await;
+    let path = "/api/items/failover-kill";
+    origin.set_delay(path, DELAY);
+    let cfg = CgConfig::new(&origin)
+        .redis(&redis)
+        .set_str("lock", "lease", "1s")
+        .set_str("lock", "wait_timeout", "5s");
+    let mut fleet = spawn_fleet(&cfg, 1).await;
+    let b = cfg.start().await;
+    let c = cfg.start().await;
+    let client = HttpClient::new();
+    let a_addr = fleet.addrs()[0];
+    let mut admins = fleet.admin_addrs();
+    admins.extend([b.admin_addr(), c.admin_addr()]);
+    wait_coordinated(&client, &admins).await;
+
+    // A (the process) takes the lock and starts fetching.
+    let sent = Instant::now();
+    let a_request = {
+        let client = client.clone();
+        let u = url(a_addr, path);
+        tokio::spawn(async move { client.try_get(&u).await })
+    };
+    wait_origin_count(&origin, path, 1, Duration::from_secs(3)).await;
+    let locks = redis.scan("cg:*:lock").await;
+    assert_eq!(locks.len(), 1, "A must hold the key's lock while fetching: {locks:?}");
+
+    // Waiters on B and C; both instances' leaders are waiting on A's lock.
+    let mut waiters = spawn_waiters(&client, b.addr(), path, 10);
+    waiters.extend(spawn_waiters(&client, c.addr(), path, 10));
+    wait_for_lock_waiters(&client, b.admin_addr(), 1.0).await;
+    wait_for_lock_waiters(&client, c.admin_addr(), 1.0).await;
+
+    assert_eq!(origin.in_flight(), 1, "A's fetch must still be in flight at the kill");
+    assert!(
+        sent.elapsed() < DELAY - Duration::from_millis(100),
+        "setup took {:?}: A may have finished its fetch before the kill",
+        sent.elapsed()
+    );
+    let a_pid = fleet.procs[0].pid();
+    fleet.procs[0].kill(); // SIGKILL by PID
+    let killed = Instant::now();
+    eprintln!("killed A (pid {a_pid:?}) {:?} after its request", sent.elapsed());
+    let a_answer = a_request.await.expect("A request task");
+    assert!(
+        a_answer.is_err(),
+        "A was killed mid-fetch; its client cannot have an answer: {a_answer:?}"
+    );
+
+    let results = join_waiters(waiters, Duration::from_secs(10)).await;
+    let bound = LEASE + DELAY + Duration::from_millis(200);
+    let expected = default_body(path, 2);
+    let mut slowest = Duration::ZERO;
+    for (i, (r, done)) in results.iter().enumerate() {
+        let r = r
+            .as_ref()
+            .unwrap_or_else(|e| panic!("waiter {i}: transport error {e}"));
+        assert_eq!(r.status, 200, "waiter {i}: {r}");
+        assert_eq!(r.body, expected, "waiter {i} must get the takeover's fetch: {r}");
+        let after_kill = done.saturating_duration_since(killed);
+        slowest = slowest.max(after_kill);
+        assert!(
+            after_kill <= bound,
+            "waiter {i} answered {after_kill:?} after the kill (> lease + origin delay + 200ms = {bound:?})"
+        );
+    }
+    eprintln!("slowest waiter answered {slowest:?} after the kill (bound {bound:?})");
+
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        origin.count(path),
+        2,
+        "exactly one takeover fetch after the holder died (A's abandoned fetch + 1)"
+    );
+    let bc = [b.admin_addr(), c.admin_addr()];
+    assert_eq!(
+        lock_events_sum(&client, &bc, "takeover").await,
+        1.0,
+        "exactly one waiter instance takes the lock over"
+    );
+    assert_eq!(lock_events_sum(&client, &bc, "acquired").await, 0.0);
+
+    b.shutdown().await;
+    c.shutdown().await;
+}
+
+/// (b) A fetch three times as long as the lease: the holder renews its lease (every
+/// lease/3), nobody takes over, one origin request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_fetch_renews_its_lease_and_stays_the_only_fetch() {
+    let redis = RedisServer::start().await;
+    let origin = TestOrigin::start().await;
+    let path = "/api/items/slow-renew";
+    origin.set_delay(path, Duration::from_millis(1500));
+    let cfg = CgConfig::new(&origin)
+        .redis(&redis)
+        .set_str("lock", "lease", "500ms")
+        .set_str("lock", "wait_timeout", "5s");
+    let a = cfg.start().await;
+    let b = cfg.start().await;
+    let client = HttpClient::new();
+    let admins = [a.admin_addr(), b.admin_addr()];
+    wait_coordinated(&client, &admins).await;
+
+    let mut handles = spawn_waiters(&client, a.addr(), path, 10);
+    handles.extend(spawn_waiters(&client, b.addr(), path, 10));
+    let results = join_waiters(handles, Duration::from_secs(10)).await;
+    let expected = default_body(path, 1);
+    for (i, (r, _)) in results.iter().enumerate() {
+        let r = r.as_ref().unwrap_or_else(|e| panic!("client {i}: {e}"));
+        assert_eq!(r.status, 200, "client {i}: {r}");
+        assert_eq!(r.body, expected, "client {i}: {r}");
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(origin.count(path), 1, "a renewed lease means no second fetch");
+
+    let ea = metrics(&client, a.admin_addr()).await;
+    let eb = metrics(&client, b.admin_addr()).await;
+    let (owner, other) = if lock_events(&ea, "acquired") == 1.0 {
+        (&ea, &eb)
+    } else {
+        (&eb, &ea)
+    };
+    let report = |e: &common::prom::Exposition| {
+        ["acquired", "contended", "renewed", "lost", "takeover", "wait_timeout"]
+            .iter()
+            .map(|o| format!("{o}={}", lock_events(e, o)))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    let report = format!("owner: {} | other: {}", report(owner), report(other));
+    assert_eq!(lock_events(owner, "acquired"), 1.0, "{report}");
+    assert!(
+        lock_events(owner, "renewed") >= 2.0,
+        "a 1.5 s fetch under a 500 ms lease must renew at least twice: {report}"
+    );
+    assert_eq!(lock_events(owner, "lost"), 0.0, "{report}");
+    assert_eq!(lock_events(other, "takeover"), 0.0, "{report}");
+    assert_eq!(lock_events(other, "acquired"), 0.0, "{report}");
+    assert!(lock_events(other, "contended") >= 1.0, "{report}");
+
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
+/// (c) The holder's fetch answers 500: it releases the lock, exactly one waiting instance
+/// re-fetches (origin count 2), and the waiters' clients get 200.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_fetch_hands_the_key_to_exactly_one_waiter() {
+    const DELAY: Duration = Duration::from_millis(500);
+    let redis = RedisServer::start().await;
+    let origin = TestOrigin::start().await;
+    let path = "/api/items/owner-500";
+    origin.set_delay(path, DELAY);
+    origin.set_status(path, 500);
+    let cfg = CgConfig::new(&origin)
+        .redis(&redis)
+        .set_str("lock", "wait_timeout", "5s");
+    let a = cfg.start().await;
+    let b = cfg.start().await;
+    let c = cfg.start().await;
+    let client = HttpClient::new();
+    let admins = [a.admin_addr(), b.admin_addr(), c.admin_addr()];
+    wait_coordinated(&client, &admins).await;
+
+    let sent = Instant::now();
+    let a_request = {
+        let client = client.clone();
+        let u = url(a.addr(), path);
+        tokio::spawn(async move { client.try_get(&u).await })
+    };
+    wait_origin_count(&origin, path, 1, Duration::from_secs(3)).await;
+    // Only the first request fails: later ones get the default 200 (same delay).
+    origin.reset(path);
+    origin.set_delay(path, DELAY);
+
+    let mut waiters = spawn_waiters(&client, b.addr(), path, 10);
+    waiters.extend(spawn_waiters(&client, c.addr(), path, 10));
+    wait_for_lock_waiters(&client, b.admin_addr(), 1.0).await;
+    wait_for_lock_waiters(&client, c.admin_addr(), 1.0).await;
+    assert!(
+        sent.elapsed() < DELAY,
+        "setup took {:?}: waiters were not waiting while A fetched",
+        sent.elapsed()
+    );
+
+    let a_answer = a_request.await.expect("A task").expect("A answered");
+    assert_eq!(a_answer.status, 500, "A's client gets the origin's 500: {a_answer}");
+
+    let results = join_waiters(waiters, Duration::from_secs(10)).await;
+    let expected = default_body(path, 2);
+    for (i, (r, _)) in results.iter().enumerate() {
+        let r = r.as_ref().unwrap_or_else(|e| panic!("waiter {i}: {e}"));
+        assert_eq!(r.status, 200, "waiter {i}: {r}");
+        assert_eq!(r.body, expected, "waiter {i}: {r}");
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        origin.count(path),
+        2,
+        "after the holder's 500 exactly one waiter instance re-fetches"
+    );
+    let bc = [b.admin_addr(), c.admin_addr()];
+    assert_eq!(lock_events_sum(&client, &bc, "takeover").await, 1.0);
+
+    a.shutdown().await;
+    b.shutdown().await;
+    c.shutdown().await;
+}
+
+/// (d) `on_timeout = "error"`: waiters that outwait `wait_timeout` (200 ms, origin takes
+/// 1 s) get 503 with `Retry-After`, and do not go to the origin.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wait_timeout_with_on_timeout_error_answers_503_retry_after() {
+    let redis = RedisServer::start().await;
+    let origin = TestOrigin::start().await;
+    let path = "/api/items/wait-timeout";
+    origin.set_delay(path, Duration::from_secs(1));
+    let cfg = CgConfig::new(&origin)
+        .redis(&redis)
+        .set_str("lock", "wait_timeout", "200ms")
+        .set_str("lock", "on_timeout", "error");
+    let a = cfg.start().await;
+    let b = cfg.start().await;
+    let client = HttpClient::new();
+    wait_coordinated(&client, &[a.admin_addr(), b.admin_addr()]).await;
+
+    let a_request = {
+        let client = client.clone();
+        let u = url(a.addr(), path);
+        tokio::spawn(async move { client.try_get(&u).await })
+    };
+    wait_origin_count(&origin, path, 1, Duration::from_secs(3)).await;
+
+    let started = Instant::now();
+    let waiters = spawn_waiters(&client, b.addr(), path, 10);
+    let results = join_waiters(waiters, Duration::from_secs(10)).await;
+    for (i, (r, done)) in results.iter().enumerate() {
+        let r = r.as_ref().unwrap_or_else(|e| panic!("waiter {i}: {e}"));
+        let took = done.saturating_duration_since(started);
+        assert_eq!(
+            r.status, 503,
+            "waiter {i} (answered after {took:?}) must get 503 after wait_timeout: {r}"
+        );
+        let retry_after = r.header("retry-after");
+        assert!(
+            retry_after
+                .as_deref()
+                .is_some_and(|v| v.trim().parse::<u64>().is_ok()),
+            "waiter {i}: 503 without a numeric Retry-After: {retry_after:?}"
+        );
+        assert!(
+            took < Duration::from_millis(800),
+            "waiter {i} answered after {took:?}: the 503 must come at wait_timeout (200 ms), \
+             not after the holder's fetch"
+        );
+    }
+    assert_eq!(
+        origin.count(path),
+        1,
+        "waiters that timed out with on_timeout = \"error\" must not fetch"
+    );
+    let eb = metrics(&client, b.admin_addr()).await;
+    assert!(lock_events(&eb, "wait_timeout") >= 1.0);
+
+    let a_answer = a_request.await.expect("A task").expect("A answered");
+    assert_eq!(a_answer.status, 200, "{a_answer}");
+    let after = client.get(&url(b.addr(), path)).await;
+    assert_eq!(after.status, 200, "{after}");
+    assert_eq!(after.body, default_body(path, 1), "{after}");
+    assert_eq!(origin.count(path), 1);
+
+    a.shutdown().await;
+    b.shutdown().await;
+}

@@ -1,0 +1,241 @@
+//! Unmatched paths are proxied untouched and never cached: bodies stream through both
+//! ways, status and end-to-end headers pass back, hop-by-hop headers are stripped.
+
+mod common;
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::Method;
+
+use common::client::{channel_body, full_body, raw_request};
+use common::{CgConfig, HttpClient, TestOrigin, poll_until, url};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unmatched_get_is_bypassed_every_time() {
+    let origin = TestOrigin::start().await;
+    let cg = CgConfig::new(&origin).start().await;
+    let client = HttpClient::new();
+    for i in 1..=3u64 {
+        let r = client.get(&url(cg.addr(), "/not/a/route?q=1")).await;
+        assert_eq!(r.status, 200, "{r}");
+        assert_eq!(r.x_cache(), "BYPASS", "{r}");
+        assert_eq!(
+            origin.count("/not/a/route"),
+            i,
+            "an unmatched path was cached"
+        );
+    }
+    let seen = origin.last_request("/not/a/route").expect("seen");
+    assert_eq!(
+        seen.uri.to_string(),
+        "/not/a/route?q=1",
+        "unmatched URI must pass untouched"
+    );
+    cg.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unmatched_post_is_echoed_with_status_and_headers() {
+    let origin = TestOrigin::start().await;
+    origin.set_echo("/echo");
+    origin.set_status("/echo", 201);
+    origin.set_headers(
+        "/echo",
+        [
+            ("x-custom", "abc"),
+            ("location", "/echo/7"),
+            ("set-cookie", "s=1"),
+        ],
+    );
+    let cg = CgConfig::new(&origin).start().await;
+    let client = HttpClient::new();
+    let payload = Bytes::from(
+        (0..200_000u32)
+            .map(|i| (i % 251) as u8)
+            .collect::<Vec<u8>>(),
+    );
+    let r = client
+        .request(
+            Method::POST,
+            &url(cg.addr(), "/echo?a=1"),
+            &[
+                ("content-type", "application/x-test"),
+                ("x-request-id", "r-1"),
+            ],
+            full_body(payload.clone()),
+        )
+        .await
+        .expect("POST");
+    assert_eq!(r.status, 201, "{r}");
+    assert_eq!(r.body, payload, "echoed body differs");
+    assert_eq!(r.header("x-custom").as_deref(), Some("abc"));
+    assert_eq!(r.header("location").as_deref(), Some("/echo/7"));
+    assert_eq!(
+        r.header("set-cookie").as_deref(),
+        Some("s=1"),
+        "pass-through must keep Set-Cookie"
+    );
+    assert_eq!(
+        r.header("content-type").as_deref(),
+        Some("application/x-test")
+    );
+    assert_eq!(r.x_cache(), "BYPASS", "{r}");
+    let seen = origin.last_request("/echo").expect("seen");
+    assert_eq!(seen.method, Method::POST);
+    assert_eq!(seen.uri.to_string(), "/echo?a=1");
+    assert_eq!(
+        seen.header("x-request-id").as_deref(),
+        Some("r-1"),
+        "end-to-end header dropped"
+    );
+    assert_eq!(seen.body, payload);
+    cg.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unmatched_request_body_is_streamed_not_buffered() {
+    let origin = TestOrigin::start().await;
+    origin.set_echo("/stream");
+    let cg = CgConfig::new(&origin).start().await;
+    let client = HttpClient::new();
+    let (tx, body) = channel_body();
+    let u = url(cg.addr(), "/stream");
+    let req = tokio::spawn({
+        let client = client.clone();
+        async move { client.request(Method::PUT, &u, &[], body).await }
+    });
+    let first = Bytes::from(vec![b'a'; 32 * 1024]);
+    tx.send(first.clone()).await.expect("send first chunk");
+    // The origin must see the first chunk while the client is still holding the rest.
+    let arrived = poll_until(
+        Duration::from_secs(3),
+        Duration::from_millis(20),
+        || async { (origin.body_bytes_received("/stream") > 0).then_some(()) },
+    )
+    .await;
+    let second = Bytes::from(vec![b'b'; 32 * 1024]);
+    tx.send(second.clone()).await.expect("send second chunk");
+    drop(tx);
+    let r = req.await.expect("task").expect("PUT");
+    assert!(
+        arrived.is_some(),
+        "the origin saw no body bytes 3 s after the first chunk was sent: the body is buffered, not streamed"
+    );
+    assert_eq!(r.status, 200, "{r}");
+    let mut expected = first.to_vec();
+    expected.extend_from_slice(&second);
+    assert_eq!(r.body.len(), expected.len());
+    assert!(r.body == expected, "echoed stream differs");
+    cg.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hop_by_hop_headers_are_stripped_both_ways() {
+    let origin = TestOrigin::start().await;
+    origin.set_echo("/hop");
+    origin.set_headers(
+        "/hop",
+        [
+            ("connection", "x-resp-hop"),
+            ("x-resp-hop", "1"),
+            ("keep-alive", "timeout=5"),
+            ("proxy-authenticate", "Basic realm=\"origin\""),
+            ("upgrade", "foo/1"),
+            ("x-end-to-end", "kept"),
+        ],
+    );
+    let cg = CgConfig::new(&origin).start().await;
+    let host = cg.addr().to_string();
+    let r = raw_request(
+        cg.addr(),
+        Method::POST,
+        "/hop",
+        &[
+            ("host", host.as_str()),
+            ("connection", "x-hop"),
+            ("x-hop", "1"),
+            ("keep-alive", "timeout=5"),
+            ("te", "trailers"),
+            ("upgrade", "websocket"),
+            ("proxy-authorization", "Basic c2VjcmV0"),
+            ("proxy-connection", "keep-alive"),
+            ("x-end-to-end", "kept"),
+        ],
+        full_body("hello"),
+    )
+    .await
+    .expect("raw POST");
+    assert_eq!(r.status, 200, "{r}");
+    assert_eq!(r.body, "hello");
+
+    let seen = origin.last_request("/hop").expect("seen");
+    for name in [
+        "x-hop",
+        "keep-alive",
+        "te",
+        "upgrade",
+        "proxy-authorization",
+        "proxy-connection",
+    ] {
+        assert_eq!(
+            seen.header(name),
+            None,
+            "hop-by-hop request header {name} reached the origin"
+        );
+    }
+    if let Some(c) = seen.header("connection") {
+        assert!(
+            !c.to_ascii_lowercase().contains("x-hop"),
+            "client's Connection forwarded: {c}"
+        );
+    }
+    assert_eq!(seen.header("x-end-to-end").as_deref(), Some("kept"));
+
+    for name in ["x-resp-hop", "keep-alive", "proxy-authenticate", "upgrade"] {
+        assert_eq!(
+            r.header(name),
+            None,
+            "hop-by-hop response header {name} reached the client"
+        );
+    }
+    if let Some(c) = r.header("connection") {
+        assert!(
+            !c.to_ascii_lowercase().contains("x-resp-hop"),
+            "origin's Connection passed back: {c}"
+        );
+    }
+    assert_eq!(r.header("x-end-to-end").as_deref(), Some("kept"));
+    cg.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unmatched_error_statuses_pass_through() {
+    let origin = TestOrigin::start().await;
+    for (path, status) in [
+        ("/p/404", 404u16),
+        ("/p/418", 418),
+        ("/p/500", 500),
+        ("/p/503", 503),
+    ] {
+        origin.set_status(path, status);
+        origin.set_body(path, format!("origin says {status}"));
+    }
+    let cg = CgConfig::new(&origin).start().await;
+    let client = HttpClient::new();
+    for (path, status) in [
+        ("/p/404", 404u16),
+        ("/p/418", 418),
+        ("/p/500", 500),
+        ("/p/503", 503),
+    ] {
+        let r = client.get(&url(cg.addr(), path)).await;
+        assert_eq!(r.status, status, "{path}: {r}");
+        assert_eq!(
+            r.text(),
+            format!("origin says {status}"),
+            "{path}: origin body replaced"
+        );
+    }
+    cg.shutdown().await;
+}

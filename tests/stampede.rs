@@ -1,0 +1,202 @@
+//! Breakdown protection (issue #3): a cold key hit by hundreds of concurrent requests spread
+//! over several instances sharing one Redis makes exactly one origin request, and the
+//! waiters on the other instances are woken by the `fill` event (pub/sub), not by polling.
+
+#![allow(clippy::unwrap_used)]
+
+mod common;
+#[path = "flight_support/mod.rs"]
+mod flight_support;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{CgConfig, HttpClient, RedisServer, TestOrigin, concurrently, default_body, url};
+use flight_support::{
+    burst, latency_summary, lock_events, lock_events_sum, metrics, open_warm, outcomes,
+    percentile, spawn_fleet, value, wait_coordinated,
+};
+
+const ORIGIN_DELAY: Duration = Duration::from_millis(300);
+/// Wake-up allowance on top of the origin delay: a poll loop could not meet it.
+const WAKE_SLACK: Duration = Duration::from_millis(50);
+
+/// 3 processes, one Redis, 600 concurrent GETs of one cold key (200 per instance, released
+/// together on warm connections) → 1 origin request, 600 × 200 with the one body, and
+/// p99 latency ≤ origin delay + 50 ms over the machine's floor for such a burst (the p99
+/// of the same burst of plain cache hits, measured in the test).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cold_key_stampede_over_three_processes_makes_one_origin_request() {
+    const PER_INSTANCE: usize = 200;
+    let redis = RedisServer::start().await;
+    let origin = TestOrigin::start().await;
+    let path = "/api/items/stampede-3proc";
+    origin.set_delay(path, ORIGIN_DELAY);
+    let cfg = CgConfig::new(&origin)
+        .redis(&redis)
+        .set_str("lock", "lease", "5s")
+        .set_str("lock", "wait_timeout", "5s")
+        .set("upstream", "max_concurrency", "1024");
+    let fleet = spawn_fleet(&cfg, 3).await;
+    let client = HttpClient::new();
+    wait_coordinated(&client, &fleet.admin_addrs()).await;
+
+    // Warm-up requests go to an unrouted path (passed through, never cached).
+    let conns = open_warm(&fleet.addrs(), PER_INSTANCE, "/warmup").await;
+    assert_eq!(conns.len(), 3 * PER_INSTANCE);
+    assert_eq!(origin.count(path), 0, "the key is not cold");
+
+    let shots = burst(conns, path, Duration::from_secs(20)).await;
+
+    let expected = default_body(path, 1);
+    let bad: Vec<String> = shots
+        .iter()
+        .filter(|s| {
+            !matches!(&s.result, Ok(r) if r.status == 200 && r.body == expected.as_bytes())
+        })
+        .map(|s| format!("instance {}: {:?}", s.instance, s.result.as_ref().map(|r| r.to_string())))
+        .take(10)
+        .collect();
+    assert!(
+        bad.is_empty(),
+        "every client must get 200 with the one fetched body; answers: {:?}\nfirst bad: {bad:#?}",
+        outcomes(&shots)
+    );
+    // Let anything late reach the origin before counting.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(
+        origin.count(path),
+        1,
+        "600 concurrent misses over 3 processes made more than one origin request; answers: {:?}",
+        outcomes(&shots)
+    );
+
+    let latencies: Vec<Duration> = shots.iter().map(|s| s.latency).collect();
+    let summary = latency_summary(&latencies);
+    eprintln!("3-process stampede latency: {summary}");
+    for i in 0..3 {
+        let per: Vec<Duration> = shots
+            .iter()
+            .filter(|s| s.instance == i)
+            .map(|s| s.latency)
+            .collect();
+        eprintln!("  instance {i}: {}", latency_summary(&per));
+    }
+
+    // The machine's floor: the same burst (600 warm connections, released together) of
+    // plain cache hits. On a loaded 2-core box with a debug build, serving 600 requests at
+    // once costs far more than 50 ms by itself; a waiter woken by the fill event costs the
+    // origin delay plus about that floor, while a poller would add its interval on top.
+    let conns = open_warm(&fleet.addrs(), PER_INSTANCE, "/warmup").await;
+    let hits = burst(conns, path, Duration::from_secs(20)).await;
+    assert!(
+        hits.iter()
+            .all(|s| matches!(&s.result, Ok(r) if r.status == 200 && r.is_hit())),
+        "the calibration burst must be all hits: {:?}",
+        outcomes(&hits)
+    );
+    let floor: Vec<Duration> = hits.iter().map(|s| s.latency).collect();
+    let floor_p99 = percentile(&floor, 99.0);
+    eprintln!("  calibration (600 hits): {}", latency_summary(&floor));
+    assert_eq!(origin.count(path), 1);
+
+    let p99 = percentile(&latencies, 99.0);
+    let bound = ORIGIN_DELAY + WAKE_SLACK + floor_p99;
+    assert!(
+        p99 <= bound,
+        "p99 latency {p99:?} > origin delay {ORIGIN_DELAY:?} + {WAKE_SLACK:?} + the p99 of a \
+         burst of 600 plain hits ({floor_p99:?}): waiters are not woken promptly by the fill \
+         event (stampede {summary}; hits {})",
+        latency_summary(&floor)
+    );
+
+    // One lock acquisition across the fleet; the other two instances waited on it.
+    let admins = fleet.admin_addrs();
+    assert_eq!(lock_events_sum(&client, &admins, "acquired").await, 1.0);
+    assert_eq!(lock_events_sum(&client, &admins, "takeover").await, 0.0);
+    assert_eq!(lock_events_sum(&client, &admins, "wait_timeout").await, 0.0);
+    assert!(
+        lock_events_sum(&client, &admins, "contended").await >= 2.0,
+        "the two instances that did not win the lock must report contended"
+    );
+}
+
+/// The in-process variant: 2 instances, 100 concurrent GETs; the lock metrics tell the
+/// story (`acquired` = 1 across instances, `contended` ≥ 1, requests coalesced).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stampede_over_two_instances_is_visible_in_lock_metrics() {
+    let redis = RedisServer::start().await;
+    let origin = TestOrigin::start().await;
+    let path = "/api/items/stampede-metrics";
+    origin.set_delay(path, ORIGIN_DELAY);
+    let cfg = CgConfig::new(&origin)
+        .redis(&redis)
+        .set_str("lock", "wait_timeout", "5s");
+    let a = cfg.start().await;
+    let b = cfg.start().await;
+    let client = HttpClient::new();
+    let admins = [a.admin_addr(), b.admin_addr()];
+    wait_coordinated(&client, &admins).await;
+
+    let addrs = Arc::new([a.addr(), b.addr()]);
+    let results = concurrently(100, Duration::from_secs(20), |i| {
+        let client = client.clone();
+        let addrs = addrs.clone();
+        async move { client.try_get(&url(addrs[i % 2], path)).await }
+    })
+    .await;
+    let expected = default_body(path, 1);
+    for (i, r) in results.iter().enumerate() {
+        match r {
+            Ok(r) => {
+                assert_eq!(r.status, 200, "client {i}: {r}");
+                assert_eq!(r.body, expected, "client {i}: {r}");
+            }
+            Err(e) => panic!("client {i}: {e}"),
+        }
+    }
+    assert_eq!(origin.count(path), 1, "one origin request for 100 misses");
+
+    let ea = metrics(&client, a.admin_addr()).await;
+    let eb = metrics(&client, b.admin_addr()).await;
+    let sum = |outcome: &str| lock_events(&ea, outcome) + lock_events(&eb, outcome);
+    let report = format!(
+        "A: acquired={} contended={} takeover={} | B: acquired={} contended={} takeover={}",
+        lock_events(&ea, "acquired"),
+        lock_events(&ea, "contended"),
+        lock_events(&ea, "takeover"),
+        lock_events(&eb, "acquired"),
+        lock_events(&eb, "contended"),
+        lock_events(&eb, "takeover"),
+    );
+    assert_eq!(sum("acquired"), 1.0, "exactly one lock acquisition: {report}");
+    assert!(sum("contended") >= 1.0, "the other instance contended: {report}");
+    assert_eq!(sum("takeover"), 0.0, "{report}");
+    assert_eq!(sum("wait_timeout"), 0.0, "{report}");
+    assert_eq!(sum("lost"), 0.0, "{report}");
+
+    let coalesced = ea.sum("cacheguard_coalesced_requests_total", &[("route", "item")])
+        + eb.sum("cacheguard_coalesced_requests_total", &[("route", "item")]);
+    assert!(
+        coalesced > 0.0,
+        "50 concurrent misses per instance must coalesce in-process (coalesced = {coalesced})"
+    );
+    // The waiting side saw one lock wait, and nobody is left registered.
+    let waited = ea
+        .sum("cacheguard_lock_wait_seconds_count", &[])
+        .max(eb.sum("cacheguard_lock_wait_seconds_count", &[]));
+    assert!(waited >= 1.0, "no lock wait observed in cacheguard_lock_wait_seconds");
+    assert_eq!(value(&ea, "cacheguard_lock_waiters"), 0.0);
+    assert_eq!(value(&eb, "cacheguard_lock_waiters"), 0.0);
+    let misses = ea.sum(
+        "cacheguard_requests_total",
+        &[("route", "item"), ("outcome", "miss")],
+    ) + eb.sum(
+        "cacheguard_requests_total",
+        &[("route", "item"), ("outcome", "miss")],
+    );
+    assert_eq!(misses, 100.0, "every request counted as a miss");
+
+    a.shutdown().await;
+    b.shutdown().await;
+}
