@@ -183,7 +183,13 @@ fn new_entry(job: &FillJob, head: Head, body: Bytes, fetch_ms: u32) -> Entry {
         body,
         stored_at_ms: now_ms(),
         ttl_ms: u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX),
-        grace_ms: u64::try_from(route.grace.as_millis()).unwrap_or(u64::MAX),
+        // A negative entry gets no grace: serving a stale "does not exist" after the item was
+        // created is worse than one more origin request.
+        grace_ms: if negative {
+            0
+        } else {
+            u64::try_from(route.grace.as_millis()).unwrap_or(u64::MAX)
+        },
         fetch_ms,
     }
 }
