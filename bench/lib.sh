@@ -278,3 +278,52 @@ warm() {
     done
     die "warming $url: X-Cache stayed '$got' (wanted one of: $*)"
 }
+
+# --- additions for bench/stampede.sh ---------------------------------------------------
+
+# cell_dec DECIMALS V...: "median (min–max)" with DECIMALS decimals; a lone value when all
+# values are equal.
+cell_dec() {
+    local dec=$1
+    shift
+    local med min max
+    read -r med min max < <(stats "$@")
+    if [[ $med == nan ]]; then
+        printf '–'
+    elif LC_ALL=C awk -v a="$min" -v b="$max" 'BEGIN { exit !(a == b) }'; then
+        LC_ALL=C printf "%.${dec}f" "$med"
+    else
+        LC_ALL=C printf "%.${dec}f (%.${dec}f–%.${dec}f)" "$med" "$min" "$max"
+    fi
+}
+
+# start_varnish NAME PORT TEMPLATE KEY=VALUE...: render the VCL TEMPLATE into
+# $BENCH_TMP/varnish-NAME and run varnishd in the foreground (-F) with its own working dir
+# (-n), no jail, no management port, malloc storage, as in the peers kit. Sets LAST_PID
+# (the manager; TERM to it stops the cache child too).
+start_varnish() {
+    local name=$1 port=$2 tmpl=$3
+    shift 3
+    local dir="$BENCH_TMP/varnish-$name"
+    mkdir -p "$dir"
+    render_template "$tmpl" "$dir/default.vcl" "$@"
+    start_bg "$dir/varnishd.log" varnishd -F -j none -n "$dir/n" -a "127.0.0.1:$port" -T none \
+        -f "$dir/default.vcl" -s malloc,256m
+}
+
+# start_redis NAME PORT: a throwaway redis-server on 127.0.0.1:PORT, no persistence. Waits
+# until it answers PING. Sets LAST_PID.
+start_redis() {
+    local name=$1 port=$2 dir="$BENCH_TMP/redis-$1" deadline
+    mkdir -p "$dir"
+    start_bg "$dir/redis.log" redis-server --bind 127.0.0.1 --port "$port" --dir "$dir" \
+        --save "" --appendonly no --daemonize no
+    local pid=$LAST_PID
+    deadline=$((SECONDS + 15))
+    while ((SECONDS < deadline)); do
+        kill -0 "$pid" 2>/dev/null || die "redis-server ($name, PID $pid) exited; see $dir/redis.log"
+        [[ $(redis-cli -h 127.0.0.1 -p "$port" ping 2>/dev/null) == PONG ]] && return 0
+        sleep 0.1
+    done
+    die "redis-server ($name) did not answer PING on port $port within 15 s"
+}

@@ -315,8 +315,9 @@ impl EventBus {
                 }
                 Ok(None) => return Ended::Lost,
                 Err(_) => {
-                    // Idle: make sure the connection is still there.
-                    let ping = tokio::time::timeout(IDLE_PING, sink.ping::<String>()).await;
+                    // Idle: make sure the connection is still there. Inside a subscription
+                    // Redis answers PING with an array (`pong`, ""), so any answer counts.
+                    let ping = tokio::time::timeout(IDLE_PING, sink.ping::<redis::Value>()).await;
                     if !matches!(ping, Ok(Ok(_))) {
                         return Ended::Lost;
                     }

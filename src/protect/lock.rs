@@ -64,11 +64,12 @@ impl DistLock {
         }
     }
 
-    /// Whether the distributed path can be used right now (Redis up, events subscribed).
-    /// Without the subscription a waiter could not be woken, so the instance degrades to
-    /// in-process single-flight instead of waiting on timeouts.
+    /// Whether the distributed path can be used right now: Redis answers. The event bus
+    /// need not be connected at this instant: a waiter registered while it reconnects is
+    /// woken by the re-subscription (which wakes every waiter to re-check), so a short bus
+    /// gap never splits a stampede into one fetch per instance.
     pub(crate) fn is_available(&self) -> bool {
-        self.redis.is_up() && self.bus.is_connected()
+        self.redis.is_up()
     }
 
     pub(crate) fn waiters(&self) -> &Arc<Waiters> {

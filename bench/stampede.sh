@@ -1,0 +1,509 @@
+#!/usr/bin/env bash
+# Stampede benchmark for issue #3, in one run on this machine:
+#
+#   origin   bench/tools `bench-origin`: GET /items/{id} -> exactly 1024 bytes of JSON after
+#            DELAY_MS (200 ms), per-path request counters at /stats, max in-flight
+#   peers    nginx 1.22 proxy_cache (`proxy_cache_lock on`, bench/nginx.conf.tmpl) and
+#            Varnish 7.1 (bench/varnish.vcl.tmpl), each as one instance and as two
+#            independent instances (two caches)
+#   cacheguard  release build; shared mode (a redis-server started here) with 1 and 2
+#            instances, and embedded mode (no Redis) with 1 instance for reference
+#   load     bench/tools `loadgen stampede`: C keep-alive connections (split round-robin
+#            over the instances), each warmed with one GET of an already-cached key, then one
+#            GET of a cold key released on all of them at the same moment
+#
+# Matrix: C in CONCURRENCIES (100 1000) x TARGETS x REPS (3); a fresh cold key (new id) per
+# run; origin counters reset before each run; targets rotate within each rep.
+#
+# usage: bash bench/stampede.sh
+# env:   REPS=3 CONCURRENCIES="100 1000" DELAY_MS=200 BASE_PORT=29080 (uses BASE_PORT+1 .. +12)
+#        TARGETS="direct nginx1 nginx2 varnish1 varnish2 cg1 cg2 cgemb1" (direct = the origin
+#        itself, no cache: the floor of what this box, loadgen included, can do for C answers)
+#        CACHEGUARD_BIN=path (skip `cargo build --release` and use this binary)
+#        KEEP_TMP=1 (keep the scratch dir with the rendered nginx/varnish/redis dirs)
+#
+# Writes bench/results/stampede-<UTC timestamp>/ (loadgen JSON per run, origin stats,
+# cacheguard logs and /metrics before/after each run, raw.tsv, summary.md) and prints the
+# markdown summary on stdout. Every process it starts is stopped on exit, by PID.
+
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+# shellcheck source=bench/lib.sh
+source bench/lib.sh
+
+REPS=${REPS:-3}
+CONCURRENCIES=${CONCURRENCIES:-100 1000}
+DELAY_MS=${DELAY_MS:-200}
+BASE_PORT=${BASE_PORT:-29080}
+TARGETS=${TARGETS:-direct nginx1 nginx2 varnish1 varnish2 cg1 cg2 cgemb1}
+TIMEOUT_S=30
+WARM_PATH=/items/1
+MAX_ID=100000
+FIRST_COLD_ID=20001
+
+ORIGIN_PORT=$((BASE_PORT + 1))
+NGINX_A_PORT=$((BASE_PORT + 2))
+NGINX_B_PORT=$((BASE_PORT + 3))
+VARNISH_A_PORT=$((BASE_PORT + 4))
+VARNISH_B_PORT=$((BASE_PORT + 5))
+REDIS_PORT=$((BASE_PORT + 6))
+CG_A_PORT=$((BASE_PORT + 7))
+CG_A_ADMIN=$((BASE_PORT + 8))
+CG_B_PORT=$((BASE_PORT + 9))
+CG_B_ADMIN=$((BASE_PORT + 10))
+CG_E_PORT=$((BASE_PORT + 11))
+CG_E_ADMIN=$((BASE_PORT + 12))
+
+[[ $REPS =~ ^[1-9][0-9]*$ ]] || die "REPS must be a positive integer (got '$REPS')"
+[[ $DELAY_MS =~ ^[1-9][0-9]*$ ]] || die "DELAY_MS must be a positive integer (got '$DELAY_MS')"
+for c in $CONCURRENCIES; do
+    [[ $c =~ ^[1-9][0-9]*$ ]] || die "CONCURRENCIES must be positive integers (got '$c')"
+done
+for t in $TARGETS; do
+    case $t in direct | nginx1 | nginx2 | varnish1 | varnish2 | cg1 | cg2 | cgemb1) ;;
+    *) die "unknown target '$t' (known: direct nginx1 nginx2 varnish1 varnish2 cg1 cg2 cgemb1)" ;;
+    esac
+done
+
+started_at=$SECONDS
+bench_init
+
+# --- preflight -------------------------------------------------------------------------
+
+ensure_apt_tools nginx:nginx varnishd:varnish redis-server:redis-server redis-cli:redis-tools \
+    curl:curl jq:jq
+require_tools cargo awk sort mktemp id ss timeout
+require_free_ports "$ORIGIN_PORT" "$NGINX_A_PORT" "$NGINX_B_PORT" "$VARNISH_A_PORT" "$VARNISH_B_PORT" \
+    "$REDIS_PORT" "$CG_A_PORT" "$CG_A_ADMIN" "$CG_B_PORT" "$CG_B_ADMIN" "$CG_E_PORT" "$CG_E_ADMIN"
+
+# File descriptors: C=1000 needs ~1000 client sockets in the loadgen and as many in the proxy
+# (plus its upstream sockets). Ask for 65536; a container without CAP_SYS_RESOURCE cannot
+# raise the hard limit, so fall back to the hard limit.
+FD_WANTED=65536
+if ! ulimit -n "$FD_WANTED" 2>/dev/null; then
+    ulimit -n "$(ulimit -Hn)"
+    log "ulimit -n $FD_WANTED refused (hard limit $(ulimit -Hn)); using $(ulimit -n)"
+fi
+FD_LIMIT=$(ulimit -n)
+max_c=0
+for c in $CONCURRENCIES; do ((c > max_c)) && max_c=$c; done
+[[ $FD_LIMIT == unlimited ]] || ((FD_LIMIT >= 2 * max_c + 512)) ||
+    die "open-file limit $FD_LIMIT is too low for C=$max_c (need at least $((2 * max_c + 512)))"
+
+TOOLS_TARGET=$ROOT/bench/results/tools-target
+log "cargo build --release --manifest-path bench/tools/Cargo.toml (target dir $TOOLS_TARGET)"
+CARGO_TARGET_DIR=$TOOLS_TARGET cargo build --release --manifest-path bench/tools/Cargo.toml >&2 ||
+    die "building bench/tools failed"
+ORIGIN_BIN=$TOOLS_TARGET/release/bench-origin
+LOADGEN_BIN=$TOOLS_TARGET/release/loadgen
+
+if [[ -n "${CACHEGUARD_BIN:-}" ]]; then
+    CG_BIN=$CACHEGUARD_BIN
+    log "using CACHEGUARD_BIN=$CG_BIN (no build)"
+else
+    log "cargo build --release"
+    cargo build --release --bin cacheguard >&2 || die "cargo build --release failed"
+    CG_BIN=$ROOT/target/release/cacheguard
+fi
+[[ -x $CG_BIN ]] || die "cacheguard binary not found at $CG_BIN"
+
+STAMP=$(date -u +%Y%m%dT%H%M%SZ)
+OUT=$ROOT/bench/results/stampede-$STAMP
+mkdir -p "$OUT/runs"
+log "results: $OUT"
+
+# --- environment -----------------------------------------------------------------------
+
+LOAD_START=$(cut -d' ' -f1-3 /proc/loadavg)
+{
+    echo "date_utc: $STAMP"
+    echo "nproc: $(nproc)"
+    echo "mem_total: $(awk '/^MemTotal:/ { printf "%.1f GiB", $2 / 1048576 }' /proc/meminfo)"
+    echo "uname: $(uname -srm)"
+    echo "cpu: $(awk -F': ' '/^model name/ { print $2; exit }' /proc/cpuinfo)"
+    echo "os: $(. /etc/os-release 2>/dev/null && echo "$PRETTY_NAME")"
+    echo "nginx: $(nginx -v 2>&1)"
+    echo "varnishd: $(varnishd -V 2>&1 | head -n1)"
+    echo "redis: $(redis-server --version)"
+    echo "rustc: $(rustc -V 2>/dev/null || echo unknown)"
+    echo "cacheguard: $("$CG_BIN" --version 2>/dev/null || echo unknown) ($CG_BIN)"
+    echo "git: $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo none)$(git -C "$ROOT" diff --quiet HEAD -- src 2>/dev/null || echo ' (src/ has uncommitted changes)')"
+    echo "fd_limit: $FD_LIMIT (wanted $FD_WANTED)"
+    echo "load_start: $LOAD_START"
+    echo "reps: $REPS"
+    echo "concurrencies: $CONCURRENCIES"
+    echo "origin_delay_ms: $DELAY_MS"
+} >"$OUT/env.txt"
+cat "$OUT/env.txt" >&2
+
+# --- origin ----------------------------------------------------------------------------
+
+ORIGIN=http://127.0.0.1:$ORIGIN_PORT
+start_bg "$OUT/origin.log" "$ORIGIN_BIN" --port "$ORIGIN_PORT" --delay-ms "$DELAY_MS" \
+    --max-id "$MAX_ID" --threads 2
+ORIGIN_PID=$LAST_PID
+wait_http "$ORIGIN/stats" "$ORIGIN_PID" "bench-origin"
+size=$(curl -s -o /dev/null -w '%{size_download}' "$ORIGIN/items/1?delay_ms=0")
+[[ $size == 1024 ]] || die "origin body is $size bytes, expected 1024"
+
+# --- nginx: two independent instances (own prefix, own cache dir) ----------------------
+
+declare -A URL_OF PID_OF
+URL_OF[origin]=$ORIGIN
+PID_OF[origin]=$ORIGIN_PID
+for inst in A B; do
+    port_var=NGINX_${inst}_PORT
+    start_nginx "$inst" bench/nginx.conf.tmpl WORKERS=2 PORT="${!port_var}" ORIGIN_PORT="$ORIGIN_PORT" TTL=600s
+    PID_OF[nginx$inst]=$LAST_PID
+    URL_OF[nginx$inst]=http://127.0.0.1:${!port_var}
+    wait_http "${URL_OF[nginx$inst]}/nginx-ready" "$LAST_PID" "nginx $inst"
+    cp "$BENCH_TMP/nginx-$inst/nginx.conf" "$OUT/nginx-$inst.conf"
+done
+
+# --- Varnish: two independent varnishd --------------------------------------------------
+
+for inst in A B; do
+    port_var=VARNISH_${inst}_PORT
+    start_varnish "$inst" "${!port_var}" bench/varnish.vcl.tmpl ORIGIN_PORT="$ORIGIN_PORT" TTL=600s GRACE=10s
+    PID_OF[varnish$inst]=$LAST_PID
+    URL_OF[varnish$inst]=http://127.0.0.1:${!port_var}
+    wait_http "${URL_OF[varnish$inst]}/varnish-ready" "$LAST_PID" "varnishd $inst"
+    cp "$BENCH_TMP/varnish-$inst/default.vcl" "$OUT/varnish-$inst.vcl"
+done
+
+# --- Redis and cacheguard ---------------------------------------------------------------
+
+start_redis shared "$REDIS_PORT"
+REDIS_PID=$LAST_PID
+
+# cacheguard_config PORT ADMIN_PORT SHARED(1|0): the config from issue #3.
+cacheguard_config() {
+    cat <<EOF
+[server]
+listen = "127.0.0.1:$1"
+[upstream]
+url = "http://127.0.0.1:$ORIGIN_PORT"
+max_concurrency = 1024
+queue_timeout = "5s"
+EOF
+    if [[ $3 == 1 ]]; then
+        cat <<EOF
+[redis]
+url = "redis://127.0.0.1:$REDIS_PORT"
+command_timeout = "200ms"
+EOF
+    fi
+    cat <<EOF
+[admin]
+listen = "127.0.0.1:$2"
+[cache]
+ttl = "600s"
+[lock]
+lease = "5s"
+wait_timeout = "5s"
+[[routes]]
+name = "item"
+match = "/items/{id}"
+EOF
+}
+
+declare -A ADMIN_OF
+# start_cacheguard NAME PORT ADMIN_PORT SHARED
+start_cacheguard() {
+    local name=$1 conf="$OUT/$1.toml"
+    cacheguard_config "$2" "$3" "$4" >"$conf"
+    "$CG_BIN" --check-config "$conf" >&2 || die "cacheguard --check-config $conf failed"
+    start_bg "$OUT/$name.log" "$CG_BIN" --config "$conf"
+    PID_OF[$name]=$LAST_PID
+    URL_OF[$name]=http://127.0.0.1:$2
+    ADMIN_OF[$name]=http://127.0.0.1:$3
+    wait_http "http://127.0.0.1:$3/healthz" "$LAST_PID" "cacheguard ($name)"
+}
+start_cacheguard cgA "$CG_A_PORT" "$CG_A_ADMIN" 1
+start_cacheguard cgB "$CG_B_PORT" "$CG_B_ADMIN" 1
+start_cacheguard cgE "$CG_E_PORT" "$CG_E_ADMIN" 0
+CG_STARTED=$SECONDS
+
+# metric FILE NAME[{labels}]: the value of one sample in a /metrics dump (0 when absent).
+metric() { awk -v m="$2" '$1 == m { v = $2 } END { printf "%.0f", v + 0 }' "$1"; }
+
+# The event bus must be live in both shared instances before a stampede means anything.
+for inst in cgA cgB; do
+    deadline=$((SECONDS + 10))
+    while :; do
+        curl -s --max-time 2 "${ADMIN_OF[$inst]}/metrics" >"$OUT/metrics-$inst-start.txt" || true
+        [[ $(metric "$OUT/metrics-$inst-start.txt" cacheguard_event_bus_subscribed) == 1 ]] && break
+        if ((SECONDS >= deadline)); then
+            log "WARNING: $inst: cacheguard_event_bus_subscribed is not 1 after 10 s (see $OUT/metrics-$inst-start.txt)"
+            break
+        fi
+        sleep 0.2
+    done
+done
+
+# --- warm the connection-warming key on every instance ------------------------------------
+
+for inst in nginxA nginxB varnishA varnishB cgA cgB cgE; do
+    case $inst in
+    nginx*) warm "${URL_OF[$inst]}$WARM_PATH" HIT ;;
+    varnish*) warm "${URL_OF[$inst]}$WARM_PATH" HIT ;;
+    cg*) warm "${URL_OF[$inst]}$WARM_PATH" HIT-L1 HIT-L2 ;;
+    esac
+    curl -s -o /dev/null -D "$OUT/headers-warm-$inst.txt" "${URL_OF[$inst]}$WARM_PATH"
+done
+
+# --- the runs ----------------------------------------------------------------------------
+
+declare -A INSTANCES=(
+    [direct]="origin"
+    [nginx1]="nginxA" [nginx2]="nginxA nginxB"
+    [varnish1]="varnishA" [varnish2]="varnishA varnishB"
+    [cg1]="cgA" [cg2]="cgA cgB" [cgemb1]="cgE"
+)
+declare -A LABEL=(
+    [direct]="origin direct, no cache (reference)"
+    [nginx1]="nginx 1.22, lock on, 1 instance"
+    [nginx2]="nginx 1.22, lock on, 2 instances"
+    [varnish1]="Varnish 7.1, 1 instance"
+    [varnish2]="Varnish 7.1, 2 instances"
+    [cg1]="cacheguard shared (Redis), 1 instance"
+    [cg2]="cacheguard shared (Redis), 2 instances"
+    [cgemb1]="cacheguard embedded, 1 instance"
+)
+LOCK_OUTCOMES="acquired contended renewed lost takeover wait_timeout"
+
+RAW=$OUT/raw.tsv
+{
+    printf 'c\ttarget\trep\tid\torigin_cold\torigin_total\torigin_max_inflight\tready\tcount\tok\tnon2xx\terrors'
+    printf '\tsetup_failures\tp50_ms\tp99_ms\tmax_ms\tsend_skew_ms\tx_cache\tafter_x_cache\tlock_events\tlog_warnings\n'
+} >"$RAW"
+
+next_id=$FIRST_COLD_ID
+
+# run_one C TARGET REP: one stampede, parsed into raw.tsv.
+run_one() {
+    local c=$1 target=$2 rep=$3 id=$next_id
+    next_id=$((next_id + 1))
+    local path=/items/$id tag="c$c-$target-rep$rep" inst urls=() args=()
+    for inst in ${INSTANCES[$target]}; do
+        urls+=("${URL_OF[$inst]}$path")
+        args+=(--url "${URL_OF[$inst]}$path")
+    done
+    # warm-up GET on each connection: an already-cached key; /stats (not counted) for the origin
+    local warm_path=$WARM_PATH
+    [[ $target == direct ]] && warm_path=/stats
+    local is_cg=0
+    [[ $target == cg* ]] && is_cg=1
+    declare -A log_lines_before=()
+    if ((is_cg)); then
+        for inst in ${INSTANCES[$target]}; do
+            curl -s --max-time 2 "${ADMIN_OF[$inst]}/metrics" >"$OUT/runs/$tag-metrics-$inst-before.txt" || true
+            log_lines_before[$inst]=$(wc -l <"$OUT/$inst.log")
+        done
+    fi
+    curl -s -X POST --max-time 5 "$ORIGIN/stats/reset" >/dev/null || die "cannot reset origin counters"
+
+    local json=$OUT/runs/$tag.json
+    log "C=$c rep $rep/$REPS: $target ($path): loadgen stampede ${urls[*]}"
+    # bounded twice: the loadgen's own timeouts, and `timeout` around it
+    start_bg "$json" timeout --signal=TERM 120 "$LOADGEN_BIN" stampede "${args[@]}" \
+        --concurrency "$c" --timeout-s "$TIMEOUT_S" --warm-path "$warm_path" --dump-latencies
+    local lg_pid=$LAST_PID lg_rc=0
+    wait "$lg_pid" || lg_rc=$?
+    forget_pid "$lg_pid"
+    ((lg_rc == 0)) || die "loadgen failed ($lg_rc) for $tag; see $json"
+    sleep 0.2 # anything still on its way to the origin
+    curl -s --max-time 5 "$ORIGIN/stats" >"$OUT/runs/$tag-origin.json" || die "cannot read origin stats"
+
+    local origin_cold origin_total origin_max
+    origin_cold=$(jq --arg p "$path" '.paths[$p] // 0' "$OUT/runs/$tag-origin.json")
+    origin_total=$(jq '.total' "$OUT/runs/$tag-origin.json")
+    origin_max=$(jq '.max_in_flight' "$OUT/runs/$tag-origin.json")
+
+    # X-Cache of one more GET per instance: the cold key should now be cached everywhere
+    local after=()
+    for inst in ${INSTANCES[$target]}; do after+=("$(x_cache "${URL_OF[$inst]}$path")"); done
+
+    local lock_events="-" log_warn="-"
+    if ((is_cg)); then
+        local parts=() o before_v after_v delta sum_warn=0 f
+        for inst in ${INSTANCES[$target]}; do
+            curl -s --max-time 2 "${ADMIN_OF[$inst]}/metrics" >"$OUT/runs/$tag-metrics-$inst-after.txt" || true
+            # this run's log lines
+            f=$OUT/runs/$tag-$inst.log
+            tail -n +"$((log_lines_before[$inst] + 1))" "$OUT/$inst.log" >"$f"
+            sum_warn=$((sum_warn + $(grep -c -E 'WARN|ERROR' "$f" || true)))
+            if [[ $target != cgemb1 ]]; then
+                local p=""
+                for o in $LOCK_OUTCOMES; do
+                    before_v=$(metric "$OUT/runs/$tag-metrics-$inst-before.txt" "cacheguard_lock_events_total{outcome=\"$o\"}")
+                    after_v=$(metric "$OUT/runs/$tag-metrics-$inst-after.txt" "cacheguard_lock_events_total{outcome=\"$o\"}")
+                    delta=$((after_v - before_v))
+                    ((delta == 0)) || p+="$o=$delta,"
+                done
+                before_v=$(metric "$OUT/runs/$tag-metrics-$inst-before.txt" cacheguard_event_bus_resubscriptions_total)
+                after_v=$(metric "$OUT/runs/$tag-metrics-$inst-after.txt" cacheguard_event_bus_resubscriptions_total)
+                ((after_v == before_v)) || p+="resub=$((after_v - before_v)),"
+                p+="bus=$(metric "$OUT/runs/$tag-metrics-$inst-after.txt" cacheguard_event_bus_subscribed)"
+                parts+=("$inst:$p")
+            fi
+        done
+        ((${#parts[@]} == 0)) || lock_events=$(
+            IFS=' '
+            echo "${parts[*]}"
+        )
+        log_warn=$sum_warn
+    fi
+
+    local fields=(.ready .count .ok .non_2xx .errors .setup_failures .latency_ms.p50 .latency_ms.p99 .latency_ms.max .send_skew_ms)
+    local vals
+    vals=$(jq -r "[$(
+        IFS=,
+        echo "${fields[*]}"
+    )] | map(if . == null then \"nan\" else tostring end) | join(\"\t\")" "$json") || die "cannot parse $json"
+    local xc
+    xc=$(jq -r '.x_cache | to_entries | map("\(.key)=\(.value)") | join(",")' "$json")
+    printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$c" "$target" "$rep" "$id" "$origin_cold" \
+        "$origin_total" "$origin_max" "$vals" "$xc" "$(
+            IFS=,
+            echo "${after[*]}"
+        )" "$lock_events" "$log_warn" >>"$RAW"
+
+    local ready count ok non2xx errors setup_f p50 p99 max skew
+    IFS=$'\t' read -r ready count ok non2xx errors setup_f p50 p99 max skew <<<"$vals"
+    printf '  %-9s origin %-4s  p50 %8.1f  p99 %8.1f  max %8.1f ms  ok %s/%s  skew %s ms  X-Cache %s  %s\n' \
+        "$target" "$origin_cold" "$p50" "$p99" "$max" "$ok" "$c" "$skew" "$xc" "$lock_events" >&2
+    ((ready == c)) || log "WARNING: $tag: only $ready of $c connections were ready before the release"
+    ((errors == 0 && non2xx == 0 && setup_f == 0)) ||
+        log "WARNING: $tag: $errors errors, $non2xx non-2xx, $setup_f setup failures (see $json)"
+    if [[ $target == cg2 && $origin_cold != 1 ]]; then
+        log "WARNING: $tag: cacheguard with 2 instances sent $origin_cold requests to the origin (target 1)"
+    fi
+    sleep 0.3 # let the closed connections drain
+}
+
+# rotate N WORD...: WORD list rotated left by N (so each rep starts with another target).
+rotate() {
+    local n=$1
+    shift
+    local a=("$@") k=${#a[@]} i
+    for ((i = 0; i < k; i++)); do printf '%s ' "${a[(i + n) % k]}"; done
+}
+
+for c in $CONCURRENCIES; do
+    for ((rep = 1; rep <= REPS; rep++)); do
+        # shellcheck disable=SC2086 # word splitting of TARGETS is intended
+        for t in $(rotate $((rep - 1)) $TARGETS); do
+            run_one "$c" "$t" "$rep"
+        done
+    done
+done
+
+for inst in cgA cgB cgE; do
+    curl -s --max-time 2 "${ADMIN_OF[$inst]}/metrics" >"$OUT/metrics-$inst-end.txt" || true
+done
+for inst in nginxA nginxB varnishA varnishB cgA cgB cgE; do
+    echo "$inst: VmHWM $(proc_kb "${PID_OF[$inst]}" VmHWM) kB (main process)"
+done >"$OUT/memory.txt"
+
+LOAD_END=$(cut -d' ' -f1-3 /proc/loadavg)
+echo "load_end: $LOAD_END" >>"$OUT/env.txt"
+WALL=$((SECONDS - started_at))
+
+# --- summary ---------------------------------------------------------------------------
+
+col() { # col C TARGET FIELD_NO: one raw.tsv column for one (C, target)
+    awk -F'\t' -v c="$1" -v t="$2" -v f="$3" 'NR > 1 && $1 == c && $2 == t { print $f }' "$RAW"
+}
+sum_col() { col "$@" | awk '{ s += $1 } END { print s + 0 }'; }
+# merge_hist C TARGET FIELD_NO: "K=V,K=V" cells summed over the reps
+merge_hist() {
+    col "$@" | tr ',' '\n' | awk -F= 'NF == 2 { s[$1] += $2 } END { for (k in s) printf "%s %d\n", k, s[k] }' |
+        sort | awk '{ printf "%s%s %d", (NR > 1 ? ", " : ""), $1, $2 }'
+}
+verdict() { if [[ $1 == 1 ]]; then echo "**met**"; else echo "**MISSED**"; fi; }
+ratio_cell() { # p99 / delay, median (min–max)
+    local v=() x
+    for x in $(col "$1" "$2" 15); do v+=("$(awk -v a="$x" -v d="$DELAY_MS" 'BEGIN { printf "%.4f", a / d }')"); done
+    cell_dec 2 "${v[@]}"
+}
+P99_LIMIT=$(awk -v d="$DELAY_MS" 'BEGIN { printf "%.1f", d * 1.1 }')
+
+{
+    echo "# cacheguard stampede (issue #3): $STAMP"
+    echo
+    echo "Cold key, origin delay $DELAY_MS ms, C concurrent GETs released at once (with 2 instances C is split half/half)."
+    echo "Each cell is **median (min–max) over $REPS runs**; a fresh cold key per run; targets rotate within each rep."
+    echo "All processes on 127.0.0.1 on the same $(nproc) cores."
+    echo "Load average (1/5/15 min) at start: $LOAD_START; at end: $LOAD_END. Wall time: ${WALL} s."
+    echo
+    echo "| item | value |"
+    echo "|---|---|"
+    sed -n 's/^\([a-z_]*\): \(.*\)$/| \1 | \2 |/p' "$OUT/env.txt"
+    for c in $CONCURRENCIES; do
+        echo
+        echo "## C = $c"
+        echo
+        echo "| target | origin requests | p50 ms | p99 ms | max ms | errors / non-2xx | p99 / origin delay | send skew ms | X-Cache (all reps) |"
+        echo "|---|---|---|---|---|---|---|---|---|"
+        for t in $TARGETS; do
+            # shellcheck disable=SC2046
+            printf '| %s | %s | %s | %s | %s | %s / %s | %s | %s | %s |\n' "${LABEL[$t]}" \
+                "$(cell_dec 0 $(col "$c" "$t" 5))" \
+                "$(cell_dec 1 $(col "$c" "$t" 14))" "$(cell_dec 1 $(col "$c" "$t" 15))" \
+                "$(cell_dec 1 $(col "$c" "$t" 16))" \
+                "$(($(sum_col "$c" "$t" 12) + $(sum_col "$c" "$t" 13)))" "$(sum_col "$c" "$t" 11)" \
+                "$(ratio_cell "$c" "$t")" "$(cell_dec 1 $(col "$c" "$t" 17))" "$(merge_hist "$c" "$t" 18)"
+        done
+    done
+    echo
+    echo "- origin requests: requests for the cold key that reached the origin in each run (bench-origin per-path counter, reset before the run)."
+    echo "- errors: transport errors, timeouts and connections that failed to set up; non-2xx: answers with another status."
+    echo "- send skew: first to last stampede request written to its socket (the loadgen waits until every connection has answered a GET of the warm key $WARM_PATH before it releases)."
+    echo "- ready connections before the release: $(awk -F'\t' 'NR > 1 && $8 != $1 { n++ } END { print (n + 0 == 0) ? "all C in every run" : n " runs had fewer than C" }' "$RAW")."
+    if [[ " $TARGETS " == *" cg"* ]]; then
+        echo
+        echo "### cacheguard lock events per run (deltas of \`cacheguard_lock_events_total\`; bus = \`cacheguard_event_bus_subscribed\` after the run)"
+        echo
+        echo "| C | target | rep | origin requests | lock events | WARN/ERROR log lines |"
+        echo "|---|---|---|---|---|---|"
+        awk -F'\t' 'NR > 1 && $2 ~ /^cg/ { printf "| %s | %s | %s | %s | %s | %s |\n", $1, $2, $3, $5, $20, $21 }' "$RAW"
+        echo
+        for inst in cgA cgB; do
+            echo "- $inst: \`cacheguard_event_bus_resubscriptions_total\` = $(metric "$OUT/metrics-$inst-end.txt" cacheguard_event_bus_resubscriptions_total) at the end, after about $((SECONDS - CG_STARTED)) s up (resub=N above: re-subscriptions during that run)."
+        done
+        bypass=$(awk -F'\t' 'NR > 1 && ($2 == "cg1" || $2 == "cg2") {
+            n = split($20, parts, " ")
+            for (i = 1; i <= n; i++) if (parts[i] !~ /acquired|contended|takeover/) printf "%s C=%s rep %s (%s); ", $2, $1, $3, parts[i]
+        }' "$RAW")
+        bypass=${bypass%; }
+        echo "- runs in which a shared instance took no part in the distributed lock (no acquired/contended/takeover event, i.e. it fetched on in-process single-flight only): ${bypass:-none}."
+    fi
+    echo
+    echo "## Issue #3 targets"
+    echo
+    echo "| target | C | measured | verdict |"
+    echo "|---|---|---|---|"
+    for c in $CONCURRENCIES; do
+        if [[ " $TARGETS " == *" cg2 "* ]]; then
+            o=$(col "$c" cg2 5 | tr '\n' ' ')
+            ok=1
+            for x in $o; do [[ $x == 1 ]] || ok=0; done
+            echo "| origin count 1, cacheguard with 2 instances | $c | per rep: $o | $(verdict $ok) |"
+        fi
+        for t in cg2 cg1 cgemb1; do
+            [[ " $TARGETS " == *" $t "* ]] || continue
+            # shellcheck disable=SC2046
+            read -r med _ worst < <(stats $(col "$c" "$t" 15))
+            ok=$(awk -v m="$med" -v l="$P99_LIMIT" 'BEGIN { print (m <= l) ? 1 : 0 }')
+            echo "| p99 ≤ $P99_LIMIT ms (origin delay + 10%), ${LABEL[$t]} | $c | median p99 $(LC_ALL=C printf '%.1f' "$med") ms, worst rep $(LC_ALL=C printf '%.1f' "$worst") ms | $(verdict "$ok") |"
+        done
+    done
+    echo
+    echo "Raw data: \`bench/results/stampede-$STAMP/\` (raw.tsv, runs/*.json with every latency, origin stats, cacheguard logs and /metrics around each run, configs)."
+} >"$OUT/summary.md"
+
+cat "$OUT/summary.md"
+log "done in ${WALL} s; results in $OUT"

@@ -1,0 +1,566 @@
+//! Load client for the bench scripts.
+//!
+//! `loadgen stampede --url URL [--url URL2 ...] --concurrency C --timeout-s 30 [--warm-path P]`
+//!
+//! 1. Opens C keep-alive HTTP/1.1 connections, spread round-robin over the URLs (at most
+//!    `--connect-parallelism` connects in flight, so no SYN is dropped by a full backlog).
+//! 2. With `--warm-path`, sends one GET of that (already cached) path on every connection and
+//!    reads the whole answer, so each connection is known to be accepted and served by the
+//!    proxy before the stampede (a bare TCP connect only proves the kernel queued it).
+//! 3. When every connection is ready (or failed), releases one GET of its URL on each at the
+//!    same moment (a watch channel is the barrier).
+//! 4. Prints one JSON object: counts, errors, latency percentiles, the X-Cache and status
+//!    histograms, per-URL figures, and the send skew.
+//!
+//! Latency of a request is measured from the moment its first byte is handed to the kernel
+//! (the first `write` on its connection after the release; recorded by a wrapper around the
+//! socket) to the end of its body. The send skew is the spread of those moments.
+
+use std::collections::BTreeMap;
+use std::io;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use clap::{Parser, Subcommand};
+use http_body_util::{BodyExt, Empty};
+use hyper::client::conn::http1;
+use hyper::header::{HOST, USER_AGENT};
+use hyper::{Request, Uri};
+use hyper_util::rt::TokioIo;
+use serde_json::{Value, json};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::TcpStream;
+use tokio::sync::{Semaphore, mpsc, watch};
+
+#[derive(Parser, Debug)]
+#[command(about = "Load client for the cacheguard bench scripts")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// C connections, one GET of the same URL on each, released at once.
+    Stampede(StampedeArgs),
+}
+
+#[derive(Parser, Debug)]
+struct StampedeArgs {
+    /// Target URL (repeat for several instances; connections are spread round-robin).
+    #[arg(long = "url", required = true)]
+    urls: Vec<String>,
+    /// Number of connections, one stampede request each.
+    #[arg(long)]
+    concurrency: usize,
+    /// Per-request timeout after the release, in seconds.
+    #[arg(long, default_value_t = 30.0)]
+    timeout_s: f64,
+    /// Path (with query) GET once on every connection before the release; must answer 2xx.
+    #[arg(long)]
+    warm_path: Option<String>,
+    /// Connects (and warm-ups) in flight at once while setting up.
+    #[arg(long, default_value_t = 64)]
+    connect_parallelism: usize,
+    /// Time allowed for setting every connection up, in seconds.
+    #[arg(long, default_value_t = 30.0)]
+    setup_timeout_s: f64,
+    /// Pause between "all connections ready" and the release, in milliseconds.
+    #[arg(long, default_value_t = 100)]
+    settle_ms: u64,
+    /// Tokio worker threads.
+    #[arg(long, default_value_t = 2)]
+    threads: usize,
+    /// Include every latency (ms) in the JSON.
+    #[arg(long)]
+    dump_latencies: bool,
+}
+
+/// When the first write after `armed` happened on one connection.
+#[derive(Default)]
+struct WriteMark {
+    armed: AtomicBool,
+    at: OnceLock<Instant>,
+}
+
+/// A TcpStream that records, once armed, the instant of its first write.
+struct TimedStream {
+    inner: TcpStream,
+    mark: Arc<WriteMark>,
+}
+
+impl TimedStream {
+    fn note_write(&self) {
+        if self.mark.armed.load(Ordering::Acquire) && self.mark.at.get().is_none() {
+            let _ = self.mark.at.set(Instant::now());
+        }
+    }
+}
+
+impl AsyncRead for TimedStream {
+    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for TimedStream {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        this.note_write();
+        Pin::new(&mut this.inner).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        this.note_write();
+        Pin::new(&mut this.inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
+    }
+}
+
+struct Target {
+    url: String,
+    addr: SocketAddr,
+    authority: String,
+    path: String,
+}
+
+fn parse_target(url: &str) -> Result<Target, String> {
+    let uri: Uri = url.parse().map_err(|e| format!("bad url {url}: {e}"))?;
+    if uri.scheme_str() != Some("http") {
+        return Err(format!("only http:// urls are supported: {url}"));
+    }
+    let authority = uri.authority().ok_or_else(|| format!("no host in {url}"))?;
+    let host = authority.host();
+    let port = authority.port_u16().unwrap_or(80);
+    let ip: std::net::IpAddr = host
+        .parse()
+        .map_err(|_| format!("host must be an IP address (e.g. 127.0.0.1): {url}"))?;
+    Ok(Target {
+        url: url.to_owned(),
+        addr: SocketAddr::new(ip, port),
+        authority: authority.as_str().to_owned(),
+        path: uri.path_and_query().map_or("/", |p| p.as_str()).to_owned(),
+    })
+}
+
+enum Outcome {
+    /// Setup failed; the stampede request was never sent.
+    SetupFailed(String),
+    Done {
+        status: u16,
+        x_cache: String,
+        body_len: usize,
+        sent: Instant,
+        done: Instant,
+    },
+    Error {
+        msg: String,
+        sent: Option<Instant>,
+    },
+    Timeout {
+        sent: Option<Instant>,
+    },
+}
+
+struct ConnReport {
+    target: usize,
+    warm_x_cache: Option<String>,
+    outcome: Outcome,
+}
+
+fn x_cache_of<B>(resp: &hyper::Response<B>) -> String {
+    resp.headers()
+        .get("x-cache")
+        .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
+        .unwrap_or_else(|| "(none)".to_owned())
+}
+
+fn get(t: &Target, path: &str) -> Request<Empty<Bytes>> {
+    Request::builder()
+        .uri(path)
+        .header(HOST, t.authority.as_str())
+        .header(USER_AGENT, "cacheguard-bench-loadgen")
+        .body(Empty::new())
+        .expect("valid request")
+}
+
+struct Shared {
+    targets: Vec<Target>,
+    warm_path: Option<String>,
+    timeout: Duration,
+    sem: Semaphore,
+}
+
+async fn connection(
+    sh: Arc<Shared>,
+    ti: usize,
+    settled: mpsc::UnboundedSender<bool>,
+    mut release: watch::Receiver<Option<Instant>>,
+) -> ConnReport {
+    let t = &sh.targets[ti];
+    let mark = Arc::new(WriteMark::default());
+    let mut report = ConnReport {
+        target: ti,
+        warm_x_cache: None,
+        outcome: Outcome::SetupFailed("not set up".into()),
+    };
+
+    // --- set up: connect, handshake, warm (bounded parallelism) ---
+    let setup = async {
+        let _permit = sh.sem.acquire().await.map_err(|e| e.to_string())?;
+        let stream = tokio::time::timeout(Duration::from_secs(5), TcpStream::connect(t.addr))
+            .await
+            .map_err(|_| "connect timeout".to_owned())?
+            .map_err(|e| format!("connect: {e}"))?;
+        let _ = stream.set_nodelay(true);
+        let io = TokioIo::new(TimedStream {
+            inner: stream,
+            mark: mark.clone(),
+        });
+        let (sender, conn) = http1::handshake::<_, Empty<Bytes>>(io)
+            .await
+            .map_err(|e| format!("handshake: {e}"))?;
+        tokio::spawn(async move {
+            let _ = conn.await;
+        });
+        let mut sender = sender;
+        let mut warm_x_cache = None;
+        if let Some(wp) = &sh.warm_path {
+            let fut = async {
+                let resp = sender.send_request(get(t, wp)).await.map_err(|e| format!("warm: {e}"))?;
+                let xc = x_cache_of(&resp);
+                let status = resp.status();
+                resp.into_body()
+                    .collect()
+                    .await
+                    .map_err(|e| format!("warm body: {e}"))?;
+                if !status.is_success() {
+                    return Err(format!("warm: status {status}"));
+                }
+                Ok::<_, String>(xc)
+            };
+            warm_x_cache = Some(
+                tokio::time::timeout(Duration::from_secs(10), fut)
+                    .await
+                    .map_err(|_| "warm timeout".to_owned())??,
+            );
+        }
+        Ok::<_, String>((sender, warm_x_cache))
+    };
+    let mut sender = match setup.await {
+        Ok((sender, wx)) => {
+            report.warm_x_cache = wx;
+            let _ = settled.send(true);
+            sender
+        }
+        Err(e) => {
+            let _ = settled.send(false);
+            report.outcome = Outcome::SetupFailed(e);
+            return report;
+        }
+    };
+
+    // --- wait for the release ---
+    if release.wait_for(|v| v.is_some()).await.is_err() {
+        report.outcome = Outcome::SetupFailed("release channel closed".into());
+        return report;
+    }
+    if let Err(e) = sender.ready().await {
+        report.outcome = Outcome::Error {
+            msg: format!("connection not ready at release: {e}"),
+            sent: None,
+        };
+        return report;
+    }
+    mark.armed.store(true, Ordering::Release);
+    let fut = async {
+        let resp = sender.send_request(get(t, &t.path)).await.map_err(|e| format!("request: {e}"))?;
+        let status = resp.status().as_u16();
+        let xc = x_cache_of(&resp);
+        let body = resp
+            .into_body()
+            .collect()
+            .await
+            .map_err(|e| format!("body: {e}"))?
+            .to_bytes();
+        Ok::<_, String>((status, xc, body.len()))
+    };
+    report.outcome = match tokio::time::timeout(sh.timeout, fut).await {
+        Ok(Ok((status, x_cache, body_len))) => {
+            let done = Instant::now();
+            Outcome::Done {
+                status,
+                x_cache,
+                body_len,
+                sent: mark.at.get().copied().unwrap_or(done),
+                done,
+            }
+        }
+        Ok(Err(msg)) => Outcome::Error {
+            msg,
+            sent: mark.at.get().copied(),
+        },
+        Err(_) => Outcome::Timeout {
+            sent: mark.at.get().copied(),
+        },
+    };
+    report
+}
+
+/// Nearest-rank percentile of sorted values.
+fn pct(sorted: &[f64], p: f64) -> Value {
+    if sorted.is_empty() {
+        return Value::Null;
+    }
+    let rank = ((p / 100.0) * sorted.len() as f64).ceil().max(1.0) as usize;
+    round3(sorted[rank.min(sorted.len()) - 1])
+}
+
+fn round3(v: f64) -> Value {
+    json!((v * 1000.0).round() / 1000.0)
+}
+
+fn summary(values: &mut [f64]) -> Value {
+    values.sort_by(|a, b| a.total_cmp(b));
+    if values.is_empty() {
+        return json!({"n": 0});
+    }
+    let mean = values.iter().sum::<f64>() / values.len() as f64;
+    json!({
+        "n": values.len(),
+        "min": round3(values[0]),
+        "p50": pct(values, 50.0),
+        "p90": pct(values, 90.0),
+        "p99": pct(values, 99.0),
+        "max": round3(values[values.len() - 1]),
+        "mean": round3(mean),
+    })
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
+}
+
+async fn stampede(args: StampedeArgs) -> Result<Value, String> {
+    if args.concurrency == 0 {
+        return Err("--concurrency must be > 0".into());
+    }
+    let targets = args
+        .urls
+        .iter()
+        .map(|u| parse_target(u))
+        .collect::<Result<Vec<_>, _>>()?;
+    let ntargets = targets.len();
+    let sh = Arc::new(Shared {
+        targets,
+        warm_path: args.warm_path.clone(),
+        timeout: Duration::from_secs_f64(args.timeout_s),
+        sem: Semaphore::new(args.connect_parallelism.max(1)),
+    });
+    let (settled_tx, mut settled_rx) = mpsc::unbounded_channel();
+    let (release_tx, release_rx) = watch::channel(None);
+
+    let setup_start = Instant::now();
+    let mut handles = Vec::with_capacity(args.concurrency);
+    for i in 0..args.concurrency {
+        handles.push(tokio::spawn(connection(
+            sh.clone(),
+            i % ntargets,
+            settled_tx.clone(),
+            release_rx.clone(),
+        )));
+    }
+    drop(settled_tx);
+
+    // Wait until every connection is ready or failed (bounded).
+    let deadline = tokio::time::Instant::now() + Duration::from_secs_f64(args.setup_timeout_s);
+    let (mut ready, mut failed) = (0usize, 0usize);
+    while ready + failed < args.concurrency {
+        match tokio::time::timeout_at(deadline, settled_rx.recv()).await {
+            Ok(Some(true)) => ready += 1,
+            Ok(Some(false)) => failed += 1,
+            Ok(None) | Err(_) => break,
+        }
+    }
+    let setup_ms = ms(setup_start.elapsed());
+    tokio::time::sleep(Duration::from_millis(args.settle_ms)).await;
+
+    let release_at = Instant::now();
+    let _ = release_tx.send(Some(release_at));
+
+    // Every task is bounded by its own timeouts; this is a backstop.
+    let backstop = Duration::from_secs_f64(args.timeout_s + args.setup_timeout_s + 10.0);
+    let mut reports = Vec::with_capacity(handles.len());
+    let mut lost = 0usize;
+    for h in handles {
+        match tokio::time::timeout(backstop, h).await {
+            Ok(Ok(r)) => reports.push(r),
+            _ => lost += 1,
+        }
+    }
+
+    // --- aggregate ---
+    let mut lat = Vec::new();
+    let mut since_release = Vec::new();
+    let mut send_offsets = Vec::new();
+    let mut x_cache: BTreeMap<String, u64> = BTreeMap::new();
+    let mut warm_x_cache: BTreeMap<String, u64> = BTreeMap::new();
+    let mut status: BTreeMap<String, u64> = BTreeMap::new();
+    let mut body_sizes: BTreeMap<String, u64> = BTreeMap::new();
+    let mut hist: BTreeMap<u64, u64> = BTreeMap::new();
+    let mut per_target: Vec<(Vec<f64>, BTreeMap<String, u64>, u64)> =
+        (0..ntargets).map(|_| (Vec::new(), BTreeMap::new(), 0)).collect();
+    let (mut ok, mut non2xx, mut errors, mut timeouts, mut setup_failures) = (0u64, 0u64, 0u64, 0u64, 0u64);
+    let mut error_samples: BTreeMap<String, u64> = BTreeMap::new();
+
+    for r in &reports {
+        if let Some(w) = &r.warm_x_cache {
+            *warm_x_cache.entry(w.clone()).or_default() += 1;
+        }
+        let pt = &mut per_target[r.target];
+        match &r.outcome {
+            Outcome::SetupFailed(e) => {
+                setup_failures += 1;
+                *error_samples.entry(format!("setup: {e}")).or_default() += 1;
+            }
+            Outcome::Done {
+                status: st,
+                x_cache: xc,
+                body_len,
+                sent,
+                done,
+            } => {
+                let l = ms(done.saturating_duration_since(*sent));
+                lat.push(l);
+                since_release.push(ms(done.saturating_duration_since(release_at)));
+                send_offsets.push(ms(sent.saturating_duration_since(release_at)));
+                *x_cache.entry(xc.clone()).or_default() += 1;
+                *status.entry(st.to_string()).or_default() += 1;
+                *body_sizes.entry(body_len.to_string()).or_default() += 1;
+                *hist.entry((l / 50.0).floor() as u64 * 50).or_default() += 1;
+                pt.0.push(l);
+                *pt.1.entry(xc.clone()).or_default() += 1;
+                pt.2 += 1;
+                if (200..300).contains(st) {
+                    ok += 1;
+                } else {
+                    non2xx += 1;
+                }
+            }
+            Outcome::Error { msg, sent } => {
+                errors += 1;
+                pt.2 += 1;
+                if let Some(s) = sent {
+                    send_offsets.push(ms(s.saturating_duration_since(release_at)));
+                }
+                *error_samples.entry(msg.clone()).or_default() += 1;
+            }
+            Outcome::Timeout { sent } => {
+                timeouts += 1;
+                errors += 1;
+                pt.2 += 1;
+                if let Some(s) = sent {
+                    send_offsets.push(ms(s.saturating_duration_since(release_at)));
+                }
+                *error_samples.entry("timeout".into()).or_default() += 1;
+            }
+        }
+    }
+    let all_latencies = if args.dump_latencies {
+        let mut v = lat.clone();
+        v.sort_by(|a, b| a.total_cmp(b));
+        json!(v.iter().map(|x| (x * 1000.0).round() / 1000.0).collect::<Vec<_>>())
+    } else {
+        Value::Null
+    };
+    let latency = summary(&mut lat);
+    let since = summary(&mut since_release);
+    send_offsets.sort_by(|a, b| a.total_cmp(b));
+    let skew = match (send_offsets.first(), send_offsets.last()) {
+        (Some(a), Some(b)) => round3(b - a),
+        _ => Value::Null,
+    };
+    let sends = summary(&mut send_offsets);
+    let per_url: Vec<Value> = per_target
+        .iter_mut()
+        .enumerate()
+        .map(|(i, (l, xc, n))| {
+            json!({
+                "url": sh.targets[i].url,
+                "requests": n,
+                "latency_ms": summary(l),
+                "x_cache": xc,
+            })
+        })
+        .collect();
+    let hist: BTreeMap<String, u64> = hist
+        .into_iter()
+        .map(|(k, v)| (format!("{:05}-{:05}", k, k + 50), v))
+        .collect();
+
+    Ok(json!({
+        "urls": args.urls,
+        "warm_path": args.warm_path,
+        "concurrency": args.concurrency,
+        "ready": ready,
+        "setup_failures": setup_failures,
+        "setup_ms": round3(setup_ms),
+        "settle_ms": args.settle_ms,
+        "count": reports.len() as u64 - setup_failures,
+        "ok": ok,
+        "non_2xx": non2xx,
+        "errors": errors,
+        "timeouts": timeouts,
+        "lost_tasks": lost,
+        "error_samples": error_samples,
+        "latency_ms": latency,
+        "since_release_ms": since,
+        "send_offset_ms": sends,
+        "send_skew_ms": skew,
+        "x_cache": x_cache,
+        "warm_x_cache": warm_x_cache,
+        "status": status,
+        "body_bytes": body_sizes,
+        "latency_hist_50ms": hist,
+        "per_url": per_url,
+        "latencies_ms": all_latencies,
+    }))
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let Cmd::Stampede(args) = cli.cmd;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(args.threads.max(1))
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    match rt.block_on(stampede(args)) {
+        Ok(v) => println!("{v}"),
+        Err(e) => {
+            eprintln!("loadgen: {e}");
+            std::process::exit(2);
+        }
+    }
+}
