@@ -110,14 +110,23 @@ impl Entry {
         (self.stored_at_ms + self.ttl_ms + self.grace_ms).saturating_sub(now_ms)
     }
 
-    /// Approximate memory held by this entry, for L1's byte bound.
+    /// Approximate memory held by this entry while it sits in L1, for L1's byte bound.
+    ///
+    /// Counts the body and key, each header (name, value, and the `Bytes` and map slot
+    /// around it), and a fixed per-entry overhead: the `Entry` and its `Arc`, the header
+    /// map's index table, and moka's own bookkeeping (hash-table slot, access and expiry
+    /// order nodes, timer-wheel node), plus allocator rounding. The fixed part was sized
+    /// from RSS measured under a million distinct keys (see BENCHMARKS.md, memory); an
+    /// under-count lets RSS outgrow `l1_max_bytes`, which is a weight, not a memory bound.
     pub(crate) fn weight(&self) -> usize {
+        const PER_HEADER: usize = 96;
+        const PER_ENTRY: usize = 1024;
         let headers: usize = self
             .headers
             .iter()
-            .map(|(n, v)| n.as_str().len() + v.len() + 32)
+            .map(|(n, v)| n.as_str().len() + v.len() + PER_HEADER)
             .sum();
-        self.key.len() + self.body.len() + headers + 160
+        self.key.len() + self.body.len() + headers + PER_ENTRY
     }
 
     pub(crate) fn encode(&self) -> Result<Vec<u8>, postcard::Error> {

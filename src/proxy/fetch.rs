@@ -245,7 +245,14 @@ async fn read_bounded(
             }
         }
     }
-    Ok((head, ReadBody::Complete(buf.freeze())))
+    // A body that grew by doubling may hold up to twice its length: keep an exact copy so
+    // a cached entry holds what it weighs.
+    let body = if buf.capacity() > buf.len() + buf.len() / 8 {
+        Bytes::copy_from_slice(&buf)
+    } else {
+        buf.freeze()
+    };
+    Ok((head, ReadBody::Complete(body)))
 }
 
 /// Statuses that may be stored (404 and 410 as negative entries).
