@@ -14,11 +14,10 @@ use std::time::Duration;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-use common::{
-    CgConfig, HttpClient, RedisServer, Resp, TestOrigin, default_body, poll_until, url,
-};
+use common::{CgConfig, HttpClient, RedisServer, Resp, TestOrigin, default_body, poll_until, url};
 use flight_support::{
-    lock_events, lock_events_sum, metrics, spawn_fleet, wait_coordinated, wait_for_lock_waiters,
+    lock_events, lock_events_sum, metrics, spawn_fleet, value, wait_coordinated,
+    wait_for_lock_waiters,
 };
 
 /// `n` GETs of `path` on `addr`, each reporting its answer and the moment it completed.
@@ -75,6 +74,7 @@ async fn wait_origin_count(origin: &TestOrigin, path: &str, n: u64, timeout: Dur
 /// 200 ms of the kill.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn holder_killed_mid_fetch_one_waiter_takes_over_after_the_lease() {
+    let _serial = flight_support::serial().await;
     const LEASE: Duration = Duration::from_secs(1);
     const DELAY: Duration = Duration::from_millis(800);
     let redis = RedisServer::start().await;
@@ -103,7 +103,11 @@ async fn holder_killed_mid_fetch_one_waiter_takes_over_after_the_lease() {
     };
     wait_origin_count(&origin, path, 1, Duration::from_secs(3)).await;
     let locks = redis.scan("cg:*:lock").await;
-    assert_eq!(locks.len(), 1, "A must hold the key's lock while fetching: {locks:?}");
+    assert_eq!(
+        locks.len(),
+        1,
+        "A must hold the key's lock while fetching: {locks:?}"
+    );
 
     // Waiters on B and C; both instances' leaders are waiting on A's lock.
     let mut waiters = spawn_waiters(&client, b.addr(), path, 10);
@@ -111,7 +115,11 @@ async fn holder_killed_mid_fetch_one_waiter_takes_over_after_the_lease() {
     wait_for_lock_waiters(&client, b.admin_addr(), 1.0).await;
     wait_for_lock_waiters(&client, c.admin_addr(), 1.0).await;
 
-    assert_eq!(origin.in_flight(), 1, "A's fetch must still be in flight at the kill");
+    assert_eq!(
+        origin.in_flight(),
+        1,
+        "A's fetch must still be in flight at the kill"
+    );
     assert!(
         sent.elapsed() < DELAY - Duration::from_millis(100),
         "setup took {:?}: A may have finished its fetch before the kill",
@@ -120,7 +128,10 @@ async fn holder_killed_mid_fetch_one_waiter_takes_over_after_the_lease() {
     let a_pid = fleet.procs[0].pid();
     fleet.procs[0].kill(); // SIGKILL by PID
     let killed = Instant::now();
-    eprintln!("killed A (pid {a_pid:?}) {:?} after its request", sent.elapsed());
+    eprintln!(
+        "killed A (pid {a_pid:?}) {:?} after its request",
+        sent.elapsed()
+    );
     let a_answer = a_request.await.expect("A request task");
     assert!(
         a_answer.is_err(),
@@ -136,7 +147,10 @@ async fn holder_killed_mid_fetch_one_waiter_takes_over_after_the_lease() {
             .as_ref()
             .unwrap_or_else(|e| panic!("waiter {i}: transport error {e}"));
         assert_eq!(r.status, 200, "waiter {i}: {r}");
-        assert_eq!(r.body, expected, "waiter {i} must get the takeover's fetch: {r}");
+        assert_eq!(
+            r.body, expected,
+            "waiter {i} must get the takeover's fetch: {r}"
+        );
         let after_kill = done.saturating_duration_since(killed);
         slowest = slowest.max(after_kill);
         assert!(
@@ -168,6 +182,7 @@ async fn holder_killed_mid_fetch_one_waiter_takes_over_after_the_lease() {
 /// lease/3), nobody takes over, one origin request.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slow_fetch_renews_its_lease_and_stays_the_only_fetch() {
+    let _serial = flight_support::serial().await;
     let redis = RedisServer::start().await;
     let origin = TestOrigin::start().await;
     let path = "/api/items/slow-renew";
@@ -185,14 +200,7 @@ async fn slow_fetch_renews_its_lease_and_stays_the_only_fetch() {
     let mut handles = spawn_waiters(&client, a.addr(), path, 10);
     handles.extend(spawn_waiters(&client, b.addr(), path, 10));
     let results = join_waiters(handles, Duration::from_secs(10)).await;
-    let expected = default_body(path, 1);
-    for (i, (r, _)) in results.iter().enumerate() {
-        let r = r.as_ref().unwrap_or_else(|e| panic!("client {i}: {e}"));
-        assert_eq!(r.status, 200, "client {i}: {r}");
-        assert_eq!(r.body, expected, "client {i}: {r}");
-    }
     tokio::time::sleep(Duration::from_millis(200)).await;
-    assert_eq!(origin.count(path), 1, "a renewed lease means no second fetch");
 
     let ea = metrics(&client, a.admin_addr()).await;
     let eb = metrics(&client, b.admin_addr()).await;
@@ -202,13 +210,43 @@ async fn slow_fetch_renews_its_lease_and_stays_the_only_fetch() {
         (&eb, &ea)
     };
     let report = |e: &common::prom::Exposition| {
-        ["acquired", "contended", "renewed", "lost", "takeover", "wait_timeout"]
-            .iter()
-            .map(|o| format!("{o}={}", lock_events(e, o)))
-            .collect::<Vec<_>>()
-            .join(" ")
+        let mut parts: Vec<String> = [
+            "acquired",
+            "contended",
+            "renewed",
+            "lost",
+            "takeover",
+            "wait_timeout",
+        ]
+        .iter()
+        .map(|o| format!("{o}={}", lock_events(e, o)))
+        .collect();
+        parts.push(format!(
+            "redis_state_changes={}",
+            value(e, "cacheguard_redis_state_changes_total")
+        ));
+        parts.join(" ")
     };
     let report = format!("owner: {} | other: {}", report(owner), report(other));
+    let answers: Vec<String> = results
+        .iter()
+        .map(|(r, _)| match r {
+            Ok(r) => r.to_string(),
+            Err(e) => format!("error {e}"),
+        })
+        .collect();
+    let expected = default_body(path, 1);
+    assert_eq!(
+        origin.count(path),
+        1,
+        "a renewed lease means no second fetch; lock events {report}; answers {answers:#?}"
+    );
+    for (i, (r, _)) in results.iter().enumerate() {
+        let r = r.as_ref().unwrap_or_else(|e| panic!("client {i}: {e}"));
+        assert_eq!(r.status, 200, "client {i}: {r}");
+        assert_eq!(r.body, expected, "client {i}: {r}");
+    }
+
     assert_eq!(lock_events(owner, "acquired"), 1.0, "{report}");
     assert!(
         lock_events(owner, "renewed") >= 2.0,
@@ -227,6 +265,7 @@ async fn slow_fetch_renews_its_lease_and_stays_the_only_fetch() {
 /// re-fetches (origin count 2), and the waiters' clients get 200.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failed_fetch_hands_the_key_to_exactly_one_waiter() {
+    let _serial = flight_support::serial().await;
     const DELAY: Duration = Duration::from_millis(500);
     let redis = RedisServer::start().await;
     let origin = TestOrigin::start().await;
@@ -265,7 +304,10 @@ async fn failed_fetch_hands_the_key_to_exactly_one_waiter() {
     );
 
     let a_answer = a_request.await.expect("A task").expect("A answered");
-    assert_eq!(a_answer.status, 500, "A's client gets the origin's 500: {a_answer}");
+    assert_eq!(
+        a_answer.status, 500,
+        "A's client gets the origin's 500: {a_answer}"
+    );
 
     let results = join_waiters(waiters, Duration::from_secs(10)).await;
     let expected = default_body(path, 2);
@@ -292,6 +334,7 @@ async fn failed_fetch_hands_the_key_to_exactly_one_waiter() {
 /// 1 s) get 503 with `Retry-After`, and do not go to the origin.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wait_timeout_with_on_timeout_error_answers_503_retry_after() {
+    let _serial = flight_support::serial().await;
     let redis = RedisServer::start().await;
     let origin = TestOrigin::start().await;
     let path = "/api/items/wait-timeout";
@@ -315,24 +358,39 @@ async fn wait_timeout_with_on_timeout_error_answers_503_retry_after() {
     let started = Instant::now();
     let waiters = spawn_waiters(&client, b.addr(), path, 10);
     let results = join_waiters(waiters, Duration::from_secs(10)).await;
+    let answers: Vec<String> = results
+        .iter()
+        .map(|(r, done)| match r {
+            Ok(r) => format!(
+                "{} after {:?} (retry-after {:?}, x-cache {})",
+                r.status.as_u16(),
+                done.saturating_duration_since(started),
+                r.header("retry-after"),
+                r.x_cache()
+            ),
+            Err(e) => format!("error {e}"),
+        })
+        .collect();
+    let origin_count = origin.count(path);
     for (i, (r, done)) in results.iter().enumerate() {
         let r = r.as_ref().unwrap_or_else(|e| panic!("waiter {i}: {e}"));
         let took = done.saturating_duration_since(started);
         assert_eq!(
             r.status, 503,
-            "waiter {i} (answered after {took:?}) must get 503 after wait_timeout: {r}"
+            "waiter {i} must get 503 after wait_timeout; origin count {origin_count}; \
+             answers: {answers:#?}"
         );
         let retry_after = r.header("retry-after");
         assert!(
             retry_after
                 .as_deref()
                 .is_some_and(|v| v.trim().parse::<u64>().is_ok()),
-            "waiter {i}: 503 without a numeric Retry-After: {retry_after:?}"
+            "waiter {i}: 503 without a numeric Retry-After: {answers:#?}"
         );
         assert!(
             took < Duration::from_millis(800),
             "waiter {i} answered after {took:?}: the 503 must come at wait_timeout (200 ms), \
-             not after the holder's fetch"
+             not after the holder's fetch: {answers:#?}"
         );
     }
     assert_eq!(
@@ -350,6 +408,46 @@ async fn wait_timeout_with_on_timeout_error_answers_503_retry_after() {
     assert_eq!(after.body, default_body(path, 1), "{after}");
     assert_eq!(origin.count(path), 1);
 
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
+/// A key whose origin keeps failing (500): after each failed fetch exactly one waiter
+/// becomes the next owner, so the origin never sees two fetches of the key at once —
+/// however many requests wait, and however many times the fetch fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failing_origin_is_never_fetched_concurrently_for_one_key() {
+    let _serial = flight_support::serial().await;
+    let redis = RedisServer::start().await;
+    let origin = TestOrigin::start().await;
+    let path = "/api/items/always-500";
+    origin.set_delay(path, Duration::from_millis(150));
+    origin.set_status(path, 500);
+    let cfg = CgConfig::new(&origin)
+        .redis(&redis)
+        .set_str("lock", "wait_timeout", "5s");
+    let a = cfg.start().await;
+    let b = cfg.start().await;
+    let client = HttpClient::new();
+    wait_coordinated(&client, &[a.admin_addr(), b.admin_addr()]).await;
+
+    let mut handles = spawn_waiters(&client, a.addr(), path, 10);
+    handles.extend(spawn_waiters(&client, b.addr(), path, 10));
+    let results = join_waiters(handles, Duration::from_secs(15)).await;
+    let mut statuses = std::collections::BTreeMap::<u16, usize>::new();
+    for (i, (r, _)) in results.iter().enumerate() {
+        let r = r.as_ref().unwrap_or_else(|e| panic!("client {i}: {e}"));
+        *statuses.entry(r.status.as_u16()).or_default() += 1;
+    }
+    assert_eq!(
+        origin.max_in_flight(),
+        1,
+        "a failing key was fetched {} times at once ({} origin requests in all; client \
+         statuses {statuses:?}): after a failed fetch one waiter takes over, the others keep \
+         waiting",
+        origin.max_in_flight(),
+        origin.count(path)
+    );
     a.shutdown().await;
     b.shutdown().await;
 }

@@ -241,7 +241,11 @@ async fn negative_entry_expires_after_negative_ttl() {
     origin.reset("/api/items/gone");
     tokio::time::sleep(Duration::from_millis(1600)).await;
     let r = client.get(&u).await;
-    assert_eq!((r.status.as_u16(), r.x_cache().as_str()), (200, "MISS"), "{r}");
+    assert_eq!(
+        (r.status.as_u16(), r.x_cache().as_str()),
+        (200, "MISS"),
+        "{r}"
+    );
     assert_eq!(origin.count("/api/items/gone"), 2);
     cg.shutdown().await;
 }

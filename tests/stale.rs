@@ -21,7 +21,8 @@ use common::{
     CgConfig, HttpClient, RedisServer, TestOrigin, concurrently, default_body, poll_until, url,
 };
 use flight_support::{
-    burst, latency_summary, metrics, open_warm, outcomes, percentile, value, wait_coordinated,
+    burst, hit_floor, latency_summary, metrics, open_warm, outcomes, percentile, strict_latency,
+    value, wait_coordinated,
 };
 
 /// Waits (bounded) until the origin has received `n` requests for `path`; returns when.
@@ -81,30 +82,62 @@ fn tally(resps: &[common::Resp]) -> HashMap<String, usize> {
     out
 }
 
+/// Routes: `item` (the short-ttl route under test) and `cal`, a long-ttl route whose hits
+/// measure the machine's floor for a burst.
+const ROUTES_WITH_CAL: &str = r#"
+[[routes]]
+name = "item"
+match = "/api/items/{id}"
+methods = ["GET"]
+
+[[routes]]
+name = "cal"
+match = "/api/cal/{id}"
+methods = ["GET"]
+ttl = "60s"
+"#;
+
 /// (a) An entry past its ttl, within grace, hit by 100 concurrent GETs over 2 instances:
-/// every one answered at once (`STALE`, old body, p99 < 20 ms), one origin refresh in
-/// total; afterwards the new body is a hit.
+/// every one answered at once (`STALE`, old body), one origin refresh in total; afterwards
+/// the new body is a hit.
+///
+/// "At once" is p99 < 20 ms over the machine's floor: the p99 of the same burst (100 warm
+/// connections, released together) of plain hits, measured just before and just after. On
+/// a loaded 2-core box with a debug build such a burst of hits alone takes 20–100 ms; an
+/// answer that waited for the 500 ms refresh could not pass. `CACHEGUARD_STRICT_LATENCY=1`
+/// also enforces the absolute p99 < 20 ms.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stale_entry_is_served_at_once_while_one_refresh_runs() {
+    let _serial = flight_support::serial().await;
     let redis = RedisServer::start().await;
     let origin = TestOrigin::start().await;
     let path = "/api/items/swr";
-    let cfg = short_ttl(CgConfig::new(&origin).redis(&redis));
+    let cal = "/api/cal/1";
+    // command_timeout 2s: a burst on a loaded box must not mark Redis down (degraded).
+    let cfg = short_ttl(CgConfig::new(&origin).redis(&redis))
+        .set_str("redis", "command_timeout", "2s")
+        .routes(ROUTES_WITH_CAL);
     let a = cfg.start().await;
     let b = cfg.start().await;
     let client = HttpClient::new();
     wait_coordinated(&client, &[a.admin_addr(), b.admin_addr()]).await;
+    let addrs = [a.addr(), b.addr()];
 
     let first = client.get(&url(a.addr(), path)).await;
+    let stored_at = Instant::now();
     assert_eq!(first.x_cache(), "MISS", "{first}");
     let old = default_body(path, 1);
     assert_eq!(first.body, old);
+    let r = client.get(&url(a.addr(), cal)).await;
+    assert_eq!(r.status, 200, "{r}");
 
     // The refresh takes a while, so the whole burst lands while it runs.
-    origin.set_delay(path, Duration::from_millis(300));
-    let conns = open_warm(&[a.addr(), b.addr()], 50, "/warmup").await;
+    origin.set_delay(path, Duration::from_millis(500));
+    let cal_conns = open_warm(&addrs, 50, "/warmup").await;
+    let conns = open_warm(&addrs, 50, "/warmup").await;
     // Past ttl (1 s), well within grace.
-    tokio::time::sleep(Duration::from_millis(1200)).await;
+    tokio::time::sleep_until(stored_at + Duration::from_millis(1200)).await;
+    let floor_before = hit_floor(cal_conns, cal).await;
     let shots = burst(conns, path, Duration::from_secs(10)).await;
 
     let bad: Vec<String> = shots
@@ -123,16 +156,10 @@ async fn stale_entry_is_served_at_once_while_one_refresh_runs() {
     );
     let latencies: Vec<Duration> = shots.iter().map(|s| s.latency).collect();
     let summary = latency_summary(&latencies);
-    eprintln!("stale burst latency: {summary}");
-    let p99 = percentile(&latencies, 99.0);
-    assert!(
-        p99 < Duration::from_millis(20),
-        "stale answers must not wait for the refresh: p99 {p99:?} ({summary})"
-    );
 
     wait_origin_count(&origin, path, 2, Duration::from_secs(3)).await;
-    // Let the refresh finish (300 ms) and anything extra arrive.
-    tokio::time::sleep(Duration::from_millis(600)).await;
+    // Let the refresh finish (500 ms) and anything extra arrive.
+    tokio::time::sleep(Duration::from_millis(800)).await;
     assert_eq!(
         origin.count(path),
         2,
@@ -142,8 +169,32 @@ async fn stale_entry_is_served_at_once_while_one_refresh_runs() {
     for (name, addr) in [("A", a.addr()), ("B", b.addr())] {
         let r = client.get(&url(addr, path)).await;
         assert_eq!(r.status, 200, "{name}: {r}");
-        assert!(r.is_hit(), "{name}: after the refresh the key is a hit: {r}");
+        assert!(
+            r.is_hit(),
+            "{name}: after the refresh the key is a hit: {r}"
+        );
         assert_eq!(r.body, new, "{name}: the refreshed body: {r}");
+    }
+
+    let cal_conns = open_warm(&addrs, 50, "/warmup").await;
+    let floor = floor_before.max(hit_floor(cal_conns, cal).await);
+    eprintln!(
+        "stale burst: {summary}\n  100 hits before | after: {}",
+        floor.summary
+    );
+    let p99 = percentile(&latencies, 99.0);
+    assert!(
+        p99 < Duration::from_millis(20) + floor.latency_p99,
+        "stale answers must not wait for the refresh: p99 {p99:?} >= 20 ms + the p99 of a \
+         burst of 100 plain hits ({:?}) (stale {summary}; hits before | after: {})",
+        floor.latency_p99,
+        floor.summary
+    );
+    if strict_latency() {
+        assert!(
+            p99 < Duration::from_millis(20),
+            "CACHEGUARD_STRICT_LATENCY: stale p99 {p99:?} >= 20 ms ({summary})"
+        );
     }
     assert_eq!(origin.count(path), 2);
 
@@ -152,11 +203,57 @@ async fn stale_entry_is_served_at_once_while_one_refresh_runs() {
     let stale_served = ea.sum("cacheguard_stale_served_total", &[("route", "item")])
         + eb.sum("cacheguard_stale_served_total", &[("route", "item")]);
     assert_eq!(stale_served, 100.0);
-    let started = ea.sum("cacheguard_background_refreshes_total", &[("route", "item")])
-        + eb.sum("cacheguard_background_refreshes_total", &[("route", "item")]);
+
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
+/// While one instance refreshes a stale key (it holds the lock), another instance serving
+/// that key stale runs one background refresh for it (which finds the lock held and
+/// skips), not one per stale request: "one per key per instance".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn instance_that_lost_the_refresh_lock_does_not_retry_it_per_request() {
+    let _serial = flight_support::serial().await;
+    let redis = RedisServer::start().await;
+    let origin = TestOrigin::start().await;
+    let path = "/api/items/swr-other";
+    let cfg = short_ttl(CgConfig::new(&origin).redis(&redis));
+    let a = cfg.start().await;
+    let b = cfg.start().await;
+    let client = HttpClient::new();
+    wait_coordinated(&client, &[a.admin_addr(), b.admin_addr()]).await;
+
+    let first = client.get(&url(a.addr(), path)).await;
+    assert_eq!(first.x_cache(), "MISS", "{first}");
+    origin.set_delay(path, Duration::from_millis(800));
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+
+    // A refreshes (and holds the key's lock for the 800 ms fetch).
+    let r = client.get(&url(a.addr(), path)).await;
+    assert_eq!(r.x_cache(), "STALE", "{r}");
+    wait_origin_count(&origin, path, 2, Duration::from_secs(3)).await;
+    let fetch_started = Instant::now();
+
+    // B serves the key stale, request after request, while A's refresh runs.
+    let mut n = 0;
+    while fetch_started.elapsed() < Duration::from_millis(500) && n < 20 {
+        let r = client.get(&url(b.addr(), path)).await;
+        assert_eq!(r.x_cache(), "STALE", "{r}");
+        n += 1;
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    let eb = metrics(&client, b.admin_addr()).await;
+    let b_refreshes = eb.sum(
+        "cacheguard_background_refreshes_total",
+        &[("route", "item")],
+    );
+    eprintln!("B served {n} stale answers during A's refresh and started {b_refreshes} refreshes");
+    assert_eq!(origin.count(path), 2, "only the lock holder fetches");
     assert!(
-        (1.0..=2.0).contains(&started),
-        "one background refresh per instance at most (started {started})"
+        b_refreshes <= 1.0,
+        "B started {b_refreshes} background refreshes for one key while A's refresh ran \
+         ({n} stale answers): each found the lock held and skipped, then the next stale \
+         request started another (an L2 GET + a lock attempt in Redis per stale hit)"
     );
 
     a.shutdown().await;
@@ -168,10 +265,13 @@ async fn stale_entry_is_served_at_once_while_one_refresh_runs() {
 /// once the origin recovers the next refresh replaces the copy.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn origin_error_on_refresh_keeps_serving_the_stale_copy() {
+    let _serial = flight_support::serial().await;
     let redis = RedisServer::start().await;
     let origin = TestOrigin::start().await;
     let path = "/api/items/sie";
-    let cg = short_ttl(CgConfig::new(&origin).redis(&redis)).start().await;
+    let cg = short_ttl(CgConfig::new(&origin).redis(&redis))
+        .start()
+        .await;
     let client = HttpClient::new();
     wait_coordinated(&client, &[cg.admin_addr()]).await;
     let u = url(cg.addr(), path);
@@ -231,6 +331,7 @@ async fn origin_error_on_refresh_keeps_serving_the_stale_copy() {
 /// down once, then skipped).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_killed_single_flight_stays_per_instance_and_nothing_waits_on_timeouts() {
+    let _serial = flight_support::serial().await;
     let mut redis = RedisServer::start().await;
     let origin = TestOrigin::start().await;
     let cfg = CgConfig::new(&origin)
@@ -285,6 +386,7 @@ async fn redis_killed_single_flight_stays_per_instance_and_nothing_waits_on_time
 /// command would wait the full `command_timeout`; only the first one may.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_hung_is_detected_once_then_skipped() {
+    let _serial = flight_support::serial().await;
     let redis = RedisServer::start().await;
     let origin = TestOrigin::start().await;
     let cfg = CgConfig::new(&origin)
@@ -347,10 +449,12 @@ async fn pubsub_clients(con: &mut redis::aio::MultiplexedConnection) -> usize {
 /// one origin request.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dropped_pubsub_resubscribes_and_coordination_still_works() {
+    let _serial = flight_support::serial().await;
     let redis = RedisServer::start().await;
     let origin = TestOrigin::start().await;
     let cfg = CgConfig::new(&origin)
         .redis(&redis)
+        .set_str("redis", "command_timeout", "2s")
         .set_str("lock", "wait_timeout", "5s");
     let a = cfg.start().await;
     let b = cfg.start().await;
@@ -358,7 +462,11 @@ async fn dropped_pubsub_resubscribes_and_coordination_still_works() {
     let admins = [a.admin_addr(), b.admin_addr()];
     wait_coordinated(&client, &admins).await;
     let mut con = redis.client().await;
-    assert_eq!(pubsub_clients(&mut con).await, 2, "one subscriber per instance");
+    assert_eq!(
+        pubsub_clients(&mut con).await,
+        2,
+        "one subscriber per instance"
+    );
 
     let killed: i64 = redis::cmd("CLIENT")
         .arg("KILL")
@@ -415,13 +523,9 @@ async fn dropped_pubsub_resubscribes_and_coordination_still_works() {
 
 /// (e) Probabilistic early refresh (XFetch): a hot key under steady load is refreshed
 /// before it expires, so no client sees a MISS after the first.
-///
-/// Ignored: the config loader does not accept `early_refresh_beta` yet (`RawRoute` has no
-/// such field and `validate.rs` hard-codes `early_refresh_beta: 0.0`). Run with
-/// `--ignored` once it does.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "early_refresh_beta is not accepted by the config loader yet"]
 async fn early_refresh_keeps_a_hot_key_from_ever_missing() {
+    let _serial = flight_support::serial().await;
     let redis = RedisServer::start().await;
     let origin = TestOrigin::start().await;
     let path = "/api/items/hot-early";

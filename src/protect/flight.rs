@@ -13,6 +13,7 @@ use std::time::Duration;
 use tokio::sync::watch;
 
 use crate::cache::Entry;
+use crate::proxy::fetch::SharedFailure;
 
 /// How a flight ended, as seen by its followers.
 #[derive(Clone, Debug)]
@@ -22,8 +23,10 @@ pub(crate) enum FlightResult {
     /// The answer must not be shared (per-user, uncacheable status, too large): each
     /// follower fetches for itself.
     Uncacheable,
-    /// The fetch failed (5xx, timeout, shed): followers elect a new leader.
-    Failed,
+    /// The fetch failed (5xx, timeout, shed). With a copy of the failure that says
+    /// `retry`, followers elect a new leader (one more origin attempt); otherwise they answer
+    /// with the copy.
+    Failed(Option<Arc<SharedFailure>>),
     /// The leader went away without an answer: followers elect a new leader.
     Abandoned,
 }

@@ -43,9 +43,65 @@ pub(crate) enum Classified {
     /// A good answer that must not be shared (per-user, status outside the allowlist, too
     /// large): goes to one client only.
     Uncacheable(Response<Body>),
-    /// Origin 5xx, timeout, unreachable, or shed: goes to one client only, never stored.
-    /// The outcome is `Error` when cacheguard wrote the answer itself.
-    Failed(Response<Body>, Outcome),
+    /// Origin 5xx, timeout, unreachable, or shed: never stored.
+    Failed(Failure),
+}
+
+/// A failed fill: the answer for the request that fetched, and, when the answer was
+/// buffered whole, a copy its waiters can answer with instead of each going to the origin.
+#[derive(Debug)]
+pub(crate) struct Failure {
+    pub(crate) response: Response<Body>,
+    /// `Error` when cacheguard wrote the answer itself, `Bypass` for an origin 5xx.
+    pub(crate) outcome: Outcome,
+    pub(crate) shared: Option<Arc<SharedFailure>>,
+}
+
+/// A buffered failure answer that can be sent any number of times.
+#[derive(Debug)]
+pub(crate) struct SharedFailure {
+    status: StatusCode,
+    headers: HeaderMap,
+    body: Bytes,
+    pub(crate) outcome: Outcome,
+    /// Whether a waiter should try the origin once more itself (an origin 5xx may be
+    /// transient), rather than answer with this copy at once (cacheguard's own errors:
+    /// shed, timeouts, lock wait — retrying inside the same request would hit them again).
+    pub(crate) retry: bool,
+}
+
+impl Failure {
+    pub(crate) fn new(response: Response<Body>, outcome: Outcome, retry: bool) -> Self {
+        let shared = match response.body() {
+            Body::Full(bytes) => Some(Arc::new(SharedFailure {
+                status: response.status(),
+                headers: response.headers().clone(),
+                body: bytes.clone().unwrap_or_default(),
+                outcome,
+                retry,
+            })),
+            Body::Stream(_) | Body::Prefixed(..) => None,
+        };
+        Failure {
+            response,
+            outcome,
+            shared,
+        }
+    }
+
+    /// cacheguard's own error answer.
+    pub(crate) fn own(error: &ProxyError) -> Self {
+        Failure::new(respond::error(error), Outcome::Error, false)
+    }
+}
+
+impl SharedFailure {
+    pub(crate) fn response(&self) -> Response<Body> {
+        let mut response = Response::new(Body::full(self.body.clone()));
+        *response.status_mut() = self.status;
+        *response.headers_mut() = self.headers.clone();
+        response
+    }
 }
 
 impl Proxy {
@@ -56,12 +112,12 @@ impl Proxy {
             Err(error) => {
                 route.metrics.shed.inc();
                 tracing::debug!(message = "Origin guard shed a request.", route = %route.config.name);
-                return Classified::Failed(respond::error(&error), Outcome::Error);
+                return Classified::Failed(Failure::own(&error));
             }
         };
         let request = match self.cached_fetch_request(job) {
             Ok(request) => request,
-            Err(error) => return Classified::Failed(respond::error(&error), Outcome::Error),
+            Err(error) => return Classified::Failed(Failure::own(&error)),
         };
 
         let started = Instant::now();
@@ -85,7 +141,7 @@ impl Proxy {
             Ok(Err(_)) | Err(ProxyError::OriginConnect(_)) => {
                 route.metrics.origin(OriginStatus::Error, seconds);
                 let error = ProxyError::OriginConnect("origin closed the connection".into());
-                return Classified::Failed(respond::error(&error), Outcome::Error);
+                return Classified::Failed(Failure::own(&error));
             }
             Err(error) => {
                 let status = match error {
@@ -93,7 +149,7 @@ impl Proxy {
                     _ => OriginStatus::Error,
                 };
                 route.metrics.origin(status, seconds);
-                return Classified::Failed(respond::error(&error), Outcome::Error);
+                return Classified::Failed(Failure::own(&error));
             }
         };
         route
@@ -101,10 +157,11 @@ impl Proxy {
             .origin(OriginStatus::from_status(head.status.as_u16()), seconds);
 
         if head.status.is_server_error() {
-            return Classified::Failed(
+            return Classified::Failed(Failure::new(
                 origin_response(head, body.into_body(), Outcome::Bypass),
                 Outcome::Bypass,
-            );
+                true,
+            ));
         }
         let complete = match body {
             ReadBody::Complete(bytes) => bytes,

@@ -23,9 +23,8 @@ use tokio::time::Instant;
 use tracing::{debug, warn};
 
 use super::Proxy;
-use super::fetch::{Classified, FillJob};
+use super::fetch::{Classified, Failure, FillJob};
 use super::read::Fetched;
-use super::respond;
 use crate::cache::l2::Lookup;
 use crate::cache::{Entry, Freshness, now_ms};
 use crate::config::OnTimeout;
@@ -58,14 +57,14 @@ impl Proxy {
         leader.finish(match &fetched {
             Fetched::Ready(entry, _) => FlightResult::Filled(Arc::clone(entry)),
             Fetched::Uncacheable(_) => FlightResult::Uncacheable,
-            Fetched::Failed(..) => FlightResult::Failed,
+            Fetched::Failed(failure) => FlightResult::Failed(failure.shared.clone()),
             Fetched::Skipped => FlightResult::Abandoned,
         });
         fetched
     }
 
     /// The fleet-wide fill: take the key's lock and fetch, or wait for whoever holds it.
-    async fn fill_shared(&self, job: &FillJob, dist: &DistLock) -> Fetched {
+    pub(crate) async fn fill_shared(&self, job: &FillJob, dist: &DistLock) -> Fetched {
         let started = Instant::now();
         let deadline = started + self.lock.wait_timeout;
         let mut contended = false;
@@ -143,8 +142,7 @@ impl Proxy {
         match self.lock.on_timeout {
             OnTimeout::Origin => self.fetch_alone(job).await,
             OnTimeout::Error => {
-                let error = ProxyError::LockWait(self.lock.wait_timeout);
-                Fetched::Failed(respond::error(&error), Outcome::Error)
+                Fetched::Failed(Failure::own(&ProxyError::LockWait(self.lock.wait_timeout)))
             }
         }
     }
@@ -181,10 +179,10 @@ impl Proxy {
                 self.remember_uncacheable(&job.key);
                 Fetched::Uncacheable(response)
             }
-            Classified::Failed(response, outcome) => {
+            Classified::Failed(failure) => {
                 // One waiter takes over; the others keep waiting on it.
                 let _ = dist.release(&lease, EventKind::Released).await;
-                Fetched::Failed(response, outcome)
+                Fetched::Failed(failure)
             }
         }
     }
@@ -208,7 +206,7 @@ impl Proxy {
                 self.remember_uncacheable(&job.key);
                 Fetched::Uncacheable(response)
             }
-            Classified::Failed(response, outcome) => Fetched::Failed(response, outcome),
+            Classified::Failed(failure) => Fetched::Failed(failure),
         }
     }
 
@@ -218,7 +216,7 @@ impl Proxy {
         match self.fetch_origin(job).await {
             Classified::Storable(entry) => Fetched::Ready(Arc::new(entry), Outcome::Bypass),
             Classified::Uncacheable(response) => Fetched::Uncacheable(response),
-            Classified::Failed(response, outcome) => Fetched::Failed(response, outcome),
+            Classified::Failed(failure) => Fetched::Failed(failure),
         }
     }
 

@@ -22,7 +22,7 @@ use hyper::body::Incoming;
 
 use super::Proxy;
 use super::body::Body;
-use super::fetch::FillJob;
+use super::fetch::{Failure, FillJob, SharedFailure};
 use super::respond;
 use super::route::Route;
 use super::upstream::UpstreamBody;
@@ -50,8 +50,8 @@ pub(crate) enum Fetched {
     Ready(Arc<Entry>, Outcome),
     /// For this client only: not shareable.
     Uncacheable(Response<Body>),
-    /// For this client only: the origin failed (or cacheguard answered an error itself).
-    Failed(Response<Body>, Outcome),
+    /// The origin failed (or cacheguard answered an error itself).
+    Failed(Failure),
     /// A background refresh found another instance already refreshing; nothing to answer.
     Skipped,
 }
@@ -207,6 +207,7 @@ impl Proxy {
             return respond_fetched(self.fetch_and_store(&job).await, head);
         }
         let mut counted = false;
+        let mut last_failure: Option<Arc<SharedFailure>> = None;
         for _ in 0..MAX_FLIGHT_ATTEMPTS {
             match self.flights.join(job.key.hash) {
                 Role::Leader(leader) => {
@@ -235,16 +236,32 @@ impl Proxy {
                         FlightResult::Filled(entry) if entry.matches(&job.key) => {
                             return hit(&entry, Outcome::Miss, head);
                         }
-                        FlightResult::Uncacheable => break,
-                        FlightResult::Filled(_)
-                        | FlightResult::Failed
-                        | FlightResult::Abandoned => {}
+                        FlightResult::Uncacheable => {
+                            // Not shareable: each request fetches for itself, lock-free.
+                            return respond_fetched(self.fetch_and_store(&job).await, head);
+                        }
+                        FlightResult::Failed(Some(failure)) if !failure.retry => {
+                            return (failure.response(), failure.outcome);
+                        }
+                        // An origin failure: one of the followers becomes the new leader and
+                        // tries once more (pingora's lock does the same).
+                        FlightResult::Failed(failure) => last_failure = failure.or(last_failure),
+                        FlightResult::Filled(_) | FlightResult::Abandoned => {}
                     }
                 }
             }
         }
-        // Released by the flight (uncacheable answer) or out of attempts: fetch alone.
-        respond_fetched(self.fetch_and_store(&job).await, head)
+        // Out of attempts. After repeated origin failures, answer with the last one rather
+        // than send every waiter to a failing origin; otherwise fill without the in-process
+        // flight, but still under the fleet lock.
+        if let Some(failure) = last_failure {
+            return (failure.response(), failure.outcome);
+        }
+        let fetched = match &self.dist {
+            Some(dist) if dist.is_available() => self.fill_shared(&job, dist).await,
+            _ => self.fetch_and_store(&job).await,
+        };
+        respond_fetched(fetched, head)
     }
 
     /// Starts a refresh of `job`'s key in the background unless one is already running in
@@ -262,7 +279,9 @@ impl Proxy {
         let this = Arc::clone(self);
         tokio::spawn(async move {
             let hash = job.key.hash;
-            if let Fetched::Failed(..) = this.lead(job, leader, !early).await {
+            // A failed refresh, or one another instance is already running, is not tried
+            // again for a moment: the stale copy keeps being served meanwhile.
+            if let Fetched::Failed(_) | Fetched::Skipped = this.lead(job, leader, !early).await {
                 this.refresh_backoff.insert(hash, ());
             }
         });
@@ -281,7 +300,7 @@ fn respond_fetched(fetched: Fetched, head: bool) -> (Response<Body>, Outcome) {
     match fetched {
         Fetched::Ready(entry, outcome) => hit(&entry, outcome, head),
         Fetched::Uncacheable(response) => (response, Outcome::Bypass),
-        Fetched::Failed(response, outcome) => (response, outcome),
+        Fetched::Failed(failure) => (failure.response, failure.outcome),
         // Only background fills skip, and nobody awaits their answer.
         Fetched::Skipped => (
             respond::text(http::StatusCode::SERVICE_UNAVAILABLE, "cacheguard: retry\n"),

@@ -28,6 +28,15 @@ use crate::common::{
     spawn_cacheguard_process,
 };
 
+/// Serializes the tests of one test binary: they measure latency on a 2-core machine, and
+/// a neighbour's burst would be measured too. Hold the guard for the whole test.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// Takes this test binary's serial lock (not poisoned by a failed test).
+pub async fn serial() -> tokio::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().await
+}
+
 /// Upper bound for one request on a warm connection.
 pub const SHOT_TIMEOUT: Duration = Duration::from_secs(15);
 
@@ -46,7 +55,10 @@ impl Fleet {
     }
 
     pub fn admin_addrs(&self) -> Vec<SocketAddr> {
-        self.procs.iter().map(CacheguardProcess::admin_addr).collect()
+        self.procs
+            .iter()
+            .map(CacheguardProcess::admin_addr)
+            .collect()
     }
 
     /// Every process's captured output, for failure messages.
@@ -86,7 +98,11 @@ pub async fn spawn_fleet(cfg: &CgConfig, n: usize) -> Fleet {
         let c = cfg
             .clone()
             .set_str("server", "listen", &format!("127.0.0.1:{}", ports[2 * i]))
-            .set_str("admin", "listen", &format!("127.0.0.1:{}", ports[2 * i + 1]));
+            .set_str(
+                "admin",
+                "listen",
+                &format!("127.0.0.1:{}", ports[2 * i + 1]),
+            );
         let path = dir.path().join(format!("cacheguard-{i}.toml"));
         std::fs::write(&path, c.toml()).expect("write fleet config");
         configs.push(path);
@@ -264,7 +280,10 @@ pub async fn open_warm(
     let all = async {
         for h in handles {
             let (i, conn) = h.await.expect("warm-up task panicked");
-            out.push((i, conn.unwrap_or_else(|e| panic!("warm-up to instance {i}: {e}"))));
+            out.push((
+                i,
+                conn.unwrap_or_else(|e| panic!("warm-up to instance {i}: {e}")),
+            ));
         }
     };
     tokio::time::timeout(Duration::from_secs(30), all)
@@ -280,6 +299,8 @@ pub struct Shot {
     pub result: Result<Resp, String>,
     /// From this request's release (right after the barrier) to its complete response.
     pub latency: Duration,
+    /// When the complete response was read.
+    pub done: Instant,
 }
 
 /// Sends `GET path` on every connection at once: each request waits on one barrier, the
@@ -296,10 +317,12 @@ pub async fn burst(conns: Vec<(usize, WarmConn)>, path: &str, timeout: Duration)
                 barrier.wait().await;
                 let started = Instant::now();
                 let result = conn.get(&path).await;
+                let done = Instant::now();
                 Shot {
                     instance,
                     result,
-                    latency: started.elapsed(),
+                    latency: done - started,
+                    done,
                 }
             })
         })
@@ -349,4 +372,88 @@ pub fn latency_summary(latencies: &[Duration]) -> String {
         percentile(latencies, 99.0),
         percentile(latencies, 100.0)
     )
+}
+
+/// How long after the burst's first complete answer each answer completed.
+pub fn completion_spread(shots: &[Shot]) -> Vec<Duration> {
+    let Some(first) = shots.iter().map(|s| s.done).min() else {
+        return Vec::new();
+    };
+    shots.iter().map(|s| s.done - first).collect()
+}
+
+/// The machine's floor for a burst of `n` simultaneous requests, from a burst of cache hits.
+#[derive(Clone, Debug)]
+pub struct Floor {
+    /// p99 latency from release.
+    pub latency_p99: Duration,
+    /// p99 of [`completion_spread`].
+    pub spread_p99: Duration,
+    pub summary: String,
+}
+
+impl Floor {
+    /// The larger of two measurements, field by field.
+    pub fn max(self, other: Floor) -> Floor {
+        Floor {
+            latency_p99: self.latency_p99.max(other.latency_p99),
+            spread_p99: self.spread_p99.max(other.spread_p99),
+            summary: format!("{} | {}", self.summary, other.summary),
+        }
+    }
+}
+
+/// The machine's floor for a burst: `GET path` (expected to be a cache hit) on every
+/// connection at once.
+pub async fn hit_floor(conns: Vec<(usize, WarmConn)>, path: &str) -> Floor {
+    let hits = burst(conns, path, Duration::from_secs(20)).await;
+    assert!(
+        hits.iter()
+            .all(|s| matches!(&s.result, Ok(r) if r.status == 200 && r.is_hit())),
+        "the calibration burst must be all hits: {:?}",
+        outcomes(&hits)
+    );
+    let latencies: Vec<Duration> = hits.iter().map(|s| s.latency).collect();
+    let spread = completion_spread(&hits);
+    let spread_p99 = percentile(&spread, 99.0);
+    Floor {
+        latency_p99: percentile(&latencies, 99.0),
+        spread_p99,
+        summary: format!("{} spread-p99={spread_p99:?}", latency_summary(&latencies)),
+    }
+}
+
+/// Whether the absolute latency bounds of the brief are enforced too
+/// (`CACHEGUARD_STRICT_LATENCY=1`; meant for optimized builds on an idle machine).
+pub fn strict_latency() -> bool {
+    std::env::var("CACHEGUARD_STRICT_LATENCY").is_ok_and(|v| v == "1")
+}
+
+/// `CONFIG RESETSTAT`: zeroes Redis's per-command call counts.
+pub async fn reset_command_stats(con: &mut redis::aio::MultiplexedConnection) {
+    let _: () = redis::cmd("CONFIG")
+        .arg("RESETSTAT")
+        .query_async(con)
+        .await
+        .expect("CONFIG RESETSTAT");
+}
+
+/// Calls per command since the last reset (`INFO commandstats`), e.g. `"get"`, `"evalsha"`.
+pub async fn command_calls(con: &mut redis::aio::MultiplexedConnection) -> BTreeMap<String, u64> {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(con)
+        .await
+        .expect("INFO commandstats");
+    info.lines()
+        .filter_map(|line| {
+            let (name, rest) = line.trim().strip_prefix("cmdstat_")?.split_once(':')?;
+            let calls = rest
+                .split(',')
+                .find_map(|kv| kv.strip_prefix("calls="))?
+                .parse()
+                .ok()?;
+            Some((name.to_string(), calls))
+        })
+        .collect()
 }
