@@ -175,3 +175,43 @@ async fn binary_drains_in_flight_request_on_sigterm() {
         process.output()
     );
 }
+
+/// Threads of a process, from /proc.
+fn thread_count(pid: u32) -> usize {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("proc status");
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("Threads:"))
+        .and_then(|n| n.trim().parse().ok())
+        .expect("Threads: line")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn binary_runs_the_configured_number_of_worker_threads() {
+    let origin = TestOrigin::start().await;
+    let mut counts = Vec::new();
+    for workers in [1, 4] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (port, admin_port) = (free_port(), free_port());
+        let toml = CgConfig::new(&origin)
+            .set_str("server", "listen", &format!("127.0.0.1:{port}"))
+            .set("server", "worker_threads", &workers.to_string())
+            .set_str("admin", "listen", &format!("127.0.0.1:{admin_port}"))
+            .toml();
+        let path = dir.path().join("cacheguard.toml");
+        std::fs::write(&path, toml).expect("write config");
+        let process = spawn_cacheguard_process(&path).await;
+        let r = HttpClient::new()
+            .get(&url(process.addr(), "/api/items/threads"))
+            .await;
+        assert_eq!(r.status, 200, "{r}");
+        counts.push(thread_count(process.pid().expect("pid")));
+    }
+    // The main thread plus the workers (the blocking pool starts empty, and nothing here
+    // uses it): going from 1 to 4 workers adds exactly 3 threads.
+    assert_eq!(
+        counts[1] - counts[0],
+        3,
+        "threads with 1 and 4 workers: {counts:?}"
+    );
+}

@@ -53,6 +53,7 @@ pub(super) struct RawServer {
     pub(super) max_body_bytes: u64,
     pub(super) header_read_timeout: HumanDuration,
     pub(super) shutdown_grace: HumanDuration,
+    pub(super) worker_threads: usize,
 }
 
 impl Default for RawServer {
@@ -63,6 +64,7 @@ impl Default for RawServer {
             max_body_bytes: 10 * 1024 * 1024,
             header_read_timeout: HumanDuration::secs(10),
             shutdown_grace: HumanDuration::secs(10),
+            worker_threads: 0,
         }
     }
 }

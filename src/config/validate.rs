@@ -500,6 +500,7 @@ impl Checker<'_> {
             max_body_bytes: raw.server.max_body_bytes,
             header_read_timeout: raw.server.header_read_timeout.0,
             shutdown_grace: raw.server.shutdown_grace.0,
+            worker_threads: raw.server.worker_threads,
         };
         let upstream = self.upstream(raw);
         let redis = raw.redis.as_ref().map(|section| self.redis(section));
