@@ -15,6 +15,27 @@
 //! Latency of a request is measured from the moment its first byte is handed to the kernel
 //! (the first `write` on its connection after the release; recorded by a wrapper around the
 //! socket) to the end of its body. The send skew is the spread of those moments.
+//!
+//! `loadgen rate --url URL --rate R --duration-s D --connections C [--warmup-s W] [--drain-s 5]`
+//!
+//! Open loop at a fixed rate, free of coordinated omission:
+//!
+//! 1. Opens C keep-alive HTTP/1.1 connections to URL (all must connect, or it fails).
+//! 2. A pacer thread (an OS thread with `std::thread::sleep`, not the 1 ms tokio timer)
+//!    schedules request i at `start + i/R`, for W + D seconds, into a FIFO queue. The first
+//!    W seconds are warm-up: sent at the same rate, left out of every figure.
+//! 3. Each connection takes the oldest queued request when it is free and sends it. When
+//!    every connection is busy, a due request waits in the queue.
+//! 4. Latency is measured from the request's *scheduled* time to the end of its body, so
+//!    the time it waited for a free connection (and any pacer lag) counts. Service time
+//!    (actual send to end of body) and send lag (scheduled to actual send) are reported
+//!    beside it, to tell a slow target from a late generator.
+//! 5. After the last scheduled request it waits at most `--drain-s` for the queue and the
+//!    in-flight requests; whatever is left is counted as unsent / unfinished. A request
+//!    taking over `--timeout-s` is an error and its connection is replaced.
+//!
+//! Prints one JSON object: counts, achieved rate, exact percentiles (nearest rank over the
+//! full sorted vector of measured latencies) and the X-Cache / status / body-size histograms.
 
 use std::collections::BTreeMap;
 use std::io;
@@ -48,6 +69,36 @@ struct Cli {
 enum Cmd {
     /// C connections, one GET of the same URL on each, released at once.
     Stampede(StampedeArgs),
+    /// Open-loop GETs of one URL at a fixed rate over C keep-alive connections.
+    Rate(RateArgs),
+}
+
+#[derive(Parser, Debug)]
+struct RateArgs {
+    /// Target URL (http://IP:PORT/path).
+    #[arg(long)]
+    url: String,
+    /// Requests per second (request i is scheduled at start + i/rate).
+    #[arg(long)]
+    rate: f64,
+    /// Measured duration in seconds (after the warm-up).
+    #[arg(long)]
+    duration_s: f64,
+    /// Keep-alive connections; a due request waits for a free one.
+    #[arg(long)]
+    connections: usize,
+    /// Warm-up in seconds before the measured part, same rate, not counted.
+    #[arg(long, default_value_t = 0.0)]
+    warmup_s: f64,
+    /// Time allowed after the last scheduled request for the rest to finish, in seconds.
+    #[arg(long, default_value_t = 5.0)]
+    drain_s: f64,
+    /// Per-request timeout (from the actual send), in seconds.
+    #[arg(long, default_value_t = 10.0)]
+    timeout_s: f64,
+    /// Tokio worker threads (the pacer is one more OS thread).
+    #[arg(long, default_value_t = 1)]
+    threads: usize,
 }
 
 #[derive(Parser, Debug)]
@@ -548,15 +599,367 @@ async fn stampede(args: StampedeArgs) -> Result<Value, String> {
     }))
 }
 
+// --- rate ------------------------------------------------------------------------------
+
+/// One scheduled request.
+struct Job {
+    scheduled: Instant,
+    measured: bool,
+}
+
+enum RateOutcome {
+    Response {
+        status: u16,
+        x_cache: String,
+        body_len: usize,
+    },
+    Error(String),
+    Timeout,
+}
+
+/// One finished request (only measured ones are kept).
+struct RateRec {
+    scheduled: Instant,
+    sent: Instant,
+    done: Instant,
+    outcome: RateOutcome,
+}
+
+#[derive(Default)]
+struct RateCounters {
+    warmup_sent: std::sync::atomic::AtomicU64,
+    warmup_ok: std::sync::atomic::AtomicU64,
+    measured_sent: std::sync::atomic::AtomicU64,
+    reconnects: std::sync::atomic::AtomicU64,
+    connect_failures: std::sync::atomic::AtomicU64,
+}
+
+struct RateShared {
+    target: Target,
+    timeout: Duration,
+    queue: tokio::sync::Mutex<mpsc::UnboundedReceiver<Job>>,
+    recs: std::sync::Mutex<Vec<RateRec>>,
+    counters: RateCounters,
+}
+
+async fn rate_connect(t: &Target) -> Result<http1::SendRequest<Empty<Bytes>>, String> {
+    let stream = tokio::time::timeout(Duration::from_secs(5), TcpStream::connect(t.addr))
+        .await
+        .map_err(|_| "connect timeout".to_owned())?
+        .map_err(|e| format!("connect: {e}"))?;
+    let _ = stream.set_nodelay(true);
+    let (sender, conn) = http1::handshake::<_, Empty<Bytes>>(TokioIo::new(stream))
+        .await
+        .map_err(|e| format!("handshake: {e}"))?;
+    tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    Ok(sender)
+}
+
+/// One connection: take the oldest due request, send it, record it; reconnect when the
+/// connection is gone.
+async fn rate_worker(sh: Arc<RateShared>, first: http1::SendRequest<Empty<Bytes>>) {
+    let mut sender = Some(first);
+    loop {
+        let job = {
+            let mut q = sh.queue.lock().await;
+            q.recv().await
+        };
+        let Some(job) = job else { return };
+        // a usable connection (a new one if the server closed the old one); the time this
+        // takes counts in the request's latency
+        let mut conn_err = None;
+        let mut usable = false;
+        for attempt in 0..3 {
+            if let Some(s) = sender.as_mut()
+                && !s.is_closed()
+                && s.ready().await.is_ok()
+            {
+                usable = true;
+                break;
+            }
+            sender = None;
+            if attempt == 2 {
+                break;
+            }
+            sh.counters.reconnects.fetch_add(1, Ordering::Relaxed);
+            match rate_connect(&sh.target).await {
+                Ok(s) => sender = Some(s),
+                Err(e) => {
+                    sh.counters.connect_failures.fetch_add(1, Ordering::Relaxed);
+                    conn_err = Some(e);
+                }
+            }
+        }
+        let sent = Instant::now();
+        if job.measured {
+            sh.counters.measured_sent.fetch_add(1, Ordering::Relaxed);
+        } else {
+            sh.counters.warmup_sent.fetch_add(1, Ordering::Relaxed);
+        }
+        let outcome = if !usable {
+            RateOutcome::Error(conn_err.unwrap_or_else(|| "connection not ready".into()))
+        } else {
+            let s = sender.as_mut().expect("usable sender");
+            let fut = async {
+                let resp = s
+                    .send_request(get(&sh.target, &sh.target.path))
+                    .await
+                    .map_err(|e| format!("request: {e}"))?;
+                let status = resp.status().as_u16();
+                let xc = x_cache_of(&resp);
+                let body = resp
+                    .into_body()
+                    .collect()
+                    .await
+                    .map_err(|e| format!("body: {e}"))?
+                    .to_bytes();
+                Ok::<_, String>((status, xc, body.len()))
+            };
+            match tokio::time::timeout(sh.timeout, fut).await {
+                Ok(Ok((status, x_cache, body_len))) => RateOutcome::Response {
+                    status,
+                    x_cache,
+                    body_len,
+                },
+                Ok(Err(e)) => {
+                    sender = None;
+                    RateOutcome::Error(e)
+                }
+                Err(_) => {
+                    sender = None;
+                    RateOutcome::Timeout
+                }
+            }
+        };
+        let done = Instant::now();
+        if job.measured {
+            sh.recs.lock().expect("recs lock").push(RateRec {
+                scheduled: job.scheduled,
+                sent,
+                done,
+                outcome,
+            });
+        } else if matches!(&outcome, RateOutcome::Response { status, .. } if (200..300).contains(status)) {
+            sh.counters.warmup_ok.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// Exact percentiles (nearest rank) of a sample, in ms.
+fn rate_summary(values: &mut [f64]) -> Value {
+    values.sort_by(|a, b| a.total_cmp(b));
+    if values.is_empty() {
+        return json!({"n": 0});
+    }
+    let mean = values.iter().sum::<f64>() / values.len() as f64;
+    json!({
+        "n": values.len(),
+        "min": round3(values[0]),
+        "p50": pct(values, 50.0),
+        "p90": pct(values, 90.0),
+        "p99": pct(values, 99.0),
+        "p99_9": pct(values, 99.9),
+        "max": round3(values[values.len() - 1]),
+        "mean": round3(mean),
+    })
+}
+
+async fn rate(args: RateArgs) -> Result<Value, String> {
+    if !(args.rate.is_finite() && args.rate > 0.0) {
+        return Err("--rate must be > 0".into());
+    }
+    if !(args.duration_s.is_finite() && args.duration_s > 0.0) {
+        return Err("--duration-s must be > 0".into());
+    }
+    if !(args.warmup_s.is_finite() && args.warmup_s >= 0.0) {
+        return Err("--warmup-s must be >= 0".into());
+    }
+    if args.connections == 0 {
+        return Err("--connections must be > 0".into());
+    }
+    let target = parse_target(&args.url)?;
+
+    // all connections up before the clock starts
+    let mut first = Vec::with_capacity(args.connections);
+    for _ in 0..args.connections {
+        let s = rate_connect(&target)
+            .await
+            .map_err(|e| format!("setting up connections: {e}"))?;
+        first.push(s);
+    }
+
+    let warmup_n = (args.rate * args.warmup_s).ceil() as u64;
+    let total_n = (args.rate * (args.warmup_s + args.duration_s)).ceil() as u64;
+    let measured_n = total_n - warmup_n;
+
+    let (tx, rx) = mpsc::unbounded_channel::<Job>();
+    let sh = Arc::new(RateShared {
+        target,
+        timeout: Duration::from_secs_f64(args.timeout_s),
+        queue: tokio::sync::Mutex::new(rx),
+        recs: std::sync::Mutex::new(Vec::with_capacity(measured_n as usize)),
+        counters: RateCounters::default(),
+    });
+    let workers: Vec<_> = first
+        .into_iter()
+        .map(|s| tokio::spawn(rate_worker(sh.clone(), s)))
+        .collect();
+
+    let start = Instant::now() + Duration::from_millis(50);
+    let measure_start = start + Duration::from_secs_f64(warmup_n as f64 / args.rate);
+    let stop = Arc::new(AtomicBool::new(false));
+    let pacer = {
+        let stop = stop.clone();
+        let rate = args.rate;
+        std::thread::spawn(move || {
+            // 1 ns timer slack for this thread (default 50 µs): sleeps end on time
+            // SAFETY: prctl(PR_SET_TIMERSLACK) only changes this thread's timer slack.
+            unsafe {
+                libc::prctl(libc::PR_SET_TIMERSLACK, 1 as libc::c_ulong, 0, 0, 0);
+            }
+            for i in 0..total_n {
+                let t = start + Duration::from_secs_f64(i as f64 / rate);
+                let now = Instant::now();
+                if t > now {
+                    std::thread::sleep(t - now);
+                }
+                if stop.load(Ordering::Relaxed)
+                    || tx
+                        .send(Job {
+                            scheduled: t,
+                            measured: i >= warmup_n,
+                        })
+                        .is_err()
+                {
+                    return;
+                }
+            }
+            // dropping tx closes the queue: the workers end once it is empty
+        })
+    };
+
+    let last_scheduled = start + Duration::from_secs_f64(total_n.saturating_sub(1) as f64 / args.rate);
+    let deadline = tokio::time::Instant::from_std(last_scheduled + Duration::from_secs_f64(args.drain_s));
+    let joined = tokio::time::timeout_at(deadline, async {
+        for w in workers {
+            let _ = w.await;
+        }
+    })
+    .await;
+    let drained = joined.is_ok();
+    stop.store(true, Ordering::Relaxed);
+    let end = Instant::now();
+    // whatever is still running is abandoned: the runtime is dropped after we return
+    let _ = pacer.join();
+
+    let recs = std::mem::take(&mut *sh.recs.lock().expect("recs lock"));
+    let c = &sh.counters;
+    let sent = c.measured_sent.load(Ordering::Relaxed);
+    let (mut ok, mut non2xx, mut errors, mut timeouts) = (0u64, 0u64, 0u64, 0u64);
+    let mut lat = Vec::with_capacity(recs.len());
+    let mut service = Vec::with_capacity(recs.len());
+    let mut lag = Vec::with_capacity(recs.len());
+    let mut x_cache: BTreeMap<String, u64> = BTreeMap::new();
+    let mut status: BTreeMap<String, u64> = BTreeMap::new();
+    let mut body_sizes: BTreeMap<String, u64> = BTreeMap::new();
+    let mut error_samples: BTreeMap<String, u64> = BTreeMap::new();
+    let mut last_done = measure_start;
+    for r in &recs {
+        lag.push(ms(r.sent.saturating_duration_since(r.scheduled)));
+        match &r.outcome {
+            RateOutcome::Response {
+                status: st,
+                x_cache: xc,
+                body_len,
+            } => {
+                lat.push(ms(r.done.saturating_duration_since(r.scheduled)));
+                service.push(ms(r.done.saturating_duration_since(r.sent)));
+                last_done = last_done.max(r.done);
+                *x_cache.entry(xc.clone()).or_default() += 1;
+                *status.entry(st.to_string()).or_default() += 1;
+                *body_sizes.entry(body_len.to_string()).or_default() += 1;
+                if (200..300).contains(st) {
+                    ok += 1;
+                } else {
+                    non2xx += 1;
+                }
+            }
+            RateOutcome::Error(e) => {
+                errors += 1;
+                *error_samples.entry(e.clone()).or_default() += 1;
+            }
+            RateOutcome::Timeout => {
+                errors += 1;
+                timeouts += 1;
+                *error_samples.entry("timeout".into()).or_default() += 1;
+            }
+        }
+    }
+    let finished = recs.len() as u64;
+    let responses = ok + non2xx;
+    let window = last_done.saturating_duration_since(measure_start).as_secs_f64();
+    let achieved = if window > 0.0 {
+        responses as f64 / window
+    } else {
+        0.0
+    };
+
+    Ok(json!({
+        "mode": "rate",
+        "url": args.url,
+        "rate_rps": args.rate,
+        "duration_s": args.duration_s,
+        "warmup_s": args.warmup_s,
+        "connections": args.connections,
+        "drain_s": args.drain_s,
+        "timeout_s": args.timeout_s,
+        "scheduled": measured_n,
+        "sent": sent,
+        "ok": ok,
+        "non_2xx": non2xx,
+        "errors": errors,
+        "timeouts": timeouts,
+        "unsent": measured_n.saturating_sub(sent),
+        "unfinished": sent.saturating_sub(finished),
+        "drained": drained,
+        "achieved_rate_rps": (achieved * 10.0).round() / 10.0,
+        "measured_window_s": round3(window),
+        "elapsed_s": round3(end.saturating_duration_since(start).as_secs_f64()),
+        "warmup_scheduled": warmup_n,
+        "warmup_sent": c.warmup_sent.load(Ordering::Relaxed),
+        "warmup_ok": c.warmup_ok.load(Ordering::Relaxed),
+        "reconnects": c.reconnects.load(Ordering::Relaxed),
+        "connect_failures": c.connect_failures.load(Ordering::Relaxed),
+        "latency_ms": rate_summary(&mut lat),
+        "service_time_ms": rate_summary(&mut service),
+        "send_lag_ms": rate_summary(&mut lag),
+        "x_cache": x_cache,
+        "status": status,
+        "body_bytes": body_sizes,
+        "error_samples": error_samples,
+    }))
+}
+
 fn main() {
     let cli = Cli::parse();
-    let Cmd::Stampede(args) = cli.cmd;
+    let threads = match &cli.cmd {
+        Cmd::Stampede(a) => a.threads,
+        Cmd::Rate(a) => a.threads,
+    };
     let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(args.threads.max(1))
+        .worker_threads(threads.max(1))
         .enable_all()
         .build()
         .expect("tokio runtime");
-    match rt.block_on(stampede(args)) {
+    let result = match cli.cmd {
+        Cmd::Stampede(args) => rt.block_on(stampede(args)),
+        Cmd::Rate(args) => rt.block_on(rate(args)),
+    };
+    // do not wait for abandoned tasks (requests still in flight after the drain deadline)
+    rt.shutdown_background();
+    match result {
         Ok(v) => println!("{v}"),
         Err(e) => {
             eprintln!("loadgen: {e}");
