@@ -156,19 +156,31 @@ impl App {
             shutdown_grace: config.server.shutdown_grace,
         };
 
+        let stop_proxy = stop_listeners.clone();
         let proxy_handler = Arc::new(move |request, peer| {
             let proxy = Arc::clone(&proxy);
             async move { proxy.handle(request, peer).await }
         });
         let admin_handler = Arc::new(move |request, _peer| Arc::clone(&admin).handle(request));
+        let workers = match config.server.worker_threads {
+            0 => std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get),
+            n => n,
+        };
         let servers = vec![
-            tokio::spawn(server::serve(
-                "proxy",
-                listener,
-                limits,
-                stop_listeners.clone(),
-                proxy_handler,
-            )),
+            tokio::spawn(async move {
+                if let Err(error) = server::serve_sharded(
+                    "proxy",
+                    listener,
+                    limits,
+                    stop_proxy,
+                    proxy_handler,
+                    workers,
+                )
+                .await
+                {
+                    tracing::error!(message = "Proxy workers could not start.", %error);
+                }
+            }),
             tokio::spawn(server::serve(
                 "admin",
                 admin_listener,
@@ -183,6 +195,7 @@ impl App {
             admin = %admin_addr,
             mode = if config.redis.is_some() { "shared" } else { "embedded" },
             routes = config.routes.len(),
+            workers,
         );
         Ok(Running {
             addr,

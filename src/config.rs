@@ -47,7 +47,7 @@ pub struct ServerConfig {
     pub header_read_timeout: Duration,
     /// How long shutdown waits for in-flight requests before cutting them.
     pub shutdown_grace: Duration,
-    /// Runtime worker threads of the `cacheguard` binary; 0 = the CPUs available to the
+    /// Proxy worker threads, each with its own event loop; 0 = the CPUs available to the
     /// process (which respects a container's CPU quota).
     pub worker_threads: usize,
 }

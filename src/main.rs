@@ -56,11 +56,14 @@ fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    let mut builder = tokio::runtime::Builder::new_multi_thread();
-    if config.server.worker_threads > 0 {
-        builder.worker_threads(config.server.worker_threads);
-    }
-    let runtime = match builder.enable_all().build() {
+    // The main runtime runs the accept loop, the admin listener and the background tasks
+    // (Redis health, event bus); requests are served by the proxy's own worker threads
+    // (`server.worker_threads`).
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+    {
         Ok(runtime) => runtime,
         Err(error) => {
             eprintln!("cacheguard: cannot start the runtime: {error}");

@@ -1,6 +1,14 @@
 //! The accept loop: HTTP/1.1 and h2c (prior knowledge) on one listener, header limits and
 //! read timeouts, and graceful shutdown (stop accepting, drain in-flight requests within
 //! the grace period, then cut what is left).
+//!
+//! The proxy listener is served nginx-style ([`serve_sharded`]): one accept loop hands each
+//! connection, round-robin, to one of N worker threads, each running its own
+//! single-threaded event loop. A connection and every request on it then stay on one
+//! thread: no work stealing and no cross-thread wake-up per request, which on a small CPU
+//! budget cost more than they gain (BENCHMARKS.md, hit path). Shared state (caches, flights,
+//! Redis) is thread-safe and shared by all workers. The admin listener uses [`serve`] on
+//! the main runtime.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -13,7 +21,10 @@ use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
-use tokio::net::TcpListener;
+use std::net::SocketAddr;
+
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
@@ -27,17 +38,7 @@ pub(crate) struct ConnLimits {
     pub(crate) shutdown_grace: Duration,
 }
 
-/// Serves `listener` with `handler` until `stop` is cancelled, then drains.
-pub(crate) async fn serve<H, F>(
-    name: &'static str,
-    listener: TcpListener,
-    limits: ConnLimits,
-    stop: CancellationToken,
-    handler: Arc<H>,
-) where
-    H: Fn(Request<Incoming>, std::net::SocketAddr) -> F + Send + Sync + 'static,
-    F: Future<Output = Response<Body>> + Send + 'static,
-{
+fn connection_builder(limits: ConnLimits) -> auto::Builder<TokioExecutor> {
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
         .http1()
@@ -51,8 +52,103 @@ pub(crate) async fn serve<H, F>(
         .http2()
         .max_header_list_size(u32::try_from(limits.max_header_bytes * 2).unwrap_or(u32::MAX))
         .timer(TokioTimer::new());
-    let graceful = GracefulShutdown::new();
+    builder
+}
 
+/// Serves one accepted connection on the current runtime, watched by `graceful`.
+fn spawn_connection<H, F>(
+    builder: &auto::Builder<TokioExecutor>,
+    graceful: &GracefulShutdown,
+    stream: TcpStream,
+    peer: SocketAddr,
+    handler: &Arc<H>,
+) where
+    H: Fn(Request<Incoming>, SocketAddr) -> F + Send + Sync + 'static,
+    F: Future<Output = Response<Body>> + Send + 'static,
+{
+    let _ = stream.set_nodelay(true);
+    let handler = Arc::clone(handler);
+    let service = service_fn(move |request| {
+        let response = handler(request, peer);
+        async move { Ok::<_, Infallible>(response.await) }
+    });
+    let connection = builder
+        .serve_connection(TokioIo::new(stream), service)
+        .into_owned();
+    let connection = graceful.watch(connection);
+    tokio::spawn(async move {
+        if let Err(error) = connection.await {
+            debug!(message = "Connection ended with an error.", %error);
+        }
+    });
+}
+
+/// Lets the connections of `graceful` finish, at most `grace`.
+async fn drain(name: &'static str, graceful: GracefulShutdown, grace: Duration) {
+    tokio::select! {
+        () = graceful.shutdown() => debug!(message = "Drained.", listener = name),
+        () = tokio::time::sleep(grace) => warn!(
+            message = "Shutdown grace period over; cutting remaining connections.",
+            listener = name,
+            ?grace,
+        ),
+    }
+}
+
+/// Accepts on `listener` and hands each connection to one of `workers` threads (see the
+/// module docs) until `stop` is cancelled; then stops accepting and waits for every worker
+/// to drain.
+///
+/// # Errors
+/// When a worker thread or its runtime cannot be started.
+pub(crate) async fn serve_sharded<H, F>(
+    name: &'static str,
+    listener: TcpListener,
+    limits: ConnLimits,
+    stop: CancellationToken,
+    handler: Arc<H>,
+    workers: usize,
+) -> std::io::Result<()>
+where
+    H: Fn(Request<Incoming>, SocketAddr) -> F + Send + Sync + 'static,
+    F: Future<Output = Response<Body>> + Send + 'static,
+{
+    let mut queues = Vec::with_capacity(workers);
+    let mut finished = Vec::with_capacity(workers);
+    for index in 0..workers.max(1) {
+        // Unbounded is fine: the accept loop is the only sender and a worker takes a
+        // connection as fast as it can register it; the kernel backlog bounds the rest.
+        let (queue, mut incoming) = mpsc::unbounded_channel::<(std::net::TcpStream, SocketAddr)>();
+        let (done, finished_rx) = oneshot::channel::<()>();
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        let handler = Arc::clone(&handler);
+        std::thread::Builder::new()
+            .name(format!("cacheguard-w{index}"))
+            .spawn(move || {
+                runtime.block_on(async move {
+                    let builder = connection_builder(limits);
+                    let graceful = GracefulShutdown::new();
+                    while let Some((stream, peer)) = incoming.recv().await {
+                        match TcpStream::from_std(stream) {
+                            Ok(stream) => {
+                                spawn_connection(&builder, &graceful, stream, peer, &handler);
+                            }
+                            Err(error) => debug!(message = "Cannot adopt a connection.", %error),
+                        }
+                    }
+                    drain(name, graceful, limits.shutdown_grace).await;
+                });
+                // Dropping the runtime here cancels what is left (cut connections' tasks).
+                drop(runtime);
+                let _ = done.send(());
+            })?;
+        queues.push(queue);
+        finished.push(finished_rx);
+    }
+
+    let mut next = 0usize;
     loop {
         let accepted = tokio::select! {
             () = stop.cancelled() => break,
@@ -67,31 +163,56 @@ pub(crate) async fn serve<H, F>(
                 continue;
             }
         };
-        let _ = stream.set_nodelay(true);
-        let handler = Arc::clone(&handler);
-        let service = service_fn(move |request| {
-            let response = handler(request, peer);
-            async move { Ok::<_, Infallible>(response.await) }
-        });
-        let connection = builder
-            .serve_connection(TokioIo::new(stream), service)
-            .into_owned();
-        let connection = graceful.watch(connection);
-        tokio::spawn(async move {
-            if let Err(error) = connection.await {
-                debug!(message = "Connection ended with an error.", %error);
-            }
-        });
+        let Ok(stream) = stream.into_std() else {
+            continue;
+        };
+        if queues[next % queues.len()].send((stream, peer)).is_err() {
+            warn!(
+                message = "A proxy worker stopped unexpectedly.",
+                listener = name
+            );
+        }
+        next = next.wrapping_add(1);
     }
+    // Stop accepting: new connections are refused from here on. Closing the queues tells
+    // each worker to drain.
+    drop(listener);
+    drop(queues);
+    for worker in finished {
+        let _ = worker.await;
+    }
+    info!(message = "Drained.", listener = name);
+    Ok(())
+}
 
+/// Serves `listener` with `handler` on the current runtime until `stop` is cancelled, then
+/// drains.
+pub(crate) async fn serve<H, F>(
+    name: &'static str,
+    listener: TcpListener,
+    limits: ConnLimits,
+    stop: CancellationToken,
+    handler: Arc<H>,
+) where
+    H: Fn(Request<Incoming>, SocketAddr) -> F + Send + Sync + 'static,
+    F: Future<Output = Response<Body>> + Send + 'static,
+{
+    let builder = connection_builder(limits);
+    let graceful = GracefulShutdown::new();
+    loop {
+        let accepted = tokio::select! {
+            () = stop.cancelled() => break,
+            accepted = listener.accept() => accepted,
+        };
+        match accepted {
+            Ok((stream, peer)) => spawn_connection(&builder, &graceful, stream, peer, &handler),
+            Err(error) => {
+                warn!(message = "Accept failed.", listener = name, %error);
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
     // Stop accepting: new connections are refused from here on.
     drop(listener);
-    tokio::select! {
-        () = graceful.shutdown() => info!(message = "Drained.", listener = name),
-        () = tokio::time::sleep(limits.shutdown_grace) => warn!(
-            message = "Shutdown grace period over; cutting remaining connections.",
-            listener = name,
-            grace = ?limits.shutdown_grace,
-        ),
-    }
+    drain(name, graceful, limits.shutdown_grace).await;
 }
