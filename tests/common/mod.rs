@@ -1,6 +1,6 @@
 //! Shared harness for the integration tests.
 //!
-//! - [`RedisServer`]: a real `redis-server` on a free loopback port (never mock Redis).
+//! - [`RedisServer`]: a real `redis-server` on a free loopback port (always the real server).
 //! - [`TestOrigin`]: the fake origin API (counters, in-flight gauge, per-path behaviour).
 //! - [`CgConfig`] / [`config_toml`] + [`start_cacheguard`]: an in-process cacheguard.
 //! - [`HttpClient`]: keep-alive client; [`raw_request`] for exact headers.

@@ -1,6 +1,6 @@
 //! A real `redis-server` process on a free loopback port, killed by PID on `Drop`.
 //!
-//! Never mock Redis: every test that needs Redis starts its own server with
+//! Every test that needs Redis starts its own real server with
 //! [`RedisServer::start`].
 
 use std::path::{Path, PathBuf};
