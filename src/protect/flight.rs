@@ -31,7 +31,20 @@ pub(crate) enum FlightResult {
     Abandoned,
 }
 
-type Slot = watch::Sender<Option<FlightResult>>;
+/// Who started a flight.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum FlightKind {
+    /// A miss that requests are waiting on: nothing usable was cached when it started.
+    Foreground,
+    /// A refresh nobody waits on (stale-while-revalidate, early refresh).
+    Background,
+}
+
+#[derive(Debug)]
+struct Slot {
+    tx: watch::Sender<Option<FlightResult>>,
+    kind: FlightKind,
+}
 
 /// The table of flights in progress, one per key hash.
 #[derive(Debug, Default)]
@@ -60,18 +73,22 @@ pub(crate) struct Follower {
 }
 
 impl Flights {
-    /// Joins the flight for `hash`, becoming its leader when there is none.
-    pub(crate) fn join(self: &Arc<Self>, hash: u128) -> Role {
+    /// Joins the flight for `hash`, becoming its leader (of a `kind` flight) when there is
+    /// none.
+    pub(crate) fn join(self: &Arc<Self>, hash: u128, kind: FlightKind) -> Role {
         let mut map = self
             .in_progress
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
         if let Some(slot) = map.get(&hash) {
             return Role::Follower(Follower {
-                rx: slot.subscribe(),
+                rx: slot.tx.subscribe(),
             });
         }
-        let slot = Arc::new(watch::Sender::new(None));
+        let slot = Arc::new(Slot {
+            tx: watch::Sender::new(None),
+            kind,
+        });
         map.insert(hash, Arc::clone(&slot));
         Role::Leader(Leader {
             flights: Arc::clone(self),
@@ -79,6 +96,17 @@ impl Flights {
             slot,
             finished: false,
         })
+    }
+
+    /// Whether a foreground fill of `hash` is running in this process: its leader found
+    /// nothing usable in L1 or L2, so a request arriving now can join it without looking
+    /// (in a stampede that saves one Redis read per request).
+    pub(crate) fn foreground_in_progress(&self, hash: u128) -> bool {
+        self.in_progress
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&hash)
+            .is_some_and(|slot| slot.kind == FlightKind::Foreground)
     }
 
     /// Number of flights in progress (for tests and metrics).
@@ -111,7 +139,7 @@ impl Leader {
     pub(crate) fn finish(mut self, result: FlightResult) {
         self.finished = true;
         self.flights.remove(self.hash, &self.slot);
-        self.slot.send_replace(Some(result));
+        self.slot.tx.send_replace(Some(result));
     }
 }
 
@@ -119,7 +147,7 @@ impl Drop for Leader {
     fn drop(&mut self) {
         if !self.finished {
             self.flights.remove(self.hash, &self.slot);
-            self.slot.send_replace(Some(FlightResult::Abandoned));
+            self.slot.tx.send_replace(Some(FlightResult::Abandoned));
         }
     }
 }
@@ -154,7 +182,7 @@ mod tests {
             let (flights, leaders, barrier) = (flights.clone(), leaders.clone(), barrier.clone());
             tasks.push(tokio::spawn(async move {
                 barrier.wait().await;
-                match flights.join(42) {
+                match flights.join(42, FlightKind::Foreground) {
                     Role::Leader(l) => {
                         leaders.fetch_add(1, Ordering::SeqCst);
                         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -180,10 +208,10 @@ mod tests {
     #[tokio::test]
     async fn dropped_leader_releases_followers() {
         let flights = Arc::new(Flights::default());
-        let Role::Leader(leader) = flights.join(1) else {
+        let Role::Leader(leader) = flights.join(1, FlightKind::Foreground) else {
             panic!("first join must lead")
         };
-        let Role::Follower(follower) = flights.join(1) else {
+        let Role::Follower(follower) = flights.join(1, FlightKind::Foreground) else {
             panic!("second join must follow")
         };
         drop(leader);
@@ -191,14 +219,27 @@ mod tests {
             follower.wait(Duration::from_secs(1)).await,
             FlightResult::Abandoned
         ));
-        assert!(matches!(flights.join(1), Role::Leader(_)));
+        assert!(matches!(
+            flights.join(1, FlightKind::Foreground),
+            Role::Leader(_)
+        ));
+    }
+
+    #[test]
+    fn only_foreground_flights_are_joined_without_looking() {
+        let flights = Arc::new(Flights::default());
+        let _refresh = flights.join(1, FlightKind::Background);
+        let _miss = flights.join(2, FlightKind::Foreground);
+        assert!(!flights.foreground_in_progress(1));
+        assert!(flights.foreground_in_progress(2));
+        assert!(!flights.foreground_in_progress(3));
     }
 
     #[tokio::test]
     async fn follower_wait_is_bounded() {
         let flights = Arc::new(Flights::default());
-        let _leader = flights.join(7);
-        let Role::Follower(follower) = flights.join(7) else {
+        let _leader = flights.join(7, FlightKind::Foreground);
+        let Role::Follower(follower) = flights.join(7, FlightKind::Foreground) else {
             panic!("second join must follow")
         };
         assert!(matches!(

@@ -31,7 +31,7 @@ use crate::cache::l2::Lookup;
 use crate::cache::{CacheKey, Entry, Freshness, now_ms};
 use crate::config::L1Policy;
 use crate::metrics::Outcome;
-use crate::protect::flight::{FlightResult, Role};
+use crate::protect::flight::{FlightKind, FlightResult, Role};
 
 /// How many times a follower joins a new flight after the leader failed or went away,
 /// before it fetches for itself (still through the origin guard).
@@ -96,7 +96,12 @@ impl Proxy {
             parts.uri.query(),
             &parts.headers,
         );
-        let found = self.lookup(route, &derived.key).await;
+        // A miss for this key is being filled right now: join it rather than look again.
+        let found = if self.flights.foreground_in_progress(derived.key.hash) {
+            None
+        } else {
+            self.lookup(route, &derived.key).await
+        };
         let job = || {
             let mut vary = HeaderMap::new();
             for name in &route.config.vary {
@@ -209,7 +214,7 @@ impl Proxy {
         let mut counted = false;
         let mut last_failure: Option<Arc<SharedFailure>> = None;
         for _ in 0..MAX_FLIGHT_ATTEMPTS {
-            match self.flights.join(job.key.hash) {
+            match self.flights.join(job.key.hash, FlightKind::Foreground) {
                 Role::Leader(leader) => {
                     // The fill runs in its own task: if this client hangs up, the fetch its
                     // followers (here and on other instances) wait on still completes.
@@ -271,7 +276,7 @@ impl Proxy {
         if self.refresh_backoff.contains_key(&job.key.hash) {
             return false;
         }
-        let Role::Leader(leader) = self.flights.join(job.key.hash) else {
+        let Role::Leader(leader) = self.flights.join(job.key.hash, FlightKind::Background) else {
             return false;
         };
         job.background = true;
