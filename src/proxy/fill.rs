@@ -50,10 +50,7 @@ impl Proxy {
             leader.finish(FlightResult::Filled(Arc::clone(&found.entry)));
             return Fetched::Ready(found.entry, found.tier);
         }
-        let fetched = match &self.dist {
-            Some(dist) if dist.is_available() => self.fill_shared(&job, dist).await,
-            _ => self.fetch_and_store(&job).await,
-        };
+        let fetched = self.fill_unflighted(&job).await;
         leader.finish(match &fetched {
             Fetched::Ready(entry, _) => FlightResult::Filled(Arc::clone(entry)),
             Fetched::Uncacheable(_) => FlightResult::Uncacheable,
@@ -63,8 +60,17 @@ impl Proxy {
         fetched
     }
 
+    /// Fills without the in-process flight: under the fleet lock while Redis answers,
+    /// otherwise on this process alone.
+    pub(crate) async fn fill_unflighted(&self, job: &FillJob) -> Fetched {
+        match &self.dist {
+            Some(dist) if dist.is_available() => self.fill_shared(job, dist).await,
+            _ => self.fetch_and_store(job).await,
+        }
+    }
+
     /// The fleet-wide fill: take the key's lock and fetch, or wait for whoever holds it.
-    pub(crate) async fn fill_shared(&self, job: &FillJob, dist: &DistLock) -> Fetched {
+    async fn fill_shared(&self, job: &FillJob, dist: &DistLock) -> Fetched {
         let started = Instant::now();
         let deadline = started + self.lock.wait_timeout;
         let mut contended = false;

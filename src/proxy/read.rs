@@ -262,11 +262,7 @@ impl Proxy {
         if let Some(failure) = last_failure {
             return (failure.response(), failure.outcome);
         }
-        let fetched = match &self.dist {
-            Some(dist) if dist.is_available() => self.fill_shared(&job, dist).await,
-            _ => self.fetch_and_store(&job).await,
-        };
-        respond_fetched(fetched, head)
+        respond_fetched(self.fill_unflighted(&job).await, head)
     }
 
     /// Starts a refresh of `job`'s key in the background unless one is already running in
