@@ -1,20 +1,29 @@
-//! The admin listener (default `127.0.0.1:9091`): `/metrics`, `/healthz`, `/readyz`.
+//! The admin listener (default `127.0.0.1:9091`): `/metrics`, `/healthz`, `/readyz`,
+//! `GET /admin/bloom` and `POST /admin/bloom/{name}/rebuild`.
 //!
-//! `/readyz` answers 200 `ready`, or 200 `degraded: …` when Redis is configured but down.
+//! Mutating calls need `Authorization: Bearer <admin.token>`: 401 without one, 403 with a
+//! wrong one (or when no token is configured: mutating calls are then disabled). Every
+//! mutating call is logged with the caller's address and the result.
+//!
+//! `/readyz` answers 200 `ready`, or 200 `degraded: …` when Redis is configured but down or
+//! a Bloom filter is not loaded (it then rejects nothing).
 //! It stays 200 on purpose: Redis is an accelerator, and a readiness probe that failed with
 //! Redis would pull every instance out of service at once — the outage cacheguard exists to
 //! prevent. The body and `cacheguard_redis_up` say what is degraded.
 
-use std::sync::Arc;
+use std::net::SocketAddr;
+use std::sync::{Arc, LazyLock};
 
 use http::header::{self, HeaderValue};
 use http::{Method, Request, Response, StatusCode};
 use hyper::body::Incoming;
 use prometheus::{Encoder, Registry, TextEncoder};
+use tracing::info;
 
 use crate::cache::l1::L1;
 use crate::coord::RedisConn;
 use crate::metrics::Metrics;
+use crate::protect::bloom::Filters;
 use crate::proxy::body::Body;
 use crate::proxy::respond;
 
@@ -24,27 +33,144 @@ pub(crate) struct Admin {
     pub(crate) metrics: Metrics,
     pub(crate) l1: L1,
     pub(crate) redis: Option<RedisConn>,
+    pub(crate) filters: Arc<Filters>,
+    /// Bearer token for mutating calls; `None` disables them.
+    pub(crate) token: Option<String>,
 }
 
-impl Admin {
-    pub(crate) async fn handle(self: Arc<Self>, request: Request<Incoming>) -> Response<Body> {
-        if request.method() != Method::GET && request.method() != Method::HEAD {
-            return respond::text(StatusCode::METHOD_NOT_ALLOWED, "method not allowed\n");
+/// The admin endpoints.
+#[derive(Clone, Copy, Debug)]
+enum Endpoint {
+    Metrics,
+    Healthz,
+    Readyz,
+    Bloom,
+    BloomRebuild,
+}
+
+static ENDPOINTS: LazyLock<matchit::Router<Endpoint>> = LazyLock::new(|| {
+    let mut router = matchit::Router::new();
+    for (path, endpoint) in [
+        ("/metrics", Endpoint::Metrics),
+        ("/healthz", Endpoint::Healthz),
+        ("/readyz", Endpoint::Readyz),
+        ("/admin/bloom", Endpoint::Bloom),
+        ("/admin/bloom/{name}/rebuild", Endpoint::BloomRebuild),
+    ] {
+        // Fixed, distinct paths: an insert error is a bug caught by the tests.
+        if let Err(error) = router.insert(path, endpoint) {
+            tracing::error!(message = "Admin route not registered.", path, %error);
         }
-        match request.uri().path() {
-            "/metrics" => self.metrics_text().await,
-            "/healthz" => respond::text(StatusCode::OK, "ok\n"),
-            "/readyz" => match &self.redis {
-                Some(redis) if !redis.is_up() => {
-                    respond::text(StatusCode::OK, "degraded: redis unreachable\n")
+    }
+    router
+});
+
+impl Admin {
+    pub(crate) async fn handle(
+        self: Arc<Self>,
+        request: Request<Incoming>,
+        peer: SocketAddr,
+    ) -> Response<Body> {
+        let Ok(matched) = ENDPOINTS.at(request.uri().path()) else {
+            return respond::text(StatusCode::NOT_FOUND, "not found\n");
+        };
+        let read = request.method() == Method::GET || request.method() == Method::HEAD;
+        match (*matched.value, read) {
+            (Endpoint::Metrics, true) => self.metrics_text().await,
+            (Endpoint::Healthz, true) => respond::text(StatusCode::OK, "ok\n"),
+            (Endpoint::Readyz, true) => self.readyz(),
+            (Endpoint::Bloom, true) => self.bloom_status(),
+            (Endpoint::BloomRebuild, false) if request.method() == Method::POST => {
+                let name = matched.params.get("name").unwrap_or_default().to_owned();
+                if let Err(denied) = self.authorize(&request) {
+                    info!(message = "Admin call refused.", call = "bloom rebuild", filter = %name, %peer, status = denied.status().as_u16());
+                    return denied;
                 }
-                _ => respond::text(StatusCode::OK, "ready\n"),
-            },
-            _ => respond::text(StatusCode::NOT_FOUND, "not found\n"),
+                self.bloom_rebuild(&name, peer)
+            }
+            _ => respond::text(StatusCode::METHOD_NOT_ALLOWED, "method not allowed\n"),
+        }
+    }
+
+    fn readyz(&self) -> Response<Body> {
+        let mut problems = Vec::new();
+        if let Some(redis) = &self.redis
+            && !redis.is_up()
+        {
+            problems.push("redis unreachable".to_owned());
+        }
+        for filter in self.filters.all() {
+            if !filter.is_ready() {
+                problems.push(format!(
+                    "bloom filter {:?} not loaded (rejects nothing)",
+                    filter.config.name
+                ));
+            }
+        }
+        if problems.is_empty() {
+            respond::text(StatusCode::OK, "ready\n")
+        } else {
+            respond::text(
+                StatusCode::OK,
+                format!("degraded: {}\n", problems.join("; ")),
+            )
+        }
+    }
+
+    fn bloom_status(&self) -> Response<Body> {
+        let filters: Vec<_> = self.filters.all().iter().map(|f| f.status()).collect();
+        json(StatusCode::OK, &serde_json::json!({ "filters": filters }))
+    }
+
+    fn bloom_rebuild(&self, name: &str, peer: SocketAddr) -> Response<Body> {
+        let Some(filter) = self.filters.get(name) else {
+            info!(message = "Admin call: unknown filter.", call = "bloom rebuild", filter = %name, %peer);
+            return json(
+                StatusCode::NOT_FOUND,
+                &serde_json::json!({ "error": format!("no bloom filter named {name:?}") }),
+            );
+        };
+        let started = filter.request_rebuild();
+        let rebuild = if started { "started" } else { "queued" };
+        info!(message = "Admin call: Bloom filter rebuild.", filter = %name, %peer, rebuild);
+        json(
+            StatusCode::ACCEPTED,
+            &serde_json::json!({ "filter": name, "rebuild": rebuild }),
+        )
+    }
+
+    /// Checks the bearer token of a mutating call.
+    #[allow(clippy::result_large_err)] // the error is the response itself
+    fn authorize(&self, request: &Request<Incoming>) -> Result<(), Response<Body>> {
+        let Some(token) = &self.token else {
+            return Err(respond::text(
+                StatusCode::FORBIDDEN,
+                "mutating admin calls are disabled: set admin.token\n",
+            ));
+        };
+        let presented = request
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "));
+        match presented {
+            None => {
+                let mut response =
+                    respond::text(StatusCode::UNAUTHORIZED, "bearer token required\n");
+                response
+                    .headers_mut()
+                    .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+                Err(response)
+            }
+            Some(presented) if constant_time_eq(presented.as_bytes(), token.as_bytes()) => Ok(()),
+            Some(_) => Err(respond::text(StatusCode::FORBIDDEN, "wrong token\n")),
         }
     }
 
     async fn metrics_text(&self) -> Response<Body> {
+        for filter in self.filters.all() {
+            filter.refresh_age();
+        }
         // Gauges that mirror another structure are refreshed at scrape time.
         let (entries, bytes) = self.l1.usage().await;
         self.metrics
@@ -71,4 +197,20 @@ impl Admin {
         );
         response
     }
+}
+
+fn json(status: StatusCode, value: &serde_json::Value) -> Response<Body> {
+    let mut response = Response::new(Body::full(format!("{value}\n")));
+    *response.status_mut() = status;
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    response
+}
+
+/// Compares a presented token without an early exit, so response timing does not tell how
+/// much of a guess was right. (Three lines; not worth a crate.)
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }

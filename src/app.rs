@@ -18,8 +18,9 @@ use crate::cache::l1::L1;
 use crate::cache::l2::L2;
 use crate::config::Config;
 use crate::coord::RedisConn;
-use crate::coord::events::{BusMetrics, EventBus, Waiters};
+use crate::coord::events::{BusListener, BusMetrics, EventBus, Waiters};
 use crate::metrics::Metrics;
+use crate::protect::bloom::Filters;
 use crate::protect::flight::Flights;
 use crate::protect::lock::DistLock;
 use crate::proxy::Proxy;
@@ -71,12 +72,28 @@ impl App {
             (Some(conn), Some(rc)) => Some(L2::new(conn.clone(), &rc.key_prefix, metrics.clone())),
             _ => None,
         };
-        // The fleet-wide fill lock and the event bus that wakes its waiters.
+        let instance = rand::random::<u64>();
+        let filters = Filters::new(
+            &config.bloom,
+            &metrics,
+            redis
+                .as_ref()
+                .zip(config.redis.as_ref())
+                .map(|(conn, rc)| (conn.clone(), rc.key_prefix.as_str())),
+            instance,
+        );
+        // The fleet-wide fill lock and the event bus that wakes its waiters (and carries
+        // Bloom adds).
         let dist = match (&redis, &config.redis) {
             (Some(conn), Some(rc)) => {
-                let instance = rand::random::<u64>();
                 let waiters = Waiters::new(metrics.lock_waiters.clone());
-                let bus = EventBus::new(format!("{}events", rc.key_prefix), instance, waiters);
+                let listeners: Vec<Arc<dyn BusListener>> = vec![Arc::clone(&filters) as _];
+                let bus = EventBus::new(
+                    format!("{}events", rc.key_prefix),
+                    instance,
+                    waiters,
+                    listeners,
+                );
                 let bus_metrics = BusMetrics {
                     subscribed: metrics.bus_subscribed.clone(),
                     resubscriptions: metrics.bus_resubscriptions.clone(),
@@ -103,7 +120,11 @@ impl App {
             }
             _ => None,
         };
-        let routes = RouteTable::build(&config.routes, &metrics).context("building routes")?;
+        // After the first subscription, so no create's event falls between the snapshot
+        // read and the subscription.
+        filters.spawn(&stop_tasks);
+        let routes =
+            RouteTable::build(&config.routes, &metrics, &filters).context("building routes")?;
         let upstream = Upstream::new(&config.upstream).context("building the upstream client")?;
         let guard = OriginGuard::new(
             config.upstream.max_concurrency,
@@ -134,12 +155,15 @@ impl App {
             max_body_bytes: config.server.max_body_bytes,
             passthrough_metrics: metrics.for_route("_passthrough"),
             metrics: metrics.clone(),
+            filters: Arc::clone(&filters),
         });
         let admin = Arc::new(Admin {
             registry,
             metrics,
             l1,
             redis,
+            filters,
+            token: config.admin.token.clone(),
         });
 
         let listener = TcpListener::bind(config.server.listen)
@@ -161,7 +185,7 @@ impl App {
             let proxy = Arc::clone(&proxy);
             async move { proxy.handle(request, peer).await }
         });
-        let admin_handler = Arc::new(move |request, _peer| Arc::clone(&admin).handle(request));
+        let admin_handler = Arc::new(move |request, peer| Arc::clone(&admin).handle(request, peer));
         let workers = match config.server.worker_threads {
             0 => std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get),
             n => n,

@@ -12,10 +12,10 @@ mod tests;
 mod validate;
 
 use std::net::SocketAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use http::{HeaderName, Method, Uri};
+use http::{HeaderName, Method, StatusCode, Uri};
 
 pub use env::{ProcessEnv, Vars};
 pub use validate::{ConfigError, ConfigProblem};
@@ -34,6 +34,8 @@ pub struct Config {
     pub lock: LockConfig,
     /// Cached routes, in file order. Matching is by path pattern, then method.
     pub routes: Vec<RouteConfig>,
+    /// Bloom filters of existing ids (`[[bloom]]`), in file order.
+    pub bloom: Vec<BloomConfig>,
 }
 
 #[derive(Clone, Debug)]
@@ -187,6 +189,77 @@ pub struct RouteConfig {
     pub double_delete_delay: Duration,
     /// Probabilistic early refresh (XFetch) strength; 0 = off, 1 = the paper's default.
     pub early_refresh_beta: f64,
+    /// Read routes: the Bloom filter checked before any cache tier.
+    pub bloom: Option<RouteBloom>,
+    /// Write routes: the Bloom filter a created id is added to.
+    pub bloom_add: Option<BloomAdd>,
+}
+
+/// `bloom = { filter, param }` on a read route: ids absent from the filter are answered at
+/// once with `status` and `body`.
+#[derive(Clone, Debug)]
+pub struct RouteBloom {
+    pub filter: String,
+    /// The path parameter (of the route's `match`) that carries the id.
+    pub param: String,
+    pub status: StatusCode,
+    pub body: String,
+}
+
+/// `bloom_add = { filter, from }` on a write route.
+#[derive(Clone, Debug)]
+pub struct BloomAdd {
+    pub filter: String,
+    pub from: AddFrom,
+}
+
+/// Where the id of a created resource is found in a 2xx answer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum AddFrom {
+    /// The `Location` header's path, matched against the read routes of the same filter.
+    Location,
+    /// A JSON pointer (RFC 6901) into the response body, e.g. `/id`.
+    Json(String),
+}
+
+/// One `[[bloom]]` filter of existing ids.
+#[derive(Clone, Debug)]
+pub struct BloomConfig {
+    pub name: String,
+    pub expected_items: usize,
+    pub fp_rate: f64,
+    /// Rebuild period from the source; zero = load once at start.
+    pub refresh: Duration,
+    /// Bound on one source load.
+    pub load_timeout: Duration,
+    pub source: BloomSource,
+    pub format: SourceFormat,
+}
+
+/// Where a filter's ids come from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum BloomSource {
+    /// An HTTP endpoint (a path is resolved against `upstream.url`).
+    Url(Uri),
+    File(PathBuf),
+}
+
+impl std::fmt::Display for BloomSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            BloomSource::Url(uri) => write!(f, "{uri}"),
+            BloomSource::File(path) => write!(f, "file:{}", path.display()),
+        }
+    }
+}
+
+/// How a source lists its ids.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SourceFormat {
+    /// One id per line.
+    Lines,
+    /// One JSON object per line; the id is `field` (a string or an integer).
+    Ndjson { field: String },
 }
 
 impl RouteConfig {

@@ -11,7 +11,8 @@
 use std::sync::Arc;
 
 use prometheus::{
-    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
+    Gauge, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry,
 };
 
 /// How a request was answered; the `outcome` label and the `X-Cache` header value.
@@ -26,10 +27,12 @@ pub enum Outcome {
     Bypass,
     /// Answered with an error status by cacheguard itself (shed, timeout, bad gateway, limits).
     Error,
+    /// A definite miss of the route's Bloom filter, answered without Redis or the origin.
+    Reject,
 }
 
 impl Outcome {
-    pub const ALL: [Outcome; 7] = [
+    pub const ALL: [Outcome; 8] = [
         Outcome::HitL1,
         Outcome::HitL2,
         Outcome::Miss,
@@ -37,6 +40,7 @@ impl Outcome {
         Outcome::Stale,
         Outcome::Bypass,
         Outcome::Error,
+        Outcome::Reject,
     ];
 
     /// The metric label value.
@@ -49,6 +53,7 @@ impl Outcome {
             Outcome::Stale => "stale",
             Outcome::Bypass => "bypass",
             Outcome::Error => "error",
+            Outcome::Reject => "reject",
         }
     }
 
@@ -61,6 +66,7 @@ impl Outcome {
             Outcome::Negative => "NEGATIVE",
             Outcome::Stale => "STALE",
             Outcome::Bypass | Outcome::Error => "BYPASS",
+            Outcome::Reject => "REJECT",
         }
     }
 
@@ -185,6 +191,8 @@ pub enum RedisOp {
     Renew,
     Fill,
     Release,
+    /// Bloom filter adds, snapshots and resyncs.
+    Bloom,
 }
 
 impl RedisOp {
@@ -197,6 +205,7 @@ impl RedisOp {
             RedisOp::Renew => "renew",
             RedisOp::Fill => "fill",
             RedisOp::Release => "release",
+            RedisOp::Bloom => "bloom",
         }
     }
 }
@@ -231,6 +240,20 @@ pub struct Metrics {
     pub bus_subscribed: IntGauge,
     pub bus_resubscriptions: IntCounter,
     pub bus_events: IntCounter,
+    bloom_rejections: IntCounterVec,
+    bloom_false_positives: IntCounterVec,
+    bloom_items: IntGaugeVec,
+    bloom_bits: IntGaugeVec,
+    bloom_bytes: IntGaugeVec,
+    bloom_fp_rate: GaugeVec,
+    bloom_ready: IntGaugeVec,
+    bloom_loads: IntCounterVec,
+    bloom_load_failures: IntCounterVec,
+    bloom_load_duration: HistogramVec,
+    bloom_since_load: GaugeVec,
+    bloom_skipped_lines: IntCounterVec,
+    bloom_adds: IntCounterVec,
+    bloom_add_failures: IntCounterVec,
 }
 
 fn buckets_latency() -> Vec<f64> {
@@ -405,6 +428,124 @@ impl Metrics {
             "cacheguard_event_bus_messages_total",
             "Messages received on the event bus.",
         )?;
+        let bloom = |name: &str, help: &str| Opts::new(name, help);
+        let bloom_rejections = IntCounterVec::new(
+            bloom(
+                "cacheguard_bloom_rejections_total",
+                "Requests answered at once because the id is not in the Bloom filter, by filter.",
+            ),
+            &["filter"],
+        )?;
+        let bloom_false_positives = IntCounterVec::new(
+            bloom(
+                "cacheguard_bloom_false_positives_total",
+                "Requests that passed a loaded Bloom filter and got 404 from the origin.",
+            ),
+            &["filter"],
+        )?;
+        let bloom_items = IntGaugeVec::new(
+            bloom(
+                "cacheguard_bloom_items",
+                "Distinct ids in the Bloom filter (estimate: adds that set a new bit).",
+            ),
+            &["filter"],
+        )?;
+        let bloom_bits = IntGaugeVec::new(
+            bloom("cacheguard_bloom_bits", "Size of the Bloom filter in bits."),
+            &["filter"],
+        )?;
+        let bloom_bytes = IntGaugeVec::new(
+            bloom(
+                "cacheguard_bloom_bytes",
+                "Memory of the Bloom filter's bitmap in bytes.",
+            ),
+            &["filter"],
+        )?;
+        let bloom_fp_rate = GaugeVec::new(
+            bloom(
+                "cacheguard_bloom_estimated_fp_rate",
+                "Estimated false-positive rate of the Bloom filter at its current item count.",
+            ),
+            &["filter"],
+        )?;
+        let bloom_ready = IntGaugeVec::new(
+            bloom(
+                "cacheguard_bloom_ready",
+                "1 when the Bloom filter is loaded and rejecting, 0 while it rejects nothing.",
+            ),
+            &["filter"],
+        )?;
+        let bloom_loads = IntCounterVec::new(
+            bloom(
+                "cacheguard_bloom_loads_total",
+                "Successful Bloom filter loads, by filter and where from (source, snapshot).",
+            ),
+            &["filter", "from"],
+        )?;
+        let bloom_load_failures = IntCounterVec::new(
+            bloom(
+                "cacheguard_bloom_load_failures_total",
+                "Bloom filter source loads that failed (the previous filter kept serving).",
+            ),
+            &["filter"],
+        )?;
+        let bloom_load_duration = HistogramVec::new(
+            HistogramOpts::new(
+                "cacheguard_bloom_load_duration_seconds",
+                "Time one Bloom filter source load took, by filter.",
+            )
+            .buckets(vec![
+                0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
+            ]),
+            &["filter"],
+        )?;
+        let bloom_since_load = GaugeVec::new(
+            bloom(
+                "cacheguard_bloom_seconds_since_load",
+                "Seconds since the Bloom filter's last successful load (since start if never).",
+            ),
+            &["filter"],
+        )?;
+        let bloom_skipped_lines = IntCounterVec::new(
+            bloom(
+                "cacheguard_bloom_skipped_lines_total",
+                "Malformed source lines skipped while loading a Bloom filter.",
+            ),
+            &["filter"],
+        )?;
+        let bloom_adds = IntCounterVec::new(
+            bloom(
+                "cacheguard_bloom_adds_total",
+                "Ids added to a Bloom filter after its load, by filter and how they arrived.",
+            ),
+            &["filter", "via"],
+        )?;
+        let bloom_add_failures = IntCounterVec::new(
+            bloom(
+                "cacheguard_bloom_add_failures_total",
+                "Creates whose id could not be taken (no_id) or shared through Redis (redis).",
+            ),
+            &["filter", "reason"],
+        )?;
+        for family in [
+            Box::new(bloom_rejections.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(bloom_false_positives.clone()),
+            Box::new(bloom_items.clone()),
+            Box::new(bloom_bits.clone()),
+            Box::new(bloom_bytes.clone()),
+            Box::new(bloom_fp_rate.clone()),
+            Box::new(bloom_ready.clone()),
+            Box::new(bloom_loads.clone()),
+            Box::new(bloom_load_failures.clone()),
+            Box::new(bloom_load_duration.clone()),
+            Box::new(bloom_since_load.clone()),
+            Box::new(bloom_skipped_lines.clone()),
+            Box::new(bloom_adds.clone()),
+            Box::new(bloom_add_failures.clone()),
+        ] {
+            registry.register(family)?;
+        }
+
         for event in LockEvent::ALL {
             lock_events.with_label_values(&[event.as_str()]);
         }
@@ -449,6 +590,7 @@ impl Metrics {
             RedisOp::Renew,
             RedisOp::Fill,
             RedisOp::Release,
+            RedisOp::Bloom,
         ] {
             redis_errors.with_label_values(&[op.as_str()]);
         }
@@ -484,7 +626,49 @@ impl Metrics {
             bus_subscribed,
             bus_resubscriptions,
             bus_events,
+            bloom_rejections,
+            bloom_false_positives,
+            bloom_items,
+            bloom_bits,
+            bloom_bytes,
+            bloom_fp_rate,
+            bloom_ready,
+            bloom_loads,
+            bloom_load_failures,
+            bloom_load_duration,
+            bloom_since_load,
+            bloom_skipped_lines,
+            bloom_adds,
+            bloom_add_failures,
         })
+    }
+
+    /// Resolves one Bloom filter's handles once, at config load.
+    pub fn for_filter(&self, filter: &str) -> FilterMetrics {
+        let f = &[filter];
+        let via = |v: AddVia| self.bloom_adds.with_label_values(&[filter, v.as_str()]);
+        FilterMetrics {
+            rejections: self.bloom_rejections.with_label_values(f),
+            false_positives: self.bloom_false_positives.with_label_values(f),
+            items: self.bloom_items.with_label_values(f),
+            bits: self.bloom_bits.with_label_values(f),
+            bytes: self.bloom_bytes.with_label_values(f),
+            fp_rate: self.bloom_fp_rate.with_label_values(f),
+            ready: self.bloom_ready.with_label_values(f),
+            loads_source: self.bloom_loads.with_label_values(&[filter, "source"]),
+            loads_snapshot: self.bloom_loads.with_label_values(&[filter, "snapshot"]),
+            load_failures: self.bloom_load_failures.with_label_values(f),
+            load_duration: self.bloom_load_duration.with_label_values(f),
+            since_load: self.bloom_since_load.with_label_values(f),
+            skipped_lines: self.bloom_skipped_lines.with_label_values(f),
+            adds: [via(AddVia::Write), via(AddVia::Event), via(AddVia::Resync)],
+            add_failures_no_id: self
+                .bloom_add_failures
+                .with_label_values(&[filter, "no_id"]),
+            add_failures_redis: self
+                .bloom_add_failures
+                .with_label_values(&[filter, "redis"]),
+        }
     }
 
     pub fn lock_event(&self, event: LockEvent) {
@@ -520,10 +704,58 @@ impl Metrics {
     }
 }
 
+/// How an id reached a Bloom filter after its load: the `via` label.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AddVia {
+    /// A create answered 2xx through this instance.
+    Write,
+    /// A `bloom_add` event from another instance.
+    Event,
+    /// Re-read from Redis after a gap in the event bus, or after a rebuild.
+    Resync,
+}
+
+impl AddVia {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AddVia::Write => "write",
+            AddVia::Event => "event",
+            AddVia::Resync => "resync",
+        }
+    }
+}
+
+/// Handles for one Bloom filter.
+#[derive(Clone, Debug)]
+pub struct FilterMetrics {
+    pub rejections: IntCounter,
+    pub false_positives: IntCounter,
+    pub items: IntGauge,
+    pub bits: IntGauge,
+    pub bytes: IntGauge,
+    pub fp_rate: Gauge,
+    pub ready: IntGauge,
+    pub loads_source: IntCounter,
+    pub loads_snapshot: IntCounter,
+    pub load_failures: IntCounter,
+    pub load_duration: Histogram,
+    pub since_load: Gauge,
+    pub skipped_lines: IntCounter,
+    adds: [IntCounter; 3],
+    pub add_failures_no_id: IntCounter,
+    pub add_failures_redis: IntCounter,
+}
+
+impl FilterMetrics {
+    pub fn added(&self, via: AddVia, n: u64) {
+        self.adds[via as usize].inc_by(n);
+    }
+}
+
 /// Handles for one route (or for the pass-through pseudo-route `_passthrough`).
 #[derive(Debug)]
 pub struct RouteMetrics {
-    outcomes: [IntCounter; 7],
+    outcomes: [IntCounter; 8],
     duration: Histogram,
     origin: [IntCounter; 7],
     origin_duration: Histogram,

@@ -2,11 +2,13 @@
 //! and the origin guard.
 
 pub(crate) mod body;
+pub(crate) mod create;
 pub(crate) mod fetch;
 pub(crate) mod fill;
 pub(crate) mod origin_guard;
 pub(crate) mod passthrough;
 pub(crate) mod read;
+pub(crate) mod reject;
 pub(crate) mod respond;
 pub(crate) mod route;
 pub(crate) mod server;
@@ -28,6 +30,7 @@ use crate::cache::l2::L2;
 use crate::config::LockConfig;
 use crate::error::ProxyError;
 use crate::metrics::{Metrics, RouteMetrics};
+use crate::protect::bloom::Filters;
 use crate::protect::flight::Flights;
 use crate::protect::lock::DistLock;
 
@@ -55,6 +58,8 @@ pub(crate) struct Proxy {
     pub(crate) metrics: Metrics,
     /// Metric handles for requests that match no route (`route="_passthrough"`).
     pub(crate) passthrough_metrics: Arc<RouteMetrics>,
+    /// Bloom filters of existing ids.
+    pub(crate) filters: Arc<Filters>,
 }
 
 impl Proxy {
@@ -78,17 +83,29 @@ impl Proxy {
             return respond::error(&error);
         }
         let method = request.method();
+        let head = method == Method::HEAD;
         match self.routes.find(method, request.uri().path()) {
-            Some(route)
-                if route.config.is_read() && (method == Method::GET || method == Method::HEAD) =>
+            Some(matched)
+                if matched.route.config.is_read()
+                    && (method == Method::GET || method == Method::HEAD) =>
             {
-                let route = Arc::clone(route);
+                let route = Arc::clone(matched.route);
+                // Step 3 of the pipeline: ids the filter knows nothing of end here.
+                if let (Some(filter), Some(id)) = (&route.filter, matched.id)
+                    && let Some(rejected) = reject::check(&route, filter, id, head)
+                {
+                    return rejected;
+                }
                 self.serve_read(&route, request, client).await
             }
-            // Write routes are forwarded as they are (invalidation arrives with the write
-            // path); their traffic is still counted under the route's name.
-            Some(route) => {
-                let metrics = Arc::clone(&route.metrics);
+            Some(matched) if matched.route.adds_to.is_some() => {
+                let route = Arc::clone(matched.route);
+                self.serve_create(&route, request, client).await
+            }
+            // Other write routes are forwarded as they are (invalidation arrives with the
+            // write path); their traffic is still counted under the route's name.
+            Some(matched) => {
+                let metrics = Arc::clone(&matched.route.metrics);
                 self.serve_passthrough(&metrics, request, client).await
             }
             None => {

@@ -11,8 +11,10 @@
 //!    cacheguard, and counts the database queries each phase caused:
 //!    - **stampede**: 500 GETs of one cold id — cacheguard coalesces them into one query;
 //!    - **hot set**: 5000 GETs over 50 popular ids — about one query per id;
-//!    - **penetration**: 1000 GETs of ids that do not exist, twice — the second pass is
-//!      answered from cacheguard's negative cache without touching the database;
+//!    - **penetration**: 1000 GETs of ids that do not exist, twice — cacheguard's Bloom
+//!      filter of the existing ids (loaded from the API's `/internal/item-ids`) answers
+//!      almost all of them at once (`REJECT`); the few false positives reach the database
+//!      once and are then answered from the negative cache;
 //! 4. prints a table of requests, DB queries and errors per path, the `X-Cache` breakdown
 //!    seen through cacheguard, and a read-after-write check;
 //! 5. keeps running (cacheguard URL, admin URL and curl lines are printed) until Ctrl-C, or
@@ -69,14 +71,25 @@ lease = "5s"                   # shared mode: lock lease of the one fetching ins
 wait_timeout = "3s"            # how long a coalesced waiter waits for the fill
 on_timeout = "origin"          # then fetch from the origin itself (through the origin guard)
 
-# Reads of one item: cached for 60 s; a 404 is cached as NEGATIVE for 10 s, so floods of
-# ids that do not exist reach the database once per id and negative_ttl.
+# A Bloom filter of the ids that exist, streamed from the API at start and every 5 min.
+# Until it has loaded it rejects nothing.
+[[bloom]]
+name = "items"
+expected_items = 100000
+fp_rate = 0.001
+source = { url = "/internal/item-ids" }
+refresh = "5m"
+
+# Reads of one item: ids the filter does not know are answered 404 at once (REJECT); a 404
+# from the API (a filter false positive) is cached as NEGATIVE for 10 s; a found item is
+# cached for 60 s.
 [[routes]]
 name = "item"
 match = "/api/items/{id}"
 methods = ["GET"]
 ttl = "60s"
 negative_ttl = "10s"
+bloom = { filter = "items", param = "id" }
 
 # Writes of one item go straight to the origin and invalidate the cached read
 # (delete before and after the write, and once more after double_delete_delay).
@@ -165,6 +178,9 @@ async fn run(args: Args) -> anyhow::Result<ExitCode> {
         }
     };
 
+    if !filters_loaded(running.admin_addr()).await {
+        eprintln!("demo: the Bloom filter did not load within 10 s; it rejects nothing meanwhile");
+    }
     let outcome = burst_and_report(&args, &api, running.addr(), &mode).await;
     let ok = match outcome {
         Ok(ok) => ok,
@@ -358,6 +374,24 @@ async fn read_after_write(client: &HttpClient, proxy: SocketAddr) -> anyhow::Res
     )
 }
 
+/// Waits (at most 10 s) until `/readyz` says every Bloom filter is loaded.
+async fn filters_loaded(admin: SocketAddr) -> bool {
+    let client = burst::client(1);
+    for _ in 0..100 {
+        let ready = Request::get(format!("http://{admin}/readyz"))
+            .body(Full::new(Bytes::new()))
+            .ok();
+        if let Some(req) = ready
+            && let Ok((_, _, body)) = send(&client, req).await
+            && !String::from_utf8_lossy(&body).contains("bloom")
+        {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    false
+}
+
 async fn send(
     client: &HttpClient,
     req: Request<Full<Bytes>>,
@@ -388,7 +422,7 @@ fn print_try_it(api: SocketAddr, proxy: SocketAddr, admin: SocketAddr, items: u6
         ),
         (
             format!("curl -i http://{proxy}/api/items/{absent}"),
-            "404: MISS, then NEGATIVE for 10 s",
+            "404 at once: REJECT (the Bloom filter knows it does not exist)",
         ),
         (
             format!("curl -s http://{api}/stats"),
@@ -403,7 +437,7 @@ fn print_try_it(api: SocketAddr, proxy: SocketAddr, admin: SocketAddr, items: u6
     println!();
     println!("cacheguard is running (Ctrl-C to stop):");
     println!("  proxy:  http://{proxy}");
-    println!("  admin:  http://{admin}  (/metrics, /healthz, /readyz)");
+    println!("  admin:  http://{admin}  (/metrics, /healthz, /readyz, /admin/bloom)");
     println!("  origin: http://{api}  (the demo API itself, bypassing cacheguard)");
     println!();
     println!("try:");

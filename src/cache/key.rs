@@ -162,6 +162,8 @@ mod tests {
             invalidate: vec![],
             double_delete_delay: Duration::from_secs(1),
             early_refresh_beta: 0.0,
+            bloom: None,
+            bloom_add: None,
         }
     }
 

@@ -42,6 +42,8 @@ pub(super) struct RawConfig {
     pub(super) lock: RawLock,
     #[serde(default)]
     pub(super) routes: Vec<Spanned<RawRoute>>,
+    #[serde(default)]
+    pub(super) bloom: Vec<Spanned<RawBloom>>,
 }
 
 /// `[server]`: the proxy listener.
@@ -207,6 +209,68 @@ pub(super) struct RawRoute {
     pub(super) invalidate: Vec<Spanned<String>>,
     pub(super) double_delete_delay: Option<HumanDuration>,
     pub(super) early_refresh_beta: Option<Spanned<f64>>,
+    /// Read routes: check the id against a Bloom filter before any cache tier.
+    pub(super) bloom: Option<Spanned<RawRouteBloom>>,
+    /// Write routes: add the created id to a Bloom filter on a 2xx answer.
+    pub(super) bloom_add: Option<Spanned<RawBloomAdd>>,
+}
+
+/// `bloom = { filter, param, status, body }` on a read route.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawRouteBloom {
+    pub(super) filter: Spanned<String>,
+    pub(super) param: Spanned<String>,
+    pub(super) status: Option<Spanned<u16>>,
+    pub(super) body: Option<String>,
+}
+
+/// `bloom_add = { filter, from }` on a write route.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawBloomAdd {
+    pub(super) filter: Spanned<String>,
+    /// `"location"` or `"json:/pointer"`.
+    pub(super) from: Spanned<String>,
+}
+
+/// One `[[bloom]]` filter.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawBloom {
+    pub(super) name: Spanned<String>,
+    pub(super) expected_items: Spanned<u64>,
+    pub(super) fp_rate: Spanned<f64>,
+    pub(super) refresh: Option<HumanDuration>,
+    pub(super) load_timeout: Option<HumanDuration>,
+    pub(super) source: Spanned<RawBloomSource>,
+}
+
+/// `source = { url | file, format, field }`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawBloomSource {
+    pub(super) url: Option<Spanned<String>>,
+    pub(super) file: Option<Spanned<String>>,
+    pub(super) format: Option<RawSourceFormat>,
+    pub(super) field: Option<Spanned<String>>,
+}
+
+/// `format = "lines" | "ndjson"`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum RawSourceFormat {
+    Lines,
+    Ndjson,
+}
+
+impl<'de> Deserialize<'de> for RawSourceFormat {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        const WORDS: &[(&str, RawSourceFormat)] = &[
+            ("lines", RawSourceFormat::Lines),
+            ("ndjson", RawSourceFormat::Ndjson),
+        ];
+        deserializer.deserialize_str(Keyword(WORDS))
+    }
 }
 
 /// Defaults shared with `env.rs` and the messages in `validate.rs`.
@@ -217,6 +281,9 @@ pub(super) mod defaults {
     pub(in crate::config) const ADMIN_LISTEN: &str = "127.0.0.1:9091";
     pub(in crate::config) const ROUTE_METHOD: &str = "GET";
     pub(in crate::config) const DOUBLE_DELETE_DELAY: Duration = Duration::from_secs(1);
+    pub(in crate::config) const BLOOM_REFRESH: Duration = Duration::from_secs(600);
+    pub(in crate::config) const BLOOM_LOAD_TIMEOUT: Duration = Duration::from_secs(300);
+    pub(in crate::config) const BLOOM_REJECT_BODY: &str = "not found\n";
 }
 
 // === impl HumanDuration ===

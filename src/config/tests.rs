@@ -98,8 +98,8 @@ fn example_file_parses_with_the_documented_values() {
     assert_eq!(config.lock.wait_timeout, Duration::from_secs(3));
     assert_eq!(config.lock.on_timeout, OnTimeout::Origin);
 
-    let [item, write] = config.routes.as_slice() else {
-        panic!("expected two routes, got {:#?}", config.routes);
+    let [item, write, create] = config.routes.as_slice() else {
+        panic!("expected three routes, got {:#?}", config.routes);
     };
     assert_eq!(item.name, "item");
     assert_eq!(item.pattern, "/api/items/{id}");
@@ -121,6 +121,21 @@ fn example_file_parses_with_the_documented_values() {
     assert!(!write.is_read());
     assert_eq!(write.invalidate, ["/api/items/{id}"]);
     assert_eq!(write.double_delete_delay, Duration::from_secs(1));
+
+    let [items] = config.bloom.as_slice() else {
+        panic!("expected one filter, got {:#?}", config.bloom);
+    };
+    assert_eq!(
+        (items.name.as_str(), items.expected_items, items.fp_rate),
+        ("items", 1_000_000, 0.001)
+    );
+    assert_eq!(items.refresh, Duration::from_secs(600));
+    assert_eq!(item.bloom.as_ref().map(|b| b.param.as_str()), Some("id"));
+    assert_eq!(create.methods, [Method::POST]);
+    assert_eq!(
+        create.bloom_add.as_ref().map(|b| &b.from),
+        Some(&super::AddFrom::Location)
+    );
 }
 
 #[test]
@@ -159,6 +174,19 @@ fn example_file_documents_every_key() {
         "vary",
         "invalidate",
         "double_delete_delay",
+        "expected_items",
+        "fp_rate",
+        "source",
+        "format",
+        "field",
+        "refresh",
+        "load_timeout",
+        "bloom",
+        "param",
+        "status",
+        "body",
+        "bloom_add",
+        "from",
     ];
     for key in keys {
         assert!(
@@ -286,12 +314,104 @@ fn unknown_key_lists_the_known_ones() {
 fn unknown_key_in_a_route() {
     assert_eq!(
         problem(&with_minimal(
-            "[[routes]]\nname = \"r\"\nmatch = \"/r\"\nbloom = { filter = \"items\" }\n"
+            "[[routes]]\nname = \"r\"\nmatch = \"/r\"\ncache_ttl = \"5s\"\n"
         )),
-        "test.toml:6: routes[0].bloom: unknown key, expected one of name, match, methods, ttl, \
-         jitter, grace, negative_ttl, max_entry_bytes, l1, query, vary, invalidate, \
-         double_delete_delay, early_refresh_beta (bloom is not supported yet: it arrives with a \
-         later release)"
+        "test.toml:6: routes[0].cache_ttl: unknown key, expected one of name, match, methods, \
+         ttl, jitter, grace, negative_ttl, max_entry_bytes, l1, query, vary, invalidate, \
+         double_delete_delay, early_refresh_beta, bloom, bloom_add"
+    );
+}
+
+// === Bloom filters ===
+
+/// `[[bloom]]` "items" on lines 3–6, then `routes` from line 7.
+fn with_filter(routes: &str) -> String {
+    with_minimal(&format!(
+        "[[bloom]]\nname = \"items\"\nexpected_items = 1000\nfp_rate = 0.01\nsource = {{ url = \"/internal/ids\" }}\n{routes}"
+    ))
+}
+
+#[test]
+fn bloom_filters_and_their_routes_load() {
+    let config = load(&with_filter(
+        "[[routes]]\nname = \"item\"\nmatch = \"/api/items/{id}\"\n\
+         bloom = { filter = \"items\", param = \"id\", status = 410 }\n\
+         [[routes]]\nname = \"create\"\nmatch = \"/api/items\"\nmethods = [\"POST\"]\n\
+         bloom_add = { filter = \"items\", from = \"json:/id\" }\n",
+    ))
+    .unwrap();
+    let filter = &config.bloom[0];
+    assert_eq!(filter.expected_items, 1000);
+    assert_eq!(filter.refresh, Duration::from_secs(600));
+    assert_eq!(
+        filter.source,
+        super::BloomSource::Url("http://127.0.0.1:9000/internal/ids".parse().unwrap())
+    );
+    assert_eq!(filter.format, super::SourceFormat::Lines);
+    let bloom = config.routes[0].bloom.as_ref().unwrap();
+    assert_eq!((bloom.param.as_str(), bloom.status.as_u16()), ("id", 410));
+    assert_eq!(bloom.body, "not found\n");
+    let add = config.routes[1].bloom_add.as_ref().unwrap();
+    assert_eq!(add.from, super::AddFrom::Json("/id".to_owned()));
+}
+
+#[test]
+fn bloom_errors_name_the_line_and_key() {
+    let route = |bloom: &str| {
+        with_filter(&format!(
+            "[[routes]]\nname = \"item\"\nmatch = \"/api/items/{{id}}\"\n{bloom}\n"
+        ))
+    };
+    assert_eq!(
+        problem(&route("bloom = { filter = \"nope\", param = \"id\" }")),
+        "test.toml:11: routes[0].bloom.filter: expected the name of a [[bloom]] filter \
+         (\"items\"), got \"nope\""
+    );
+    assert_eq!(
+        problem(&route(
+            "bloom = { filter = \"items\", param = \"item_id\" }"
+        )),
+        "test.toml:11: routes[0].bloom.param: expected a parameter of this route's match \
+         \"/api/items/{id}\" ({id}), got \"item_id\""
+    );
+    assert_eq!(
+        problem(&route(
+            "bloom_add = { filter = \"items\", from = \"location\" }"
+        )),
+        "test.toml:11: routes[0].bloom_add: only write routes (no GET/HEAD) add ids; move it to \
+         the route that creates them"
+    );
+    assert_eq!(
+        problem(&route(
+            "methods = [\"POST\"]\nbloom_add = { filter = \"items\", from = \"body\" }"
+        )),
+        "test.toml:12: routes[0].bloom_add.from: expected \"location\" or \"json:/pointer\" \
+         (like \"json:/id\"), got \"body\""
+    );
+    assert_eq!(
+        problem(&with_minimal(
+            "[[bloom]]\nname = \"items\"\nexpected_items = 10\nfp_rate = 1.5\nsource = { file = \"/x\" }\n"
+        )),
+        "test.toml:6: bloom[0].fp_rate: expected a false-positive rate above 0.0 and at most 0.5, \
+         like 0.001, got 1.5"
+    );
+    assert_eq!(
+        problem(&with_minimal(
+            "[[bloom]]\nname = \"items\"\nexpected_items = 10\nfp_rate = 0.1\nsource = { file = \"/x\", format = \"ndjson\" }\n"
+        )),
+        "test.toml:7: bloom[0].source.field: format = \"ndjson\" needs field = \"…\": the name \
+         of the id field"
+    );
+    assert_eq!(
+        problems(&with_minimal(
+            "[[bloom]]\nname = \"items\"\nexpected_items = 0\nfp_rate = 0.1\nsource = { url = \"https://x:1/ids\" }\n"
+        )),
+        [
+            "test.toml:5: bloom[0].expected_items: expected a count from 1 to 2000000000, like \
+             1000000, got 0",
+            "test.toml:7: bloom[0].source.url: expected a path like \"/internal/ids\" or an \
+             http://host:port/… URL, got \"https://x:1/ids\""
+        ]
     );
 }
 

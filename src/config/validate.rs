@@ -21,13 +21,16 @@ use std::net::SocketAddr;
 use std::ops::Range;
 use std::path::Path;
 
-use http::{HeaderName, Method, Uri};
+use http::{HeaderName, Method, StatusCode, Uri};
 use toml::Spanned;
 
-use super::raw::{NO_SPAN, RawAdmin, RawCache, RawConfig, RawQuery, RawRoute, defaults};
+use super::raw::{
+    NO_SPAN, RawAdmin, RawBloom, RawCache, RawConfig, RawQuery, RawRoute, RawSourceFormat, defaults,
+};
 use super::{
-    AdminConfig, CacheDefaults, Config, LockConfig, QueryPolicy, RedisConfig, RouteConfig,
-    ServerConfig, UpstreamConfig, Vars, env,
+    AddFrom, AdminConfig, BloomAdd, BloomConfig, BloomSource, CacheDefaults, Config, LockConfig,
+    QueryPolicy, RedisConfig, RouteBloom, RouteConfig, ServerConfig, SourceFormat, UpstreamConfig,
+    Vars, env,
 };
 
 /// One problem in a config source: `file:line: key: message`.
@@ -215,7 +218,7 @@ fn describe_serde_error(path: &str, message: &str) -> (String, String) {
         } else {
             format!("unknown key, expected one of {}", choices.join(", "))
         };
-        if matches!(field, "hot_keys" | "bloom") {
+        if field == "hot_keys" {
             text.push_str(&format!(
                 " ({field} is not supported yet: it arrives with a later release)"
             ));
@@ -380,6 +383,65 @@ fn check_beta(value: f64) -> Result<f64, String> {
     }
 }
 
+fn check_filter_name(name: &str) -> Result<(), String> {
+    let valid = |c: char| c.is_ascii_lowercase() || c.is_ascii_digit() || matches!(c, '_' | '-');
+    if !name.is_empty() && name.len() <= 64 && name.chars().all(valid) {
+        Ok(())
+    } else {
+        Err(format!(
+            "expected a name of lowercase letters, digits, '_' and '-' (at most 64) like \
+             \"items\", got {name:?}"
+        ))
+    }
+}
+
+/// Above this a filter needs gigabytes: surely a typo.
+const MAX_EXPECTED_ITEMS: u64 = 2_000_000_000;
+
+fn check_expected_items(value: u64) -> Result<usize, String> {
+    if (1..=MAX_EXPECTED_ITEMS).contains(&value) {
+        usize::try_from(value).map_err(|_| format!("{value} is too large for this platform"))
+    } else {
+        Err(format!(
+            "expected a count from 1 to {MAX_EXPECTED_ITEMS}, like 1000000, got {value}"
+        ))
+    }
+}
+
+fn check_fp_rate(value: f64) -> Result<f64, String> {
+    if value > 0.0 && value <= 0.5 {
+        Ok(value)
+    } else {
+        Err(format!(
+            "expected a false-positive rate above 0.0 and at most 0.5, like 0.001, got {value:?}"
+        ))
+    }
+}
+
+/// A source URL: a path on the upstream (`/internal/ids`) or a full `http://` URL.
+fn resolve_source_url(value: &str, upstream: &Uri) -> Result<Uri, String> {
+    if value.starts_with('/') {
+        let authority = upstream
+            .authority()
+            .map_or_else(String::new, |a| a.as_str().to_owned());
+        let prefix = upstream.path().trim_end_matches('/');
+        return format!("http://{authority}{prefix}{value}")
+            .parse()
+            .map_err(|error| {
+                format!("expected a path like \"/internal/ids\", got {value:?} ({error})")
+            });
+    }
+    let uri: Uri = value.parse().map_err(|error| {
+        format!("expected a path like \"/internal/ids\" or an http:// URL, got {value:?} ({error})")
+    })?;
+    if uri.scheme_str() != Some("http") || uri.authority().is_none() {
+        return Err(format!(
+            "expected a path like \"/internal/ids\" or an http://host:port/… URL, got {value:?}"
+        ));
+    }
+    Ok(uri)
+}
+
 fn check_route_name(name: &str) -> Result<(), String> {
     let valid = |c: char| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-');
     if !name.is_empty() && name.chars().all(valid) {
@@ -512,7 +574,8 @@ impl Checker<'_> {
             on_timeout: raw.lock.on_timeout.0,
             uncacheable_ttl: raw.lock.uncacheable_ttl.0,
         };
-        let routes = self.routes(&raw.routes, &cache);
+        let bloom = self.blooms(&raw.bloom, &upstream);
+        let routes = self.routes(&raw.routes, &cache, &bloom);
         Config {
             source: self.file.to_owned(),
             server,
@@ -522,6 +585,7 @@ impl Checker<'_> {
             cache,
             lock,
             routes,
+            bloom,
         }
     }
 
@@ -629,11 +693,16 @@ impl Checker<'_> {
         }
     }
 
-    fn routes(&mut self, raw: &[Spanned<RawRoute>], cache: &CacheDefaults) -> Vec<RouteConfig> {
+    fn routes(
+        &mut self,
+        raw: &[Spanned<RawRoute>],
+        cache: &CacheDefaults,
+        filters: &[BloomConfig],
+    ) -> Vec<RouteConfig> {
         let routes: Vec<RouteConfig> = raw
             .iter()
             .enumerate()
-            .map(|(i, route)| self.route(i, route, cache))
+            .map(|(i, route)| self.route(i, route, cache, filters))
             .collect();
         self.unique_names(raw);
         self.distinct_methods(raw, &routes);
@@ -646,6 +715,7 @@ impl Checker<'_> {
         i: usize,
         spanned: &Spanned<RawRoute>,
         cache: &CacheDefaults,
+        filters: &[BloomConfig],
     ) -> RouteConfig {
         let raw = spanned.get_ref();
         let key = |field: &str| format!("routes[{i}].{field}");
@@ -676,6 +746,8 @@ impl Checker<'_> {
         let query = self.query(i, raw);
         let vary = self.vary(i, raw);
         let invalidate = self.invalidate(i, raw, is_read);
+        let bloom = self.route_bloom(i, raw, is_read, filters);
+        let bloom_add = self.bloom_add(i, raw, is_read, filters);
 
         RouteConfig {
             name: name.clone(),
@@ -694,7 +766,256 @@ impl Checker<'_> {
                 .double_delete_delay
                 .map_or(defaults::DOUBLE_DELETE_DELAY, |d| d.0),
             early_refresh_beta,
+            bloom,
+            bloom_add,
         }
+    }
+
+    fn route_bloom(
+        &mut self,
+        i: usize,
+        raw: &RawRoute,
+        is_read: bool,
+        filters: &[BloomConfig],
+    ) -> Option<RouteBloom> {
+        let spanned = raw.bloom.as_ref()?;
+        let bloom = spanned.get_ref();
+        let key = format!("routes[{i}].bloom");
+        if !is_read {
+            self.report(
+                spanned.span(),
+                key,
+                "only read routes (GET/HEAD) check a Bloom filter; use bloom_add on the \
+                 route that creates ids",
+            );
+            return None;
+        }
+        let filter = self.filter_name(&bloom.filter, filters, &format!("{key}.filter"))?;
+        let param = bloom.param.get_ref();
+        let params = pattern_params(raw.pattern.get_ref());
+        if !params.contains(&param.as_str()) {
+            let known = if params.is_empty() {
+                "it has none".to_owned()
+            } else {
+                format!("{{{}}}", params.join("}, {"))
+            };
+            self.report(
+                bloom.param.span(),
+                format!("{key}.param"),
+                format!(
+                    "expected a parameter of this route's match {:?} ({known}), got {param:?}",
+                    raw.pattern.get_ref()
+                ),
+            );
+            return None;
+        }
+        let status = match &bloom.status {
+            Some(status) => {
+                let code = *status.get_ref();
+                let checked = StatusCode::from_u16(code)
+                    .ok()
+                    .filter(|s| (200..=599).contains(&s.as_u16()))
+                    .ok_or_else(|| format!("expected an HTTP status from 200 to 599, got {code}"));
+                self.check(checked, status.span(), &format!("{key}.status"))?
+            }
+            None => StatusCode::NOT_FOUND,
+        };
+        Some(RouteBloom {
+            filter,
+            param: param.clone(),
+            status,
+            body: bloom
+                .body
+                .clone()
+                .unwrap_or_else(|| defaults::BLOOM_REJECT_BODY.to_owned()),
+        })
+    }
+
+    fn bloom_add(
+        &mut self,
+        i: usize,
+        raw: &RawRoute,
+        is_read: bool,
+        filters: &[BloomConfig],
+    ) -> Option<BloomAdd> {
+        let spanned = raw.bloom_add.as_ref()?;
+        let add = spanned.get_ref();
+        let key = format!("routes[{i}].bloom_add");
+        if is_read {
+            self.report(
+                spanned.span(),
+                key,
+                "only write routes (no GET/HEAD) add ids; move it to the route that creates \
+                 them",
+            );
+            return None;
+        }
+        let filter = self.filter_name(&add.filter, filters, &format!("{key}.filter"))?;
+        let from_text = add.from.get_ref();
+        let from = if from_text == "location" {
+            Ok(AddFrom::Location)
+        } else if let Some(pointer) = from_text.strip_prefix("json:") {
+            if pointer.starts_with('/') {
+                Ok(AddFrom::Json(pointer.to_owned()))
+            } else {
+                Err(format!(
+                    "expected a JSON pointer starting with \"/\" after \"json:\", like \
+                     \"json:/id\", got {from_text:?}"
+                ))
+            }
+        } else {
+            Err(format!(
+                "expected \"location\" or \"json:/pointer\" (like \"json:/id\"), got \
+                 {from_text:?}"
+            ))
+        };
+        let from = self.check(from, add.from.span(), &format!("{key}.from"))?;
+        Some(BloomAdd { filter, from })
+    }
+
+    /// A `filter = "…"` reference must name a `[[bloom]]`.
+    fn filter_name(
+        &mut self,
+        name: &Spanned<String>,
+        filters: &[BloomConfig],
+        key: &str,
+    ) -> Option<String> {
+        let wanted = name.get_ref();
+        if filters.iter().any(|f| &f.name == wanted) {
+            return Some(wanted.clone());
+        }
+        let known: Vec<String> = filters.iter().map(|f| format!("{:?}", f.name)).collect();
+        let expected = if known.is_empty() {
+            "a [[bloom]] filter name, but none is defined".to_owned()
+        } else {
+            format!("the name of a [[bloom]] filter ({})", known.join(", "))
+        };
+        self.report(
+            name.span(),
+            key,
+            format!("expected {expected}, got {wanted:?}"),
+        );
+        None
+    }
+
+    fn blooms(&mut self, raw: &[Spanned<RawBloom>], upstream: &UpstreamConfig) -> Vec<BloomConfig> {
+        let mut seen: HashMap<String, usize> = HashMap::new();
+        let mut filters = Vec::new();
+        for (i, spanned) in raw.iter().enumerate() {
+            let bloom = spanned.get_ref();
+            let key = |field: &str| format!("bloom[{i}].{field}");
+            let name = bloom.name.get_ref();
+            if self
+                .check(check_filter_name(name), bloom.name.span(), &key("name"))
+                .is_none()
+            {
+                continue;
+            }
+            if let Some(first) = seen.get(name) {
+                self.report(
+                    bloom.name.span(),
+                    key("name"),
+                    format!("expected a unique filter name, got {name:?} again (bloom[{first}])"),
+                );
+                continue;
+            }
+            seen.insert(name.clone(), i);
+            let items = *bloom.expected_items.get_ref();
+            let expected_items = self.check(
+                check_expected_items(items),
+                bloom.expected_items.span(),
+                &key("expected_items"),
+            );
+            let fp_rate = self.check(
+                check_fp_rate(*bloom.fp_rate.get_ref()),
+                bloom.fp_rate.span(),
+                &key("fp_rate"),
+            );
+            let source = self.bloom_source(i, bloom, upstream);
+            let (Some(expected_items), Some(fp_rate), Some((source, format))) =
+                (expected_items, fp_rate, source)
+            else {
+                continue;
+            };
+            filters.push(BloomConfig {
+                name: name.clone(),
+                expected_items,
+                fp_rate,
+                refresh: bloom.refresh.map_or(defaults::BLOOM_REFRESH, |d| d.0),
+                load_timeout: bloom
+                    .load_timeout
+                    .map_or(defaults::BLOOM_LOAD_TIMEOUT, |d| d.0),
+                source,
+                format,
+            });
+        }
+        filters
+    }
+
+    fn bloom_source(
+        &mut self,
+        i: usize,
+        bloom: &RawBloom,
+        upstream: &UpstreamConfig,
+    ) -> Option<(BloomSource, SourceFormat)> {
+        let key = format!("bloom[{i}].source");
+        let spanned = &bloom.source;
+        let source = spanned.get_ref();
+        let place = match (&source.url, &source.file) {
+            (Some(url), None) => {
+                let resolved = resolve_source_url(url.get_ref(), &upstream.url);
+                BloomSource::Url(self.check(resolved, url.span(), &format!("{key}.url"))?)
+            }
+            (None, Some(file)) => {
+                if file.get_ref().is_empty() {
+                    self.report(
+                        file.span(),
+                        format!("{key}.file"),
+                        "expected a file path, got \"\"",
+                    );
+                    return None;
+                }
+                BloomSource::File(file.get_ref().into())
+            }
+            (Some(_), Some(file)) => {
+                self.report(file.span(), key, "expected either url or file, got both");
+                return None;
+            }
+            (None, None) => {
+                self.report(
+                    spanned.span(),
+                    key,
+                    "expected url = \"/internal/ids\" (on the upstream, or an http:// URL) or \
+                     file = \"/path/to/ids.txt\", got neither",
+                );
+                return None;
+            }
+        };
+        let format = match (source.format, &source.field) {
+            (Some(RawSourceFormat::Ndjson), Some(field)) if !field.get_ref().is_empty() => {
+                SourceFormat::Ndjson {
+                    field: field.get_ref().clone(),
+                }
+            }
+            (Some(RawSourceFormat::Ndjson), _) => {
+                self.report(
+                    spanned.span(),
+                    format!("{key}.field"),
+                    "format = \"ndjson\" needs field = \"…\": the name of the id field",
+                );
+                return None;
+            }
+            (_, Some(field)) => {
+                self.report(
+                    field.span(),
+                    format!("{key}.field"),
+                    "field is only used with format = \"ndjson\"",
+                );
+                return None;
+            }
+            (None | Some(RawSourceFormat::Lines), None) => SourceFormat::Lines,
+        };
+        Some((place, format))
     }
 
     fn methods(&mut self, i: usize, spanned: &Spanned<RawRoute>) -> Vec<Method> {

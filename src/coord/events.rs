@@ -3,8 +3,12 @@
 //! Messages are short text lines, `<type> <instance id> <key hash>`, so they can be read
 //! with `redis-cli SUBSCRIBE` when debugging. Types today: `fill` (an entry was stored:
 //! waiters read L2), `released` (a lock was dropped without a fill: one waiter takes over)
-//! and `uncacheable` (the answer must not be shared: waiters fetch for themselves). Later
-//! issues add `invalidate`, `bloom_add` and `hot`.
+//! and `uncacheable` (the answer must not be shared: waiters fetch for themselves), and
+//! `bloom_add <instance> <filter> <id as hex>` (an id was created: every instance adds it to
+//! its Bloom filter). Later issues add `invalidate` and `hot`.
+//!
+//! Key events go to the [`Waiters`]; every other message goes to the [`BusListener`]s, which
+//! also hear about gaps in the subscription so they can resync what the events carry.
 //!
 //! Requests waiting on another instance's fetch register per key in [`Waiters`] and are
 //! woken by these events: no sleep-and-retry loop. The subscription reconnects by itself
@@ -79,6 +83,60 @@ impl Event {
             hash,
         })
     }
+}
+
+/// A `bloom_add` message: `id` was created, and belongs in `filter`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct BloomAddEvent {
+    pub(crate) instance: u64,
+    pub(crate) filter: String,
+    pub(crate) id: Vec<u8>,
+}
+
+const BLOOM_ADD: &str = "bloom_add";
+
+impl BloomAddEvent {
+    /// Ids are hex-encoded, so any bytes (spaces included) fit in one text line.
+    pub(crate) fn encode(&self) -> String {
+        let mut text = format!("{BLOOM_ADD} {:016x} {} ", self.instance, self.filter);
+        for byte in &self.id {
+            text.push_str(&format!("{byte:02x}"));
+        }
+        text
+    }
+
+    pub(crate) fn decode(text: &str) -> Option<Self> {
+        let mut parts = text.split_ascii_whitespace();
+        if parts.next()? != BLOOM_ADD {
+            return None;
+        }
+        let instance = u64::from_str_radix(parts.next()?, 16).ok()?;
+        let filter = parts.next()?.to_owned();
+        let hex = parts.next()?;
+        if hex.is_empty() || hex.len() % 2 != 0 || parts.next().is_some() {
+            return None;
+        }
+        let id = (0..hex.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(hex.get(i..i + 2)?, 16).ok())
+            .collect::<Option<Vec<u8>>>()?;
+        Some(BloomAddEvent {
+            instance,
+            filter,
+            id,
+        })
+    }
+}
+
+/// Someone other than the lock waiters that needs the bus: told of every non-key message
+/// and of every gap, so state carried by events (Bloom adds, later the hot set) can be
+/// resynced instead of silently missed.
+pub(crate) trait BusListener: Send + Sync + std::fmt::Debug {
+    fn on_bloom_add(&self, event: BloomAddEvent);
+    /// The subscription was lost at `unix_ms`: events from then on may be missed.
+    fn on_gap(&self, unix_ms: u64);
+    /// The subscription is live (again): resync whatever was missed since the gap.
+    fn on_subscribed(self: Arc<Self>);
 }
 
 /// What a waiter is woken with: the latest event for its key, or `None` for "re-check,
@@ -203,6 +261,7 @@ pub(crate) struct EventBus {
     pub(crate) instance: u64,
     pub(crate) waiters: Arc<Waiters>,
     connected: AtomicBool,
+    listeners: Vec<Arc<dyn BusListener>>,
 }
 
 /// Counters the subscription loop reports to.
@@ -219,12 +278,18 @@ const BACKOFF_MAX: Duration = Duration::from_millis(500);
 const IDLE_PING: Duration = Duration::from_secs(1);
 
 impl EventBus {
-    pub(crate) fn new(channel: String, instance: u64, waiters: Arc<Waiters>) -> Arc<Self> {
+    pub(crate) fn new(
+        channel: String,
+        instance: u64,
+        waiters: Arc<Waiters>,
+        listeners: Vec<Arc<dyn BusListener>>,
+    ) -> Arc<Self> {
         Arc::new(EventBus {
             channel,
             instance,
             waiters,
             connected: AtomicBool::new(false),
+            listeners,
         })
     }
 
@@ -259,11 +324,18 @@ impl EventBus {
                     }
                     first = false;
                     // Anything published while we were away is lost: wake every waiter
-                    // to re-check L2.
+                    // to re-check L2, and let the listeners resync.
                     self.waiters.wake_all();
+                    for listener in &self.listeners {
+                        Arc::clone(listener).on_subscribed();
+                    }
                     let ended = self.consume(pubsub, &metrics, &stop).await;
                     self.connected.store(false, Ordering::Relaxed);
                     metrics.subscribed.set(0);
+                    let lost_at = crate::cache::now_ms();
+                    for listener in &self.listeners {
+                        listener.on_gap(lost_at);
+                    }
                     // Waiters must not sit out a lease on a bus that cannot wake them:
                     // let them re-check (and degrade) now.
                     self.waiters.wake_all();
@@ -306,11 +378,17 @@ impl EventBus {
             match next {
                 Ok(Some(message)) => {
                     metrics.events.inc();
-                    if let Some(event) = std::str::from_utf8(message.get_payload_bytes())
-                        .ok()
-                        .and_then(Event::decode)
-                    {
+                    let Ok(text) = std::str::from_utf8(message.get_payload_bytes()) else {
+                        continue;
+                    };
+                    if let Some(event) = Event::decode(text) {
                         self.waiters.notify(event.hash, event.kind);
+                    } else if let Some(add) = BloomAddEvent::decode(text)
+                        && add.instance != self.instance
+                    {
+                        for listener in &self.listeners {
+                            listener.on_bloom_add(add.clone());
+                        }
                     }
                 }
                 Ok(None) => return Ended::Lost,
@@ -348,6 +426,22 @@ mod tests {
         assert_eq!(Event::decode(""), None);
         assert_eq!(Event::decode("fill zz 12"), None);
         assert_eq!(Event::decode("bogus 1 2"), None);
+    }
+
+    #[test]
+    fn bloom_adds_round_trip_any_bytes() {
+        let add = BloomAddEvent {
+            instance: 7,
+            filter: "items".to_owned(),
+            id: b"a b\n\xff".to_vec(),
+        };
+        let text = add.encode();
+        assert_eq!(BloomAddEvent::decode(&text), Some(add));
+        assert_eq!(Event::decode(&text), None);
+        assert_eq!(BloomAddEvent::decode("bloom_add 7 items 0"), None);
+        assert_eq!(BloomAddEvent::decode("bloom_add 7 items zz"), None);
+        assert_eq!(BloomAddEvent::decode("bloom_add 7 items"), None);
+        assert_eq!(BloomAddEvent::decode("fill 7 items 00"), None);
     }
 
     #[tokio::test]

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::aio::{ConnectionManager, ConnectionManagerConfig, MultiplexedConnection};
 use redis::{AsyncCommands, FromRedisValue, RedisError, Script};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -39,6 +39,9 @@ pub(crate) struct RedisConn {
 struct Inner {
     client: redis::Client,
     conn: ConnectionManager,
+    /// A second connection for rare large transfers (see [`RedisConn::bulk`]); made on
+    /// first use and dropped after an error.
+    bulk: tokio::sync::Mutex<Option<MultiplexedConnection>>,
     command_timeout: Duration,
     probe_timeout: Duration,
     up: AtomicBool,
@@ -78,6 +81,7 @@ impl RedisConn {
         let inner = Arc::new(Inner {
             client,
             conn,
+            bulk: tokio::sync::Mutex::new(None),
             command_timeout: config.command_timeout,
             probe_timeout: config.connect_timeout.max(config.command_timeout),
             // Down until the first probe answers: requests never wait on a first connect.
@@ -142,6 +146,55 @@ impl RedisConn {
         )
         .await;
         self.settle(RedisOp::Get, result)
+    }
+
+    /// Runs a command that may move a large value (a Bloom filter snapshot, a resync of
+    /// many ids) on a connection of its own, bounded by `timeout` instead of
+    /// `command_timeout`. A big transfer must neither count as "Redis is slow, so down" nor
+    /// hold up the small commands pipelined behind it on the shared socket. Failures are
+    /// counted but do not mark Redis down: the health probe decides that.
+    pub(crate) async fn bulk<T: FromRedisValue>(
+        &self,
+        cmd: &redis::Cmd,
+        timeout: Duration,
+    ) -> Result<T, Unavailable> {
+        if !self.is_up() {
+            return Err(Unavailable);
+        }
+        let mut slot = self.inner.bulk.lock().await;
+        let attempt = tokio::time::timeout(timeout, async {
+            let mut conn = match slot.take() {
+                Some(conn) => conn,
+                None => {
+                    let config = redis::AsyncConnectionConfig::new()
+                        .set_connection_timeout(Some(self.inner.probe_timeout))
+                        .set_response_timeout(Some(timeout));
+                    self.inner
+                        .client
+                        .get_multiplexed_async_connection_with_config(&config)
+                        .await?
+                }
+            };
+            let value = cmd.query_async::<T>(&mut conn).await?;
+            Ok::<_, RedisError>((conn, value))
+        })
+        .await;
+        match attempt {
+            Ok(Ok((conn, value))) => {
+                *slot = Some(conn);
+                Ok(value)
+            }
+            Ok(Err(error)) => {
+                self.inner.metrics.redis_error(RedisOp::Bloom);
+                warn!(message = "Redis bulk command failed.", %error);
+                Err(Unavailable)
+            }
+            Err(_) => {
+                self.inner.metrics.redis_error(RedisOp::Bloom);
+                warn!(message = "Redis bulk command timed out.", timeout = ?timeout);
+                Err(Unavailable)
+            }
+        }
     }
 
     /// Turns a bounded command result into a value or `Unavailable`, marking Redis down on

@@ -155,6 +155,13 @@ impl Proxy {
         route
             .metrics
             .origin(OriginStatus::from_status(head.status.as_u16()), seconds);
+        // The id passed a loaded filter, yet the origin has no such resource.
+        if head.status == StatusCode::NOT_FOUND
+            && let Some(filter) = &route.filter
+            && filter.is_ready()
+        {
+            filter.metrics.false_positives.inc();
+        }
 
         if head.status.is_server_error() {
             return Classified::Failed(Failure::new(

@@ -6,16 +6,31 @@
 
 use std::sync::Arc;
 
+use bytes::Bytes;
 use http::Method;
 
 use crate::config::RouteConfig;
 use crate::metrics::{Metrics, RouteMetrics};
+use crate::protect::bloom::{Filter, Filters};
 
-/// One configured route with its metric handles resolved.
+/// One configured route with its metric handles and filters resolved.
 #[derive(Debug)]
 pub(crate) struct Route {
     pub(crate) config: RouteConfig,
     pub(crate) metrics: Arc<RouteMetrics>,
+    /// Read routes with `bloom`: the filter ids are checked against.
+    pub(crate) filter: Option<Arc<Filter>>,
+    /// Write routes with `bloom_add`: the filter created ids go to.
+    pub(crate) adds_to: Option<Arc<Filter>>,
+    /// The body of a Bloom rejection, shared by every answer (no copy per request).
+    pub(crate) reject_body: Bytes,
+}
+
+/// A matched route, with the raw (still percent-encoded) value of its Bloom id parameter.
+#[derive(Debug)]
+pub(crate) struct Matched<'r, 'p> {
+    pub(crate) route: &'r Arc<Route>,
+    pub(crate) id: Option<&'p str>,
 }
 
 #[derive(Debug)]
@@ -30,14 +45,23 @@ impl RouteTable {
     pub(crate) fn build(
         routes: &[RouteConfig],
         metrics: &Metrics,
+        filters: &Filters,
     ) -> Result<Self, matchit::InsertError> {
         let mut router = matchit::Router::new();
         let mut patterns: Vec<&str> = Vec::new();
         let mut by_pattern: Vec<Vec<Arc<Route>>> = Vec::new();
         for config in routes {
+            // Filter names were checked against `[[bloom]]` at config load.
+            let filter = |name: Option<&String>| name.and_then(|n| filters.get(n)).cloned();
             let route = Arc::new(Route {
                 config: config.clone(),
                 metrics: metrics.for_route(&config.name),
+                filter: filter(config.bloom.as_ref().map(|b| &b.filter)),
+                adds_to: filter(config.bloom_add.as_ref().map(|b| &b.filter)),
+                reject_body: config
+                    .bloom
+                    .as_ref()
+                    .map_or_else(Bytes::new, |b| Bytes::from(b.body.clone())),
             });
             if let Some(i) = patterns.iter().position(|p| *p == config.pattern) {
                 by_pattern[i].push(route);
@@ -51,7 +75,7 @@ impl RouteTable {
     }
 
     /// The route for `method` on `path`, if any.
-    pub(crate) fn find(&self, method: &Method, path: &str) -> Option<&Arc<Route>> {
+    pub(crate) fn find<'p>(&self, method: &Method, path: &'p str) -> Option<Matched<'_, 'p>> {
         let matched = self.router.at(path).ok()?;
         let routes = self.by_pattern.get(*matched.value)?;
         let wanted = if method == Method::HEAD {
@@ -59,8 +83,25 @@ impl RouteTable {
         } else {
             method
         };
-        routes
+        let route = routes
             .iter()
-            .find(|r| r.config.methods.iter().any(|m| m == wanted || m == method))
+            .find(|r| r.config.methods.iter().any(|m| m == wanted || m == method))?;
+        let id = route
+            .config
+            .bloom
+            .as_ref()
+            .and_then(|bloom| matched.params.get(&bloom.param));
+        Some(Matched { route, id })
+    }
+
+    /// The Bloom id in `path` for a read route of `filter`: how the id of a created
+    /// resource is found in its `Location`.
+    pub(crate) fn id_for_filter<'p>(&self, filter: &str, path: &'p str) -> Option<&'p str> {
+        let matched = self.router.at(path).ok()?;
+        let routes = self.by_pattern.get(*matched.value)?;
+        routes.iter().find_map(|route| {
+            let bloom = route.config.bloom.as_ref().filter(|b| b.filter == filter)?;
+            matched.params.get(&bloom.param)
+        })
     }
 }
