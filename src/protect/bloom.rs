@@ -330,6 +330,8 @@ pub(crate) struct Filters {
     client: Client<HttpConnector, Empty<Bytes>>,
     /// Created ids whose Redis log/broadcast failed: retried until Redis takes them.
     unshared: Mutex<Vec<(Arc<Filter>, BloomAddEvent, u64)>>,
+    /// Whether the event bus is subscribed (events are being heard).
+    bus_up: AtomicBool,
 }
 
 impl Filters {
@@ -362,6 +364,7 @@ impl Filters {
             instance,
             client: source::http_client(),
             unshared: Mutex::new(Vec::new()),
+            bus_up: AtomicBool::new(false),
         })
     }
 
@@ -485,6 +488,9 @@ impl Filters {
             return;
         };
         let name = &filter.config.name;
+        // From here on, events are kept for the filter about to be installed: one that
+        // lands after the log was read must not be lost while no filter is in service.
+        filter.write().pending.get_or_insert_with(Vec::new);
         let snapshot = match shared.read_snapshot(&filter.config).await {
             Ok(Some(snapshot)) => snapshot,
             Ok(None) | Err(_) => return,
@@ -530,7 +536,7 @@ impl Filters {
                 }
             };
         filter.loading.store(true, Ordering::Relaxed);
-        filter.write().pending = Some(Vec::new());
+        filter.write().pending.get_or_insert_with(Vec::new);
         let loaded = tokio::time::timeout(
             config.load_timeout,
             source::load(&config.source, &config.format, &self.client, &mut bloom),
@@ -624,7 +630,14 @@ impl Filters {
             return;
         };
         match shared.adds_since(&filter.config.name, since).await {
-            Ok(ids) => filter.add_many(&ids, AddVia::Resync),
+            Ok(ids) => {
+                filter.add_many(&ids, AddVia::Resync);
+                // While the bus is down, events are still being missed: keep the mark, so
+                // the replay after the resubscription starts from it.
+                if !self.bus_up.load(Ordering::Acquire) {
+                    filter.note_missed(since);
+                }
+            }
             Err(_) => filter.note_missed(since),
         }
     }
@@ -644,12 +657,14 @@ impl BusListener for Filters {
     }
 
     fn on_gap(&self, unix_ms: u64) {
+        self.bus_up.store(false, Ordering::Release);
         for filter in &self.order {
             filter.note_missed(unix_ms.saturating_sub(GAP_MARGIN_MS));
         }
     }
 
     fn on_subscribed(self: Arc<Self>) {
+        self.bus_up.store(true, Ordering::Release);
         if !self.order.is_empty() {
             tokio::spawn(self.replay_all());
         }
