@@ -157,6 +157,7 @@ impl App {
             metrics: metrics.clone(),
             filters: Arc::clone(&filters),
         });
+        proxy.spawn_warmups(&stop_tasks);
         let admin = Arc::new(Admin {
             registry,
             metrics,

@@ -81,6 +81,8 @@ pub struct RedisConfig {
     pub connect_timeout: Duration,
     /// Prefix of every key cacheguard writes (default `cg:`).
     pub key_prefix: String,
+    /// Consecutive failed or timed-out commands that open the circuit breaker.
+    pub breaker_failures: u32,
 }
 
 /// `Debug` never shows the token.
@@ -98,6 +100,7 @@ impl std::fmt::Debug for RedisConfig {
             .field("command_timeout", &self.command_timeout)
             .field("connect_timeout", &self.connect_timeout)
             .field("key_prefix", &self.key_prefix)
+            .field("breaker_failures", &self.breaker_failures)
             .finish()
     }
 }
@@ -193,6 +196,20 @@ pub struct RouteConfig {
     pub bloom: Option<RouteBloom>,
     /// Write routes: the Bloom filter a created id is added to.
     pub bloom_add: Option<BloomAdd>,
+    /// Read routes: paths fetched at start.
+    pub warmup: Option<WarmupConfig>,
+}
+
+/// `warmup = { paths, file, rate }`: paths fetched through the cache (and the origin guard)
+/// at start, at most `rate` per second, so a new or restarted fleet does not open cold.
+#[derive(Clone, Debug)]
+pub struct WarmupConfig {
+    /// Paths (with an optional query) that match the route.
+    pub paths: Vec<String>,
+    /// More paths, one per line, read at start.
+    pub file: Option<PathBuf>,
+    /// Paths per second.
+    pub rate: u32,
 }
 
 /// `bloom = { filter, param }` on a read route: ids absent from the filter are answered at

@@ -226,6 +226,11 @@ pub struct Metrics {
     pub redis_up: IntGauge,
     redis_errors: IntCounterVec,
     pub redis_transitions: IntCounter,
+    redis_command_duration: HistogramVec,
+    pub redis_breaker_open: IntGauge,
+    redis_breaker_transitions: IntCounterVec,
+    pub redis_restarts: IntCounter,
+    warmup: IntCounterVec,
     pub origin_in_flight: IntGauge,
     pub origin_queue_wait: Histogram,
     pub entry_decode_errors: IntCounter,
@@ -347,6 +352,44 @@ impl Metrics {
             "cacheguard_redis_state_changes_total",
             "Times Redis went from up to down or back.",
         )?;
+        let redis_command_duration = HistogramVec::new(
+            HistogramOpts::new(
+                "cacheguard_redis_command_duration_seconds",
+                "Time Redis commands took (answered or timed out), by operation.",
+            )
+            .buckets(buckets_latency()),
+            &["op"],
+        )?;
+        let redis_breaker_open = IntGauge::new(
+            "cacheguard_redis_breaker_open",
+            "1 while the Redis circuit breaker is open (requests skip Redis entirely).",
+        )?;
+        let redis_breaker_transitions = IntCounterVec::new(
+            Opts::new(
+                "cacheguard_redis_breaker_transitions_total",
+                "Redis circuit breaker transitions, by the state entered (open, closed).",
+            ),
+            &["to"],
+        )?;
+        let redis_restarts = IntCounter::new(
+            "cacheguard_redis_restarts_total",
+            "Times Redis came back with a new run id (restarted, its data possibly gone).",
+        )?;
+        let warmup = IntCounterVec::new(
+            Opts::new(
+                "cacheguard_warmup_requests_total",
+                "Warm-up paths fetched at start, by route and result (filled, cached, failed, skipped).",
+            ),
+            &["route", "result"],
+        )?;
+        for to in ["open", "closed"] {
+            redis_breaker_transitions.with_label_values(&[to]);
+        }
+        registry.register(Box::new(redis_command_duration.clone()))?;
+        registry.register(Box::new(redis_breaker_open.clone()))?;
+        registry.register(Box::new(redis_breaker_transitions.clone()))?;
+        registry.register(Box::new(redis_restarts.clone()))?;
+        registry.register(Box::new(warmup.clone()))?;
         let origin_in_flight = IntGauge::new(
             "cacheguard_origin_in_flight",
             "Origin requests holding an origin guard slot.",
@@ -612,6 +655,11 @@ impl Metrics {
             redis_up,
             redis_errors,
             redis_transitions,
+            redis_command_duration,
+            redis_breaker_open,
+            redis_breaker_transitions,
+            redis_restarts,
+            warmup,
             origin_in_flight,
             origin_queue_wait,
             entry_decode_errors,
@@ -697,6 +745,23 @@ impl Metrics {
             early_refreshes: self.early_refreshes.with_label_values(&[route]),
             background_refreshes: self.background_refreshes.with_label_values(&[route]),
         })
+    }
+
+    pub fn redis_latency(&self, op: RedisOp, seconds: f64) {
+        self.redis_command_duration
+            .with_label_values(&[op.as_str()])
+            .observe(seconds);
+    }
+
+    pub fn breaker_transition(&self, open: bool) {
+        self.redis_breaker_open.set(i64::from(open));
+        self.redis_breaker_transitions
+            .with_label_values(&[if open { "open" } else { "closed" }])
+            .inc();
+    }
+
+    pub fn warmup(&self, route: &str, result: &str) {
+        self.warmup.with_label_values(&[route, result]).inc();
     }
 
     pub fn redis_error(&self, op: RedisOp) {

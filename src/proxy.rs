@@ -13,6 +13,7 @@ pub(crate) mod respond;
 pub(crate) mod route;
 pub(crate) mod server;
 pub(crate) mod upstream;
+pub(crate) mod warmup;
 
 use std::net::SocketAddr;
 use std::sync::Arc;

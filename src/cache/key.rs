@@ -164,6 +164,7 @@ mod tests {
             early_refresh_beta: 0.0,
             bloom: None,
             bloom_add: None,
+            warmup: None,
         }
     }
 

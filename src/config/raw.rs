@@ -108,6 +108,7 @@ pub(super) struct RawRedis {
     pub(super) command_timeout: HumanDuration,
     pub(super) connect_timeout: HumanDuration,
     pub(super) key_prefix: String,
+    pub(super) breaker_failures: Spanned<u32>,
 }
 
 impl Default for RawRedis {
@@ -117,6 +118,7 @@ impl Default for RawRedis {
             command_timeout: HumanDuration::millis(50),
             connect_timeout: HumanDuration::secs(1),
             key_prefix: "cg:".to_owned(),
+            breaker_failures: unspanned(3),
         }
     }
 }
@@ -213,6 +215,18 @@ pub(super) struct RawRoute {
     pub(super) bloom: Option<Spanned<RawRouteBloom>>,
     /// Write routes: add the created id to a Bloom filter on a 2xx answer.
     pub(super) bloom_add: Option<Spanned<RawBloomAdd>>,
+    /// Read routes: paths fetched at start so the cache does not open cold.
+    pub(super) warmup: Option<Spanned<RawWarmup>>,
+}
+
+/// `warmup = { paths, file, rate }` on a read route.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawWarmup {
+    #[serde(default)]
+    pub(super) paths: Vec<Spanned<String>>,
+    pub(super) file: Option<Spanned<String>>,
+    pub(super) rate: Option<Spanned<u32>>,
 }
 
 /// `bloom = { filter, param, status, body }` on a read route.
@@ -284,6 +298,7 @@ pub(super) mod defaults {
     pub(in crate::config) const BLOOM_REFRESH: Duration = Duration::from_secs(600);
     pub(in crate::config) const BLOOM_LOAD_TIMEOUT: Duration = Duration::from_secs(300);
     pub(in crate::config) const BLOOM_REJECT_BODY: &str = "not found\n";
+    pub(in crate::config) const WARMUP_RATE: u32 = 10;
 }
 
 // === impl HumanDuration ===

@@ -82,6 +82,7 @@ fn example_file_parses_with_the_documented_values() {
     assert_eq!(redis.command_timeout, Duration::from_millis(50));
     assert_eq!(redis.connect_timeout, Duration::from_secs(1));
     assert_eq!(redis.key_prefix, "cg:");
+    assert_eq!(redis.breaker_failures, 3);
 
     assert_eq!(config.admin.listen, "127.0.0.1:9091".parse().unwrap());
     assert_eq!(config.admin.token, None);
@@ -131,6 +132,8 @@ fn example_file_parses_with_the_documented_values() {
     );
     assert_eq!(items.refresh, Duration::from_secs(600));
     assert_eq!(item.bloom.as_ref().map(|b| b.param.as_str()), Some("id"));
+    let warmup = item.warmup.as_ref().expect("the item route warms up");
+    assert_eq!((warmup.paths.len(), warmup.rate), (3, 10));
     assert_eq!(create.methods, [Method::POST]);
     assert_eq!(
         create.bloom_add.as_ref().map(|b| &b.from),
@@ -156,6 +159,7 @@ fn example_file_documents_every_key() {
         "pool_max_idle",
         "command_timeout",
         "key_prefix",
+        "breaker_failures",
         "token",
         "ttl",
         "jitter",
@@ -187,6 +191,9 @@ fn example_file_documents_every_key() {
         "body",
         "bloom_add",
         "from",
+        "warmup",
+        "paths",
+        "rate",
     ];
     for key in keys {
         assert!(
@@ -229,6 +236,7 @@ fn redis_section_takes_defaults() {
     assert_eq!(redis.command_timeout, Duration::from_millis(50));
     assert_eq!(redis.connect_timeout, Duration::from_secs(1));
     assert_eq!(redis.key_prefix, "cg:");
+    assert_eq!(redis.breaker_failures, 3);
 }
 
 #[test]
@@ -318,7 +326,34 @@ fn unknown_key_in_a_route() {
         )),
         "test.toml:6: routes[0].cache_ttl: unknown key, expected one of name, match, methods, \
          ttl, jitter, grace, negative_ttl, max_entry_bytes, l1, query, vary, invalidate, \
-         double_delete_delay, early_refresh_beta, bloom, bloom_add"
+         double_delete_delay, early_refresh_beta, bloom, bloom_add, warmup"
+    );
+}
+
+#[test]
+fn warmup_paths_must_match_their_route() {
+    let route = |warmup: &str| {
+        with_minimal(&format!(
+            "[[routes]]\nname = \"item\"\nmatch = \"/api/items/{{id}}\"\n{warmup}\n"
+        ))
+    };
+    let config = load(&route(
+        "warmup = { paths = [\"/api/items/1?x=1\"], rate = 5 }",
+    ))
+    .unwrap();
+    let warmup = config.routes[0].warmup.as_ref().unwrap();
+    assert_eq!(
+        (warmup.paths.as_slice(), warmup.rate),
+        (&["/api/items/1?x=1".to_owned()][..], 5)
+    );
+    assert_eq!(
+        problem(&route("warmup = { paths = [\"/other/1\"] }")),
+        "test.toml:6: routes[0].warmup.paths[0]: expected a path this route matches \
+         (\"/api/items/{id}\"), got \"/other/1\""
+    );
+    assert_eq!(
+        problem(&route("warmup = { file = \"w.txt\", rate = 0 }")),
+        "test.toml:6: routes[0].warmup.rate: expected paths per second of at least 1, got 0"
     );
 }
 
@@ -875,6 +910,7 @@ fn env_supplies_required_values_and_creates_redis() {
     let redis = config.redis.expect("CACHEGUARD_REDIS_URL creates [redis]");
     assert_eq!(redis.command_timeout, Duration::from_millis(50));
     assert_eq!(redis.key_prefix, "cg:");
+    assert_eq!(redis.breaker_failures, 3);
 }
 
 #[test]

@@ -19,7 +19,7 @@ use std::collections::hash_map::Entry;
 use std::fmt;
 use std::net::SocketAddr;
 use std::ops::Range;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use http::{HeaderName, Method, StatusCode, Uri};
 use toml::Spanned;
@@ -30,7 +30,7 @@ use super::raw::{
 use super::{
     AddFrom, AdminConfig, BloomAdd, BloomConfig, BloomSource, CacheDefaults, Config, LockConfig,
     QueryPolicy, RedisConfig, RouteBloom, RouteConfig, ServerConfig, SourceFormat, UpstreamConfig,
-    Vars, env,
+    Vars, WarmupConfig, env,
 };
 
 /// One problem in a config source: `file:line: key: message`.
@@ -647,11 +647,20 @@ impl Checker<'_> {
                 String::new()
             }
         };
+        let breaker_failures = *redis.breaker_failures.get_ref();
+        if breaker_failures == 0 {
+            self.report(
+                redis.breaker_failures.span(),
+                "redis.breaker_failures",
+                "expected an integer of at least 1, got 0",
+            );
+        }
         RedisConfig {
             url,
             command_timeout: redis.command_timeout.0,
             connect_timeout: redis.connect_timeout.0,
             key_prefix: redis.key_prefix.clone(),
+            breaker_failures,
         }
     }
 
@@ -748,6 +757,7 @@ impl Checker<'_> {
         let invalidate = self.invalidate(i, raw, is_read);
         let bloom = self.route_bloom(i, raw, is_read, filters);
         let bloom_add = self.bloom_add(i, raw, is_read, filters);
+        let warmup = self.warmup(i, raw, is_read);
 
         RouteConfig {
             name: name.clone(),
@@ -768,7 +778,62 @@ impl Checker<'_> {
             early_refresh_beta,
             bloom,
             bloom_add,
+            warmup,
         }
+    }
+
+    fn warmup(&mut self, i: usize, raw: &RawRoute, is_read: bool) -> Option<WarmupConfig> {
+        let spanned = raw.warmup.as_ref()?;
+        let warmup = spanned.get_ref();
+        let key = format!("routes[{i}].warmup");
+        if !is_read {
+            self.report(
+                spanned.span(),
+                key,
+                "only read routes (GET/HEAD) warm up; move it to the route that caches",
+            );
+            return None;
+        }
+        let pattern = raw.pattern.get_ref();
+        let mut router = matchit::Router::new();
+        if check_pattern(pattern).is_err() || router.insert(pattern.as_str(), ()).is_err() {
+            return None; // reported at routes[i].match
+        }
+        let mut paths = Vec::new();
+        for (j, path) in warmup.paths.iter().enumerate() {
+            let text = path.get_ref();
+            let bare = text.split('?').next().unwrap_or(text);
+            if !bare.starts_with('/') || router.at(bare).is_err() {
+                self.report(
+                    path.span(),
+                    format!("{key}.paths[{j}]"),
+                    format!("expected a path this route matches ({pattern:?}), got {text:?}"),
+                );
+                continue;
+            }
+            paths.push(text.clone());
+        }
+        let file = warmup.file.as_ref().map(|f| PathBuf::from(f.get_ref()));
+        if paths.is_empty() && file.is_none() && warmup.paths.is_empty() {
+            self.report(
+                spanned.span(),
+                key.clone(),
+                "expected paths = [\"/api/items/1\", …] or file = \"/path/to/paths.txt\", got neither",
+            );
+        }
+        let rate = match &warmup.rate {
+            Some(rate) if *rate.get_ref() == 0 => {
+                self.report(
+                    rate.span(),
+                    format!("{key}.rate"),
+                    "expected paths per second of at least 1, got 0",
+                );
+                1
+            }
+            Some(rate) => *rate.get_ref(),
+            None => defaults::WARMUP_RATE,
+        };
+        Some(WarmupConfig { paths, file, rate })
     }
 
     fn route_bloom(

@@ -1,4 +1,4 @@
-//! The shared Redis connection with health tracking.
+//! The shared Redis connection behind a circuit breaker.
 //!
 //! One multiplexed [`ConnectionManager`] serves every request (commands are pipelined on one
 //! socket; redis-rs reconnects it after I/O errors). Around it:
@@ -6,14 +6,21 @@
 //! - every command is wrapped in `command_timeout`, because a reconnecting manager makes
 //!   callers wait for the reconnection, which the manager's own response timeout does not
 //!   cover;
-//! - the first failure marks Redis *down*: from then on commands fail at once with
-//!   [`Unavailable`] (no per-request timeout cost) until a background probe gets a `PING`
-//!   answer, which marks it *up* again. The probe runs every [`PROBE_INTERVAL`], so
-//!   recovery is noticed well within a second.
+//! - `breaker_failures` consecutive failures or timeouts **open** the breaker: from then on
+//!   commands fail at once with [`Unavailable`] — requests skip Redis entirely and pay no
+//!   timeout — and cacheguard runs on L1 and in-process single-flight;
+//! - a background probe `PING`s every [`PROBE_INTERVAL`] while the breaker is open and
+//!   **closes** it only when the answer comes within `command_timeout` (a Redis that answers,
+//!   but slowly, stays out of the request path);
+//! - while closed, the probe runs every second with `INFO server`, so an idle instance
+//!   notices an outage before a request pays for it, and a changed `run_id` tells that Redis
+//!   restarted (its cache, locks and generations are gone: L1 and stale copies keep serving
+//!   while single-flight refills it, under the origin caps).
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::time::{Duration, Instant};
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig, MultiplexedConnection};
 use redis::{AsyncCommands, FromRedisValue, RedisError, Script};
@@ -23,8 +30,10 @@ use tracing::{info, warn};
 use crate::config::RedisConfig;
 use crate::metrics::{Metrics, RedisOp};
 
-/// How often a down Redis is probed.
+/// How often an open breaker probes Redis.
 pub(crate) const PROBE_INTERVAL: Duration = Duration::from_millis(200);
+/// How often a closed breaker checks on Redis (every this many probe intervals).
+const UP_CHECK_EVERY: u32 = 5;
 
 /// Redis could not be used for this command (down, timed out, or failed).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -44,7 +53,13 @@ struct Inner {
     bulk: tokio::sync::Mutex<Option<MultiplexedConnection>>,
     command_timeout: Duration,
     probe_timeout: Duration,
+    /// Breaker closed (Redis in the request path).
     up: AtomicBool,
+    /// Consecutive failed commands while closed.
+    failures: AtomicU32,
+    breaker_failures: u32,
+    /// The `run_id` Redis last reported, to notice a restart.
+    run_id: Mutex<Option<String>>,
     metrics: Metrics,
 }
 
@@ -84,11 +99,15 @@ impl RedisConn {
             bulk: tokio::sync::Mutex::new(None),
             command_timeout: config.command_timeout,
             probe_timeout: config.connect_timeout.max(config.command_timeout),
-            // Down until the first probe answers: requests never wait on a first connect.
+            // Open until the first probe answers: requests never wait on a first connect.
             up: AtomicBool::new(false),
+            failures: AtomicU32::new(0),
+            breaker_failures: config.breaker_failures.max(1),
+            run_id: Mutex::new(None),
             metrics,
         });
         inner.metrics.redis_up.set(0);
+        inner.metrics.redis_breaker_open.set(1);
         let this = RedisConn { inner };
         this.probe().await;
         if !this.is_up() {
@@ -126,12 +145,13 @@ impl RedisConn {
             invocation.arg(*arg);
         }
         let mut conn = self.inner.conn.clone();
+        let started = Instant::now();
         let result = tokio::time::timeout(
             self.inner.command_timeout,
             invocation.invoke_async(&mut conn),
         )
         .await;
-        self.settle(op, result)
+        self.settle(op, started, result)
     }
 
     /// `GET key`, or `Unavailable` at once while Redis is down.
@@ -140,12 +160,13 @@ impl RedisConn {
             return Err(Unavailable);
         }
         let mut conn = self.inner.conn.clone();
+        let started = Instant::now();
         let result = tokio::time::timeout(
             self.inner.command_timeout,
             conn.get::<_, Option<Vec<u8>>>(key),
         )
         .await;
-        self.settle(RedisOp::Get, result)
+        self.settle(RedisOp::Get, started, result)
     }
 
     /// Runs a command that may move a large value (a Bloom filter snapshot, a resync of
@@ -197,23 +218,30 @@ impl RedisConn {
         }
     }
 
-    /// Turns a bounded command result into a value or `Unavailable`, marking Redis down on
-    /// any failure.
+    /// Turns a bounded command result into a value or `Unavailable`, counting failures
+    /// toward opening the breaker.
     fn settle<T>(
         &self,
         op: RedisOp,
+        started: Instant,
         result: Result<Result<T, RedisError>, tokio::time::error::Elapsed>,
     ) -> Result<T, Unavailable> {
+        self.inner
+            .metrics
+            .redis_latency(op, started.elapsed().as_secs_f64());
         match result {
-            Ok(Ok(value)) => Ok(value),
+            Ok(Ok(value)) => {
+                self.inner.failures.store(0, Ordering::Relaxed);
+                Ok(value)
+            }
             Ok(Err(error)) => {
                 self.inner.metrics.redis_error(op);
-                self.mark_down(&format!("{op:?} failed: {error}"));
+                self.failed(&format!("{op:?} failed: {error}"));
                 Err(Unavailable)
             }
             Err(_) => {
                 self.inner.metrics.redis_error(op);
-                self.mark_down(&format!(
+                self.failed(&format!(
                     "{op:?} timed out after {:?}",
                     self.inner.command_timeout
                 ));
@@ -222,27 +250,38 @@ impl RedisConn {
         }
     }
 
+    /// One more consecutive failure; enough of them open the breaker.
+    fn failed(&self, why: &str) {
+        let failures = self.inner.failures.fetch_add(1, Ordering::AcqRel) + 1;
+        if failures >= self.inner.breaker_failures {
+            self.mark_down(why);
+        }
+    }
+
     fn mark_down(&self, why: &str) {
         if self.inner.up.swap(false, Ordering::AcqRel) {
             self.inner.metrics.redis_up.set(0);
             self.inner.metrics.redis_transitions.inc();
+            self.inner.metrics.breaker_transition(true);
             warn!(
-                message = "Redis unavailable; serving degraded (L1 and origin).",
+                message =
+                    "Redis breaker open; serving degraded (L1, in-process single-flight, origin).",
                 reason = why
             );
         }
     }
 
     fn mark_up(&self) {
+        self.inner.failures.store(0, Ordering::Relaxed);
         if !self.inner.up.swap(true, Ordering::AcqRel) {
             self.inner.metrics.redis_up.set(1);
             self.inner.metrics.redis_transitions.inc();
-            info!(message = "Redis available.");
+            self.inner.metrics.breaker_transition(false);
+            info!(message = "Redis breaker closed: Redis answers in time again.");
         }
     }
 
-    /// Probes Redis with `PING` while it is down (and, less often, while it is up, so an
-    /// idle instance notices an outage before a request pays for it).
+    /// Probes Redis while the breaker is open (and, less often, while it is closed).
     async fn probe_loop(self, stop: CancellationToken) {
         let mut ticks: u32 = 0;
         loop {
@@ -251,31 +290,77 @@ impl RedisConn {
                 () = tokio::time::sleep(PROBE_INTERVAL) => {}
             }
             ticks = ticks.wrapping_add(1);
-            if self.is_up() && !ticks.is_multiple_of(5) {
+            if self.is_up() && !ticks.is_multiple_of(UP_CHECK_EVERY) {
                 continue;
             }
             self.probe().await;
         }
     }
 
-    /// One `PING`, bounded by the probe timeout; marks Redis up or down.
+    /// One `INFO server`, bounded by the probe timeout. It closes the breaker only when it
+    /// is answered within `command_timeout`; a failure opens it at once (the probe is not
+    /// a request: one failed probe is evidence enough). The run id tells a restart.
     async fn probe(&self) {
         let mut conn = self.inner.conn.clone();
-        let ping = tokio::time::timeout(
+        let started = Instant::now();
+        let info = tokio::time::timeout(
             self.inner.probe_timeout,
-            redis::cmd("PING").query_async::<String>(&mut conn),
+            redis::cmd("INFO")
+                .arg("server")
+                .query_async::<String>(&mut conn),
         )
         .await;
-        match ping {
-            Ok(Ok(_)) => self.mark_up(),
+        let took = started.elapsed();
+        self.inner
+            .metrics
+            .redis_latency(RedisOp::Ping, took.as_secs_f64());
+        match info {
+            Ok(Ok(info)) if took <= self.inner.command_timeout => {
+                self.note_run_id(&info);
+                self.mark_up();
+            }
+            Ok(Ok(_)) => {
+                self.inner.metrics.redis_error(RedisOp::Ping);
+                self.mark_down(&format!(
+                    "Redis answered in {took:?}, over command_timeout {:?}",
+                    self.inner.command_timeout
+                ));
+            }
             Ok(Err(error)) => {
                 self.inner.metrics.redis_error(RedisOp::Ping);
-                self.mark_down(&format!("PING failed: {error}"));
+                self.mark_down(&format!("INFO failed: {error}"));
             }
             Err(_) => {
                 self.inner.metrics.redis_error(RedisOp::Ping);
-                self.mark_down("PING timed out");
+                self.mark_down("INFO timed out");
             }
+        }
+    }
+
+    fn note_run_id(&self, info: &str) {
+        let Some(run_id) = info
+            .lines()
+            .find_map(|line| line.strip_prefix("run_id:"))
+            .map(str::trim)
+        else {
+            return;
+        };
+        let mut last = self
+            .inner
+            .run_id
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(previous) = last.as_deref()
+            && previous != run_id
+        {
+            self.inner.metrics.redis_restarts.inc();
+            warn!(
+                message = "Redis restarted (new run id): its cache is empty; L1 and stale copies serve while single-flight refills it.",
+                previous, run_id,
+            );
+        }
+        if last.as_deref() != Some(run_id) {
+            *last = Some(run_id.to_owned());
         }
     }
 }

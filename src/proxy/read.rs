@@ -205,7 +205,11 @@ impl Proxy {
     }
 
     /// A miss: one fill per key in this process, shared with every concurrent miss.
-    async fn fill(self: &Arc<Self>, job: FillJob, head: bool) -> (Response<Body>, Outcome) {
+    pub(crate) async fn fill(
+        self: &Arc<Self>,
+        job: FillJob,
+        head: bool,
+    ) -> (Response<Body>, Outcome) {
         if self.uncacheable.contains_key(&job.key.hash) {
             // Hit-for-miss: the last answer for this key was not shareable, so nobody waits
             // on anybody; each request fetches for itself.

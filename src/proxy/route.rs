@@ -94,6 +94,11 @@ impl RouteTable {
         Some(Matched { route, id })
     }
 
+    /// Every route, in no particular order.
+    pub(crate) fn all(&self) -> impl Iterator<Item = &Arc<Route>> {
+        self.by_pattern.iter().flatten()
+    }
+
     /// The Bloom id in `path` for a read route of `filter`: how the id of a created
     /// resource is found in its `Location`.
     pub(crate) fn id_for_filter<'p>(&self, filter: &str, path: &'p str) -> Option<&'p str> {
