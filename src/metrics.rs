@@ -489,7 +489,7 @@ impl Metrics {
         let bloom_items = IntGaugeVec::new(
             bloom(
                 "cacheguard_bloom_items",
-                "Distinct ids in the Bloom filter (estimate: adds that set a new bit).",
+                "Ids in the Bloom filter: those loaded, plus later adds that set a new bit.",
             ),
             &["filter"],
         )?;

@@ -184,18 +184,25 @@ impl RedisConn {
         }
         let mut slot = self.inner.bulk.lock().await;
         let attempt = tokio::time::timeout(timeout, async {
-            let mut conn = match slot.take() {
-                Some(conn) => conn,
-                None => {
-                    let config = redis::AsyncConnectionConfig::new()
-                        .set_connection_timeout(Some(self.inner.probe_timeout))
-                        .set_response_timeout(Some(timeout));
-                    self.inner
-                        .client
-                        .get_multiplexed_async_connection_with_config(&config)
-                        .await?
+            // A kept connection may have died since its last use (Redis restarted, a
+            // network cut): then try once more on a fresh one.
+            if let Some(mut conn) = slot.take() {
+                match cmd.query_async::<T>(&mut conn).await {
+                    Ok(value) => return Ok((conn, value)),
+                    Err(error) if !error.is_io_error() && !error.is_connection_dropped() => {
+                        return Err(error);
+                    }
+                    Err(_) => {}
                 }
-            };
+            }
+            let config = redis::AsyncConnectionConfig::new()
+                .set_connection_timeout(Some(self.inner.probe_timeout))
+                .set_response_timeout(Some(timeout));
+            let mut conn = self
+                .inner
+                .client
+                .get_multiplexed_async_connection_with_config(&config)
+                .await?;
             let value = cmd.query_async::<T>(&mut conn).await?;
             Ok::<_, RedisError>((conn, value))
         })

@@ -376,13 +376,14 @@ impl Filters {
         &self.order
     }
 
-    /// Starts one load loop per filter (and the retry loop for unshared adds).
+    /// Starts one load loop per filter (and, in shared mode, the loop that retries what
+    /// Redis could not take: created ids not yet logged, replays that failed).
     pub(crate) fn spawn(self: &Arc<Self>, stop: &CancellationToken) {
         for filter in &self.order {
             tokio::spawn(Arc::clone(self).run(Arc::clone(filter), stop.clone()));
         }
         if self.shared.is_some() && !self.order.is_empty() {
-            tokio::spawn(Arc::clone(self).retry_unshared(stop.clone()));
+            tokio::spawn(Arc::clone(self).retry_loop(stop.clone()));
         }
     }
 
@@ -409,7 +410,7 @@ impl Filters {
         }
     }
 
-    async fn retry_unshared(self: Arc<Self>, stop: CancellationToken) {
+    async fn retry_loop(self: Arc<Self>, stop: CancellationToken) {
         let Some(shared) = &self.shared else {
             return;
         };
@@ -420,6 +421,13 @@ impl Filters {
             }
             if !shared.redis.is_up() {
                 continue;
+            }
+            // A replay that failed (Redis unreachable at the time) is retried here until it
+            // succeeds; only while the bus is up, or it would miss what comes after it.
+            if self.bus_up.load(Ordering::Acquire) {
+                for filter in &self.order {
+                    self.replay(filter).await;
+                }
             }
             let batch =
                 std::mem::take(&mut *self.unshared.lock().unwrap_or_else(PoisonError::into_inner));

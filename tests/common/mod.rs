@@ -6,6 +6,8 @@
 //! - [`HttpClient`]: keep-alive client; [`raw_request`] for exact headers.
 //! - [`spawn_cacheguard_process`]: the real binary as a child process.
 //! - [`prom`]: a Prometheus text parser for `/metrics`.
+//! - [`TcpProxy`]: a fault-injecting TCP proxy (cut / restore / added latency), e.g. in
+//!   front of a Redis server.
 //!
 //! Every fixture owns what it started and stops it on `Drop` (by PID for processes).
 #![allow(dead_code, unused_imports, unreachable_pub)]
@@ -15,6 +17,7 @@ pub mod origin;
 pub mod process;
 pub mod prom;
 pub mod redis_server;
+pub mod tcp_proxy;
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -24,9 +27,10 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 pub use client::{HttpClient, Resp, raw_request};
-pub use origin::{TestOrigin, default_body};
+pub use origin::{IdsFault, IdsFormat, TestOrigin, default_body};
 pub use process::{CacheguardProcess, spawn_cacheguard_process};
 pub use redis_server::RedisServer;
+pub use tcp_proxy::TcpProxy;
 
 /// The cached route most tests use.
 pub const ITEM_ROUTE: &str = r#"
@@ -267,6 +271,19 @@ where
     tokio::time::timeout(timeout, all)
         .await
         .unwrap_or_else(|_| panic!("{n} tasks did not finish within {timeout:?}"))
+}
+
+/// POST `body` to `url` with extra headers; panics on a transport error.
+pub async fn post(client: &HttpClient, url: &str, headers: &[(&str, &str)], body: &str) -> Resp {
+    client
+        .request(
+            http::Method::POST,
+            url,
+            headers,
+            client::full_body(body.to_owned()),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("POST {url}: {e}"))
 }
 
 /// GET `/metrics` on the admin listener and parse it.

@@ -5,8 +5,14 @@
 //! Default answer to `GET /x`: `200` with body `{"path":"/x","n":N}` where `N` is the
 //! per-path serial number of the request (1 for the first), so tests can tell fresh fetches
 //! apart. `GET /internal/ids` answers the configured id list, one per line.
+//!
+//! The ids endpoint can be controlled at runtime (see [`IdsFault`], [`IdsFormat`],
+//! [`TestOrigin::set_ids_delay`], [`TestOrigin::set_ids_trickle`],
+//! [`TestOrigin::inject_ids_lines`]), and an opt-in "items API"
+//! ([`TestOrigin::enable_items_api`]) makes `POST /api/items` create ids and
+//! `GET /api/items/<id>` answer 200 for existing ids and 404 for the others.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -15,7 +21,9 @@ use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Response, StatusCode, Uri};
-use http_body_util::{BodyExt, Full};
+use http_body_util::combinators::UnsyncBoxBody;
+use http_body_util::{BodyExt, Full, StreamBody};
+use hyper::body::Frame;
 use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
@@ -72,8 +80,85 @@ struct State {
     last: Mutex<HashMap<String, RecordedRequest>>,
     /// Request body bytes received so far per path (updated frame by frame).
     body_bytes: Mutex<HashMap<String, u64>>,
-    ids: Mutex<Vec<String>>,
+    ids: Mutex<IdSet>,
+    ids_endpoint: Mutex<IdsEndpoint>,
+    /// `GET /internal/ids` answers whose body was produced to the end.
+    ids_completed: AtomicU64,
+    items_api: Mutex<Option<ItemsApi>>,
 }
+
+/// The origin's existing ids: in order (for `/internal/ids`) and as a set (for look-ups).
+#[derive(Debug, Default)]
+struct IdSet {
+    list: Vec<String>,
+    set: HashSet<String>,
+    /// The largest id that is a plain integer (0 when none): created ids continue from it.
+    max_int: u64,
+}
+
+impl IdSet {
+    fn new(list: Vec<String>) -> IdSet {
+        let mut ids = IdSet::default();
+        for id in list {
+            ids.push(id);
+        }
+        ids
+    }
+
+    fn push(&mut self, id: String) {
+        if let Ok(n) = id.parse::<u64>() {
+            self.max_int = self.max_int.max(n);
+        }
+        if self.set.insert(id.clone()) {
+            self.list.push(id);
+        }
+    }
+}
+
+/// The body format of `GET /internal/ids`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum IdsFormat {
+    /// One id per line (the default; without injected lines the body has no final newline,
+    /// as it always had).
+    #[default]
+    Lines,
+    /// One `{"id":"…"}` object per line.
+    Ndjson,
+}
+
+/// A failure of `GET /internal/ids`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum IdsFault {
+    #[default]
+    None,
+    /// Answer this status (e.g. 503) with a short text body instead of the ids.
+    Status(u16),
+    /// Answer 200, send about half of the body, then reset the connection (a source that
+    /// dies mid-stream).
+    AbortMidBody,
+}
+
+#[derive(Clone, Debug, Default)]
+struct IdsEndpoint {
+    format: IdsFormat,
+    fault: IdsFault,
+    /// Before the response head.
+    delay: Duration,
+    /// `(chunk bytes, pause before each chunk)`: a body that trickles.
+    trickle: Option<(usize, Duration)>,
+    /// Raw lines (without their newline) inserted before the id at this index.
+    injected: Vec<(usize, Bytes)>,
+}
+
+/// The opt-in items API (see [`TestOrigin::enable_items_api`]).
+#[derive(Clone, Copy, Debug)]
+struct ItemsApi {
+    /// Whether `POST /api/items` sends `Location`.
+    location: bool,
+}
+
+const ITEMS_PREFIX: &str = "/api/items/";
+const ITEMS_COLLECTION: &str = "/api/items";
 
 /// Builder for [`TestOrigin`].
 #[derive(Debug, Default)]
@@ -109,7 +194,7 @@ impl TestOriginBuilder {
     pub async fn start(self) -> TestOrigin {
         let state = Arc::new(State::default());
         *lock(&state.default_delay) = self.delay;
-        *lock(&state.ids) = self.ids;
+        *lock(&state.ids) = IdSet::new(self.ids);
         lock(&state.behaviours).extend(self.behaviours);
 
         let listener = TcpListener::bind("127.0.0.1:0")
@@ -259,13 +344,107 @@ impl TestOrigin {
         I: IntoIterator<Item = S>,
         S: Into<String>,
     {
-        *lock(&self.state.ids) = ids.into_iter().map(Into::into).collect();
+        *lock(&self.state.ids) = IdSet::new(ids.into_iter().map(Into::into).collect());
+    }
+
+    /// Adds one id to the existing ids (served by `/internal/ids` and the items API).
+    pub fn add_id(&self, id: impl Into<String>) {
+        lock(&self.state.ids).push(id.into());
+    }
+
+    /// Whether `id` is one of the existing ids.
+    pub fn has_id(&self, id: &str) -> bool {
+        lock(&self.state.ids).set.contains(id)
+    }
+
+    /// How many ids exist.
+    pub fn id_count(&self) -> usize {
+        lock(&self.state.ids).list.len()
+    }
+
+    /// Requests received for every path starting with `prefix` (query ignored).
+    pub fn count_prefix(&self, prefix: &str) -> u64 {
+        lock(&self.state.counts)
+            .iter()
+            .filter(|(path, _)| path.starts_with(prefix))
+            .map(|(_, n)| n)
+            .sum()
+    }
+
+    /// `GET /internal/ids` answers whose body was produced to its end (compare with
+    /// `count("/internal/ids")`, the requests received, to see a load still running).
+    pub fn ids_completed(&self) -> u64 {
+        self.state.ids_completed.load(Ordering::SeqCst)
+    }
+
+    /// The body format of `/internal/ids`.
+    pub fn set_ids_format(&self, format: IdsFormat) {
+        lock(&self.state.ids_endpoint).format = format;
+    }
+
+    /// Makes `/internal/ids` fail (or, with [`IdsFault::None`], work again).
+    pub fn set_ids_fault(&self, fault: IdsFault) {
+        lock(&self.state.ids_endpoint).fault = fault;
+    }
+
+    /// Delay before `/internal/ids` sends its response head.
+    pub fn set_ids_delay(&self, delay: Duration) {
+        lock(&self.state.ids_endpoint).delay = delay;
+    }
+
+    /// Streams the `/internal/ids` body in chunks of `chunk_bytes`, pausing `pause` before
+    /// each; `None` sends it at once.
+    pub fn set_ids_trickle(&self, trickle: Option<(usize, Duration)>) {
+        lock(&self.state.ids_endpoint).trickle = trickle.map(|(n, d)| (n.max(1), d));
+    }
+
+    /// Inserts raw lines (no newline inside; any bytes, so non-UTF-8 too) into the
+    /// `/internal/ids` body before the id at index `before` (`before >= len` = at the end).
+    /// Accumulates; [`TestOrigin::clear_ids_lines`] removes them.
+    pub fn inject_ids_lines<I, B>(&self, before: usize, lines: I)
+    where
+        I: IntoIterator<Item = B>,
+        B: Into<Bytes>,
+    {
+        let mut endpoint = lock(&self.state.ids_endpoint);
+        endpoint
+            .injected
+            .extend(lines.into_iter().map(|l| (before, l.into())));
+    }
+
+    pub fn clear_ids_lines(&self) {
+        lock(&self.state.ids_endpoint).injected.clear();
+    }
+
+    /// Turns the items API on: `POST /api/items` creates the next integer id (one more than
+    /// the largest integer id so far), adds it to the existing ids and answers `201` with
+    /// `Location: /api/items/<id>` and `{"id":"<id>"}`; `GET /api/items/<id>` answers `200`
+    /// `{"id":"<id>"}` for an existing id and `404` otherwise. Per-path settings (status,
+    /// body, echo) still take precedence; delays apply as usual.
+    pub fn enable_items_api(&self) {
+        *lock(&self.state.items_api) = Some(ItemsApi { location: true });
+    }
+
+    /// With the items API on: whether `POST /api/items` sends `Location` (default true).
+    pub fn set_items_location(&self, location: bool) {
+        if let Some(api) = lock(&self.state.items_api).as_mut() {
+            api.location = location;
+        }
     }
 }
 
 /// The default body for the `n`th request to `path`.
 pub fn default_body(path: &str, n: u64) -> String {
     format!(r#"{{"path":"{path}","n":{n}}}"#)
+}
+
+/// The origin's response body.
+type OriginBody = UnsyncBoxBody<Bytes, std::io::Error>;
+
+fn full(body: impl Into<Bytes>) -> OriginBody {
+    Full::new(body.into())
+        .map_err(|never| match never {})
+        .boxed_unsync()
 }
 
 struct InFlight(Arc<State>);
@@ -288,7 +467,7 @@ async fn handle(
     state: Arc<State>,
     peer: SocketAddr,
     req: Request<Incoming>,
-) -> Response<Full<Bytes>> {
+) -> Response<OriginBody> {
     let _guard = InFlight::enter(state.clone());
     let path = req.uri().path().to_string();
     state.total.fetch_add(1, Ordering::SeqCst);
@@ -331,33 +510,214 @@ async fn handle(
         tokio::time::sleep(delay).await;
     }
 
-    let status = StatusCode::from_u16(behaviour.status.unwrap_or(200)).expect("valid status");
-    let (body, content_type) = if behaviour.echo {
-        let ct = parts
-            .headers
-            .get(http::header::CONTENT_TYPE)
-            .cloned()
-            .unwrap_or(HeaderValue::from_static("application/octet-stream"));
-        (received, ct)
-    } else if let Some(body) = behaviour.body {
-        (body, HeaderValue::from_static("application/json"))
-    } else if path == "/internal/ids" {
-        let ids = lock(&state.ids).join("\n");
-        (Bytes::from(ids), HeaderValue::from_static("text/plain"))
+    let plain = behaviour.status.is_none() && behaviour.body.is_none() && !behaviour.echo;
+    let items_api = *lock(&state.items_api);
+    let special = if plain && path == "/internal/ids" {
+        Some(ids_response(&state).await)
+    } else if plain && let Some(api) = items_api {
+        items_response(&state, api, &parts.method, &path)
     } else {
-        (
-            Bytes::from(default_body(&path, n)),
-            HeaderValue::from_static("application/json"),
-        )
+        None
     };
-    let mut resp = Response::new(Full::new(body));
-    *resp.status_mut() = status;
-    resp.headers_mut()
-        .insert(http::header::CONTENT_TYPE, content_type);
+    let mut resp = match special {
+        Some(resp) => resp,
+        None => {
+            let status =
+                StatusCode::from_u16(behaviour.status.unwrap_or(200)).expect("valid status");
+            let (body, content_type) = if behaviour.echo {
+                let ct = parts
+                    .headers
+                    .get(http::header::CONTENT_TYPE)
+                    .cloned()
+                    .unwrap_or(HeaderValue::from_static("application/octet-stream"));
+                (received, ct)
+            } else if let Some(body) = behaviour.body {
+                (body, HeaderValue::from_static("application/json"))
+            } else if path == "/internal/ids" {
+                let ids = lock(&state.ids).list.join("\n");
+                (Bytes::from(ids), HeaderValue::from_static("text/plain"))
+            } else {
+                (
+                    Bytes::from(default_body(&path, n)),
+                    HeaderValue::from_static("application/json"),
+                )
+            };
+            let mut resp = Response::new(full(body));
+            *resp.status_mut() = status;
+            resp.headers_mut()
+                .insert(http::header::CONTENT_TYPE, content_type);
+            resp
+        }
+    };
     for (k, v) in &behaviour.headers {
         let name = HeaderName::from_bytes(k.as_bytes()).expect("header name");
         let value = HeaderValue::from_str(v).expect("header value");
         resp.headers_mut().append(name, value);
     }
     resp
+}
+
+/// `GET /internal/ids` as configured by the ids endpoint settings.
+async fn ids_response(state: &Arc<State>) -> Response<OriginBody> {
+    let endpoint = lock(&state.ids_endpoint).clone();
+    if !endpoint.delay.is_zero() {
+        tokio::time::sleep(endpoint.delay).await;
+    }
+    if let IdsFault::Status(code) = endpoint.fault {
+        let mut resp = Response::new(full("ids unavailable\n"));
+        *resp.status_mut() = StatusCode::from_u16(code).expect("valid status");
+        resp.headers_mut().insert(
+            http::header::CONTENT_TYPE,
+            HeaderValue::from_static("text/plain"),
+        );
+        return resp;
+    }
+    let body = ids_body(&lock(&state.ids).list, &endpoint);
+    let content_type = match endpoint.format {
+        IdsFormat::Lines => "text/plain",
+        IdsFormat::Ndjson => "application/x-ndjson",
+    };
+
+    // Chunks to send, then (for AbortMidBody) an error that makes hyper reset the
+    // connection instead of ending the body.
+    let chunk_size = endpoint.trickle.map_or(64 * 1024, |(n, _)| n);
+    let pause = endpoint.trickle.map_or(Duration::ZERO, |(_, d)| d);
+    let abort = endpoint.fault == IdsFault::AbortMidBody;
+    let send_len = if abort { body.len() / 2 } else { body.len() };
+    let chunks: Vec<Bytes> = (0..send_len)
+        .step_by(chunk_size)
+        .map(|start| body.slice(start..(start + chunk_size).min(send_len)))
+        .collect();
+    let done = state.clone();
+    let stream = futures_util::stream::unfold(
+        (chunks.into_iter(), false),
+        move |(mut chunks, finished)| {
+            let done = done.clone();
+            async move {
+                if finished {
+                    return None;
+                }
+                match chunks.next() {
+                    Some(chunk) => {
+                        if !pause.is_zero() {
+                            tokio::time::sleep(pause).await;
+                        }
+                        Some((Ok(Frame::data(chunk)), (chunks, false)))
+                    }
+                    None if abort => Some((
+                        Err(std::io::Error::new(
+                            std::io::ErrorKind::ConnectionReset,
+                            "ids source aborted mid-body",
+                        )),
+                        (chunks, true),
+                    )),
+                    None => {
+                        done.ids_completed.fetch_add(1, Ordering::SeqCst);
+                        None
+                    }
+                }
+            }
+        },
+    );
+    let mut resp = Response::new(StreamBody::new(stream).boxed_unsync());
+    resp.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        HeaderValue::from_static(content_type),
+    );
+    resp
+}
+
+/// The `/internal/ids` body: ids (and injected raw lines) in the configured format.
+fn ids_body(ids: &[String], endpoint: &IdsEndpoint) -> Bytes {
+    if endpoint.format == IdsFormat::Lines && endpoint.injected.is_empty() {
+        // Exactly the historical body: ids joined by newlines, no final newline.
+        return Bytes::from(ids.join("\n"));
+    }
+    let mut injected = endpoint.injected.clone();
+    // Stable: lines injected at the same index keep their order.
+    injected.sort_by_key(|(before, _)| *before);
+    let mut injected = injected.into_iter().peekable();
+    let mut out = BytesMut::new();
+    for (i, id) in ids.iter().enumerate() {
+        while let Some((_, line)) = injected.next_if(|(before, _)| *before <= i) {
+            out.extend_from_slice(&line);
+            out.extend_from_slice(b"\n");
+        }
+        match endpoint.format {
+            IdsFormat::Lines => out.extend_from_slice(id.as_bytes()),
+            IdsFormat::Ndjson => {
+                out.extend_from_slice(format!("{{\"id\":{}}}", json_string(id)).as_bytes());
+            }
+        }
+        out.extend_from_slice(b"\n");
+    }
+    for (_, line) in injected {
+        out.extend_from_slice(&line);
+        out.extend_from_slice(b"\n");
+    }
+    out.freeze()
+}
+
+/// `s` as a JSON string literal.
+fn json_string(s: &str) -> String {
+    let mut out = String::with_capacity(s.len() + 2);
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            c if u32::from(c) < 0x20 => out.push_str(&format!("\\u{:04x}", u32::from(c))),
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
+}
+
+/// The items API, when it applies to this request.
+fn items_response(
+    state: &Arc<State>,
+    api: ItemsApi,
+    method: &Method,
+    path: &str,
+) -> Option<Response<OriginBody>> {
+    let json = |status: StatusCode, body: String| {
+        let mut resp = Response::new(full(body));
+        *resp.status_mut() = status;
+        resp.headers_mut().insert(
+            http::header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        resp
+    };
+    if path == ITEMS_COLLECTION && method == Method::POST {
+        let id = {
+            let mut ids = lock(&state.ids);
+            let id = (ids.max_int + 1).to_string();
+            ids.push(id.clone());
+            id
+        };
+        let mut resp = json(
+            StatusCode::CREATED,
+            format!("{{\"id\":{}}}", json_string(&id)),
+        );
+        if api.location {
+            let location = HeaderValue::from_str(&format!("{ITEMS_PREFIX}{id}"))
+                .expect("location header value");
+            resp.headers_mut().insert(http::header::LOCATION, location);
+        }
+        return Some(resp);
+    }
+    let id = path.strip_prefix(ITEMS_PREFIX)?;
+    if id.is_empty() || id.contains('/') || !(method == Method::GET || method == Method::HEAD) {
+        return None;
+    }
+    Some(if lock(&state.ids).set.contains(id) {
+        json(StatusCode::OK, format!("{{\"id\":{}}}", json_string(id)))
+    } else {
+        json(
+            StatusCode::NOT_FOUND,
+            r#"{"error":"not found"}"#.to_string(),
+        )
+    })
 }

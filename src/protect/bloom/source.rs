@@ -35,7 +35,7 @@ pub(crate) struct LoadStats {
     pub(crate) lines: u64,
     /// Malformed lines skipped.
     pub(crate) skipped: u64,
-    /// Distinct ids put in the filter (an id that set no new bit is counted once).
+    /// Ids put in the filter (a source is expected to list each id once).
     pub(crate) items: u64,
 }
 
@@ -63,9 +63,8 @@ pub(crate) async fn load(
     let mut sink = |line: Line<'_>| match line {
         Line::Id(id) => {
             stats.lines += 1;
-            if !bloom.check_and_set(&id) {
-                stats.items += 1;
-            }
+            stats.items += 1;
+            bloom.set(&id);
         }
         Line::Malformed => {
             stats.lines += 1;

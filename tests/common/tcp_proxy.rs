@@ -1,0 +1,202 @@
+//! `TcpProxy`: a small fault-injecting TCP proxy on `127.0.0.1`, put between cacheguard and
+//! a Redis server to cut connections or slow them down.
+//!
+//! - [`TcpProxy::cut`]: closes every proxied connection now and closes each new one as soon
+//!   as it is accepted, until [`TcpProxy::restore`] (a network partition, seen by the client
+//!   as connections that end at once).
+//! - [`TcpProxy::set_delay`]: each chunk read from either side waits this long before it is
+//!   forwarded (added latency, both directions; applies to connections already open too).
+//!
+//! Every task the proxy spawns is owned by it and stopped on `Drop`.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::{JoinHandle, JoinSet};
+use tokio_util::sync::CancellationToken;
+
+/// Bound on connecting to the target for one accepted connection.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+const CHUNK: usize = 16 * 1024;
+
+#[derive(Debug)]
+struct Link {
+    /// While true, new connections are closed as soon as they are accepted.
+    cut: bool,
+    /// Cancelled by `cut()`: ends every connection opened before it.
+    epoch: CancellationToken,
+}
+
+#[derive(Debug)]
+struct Shared {
+    target: SocketAddr,
+    link: Mutex<Link>,
+    delay: Mutex<Duration>,
+    accepted: AtomicU64,
+    refused: AtomicU64,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// A TCP proxy from a free loopback port to `target`. Stops (listener and every proxied
+/// connection) on `Drop`.
+#[derive(Debug)]
+pub struct TcpProxy {
+    addr: SocketAddr,
+    shared: Arc<Shared>,
+    stop: CancellationToken,
+    task: JoinHandle<()>,
+}
+
+impl TcpProxy {
+    /// Binds `127.0.0.1:0` and forwards every accepted connection to `target`.
+    pub async fn start(target: SocketAddr) -> TcpProxy {
+        let listener = TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind tcp proxy");
+        let addr = listener.local_addr().expect("tcp proxy local addr");
+        let shared = Arc::new(Shared {
+            target,
+            link: Mutex::new(Link {
+                cut: false,
+                epoch: CancellationToken::new(),
+            }),
+            delay: Mutex::new(Duration::ZERO),
+            accepted: AtomicU64::new(0),
+            refused: AtomicU64::new(0),
+        });
+        let stop = CancellationToken::new();
+        let task = tokio::spawn(accept_loop(listener, shared.clone(), stop.clone()));
+        TcpProxy {
+            addr,
+            shared,
+            stop,
+            task,
+        }
+    }
+
+    /// The address clients connect to.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// `redis://ADDR` for a proxy in front of a Redis server.
+    pub fn redis_url(&self) -> String {
+        format!("redis://{}", self.addr)
+    }
+
+    /// Drops every current connection and closes new ones at once, until [`Self::restore`].
+    pub fn cut(&self) {
+        let mut link = lock(&self.shared.link);
+        link.cut = true;
+        link.epoch.cancel();
+    }
+
+    /// Accepts and forwards connections again (connections dropped by `cut` stay closed).
+    pub fn restore(&self) {
+        let mut link = lock(&self.shared.link);
+        link.cut = false;
+        if link.epoch.is_cancelled() {
+            link.epoch = CancellationToken::new();
+        }
+    }
+
+    /// Whether the proxy is cut.
+    pub fn is_cut(&self) -> bool {
+        lock(&self.shared.link).cut
+    }
+
+    /// Added latency per forwarded chunk, both directions (zero = none).
+    pub fn set_delay(&self, delay: Duration) {
+        *lock(&self.shared.delay) = delay;
+    }
+
+    /// Connections accepted and forwarded so far.
+    pub fn accepted(&self) -> u64 {
+        self.shared.accepted.load(Ordering::SeqCst)
+    }
+
+    /// Connections closed at once because the proxy was cut.
+    pub fn refused(&self) -> u64 {
+        self.shared.refused.load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for TcpProxy {
+    fn drop(&mut self) {
+        self.stop.cancel();
+        lock(&self.shared.link).epoch.cancel();
+        // Aborting the accept task drops its JoinSet, which aborts every connection task.
+        self.task.abort();
+    }
+}
+
+async fn accept_loop(listener: TcpListener, shared: Arc<Shared>, stop: CancellationToken) {
+    let mut connections = JoinSet::new();
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => break,
+            accepted = listener.accept() => {
+                let Ok((client, _peer)) = accepted else { continue };
+                // Decide under the lock, so a connection accepted while `cut()` runs is
+                // either refused here or owned by the epoch `cut()` cancels.
+                let epoch = {
+                    let link = lock(&shared.link);
+                    (!link.cut).then(|| link.epoch.clone())
+                };
+                let Some(epoch) = epoch else {
+                    shared.refused.fetch_add(1, Ordering::SeqCst);
+                    drop(client);
+                    continue;
+                };
+                shared.accepted.fetch_add(1, Ordering::SeqCst);
+                connections.spawn(proxy_connection(client, shared.clone(), epoch));
+            }
+            Some(_) = connections.join_next(), if !connections.is_empty() => {}
+        }
+    }
+    connections.shutdown().await;
+}
+
+async fn proxy_connection(client: TcpStream, shared: Arc<Shared>, epoch: CancellationToken) {
+    let upstream = tokio::select! {
+        () = epoch.cancelled() => return,
+        c = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(shared.target)) => c,
+    };
+    let Ok(Ok(upstream)) = upstream else { return };
+    let _ = client.set_nodelay(true);
+    let _ = upstream.set_nodelay(true);
+    let (client_read, client_write) = client.into_split();
+    let (upstream_read, upstream_write) = upstream.into_split();
+    // The first direction to end (EOF, error, or the cut) ends the whole connection: both
+    // sockets are dropped here, so each peer sees the connection close.
+    tokio::select! {
+        () = epoch.cancelled() => {}
+        () = pump(client_read, upstream_write, &shared) => {}
+        () = pump(upstream_read, client_write, &shared) => {}
+    }
+}
+
+async fn pump(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, shared: &Shared) {
+    let mut buf = vec![0u8; CHUNK];
+    loop {
+        let n = match from.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => n,
+        };
+        let delay = *lock(&shared.delay);
+        if !delay.is_zero() {
+            tokio::time::sleep(delay).await;
+        }
+        if to.write_all(&buf[..n]).await.is_err() {
+            return;
+        }
+    }
+}
