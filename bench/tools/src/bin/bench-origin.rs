@@ -5,20 +5,34 @@
 //!   1..=`--max-id`.
 //! - `GET /stats`: JSON counters (total, per path, in flight, max in flight).
 //! - `POST /stats/reset` (GET accepted too): zero every counter.
+//! - `GET /internal/ids`: every existing id, `1..=--max-id`, one per line (`text/plain`,
+//!   chunked, generated on the fly in batches: never one big string). The source of a
+//!   cacheguard `[[bloom]]` filter (`source = { url = "/internal/ids" }`); no delay.
 //!
-//! The stats endpoints are not counted. Listens on 127.0.0.1 only.
+//! - `GET /stats/timeline`: the counted requests (those in `total`) per `--timeline-bucket-ms`
+//!   (100 ms) bucket since the last reset (or the start), with the largest in-flight count
+//!   seen in each bucket: `{"bucket_ms", "t0_unix_ms", "elapsed_ms", "counts": [..],
+//!   "max_in_flight": [..], "overflow"}`. Buckets cover the first hour after a reset; later
+//!   requests are only counted in `overflow`. `/stats/reset` restarts it too. For rates over
+//!   time (bench/avalanche.sh: origin req/s in any 1 s window).
+//!
+//! The stats endpoints and `/internal/ids` are not counted in `total`/`paths` (so `total`
+//! stays "API requests that reached the origin"); `/stats` reports the id-list downloads
+//! separately as `ids_lists`. Listens on 127.0.0.1 only.
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use clap::Parser;
-use http_body_util::Full;
-use hyper::body::Incoming;
+use http_body_util::{Either, Full};
+use hyper::body::{Body, Frame, Incoming, SizeHint};
 use hyper::header::{CONTENT_TYPE, HeaderValue};
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
@@ -44,6 +58,99 @@ struct Args {
     /// Tokio worker threads.
     #[arg(long, default_value_t = 2)]
     threads: usize,
+    /// Width of one `/stats/timeline` bucket, in milliseconds.
+    #[arg(long, default_value_t = 100)]
+    timeline_bucket_ms: u64,
+}
+
+/// Counted requests per time bucket since `t0` (the last reset), for `/stats/timeline`.
+struct Timeline {
+    bucket_ms: u64,
+    /// Process-local time base: `t0` is `base + t0_ns`.
+    base: Instant,
+    t0_ns: AtomicU64,
+    t0_unix_ms: AtomicU64,
+    counts: Vec<AtomicU64>,
+    max_in_flight: Vec<AtomicU64>,
+    overflow: AtomicU64,
+}
+
+impl Timeline {
+    /// One hour of buckets.
+    const SPAN_MS: u64 = 3_600_000;
+
+    fn new(bucket_ms: u64) -> Self {
+        let bucket_ms = bucket_ms.max(1);
+        let n = Self::SPAN_MS.div_ceil(bucket_ms) as usize;
+        Timeline {
+            bucket_ms,
+            base: Instant::now(),
+            t0_ns: AtomicU64::new(0),
+            t0_unix_ms: AtomicU64::new(unix_ms()),
+            counts: (0..n).map(|_| AtomicU64::new(0)).collect(),
+            max_in_flight: (0..n).map(|_| AtomicU64::new(0)).collect(),
+            overflow: AtomicU64::new(0),
+        }
+    }
+
+    fn elapsed_ms(&self) -> u64 {
+        let now_ns = self.base.elapsed().as_nanos() as u64;
+        now_ns.saturating_sub(self.t0_ns.load(Ordering::SeqCst)) / 1_000_000
+    }
+
+    /// The bucket of "now", if it is within the span.
+    fn bucket(&self) -> Option<usize> {
+        let i = (self.elapsed_ms() / self.bucket_ms) as usize;
+        (i < self.counts.len()).then_some(i)
+    }
+
+    fn count(&self) {
+        match self.bucket() {
+            Some(i) => {
+                self.counts[i].fetch_add(1, Ordering::Relaxed);
+            }
+            None => {
+                self.overflow.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    fn in_flight(&self, now: u64) {
+        if let Some(i) = self.bucket() {
+            self.max_in_flight[i].fetch_max(now, Ordering::Relaxed);
+        }
+    }
+
+    fn reset(&self) {
+        for c in self.counts.iter().chain(self.max_in_flight.iter()) {
+            c.store(0, Ordering::Relaxed);
+        }
+        self.overflow.store(0, Ordering::Relaxed);
+        self.t0_unix_ms.store(unix_ms(), Ordering::SeqCst);
+        self.t0_ns
+            .store(self.base.elapsed().as_nanos() as u64, Ordering::SeqCst);
+    }
+
+    fn json(&self) -> String {
+        let elapsed = self.elapsed_ms();
+        let n = ((elapsed / self.bucket_ms) as usize + 1).min(self.counts.len());
+        let load = |v: &[AtomicU64]| v[..n].iter().map(|c| c.load(Ordering::Relaxed)).collect::<Vec<_>>();
+        serde_json::json!({
+            "bucket_ms": self.bucket_ms,
+            "t0_unix_ms": self.t0_unix_ms.load(Ordering::SeqCst),
+            "elapsed_ms": elapsed,
+            "counts": load(&self.counts),
+            "max_in_flight": load(&self.max_in_flight),
+            "overflow": self.overflow.load(Ordering::Relaxed),
+        })
+        .to_string()
+    }
+}
+
+fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
 }
 
 #[derive(Default)]
@@ -54,6 +161,8 @@ struct Stats {
     other: AtomicU64,
     in_flight: AtomicU64,
     max_in_flight: AtomicU64,
+    /// `GET /internal/ids` downloads started (not part of `total`).
+    ids_lists: AtomicU64,
     paths: Mutex<BTreeMap<String, u64>>,
 }
 
@@ -63,6 +172,7 @@ impl Stats {
         self.items_ok.store(0, Ordering::SeqCst);
         self.items_404.store(0, Ordering::SeqCst);
         self.other.store(0, Ordering::SeqCst);
+        self.ids_lists.store(0, Ordering::SeqCst);
         // in_flight is live state, not a counter: keep it, restart the max from it.
         self.max_in_flight
             .store(self.in_flight.load(Ordering::SeqCst), Ordering::SeqCst);
@@ -84,6 +194,7 @@ impl Stats {
             "other": self.other.load(Ordering::SeqCst),
             "in_flight": self.in_flight.load(Ordering::SeqCst),
             "max_in_flight": self.max_in_flight.load(Ordering::SeqCst),
+            "ids_lists": self.ids_lists.load(Ordering::SeqCst),
             "distinct_paths": paths.len(),
             "paths": per_path,
         })
@@ -94,6 +205,7 @@ impl Stats {
 struct State {
     args: Args,
     stats: Stats,
+    timeline: Timeline,
 }
 
 /// `{"id":N,"name":"item N","payload":"xxx…"}` of exactly `n` bytes (at least the frame).
@@ -108,8 +220,63 @@ fn item_body(id: u64, n: usize) -> Bytes {
     Bytes::from(s)
 }
 
-fn json_response(status: StatusCode, body: impl Into<Bytes>) -> Response<Full<Bytes>> {
-    let mut resp = Response::new(Full::new(body.into()));
+/// The ids `next..=last`, one per line, produced a batch at a time as the client reads.
+struct IdsBody {
+    next: u64,
+    last: u64,
+    done: bool,
+}
+
+impl IdsBody {
+    fn new(last: u64) -> Self {
+        IdsBody {
+            next: 1,
+            last,
+            done: last == 0,
+        }
+    }
+
+    /// Ids per frame: 8192 ids is ~50-60 KiB of text.
+    const BATCH: u64 = 8192;
+}
+
+impl Body for IdsBody {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        use std::fmt::Write;
+        let this = self.get_mut();
+        if this.done {
+            return Poll::Ready(None);
+        }
+        let end = this.last.min(this.next.saturating_add(Self::BATCH - 1));
+        let mut s = String::with_capacity(((end - this.next + 1) * 8) as usize);
+        for id in this.next..=end {
+            let _ = writeln!(s, "{id}");
+        }
+        if end == this.last {
+            this.done = true;
+        } else {
+            this.next = end + 1;
+        }
+        Poll::Ready(Some(Ok(Frame::data(Bytes::from(s)))))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.done
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        // no exact length: hyper sends the body chunked
+        SizeHint::default()
+    }
+}
+
+type RespBody = Either<Full<Bytes>, IdsBody>;
+
+fn json_response(status: StatusCode, body: impl Into<Bytes>) -> Response<RespBody> {
+    let mut resp = Response::new(Either::Left(Full::new(body.into())));
     *resp.status_mut() = status;
     resp.headers_mut()
         .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
@@ -127,9 +294,10 @@ fn query_delay(query: Option<&str>) -> Option<u64> {
 struct InFlight<'a>(&'a Stats);
 
 impl<'a> InFlight<'a> {
-    fn enter(stats: &'a Stats) -> Self {
+    fn enter(stats: &'a Stats, timeline: &Timeline) -> Self {
         let now = stats.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
         stats.max_in_flight.fetch_max(now, Ordering::SeqCst);
+        timeline.in_flight(now);
         InFlight(stats)
     }
 }
@@ -140,19 +308,31 @@ impl Drop for InFlight<'_> {
     }
 }
 
-async fn handle(state: Arc<State>, req: Request<Incoming>) -> Result<Response<Full<Bytes>>, Infallible> {
+async fn handle(state: Arc<State>, req: Request<Incoming>) -> Result<Response<RespBody>, Infallible> {
     let path = req.uri().path().to_owned();
     let stats = &state.stats;
     match (req.method(), path.as_str()) {
         (&Method::GET, "/stats") => return Ok(json_response(StatusCode::OK, stats.json())),
+        (&Method::GET, "/stats/timeline") => {
+            return Ok(json_response(StatusCode::OK, state.timeline.json()));
+        }
         (&Method::POST | &Method::GET, "/stats/reset") => {
             stats.reset();
+            state.timeline.reset();
             return Ok(json_response(StatusCode::OK, stats.json()));
+        }
+        (&Method::GET, "/internal/ids") => {
+            stats.ids_lists.fetch_add(1, Ordering::SeqCst);
+            let mut resp = Response::new(Either::Right(IdsBody::new(state.args.max_id)));
+            resp.headers_mut()
+                .insert(CONTENT_TYPE, HeaderValue::from_static("text/plain; charset=utf-8"));
+            return Ok(resp);
         }
         _ => {}
     }
 
     stats.total.fetch_add(1, Ordering::SeqCst);
+    state.timeline.count();
     *stats
         .paths
         .lock()
@@ -164,7 +344,7 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Result<Response<Fu
         stats.other.fetch_add(1, Ordering::SeqCst);
         return Ok(json_response(StatusCode::NOT_FOUND, r#"{"error":"no such path"}"#));
     };
-    let _guard = InFlight::enter(stats);
+    let _guard = InFlight::enter(stats, &state.timeline);
     let delay = query_delay(req.uri().query()).unwrap_or(state.args.delay_ms);
     if delay > 0 {
         tokio::time::sleep(Duration::from_millis(delay)).await;
@@ -200,9 +380,11 @@ async fn serve(args: Args) -> std::io::Result<()> {
         "bench-origin listening on http://{addr} (delay {} ms, ids 1..={}, {} byte bodies)",
         args.delay_ms, args.max_id, args.body_bytes
     );
+    let timeline = Timeline::new(args.timeline_bucket_ms);
     let state = Arc::new(State {
         args,
         stats: Stats::default(),
+        timeline,
     });
     loop {
         let (stream, _) = match listener.accept().await {

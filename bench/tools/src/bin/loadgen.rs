@@ -36,6 +36,37 @@
 //!
 //! Prints one JSON object: counts, achieved rate, exact percentiles (nearest rank over the
 //! full sorted vector of measured latencies) and the X-Cache / status / body-size histograms.
+//!
+//! `loadgen list --url 'http://IP:PORT/items/{id}' --ids-file F --connections C
+//!  [--max-duration-s 600] [--passed-out FILE] [--reject-x-cache REJECT]`
+//!
+//! Closed loop at full speed over a fixed list: every id of F (one per line) is requested
+//! exactly once, in file order, by whichever of the C keep-alive connections is free next.
+//! 1. Opens the C connections before the clock starts (all must connect, or it fails).
+//! 2. Each connection takes the next id, GETs it, reads the whole body, and takes the next;
+//!    a connection the server closed is replaced (counted as a reconnect).
+//! 3. Ends when the list is done; after `--max-duration-s` no new id is handed out (the rest
+//!    are counted as unsent).
+//! 4. Prints one JSON object: counts, elapsed time (first send to last answer) and the rate,
+//!    latency percentiles (send to end of body), X-Cache / status / body-size histograms.
+//!    With `--passed-out`, writes the ids whose answer did not carry `X-Cache:
+//!    <--reject-x-cache>` (or failed) to that file, one per line.
+//!
+//! `loadgen cycle --url 'http://IP:PORT/items/{id}' [--url URL2 ...] --keys N [--first-id 1]
+//!  --rate R --duration-s D --connections C [--bucket-ms 1000] [--drain-s 5]`
+//!
+//! Open loop at a fixed rate cycling over N keys, with a timeline (bench/avalanche.sh):
+//! 1. Opens C keep-alive connections per URL (all must connect, or it fails).
+//! 2. A pacer thread schedules request j at `start + j/R` for D seconds. Request j goes to URL
+//!    `j mod U` (U URLs) and asks for id `first_id + (j div U) mod N`, so every URL cycles
+//!    through all N keys in order, each at R/U req/s. One pass (D = N/R) is a fill burst.
+//! 3. Each URL's connections take its oldest due request when free (a due request waits in
+//!    that URL's queue when all are busy); a connection the server closed is replaced.
+//! 4. Latency runs from the scheduled time to the end of the body (as in `rate`).
+//! 5. Prints one JSON object: totals, the X-Cache / status histograms, and `timeline`: per
+//!    `--bucket-ms` bucket of *scheduled* time, the scheduled / ok / non-2xx / error counts,
+//!    status and X-Cache histograms and latency percentiles. `start_unix_ms` is the
+//!    wall-clock time of `start`, to line the timeline up with other processes' clocks.
 
 use std::collections::BTreeMap;
 use std::io;
@@ -44,7 +75,7 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::task::{Context, Poll};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use clap::{Parser, Subcommand};
@@ -71,6 +102,74 @@ enum Cmd {
     Stampede(StampedeArgs),
     /// Open-loop GETs of one URL at a fixed rate over C keep-alive connections.
     Rate(RateArgs),
+    /// Every id of a list GET once, at full speed over C keep-alive connections.
+    List(ListArgs),
+    /// Open-loop GETs cycling over N keys at a fixed rate, with a per-bucket timeline.
+    Cycle(CycleArgs),
+}
+
+#[derive(Parser, Debug)]
+struct CycleArgs {
+    /// URL template with `{id}` in the path, e.g. http://127.0.0.1:8080/items/{id}; repeat
+    /// for several instances (request j goes to the (j mod U)-th).
+    #[arg(long = "url", required = true)]
+    urls: Vec<String>,
+    /// First id of the cycle.
+    #[arg(long, default_value_t = 1)]
+    first_id: u64,
+    /// Number of keys cycled: ids first-id ..= first-id + keys - 1.
+    #[arg(long)]
+    keys: u64,
+    /// Requests per second over all URLs (request j is scheduled at start + j/rate).
+    #[arg(long)]
+    rate: f64,
+    /// Duration in seconds: ceil(rate × duration) requests are scheduled.
+    #[arg(long)]
+    duration_s: f64,
+    /// Keep-alive connections per URL; a due request waits for a free one.
+    #[arg(long)]
+    connections: usize,
+    /// Width of one timeline bucket (of scheduled time), in milliseconds.
+    #[arg(long, default_value_t = 1000)]
+    bucket_ms: u64,
+    /// Time allowed after the last scheduled request for the rest to finish, in seconds.
+    #[arg(long, default_value_t = 5.0)]
+    drain_s: f64,
+    /// Per-request timeout (from the actual send), in seconds.
+    #[arg(long, default_value_t = 10.0)]
+    timeout_s: f64,
+    /// Tokio worker threads (the pacer is one more OS thread).
+    #[arg(long, default_value_t = 2)]
+    threads: usize,
+}
+
+#[derive(Parser, Debug)]
+struct ListArgs {
+    /// URL template; `{id}` (in the path) is replaced by each id, e.g.
+    /// http://127.0.0.1:8080/items/{id}
+    #[arg(long)]
+    url: String,
+    /// One id per line (trimmed; empty lines ignored). Ids are put into the path verbatim.
+    #[arg(long)]
+    ids_file: std::path::PathBuf,
+    /// Keep-alive connections.
+    #[arg(long)]
+    connections: usize,
+    /// Per-request timeout (from the send), in seconds.
+    #[arg(long, default_value_t = 10.0)]
+    timeout_s: f64,
+    /// No new id is handed out after this many seconds; the rest are counted as unsent.
+    #[arg(long, default_value_t = 600.0)]
+    max_duration_s: f64,
+    /// Write the ids whose answer's X-Cache was not --reject-x-cache (or that failed) here.
+    #[arg(long)]
+    passed_out: Option<std::path::PathBuf>,
+    /// The X-Cache value of a rejected request (for --passed-out and the "rejected" count).
+    #[arg(long, default_value = "REJECT")]
+    reject_x_cache: String,
+    /// Tokio worker threads.
+    #[arg(long, default_value_t = 2)]
+    threads: usize,
 }
 
 #[derive(Parser, Debug)]
@@ -942,11 +1041,655 @@ async fn rate(args: RateArgs) -> Result<Value, String> {
     }))
 }
 
+// --- list ------------------------------------------------------------------------------
+
+/// One finished request of `list`.
+struct ListRec {
+    idx: usize,
+    sent: Instant,
+    done: Instant,
+    outcome: RateOutcome,
+}
+
+struct ListShared {
+    target: Target,
+    /// The path with `{id}` still in it.
+    path_template: String,
+    ids: Vec<String>,
+    next: std::sync::atomic::AtomicUsize,
+    deadline: Instant,
+    timeout: Duration,
+    reconnects: std::sync::atomic::AtomicU64,
+    connect_failures: std::sync::atomic::AtomicU64,
+}
+
+/// One connection: take the next id until the list (or the time) is over.
+async fn list_worker(sh: Arc<ListShared>, first: http1::SendRequest<Empty<Bytes>>) -> Vec<ListRec> {
+    let mut recs = Vec::new();
+    let mut sender = Some(first);
+    loop {
+        if Instant::now() >= sh.deadline {
+            return recs;
+        }
+        let idx = sh.next.fetch_add(1, Ordering::Relaxed);
+        if idx >= sh.ids.len() {
+            return recs;
+        }
+        let mut conn_err = None;
+        let mut usable = false;
+        for attempt in 0..3 {
+            if let Some(s) = sender.as_mut()
+                && !s.is_closed()
+                && s.ready().await.is_ok()
+            {
+                usable = true;
+                break;
+            }
+            sender = None;
+            if attempt == 2 {
+                break;
+            }
+            sh.reconnects.fetch_add(1, Ordering::Relaxed);
+            match rate_connect(&sh.target).await {
+                Ok(s) => sender = Some(s),
+                Err(e) => {
+                    sh.connect_failures.fetch_add(1, Ordering::Relaxed);
+                    conn_err = Some(e);
+                }
+            }
+        }
+        let sent = Instant::now();
+        let outcome = if !usable {
+            RateOutcome::Error(conn_err.unwrap_or_else(|| "connection not ready".into()))
+        } else {
+            let s = sender.as_mut().expect("usable sender");
+            let path = sh.path_template.replace("{id}", &sh.ids[idx]);
+            let fut = async {
+                let resp = s
+                    .send_request(get(&sh.target, &path))
+                    .await
+                    .map_err(|e| format!("request: {e}"))?;
+                let status = resp.status().as_u16();
+                let xc = x_cache_of(&resp);
+                let body = resp
+                    .into_body()
+                    .collect()
+                    .await
+                    .map_err(|e| format!("body: {e}"))?
+                    .to_bytes();
+                Ok::<_, String>((status, xc, body.len()))
+            };
+            match tokio::time::timeout(sh.timeout, fut).await {
+                Ok(Ok((status, x_cache, body_len))) => RateOutcome::Response {
+                    status,
+                    x_cache,
+                    body_len,
+                },
+                Ok(Err(e)) => {
+                    sender = None;
+                    RateOutcome::Error(e)
+                }
+                Err(_) => {
+                    sender = None;
+                    RateOutcome::Timeout
+                }
+            }
+        };
+        recs.push(ListRec {
+            idx,
+            sent,
+            done: Instant::now(),
+            outcome,
+        });
+    }
+}
+
+async fn list(args: ListArgs) -> Result<Value, String> {
+    if args.connections == 0 {
+        return Err("--connections must be > 0".into());
+    }
+    if !(args.max_duration_s.is_finite() && args.max_duration_s > 0.0) {
+        return Err("--max-duration-s must be > 0".into());
+    }
+    if !args.url.contains("{id}") {
+        return Err(format!("--url must contain {{id}}: {}", args.url));
+    }
+    let target = parse_target(&args.url.replace("{id}", "0"))?;
+    let after_authority = args
+        .url
+        .find(&target.authority)
+        .map(|i| &args.url[i + target.authority.len()..])
+        .ok_or_else(|| format!("cannot find the authority in {}", args.url))?;
+    let path_template = if after_authority.is_empty() {
+        "/".to_owned()
+    } else {
+        after_authority.to_owned()
+    };
+    if !path_template.contains("{id}") {
+        return Err(format!("{{id}} must be in the path of --url: {}", args.url));
+    }
+    let text = std::fs::read_to_string(&args.ids_file)
+        .map_err(|e| format!("reading {}: {e}", args.ids_file.display()))?;
+    let ids: Vec<String> = text
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .map(str::to_owned)
+        .collect();
+    if ids.is_empty() {
+        return Err(format!("{} has no ids", args.ids_file.display()));
+    }
+    if let Some(bad) = ids.iter().find(|id| id.bytes().any(|b| b.is_ascii_whitespace() || b.is_ascii_control())) {
+        return Err(format!("id with whitespace or control characters: {bad:?}"));
+    }
+
+    // all connections up before the clock starts
+    let mut first = Vec::with_capacity(args.connections);
+    for _ in 0..args.connections {
+        first.push(
+            rate_connect(&target)
+                .await
+                .map_err(|e| format!("setting up connections: {e}"))?,
+        );
+    }
+
+    let start = Instant::now();
+    let sh = Arc::new(ListShared {
+        target,
+        path_template,
+        ids,
+        next: std::sync::atomic::AtomicUsize::new(0),
+        deadline: start + Duration::from_secs_f64(args.max_duration_s),
+        timeout: Duration::from_secs_f64(args.timeout_s),
+        reconnects: std::sync::atomic::AtomicU64::new(0),
+        connect_failures: std::sync::atomic::AtomicU64::new(0),
+    });
+    let workers: Vec<_> = first
+        .into_iter()
+        .map(|s| tokio::spawn(list_worker(sh.clone(), s)))
+        .collect();
+    let mut recs = Vec::with_capacity(sh.ids.len());
+    let mut lost = 0u64;
+    for w in workers {
+        match w.await {
+            Ok(r) => recs.extend(r),
+            Err(_) => lost += 1,
+        }
+    }
+
+    let (mut ok, mut non2xx, mut errors, mut timeouts, mut rejected) = (0u64, 0u64, 0u64, 0u64, 0u64);
+    let mut lat = Vec::with_capacity(recs.len());
+    let mut x_cache: BTreeMap<String, u64> = BTreeMap::new();
+    let mut status: BTreeMap<String, u64> = BTreeMap::new();
+    let mut body_sizes: BTreeMap<String, u64> = BTreeMap::new();
+    let mut error_samples: BTreeMap<String, u64> = BTreeMap::new();
+    let mut passed: Vec<usize> = Vec::new();
+    let mut first_sent: Option<Instant> = None;
+    let mut last_done = start;
+    for r in &recs {
+        first_sent = Some(first_sent.map_or(r.sent, |f| f.min(r.sent)));
+        match &r.outcome {
+            RateOutcome::Response {
+                status: st,
+                x_cache: xc,
+                body_len,
+            } => {
+                lat.push(ms(r.done.saturating_duration_since(r.sent)));
+                last_done = last_done.max(r.done);
+                *x_cache.entry(xc.clone()).or_default() += 1;
+                *status.entry(st.to_string()).or_default() += 1;
+                *body_sizes.entry(body_len.to_string()).or_default() += 1;
+                if (200..300).contains(st) {
+                    ok += 1;
+                } else {
+                    non2xx += 1;
+                }
+                if *xc == args.reject_x_cache {
+                    rejected += 1;
+                } else {
+                    passed.push(r.idx);
+                }
+            }
+            RateOutcome::Error(e) => {
+                errors += 1;
+                passed.push(r.idx);
+                *error_samples.entry(e.clone()).or_default() += 1;
+            }
+            RateOutcome::Timeout => {
+                errors += 1;
+                timeouts += 1;
+                passed.push(r.idx);
+                *error_samples.entry("timeout".into()).or_default() += 1;
+            }
+        }
+    }
+    if let Some(path) = &args.passed_out {
+        passed.sort_unstable();
+        let mut out = String::with_capacity(passed.len() * 12);
+        for i in &passed {
+            out.push_str(&sh.ids[*i]);
+            out.push('\n');
+        }
+        std::fs::write(path, out).map_err(|e| format!("writing {}: {e}", path.display()))?;
+    }
+    let sent = recs.len() as u64;
+    let responses = ok + non2xx;
+    let elapsed = last_done
+        .saturating_duration_since(first_sent.unwrap_or(start))
+        .as_secs_f64();
+    let rps = if elapsed > 0.0 { responses as f64 / elapsed } else { 0.0 };
+
+    Ok(json!({
+        "mode": "list",
+        "url": args.url,
+        "ids_file": args.ids_file.display().to_string(),
+        "ids": sh.ids.len(),
+        "connections": args.connections,
+        "timeout_s": args.timeout_s,
+        "max_duration_s": args.max_duration_s,
+        "sent": sent,
+        "unsent": (sh.ids.len() as u64).saturating_sub(sent),
+        "responses": responses,
+        "ok": ok,
+        "non_2xx": non2xx,
+        "errors": errors,
+        "timeouts": timeouts,
+        "lost_tasks": lost,
+        "reject_x_cache": args.reject_x_cache,
+        "rejected": rejected,
+        "passed": passed.len(),
+        "elapsed_s": round3(elapsed),
+        "rps": (rps * 10.0).round() / 10.0,
+        "reconnects": sh.reconnects.load(Ordering::Relaxed),
+        "connect_failures": sh.connect_failures.load(Ordering::Relaxed),
+        "latency_ms": rate_summary(&mut lat),
+        "x_cache": x_cache,
+        "status": status,
+        "body_bytes": body_sizes,
+        "error_samples": error_samples,
+    }))
+}
+
+// --- cycle -----------------------------------------------------------------------------
+
+/// One scheduled request of `cycle`.
+struct CycleJob {
+    scheduled: Instant,
+    path: String,
+}
+
+/// One finished request of `cycle`.
+struct CycleRec {
+    url: usize,
+    scheduled: Instant,
+    sent: Instant,
+    done: Instant,
+    outcome: RateOutcome,
+}
+
+struct CycleShared {
+    target: Target,
+    url: usize,
+    timeout: Duration,
+    queue: tokio::sync::Mutex<mpsc::UnboundedReceiver<CycleJob>>,
+    recs: Arc<std::sync::Mutex<Vec<CycleRec>>>,
+    sent: Arc<std::sync::atomic::AtomicU64>,
+    reconnects: Arc<std::sync::atomic::AtomicU64>,
+    connect_failures: Arc<std::sync::atomic::AtomicU64>,
+}
+
+/// One connection of one URL: take the oldest due request, send it, record it.
+async fn cycle_worker(sh: Arc<CycleShared>, first: http1::SendRequest<Empty<Bytes>>) {
+    let mut sender = Some(first);
+    loop {
+        let job = {
+            let mut q = sh.queue.lock().await;
+            q.recv().await
+        };
+        let Some(job) = job else { return };
+        let mut conn_err = None;
+        let mut usable = false;
+        for attempt in 0..3 {
+            if let Some(s) = sender.as_mut()
+                && !s.is_closed()
+                && s.ready().await.is_ok()
+            {
+                usable = true;
+                break;
+            }
+            sender = None;
+            if attempt == 2 {
+                break;
+            }
+            sh.reconnects.fetch_add(1, Ordering::Relaxed);
+            match rate_connect(&sh.target).await {
+                Ok(s) => sender = Some(s),
+                Err(e) => {
+                    sh.connect_failures.fetch_add(1, Ordering::Relaxed);
+                    conn_err = Some(e);
+                }
+            }
+        }
+        let sent = Instant::now();
+        sh.sent.fetch_add(1, Ordering::Relaxed);
+        let outcome = if !usable {
+            RateOutcome::Error(conn_err.unwrap_or_else(|| "connection not ready".into()))
+        } else {
+            let s = sender.as_mut().expect("usable sender");
+            let fut = async {
+                let resp = s
+                    .send_request(get(&sh.target, &job.path))
+                    .await
+                    .map_err(|e| format!("request: {e}"))?;
+                let status = resp.status().as_u16();
+                let xc = x_cache_of(&resp);
+                let body = resp
+                    .into_body()
+                    .collect()
+                    .await
+                    .map_err(|e| format!("body: {e}"))?
+                    .to_bytes();
+                Ok::<_, String>((status, xc, body.len()))
+            };
+            match tokio::time::timeout(sh.timeout, fut).await {
+                Ok(Ok((status, x_cache, body_len))) => RateOutcome::Response {
+                    status,
+                    x_cache,
+                    body_len,
+                },
+                Ok(Err(e)) => {
+                    sender = None;
+                    RateOutcome::Error(e)
+                }
+                Err(_) => {
+                    sender = None;
+                    RateOutcome::Timeout
+                }
+            }
+        };
+        let done = Instant::now();
+        sh.recs.lock().expect("recs lock").push(CycleRec {
+            url: sh.url,
+            scheduled: job.scheduled,
+            sent,
+            done,
+            outcome,
+        });
+    }
+}
+
+/// Counts of one timeline bucket (or of the whole run).
+#[derive(Default)]
+struct CycleTally {
+    scheduled: u64,
+    ok: u64,
+    non2xx: u64,
+    errors: u64,
+    timeouts: u64,
+    status: BTreeMap<String, u64>,
+    x_cache: BTreeMap<String, u64>,
+    latency: Vec<f64>,
+}
+
+impl CycleTally {
+    fn add(&mut self, r: &CycleRec) {
+        match &r.outcome {
+            RateOutcome::Response { status, x_cache, .. } => {
+                self.latency
+                    .push(ms(r.done.saturating_duration_since(r.scheduled)));
+                *self.status.entry(status.to_string()).or_default() += 1;
+                *self.x_cache.entry(x_cache.clone()).or_default() += 1;
+                if (200..300).contains(status) {
+                    self.ok += 1;
+                } else {
+                    self.non2xx += 1;
+                }
+            }
+            RateOutcome::Error(_) => self.errors += 1,
+            RateOutcome::Timeout => {
+                self.errors += 1;
+                self.timeouts += 1;
+            }
+        }
+    }
+
+    fn json(&mut self, t_s: f64) -> Value {
+        self.latency.sort_by(|a, b| a.total_cmp(b));
+        let lat = if self.latency.is_empty() {
+            Value::Null
+        } else {
+            json!({
+                "p50": pct(&self.latency, 50.0),
+                "p99": pct(&self.latency, 99.0),
+                "max": round3(self.latency[self.latency.len() - 1]),
+            })
+        };
+        json!({
+            "t_s": round3(t_s),
+            "scheduled": self.scheduled,
+            "answered": self.ok + self.non2xx + self.errors,
+            "ok": self.ok,
+            "non_2xx": self.non2xx,
+            "errors": self.errors,
+            "timeouts": self.timeouts,
+            "status": self.status,
+            "x_cache": self.x_cache,
+            "latency_ms": lat,
+        })
+    }
+}
+
+async fn cycle(args: CycleArgs) -> Result<Value, String> {
+    if !(args.rate.is_finite() && args.rate > 0.0) {
+        return Err("--rate must be > 0".into());
+    }
+    if !(args.duration_s.is_finite() && args.duration_s > 0.0) {
+        return Err("--duration-s must be > 0".into());
+    }
+    if args.connections == 0 || args.keys == 0 || args.bucket_ms == 0 {
+        return Err("--connections, --keys and --bucket-ms must be > 0".into());
+    }
+    // per URL: the target (for the address) and the path template
+    let mut targets = Vec::with_capacity(args.urls.len());
+    for url in &args.urls {
+        if !url.contains("{id}") {
+            return Err(format!("--url must contain {{id}}: {url}"));
+        }
+        let target = parse_target(&url.replace("{id}", "0"))?;
+        let template = url
+            .find(&target.authority)
+            .map(|i| url[i + target.authority.len()..].to_owned())
+            .filter(|p| p.contains("{id}"))
+            .ok_or_else(|| format!("{{id}} must be in the path of --url: {url}"))?;
+        targets.push((target, template));
+    }
+    let u = targets.len() as u64;
+
+    // all connections up before the clock starts
+    let mut firsts = Vec::with_capacity(targets.len());
+    for (target, _) in &targets {
+        let mut conns = Vec::with_capacity(args.connections);
+        for _ in 0..args.connections {
+            conns.push(
+                rate_connect(target)
+                    .await
+                    .map_err(|e| format!("setting up connections to {}: {e}", target.url))?,
+            );
+        }
+        firsts.push(conns);
+    }
+
+    let total_n = (args.rate * args.duration_s).ceil() as u64;
+    let recs = Arc::new(std::sync::Mutex::new(Vec::with_capacity(total_n as usize)));
+    let sent = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let reconnects = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let connect_failures = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let mut txs = Vec::with_capacity(targets.len());
+    let mut templates = Vec::with_capacity(targets.len());
+    let mut workers = Vec::new();
+    for (i, ((target, template), conns)) in targets.into_iter().zip(firsts).enumerate() {
+        let (tx, rx) = mpsc::unbounded_channel::<CycleJob>();
+        txs.push(tx);
+        templates.push(template);
+        let sh = Arc::new(CycleShared {
+            target,
+            url: i,
+            timeout: Duration::from_secs_f64(args.timeout_s),
+            queue: tokio::sync::Mutex::new(rx),
+            recs: recs.clone(),
+            sent: sent.clone(),
+            reconnects: reconnects.clone(),
+            connect_failures: connect_failures.clone(),
+        });
+        for s in conns {
+            workers.push(tokio::spawn(cycle_worker(sh.clone(), s)));
+        }
+    }
+
+    let start = Instant::now() + Duration::from_millis(50);
+    let start_unix_ms = (SystemTime::now() + Duration::from_millis(50))
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    let stop = Arc::new(AtomicBool::new(false));
+    let pacer = {
+        let stop = stop.clone();
+        let rate = args.rate;
+        let (first_id, keys) = (args.first_id, args.keys);
+        std::thread::spawn(move || {
+            // 1 ns timer slack for this thread (default 50 µs): sleeps end on time
+            // SAFETY: prctl(PR_SET_TIMERSLACK) only changes this thread's timer slack.
+            unsafe {
+                libc::prctl(libc::PR_SET_TIMERSLACK, 1 as libc::c_ulong, 0, 0, 0);
+            }
+            for j in 0..total_n {
+                let t = start + Duration::from_secs_f64(j as f64 / rate);
+                let now = Instant::now();
+                if t > now {
+                    std::thread::sleep(t - now);
+                }
+                let url = (j % u) as usize;
+                let id = first_id + (j / u) % keys;
+                let job = CycleJob {
+                    scheduled: t,
+                    path: templates[url].replace("{id}", &id.to_string()),
+                };
+                if stop.load(Ordering::Relaxed) || txs[url].send(job).is_err() {
+                    return;
+                }
+            }
+            // dropping the senders closes the queues: the workers end once they are empty
+        })
+    };
+
+    let last_scheduled = start + Duration::from_secs_f64(total_n.saturating_sub(1) as f64 / args.rate);
+    let deadline = tokio::time::Instant::from_std(last_scheduled + Duration::from_secs_f64(args.drain_s));
+    let joined = tokio::time::timeout_at(deadline, async {
+        for w in workers {
+            let _ = w.await;
+        }
+    })
+    .await;
+    let drained = joined.is_ok();
+    stop.store(true, Ordering::Relaxed);
+    let _ = pacer.join();
+
+    let recs = std::mem::take(&mut *recs.lock().expect("recs lock"));
+    let sent = sent.load(Ordering::Relaxed);
+    let bucket = Duration::from_millis(args.bucket_ms);
+    let n_buckets = ((args.duration_s * 1000.0) / args.bucket_ms as f64).ceil().max(1.0) as usize;
+    let mut buckets: Vec<CycleTally> = (0..n_buckets).map(|_| CycleTally::default()).collect();
+    // scheduled per bucket, from the schedule itself (whether sent or not)
+    for j in 0..total_n {
+        let at = Duration::from_secs_f64(j as f64 / args.rate);
+        let b = ((at.as_nanos() / bucket.as_nanos()) as usize).min(n_buckets - 1);
+        buckets[b].scheduled += 1;
+    }
+    let mut all = CycleTally {
+        scheduled: total_n,
+        ..CycleTally::default()
+    };
+    let mut per_url: Vec<CycleTally> = (0..u).map(|_| CycleTally::default()).collect();
+    let mut service = Vec::with_capacity(recs.len());
+    let mut lag = Vec::with_capacity(recs.len());
+    let mut error_samples: BTreeMap<String, u64> = BTreeMap::new();
+    let (mut first_sent, mut last_done) = (None::<Instant>, start);
+    for r in &recs {
+        let b = ((r.scheduled.saturating_duration_since(start).as_nanos() / bucket.as_nanos()) as usize)
+            .min(n_buckets - 1);
+        buckets[b].add(r);
+        all.add(r);
+        per_url[r.url].add(r);
+        first_sent = Some(first_sent.map_or(r.sent, |f| f.min(r.sent)));
+        last_done = last_done.max(r.done);
+        lag.push(ms(r.sent.saturating_duration_since(r.scheduled)));
+        match &r.outcome {
+            RateOutcome::Response { .. } => service.push(ms(r.done.saturating_duration_since(r.sent))),
+            RateOutcome::Error(e) => *error_samples.entry(e.clone()).or_default() += 1,
+            RateOutcome::Timeout => *error_samples.entry("timeout".into()).or_default() += 1,
+        }
+    }
+    let finished = recs.len() as u64;
+    let timeline: Vec<Value> = buckets
+        .iter_mut()
+        .enumerate()
+        .map(|(i, b)| b.json(i as f64 * args.bucket_ms as f64 / 1000.0))
+        .collect();
+    let per_url: Vec<Value> = per_url
+        .iter_mut()
+        .zip(&args.urls)
+        .map(|(t, url)| {
+            let mut v = t.json(0.0);
+            v["url"] = json!(url);
+            v
+        })
+        .collect();
+    let mut totals = all.json(0.0);
+    let span = last_done
+        .saturating_duration_since(first_sent.unwrap_or(start))
+        .as_secs_f64();
+
+    Ok(json!({
+        "mode": "cycle",
+        "urls": args.urls,
+        "first_id": args.first_id,
+        "keys": args.keys,
+        "rate_rps": args.rate,
+        "duration_s": args.duration_s,
+        "connections_per_url": args.connections,
+        "drain_s": args.drain_s,
+        "timeout_s": args.timeout_s,
+        "bucket_ms": args.bucket_ms,
+        "start_unix_ms": start_unix_ms,
+        "scheduled": total_n,
+        "sent": sent,
+        "ok": totals["ok"].take(),
+        "non_2xx": totals["non_2xx"].take(),
+        "errors": totals["errors"].take(),
+        "timeouts": totals["timeouts"].take(),
+        "unsent": total_n.saturating_sub(sent),
+        "unfinished": sent.saturating_sub(finished),
+        "drained": drained,
+        "first_send_to_last_answer_s": round3(span),
+        "reconnects": reconnects.load(Ordering::Relaxed),
+        "connect_failures": connect_failures.load(Ordering::Relaxed),
+        "latency_ms": rate_summary(&mut all.latency),
+        "service_time_ms": rate_summary(&mut service),
+        "send_lag_ms": rate_summary(&mut lag),
+        "x_cache": totals["x_cache"].take(),
+        "status": totals["status"].take(),
+        "error_samples": error_samples,
+        "per_url": per_url,
+        "timeline": timeline,
+    }))
+}
+
 fn main() {
     let cli = Cli::parse();
     let threads = match &cli.cmd {
         Cmd::Stampede(a) => a.threads,
         Cmd::Rate(a) => a.threads,
+        Cmd::List(a) => a.threads,
+        Cmd::Cycle(a) => a.threads,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(threads.max(1))
@@ -956,6 +1699,8 @@ fn main() {
     let result = match cli.cmd {
         Cmd::Stampede(args) => rt.block_on(stampede(args)),
         Cmd::Rate(args) => rt.block_on(rate(args)),
+        Cmd::List(args) => rt.block_on(list(args)),
+        Cmd::Cycle(args) => rt.block_on(cycle(args)),
     };
     // do not wait for abandoned tasks (requests still in flight after the drain deadline)
     rt.shutdown_background();
