@@ -1,5 +1,5 @@
 //! The admin listener (default `127.0.0.1:9091`): `/metrics`, `/healthz`, `/readyz`,
-//! `GET /admin/bloom` and `POST /admin/bloom/{name}/rebuild`.
+//! `GET /admin/bloom`, `POST /admin/bloom/{name}/rebuild` and `GET /admin/hotkeys`.
 //!
 //! Mutating calls need `Authorization: Bearer <admin.token>`: 401 without one, 403 with a
 //! wrong one (or when no token is configured: mutating calls are then disabled). Every
@@ -24,6 +24,7 @@ use crate::cache::l1::L1;
 use crate::coord::RedisConn;
 use crate::metrics::Metrics;
 use crate::protect::bloom::Filters;
+use crate::protect::hotkeys::HotKeys;
 use crate::proxy::body::Body;
 use crate::proxy::respond;
 
@@ -34,6 +35,7 @@ pub(crate) struct Admin {
     pub(crate) l1: L1,
     pub(crate) redis: Option<RedisConn>,
     pub(crate) filters: Arc<Filters>,
+    pub(crate) hot: Arc<HotKeys>,
     /// Bearer token for mutating calls; `None` disables them.
     pub(crate) token: Option<String>,
 }
@@ -46,6 +48,7 @@ enum Endpoint {
     Readyz,
     Bloom,
     BloomRebuild,
+    HotKeys,
 }
 
 static ENDPOINTS: LazyLock<matchit::Router<Endpoint>> = LazyLock::new(|| {
@@ -56,6 +59,7 @@ static ENDPOINTS: LazyLock<matchit::Router<Endpoint>> = LazyLock::new(|| {
         ("/readyz", Endpoint::Readyz),
         ("/admin/bloom", Endpoint::Bloom),
         ("/admin/bloom/{name}/rebuild", Endpoint::BloomRebuild),
+        ("/admin/hotkeys", Endpoint::HotKeys),
     ] {
         // Fixed, distinct paths: an insert error is a bug caught by the tests.
         if let Err(error) = router.insert(path, endpoint) {
@@ -80,6 +84,13 @@ impl Admin {
             (Endpoint::Healthz, true) => respond::text(StatusCode::OK, "ok\n"),
             (Endpoint::Readyz, true) => self.readyz(),
             (Endpoint::Bloom, true) => self.bloom_status(),
+            (Endpoint::HotKeys, true) => json(
+                StatusCode::OK,
+                &serde_json::json!({
+                    "hot_keys": self.hot.status(),
+                    "memory_bound_bytes": self.hot.memory_bound(),
+                }),
+            ),
             (Endpoint::BloomRebuild, false) if request.method() == Method::POST => {
                 let name = matched.params.get("name").unwrap_or_default().to_owned();
                 if let Err(denied) = self.authorize(&request) {

@@ -22,12 +22,13 @@ use crate::coord::events::{BusListener, BusMetrics, EventBus, Waiters};
 use crate::metrics::Metrics;
 use crate::protect::bloom::Filters;
 use crate::protect::flight::Flights;
+use crate::protect::hotkeys::HotKeys;
 use crate::protect::lock::DistLock;
-use crate::proxy::Proxy;
 use crate::proxy::origin_guard::OriginGuard;
 use crate::proxy::route::RouteTable;
 use crate::proxy::server::{self, ConnLimits};
 use crate::proxy::upstream::Upstream;
+use crate::proxy::{CacheEvents, Proxy};
 
 /// How long a key whose background refresh failed waits before the next attempt.
 const REFRESH_BACKOFF: std::time::Duration = std::time::Duration::from_secs(1);
@@ -72,7 +73,22 @@ impl App {
             (Some(conn), Some(rc)) => Some(L2::new(conn.clone(), &rc.key_prefix, metrics.clone())),
             _ => None,
         };
+        let workers = match config.server.worker_threads {
+            0 => std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get),
+            n => n,
+        };
         let instance = rand::random::<u64>();
+        let hot = HotKeys::new(
+            &config.hot_keys,
+            workers,
+            instance,
+            redis
+                .as_ref()
+                .zip(config.redis.as_ref())
+                .map(|(conn, rc)| (conn.clone(), format!("{}events", rc.key_prefix))),
+            &metrics,
+        );
+        tokio::spawn(Arc::clone(&hot).run(stop_tasks.clone()));
         let filters = Filters::new(
             &config.bloom,
             &metrics,
@@ -87,7 +103,13 @@ impl App {
         let dist = match (&redis, &config.redis) {
             (Some(conn), Some(rc)) => {
                 let waiters = Waiters::new(metrics.lock_waiters.clone());
-                let listeners: Vec<Arc<dyn BusListener>> = vec![Arc::clone(&filters) as _];
+                let listeners: Vec<Arc<dyn BusListener>> = vec![
+                    Arc::clone(&filters) as _,
+                    Arc::new(CacheEvents {
+                        l1: l1.clone(),
+                        hot: Arc::clone(&hot),
+                    }) as _,
+                ];
                 let bus = EventBus::new(
                     format!("{}events", rc.key_prefix),
                     instance,
@@ -156,6 +178,7 @@ impl App {
             passthrough_metrics: metrics.for_route("_passthrough"),
             metrics: metrics.clone(),
             filters: Arc::clone(&filters),
+            hot: Arc::clone(&hot),
         });
         proxy.spawn_warmups(&stop_tasks);
         let admin = Arc::new(Admin {
@@ -164,6 +187,7 @@ impl App {
             l1,
             redis,
             filters,
+            hot,
             token: config.admin.token.clone(),
         });
 
@@ -187,10 +211,6 @@ impl App {
             async move { proxy.handle(request, peer).await }
         });
         let admin_handler = Arc::new(move |request, peer| Arc::clone(&admin).handle(request, peer));
-        let workers = match config.server.worker_threads {
-            0 => std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get),
-            n => n,
-        };
         let servers = vec![
             tokio::spawn(async move {
                 if let Err(error) = server::serve_sharded(

@@ -36,6 +36,26 @@ pub struct Config {
     pub routes: Vec<RouteConfig>,
     /// Bloom filters of existing ids (`[[bloom]]`), in file order.
     pub bloom: Vec<BloomConfig>,
+    pub hot_keys: HotKeysConfig,
+}
+
+/// `[hot_keys]`: keys over `threshold_rps` are served from L1 on every instance, with at
+/// most `max_backend_rps_per_key` requests per second per key going past L1.
+#[derive(Clone, Debug)]
+pub struct HotKeysConfig {
+    /// Requests per second (per instance) that make a key hot; 0 = detection off.
+    pub threshold_rps: u32,
+    /// A hot key cools down once its rate stays under this for a second.
+    pub cool_rps: u32,
+    /// Length of one measuring window.
+    pub window: Duration,
+    /// How long a hot key's L1 copy is served before Redis is asked again (jittered).
+    pub l1_ttl: Duration,
+    /// Per key and instance, requests per second that may go past L1 to Redis and the
+    /// origin; 0 = no limit.
+    pub max_backend_rps_per_key: u32,
+    /// Largest hot set.
+    pub max_hot_keys: usize,
 }
 
 #[derive(Clone, Debug)]

@@ -193,6 +193,10 @@ pub enum RedisOp {
     Release,
     /// Bloom filter adds, snapshots and resyncs.
     Bloom,
+    /// Event bus messages sent outside the scripts (hot keys).
+    Publish,
+    /// Invalidations by writes.
+    Invalidate,
 }
 
 impl RedisOp {
@@ -206,6 +210,8 @@ impl RedisOp {
             RedisOp::Fill => "fill",
             RedisOp::Release => "release",
             RedisOp::Bloom => "bloom",
+            RedisOp::Publish => "publish",
+            RedisOp::Invalidate => "invalidate",
         }
     }
 }
@@ -231,6 +237,12 @@ pub struct Metrics {
     redis_breaker_transitions: IntCounterVec,
     pub redis_restarts: IntCounter,
     warmup: IntCounterVec,
+    hot_keys: IntGauge,
+    hot_promotions: IntCounterVec,
+    hot_demotions: IntCounter,
+    hot_requests: IntCounterVec,
+    hot_limited: IntCounterVec,
+    invalidations: IntCounterVec,
     pub origin_in_flight: IntGauge,
     pub origin_queue_wait: Histogram,
     pub entry_decode_errors: IntCounter,
@@ -385,6 +397,57 @@ impl Metrics {
         for to in ["open", "closed"] {
             redis_breaker_transitions.with_label_values(&[to]);
         }
+        let hot_keys = IntGauge::new(
+            "cacheguard_hot_keys",
+            "Keys currently hot on this instance (served from L1).",
+        )?;
+        let hot_promotions = IntCounterVec::new(
+            Opts::new(
+                "cacheguard_hot_key_promotions_total",
+                "Keys promoted to hot, by where they were found hot (local, peer).",
+            ),
+            &["from"],
+        )?;
+        let hot_demotions = IntCounter::new(
+            "cacheguard_hot_key_demotions_total",
+            "Hot keys that cooled down.",
+        )?;
+        let hot_requests = IntCounterVec::new(
+            Opts::new(
+                "cacheguard_hot_key_requests_total",
+                "Requests for hot keys, by where they were served from (l1, backend).",
+            ),
+            &["tier"],
+        )?;
+        let hot_limited = IntCounterVec::new(
+            Opts::new(
+                "cacheguard_hot_key_limited_total",
+                "Hot-key requests over max_backend_rps_per_key, by route (answered from L1 or 429).",
+            ),
+            &["route"],
+        )?;
+        let invalidations = IntCounterVec::new(
+            Opts::new(
+                "cacheguard_invalidations_total",
+                "Cache keys invalidated by writes, by result (done, failed: Redis unavailable).",
+            ),
+            &["result"],
+        )?;
+        for from in ["local", "peer"] {
+            hot_promotions.with_label_values(&[from]);
+        }
+        for tier in ["l1", "backend"] {
+            hot_requests.with_label_values(&[tier]);
+        }
+        for result in ["done", "failed"] {
+            invalidations.with_label_values(&[result]);
+        }
+        registry.register(Box::new(hot_keys.clone()))?;
+        registry.register(Box::new(hot_promotions.clone()))?;
+        registry.register(Box::new(hot_demotions.clone()))?;
+        registry.register(Box::new(hot_requests.clone()))?;
+        registry.register(Box::new(hot_limited.clone()))?;
+        registry.register(Box::new(invalidations.clone()))?;
         registry.register(Box::new(redis_command_duration.clone()))?;
         registry.register(Box::new(redis_breaker_open.clone()))?;
         registry.register(Box::new(redis_breaker_transitions.clone()))?;
@@ -634,6 +697,8 @@ impl Metrics {
             RedisOp::Fill,
             RedisOp::Release,
             RedisOp::Bloom,
+            RedisOp::Publish,
+            RedisOp::Invalidate,
         ] {
             redis_errors.with_label_values(&[op.as_str()]);
         }
@@ -660,6 +725,12 @@ impl Metrics {
             redis_breaker_transitions,
             redis_restarts,
             warmup,
+            hot_keys,
+            hot_promotions,
+            hot_demotions,
+            hot_requests,
+            hot_limited,
+            invalidations,
             origin_in_flight,
             origin_queue_wait,
             entry_decode_errors,
@@ -757,6 +828,27 @@ impl Metrics {
         self.redis_breaker_open.set(i64::from(open));
         self.redis_breaker_transitions
             .with_label_values(&[if open { "open" } else { "closed" }])
+            .inc();
+    }
+
+    pub(crate) fn hot_metrics(&self) -> crate::protect::hotkeys::HotMetrics {
+        crate::protect::hotkeys::HotMetrics {
+            hot_keys: self.hot_keys.clone(),
+            promotions_local: self.hot_promotions.with_label_values(&["local"]),
+            promotions_peer: self.hot_promotions.with_label_values(&["peer"]),
+            demotions: self.hot_demotions.clone(),
+            served_l1: self.hot_requests.with_label_values(&["l1"]),
+            served_backend: self.hot_requests.with_label_values(&["backend"]),
+        }
+    }
+
+    pub fn hot_limited(&self, route: &str) {
+        self.hot_limited.with_label_values(&[route]).inc();
+    }
+
+    pub fn invalidation(&self, done: bool) {
+        self.invalidations
+            .with_label_values(&[if done { "done" } else { "failed" }])
             .inc();
     }
 

@@ -14,6 +14,7 @@ pub(crate) mod route;
 pub(crate) mod server;
 pub(crate) mod upstream;
 pub(crate) mod warmup;
+pub(crate) mod write;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -29,10 +30,12 @@ use self::upstream::Upstream;
 use crate::cache::l1::L1;
 use crate::cache::l2::L2;
 use crate::config::LockConfig;
+use crate::coord::events::{BusListener, Event, EventKind};
 use crate::error::ProxyError;
 use crate::metrics::{Metrics, RouteMetrics};
 use crate::protect::bloom::Filters;
 use crate::protect::flight::Flights;
+use crate::protect::hotkeys::HotKeys;
 use crate::protect::lock::DistLock;
 
 /// Everything a request needs, built once by the app and shared by every connection.
@@ -61,6 +64,34 @@ pub(crate) struct Proxy {
     pub(crate) passthrough_metrics: Arc<RouteMetrics>,
     /// Bloom filters of existing ids.
     pub(crate) filters: Arc<Filters>,
+    /// Hot-key detection, promotion and per-key limits.
+    pub(crate) hot: Arc<HotKeys>,
+}
+
+/// Applies other instances' key events to this instance's cache: an `invalidate` drops
+/// the L1 copy (and a hot key's L1 grace), a `hot` promotes the key here too.
+#[derive(Debug)]
+pub(crate) struct CacheEvents {
+    pub(crate) l1: L1,
+    pub(crate) hot: Arc<HotKeys>,
+}
+
+impl BusListener for CacheEvents {
+    fn on_key_event(&self, event: Event) {
+        match event.kind {
+            EventKind::Invalidate => {
+                self.hot.invalidated(event.hash);
+                let l1 = self.l1.clone();
+                tokio::spawn(async move { l1.invalidate(event.hash).await });
+            }
+            EventKind::Hot => self.hot.peer_hot(event.instance, event.hash),
+            EventKind::Fill | EventKind::Released | EventKind::Uncacheable => {}
+        }
+    }
+
+    fn on_gap(&self, _unix_ms: u64) {}
+
+    fn on_subscribed(self: Arc<Self>) {}
 }
 
 impl Proxy {
@@ -99,15 +130,12 @@ impl Proxy {
                 }
                 self.serve_read(&route, request, client).await
             }
-            Some(matched) if matched.route.adds_to.is_some() => {
-                let route = Arc::clone(matched.route);
-                self.serve_create(&route, request, client).await
-            }
-            // Other write routes are forwarded as they are (invalidation arrives with the
-            // write path); their traffic is still counted under the route's name.
+            // Write routes: forwarded as they are, with the invalidations and Bloom adds
+            // they owe around them.
             Some(matched) => {
-                let metrics = Arc::clone(&matched.route.metrics);
-                self.serve_passthrough(&metrics, request, client).await
+                let route = Arc::clone(matched.route);
+                let params = matched.params;
+                self.serve_write(&route, &params, request, client).await
             }
             None => {
                 let metrics = Arc::clone(&self.passthrough_metrics);

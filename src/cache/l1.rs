@@ -66,6 +66,11 @@ impl L1 {
         self.cache.insert(key.hash, entry).await;
     }
 
+    /// Drops the copy of `hash`, if any.
+    pub(crate) async fn invalidate(&self, hash: u128) {
+        self.cache.invalidate(&hash).await;
+    }
+
     /// (entries, weighted bytes), after applying pending evictions.
     pub(crate) async fn usage(&self) -> (u64, u64) {
         self.cache.run_pending_tasks().await;

@@ -44,6 +44,34 @@ pub(super) struct RawConfig {
     pub(super) routes: Vec<Spanned<RawRoute>>,
     #[serde(default)]
     pub(super) bloom: Vec<Spanned<RawBloom>>,
+    #[serde(default)]
+    pub(super) hot_keys: RawHotKeys,
+}
+
+/// `[hot_keys]`: detection, promotion into L1, per-key limits.
+#[derive(Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub(super) struct RawHotKeys {
+    pub(super) threshold_rps: Spanned<u32>,
+    /// `None` = half of `threshold_rps`.
+    pub(super) cool_rps: Option<Spanned<u32>>,
+    pub(super) window: HumanDuration,
+    pub(super) l1_ttl: HumanDuration,
+    pub(super) max_backend_rps_per_key: u32,
+    pub(super) max_hot_keys: Spanned<usize>,
+}
+
+impl Default for RawHotKeys {
+    fn default() -> Self {
+        Self {
+            threshold_rps: unspanned(100),
+            cool_rps: None,
+            window: HumanDuration::millis(250),
+            l1_ttl: HumanDuration::secs(1),
+            max_backend_rps_per_key: 50,
+            max_hot_keys: unspanned(256),
+        }
+    }
 }
 
 /// `[server]`: the proxy listener.

@@ -194,6 +194,12 @@ fn example_file_documents_every_key() {
         "warmup",
         "paths",
         "rate",
+        "threshold_rps",
+        "cool_rps",
+        "window",
+        "l1_ttl",
+        "max_backend_rps_per_key",
+        "max_hot_keys",
     ];
     for key in keys {
         assert!(
@@ -451,15 +457,20 @@ fn bloom_errors_name_the_line_and_key() {
 }
 
 #[test]
-fn sections_of_later_releases_are_refused() {
-    let message = problem(&with_minimal("[hot_keys]\nthreshold_rps = 100\n"));
-    assert!(
-        message.starts_with("test.toml:3: hot_keys: unknown key, expected one of server, "),
-        "{message}"
+fn hot_keys_take_defaults_and_check_their_rates() {
+    let config = load(MINIMAL).unwrap();
+    assert_eq!(config.hot_keys.threshold_rps, 100);
+    assert_eq!(config.hot_keys.cool_rps, 50);
+    assert_eq!(config.hot_keys.l1_ttl, Duration::from_secs(1));
+    assert_eq!(
+        problem(&with_minimal(
+            "[hot_keys]\nthreshold_rps = 100\ncool_rps = 150\n"
+        )),
+        "test.toml:5: hot_keys.cool_rps: expected a rate below threshold_rps (100), got 150"
     );
-    assert!(
-        message.ends_with("arrives with a later release)"),
-        "{message}"
+    assert_eq!(
+        problem(&with_minimal("[hot_keys]\nmax_hot_keys = 0\n")),
+        "test.toml:4: hot_keys.max_hot_keys: expected a count from 1 to 100000, got 0"
     );
 }
 

@@ -25,12 +25,13 @@ use http::{HeaderName, Method, StatusCode, Uri};
 use toml::Spanned;
 
 use super::raw::{
-    NO_SPAN, RawAdmin, RawBloom, RawCache, RawConfig, RawQuery, RawRoute, RawSourceFormat, defaults,
+    NO_SPAN, RawAdmin, RawBloom, RawCache, RawConfig, RawHotKeys, RawQuery, RawRoute,
+    RawSourceFormat, defaults,
 };
 use super::{
-    AddFrom, AdminConfig, BloomAdd, BloomConfig, BloomSource, CacheDefaults, Config, LockConfig,
-    QueryPolicy, RedisConfig, RouteBloom, RouteConfig, ServerConfig, SourceFormat, UpstreamConfig,
-    Vars, WarmupConfig, env,
+    AddFrom, AdminConfig, BloomAdd, BloomConfig, BloomSource, CacheDefaults, Config, HotKeysConfig,
+    LockConfig, QueryPolicy, RedisConfig, RouteBloom, RouteConfig, ServerConfig, SourceFormat,
+    UpstreamConfig, Vars, WarmupConfig, env,
 };
 
 /// One problem in a config source: `file:line: key: message`.
@@ -211,18 +212,13 @@ fn describe_serde_error(path: &str, message: &str) -> (String, String) {
     }
     if let Some(rest) = message.strip_prefix("unknown field `") {
         // The path already ends with the unknown key.
-        let (field, expected) = rest.split_once('`').unwrap_or((rest, ""));
+        let (_field, expected) = rest.split_once('`').unwrap_or((rest, ""));
         let choices: Vec<&str> = expected.split('`').skip(1).step_by(2).collect();
-        let mut text = if choices.is_empty() {
+        let text = if choices.is_empty() {
             "unknown key".to_owned()
         } else {
             format!("unknown key, expected one of {}", choices.join(", "))
         };
-        if field == "hot_keys" {
-            text.push_str(&format!(
-                " ({field} is not supported yet: it arrives with a later release)"
-            ));
-        }
         return (key.to_owned(), text);
     }
     for prefix in ["invalid type: ", "invalid value: "] {
@@ -575,6 +571,7 @@ impl Checker<'_> {
             uncacheable_ttl: raw.lock.uncacheable_ttl.0,
         };
         let bloom = self.blooms(&raw.bloom, &upstream);
+        let hot_keys = self.hot_keys(&raw.hot_keys);
         let routes = self.routes(&raw.routes, &cache, &bloom);
         Config {
             source: self.file.to_owned(),
@@ -586,6 +583,42 @@ impl Checker<'_> {
             lock,
             routes,
             bloom,
+            hot_keys,
+        }
+    }
+
+    fn hot_keys(&mut self, raw: &RawHotKeys) -> HotKeysConfig {
+        let threshold_rps = *raw.threshold_rps.get_ref();
+        let cool_rps = match &raw.cool_rps {
+            Some(cool) if threshold_rps > 0 && *cool.get_ref() >= threshold_rps => {
+                self.report(
+                    cool.span(),
+                    "hot_keys.cool_rps",
+                    format!(
+                        "expected a rate below threshold_rps ({threshold_rps}), got {}",
+                        cool.get_ref()
+                    ),
+                );
+                threshold_rps / 2
+            }
+            Some(cool) => *cool.get_ref(),
+            None => threshold_rps / 2,
+        };
+        let max_hot_keys = *raw.max_hot_keys.get_ref();
+        if !(1..=100_000).contains(&max_hot_keys) {
+            self.report(
+                raw.max_hot_keys.span(),
+                "hot_keys.max_hot_keys",
+                format!("expected a count from 1 to 100000, got {max_hot_keys}"),
+            );
+        }
+        HotKeysConfig {
+            threshold_rps,
+            cool_rps,
+            window: raw.window.0.max(std::time::Duration::from_millis(10)),
+            l1_ttl: raw.l1_ttl.0,
+            max_backend_rps_per_key: raw.max_backend_rps_per_key,
+            max_hot_keys: max_hot_keys.clamp(1, 100_000),
         }
     }
 

@@ -32,6 +32,10 @@ pub(crate) enum EventKind {
     Fill,
     Released,
     Uncacheable,
+    /// The key was invalidated by a write: drop every L1 copy.
+    Invalidate,
+    /// The key is hot on the sender: promote it here too.
+    Hot,
 }
 
 impl EventKind {
@@ -40,6 +44,8 @@ impl EventKind {
             EventKind::Fill => "fill",
             EventKind::Released => "released",
             EventKind::Uncacheable => "uncacheable",
+            EventKind::Invalidate => "invalidate",
+            EventKind::Hot => "hot",
         }
     }
 
@@ -48,6 +54,8 @@ impl EventKind {
             "fill" => Some(EventKind::Fill),
             "released" => Some(EventKind::Released),
             "uncacheable" => Some(EventKind::Uncacheable),
+            "invalidate" => Some(EventKind::Invalidate),
+            "hot" => Some(EventKind::Hot),
             _ => None,
         }
     }
@@ -132,11 +140,13 @@ impl BloomAddEvent {
 /// and of every gap, so state carried by events (Bloom adds, later the hot set) can be
 /// resynced instead of silently missed.
 pub(crate) trait BusListener: Send + Sync + std::fmt::Debug {
-    fn on_bloom_add(&self, event: BloomAddEvent);
+    fn on_bloom_add(&self, _event: BloomAddEvent) {}
+    /// A key event other than the lock's (`invalidate`, `hot`), from another instance.
+    fn on_key_event(&self, _event: Event) {}
     /// The subscription was lost at `unix_ms`: events from then on may be missed.
-    fn on_gap(&self, unix_ms: u64);
+    fn on_gap(&self, _unix_ms: u64) {}
     /// The subscription is live (again): resync whatever was missed since the gap.
-    fn on_subscribed(self: Arc<Self>);
+    fn on_subscribed(self: Arc<Self>) {}
 }
 
 /// What a waiter is woken with: the latest event for its key, or `None` for "re-check,
@@ -382,7 +392,18 @@ impl EventBus {
                         continue;
                     };
                     if let Some(event) = Event::decode(text) {
-                        self.waiters.notify(event.hash, event.kind);
+                        match event.kind {
+                            EventKind::Fill | EventKind::Released | EventKind::Uncacheable => {
+                                self.waiters.notify(event.hash, event.kind);
+                            }
+                            EventKind::Invalidate | EventKind::Hot => {
+                                if event.instance != self.instance {
+                                    for listener in &self.listeners {
+                                        listener.on_key_event(event);
+                                    }
+                                }
+                            }
+                        }
                     } else if let Some(add) = BloomAddEvent::decode(text)
                         && add.instance != self.instance
                     {

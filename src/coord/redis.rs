@@ -154,6 +154,21 @@ impl RedisConn {
         self.settle(op, started, result)
     }
 
+    /// `PUBLISH channel message`, bounded like every command.
+    pub(crate) async fn publish(&self, channel: &str, message: &str) -> Result<(), Unavailable> {
+        if !self.is_up() {
+            return Err(Unavailable);
+        }
+        let mut conn = self.inner.conn.clone();
+        let started = Instant::now();
+        let result = tokio::time::timeout(
+            self.inner.command_timeout,
+            conn.publish::<_, _, i64>(channel, message),
+        )
+        .await;
+        self.settle(RedisOp::Publish, started, result).map(|_| ())
+    }
+
     /// `GET key`, or `Unavailable` at once while Redis is down.
     pub(crate) async fn get(&self, key: &str) -> Result<Option<Vec<u8>>, Unavailable> {
         if !self.is_up() {

@@ -102,3 +102,20 @@ return 1
 ",
     )
 });
+
+/// Invalidates a key for a write ("a delete voids the lease"): bumps its generation first,
+/// so a fill whose fetch began before is refused, then deletes the entry and the lock, and
+/// publishes `invalidate` so every instance drops its L1 copy.
+/// - `KEYS[1]` entry, `KEYS[2]` lock, `KEYS[3]` generation
+/// - `ARGV[1]` generation ttl in ms, `ARGV[2]` channel, `ARGV[3]` invalidate message
+pub(crate) static INVALIDATE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"
+redis.call('INCR', KEYS[3])
+redis.call('PEXPIRE', KEYS[3], ARGV[1])
+redis.call('DEL', KEYS[1], KEYS[2])
+redis.call('PUBLISH', ARGV[2], ARGV[3])
+return 1
+",
+    )
+});

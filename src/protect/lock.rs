@@ -153,6 +153,32 @@ impl DistLock {
 
     /// Stores `encoded` for `ttl` if the generation is unchanged and the lock is not
     /// someone else's; releases the lock; wakes the waiters.
+    /// Invalidates `hash` fleet-wide (see [`scripts::INVALIDATE`]). `generation_ttl` must
+    /// outlast any fill that could still be running with the old generation.
+    pub(crate) async fn invalidate(
+        &self,
+        hash: u128,
+        generation_ttl: Duration,
+    ) -> Result<(), Unavailable> {
+        let entry_key = tagged_key(&self.prefix, hash, "v");
+        let lock_key = tagged_key(&self.prefix, hash, "lock");
+        let gen_key = tagged_key(&self.prefix, hash, "gen");
+        let ttl_ms = generation_ttl.as_millis().max(1).to_string();
+        self.redis
+            .run_script::<i64>(
+                RedisOp::Invalidate,
+                &scripts::INVALIDATE,
+                &[&entry_key, &lock_key, &gen_key],
+                &[
+                    ttl_ms.as_bytes(),
+                    self.bus.channel.as_bytes(),
+                    &self.message(EventKind::Invalidate, hash),
+                ],
+            )
+            .await
+            .map(|_| ())
+    }
+
     pub(crate) async fn fill(
         &self,
         lease: &Lease,

@@ -125,8 +125,9 @@ impl Proxy {
                             return Fetched::Ready(entry, Outcome::Miss);
                         }
                     }
-                    // Released without a fill: contend for the lock again.
-                    Some(EventKind::Released) => {}
+                    // Released without a fill (or an invalidation, which voids the lease):
+                    // contend for the lock again.
+                    Some(EventKind::Released | EventKind::Invalidate | EventKind::Hot) => {}
                 },
                 // The holder's lease ended without news (its instance may have died):
                 // try to take over; exactly one waiter wins the SET NX.
@@ -246,8 +247,8 @@ impl Proxy {
                 }
             }
         }
-        if keep && self.uses_l1(&job.route) {
-            self.l1.insert(&job.key, Arc::clone(entry)).await;
+        if keep && self.keeps_in_l1(&job.route, job.key.hash) {
+            self.put_l1(&job.key, Arc::clone(entry)).await;
         }
     }
 
@@ -255,8 +256,8 @@ impl Proxy {
         let l2 = self.l2.as_ref()?;
         match l2.get(&job.key).await {
             Lookup::Hit(entry) if entry.freshness(now_ms()) == Freshness::Fresh => {
-                if self.uses_l1(&job.route) {
-                    self.l1.insert(&job.key, Arc::clone(&entry)).await;
+                if self.keeps_in_l1(&job.route, job.key.hash) {
+                    self.put_l1(&job.key, Arc::clone(&entry)).await;
                 }
                 Some(entry)
             }

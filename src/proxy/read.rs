@@ -32,6 +32,7 @@ use crate::cache::{CacheKey, Entry, Freshness, now_ms};
 use crate::config::L1Policy;
 use crate::metrics::Outcome;
 use crate::protect::flight::{FlightKind, FlightResult, Role};
+use crate::protect::hotkeys::Hot;
 
 /// How many times a follower joins a new flight after the leader failed or went away,
 /// before it fetches for itself (still through the origin guard).
@@ -96,11 +97,21 @@ impl Proxy {
             parts.uri.query(),
             &parts.headers,
         );
+        self.hot.record(derived.key.hash);
+        let mut skip_l1 = false;
+        if route.config.l1 != L1Policy::Off
+            && let Some(hot) = self.hot.get(derived.key.hash)
+        {
+            match self.serve_hot(route, &derived.key, &hot, head).await {
+                Ok(answer) => return answer,
+                Err(past_l1) => skip_l1 = past_l1,
+            }
+        }
         // A miss for this key is being filled right now: join it rather than look again.
         let found = if self.flights.foreground_in_progress(derived.key.hash) {
             None
         } else {
-            self.lookup(route, &derived.key).await
+            self.lookup_from(route, &derived.key, skip_l1).await
         };
         let job = || {
             let mut vary = HeaderMap::new();
@@ -144,9 +155,15 @@ impl Proxy {
 
     /// L1, then L2. A fresh copy wins; otherwise the newest stale copy (within grace).
     pub(crate) async fn lookup(&self, route: &Route, key: &CacheKey) -> Option<Found> {
+        self.lookup_from(route, key, false).await
+    }
+
+    /// [`Self::lookup`], optionally past L1 (a hot key whose L1 copy is due a check).
+    async fn lookup_from(&self, route: &Route, key: &CacheKey, skip_l1: bool) -> Option<Found> {
         let now = now_ms();
         let mut stale = None;
         if route.config.l1 != L1Policy::Off
+            && !skip_l1
             && let Some(entry) = self.l1.get(key).await
         {
             match entry.freshness(now) {
@@ -166,8 +183,8 @@ impl Proxy {
         {
             match entry.freshness(now) {
                 Freshness::Fresh => {
-                    if self.uses_l1(route) {
-                        self.l1.insert(key, Arc::clone(&entry)).await;
+                    if self.keeps_in_l1(route, key.hash) {
+                        self.put_l1(key, Arc::clone(&entry)).await;
                     }
                     return Some(Found {
                         entry,
@@ -201,6 +218,74 @@ impl Proxy {
             L1Policy::Off => false,
             L1Policy::All => true,
             L1Policy::Hot => self.l2.as_ref().is_none_or(|l2| !l2.redis().is_up()),
+        }
+    }
+
+    /// Whether an entry for `hash` on `route` goes into L1: per the route's policy, and for
+    /// every hot key unless the route says `off`.
+    pub(crate) fn keeps_in_l1(&self, route: &Route, hash: u128) -> bool {
+        self.uses_l1(route) || (route.config.l1 != L1Policy::Off && self.hot.get(hash).is_some())
+    }
+
+    /// Puts an entry in L1; a hot key's copy is then served from L1 for `hot_keys.l1_ttl`
+    /// without asking Redis.
+    pub(crate) async fn put_l1(&self, key: &CacheKey, entry: Arc<Entry>) {
+        self.l1.insert(key, entry).await;
+        if let Some(hot) = self.hot.get(key.hash) {
+            self.hot.renew_l1(&hot);
+        }
+    }
+
+    /// A hot key: its L1 copy answers while its L1 grace lasts; after that, at most
+    /// `max_backend_rps_per_key` requests per second go on to Redis and the origin, and the
+    /// rest get the L1 copy (fresh or stale) or 429. `None` = go on (past L1 when
+    /// `skip_l1` is set in the returned flag).
+    async fn serve_hot(
+        &self,
+        route: &Route,
+        key: &CacheKey,
+        hot: &Hot,
+        head: bool,
+    ) -> Result<(Response<Body>, Outcome), bool> {
+        // Without a usable Redis the L1 copy is the only copy: nothing to check it against.
+        if !self.l2.as_ref().is_some_and(|l2| l2.redis().is_up()) {
+            return Err(false);
+        }
+        let now = now_ms();
+        let copy = self.l1.get(key).await;
+        let freshness = copy.as_ref().map(|e| e.freshness(now));
+        if let Some(entry) = &copy
+            && freshness == Some(Freshness::Fresh)
+            && hot.l1_fresh()
+        {
+            self.hot.served(key.hash, &key.full, true);
+            return Ok(hit(entry, Outcome::HitL1, head));
+        }
+        if self.hot.allow_backend(key.hash) {
+            self.hot.served(key.hash, &key.full, false);
+            // Past L1: its copy is due a check against Redis.
+            return Err(copy.is_some());
+        }
+        self.metrics.hot_limited(&route.config.name);
+        match (copy, freshness) {
+            (Some(entry), Some(Freshness::Fresh)) => {
+                self.hot.served(key.hash, &key.full, true);
+                Ok(hit(&entry, Outcome::HitL1, head))
+            }
+            (Some(entry), Some(Freshness::Stale)) => {
+                self.hot.served(key.hash, &key.full, true);
+                Ok(hit(&entry, Outcome::Stale, head))
+            }
+            _ => {
+                let mut response = respond::text(
+                    http::StatusCode::TOO_MANY_REQUESTS,
+                    "cacheguard: too many requests for this key\n",
+                );
+                response
+                    .headers_mut()
+                    .insert(header::RETRY_AFTER, http::HeaderValue::from_static("1"));
+                Ok((response, Outcome::Error))
+            }
         }
     }
 

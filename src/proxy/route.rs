@@ -31,6 +31,8 @@ pub(crate) struct Route {
 pub(crate) struct Matched<'r, 'p> {
     pub(crate) route: &'r Arc<Route>,
     pub(crate) id: Option<&'p str>,
+    /// Write routes that invalidate: every path parameter, to fill the patterns with.
+    pub(crate) params: Vec<(String, String)>,
 }
 
 #[derive(Debug)]
@@ -91,7 +93,16 @@ impl RouteTable {
             .bloom
             .as_ref()
             .and_then(|bloom| matched.params.get(&bloom.param));
-        Some(Matched { route, id })
+        let params = if route.config.invalidate.is_empty() {
+            Vec::new()
+        } else {
+            matched
+                .params
+                .iter()
+                .map(|(k, v)| (k.to_owned(), v.to_owned()))
+                .collect()
+        };
+        Some(Matched { route, id, params })
     }
 
     /// Every route, in no particular order.
