@@ -12,7 +12,7 @@
 //! - a background probe `PING`s every [`PROBE_INTERVAL`] while the breaker is open and
 //!   **closes** it only when the answer comes within `command_timeout` (a Redis that answers,
 //!   but slowly, stays out of the request path);
-//! - while closed, the probe runs every second with `INFO server`, so an idle instance
+//! - while closed, the probe runs every 800 ms with `INFO server`, so an idle instance
 //!   notices an outage before a request pays for it, and a changed `run_id` tells that Redis
 //!   restarted (its cache, locks and generations are gone: L1 and stale copies keep serving
 //!   while single-flight refills it, under the origin caps).
@@ -33,7 +33,7 @@ use crate::metrics::{Metrics, RedisOp};
 /// How often an open breaker probes Redis.
 pub(crate) const PROBE_INTERVAL: Duration = Duration::from_millis(200);
 /// How often a closed breaker checks on Redis (every this many probe intervals).
-const UP_CHECK_EVERY: u32 = 5;
+const UP_CHECK_EVERY: u32 = 4;
 
 /// Redis could not be used for this command (down, timed out, or failed).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

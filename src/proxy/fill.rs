@@ -27,7 +27,7 @@ use super::fetch::{Classified, Failure, FillJob};
 use super::read::Fetched;
 use crate::cache::l2::Lookup;
 use crate::cache::{Entry, Freshness, now_ms};
-use crate::config::OnTimeout;
+use crate::config::{L1Policy, OnTimeout};
 use crate::coord::events::EventKind;
 use crate::error::ProxyError;
 use crate::metrics::{FillRefusal, LockEvent, Outcome};
@@ -232,6 +232,9 @@ impl Proxy {
     /// overtook the fetch) goes to the requests that asked for it, but is not kept in L1.
     async fn store(&self, job: &FillJob, entry: &Arc<Entry>, l2: Option<(&DistLock, &Lease)>) {
         let mut keep = true;
+        // Filled without Redis (no lease: the breaker was open): L1 is the only copy,
+        // whatever the breaker says by now.
+        let in_l1 = l2.is_none() && self.l2.is_some() && job.route.config.l1 != L1Policy::Off;
         if let Some((dist, lease)) = l2 {
             let life = Duration::from_millis(entry.remaining_life_ms(now_ms()));
             if let Ok(bytes) = entry.encode() {
@@ -247,7 +250,7 @@ impl Proxy {
                 }
             }
         }
-        if keep && self.keeps_in_l1(&job.route, job.key.hash) {
+        if keep && (in_l1 || self.keeps_in_l1(&job.route, job.key.hash)) {
             self.put_l1(&job.key, Arc::clone(entry)).await;
         }
     }

@@ -47,7 +47,12 @@ impl OriginGuard {
     ) -> Self {
         OriginGuard {
             slots: Arc::new(Semaphore::new(max_concurrency.max(1))),
-            rate: NonZeroU32::new(max_rps).map(|rps| RateLimiter::direct(Quota::per_second(rps))),
+            // A burst of one: requests are spaced 1/max_rps apart, so no 1 s window ever sees
+            // more than max_rps (governor's default burst of max_rps would let an idle origin
+            // take twice its cap in the first second of an avalanche).
+            rate: NonZeroU32::new(max_rps).map(|rps| {
+                RateLimiter::direct(Quota::per_second(rps).allow_burst(NonZeroU32::MIN))
+            }),
             queue_timeout,
             in_flight,
             queue_wait,
