@@ -214,12 +214,17 @@ impl HotKeys {
             self.metrics.served_l1.inc();
         } else {
             self.metrics.served_backend.inc();
-            let mut labels = self.labels.lock().unwrap_or_else(PoisonError::into_inner);
-            if labels.len() < self.config.max_hot_keys && !labels.contains_key(&hash) {
-                let mut label = full_key.to_owned();
-                label.truncate(1024);
-                labels.insert(hash, label);
-            }
+            self.label(hash, full_key);
+        }
+    }
+
+    /// Notes the full key of hot `hash` for the admin view (once).
+    pub(crate) fn label(&self, hash: u128, full_key: &str) {
+        let mut labels = self.labels.lock().unwrap_or_else(PoisonError::into_inner);
+        if labels.len() < self.config.max_hot_keys && !labels.contains_key(&hash) {
+            let mut label = full_key.to_owned();
+            label.truncate(1024);
+            labels.insert(hash, label);
         }
     }
 

@@ -233,6 +233,7 @@ impl Proxy {
         self.l1.insert(key, entry).await;
         if let Some(hot) = self.hot.get(key.hash) {
             self.hot.renew_l1(&hot);
+            self.hot.label(key.hash, &key.full);
         }
     }
 
