@@ -519,7 +519,12 @@ async fn burst_of_5000_stores_spreads_expiry_uniformly_over_two_to_six_seconds()
         origin.set_status(&format!("/api/gone/{i}"), 404);
     }
     // A breaker opened by a slow answer during the burst would keep entries out of Redis.
-    let cg = shared(&origin, &redis).routes(JITTER_ROUTES).start().await;
+    // command_timeout 2 s: a store slowed by a busy machine must not open the breaker.
+    let cg = shared(&origin, &redis)
+        .set_str("redis", "command_timeout", "2s")
+        .routes(JITTER_ROUTES)
+        .start()
+        .await;
     let client = HttpClient::new();
     let addr = cg.addr();
 
@@ -574,8 +579,19 @@ async fn burst_of_5000_stores_spreads_expiry_uniformly_over_two_to_six_seconds()
             (keys.len() >= N + NEG).then_some(keys)
         },
     )
-    .await
-    .unwrap_or_else(|| panic!("expected {} cg:*:v entries in Redis", N + NEG));
+    .await;
+    let Some(keys) = keys else {
+        let found = redis.entry_keys().await.len();
+        let (_, e) = scrape(&client, cg.admin_addr()).await;
+        panic!(
+            "expected {} cg:*:v entries in Redis, found {found}; breaker transitions {}, \
+             fill refusals {}, redis errors {}",
+            N + NEG,
+            e.sum("cacheguard_redis_breaker_transitions_total", &[]),
+            e.sum("cacheguard_fill_refused_total", &[]),
+            e.sum("cacheguard_redis_errors_total", &[]),
+        );
+    };
     assert_eq!(keys.len(), N + NEG);
     let mut con = redis.client().await;
     let mut pttl_pipe = redis::pipe();
@@ -935,14 +951,16 @@ async fn mass_expiry_under_load_keeps_the_origin_under_its_caps() {
         "cacheguard_shed_total {shed_total} < {shed} 503s seen by clients"
     );
     let waits = e.sum("cacheguard_origin_queue_wait_seconds_count", &[]);
+    // The wait is bounded by queue_timeout (200 ms) in the guard itself; the 1 s bucket
+    // leaves room for a timer that fires late on a starved 2-core machine.
     let waits_under = e.sum(
         "cacheguard_origin_queue_wait_seconds_bucket",
-        &[("le", "0.5")],
+        &[("le", "1")],
     );
     assert!(waits > 0.0, "no queue wait observed");
     assert_eq!(
         waits_under, waits,
-        "some request waited over 500 ms for an origin slot (queue_timeout 200 ms)"
+        "some request waited over 1 s for an origin slot (queue_timeout 200 ms)"
     );
     // Background refreshes started by the last requests may still hold slots: each ends
     // within queue_timeout + origin timeout.
