@@ -190,3 +190,41 @@ async fn starts_with_redis_down_and_uses_it_once_it_appears() {
     a.shutdown().await;
     b.shutdown().await;
 }
+
+/// L1 is the second level during an outage: with Redis dead, an L1 copy past its ttl but
+/// within grace is answered at once as `STALE` (old body) while one refresh goes to the
+/// origin, whose failure keeps the stale copy in service.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_down_l1_copy_past_its_ttl_is_served_stale() {
+    let mut redis = RedisServer::start().await;
+    let origin = TestOrigin::start().await;
+    let cg = CgConfig::new(&origin)
+        .redis(&redis)
+        .l1("all")
+        .set_str("cache", "ttl", "1s")
+        .set("cache", "jitter", "0.0")
+        .set_str("cache", "grace", "30s")
+        .start()
+        .await;
+    let client = HttpClient::new();
+    let first = client.get(&url(cg.addr(), "/api/items/s1")).await;
+    assert_eq!(first.x_cache(), "MISS", "{first}");
+    let old = first.text();
+
+    redis.kill();
+    origin.set_status("/api/items/s1", 500);
+    tokio::time::sleep(Duration::from_millis(1_300)).await;
+    for i in 0..5 {
+        let started = Instant::now();
+        let r = client.get(&url(cg.addr(), "/api/items/s1")).await;
+        assert_eq!(r.status, 200, "request {i} during the outage: {r}");
+        assert_eq!(r.x_cache(), "STALE", "request {i}: {r}");
+        assert_eq!(r.text(), old, "request {i}: the L1 copy");
+        assert!(
+            started.elapsed() < Duration::from_millis(500),
+            "request {i} waited {:?}",
+            started.elapsed()
+        );
+    }
+    cg.shutdown().await;
+}
