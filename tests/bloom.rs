@@ -495,8 +495,11 @@ async fn create(client: &HttpClient, addr: SocketAddr) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nonexistent_ids_are_rejected_at_the_edge() {
     let origin = items_origin(seed_ids(100_000)).await;
+    // negative_ttl 60 s: on a loaded machine the 20k GETs can take longer than the default
+    // 10 s, and the repeat below must fall within negative_ttl.
     let cg = CgConfig::new(&origin)
         .l1("all")
+        .set_str("cache", "negative_ttl", "60s")
         .routes(&routes(
             "location",
             &bloom_table(100_000, 0.01, "10m", &url_source()),
@@ -552,7 +555,7 @@ async fn nonexistent_ids_are_rejected_at_the_edge() {
         first_few(twice.iter().map(|s| **s))
     );
 
-    // Again, within negative_ttl (10s): the false positives are negatively cached.
+    // Again, within negative_ttl (60 s): the false positives are negatively cached.
     let again: Vec<String> = passed.iter().map(|s| s.path.clone()).collect();
     let seen_again = get_all(&client, cg.addr(), again, 64).await;
     let bad: Vec<&Seen> = seen_again
