@@ -615,9 +615,10 @@ async fn burst_of_5000_stores_spreads_expiry_uniformly_over_two_to_six_seconds()
         let physical_end = e.stored_at_ms + e.ttl_ms + e.grace_ms;
         let pttl = u64::try_from(*pttl).unwrap_or_else(|_| panic!("{} has no TTL", e.key));
         // Redis's expiry instant is read_at + PTTL, read_at in [read_from, read_to]; the
-        // store ran a moment after the entry's life was computed. Allow 500 ms for both
-        // (the drawn ttls range over 4 s).
-        if physical_end + 500 < read_from + pttl || read_to + pttl + 500 < physical_end {
+        // store ran a moment after the entry's life was computed (over a second on a
+        // starved machine). Allow 2 s for both; the spread itself is checked on the drawn
+        // ttls below, not on PTTL.
+        if physical_end + 2_000 < read_from + pttl || read_to + pttl + 2_000 < physical_end {
             pttl_off.push(format!(
                 "{}: PTTL {pttl} ms, entry ends at +{} ms from the read",
                 e.key,
