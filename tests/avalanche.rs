@@ -1142,10 +1142,14 @@ async fn redis_killed_under_load_l1_keys_keep_answering_fast() {
             summary(&during)
         );
     }
+    // Relative to the same load before the kill: a stall of the shared machine sets both
+    // (733 ms p99 *before* the kill was seen once); L1 hits waiting on the dead Redis would
+    // add command_timeout on top.
+    let p99_before = percentile(&before, 99.0);
     assert!(
-        p99 < COMMAND_TIMEOUT,
-        "p99 during the outage {p99:?} >= command_timeout {COMMAND_TIMEOUT:?}: L1 hits wait \
-         on the dead Redis; during {}, before {}",
+        p99 < COMMAND_TIMEOUT + p99_before,
+        "p99 during the outage {p99:?} >= command_timeout {COMMAND_TIMEOUT:?} + p99 before \
+         {p99_before:?}: L1 hits wait on the dead Redis; during {}, before {}",
         summary(&during),
         summary(&before)
     );
