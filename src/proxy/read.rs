@@ -38,6 +38,16 @@ use crate::protect::hotkeys::Hot;
 /// before it fetches for itself (still through the origin guard).
 const MAX_FLIGHT_ATTEMPTS: usize = 3;
 
+/// How a hot-key request goes on when its L1 copy does not answer it outright.
+enum GoOn {
+    /// The usual path, L1 included.
+    ThroughL1,
+    /// Past L1: its copy is due a check against Redis.
+    PastL1,
+    /// The usual path, which answers from L1 and refreshes the entry early (XFetch chose it).
+    RefreshEarly,
+}
+
 /// What a lookup found.
 pub(crate) struct Found {
     pub(crate) entry: Arc<Entry>,
@@ -99,12 +109,15 @@ impl Proxy {
         );
         self.hot.record(derived.key.hash);
         let mut skip_l1 = false;
+        let mut refresh_early = false;
         if route.config.l1 != L1Policy::Off
             && let Some(hot) = self.hot.get(derived.key.hash)
         {
             match self.serve_hot(route, &derived.key, &hot, head).await {
                 Ok(answer) => return answer,
-                Err(past_l1) => skip_l1 = past_l1,
+                Err(GoOn::PastL1) => skip_l1 = true,
+                Err(GoOn::RefreshEarly) => refresh_early = true,
+                Err(GoOn::ThroughL1) => {}
             }
         }
         // A miss for this key is being filled right now: join it rather than look again.
@@ -134,9 +147,10 @@ impl Proxy {
             Some(found) if found.freshness == Freshness::Fresh => {
                 let beta = route.config.early_refresh_beta;
                 if beta > 0.0
-                    && found
-                        .entry
-                        .should_refresh_early(now_ms(), beta, rand::random::<f64>())
+                    && (refresh_early
+                        || found
+                            .entry
+                            .should_refresh_early(now_ms(), beta, rand::random::<f64>()))
                     && self.refresh_in_background(job(), true)
                 {
                     route.metrics.early_refreshes.inc();
@@ -239,18 +253,17 @@ impl Proxy {
 
     /// A hot key: its L1 copy answers while its L1 grace lasts; after that, at most
     /// `max_backend_rps_per_key` requests per second go on to Redis and the origin, and the
-    /// rest get the L1 copy (fresh or stale) or 429. `None` = go on (past L1 when
-    /// `skip_l1` is set in the returned flag).
+    /// rest get the L1 copy (fresh or stale) or 429. `Err` = go on, as [`GoOn`] says.
     async fn serve_hot(
         &self,
         route: &Route,
         key: &CacheKey,
         hot: &Hot,
         head: bool,
-    ) -> Result<(Response<Body>, Outcome), bool> {
+    ) -> Result<(Response<Body>, Outcome), GoOn> {
         // Without a usable Redis the L1 copy is the only copy: nothing to check it against.
         if !self.l2.as_ref().is_some_and(|l2| l2.redis().is_up()) {
-            return Err(false);
+            return Err(GoOn::ThroughL1);
         }
         let now = now_ms();
         let copy = self.l1.get(key).await;
@@ -259,13 +272,22 @@ impl Proxy {
             && freshness == Some(Freshness::Fresh)
             && hot.l1_fresh()
         {
+            let beta = route.config.early_refresh_beta;
+            if beta > 0.0 && entry.should_refresh_early(now, beta, rand::random::<f64>()) {
+                // The usual path answers from L1 and starts the early refresh.
+                return Err(GoOn::RefreshEarly);
+            }
             self.hot.served(key.hash, &key.full, true);
             return Ok(hit(entry, Outcome::HitL1, head));
         }
         if self.hot.allow_backend(key.hash) {
             self.hot.served(key.hash, &key.full, false);
             // Past L1: its copy is due a check against Redis.
-            return Err(copy.is_some());
+            return Err(if copy.is_some() {
+                GoOn::PastL1
+            } else {
+                GoOn::ThroughL1
+            });
         }
         self.metrics.hot_limited(&route.config.name);
         match (copy, freshness) {
