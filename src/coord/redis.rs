@@ -23,7 +23,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig, MultiplexedConnection};
-use redis::{AsyncCommands, FromRedisValue, RedisError, Script};
+use redis::{FromRedisValue, RedisError, Script};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
@@ -156,32 +156,33 @@ impl RedisConn {
 
     /// `PUBLISH channel message`, bounded like every command.
     pub(crate) async fn publish(&self, channel: &str, message: &str) -> Result<(), Unavailable> {
-        if !self.is_up() {
-            return Err(Unavailable);
-        }
-        let mut conn = self.inner.conn.clone();
-        let started = Instant::now();
-        let result = tokio::time::timeout(
-            self.inner.command_timeout,
-            conn.publish::<_, _, i64>(channel, message),
-        )
-        .await;
-        self.settle(RedisOp::Publish, started, result).map(|_| ())
+        let mut cmd = redis::cmd("PUBLISH");
+        cmd.arg(channel).arg(message);
+        self.query::<i64>(RedisOp::Publish, &cmd).await.map(|_| ())
     }
 
     /// `GET key`, or `Unavailable` at once while Redis is down.
     pub(crate) async fn get(&self, key: &str) -> Result<Option<Vec<u8>>, Unavailable> {
+        let mut cmd = redis::cmd("GET");
+        cmd.arg(key);
+        self.query(RedisOp::Get, &cmd).await
+    }
+
+    /// One command on the shared connection: refused at once while the breaker is open,
+    /// bounded by `command_timeout`, counted toward the breaker.
+    async fn query<T: FromRedisValue>(
+        &self,
+        op: RedisOp,
+        cmd: &redis::Cmd,
+    ) -> Result<T, Unavailable> {
         if !self.is_up() {
             return Err(Unavailable);
         }
         let mut conn = self.inner.conn.clone();
         let started = Instant::now();
-        let result = tokio::time::timeout(
-            self.inner.command_timeout,
-            conn.get::<_, Option<Vec<u8>>>(key),
-        )
-        .await;
-        self.settle(RedisOp::Get, started, result)
+        let result =
+            tokio::time::timeout(self.inner.command_timeout, cmd.query_async::<T>(&mut conn)).await;
+        self.settle(op, started, result)
     }
 
     /// Runs a command that may move a large value (a Bloom filter snapshot, a resync of

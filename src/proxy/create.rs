@@ -17,7 +17,7 @@ use super::body::Body;
 use super::respond;
 use super::route::Route;
 use crate::config::AddFrom;
-use crate::protect::bloom::source::MAX_ID_BYTES;
+use crate::protect::bloom::source::{self, MAX_ID_BYTES};
 
 impl Proxy {
     pub(crate) async fn serve_create(
@@ -97,12 +97,7 @@ impl Proxy {
 
 fn id_from_json(body: &[u8], pointer: &str) -> Option<Vec<u8>> {
     let value: serde_json::Value = serde_json::from_slice(body).ok()?;
-    let id = match value.pointer(pointer)? {
-        serde_json::Value::String(s) => s.clone(),
-        serde_json::Value::Number(n) if n.is_i64() || n.is_u64() => n.to_string(),
-        _ => return None,
-    };
-    valid(id.into_bytes())
+    source::json_id(value.pointer(pointer)?).map(String::into_bytes)
 }
 
 fn valid(id: Vec<u8>) -> Option<Vec<u8>> {

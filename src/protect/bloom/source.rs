@@ -215,7 +215,13 @@ pub(crate) fn parse_line<'a>(format: &SourceFormat, raw: &'a [u8]) -> Option<Lin
 
 fn ndjson_id(line: &[u8], field: &str) -> Option<String> {
     let value: serde_json::Value = serde_json::from_slice(line).ok()?;
-    let id = match value.get(field)? {
+    json_id(value.get(field)?)
+}
+
+/// An id held in a JSON value (a source's NDJSON field, a create's answer): a string or an
+/// integer that is a valid id.
+pub(crate) fn json_id(value: &serde_json::Value) -> Option<String> {
+    let id = match value {
         serde_json::Value::String(s) => s.clone(),
         serde_json::Value::Number(n) if n.is_i64() || n.is_u64() => n.to_string(),
         _ => return None,
@@ -225,7 +231,7 @@ fn ndjson_id(line: &[u8], field: &str) -> Option<String> {
 
 /// An id is what a path segment can carry once decoded: non-empty, bounded, no whitespace
 /// or control characters (a line with a space inside is two things glued together).
-fn valid_id(id: &str) -> bool {
+pub(crate) fn valid_id(id: &str) -> bool {
     !id.is_empty()
         && id.len() <= MAX_ID_BYTES
         && !id.chars().any(|c| c.is_whitespace() || c.is_control())
