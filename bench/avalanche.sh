@@ -251,6 +251,8 @@ EOF
 [redis]
 url = "redis://127.0.0.1:$REDIS_PORT"
 command_timeout = "$REDIS_COMMAND_TIMEOUT"
+[journal]
+path = "journal-$1"
 EOF
     fi
     cat <<EOF

@@ -70,6 +70,8 @@ queue_timeout = "5s"
 [redis]
 url = "redis://127.0.0.1:$REDIS_PORT"
 command_timeout = "200ms"
+[journal]
+path = "journal-$inst"
 [admin]
 listen = "127.0.0.1:${!admin_var}"
 [cache]

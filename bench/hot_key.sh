@@ -228,6 +228,8 @@ EOF
 [redis]
 url = "redis://127.0.0.1:$REDIS_PORT"
 key_prefix = "$4"
+[journal]
+path = "journal-$1"
 EOF
     fi
     cat <<EOF

@@ -193,6 +193,8 @@ EOF
 [redis]
 url = "redis://127.0.0.1:$REDIS_PORT"
 command_timeout = "200ms"
+[journal]
+path = "journal-$1"
 EOF
     fi
     cat <<EOF

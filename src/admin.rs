@@ -1,5 +1,13 @@
 //! The admin listener (default `127.0.0.1:9091`): `/metrics`, `/healthz`, `/readyz`,
-//! `GET /admin/bloom`, `POST /admin/bloom/{name}/rebuild` and `GET /admin/hotkeys`.
+//! `GET /admin/bloom`, `POST /admin/bloom/{name}/rebuild`, `GET /admin/hotkeys` and
+//! `POST /admin/purge`.
+//!
+//! `POST /admin/purge` takes `{"keys": ["/api/items/7"], "patterns": ["/api/items/*"],
+//! "tags": ["item-7"]}` (any of the three; see `proxy/purge.rs` for what each means) and
+//! answers 200 with what it did (`done`, or `journaled`: Redis could not take it now, it is
+//! retried from the journal), 400 for a malformed body, 503 when a pattern purge cannot
+//! reach Redis. Every purge request is audited in the log (caller, items, result), refused
+//! ones included.
 //!
 //! Mutating calls need `Authorization: Bearer <admin.token>`: 401 without one, 403 with a
 //! wrong one (or when no token is configured: mutating calls are then disabled). Every
@@ -16,16 +24,19 @@ use std::sync::{Arc, LazyLock};
 
 use http::header::{self, HeaderValue};
 use http::{Method, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 use prometheus::{Encoder, Registry, TextEncoder};
-use tracing::info;
+use tracing::{info, warn};
 
 use crate::cache::l1::L1;
 use crate::coord::RedisConn;
 use crate::metrics::Metrics;
 use crate::protect::bloom::Filters;
 use crate::protect::hotkeys::HotKeys;
+use crate::proxy::Proxy;
 use crate::proxy::body::Body;
+use crate::proxy::purge::{PurgeError, PurgeRequest};
 use crate::proxy::respond;
 
 #[derive(Debug)]
@@ -38,7 +49,12 @@ pub(crate) struct Admin {
     pub(crate) hot: Arc<HotKeys>,
     /// Bearer token for mutating calls; `None` disables them.
     pub(crate) token: Option<String>,
+    /// For purges.
+    pub(crate) proxy: Arc<Proxy>,
 }
+
+/// Largest purge request body.
+const MAX_PURGE_BODY: usize = 1 << 20;
 
 /// The admin endpoints.
 #[derive(Clone, Copy, Debug)]
@@ -49,6 +65,7 @@ enum Endpoint {
     Bloom,
     BloomRebuild,
     HotKeys,
+    Purge,
 }
 
 static ENDPOINTS: LazyLock<matchit::Router<Endpoint>> = LazyLock::new(|| {
@@ -60,6 +77,7 @@ static ENDPOINTS: LazyLock<matchit::Router<Endpoint>> = LazyLock::new(|| {
         ("/admin/bloom", Endpoint::Bloom),
         ("/admin/bloom/{name}/rebuild", Endpoint::BloomRebuild),
         ("/admin/hotkeys", Endpoint::HotKeys),
+        ("/admin/purge", Endpoint::Purge),
     ] {
         // Fixed, distinct paths: an insert error is a bug caught by the tests.
         if let Err(error) = router.insert(path, endpoint) {
@@ -98,6 +116,19 @@ impl Admin {
                     return denied;
                 }
                 self.bloom_rebuild(&name, peer)
+            }
+            (Endpoint::Purge, false) if request.method() == Method::POST => {
+                if let Err(denied) = self.authorize(&request) {
+                    let status = denied.status();
+                    self.metrics.purge(if status == StatusCode::UNAUTHORIZED {
+                        "unauthorized"
+                    } else {
+                        "forbidden"
+                    });
+                    warn!(message = "Purge refused.", %peer, status = status.as_u16());
+                    return denied;
+                }
+                self.purge(request, peer).await
             }
             _ => respond::text(StatusCode::METHOD_NOT_ALLOWED, "method not allowed\n"),
         }
@@ -148,6 +179,71 @@ impl Admin {
             StatusCode::ACCEPTED,
             &serde_json::json!({ "filter": name, "rebuild": rebuild }),
         )
+    }
+
+    async fn purge(&self, request: Request<Incoming>, peer: SocketAddr) -> Response<Body> {
+        let bad = |why: String| {
+            self.metrics.purge("bad_request");
+            warn!(message = "Purge refused: bad request.", %peer, reason = %why);
+            json(
+                StatusCode::BAD_REQUEST,
+                &serde_json::json!({ "error": why }),
+            )
+        };
+        let body = match Limited::new(request.into_body(), MAX_PURGE_BODY)
+            .collect()
+            .await
+        {
+            Ok(body) => body.to_bytes(),
+            Err(e) => {
+                return bad(format!(
+                    "cannot read the body (at most {MAX_PURGE_BODY} bytes): {e}"
+                ));
+            }
+        };
+        let purge: PurgeRequest = match serde_json::from_slice(&body) {
+            Ok(purge) => purge,
+            Err(e) => {
+                return bad(format!(
+                    "expected JSON like {{\"keys\": [\"/api/items/7\"], \"patterns\": [\"/api/items/*\"], \"tags\": [\"item-7\"]}}: {e}"
+                ));
+            }
+        };
+        match self.proxy.purge(&purge).await {
+            Ok(outcome) => {
+                self.metrics.purge("ok");
+                info!(
+                    message = "Purge.",
+                    %peer,
+                    keys = ?audit_list(&purge.keys),
+                    patterns = ?audit_list(&purge.patterns),
+                    tags = ?audit_list(&purge.tags),
+                    pattern_matches = outcome.pattern_matches,
+                    done = outcome.done,
+                    journaled = outcome.journaled,
+                    lost = outcome.lost,
+                );
+                let status = if outcome.lost > 0 {
+                    StatusCode::INTERNAL_SERVER_ERROR
+                } else {
+                    StatusCode::OK
+                };
+                json(status, &serde_json::json!(outcome))
+            }
+            Err(PurgeError::RedisUnavailable) => {
+                self.metrics.purge("bad_request");
+                warn!(message = "Purge refused: Redis unavailable for a pattern purge.", %peer, patterns = ?audit_list(&purge.patterns));
+                let mut response = json(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    &serde_json::json!({ "error": PurgeError::RedisUnavailable.to_string() }),
+                );
+                response
+                    .headers_mut()
+                    .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+                response
+            }
+            Err(e) => bad(e.to_string()),
+        }
     }
 
     /// Checks the bearer token of a mutating call.
@@ -208,6 +304,11 @@ impl Admin {
         );
         response
     }
+}
+
+/// At most the first 20 items of a purge list, for the audit log.
+fn audit_list(items: &[String]) -> Vec<&str> {
+    items.iter().take(20).map(String::as_str).collect()
 }
 
 fn json(status: StatusCode, value: &serde_json::Value) -> Response<Body> {

@@ -5,18 +5,24 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::Context as _;
 use prometheus::Registry;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 use tracing::info;
 
 use crate::admin::Admin;
 use crate::cache::l1::L1;
 use crate::cache::l2::L2;
-use crate::config::Config;
+use crate::config::{Config, JournalFsync};
+use crate::consistency::invalidate::Invalidator;
+use crate::consistency::journal::{self, FsyncPolicy, Journal};
+use crate::consistency::marks::LocalMarks;
+use crate::consistency::stream::{self, StreamSettings};
 use crate::coord::RedisConn;
 use crate::coord::events::{BusListener, BusMetrics, EventBus, Waiters};
 use crate::metrics::Metrics;
@@ -30,8 +36,104 @@ use crate::proxy::server::{self, ConnLimits};
 use crate::proxy::upstream::Upstream;
 use crate::proxy::{CacheEvents, Proxy};
 
+/// How long generations, tag invalidation times and local marks are kept: longer than any
+/// fill can run (the longest entry life — a refresh may begin just before it ends —, the
+/// upstream timeout, a lease) plus a margin.
+fn invalidation_horizon(config: &Config) -> Duration {
+    let longest_entry = config
+        .routes
+        .iter()
+        .filter(|r| r.is_read())
+        .map(|r| r.ttl.mul_f64(1.0 + r.jitter) + r.grace)
+        .max()
+        .unwrap_or_default();
+    longest_entry + config.upstream.timeout + config.lock.lease + Duration::from_secs(60)
+}
+
+fn journal_policy(fsync: JournalFsync) -> FsyncPolicy {
+    match fsync {
+        JournalFsync::Always => FsyncPolicy::Always,
+        JournalFsync::Interval(every) => FsyncPolicy::Interval(every),
+        JournalFsync::Never => FsyncPolicy::Never,
+    }
+}
+
+/// Retries journaled invalidations until each is done; Redis coming back wakes it.
+fn spawn_retries(
+    journal: &Arc<Journal>,
+    conn: &RedisConn,
+    invalidator: &Arc<Invalidator>,
+    stop: &CancellationToken,
+) {
+    let wake = Arc::clone(&invalidator.wake);
+    let back = Arc::clone(conn.back());
+    let forward = Arc::clone(&wake);
+    let stop_forward = stop.clone();
+    tokio::spawn(async move {
+        loop {
+            tokio::select! {
+                () = stop_forward.cancelled() => return,
+                () = back.notified() => forward.notify_one(),
+            }
+        }
+    });
+    let inv = Arc::clone(invalidator);
+    tokio::spawn(journal::run_retries(
+        Arc::clone(journal),
+        move |owed| {
+            let inv = Arc::clone(&inv);
+            async move { inv.retry(&owed).await }
+        },
+        wake,
+        stop.clone(),
+    ));
+}
+
+/// Consumes the invalidation stream: each entry's paths and tags are invalidated.
+fn spawn_stream(
+    proxy: &Arc<Proxy>,
+    conn: &RedisConn,
+    config: &Config,
+    instance: u64,
+    stop: &CancellationToken,
+) {
+    let settings = StreamSettings {
+        key: config.stream.key.clone(),
+        group: config.stream.group.clone(),
+        consumer: format!("{instance:016x}"),
+        batch: config.stream.batch,
+        block: Duration::from_secs(1),
+        claim_idle: config.stream.claim_idle,
+        command_timeout: config.redis.as_ref().map_or(Duration::from_secs(1), |r| {
+            r.command_timeout.max(Duration::from_millis(500))
+        }),
+    };
+    let proxy = Arc::clone(proxy);
+    let metrics = proxy.metrics.stream.clone();
+    tokio::spawn(stream::run(
+        conn.client().clone(),
+        settings,
+        move |targets| {
+            let proxy = Arc::clone(&proxy);
+            async move { proxy.apply_stream_targets(targets).await }
+        },
+        metrics,
+        stop.clone(),
+    ));
+}
+
+/// Drops L1 index members whose entries left the cache.
+async fn sweep_l1_index(l1: L1, stop: CancellationToken) {
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => return,
+            () = tokio::time::sleep(Duration::from_secs(30)) => l1.sweep_index(),
+        }
+    }
+}
+
 /// How long a key whose background refresh failed waits before the next attempt.
-const REFRESH_BACKOFF: std::time::Duration = std::time::Duration::from_secs(1);
+const REFRESH_BACKOFF: Duration = Duration::from_secs(1);
 
 /// Entry point: `App::start(config)` binds the proxy and admin listeners and serves.
 #[derive(Debug)]
@@ -45,7 +147,12 @@ pub struct Running {
     stop_listeners: CancellationToken,
     stop_tasks: CancellationToken,
     servers: Vec<JoinHandle<()>>,
+    /// Delayed deletes not yet done: run at once, and waited for, on shutdown.
+    deferred: TaskTracker,
 }
+
+/// How long shutdown waits for the delayed deletes it runs early.
+const DEFERRED_GRACE: Duration = Duration::from_secs(5);
 
 impl App {
     /// Binds `server.listen` and `admin.listen` (port 0 picks a free port) and starts serving.
@@ -69,6 +176,9 @@ impl App {
             None => None,
         };
         let l1 = L1::new(config.cache.l1_max_bytes);
+        tokio::spawn(sweep_l1_index(l1.clone(), stop_tasks.clone()));
+        let horizon = invalidation_horizon(&config);
+        let marks = Arc::new(LocalMarks::new(horizon));
         let l2 = match (&redis, &config.redis) {
             (Some(conn), Some(rc)) => Some(L2::new(conn.clone(), &rc.key_prefix, metrics.clone())),
             _ => None,
@@ -108,6 +218,7 @@ impl App {
                     Arc::new(CacheEvents {
                         l1: l1.clone(),
                         hot: Arc::clone(&hot),
+                        marks: Arc::clone(&marks),
                     }) as _,
                 ];
                 let bus = EventBus::new(
@@ -155,6 +266,33 @@ impl App {
             metrics.origin_in_flight.clone(),
             metrics.origin_queue_wait.clone(),
         );
+        // Owed invalidations: the journal (shared mode only: in embedded mode nothing is
+        // owed to anyone), its retry loop, and the invalidation stream's consumer.
+        let journal = match &redis {
+            Some(_) => Some(
+                Journal::open(
+                    &config.journal.path,
+                    journal_policy(config.journal.fsync),
+                    metrics.journal.clone(),
+                )
+                .with_context(|| {
+                    format!("opening the journal {}", config.journal.path.display())
+                })?,
+            ),
+            None => None,
+        };
+        let invalidator = Arc::new(Invalidator::new(
+            l1.clone(),
+            Arc::clone(&hot),
+            Arc::clone(&marks),
+            dist.clone(),
+            journal.clone(),
+            horizon,
+            metrics.clone(),
+        ));
+        if let (Some(journal), Some(conn)) = (&journal, &redis) {
+            spawn_retries(journal, conn, &invalidator, &stop_tasks);
+        }
         let proxy = Arc::new(Proxy {
             routes,
             l1: l1.clone(),
@@ -179,7 +317,16 @@ impl App {
             metrics: metrics.clone(),
             filters: Arc::clone(&filters),
             hot: Arc::clone(&hot),
+            invalidator: Arc::clone(&invalidator),
+            deferred: TaskTracker::new(),
+            stop: stop_tasks.clone(),
         });
+        let deferred = proxy.deferred.clone();
+        if let (Some(conn), Some(_)) = (&redis, &config.redis)
+            && config.stream.enabled
+        {
+            spawn_stream(&proxy, conn, &config, instance, &stop_tasks);
+        }
         proxy.spawn_warmups(&stop_tasks);
         let admin = Arc::new(Admin {
             registry,
@@ -189,6 +336,7 @@ impl App {
             filters,
             hot,
             token: config.admin.token.clone(),
+            proxy: Arc::clone(&proxy),
         });
 
         let listener = TcpListener::bind(config.server.listen)
@@ -248,6 +396,7 @@ impl App {
             stop_listeners,
             stop_tasks,
             servers,
+            deferred,
         })
     }
 }
@@ -265,12 +414,16 @@ impl Running {
 
     /// Graceful shutdown: stop accepting, drain in-flight requests (bounded by
     /// `server.shutdown_grace`), stop background tasks.
+    /// Delayed deletes still waiting are done at once (a write's owed invalidations are
+    /// never dropped by a restart; what Redis cannot take goes to the journal).
     pub async fn shutdown(mut self) {
         self.stop_listeners.cancel();
         for server in std::mem::take(&mut self.servers) {
             let _ = server.await;
         }
         self.stop_tasks.cancel();
+        self.deferred.close();
+        let _ = tokio::time::timeout(DEFERRED_GRACE, self.deferred.wait()).await;
     }
 }
 

@@ -37,6 +37,43 @@ pub struct Config {
     /// Bloom filters of existing ids (`[[bloom]]`), in file order.
     pub bloom: Vec<BloomConfig>,
     pub hot_keys: HotKeysConfig,
+    /// Where owed invalidations are kept (shared mode).
+    pub journal: JournalConfig,
+    /// External invalidations from a Redis Stream (shared mode).
+    pub stream: StreamConfig,
+}
+
+/// `[journal]`: the local append-only file of invalidations Redis could not take yet.
+#[derive(Clone, Debug)]
+pub struct JournalConfig {
+    /// Relative paths are resolved against the config file's directory.
+    pub path: PathBuf,
+    pub fsync: JournalFsync,
+}
+
+/// When the journal is synced to disk.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum JournalFsync {
+    /// Before the write's answer is released (group commit): survives a power loss.
+    Always,
+    /// At most this often: survives a crash of cacheguard, not of the machine.
+    Interval(Duration),
+    /// Left to the OS: survives a crash of cacheguard, not of the machine.
+    Never,
+}
+
+/// `[invalidation_stream]`: a Redis Stream CDC tools and batch jobs write invalidations to.
+#[derive(Clone, Debug)]
+pub struct StreamConfig {
+    pub enabled: bool,
+    /// The stream's key (default `<redis.key_prefix>invalidate`).
+    pub key: String,
+    /// Consumer group: one per fleet; each entry is applied by one instance of it.
+    pub group: String,
+    /// Entries per read.
+    pub batch: usize,
+    /// Entries another consumer left unacknowledged this long are claimed.
+    pub claim_idle: Duration,
 }
 
 /// `[hot_keys]`: keys over `threshold_rps` are served from L1 on every instance, with at

@@ -10,9 +10,66 @@ pub(crate) mod scripts;
 
 pub(crate) use self::redis::RedisConn;
 
-/// The Redis key of one cache key's `suffix` (`v` entry, `lock`, `gen`). The hash sits in a
-/// Redis Cluster hash tag, so all keys of one cache key live in one slot and the Lua
-/// scripts stay single-slot.
-pub(crate) fn tagged_key(prefix: &str, hash: u128, suffix: &str) -> String {
-    format!("{prefix}{{{hash:032x}}}:{suffix}")
+use crate::cache::CacheKey;
+
+/// The Redis key of one base key's `suffix` (`v` entry, `lock`, `gen`, `vars`). The base
+/// hash sits in a Redis Cluster hash tag, so every key of a path and of all its variants
+/// lives in one slot and the Lua scripts stay single-slot.
+pub(crate) fn tagged_key(prefix: &str, base: u128, suffix: &str) -> String {
+    format!("{prefix}{{{base:032x}}}:{suffix}")
+}
+
+/// The Redis keys of one cache key (see DESIGN.md, Redis layout):
+///
+/// - `cg:{<base>}:gen`: the generation, shared by the base and all its variants;
+/// - `cg:{<base>}:v` / `cg:{<base>}:lock`: entry and fill lock of the base key itself;
+/// - `cg:{<base>}:v:<hash>` / `cg:{<base>}:lock:<hash>`: those of a variant (query or
+///   `vary` values), listed in the sorted set `cg:{<base>}:vars` (member `<hash>`, score
+///   its entry's expiry), so an invalidation of the base finds every variant without a scan;
+/// - `cg:{<base>}:q`: a write's quarantine (see `proxy/write.rs`).
+#[derive(Clone, Debug)]
+pub(crate) struct KeyNames {
+    pub(crate) entry: String,
+    pub(crate) lock: String,
+    pub(crate) generation: String,
+    pub(crate) vars: String,
+    /// Set by a write for its `double_delete_delay`: fills store nothing meanwhile.
+    pub(crate) quarantine: String,
+    /// The variant's hash in hex, `None` for a base key.
+    pub(crate) variant: Option<String>,
+}
+
+impl KeyNames {
+    pub(crate) fn new(prefix: &str, key: &CacheKey) -> Self {
+        let variant = key.is_variant().then(|| format!("{:032x}", key.hash));
+        let (entry, lock) = match &variant {
+            Some(hash) => (
+                tagged_key(prefix, key.base, &format!("v:{hash}")),
+                tagged_key(prefix, key.base, &format!("lock:{hash}")),
+            ),
+            None => (
+                tagged_key(prefix, key.base, "v"),
+                tagged_key(prefix, key.base, "lock"),
+            ),
+        };
+        KeyNames {
+            entry,
+            lock,
+            generation: tagged_key(prefix, key.base, "gen"),
+            vars: tagged_key(prefix, key.base, "vars"),
+            quarantine: tagged_key(prefix, key.base, "q"),
+            variant,
+        }
+    }
+}
+
+/// The Redis keys of one surrogate key (tag): `cg:tag:{<hash of tag>}:keys`, a sorted set
+/// of the base keys whose entries carried it (member `<base hex> <path>`, score the entry's
+/// expiry), and `cg:tag:{<hash>}:at`, the Redis time (ms) of its last invalidation.
+pub(crate) fn tag_keys(prefix: &str, tag: &str) -> (String, String) {
+    let hash = xxhash_rust::xxh3::xxh3_128(tag.as_bytes());
+    (
+        format!("{prefix}tag:{{{hash:032x}}}:keys"),
+        format!("{prefix}tag:{{{hash:032x}}}:at"),
+    )
 }

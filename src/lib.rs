@@ -9,8 +9,12 @@
 //! - `proxy/`: the HTTP server, routing, the read pipeline, the upstream client and the
 //!   origin guard.
 //! - `cache/`: cache keys, the entry format, TTL jitter, L1 (moka) and L2 (Redis).
-//! - `protect/`: single-flight (and, later, Bloom filters, hot keys, rate limits).
-//! - `coord/`: the Redis connection with bounded command times and health tracking.
+//! - `protect/`: Bloom filters, single-flight (local and the distributed lock), hot keys.
+//! - `consistency/`: invalidation (L1, Redis, the retry journal), local generation marks,
+//!   surrogate keys, and the invalidation stream consumer; the write route itself is
+//!   `proxy/write.rs`, purges `proxy/purge.rs`.
+//! - `coord/`: the Redis connection with bounded command times and health tracking, the Lua
+//!   scripts and the event bus.
 //! - `admin/`: the admin listener (`/metrics`, `/healthz`, `/readyz`).
 //! - [`metrics`]: every metric, defined and registered in one place.
 //!
@@ -23,6 +27,7 @@ pub mod metrics;
 
 mod admin;
 mod cache;
+mod consistency;
 mod coord;
 mod error;
 mod protect;

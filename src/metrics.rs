@@ -170,6 +170,8 @@ impl LockEvent {
 pub enum FillRefusal {
     Generation,
     LockTaken,
+    /// A write's quarantine (its `double_delete_delay`) was running.
+    Quarantine,
 }
 
 impl FillRefusal {
@@ -177,6 +179,7 @@ impl FillRefusal {
         match self {
             FillRefusal::Generation => "generation",
             FillRefusal::LockTaken => "lock_taken",
+            FillRefusal::Quarantine => "quarantine",
         }
     }
 }
@@ -197,6 +200,8 @@ pub enum RedisOp {
     Publish,
     /// Invalidations by writes.
     Invalidate,
+    /// Surrogate-key (tag) indexes and tag invalidations.
+    Tag,
 }
 
 impl RedisOp {
@@ -212,6 +217,7 @@ impl RedisOp {
             RedisOp::Bloom => "bloom",
             RedisOp::Publish => "publish",
             RedisOp::Invalidate => "invalidate",
+            RedisOp::Tag => "tag",
         }
     }
 }
@@ -243,6 +249,11 @@ pub struct Metrics {
     hot_requests: IntCounterVec,
     hot_limited: IntCounterVec,
     invalidations: IntCounterVec,
+    /// The retry journal of owed invalidations.
+    pub(crate) journal: crate::consistency::journal::JournalMetrics,
+    /// The invalidation stream's consumer.
+    pub(crate) stream: crate::consistency::stream::StreamMetrics,
+    purges: IntCounterVec,
     pub origin_in_flight: IntGauge,
     pub origin_queue_wait: Histogram,
     pub entry_decode_errors: IntCounter,
@@ -429,9 +440,9 @@ impl Metrics {
         let invalidations = IntCounterVec::new(
             Opts::new(
                 "cacheguard_invalidations_total",
-                "Cache keys invalidated by writes, by result (done, failed: Redis unavailable).",
+                "Invalidations (base keys and tags), by source (write, purge, stream, retry) and result (done; journaled: Redis unavailable, retried from the journal; lost: not even journaled).",
             ),
-            &["result"],
+            &["source", "result"],
         )?;
         for from in ["local", "peer"] {
             hot_promotions.with_label_values(&[from]);
@@ -439,8 +450,10 @@ impl Metrics {
         for tier in ["l1", "backend"] {
             hot_requests.with_label_values(&[tier]);
         }
-        for result in ["done", "failed"] {
-            invalidations.with_label_values(&[result]);
+        for source in ["write", "purge", "stream", "retry"] {
+            for result in ["done", "journaled", "lost"] {
+                invalidations.with_label_values(&[source, result]);
+            }
         }
         registry.register(Box::new(hot_keys.clone()))?;
         registry.register(Box::new(hot_promotions.clone()))?;
@@ -448,6 +461,87 @@ impl Metrics {
         registry.register(Box::new(hot_requests.clone()))?;
         registry.register(Box::new(hot_limited.clone()))?;
         registry.register(Box::new(invalidations.clone()))?;
+        let journal = crate::consistency::journal::JournalMetrics {
+            depth: IntGauge::new(
+                "cacheguard_journal_depth",
+                "Invalidations owed to Redis, waiting in the journal.",
+            )?,
+            oldest_pending_seconds: Gauge::new(
+                "cacheguard_journal_oldest_pending_seconds",
+                "Age of the oldest invalidation waiting in the journal (0 when empty).",
+            )?,
+            appended: IntCounter::new(
+                "cacheguard_journal_appended_total",
+                "Invalidations written to the journal because Redis could not take them.",
+            )?,
+            applied: IntCounter::new(
+                "cacheguard_journal_applied_total",
+                "Journaled invalidations that reached Redis on a retry.",
+            )?,
+            retries: IntCounter::new(
+                "cacheguard_journal_retries_total",
+                "Retries of journaled invalidations that failed (Redis still unavailable).",
+            )?,
+            give_ups: IntCounter::new(
+                "cacheguard_journal_give_ups_total",
+                "Owed invalidations abandoned: the journal could not be written, or a record was unreadable. Should stay 0.",
+            )?,
+            fsync_seconds: Histogram::with_opts(
+                HistogramOpts::new(
+                    "cacheguard_journal_fsync_seconds",
+                    "Time of one journal sync (group commit).",
+                )
+                .buckets(vec![
+                    0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0,
+                ]),
+            )?,
+        };
+        registry.register(Box::new(journal.depth.clone()))?;
+        registry.register(Box::new(journal.oldest_pending_seconds.clone()))?;
+        registry.register(Box::new(journal.appended.clone()))?;
+        registry.register(Box::new(journal.applied.clone()))?;
+        registry.register(Box::new(journal.retries.clone()))?;
+        registry.register(Box::new(journal.give_ups.clone()))?;
+        registry.register(Box::new(journal.fsync_seconds.clone()))?;
+        let stream = crate::consistency::stream::StreamMetrics {
+            entries: IntCounterVec::new(
+                Opts::new(
+                    "cacheguard_stream_entries_total",
+                    "Invalidation stream entries handled by this instance, by result (applied, malformed).",
+                ),
+                &["result"],
+            )?,
+            claimed: IntCounter::new(
+                "cacheguard_stream_claimed_total",
+                "Invalidation stream entries claimed from another consumer that left them unacknowledged.",
+            )?,
+            pending: IntGauge::new(
+                "cacheguard_stream_pending",
+                "Entries delivered to the consumer group but not yet acknowledged.",
+            )?,
+            errors: IntCounter::new(
+                "cacheguard_stream_errors_total",
+                "Redis errors of the invalidation stream's consumer.",
+            )?,
+        };
+        for result in ["applied", "malformed"] {
+            stream.entries.with_label_values(&[result]);
+        }
+        registry.register(Box::new(stream.entries.clone()))?;
+        registry.register(Box::new(stream.claimed.clone()))?;
+        registry.register(Box::new(stream.pending.clone()))?;
+        registry.register(Box::new(stream.errors.clone()))?;
+        let purges = IntCounterVec::new(
+            Opts::new(
+                "cacheguard_purges_total",
+                "Purge API requests, by result (ok, unauthorized, forbidden, bad_request).",
+            ),
+            &["result"],
+        )?;
+        for result in ["ok", "unauthorized", "forbidden", "bad_request"] {
+            purges.with_label_values(&[result]);
+        }
+        registry.register(Box::new(purges.clone()))?;
         registry.register(Box::new(redis_command_duration.clone()))?;
         registry.register(Box::new(redis_breaker_open.clone()))?;
         registry.register(Box::new(redis_breaker_transitions.clone()))?;
@@ -655,7 +749,11 @@ impl Metrics {
         for event in LockEvent::ALL {
             lock_events.with_label_values(&[event.as_str()]);
         }
-        for refusal in [FillRefusal::Generation, FillRefusal::LockTaken] {
+        for refusal in [
+            FillRefusal::Generation,
+            FillRefusal::LockTaken,
+            FillRefusal::Quarantine,
+        ] {
             fill_refused.with_label_values(&[refusal.as_str()]);
         }
 
@@ -699,6 +797,7 @@ impl Metrics {
             RedisOp::Bloom,
             RedisOp::Publish,
             RedisOp::Invalidate,
+            RedisOp::Tag,
         ] {
             redis_errors.with_label_values(&[op.as_str()]);
         }
@@ -731,6 +830,9 @@ impl Metrics {
             hot_requests,
             hot_limited,
             invalidations,
+            journal,
+            stream,
+            purges,
             origin_in_flight,
             origin_queue_wait,
             entry_decode_errors,
@@ -846,10 +948,21 @@ impl Metrics {
         self.hot_limited.with_label_values(&[route]).inc();
     }
 
-    pub fn invalidation(&self, done: bool) {
-        self.invalidations
-            .with_label_values(&[if done { "done" } else { "failed" }])
-            .inc();
+    pub(crate) fn invalidation(
+        &self,
+        source: crate::consistency::invalidate::Source,
+        result: &str,
+        count: usize,
+    ) {
+        if count > 0 {
+            self.invalidations
+                .with_label_values(&[source.as_str(), result])
+                .inc_by(count as u64);
+        }
+    }
+
+    pub fn purge(&self, result: &str) {
+        self.purges.with_label_values(&[result]).inc();
     }
 
     pub fn warmup(&self, route: &str, result: &str) {

@@ -7,6 +7,7 @@ pub(crate) mod fetch;
 pub(crate) mod fill;
 pub(crate) mod origin_guard;
 pub(crate) mod passthrough;
+pub(crate) mod purge;
 pub(crate) mod read;
 pub(crate) mod reject;
 pub(crate) mod respond;
@@ -22,6 +23,8 @@ use std::time::Duration;
 
 use http::{Method, Request, Response, header};
 use hyper::body::Incoming;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
 use self::body::Body;
 use self::origin_guard::OriginGuard;
@@ -30,6 +33,8 @@ use self::upstream::Upstream;
 use crate::cache::l1::L1;
 use crate::cache::l2::L2;
 use crate::config::LockConfig;
+use crate::consistency::invalidate::{self, Invalidator};
+use crate::consistency::marks::LocalMarks;
 use crate::coord::events::{BusListener, Event, EventKind};
 use crate::error::ProxyError;
 use crate::metrics::{Metrics, RouteMetrics};
@@ -66,23 +71,33 @@ pub(crate) struct Proxy {
     pub(crate) filters: Arc<Filters>,
     /// Hot-key detection, promotion and per-key limits.
     pub(crate) hot: Arc<HotKeys>,
+    /// Invalidation everywhere (L1, Redis, the journal).
+    pub(crate) invalidator: Arc<Invalidator>,
+    /// Delayed deletes waiting for their time (see `write.rs`).
+    pub(crate) deferred: TaskTracker,
+    /// Cancelled at shutdown: delayed deletes then run at once.
+    pub(crate) stop: CancellationToken,
 }
 
 /// Applies other instances' key events to this instance's cache: an `invalidate` drops
-/// the L1 copy (and a hot key's L1 grace), a `hot` promotes the key here too.
+/// the base key and its variants from L1 (and ends their hot-key L1 grace), a `hot`
+/// promotes the key here too.
 #[derive(Debug)]
 pub(crate) struct CacheEvents {
     pub(crate) l1: L1,
     pub(crate) hot: Arc<HotKeys>,
+    pub(crate) marks: Arc<LocalMarks>,
 }
 
 impl BusListener for CacheEvents {
     fn on_key_event(&self, event: Event) {
         match event.kind {
             EventKind::Invalidate => {
-                self.hot.invalidated(event.hash);
-                let l1 = self.l1.clone();
-                tokio::spawn(async move { l1.invalidate(event.hash).await });
+                // Marked at once (a fill finishing right now must not keep its copy); the
+                // L1 removal itself is async.
+                self.marks.mark_key(event.hash);
+                let (l1, hot) = (self.l1.clone(), Arc::clone(&self.hot));
+                tokio::spawn(async move { invalidate::drop_base(&l1, &hot, event.hash).await });
             }
             EventKind::Hot => self.hot.peer_hot(event.instance, event.hash),
             EventKind::Fill | EventKind::Released | EventKind::Uncacheable => {}

@@ -1,8 +1,9 @@
 //! The stored entry: one origin answer plus what is needed to serve and age it.
 //!
 //! Wire format (L2): `b"CG"`, a format version byte, then the postcard encoding of
-//! [`StoredV1`]. Decoding anything else (garbage, another program's value, a future
-//! version) is an error the caller treats as a miss, never a crash.
+//! [`StoredV2`] (version 2 added the surrogate keys; version 1 values still decode, with
+//! none). Decoding anything else (garbage, another program's value, a future version) is
+//! an error the caller treats as a miss, never a crash.
 
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
@@ -12,6 +13,7 @@ use super::CacheKey;
 
 const MAGIC: &[u8; 2] = b"CG";
 const VERSION_1: u8 = 1;
+const VERSION_2: u8 = 2;
 
 /// A cached answer, ready to serve (headers already parsed).
 #[derive(Debug)]
@@ -30,6 +32,9 @@ pub(crate) struct Entry {
     pub(crate) grace_ms: u64,
     /// How long the origin fetch took: the `delta` of probabilistic early expiration.
     pub(crate) fetch_ms: u32,
+    /// The surrogate keys (`Surrogate-Key` / `Cache-Tag`) the origin tagged the answer with:
+    /// invalidating one of them drops this entry.
+    pub(crate) tags: Vec<String>,
 }
 
 /// Where an entry is in its life at a given moment.
@@ -64,6 +69,12 @@ struct StoredV1 {
     ttl_ms: u64,
     grace_ms: u64,
     fetch_ms: u32,
+}
+
+#[derive(Serialize, Deserialize)]
+struct StoredV2 {
+    v1: StoredV1,
+    tags: Vec<String>,
 }
 
 impl Entry {
@@ -126,11 +137,12 @@ impl Entry {
             .iter()
             .map(|(n, v)| n.as_str().len() + v.len() + PER_HEADER)
             .sum();
-        self.key.len() + self.body.len() + headers + PER_ENTRY
+        let tags: usize = self.tags.iter().map(|t| t.len() + 24).sum();
+        self.key.len() + self.body.len() + headers + tags + PER_ENTRY
     }
 
     pub(crate) fn encode(&self) -> Result<Vec<u8>, postcard::Error> {
-        let stored = StoredV1 {
+        let v1 = StoredV1 {
             key: self.key.clone(),
             status: self.status.as_u16(),
             headers: self
@@ -144,9 +156,13 @@ impl Entry {
             grace_ms: self.grace_ms,
             fetch_ms: self.fetch_ms,
         };
+        let stored = StoredV2 {
+            v1,
+            tags: self.tags.clone(),
+        };
         let mut out = Vec::with_capacity(self.body.len() + self.key.len() + 256);
         out.extend_from_slice(MAGIC);
-        out.push(VERSION_1);
+        out.push(VERSION_2);
         postcard::to_extend(&stored, out)
     }
 
@@ -155,10 +171,14 @@ impl Entry {
             return Err(DecodeEntryError::Magic);
         };
         let (&version, payload) = rest.split_first().ok_or(DecodeEntryError::Magic)?;
-        if version != VERSION_1 {
-            return Err(DecodeEntryError::Version(version));
-        }
-        let stored: StoredV1 = postcard::from_bytes(payload)?;
+        let (stored, tags) = match version {
+            VERSION_1 => (postcard::from_bytes::<StoredV1>(payload)?, Vec::new()),
+            VERSION_2 => {
+                let v2: StoredV2 = postcard::from_bytes(payload)?;
+                (v2.v1, v2.tags)
+            }
+            other => return Err(DecodeEntryError::Version(other)),
+        };
         let status = StatusCode::from_u16(stored.status).map_err(|_| DecodeEntryError::Invalid)?;
         let mut headers = HeaderMap::with_capacity(stored.headers.len());
         for (name, value) in stored.headers {
@@ -177,6 +197,7 @@ impl Entry {
             ttl_ms: stored.ttl_ms,
             grace_ms: stored.grace_ms,
             fetch_ms: stored.fetch_ms,
+            tags,
         })
     }
 }
@@ -199,6 +220,7 @@ mod tests {
             ttl_ms: 60_000,
             grace_ms: 30_000,
             fetch_ms: 20,
+            tags: vec!["item-1".into(), "items".into()],
         }
     }
 
@@ -210,10 +232,31 @@ mod tests {
         assert_eq!(d.status, e.status);
         assert_eq!(d.headers, e.headers);
         assert_eq!(d.body, e.body);
+        assert_eq!(d.tags, e.tags);
         assert_eq!(
             (d.stored_at_ms, d.ttl_ms, d.grace_ms),
             (1_000, 60_000, 30_000)
         );
+    }
+
+    #[test]
+    fn version_1_values_still_decode() {
+        let e = sample();
+        let v1 = StoredV1 {
+            key: e.key.clone(),
+            status: 200,
+            headers: vec![],
+            body: e.body.clone(),
+            stored_at_ms: 1,
+            ttl_ms: 2,
+            grace_ms: 3,
+            fetch_ms: 4,
+        };
+        let mut bytes = MAGIC.to_vec();
+        bytes.push(VERSION_1);
+        let bytes = postcard::to_extend(&v1, bytes).unwrap();
+        let d = Entry::decode(&bytes).unwrap();
+        assert_eq!((d.key, d.ttl_ms, d.tags.len()), (e.key, 2, 0));
     }
 
     #[test]

@@ -7,6 +7,12 @@
 //!
 //! Keys are hashed to 128 bits (xxh3) for L1 and Redis; the full key travels inside the
 //! stored entry and is compared on read, so a hash collision is a miss, never a wrong answer.
+//!
+//! Every key also has a *base*: the key of the same route and path without query and
+//! without `vary` values. All variants of a path share their base's generation and Redis
+//! hash tag, so a write invalidates them together and the variants are found from the base
+//! (an index kept next to it) without scanning Redis. A request without query or `vary`
+//! values is its own base.
 
 use http::HeaderMap;
 
@@ -19,6 +25,8 @@ pub(crate) struct CacheKey {
     pub(crate) full: String,
     /// xxh3-128 of `full`.
     pub(crate) hash: u128,
+    /// xxh3-128 of the base key (route and path only); equal to `hash` for the base itself.
+    pub(crate) base: u128,
 }
 
 /// What the read path needs from one parse of the request.
@@ -30,10 +38,25 @@ pub(crate) struct Derived {
 }
 
 impl CacheKey {
+    /// A key that is its own base.
     pub(crate) fn new(full: String) -> Self {
         let hash = xxhash_rust::xxh3::xxh3_128(full.as_bytes());
-        CacheKey { full, hash }
+        CacheKey {
+            full,
+            hash,
+            base: hash,
+        }
     }
+
+    /// Whether this key is a variant (query or `vary` values) of another, its base.
+    pub(crate) fn is_variant(&self) -> bool {
+        self.hash != self.base
+    }
+}
+
+/// The base key of `path` on `route`: no query, no `vary` values.
+pub(crate) fn base(route: &RouteConfig, path: &str) -> CacheKey {
+    derive(route, path, None, &HeaderMap::new()).key
 }
 
 /// Derives the key of a read request on `route`.
@@ -71,15 +94,46 @@ pub(crate) fn derive(
         }
     }
 
+    let mut key = CacheKey::new(full);
+    if key.full.len() != base_len(route, &path) {
+        key.base = xxhash_rust::xxh3::xxh3_128(base_text(route, &path).as_bytes());
+    }
     let mut forward = path;
     if !query.is_empty() {
         forward.push('?');
         forward.push_str(&query);
     }
     Derived {
-        key: CacheKey::new(full),
+        key,
         forward_path_and_query: forward,
     }
+}
+
+/// The base key's text: `route \n path \n` and each `vary` name with no value. A key of the
+/// same length is the base itself (query and values can only add bytes).
+fn base_text(route: &RouteConfig, path: &str) -> String {
+    let mut text = String::with_capacity(base_len(route, path));
+    text.push_str(&route.name);
+    text.push('\n');
+    text.push_str(path);
+    text.push('\n');
+    for name in &route.vary {
+        text.push('\n');
+        text.push_str(name.as_str());
+        text.push('=');
+    }
+    text
+}
+
+fn base_len(route: &RouteConfig, path: &str) -> usize {
+    route.name.len()
+        + path.len()
+        + 2
+        + route
+            .vary
+            .iter()
+            .map(|n| n.as_str().len() + 2)
+            .sum::<usize>()
 }
 
 /// The query string the key (and the forwarded URL) carries under `policy`.
@@ -224,6 +278,25 @@ mod tests {
             derive(&r, "/api/items/%61", None, &h).key,
             derive(&r, "/api/items/a", None, &h).key
         );
+    }
+
+    #[test]
+    fn variants_share_their_base() {
+        let r = route(QueryPolicy::Sorted, &["accept-language"]);
+        let none = HeaderMap::new();
+        let mut en = HeaderMap::new();
+        en.insert("accept-language", HeaderValue::from_static("en"));
+        let plain = derive(&r, "/api/items/1", None, &none).key;
+        assert!(!plain.is_variant());
+        assert_eq!(plain, base(&r, "/api/items/1"));
+        let queried = derive(&r, "/api/items/1", Some("a=1"), &none).key;
+        let varied = derive(&r, "/api/items/1", None, &en).key;
+        for variant in [&queried, &varied] {
+            assert!(variant.is_variant());
+            assert_eq!(variant.base, plain.hash);
+            assert_ne!(variant.hash, plain.hash);
+        }
+        assert_ne!(derive(&r, "/api/items/2", None, &en).key.base, plain.hash);
     }
 
     #[test]

@@ -3,8 +3,16 @@
 //!
 //! moka's capacity is a weight, not a memory bound: the weigher approximates the bytes an
 //! entry holds (body, headers, key, bookkeeping). The RSS bound is measured in a benchmark.
+//!
+//! Invalidation works on base keys and tags, but L1 is keyed by the full hash, so L1 keeps a
+//! small index of what it holds beyond plain base keys: base → variants present, tag →
+//! entries carrying it. moka has no lookup by anything but the key, and an eviction listener
+//! cannot tell a removal from a removal-then-reinsert of the same key, so the index is a
+//! superset: invalidating a hash that is gone is a no-op, and a sweep drops hashes that
+//! left the cache.
 
-use std::sync::Arc;
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use moka::Expiry;
@@ -31,10 +39,18 @@ impl Expiry<u128, Arc<Entry>> for EntryLife {
     }
 }
 
+/// Base → variant hashes, tag → entry hashes, for the entries L1 holds (a superset).
+#[derive(Debug, Default)]
+struct Index {
+    variants: HashMap<u128, HashSet<u128>>,
+    tags: HashMap<String, HashSet<u128>>,
+}
+
 /// The in-process cache. Cloning shares the same cache.
 #[derive(Clone)]
 pub(crate) struct L1 {
     cache: Cache<u128, Arc<Entry>>,
+    index: Arc<Mutex<Index>>,
 }
 
 impl std::fmt::Debug for L1 {
@@ -53,7 +69,14 @@ impl L1 {
             .weigher(|_: &u128, e: &Arc<Entry>| u32::try_from(e.weight()).unwrap_or(u32::MAX))
             .expire_after(EntryLife)
             .build();
-        L1 { cache }
+        L1 {
+            cache,
+            index: Arc::default(),
+        }
+    }
+
+    fn index(&self) -> std::sync::MutexGuard<'_, Index> {
+        self.index.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// The entry for `key`, if present and really for this key (the full key is compared).
@@ -63,12 +86,70 @@ impl L1 {
     }
 
     pub(crate) async fn insert(&self, key: &CacheKey, entry: Arc<Entry>) {
+        if key.is_variant() || !entry.tags.is_empty() {
+            let mut index = self.index();
+            if key.is_variant() {
+                index.variants.entry(key.base).or_default().insert(key.hash);
+            }
+            for tag in &entry.tags {
+                index.tags.entry(tag.clone()).or_default().insert(key.hash);
+            }
+        }
         self.cache.insert(key.hash, entry).await;
     }
 
     /// Drops the copy of `hash`, if any.
     pub(crate) async fn invalidate(&self, hash: u128) {
         self.cache.invalidate(&hash).await;
+    }
+
+    /// Drops the base key `base` and every variant of it; returns the hashes dropped (or
+    /// possibly held: the index is a superset).
+    pub(crate) async fn invalidate_base(&self, base: u128) -> Vec<u128> {
+        let mut hashes = vec![base];
+        if let Some(variants) = self.index().variants.remove(&base) {
+            hashes.extend(variants);
+        }
+        for hash in &hashes {
+            self.cache.invalidate(hash).await;
+        }
+        hashes
+    }
+
+    /// Drops every entry tagged `tag`; returns the hashes dropped (a superset).
+    pub(crate) async fn invalidate_tag(&self, tag: &str) -> Vec<u128> {
+        let hashes: Vec<u128> = self
+            .index()
+            .tags
+            .remove(tag)
+            .map(|set| set.into_iter().collect())
+            .unwrap_or_default();
+        for hash in &hashes {
+            self.cache.invalidate(hash).await;
+        }
+        hashes
+    }
+
+    /// The full keys of entries whose path matches `matches` (pattern purges: L1 is the
+    /// whole cache in embedded mode). Walks the cache.
+    pub(crate) fn matching_keys(&self, matches: impl Fn(&str) -> bool) -> Vec<String> {
+        self.cache
+            .iter()
+            .filter(|(_, entry)| entry.key.split('\n').nth(1).is_some_and(&matches))
+            .map(|(_, entry)| entry.key.clone())
+            .collect()
+    }
+
+    /// Drops index members that are no longer in the cache.
+    pub(crate) fn sweep_index(&self) {
+        let mut guard = self.index();
+        let Index { variants, tags } = &mut *guard;
+        let cache = &self.cache;
+        for set in variants.values_mut().chain(tags.values_mut()) {
+            set.retain(|hash| cache.contains_key(hash));
+        }
+        variants.retain(|_, set| !set.is_empty());
+        tags.retain(|_, set| !set.is_empty());
     }
 
     /// (entries, weighted bytes), after applying pending evictions.

@@ -46,6 +46,44 @@ pub(super) struct RawConfig {
     pub(super) bloom: Vec<Spanned<RawBloom>>,
     #[serde(default)]
     pub(super) hot_keys: RawHotKeys,
+    #[serde(default)]
+    pub(super) journal: RawJournal,
+    #[serde(default)]
+    pub(super) invalidation_stream: RawStream,
+}
+
+/// `[journal]`: where owed invalidations wait while Redis is unavailable.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub(super) struct RawJournal {
+    /// `None` = `cacheguard.journal` next to the config file.
+    pub(super) path: Option<Spanned<String>>,
+    /// `None` = `"always"`.
+    pub(super) fsync: Option<Spanned<String>>,
+}
+
+/// `[invalidation_stream]`: external invalidations from a Redis Stream.
+#[derive(Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub(super) struct RawStream {
+    pub(super) enabled: bool,
+    /// `None` = `<redis.key_prefix>invalidate`.
+    pub(super) key: Option<Spanned<String>>,
+    pub(super) group: Spanned<String>,
+    pub(super) batch: Spanned<usize>,
+    pub(super) claim_idle: HumanDuration,
+}
+
+impl Default for RawStream {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            key: None,
+            group: unspanned("cacheguard".to_owned()),
+            batch: unspanned(100),
+            claim_idle: HumanDuration::secs(30),
+        }
+    }
 }
 
 /// `[hot_keys]`: detection, promotion into L1, per-key limits.
@@ -323,6 +361,8 @@ pub(super) mod defaults {
     pub(in crate::config) const ADMIN_LISTEN: &str = "127.0.0.1:9091";
     pub(in crate::config) const ROUTE_METHOD: &str = "GET";
     pub(in crate::config) const DOUBLE_DELETE_DELAY: Duration = Duration::from_secs(1);
+    /// Default journal file name, next to the config file.
+    pub(in crate::config) const JOURNAL_FILE: &str = "cacheguard.journal";
     pub(in crate::config) const BLOOM_REFRESH: Duration = Duration::from_secs(600);
     pub(in crate::config) const BLOOM_LOAD_TIMEOUT: Duration = Duration::from_secs(300);
     pub(in crate::config) const BLOOM_REJECT_BODY: &str = "not found\n";

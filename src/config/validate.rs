@@ -25,13 +25,13 @@ use http::{HeaderName, Method, StatusCode, Uri};
 use toml::Spanned;
 
 use super::raw::{
-    NO_SPAN, RawAdmin, RawBloom, RawCache, RawConfig, RawHotKeys, RawQuery, RawRoute,
-    RawSourceFormat, defaults,
+    NO_SPAN, RawAdmin, RawBloom, RawCache, RawConfig, RawHotKeys, RawJournal, RawQuery, RawRoute,
+    RawSourceFormat, RawStream, defaults,
 };
 use super::{
     AddFrom, AdminConfig, BloomAdd, BloomConfig, BloomSource, CacheDefaults, Config, HotKeysConfig,
-    LockConfig, QueryPolicy, RedisConfig, RouteBloom, RouteConfig, ServerConfig, SourceFormat,
-    UpstreamConfig, Vars, WarmupConfig, env,
+    JournalConfig, JournalFsync, LockConfig, QueryPolicy, RedisConfig, RouteBloom, RouteConfig,
+    ServerConfig, SourceFormat, StreamConfig, UpstreamConfig, Vars, WarmupConfig, env,
 };
 
 /// One problem in a config source: `file:line: key: message`.
@@ -573,6 +573,9 @@ impl Checker<'_> {
         let bloom = self.blooms(&raw.bloom, &upstream);
         let hot_keys = self.hot_keys(&raw.hot_keys);
         let routes = self.routes(&raw.routes, &cache, &bloom);
+        let journal = self.journal(&raw.journal);
+        let prefix = redis.as_ref().map_or("cg:", |r| r.key_prefix.as_str());
+        let stream = self.stream(&raw.invalidation_stream, prefix);
         Config {
             source: self.file.to_owned(),
             server,
@@ -584,6 +587,88 @@ impl Checker<'_> {
             routes,
             bloom,
             hot_keys,
+            journal,
+            stream,
+        }
+    }
+
+    fn journal(&mut self, raw: &RawJournal) -> JournalConfig {
+        let path = match &raw.path {
+            Some(path) if path.get_ref().trim().is_empty() => {
+                self.report(
+                    path.span(),
+                    "journal.path",
+                    "expected a file path, got \"\"".to_owned(),
+                );
+                PathBuf::from(defaults::JOURNAL_FILE)
+            }
+            Some(path) => PathBuf::from(path.get_ref()),
+            None => PathBuf::from(defaults::JOURNAL_FILE),
+        };
+        // Relative to the config file, so a service manager's working directory does not
+        // decide where owed invalidations go.
+        let path = match Path::new(self.file).parent() {
+            Some(dir) if path.is_relative() && !dir.as_os_str().is_empty() => dir.join(path),
+            _ => path,
+        };
+        let fsync = match &raw.fsync {
+            None => JournalFsync::Always,
+            Some(value) => match value.get_ref().as_str() {
+                "always" => JournalFsync::Always,
+                "never" => JournalFsync::Never,
+                other => match humantime::parse_duration(other) {
+                    Ok(every) if !every.is_zero() => JournalFsync::Interval(every),
+                    _ => {
+                        self.report(
+                            value.span(),
+                            "journal.fsync",
+                            format!(
+                                "expected \"always\", \"never\" or an interval like \"1s\", got {other:?}"
+                            ),
+                        );
+                        JournalFsync::Always
+                    }
+                },
+            },
+        };
+        JournalConfig { path, fsync }
+    }
+
+    fn stream(&mut self, raw: &RawStream, prefix: &str) -> StreamConfig {
+        let key = match &raw.key {
+            Some(key) if key.get_ref().is_empty() => {
+                self.report(
+                    key.span(),
+                    "invalidation_stream.key",
+                    "expected a Redis key, got \"\"".to_owned(),
+                );
+                format!("{prefix}invalidate")
+            }
+            Some(key) => key.get_ref().clone(),
+            None => format!("{prefix}invalidate"),
+        };
+        let group = raw.group.get_ref();
+        if group.is_empty() || group.len() > 200 {
+            self.report(
+                raw.group.span(),
+                "invalidation_stream.group",
+                format!("expected a group name of 1 to 200 bytes, got {group:?}"),
+            );
+        }
+        let batch = *raw.batch.get_ref();
+        if !(1..=10_000).contains(&batch) {
+            self.report(
+                raw.batch.span(),
+                "invalidation_stream.batch",
+                format!("expected a count from 1 to 10000, got {batch}"),
+            );
+        }
+        StreamConfig {
+            enabled: raw.enabled,
+            key,
+            group: group.clone(),
+            batch: batch.clamp(1, 10_000),
+            claim_idle: raw.claim_idle.0.max(std::time::Duration::from_millis(100)),
         }
     }
 

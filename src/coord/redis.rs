@@ -60,6 +60,8 @@ struct Inner {
     breaker_failures: u32,
     /// The `run_id` Redis last reported, to notice a restart.
     run_id: Mutex<Option<String>>,
+    /// Notified each time the breaker closes (Redis is back): owed work retries at once.
+    back: Arc<tokio::sync::Notify>,
     metrics: Metrics,
 }
 
@@ -104,6 +106,7 @@ impl RedisConn {
             failures: AtomicU32::new(0),
             breaker_failures: config.breaker_failures.max(1),
             run_id: Mutex::new(None),
+            back: Arc::new(tokio::sync::Notify::new()),
             metrics,
         });
         inner.metrics.redis_up.set(0);
@@ -119,6 +122,11 @@ impl RedisConn {
 
     pub(crate) fn is_up(&self) -> bool {
         self.inner.up.load(Ordering::Relaxed)
+    }
+
+    /// Notified (`notify_waiters`) each time the breaker closes.
+    pub(crate) fn back(&self) -> &Arc<tokio::sync::Notify> {
+        &self.inner.back
     }
 
     /// The client, for connections of their own (the pub/sub subscription).
@@ -170,7 +178,7 @@ impl RedisConn {
 
     /// One command on the shared connection: refused at once while the breaker is open,
     /// bounded by `command_timeout`, counted toward the breaker.
-    async fn query<T: FromRedisValue>(
+    pub(crate) async fn query<T: FromRedisValue>(
         &self,
         op: RedisOp,
         cmd: &redis::Cmd,
@@ -301,6 +309,7 @@ impl RedisConn {
             self.inner.metrics.redis_transitions.inc();
             self.inner.metrics.breaker_transition(false);
             info!(message = "Redis breaker closed: Redis answers in time again.");
+            self.inner.back.notify_waiters();
         }
     }
 

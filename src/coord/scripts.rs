@@ -1,8 +1,20 @@
 //! The Lua scripts cacheguard runs in Redis. Each is one round trip and atomic; all keys of
 //! one script share a cache key's hash tag, so they stay single-slot on a Redis Cluster.
 //!
-//! Key names (prefix `cg:` by default): `cg:{<hash>}:v` entry, `cg:{<hash>}:lock` lock token,
-//! `cg:{<hash>}:gen` generation (absent = "0").
+//! Key names (prefix `cg:` by default; see [`super::KeyNames`]): `cg:{<base>}:v` entry,
+//! `cg:{<base>}:lock` lock token, `cg:{<base>}:gen` generation (absent = "0"), and for a
+//! variant `cg:{<base>}:v:<hash>`, `cg:{<base>}:lock:<hash>`, indexed in `cg:{<base>}:vars`.
+//! Tags: `cg:tag:{<t>}:keys` and `cg:tag:{<t>}:at` (see [`super::tag_keys`]).
+//!
+//! Times come from Redis (`TIME`), one clock for every instance: a fill compares the time
+//! its fetch began with the time a tag was last invalidated.
+
+/// Lua: Redis's clock in ms since the Unix epoch.
+macro_rules! now_ms {
+    () => {
+        "local t = redis.call('TIME')\nlocal now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)\n"
+    };
+}
 
 use std::sync::LazyLock;
 
@@ -12,21 +24,35 @@ use redis::Script;
 ///
 /// - `KEYS[1]` lock, `KEYS[2]` generation
 /// - `ARGV[1]` token (random per acquisition), `ARGV[2]` lease in ms
-/// - returns `{1, generation, 0}` when acquired, `{0, generation, pttl}` when another
-///   holder has it (`pttl` is its remaining lease in ms).
+/// - returns `{1, generation, 0, now}` when acquired, `{0, generation, pttl, now}` when
+///   another holder has it (`pttl` is its remaining lease in ms); `now` is Redis's clock.
 ///
 /// Reading the generation here, before the fetch starts, is what lets [`FILL`] refuse an
-/// answer that an invalidation overtook while it was being fetched.
+/// answer that an invalidation overtook while it was being fetched; `now` lets the filler
+/// refuse it when a tag it carries was invalidated since (see [`TAG_ADD`]).
 pub(crate) static ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
+    Script::new(concat!(
+        now_ms!(),
         r"
 local gen = redis.call('GET', KEYS[2]) or '0'
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
-  return {1, gen, 0}
+  return {1, gen, 0, now}
 end
-return {0, gen, redis.call('PTTL', KEYS[1])}
+return {0, gen, redis.call('PTTL', KEYS[1]), now}
 ",
-    )
+    ))
+});
+
+/// Begins a fill without the lock: reads the generation and Redis's clock.
+///
+/// - `KEYS[1]` generation; returns `{generation, now}`.
+pub(crate) static BEGIN: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(concat!(
+        now_ms!(),
+        r"
+return {redis.call('GET', KEYS[1]) or '0', now}
+",
+    ))
 });
 
 /// Extends the lease, only while the caller still holds the lock (compare-and-pexpire).
@@ -65,57 +91,146 @@ return 0
 
 /// Stores a fetched entry, releases the lock and wakes the waiters, in one round trip.
 ///
-/// - `KEYS[1]` entry, `KEYS[2]` lock, `KEYS[3]` generation
+/// - `KEYS[1]` entry, `KEYS[2]` lock, `KEYS[3]` generation, `KEYS[4]` variant index,
+///   `KEYS[5]` the base's write quarantine
 /// - `ARGV[1]` token, `ARGV[2]` generation read at acquisition, `ARGV[3]` encoded entry,
 ///   `ARGV[4]` entry TTL in ms, `ARGV[5]` channel, `ARGV[6]` `fill` message, `ARGV[7]`
-///   `released` message
+///   `released` message, `ARGV[8]` the variant's hash (empty for a base key)
 /// - returns 1 stored; 0 refused because the generation changed (an invalidation overtook
 ///   the fetch); -1 refused because another holder took the lock (ours expired and someone
-///   else is fetching a newer answer).
+///   else is fetching a newer answer); -2 refused because a write quarantines the key (its
+///   answer may come from a replica that has not caught up with the write yet).
 ///
-/// The entry is stored only if the generation is unchanged and no other holder has the
-/// lock. The lock is deleted only if it is still ours. Waiters get `fill` when there is
-/// something to read, `released` (so one of them takes over) when we held the lock but
-/// stored nothing.
+/// The entry is stored only if the generation is unchanged, the key is not quarantined and
+/// no other holder has the lock. The lock is deleted only if it is still ours. Waiters get `fill` when there is
+/// something to read, `released` (so one of them takes over) when nothing was stored
+/// because of an invalidation — also when the invalidation already deleted our lock, or
+/// the waiters of a variant (whose events carry the variant's hash, not the base's) would
+/// sleep until the lease ran out. A variant is listed in the base's index, scored by its
+/// expiry; expired members are dropped on the way.
 pub(crate) static FILL: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
+    Script::new(concat!(
+        now_ms!(),
         r"
 local gen = redis.call('GET', KEYS[3]) or '0'
 local holder = redis.call('GET', KEYS[2])
 local ours = holder == ARGV[1]
-if gen ~= ARGV[2] then
+local quarantined = redis.call('EXISTS', KEYS[5]) == 1
+if gen ~= ARGV[2] or quarantined then
   if ours then
     redis.call('DEL', KEYS[2])
+  end
+  if ours or not holder then
     redis.call('PUBLISH', ARGV[5], ARGV[7])
   end
-  return 0
+  if gen ~= ARGV[2] then
+    return 0
+  end
+  return -2
 end
 if holder and not ours then
   return -1
 end
 redis.call('SET', KEYS[1], ARGV[3], 'PX', ARGV[4])
+if ARGV[8] ~= '' then
+  local ttl = tonumber(ARGV[4])
+  redis.call('ZADD', KEYS[4], now + ttl, ARGV[8])
+  redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now)
+  if redis.call('PTTL', KEYS[4]) < ttl then
+    redis.call('PEXPIRE', KEYS[4], ttl)
+  end
+end
 if ours then
   redis.call('DEL', KEYS[2])
 end
 redis.call('PUBLISH', ARGV[5], ARGV[6])
 return 1
 ",
-    )
+    ))
 });
 
-/// Invalidates a key for a write ("a delete voids the lease"): bumps its generation first,
-/// so a fill whose fetch began before is refused, then deletes the entry and the lock, and
-/// publishes `invalidate` so every instance drops its L1 copy.
-/// - `KEYS[1]` entry, `KEYS[2]` lock, `KEYS[3]` generation
-/// - `ARGV[1]` generation ttl in ms, `ARGV[2]` channel, `ARGV[3]` invalidate message
+/// Invalidates a base key and all its variants ("a delete voids the lease"): bumps the
+/// shared generation first, so a fill whose fetch began before is refused, then deletes the
+/// entries and locks of the base and of every variant in its index, and publishes
+/// `invalidate` so every instance drops its L1 copies.
+///
+/// - `KEYS[1]` entry, `KEYS[2]` lock, `KEYS[3]` generation, `KEYS[4]` variant index,
+///   `KEYS[5]` write quarantine, all of the base key
+/// - `ARGV[1]` generation ttl in ms, `ARGV[2]` channel, `ARGV[3]` invalidate message,
+///   `ARGV[4]` the base's key prefix `cg:{<base>}:` (variant keys are built from it; they
+///   share the hash tag, so the script stays single-slot), `ARGV[5]` quarantine in ms (0 =
+///   none; a longer quarantine already set is kept): until it ends, [`FILL`] stores nothing
+///   for the key
+/// - returns the number of variants deleted.
 pub(crate) static INVALIDATE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
 redis.call('INCR', KEYS[3])
 redis.call('PEXPIRE', KEYS[3], ARGV[1])
 redis.call('DEL', KEYS[1], KEYS[2])
+local vars = redis.call('ZRANGE', KEYS[4], 0, -1)
+for _, h in ipairs(vars) do
+  redis.call('DEL', ARGV[4] .. 'v:' .. h, ARGV[4] .. 'lock:' .. h)
+end
+redis.call('DEL', KEYS[4])
+local q = tonumber(ARGV[5])
+if q > 0 and redis.call('PTTL', KEYS[5]) < q then
+  redis.call('SET', KEYS[5], '1', 'PX', q)
+end
 redis.call('PUBLISH', ARGV[2], ARGV[3])
-return 1
+return #vars
 ",
     )
+});
+
+/// Lists a stored entry's base key under a tag, and reads when the tag was last
+/// invalidated. Run before the entry's [`FILL`]: a tag invalidation either runs after this
+/// (and finds the base in the index) or before it (and the filler sees its time).
+///
+/// - `KEYS[1]` the tag's index, `KEYS[2]` its invalidation time
+/// - `ARGV[1]` member (`<base hex> <path>`), `ARGV[2]` the entry's life in ms
+/// - returns the tag's last invalidation time in ms (0 if none).
+pub(crate) static TAG_ADD: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(concat!(
+        now_ms!(),
+        r"
+local life = tonumber(ARGV[2])
+redis.call('ZADD', KEYS[1], now + life, ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+if redis.call('PTTL', KEYS[1]) < life then
+  redis.call('PEXPIRE', KEYS[1], life)
+end
+return tonumber(redis.call('GET', KEYS[2]) or '0')
+",
+    ))
+});
+
+/// Records that a tag is invalidated now, without listing its index (a pattern purge scans
+/// the index itself, in chunks).
+///
+/// - `KEYS[1]` the tag's invalidation time; `ARGV[1]` how long to keep it, in ms
+pub(crate) static TAG_TOUCH: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(concat!(
+        now_ms!(),
+        r"
+redis.call('SET', KEYS[1], now, 'PX', ARGV[1])
+return now
+",
+    ))
+});
+
+/// Begins a tag invalidation: records its time (fills that began earlier and carry the tag
+/// are refused from now on) and returns the live members of the tag's index.
+///
+/// - `KEYS[1]` the tag's index, `KEYS[2]` its invalidation time
+/// - `ARGV[1]` how long the time must be kept, in ms (longer than any fill)
+/// - returns the members whose entries have not expired.
+pub(crate) static TAG_MARK: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(concat!(
+        now_ms!(),
+        r"
+redis.call('SET', KEYS[2], now, 'PX', ARGV[1])
+return redis.call('ZRANGEBYSCORE', KEYS[1], now, '+inf')
+",
+    ))
 });

@@ -13,7 +13,7 @@ use std::time::Duration;
 use crate::cache::CacheKey;
 use crate::coord::events::{Event, EventBus, EventKind, Waiters};
 use crate::coord::redis::Unavailable;
-use crate::coord::{RedisConn, scripts, tagged_key};
+use crate::coord::{KeyNames, RedisConn, scripts, tag_keys, tagged_key};
 use crate::metrics::RedisOp;
 
 /// A held lease on one key.
@@ -22,14 +22,17 @@ pub(crate) struct Lease {
     token: String,
     /// The key's generation when the lease was taken; the fill is refused if it changed.
     generation: String,
+    /// Redis's clock when the lease was taken: the fill is refused if a tag the answer
+    /// carries was invalidated at or after it.
+    pub(crate) started_ms: u64,
     hash: u128,
-    lock_key: String,
+    names: KeyNames,
 }
 
 /// The answer to a lock attempt.
 #[derive(Debug)]
 pub(crate) enum Acquired {
-    Won(Lease),
+    Won(Box<Lease>),
     /// Another holder fetches; its lease has about this long left.
     Held {
         remaining: Duration,
@@ -44,9 +47,11 @@ pub(crate) enum FillOutcome {
     GenerationChanged,
     /// Our lease ran out and another holder took the lock: it will store a newer answer.
     LockTaken,
+    /// A write quarantines the key: the answer may come from a lagging replica.
+    Quarantined,
 }
 
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub(crate) struct DistLock {
     redis: RedisConn,
     prefix: Arc<str>,
@@ -92,25 +97,25 @@ impl DistLock {
 
     /// `SET lock token NX PX lease`, reading the generation in the same round trip.
     pub(crate) async fn acquire(&self, key: &CacheKey) -> Result<Acquired, Unavailable> {
-        let lock_key = tagged_key(&self.prefix, key.hash, "lock");
-        let gen_key = tagged_key(&self.prefix, key.hash, "gen");
+        let names = KeyNames::new(&self.prefix, key);
         let token = format!("{:032x}", rand::random::<u128>());
-        let (won, generation, pttl): (i64, String, i64) = self
+        let (won, generation, pttl, now): (i64, String, i64, u64) = self
             .redis
             .run_script(
                 RedisOp::Lock,
                 &scripts::ACQUIRE,
-                &[&lock_key, &gen_key],
+                &[&names.lock, &names.generation],
                 &[token.as_bytes(), &self.lease_ms()],
             )
             .await?;
         if won == 1 {
-            Ok(Acquired::Won(Lease {
+            Ok(Acquired::Won(Box::new(Lease {
                 token,
                 generation,
+                started_ms: now,
                 hash: key.hash,
-                lock_key,
-            }))
+                names,
+            })))
         } else {
             // PTTL is -1 (no expiry: never set by us) or -2 (gone since): retry soon.
             let remaining = u64::try_from(pttl).unwrap_or(0);
@@ -124,16 +129,17 @@ impl DistLock {
     /// lock — its token matches none — so its fill stores only while nobody holds the lock
     /// and the generation read here is unchanged.
     pub(crate) async fn unlocked_lease(&self, key: &CacheKey) -> Result<Lease, Unavailable> {
-        let gen_key = tagged_key(&self.prefix, key.hash, "gen");
-        let generation = self.redis.get(&gen_key).await?.map_or_else(
-            || "0".to_owned(),
-            |g| String::from_utf8_lossy(&g).into_owned(),
-        );
+        let names = KeyNames::new(&self.prefix, key);
+        let (generation, now): (String, u64) = self
+            .redis
+            .run_script(RedisOp::Lock, &scripts::BEGIN, &[&names.generation], &[])
+            .await?;
         Ok(Lease {
             token: "-".to_owned(),
             generation,
+            started_ms: now,
             hash: key.hash,
-            lock_key: tagged_key(&self.prefix, key.hash, "lock"),
+            names,
         })
     }
 
@@ -144,56 +150,182 @@ impl DistLock {
             .run_script(
                 RedisOp::Renew,
                 &scripts::RENEW,
-                &[&lease.lock_key],
+                &[&lease.names.lock],
                 &[lease.token.as_bytes(), &self.lease_ms()],
             )
             .await?;
         Ok(renewed == 1)
     }
 
-    /// Stores `encoded` for `ttl` if the generation is unchanged and the lock is not
-    /// someone else's; releases the lock; wakes the waiters.
-    /// Invalidates `hash` fleet-wide (see [`scripts::INVALIDATE`]). `generation_ttl` must
-    /// outlast any fill that could still be running with the old generation.
+    /// Invalidates the base key `base` and all its variants fleet-wide (see
+    /// [`scripts::INVALIDATE`]). `generation_ttl` must outlast any fill that could still be
+    /// running with the old generation.
+    /// A non-zero `quarantine` keeps fills of the key from storing anything for that long.
     pub(crate) async fn invalidate(
         &self,
-        hash: u128,
+        base: u128,
         generation_ttl: Duration,
+        quarantine: Duration,
     ) -> Result<(), Unavailable> {
-        let entry_key = tagged_key(&self.prefix, hash, "v");
-        let lock_key = tagged_key(&self.prefix, hash, "lock");
-        let gen_key = tagged_key(&self.prefix, hash, "gen");
+        let prefix = tagged_key(&self.prefix, base, "");
         let ttl_ms = generation_ttl.as_millis().max(1).to_string();
+        let quarantine_ms = quarantine.as_millis().to_string();
         self.redis
             .run_script::<i64>(
                 RedisOp::Invalidate,
                 &scripts::INVALIDATE,
-                &[&entry_key, &lock_key, &gen_key],
+                &[
+                    &format!("{prefix}v"),
+                    &format!("{prefix}lock"),
+                    &format!("{prefix}gen"),
+                    &format!("{prefix}vars"),
+                    &format!("{prefix}q"),
+                ],
                 &[
                     ttl_ms.as_bytes(),
                     self.bus.channel.as_bytes(),
-                    &self.message(EventKind::Invalidate, hash),
+                    &self.message(EventKind::Invalidate, base),
+                    prefix.as_bytes(),
+                    quarantine_ms.as_bytes(),
                 ],
             )
             .await
             .map(|_| ())
     }
 
+    /// Lists `member` (`<base hex> <path>`) under `tag` for `life`, and tells whether the tag
+    /// was invalidated at or after `since_ms` (then the entry must not be stored).
+    pub(crate) async fn tag_add(
+        &self,
+        tag: &str,
+        member: &str,
+        life: Duration,
+        since_ms: u64,
+    ) -> Result<bool, Unavailable> {
+        let (index, at) = tag_keys(&self.prefix, tag);
+        let life_ms = life.as_millis().max(1).to_string();
+        let invalidated: u64 = self
+            .redis
+            .run_script(
+                RedisOp::Tag,
+                &scripts::TAG_ADD,
+                &[&index, &at],
+                &[member.as_bytes(), life_ms.as_bytes()],
+            )
+            .await?;
+        Ok(invalidated >= since_ms)
+    }
+
+    /// Records that `tag` is invalidated now and returns its index's live members.
+    pub(crate) async fn tag_mark(
+        &self,
+        tag: &str,
+        keep: Duration,
+    ) -> Result<Vec<String>, Unavailable> {
+        let (index, at) = tag_keys(&self.prefix, tag);
+        let keep_ms = keep.as_millis().max(1).to_string();
+        self.redis
+            .run_script(
+                RedisOp::Tag,
+                &scripts::TAG_MARK,
+                &[&index, &at],
+                &[keep_ms.as_bytes()],
+            )
+            .await
+    }
+
+    /// Records that `tag` is invalidated now (fills that began earlier and carry it are
+    /// refused), then lists the members of its index whose path matches `glob` (`*` any
+    /// run of characters), scanning it in chunks.
+    pub(crate) async fn tag_scan(
+        &self,
+        tag: &str,
+        keep: Duration,
+        glob: &str,
+    ) -> Result<Vec<String>, Unavailable> {
+        let (index, at) = tag_keys(&self.prefix, tag);
+        let keep_ms = keep.as_millis().max(1).to_string();
+        self.redis
+            .run_script::<i64>(
+                RedisOp::Tag,
+                &scripts::TAG_TOUCH,
+                &[&at],
+                &[keep_ms.as_bytes()],
+            )
+            .await?;
+        // Members are `<base hex> <path>`; a path has no raw space. Redis's MATCH knows
+        // `*`, `?`, `[...]` and `\`: everything but `*` is escaped.
+        let mut pattern = String::from("* ");
+        for c in glob.chars() {
+            if matches!(c, '?' | '[' | ']' | '\\') {
+                pattern.push('\\');
+            }
+            pattern.push(c);
+        }
+        let mut found = Vec::new();
+        let mut cursor = 0u64;
+        // Bounded: a cursor walk of even a huge index ends long before this.
+        for _ in 0..1_000_000 {
+            let mut cmd = redis::cmd("ZSCAN");
+            cmd.arg(&index)
+                .arg(cursor)
+                .arg("MATCH")
+                .arg(&pattern)
+                .arg("COUNT")
+                .arg(1000);
+            let (next, chunk): (u64, Vec<String>) = self.redis.query(RedisOp::Tag, &cmd).await?;
+            // ZSCAN answers member, score, member, score, …
+            found.extend(chunk.into_iter().step_by(2));
+            if next == 0 {
+                break;
+            }
+            cursor = next;
+        }
+        found.sort_unstable();
+        found.dedup();
+        Ok(found)
+    }
+
+    /// Removes members from `tag`'s index once their keys were invalidated.
+    pub(crate) async fn tag_forget(
+        &self,
+        tag: &str,
+        members: &[String],
+    ) -> Result<(), Unavailable> {
+        if members.is_empty() {
+            return Ok(());
+        }
+        let (index, _) = tag_keys(&self.prefix, tag);
+        let mut cmd = redis::cmd("ZREM");
+        cmd.arg(&index).arg(members);
+        self.redis
+            .query::<i64>(RedisOp::Tag, &cmd)
+            .await
+            .map(|_| ())
+    }
+
+    /// Stores `encoded` for `ttl` if the generation is unchanged and the lock is not
+    /// someone else's; releases the lock; wakes the waiters.
     pub(crate) async fn fill(
         &self,
         lease: &Lease,
         encoded: &[u8],
         ttl: Duration,
     ) -> Result<FillOutcome, Unavailable> {
-        let entry_key = tagged_key(&self.prefix, lease.hash, "v");
-        let gen_key = tagged_key(&self.prefix, lease.hash, "gen");
+        let names = &lease.names;
         let ttl_ms = ttl.as_millis().max(1).to_string();
         let stored: i64 = self
             .redis
             .run_script(
                 RedisOp::Fill,
                 &scripts::FILL,
-                &[&entry_key, &lease.lock_key, &gen_key],
+                &[
+                    &names.entry,
+                    &names.lock,
+                    &names.generation,
+                    &names.vars,
+                    &names.quarantine,
+                ],
                 &[
                     lease.token.as_bytes(),
                     lease.generation.as_bytes(),
@@ -202,12 +334,14 @@ impl DistLock {
                     self.bus.channel.as_bytes(),
                     &self.message(EventKind::Fill, lease.hash),
                     &self.message(EventKind::Released, lease.hash),
+                    names.variant.as_deref().unwrap_or("").as_bytes(),
                 ],
             )
             .await?;
         Ok(match stored {
             1 => FillOutcome::Stored,
             0 => FillOutcome::GenerationChanged,
+            -2 => FillOutcome::Quarantined,
             _ => FillOutcome::LockTaken,
         })
     }
@@ -220,7 +354,7 @@ impl DistLock {
             .run_script(
                 RedisOp::Release,
                 &scripts::RELEASE,
-                &[&lease.lock_key],
+                &[&lease.names.lock],
                 &[
                     lease.token.as_bytes(),
                     self.bus.channel.as_bytes(),

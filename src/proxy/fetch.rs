@@ -18,6 +18,7 @@ use super::respond::{self, strip_hop_by_hop};
 use super::route::Route;
 use super::upstream::UpstreamBody;
 use crate::cache::{CacheKey, Entry, now_ms, ttl};
+use crate::consistency::tags;
 use crate::error::ProxyError;
 use crate::metrics::{OriginStatus, Outcome};
 
@@ -223,6 +224,10 @@ fn new_entry(job: &FillJob, head: Head, body: Bytes, fetch_ms: u32) -> Entry {
     let ttl = ttl::jittered(nominal, route.jitter, &mut rand::rng());
     let mut origin_headers = head.headers;
     strip_hop_by_hop(&mut origin_headers);
+    let tags = tags::take(&mut origin_headers);
+    if tags.ignored > 0 {
+        tracing::debug!(message = "Surrogate keys ignored (too long, not UTF-8, or too many).", route = %route.name, ignored = tags.ignored);
+    }
     for name in [
         header::SET_COOKIE,
         header::AGE,
@@ -255,6 +260,7 @@ fn new_entry(job: &FillJob, head: Head, body: Bytes, fetch_ms: u32) -> Entry {
             u64::try_from(route.grace.as_millis()).unwrap_or(u64::MAX)
         },
         fetch_ms,
+        tags: tags.tags,
     }
 }
 
@@ -359,6 +365,7 @@ fn origin_response(head: Head, body: Body, outcome: Outcome) -> Response<Body> {
     *response.status_mut() = head.status;
     *response.headers_mut() = head.headers;
     strip_hop_by_hop(response.headers_mut());
+    tags::take(response.headers_mut());
     respond::mark(&mut response, outcome);
     response
 }

@@ -87,7 +87,7 @@ impl Proxy {
                     } else {
                         metrics.lock_event(LockEvent::Acquired);
                     }
-                    return self.fetch_as_owner(job, dist, lease).await;
+                    return self.fetch_as_owner(job, dist, *lease).await;
                 }
                 Ok(Acquired::Held { remaining }) => remaining,
             };
@@ -157,6 +157,7 @@ impl Proxy {
     /// The lock holder's fetch: the lease is renewed every lease/3 while the origin works,
     /// then one script stores (if the generation is unchanged), releases and publishes.
     async fn fetch_as_owner(&self, job: &FillJob, dist: &DistLock, lease: Lease) -> Fetched {
+        let since = self.invalidator.marks.snapshot();
         let fetch = self.fetch_origin(job);
         tokio::pin!(fetch);
         let period = (dist.lease / 3).max(Duration::from_millis(10));
@@ -178,7 +179,7 @@ impl Proxy {
         match classified {
             Classified::Storable(entry) => {
                 let entry = Arc::new(entry);
-                self.store(job, &entry, Some((dist, &lease))).await;
+                self.store(job, &entry, Some((dist, &lease)), since).await;
                 Fetched::Ready(entry, Outcome::Miss)
             }
             Classified::Uncacheable(response) => {
@@ -202,10 +203,11 @@ impl Proxy {
             Some(dist) => dist.unlocked_lease(&job.key).await.ok().map(|l| (dist, l)),
             None => None,
         };
+        let since = self.invalidator.marks.snapshot();
         match self.fetch_origin(job).await {
             Classified::Storable(entry) => {
                 let entry = Arc::new(entry);
-                self.store(job, &entry, unlocked.as_ref().map(|(d, l)| (*d, l)))
+                self.store(job, &entry, unlocked.as_ref().map(|(d, l)| (*d, l)), since)
                     .await;
                 Fetched::Ready(entry, Outcome::Miss)
             }
@@ -227,40 +229,89 @@ impl Proxy {
         }
     }
 
-    /// Stores a fetched entry: L2 through the fill script (when Redis is there), then L1
-    /// when the route keeps it there. An answer the script refused (an invalidation
-    /// overtook the fetch) goes to the requests that asked for it, but is not kept in L1.
-    async fn store(&self, job: &FillJob, entry: &Arc<Entry>, l2: Option<(&DistLock, &Lease)>) {
+    /// Stores a fetched entry: its tags (the route's own and the origin's surrogate keys)
+    /// into their indexes, then L2 through the fill script (when Redis is there), then L1
+    /// when the route keeps it there. An answer an invalidation overtook — the key's
+    /// generation changed, a tag of it was invalidated after the fetch began, or a local
+    /// mark says so — goes to the requests that asked for it, but is kept nowhere.
+    async fn store(
+        &self,
+        job: &FillJob,
+        entry: &Arc<Entry>,
+        l2: Option<(&DistLock, &Lease)>,
+        since: u64,
+    ) {
         let mut keep = true;
         // Filled without Redis (no lease: the breaker was open): L1 is the only copy,
         // whatever the breaker says by now.
         let in_l1 = l2.is_none() && self.l2.is_some() && job.route.config.l1 != L1Policy::Off;
         if let Some((dist, lease)) = l2 {
             let life = Duration::from_millis(entry.remaining_life_ms(now_ms()));
-            if let Ok(bytes) = entry.encode() {
-                match dist.fill(lease, &bytes, life).await {
-                    Ok(FillOutcome::Stored) | Err(_) => {}
-                    Ok(FillOutcome::GenerationChanged) => {
-                        self.metrics.fill_refused(FillRefusal::Generation);
-                        keep = false;
-                    }
-                    Ok(FillOutcome::LockTaken) => {
-                        self.metrics.fill_refused(FillRefusal::LockTaken);
-                    }
+            let outcome = match self.index_tags(job, entry, dist, lease, life).await {
+                Ok(true) => Ok(FillOutcome::GenerationChanged),
+                Err(e) => Err(e),
+                Ok(false) => match entry.encode() {
+                    Ok(bytes) => dist.fill(lease, &bytes, life).await,
+                    Err(_) => Ok(FillOutcome::Stored),
+                },
+            };
+            match outcome {
+                Ok(FillOutcome::Stored) | Err(_) => {}
+                Ok(FillOutcome::GenerationChanged) => {
+                    self.metrics.fill_refused(FillRefusal::Generation);
+                    keep = false;
+                }
+                Ok(FillOutcome::LockTaken) => {
+                    self.metrics.fill_refused(FillRefusal::LockTaken);
+                }
+                Ok(FillOutcome::Quarantined) => {
+                    self.metrics.fill_refused(FillRefusal::Quarantine);
+                    keep = false;
                 }
             }
         }
         if keep && (in_l1 || self.keeps_in_l1(&job.route, job.key.hash)) {
-            self.put_l1(&job.key, Arc::clone(entry)).await;
+            self.put_l1(&job.key, Arc::clone(entry), since).await;
         }
+    }
+
+    /// Lists the entry's base key under the route's tag (for pattern purges) and under each
+    /// surrogate key, before the fill stores it. `Ok(true)`: one of its tags was invalidated
+    /// after the fetch began, so the answer may predate it — the lock is released (waiters
+    /// take over) and nothing is stored.
+    async fn index_tags(
+        &self,
+        job: &FillJob,
+        entry: &Entry,
+        dist: &DistLock,
+        lease: &Lease,
+        life: Duration,
+    ) -> Result<bool, crate::coord::redis::Unavailable> {
+        let path = job.key.full.split('\n').nth(1).unwrap_or("");
+        let member = format!("{:032x} {path}", job.key.base);
+        let route_tag = route_tag(&job.route.config.name);
+        let tags = std::iter::once(route_tag.as_str()).chain(entry.tags.iter().map(String::as_str));
+        let checks = tags.map(|tag| dist.tag_add(tag, &member, life, lease.started_ms));
+        let mut overtaken = false;
+        for check in futures_util::future::join_all(checks).await {
+            overtaken |= check?;
+        }
+        if overtaken {
+            let _ = dist.release(lease, EventKind::Released).await;
+        }
+        Ok(overtaken)
     }
 
     async fn fresh_in_l2(&self, job: &FillJob) -> Option<Arc<Entry>> {
         let l2 = self.l2.as_ref()?;
+        if self.invalidator.owes(job.key.base) {
+            return None;
+        }
+        let since = self.invalidator.marks.snapshot();
         match l2.get(&job.key).await {
             Lookup::Hit(entry) if entry.freshness(now_ms()) == Freshness::Fresh => {
                 if self.keeps_in_l1(&job.route, job.key.hash) {
-                    self.put_l1(&job.key, Arc::clone(&entry)).await;
+                    self.put_l1(&job.key, Arc::clone(&entry), since).await;
                 }
                 Some(entry)
             }
@@ -273,4 +324,10 @@ impl Proxy {
     fn remember_uncacheable(&self, key: &crate::cache::CacheKey) {
         self.uncacheable.insert(key.hash, ());
     }
+}
+
+/// The implicit tag every entry of a route carries: its index is what a pattern purge
+/// searches. A space cannot occur in a tag read from a header, so it never collides.
+pub(crate) fn route_tag(route: &str) -> String {
+    format!("route {route}")
 }

@@ -30,7 +30,7 @@ use crate::cache::key;
 use crate::cache::l2::Lookup;
 use crate::cache::{CacheKey, Entry, Freshness, now_ms};
 use crate::config::L1Policy;
-use crate::metrics::Outcome;
+use crate::metrics::{FillRefusal, Outcome};
 use crate::protect::flight::{FlightKind, FlightResult, Role};
 use crate::protect::hotkeys::Hot;
 
@@ -192,13 +192,15 @@ impl Proxy {
                 Freshness::Expired => {}
             }
         }
+        let since = self.invalidator.marks.snapshot();
         if let Some(l2) = &self.l2
+            && !self.invalidator.owes(key.base)
             && let Lookup::Hit(entry) = l2.get(key).await
         {
             match entry.freshness(now) {
                 Freshness::Fresh => {
                     if self.keeps_in_l1(route, key.hash) {
-                        self.put_l1(key, Arc::clone(&entry)).await;
+                        self.put_l1(key, Arc::clone(&entry), since).await;
                     }
                     return Some(Found {
                         entry,
@@ -243,8 +245,21 @@ impl Proxy {
 
     /// Puts an entry in L1; a hot key's copy is then served from L1 for `hot_keys.l1_ttl`
     /// without asking Redis.
-    pub(crate) async fn put_l1(&self, key: &CacheKey, entry: Arc<Entry>) {
-        self.l1.insert(key, entry).await;
+    /// Puts an entry read or fetched since the local marks' `since` into L1, unless an
+    /// invalidation of its key or tags happened here since (then it may predate it). The
+    /// check runs again after the insert: an invalidation landing in between removes it.
+    pub(crate) async fn put_l1(&self, key: &CacheKey, entry: Arc<Entry>, since: u64) {
+        let marks = &self.invalidator.marks;
+        if !marks.allows(key.base, &entry.tags, since) {
+            self.metrics.fill_refused(FillRefusal::Generation);
+            return;
+        }
+        self.l1.insert(key, Arc::clone(&entry)).await;
+        if !marks.allows(key.base, &entry.tags, since) {
+            self.l1.invalidate(key.hash).await;
+            self.metrics.fill_refused(FillRefusal::Generation);
+            return;
+        }
         if let Some(hot) = self.hot.get(key.hash) {
             self.hot.renew_l1(&hot);
             self.hot.label(key.hash, &key.full);

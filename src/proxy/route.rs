@@ -110,6 +110,19 @@ impl RouteTable {
         self.by_pattern.iter().flatten()
     }
 
+    /// The route named `name`, if it is a read route.
+    pub(crate) fn by_name(&self, name: &str) -> Option<&Arc<Route>> {
+        self.all()
+            .find(|r| r.config.name == name && r.config.is_read())
+    }
+
+    /// The names of the read (cached) routes.
+    pub(crate) fn read_route_names(&self) -> impl Iterator<Item = &str> {
+        self.all()
+            .filter(|r| r.config.is_read())
+            .map(|r| r.config.name.as_str())
+    }
+
     /// The Bloom id in `path` for a read route of `filter`: how the id of a created
     /// resource is found in its `Location`.
     pub(crate) fn id_for_filter<'p>(&self, filter: &str, path: &'p str) -> Option<&'p str> {

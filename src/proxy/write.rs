@@ -1,32 +1,47 @@
 //! The write path: a write route's request is forwarded as it is, and the cache keys its
-//! `invalidate` patterns name are invalidated around it — delayed double delete:
+//! `invalidate` patterns name — plus the surrogate keys its answer names — are invalidated
+//! around it (delayed double delete):
 //!
-//! 1. before forwarding: bump each key's generation, delete its entry and lock in Redis,
-//!    publish `invalidate` (every instance drops its L1 copy), drop the local L1 copy;
-//! 2. after the origin answers (whatever it answered: an unknown outcome still
-//!    invalidates — a spurious delete costs one miss, a missed one costs stale data);
-//! 3. once more after the route's `double_delete_delay`, which removes a copy that a read
-//!    racing the write (or a lagging replica behind the origin) put back.
+//! 1. before forwarding: each key's generation is bumped and its entry, variants and lock
+//!    deleted in Redis, every instance drops its L1 copies (`invalidate` event);
+//! 2. after the origin answers, whatever it answered (an unknown outcome still
+//!    invalidates: a spurious delete costs one miss, a missed one costs stale data), the
+//!    keys again and the tags of the answer (`Surrogate-Key` / `Cache-Tag`);
+//! 3. once more, so that it has landed `double_delete_delay` after the answer: this removes
+//!    a copy that a read racing the write, or a lagging replica behind the origin, put back.
+//!
+//! And from the first delete until a little after the third, the keys are *quarantined*:
+//! fills answer their requests but store nothing, in Redis or L1. The origin's replica may
+//! not have the write yet, so what it answers now may be the old value; keeping it would
+//! serve it until the third delete. With the quarantine, how long the old value is seen
+//! after a write is bounded by the replica's own lag, not by `double_delete_delay`; the
+//! third delete remains for a fill that began before it and stores after the quarantine.
+//! The cost: a written key is fetched (coalesced, one fetch per instance at a time) rather
+//! than cached for `double_delete_delay`.
 //!
 //! The generation bump is what makes step 1 safe against a fill already in flight: its
-//! store is refused. Patterns are filled from the write's own path parameters; each names
-//! the base key of a read route (no query, no `vary` values).
+//! store is refused. An invalidation Redis cannot take is journaled before the answer is
+//! released (see `consistency/invalidate.rs`): the write itself always goes through.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use http::{HeaderMap, Method, Request, Response};
+use http::{Method, Request, Response};
 use hyper::body::Incoming;
-use tracing::warn;
+use tokio::time::Instant;
 
 use super::Proxy;
 use super::body::Body;
 use super::route::Route;
 use crate::cache::key;
+use crate::consistency::invalidate::{Invalidation, Source};
+use crate::consistency::tags;
 
-/// Added to a generation's lifetime beyond the longest fill it must outlive.
-const GENERATION_SLACK: Duration = Duration::from_secs(60);
+/// The third delete is issued this much (at most a quarter of the delay) before
+/// `double_delete_delay` is up, so that it has landed by then despite timer and Redis
+/// latency.
+const THIRD_DELETE_LEAD: Duration = Duration::from_millis(20);
 
 impl Proxy {
     pub(crate) async fn serve_write(
@@ -36,69 +51,82 @@ impl Proxy {
         request: Request<Incoming>,
         client: SocketAddr,
     ) -> Response<Body> {
-        let targets = self.invalidation_targets(route, params);
-        self.invalidate(&targets).await;
-        let response = if route.adds_to.is_some() {
+        let delay = route.config.double_delete_delay;
+        let lead = THIRD_DELETE_LEAD.min(delay / 4);
+        // Until a little after the third delete (zero when there is none).
+        let quarantine = if delay.is_zero() {
+            Duration::ZERO
+        } else {
+            delay + lead
+        };
+        let mut targets = self.invalidation_targets(route, params);
+        if !targets.is_empty() {
+            self.invalidator
+                .invalidate(&targets, Source::Write, quarantine)
+                .await;
+        }
+        let mut response = if route.adds_to.is_some() {
             self.serve_create(route, request, client).await
         } else {
             self.serve_passthrough(&route.metrics, request, client)
                 .await
         };
-        if !targets.is_empty() {
-            self.invalidate(&targets).await;
+        let answered = Instant::now();
+        targets.extend(
+            tags::take(response.headers_mut())
+                .tags
+                .into_iter()
+                .map(Invalidation::Tag),
+        );
+        if targets.is_empty() {
+            return response;
+        }
+        self.invalidator
+            .invalidate(&targets, Source::Write, quarantine)
+            .await;
+        if !delay.is_zero() {
             let this = Arc::clone(self);
-            let delay = route.config.double_delete_delay;
-            tokio::spawn(async move {
-                tokio::time::sleep(delay).await;
-                this.invalidate(&targets).await;
+            self.deferred.spawn(async move {
+                // At shutdown, at once: the delete is owed whether or not we wait.
+                tokio::select! {
+                    () = tokio::time::sleep_until(answered + delay - lead) => {}
+                    () = this.stop.cancelled() => {}
+                }
+                this.invalidator
+                    .invalidate(&targets, Source::Write, Duration::ZERO)
+                    .await;
             });
         }
         response
     }
 
-    /// The keys (hash, generation lifetime) a write on `route` with `params` invalidates.
+    /// The base keys a write on `route` with `params` invalidates: its `invalidate`
+    /// patterns filled from the write's path parameters, each with all its variants.
     fn invalidation_targets(
         &self,
         route: &Route,
         params: &[(String, String)],
-    ) -> Vec<(u128, Duration)> {
-        let mut targets = Vec::new();
-        for pattern in &route.config.invalidate {
-            let path = fill_pattern(pattern, params);
-            let Some(matched) = self.routes.find(&Method::GET, &path) else {
-                continue;
-            };
-            let read = &matched.route.config;
-            if !read.is_read() {
-                continue;
-            }
-            let derived = key::derive(read, &path, None, &HeaderMap::new());
-            let longest_fill = read.ttl.mul_f64(1.0 + read.jitter)
-                + read.grace
-                + self.upstream.timeout
-                + self.lock.lease;
-            targets.push((derived.key.hash, longest_fill + GENERATION_SLACK));
-        }
-        targets
+    ) -> Vec<Invalidation> {
+        route
+            .config
+            .invalidate
+            .iter()
+            .filter_map(|pattern| self.path_target(&fill_pattern(pattern, params)))
+            .collect()
     }
 
-    /// Invalidates every target here and, through Redis, on every instance.
-    async fn invalidate(&self, targets: &[(u128, Duration)]) {
-        for &(hash, generation_ttl) in targets {
-            self.hot.invalidated(hash);
-            self.l1.invalidate(hash).await;
-            let Some(dist) = &self.dist else {
-                continue;
-            };
-            let done = dist.invalidate(hash, generation_ttl).await.is_ok();
-            self.metrics.invalidation(done);
-            if !done {
-                warn!(
-                    message = "Invalidation not delivered: Redis unavailable.",
-                    key = format!("{hash:032x}"),
-                );
-            }
+    /// The invalidation of `path` (every cached variant of it), if a read route caches it.
+    pub(crate) fn path_target(&self, path: &str) -> Option<Invalidation> {
+        let matched = self.routes.find(&Method::GET, path)?;
+        let read = &matched.route.config;
+        if !read.is_read() {
+            return None;
         }
+        let base = key::base(read, path);
+        Some(Invalidation::Key {
+            base: base.base,
+            generation_ttl: self.invalidator.horizon(),
+        })
     }
 }
 

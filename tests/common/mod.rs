@@ -115,6 +115,8 @@ impl CgConfig {
     }
 
     /// Shared mode against `redis` (command_timeout 200ms: generous for a loaded CI box).
+    /// Unless `[journal] path` is set, every [`CgConfig::toml`] (so every start) gets a
+    /// journal file of its own ([`fresh_journal_path`]): two instances never share one.
     pub fn redis(self, redis: &RedisServer) -> CgConfig {
         self.set("redis", "url", &q(&redis.url()))
             .set("redis", "command_timeout", &q("200ms"))
@@ -163,6 +165,15 @@ impl CgConfig {
 
     pub fn toml(&self) -> String {
         let mut out = String::new();
+        let shared = self.sections.iter().any(|(name, _)| name == "redis");
+        let journal_set = self
+            .sections
+            .iter()
+            .any(|(name, e)| name == "journal" && e.iter().any(|(k, _)| k == "path"));
+        if shared && !journal_set {
+            let path = fresh_journal_path().display().to_string();
+            out.push_str(&format!("[journal]\npath = {}\n\n", q(&path)));
+        }
         for (name, entries) in &self.sections {
             out.push_str(&format!("[{name}]\n"));
             for (k, v) in entries {
@@ -177,6 +188,30 @@ impl CgConfig {
     pub async fn start(&self) -> cacheguard::Running {
         start_cacheguard(&self.toml()).await
     }
+}
+
+/// A journal path no other instance uses (under cargo's per-target temp dir). Reuse one
+/// to restart an instance on the same journal.
+pub fn fresh_journal_path() -> std::path::PathBuf {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("journals");
+    std::fs::create_dir_all(&dir).expect("create the journals dir");
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    let path = dir.join(format!(
+        "{}-{n}-{:08x}.journal",
+        std::process::id(),
+        rand_u32()
+    ));
+    let _ = std::fs::remove_file(&path);
+    path
+}
+
+fn rand_u32() -> u32 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(Instant::now().elapsed().as_nanos() as u64);
+    h.finish() as u32
 }
 
 /// The usual config file text: embedded mode without `redis`, shared mode with it.

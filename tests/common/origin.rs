@@ -11,8 +11,13 @@
 //! [`TestOrigin::inject_ids_lines`]), and an opt-in "items API"
 //! ([`TestOrigin::enable_items_api`]) makes `POST /api/items` create ids and
 //! `GET /api/items/<id>` answer 200 for existing ids and 404 for the others.
+//!
+//! An opt-in versioned KV store ([`TestOrigin::enable_kv`]) stands in for a database with a
+//! lagging read replica: `PUT /kv/<key>` bumps the key's version on the primary at once,
+//! `GET /kv/<key>` answers the version the replica shows, which trails the primary by
+//! [`TestOrigin::set_replica_lag`]. For tests of the write path's invalidation.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -29,6 +34,7 @@ use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpListener;
 use tokio::task::{JoinHandle, JoinSet};
+use tokio::time::Instant;
 
 /// What the origin does for one path. Unset fields fall back to the defaults.
 #[derive(Clone, Debug, Default)]
@@ -85,6 +91,7 @@ struct State {
     /// `GET /internal/ids` answers whose body was produced to the end.
     ids_completed: AtomicU64,
     items_api: Mutex<Option<ItemsApi>>,
+    kv: Mutex<KvStore>,
 }
 
 /// The origin's existing ids: in order (for `/internal/ids`) and as a set (for look-ups).
@@ -156,6 +163,71 @@ struct ItemsApi {
     /// Whether `POST /api/items` sends `Location`.
     location: bool,
 }
+
+/// The opt-in versioned KV store (see [`TestOrigin::enable_kv`]).
+#[derive(Debug, Default)]
+struct KvStore {
+    enabled: bool,
+    /// Whether answers carry `Surrogate-Key: kv-<key> kv-all`.
+    tags: bool,
+    replica_lag: Duration,
+    read_delay: Duration,
+    write_delay: Duration,
+    keys: HashMap<String, KvKey>,
+}
+
+/// One key of the KV store: every key exists, at version 0 until its first write.
+#[derive(Debug, Default)]
+struct KvKey {
+    /// The newest committed version (the primary).
+    primary: u64,
+    /// The newest version known to be visible on the replica.
+    replica: u64,
+    /// Commits the replica may not show yet, `(commit time, version)`, oldest first. Only
+    /// commits younger than the lag stay here, so the history is bounded by the write rate
+    /// times the lag.
+    pending: VecDeque<(Instant, u64)>,
+    /// `GET`/`HEAD` requests seen.
+    reads: u64,
+}
+
+impl KvKey {
+    /// The version the replica shows at `now`: the newest one committed at least `lag` ago
+    /// (commits that old are folded into `replica` and dropped from the history).
+    fn visible(&mut self, now: Instant, lag: Duration) -> u64 {
+        while let Some(&(at, version)) = self.pending.front() {
+            if now.saturating_duration_since(at) < lag {
+                break;
+            }
+            self.replica = version;
+            self.pending.pop_front();
+        }
+        self.replica
+    }
+
+    /// Commits the next version on the primary at `now`; returns it.
+    fn commit(&mut self, now: Instant, lag: Duration) -> u64 {
+        self.visible(now, lag);
+        self.primary += 1;
+        self.pending.push_back((now, self.primary));
+        self.primary
+    }
+}
+
+/// A KV request, as taken when it arrived.
+#[derive(Debug)]
+enum KvRequest {
+    /// `GET`/`HEAD`: the version the replica showed on arrival, answered after `delay`.
+    Read {
+        key: String,
+        version: u64,
+        delay: Duration,
+    },
+    /// `PUT`: committed after `delay`.
+    Write { key: String, delay: Duration },
+}
+
+const KV_PREFIX: &str = "/kv/";
 
 const ITEMS_PREFIX: &str = "/api/items/";
 const ITEMS_COLLECTION: &str = "/api/items";
@@ -431,6 +503,56 @@ impl TestOrigin {
             api.location = location;
         }
     }
+
+    /// Turns the versioned KV store on (off by default). Every key exists, at version 0
+    /// until its first write; `<key>` is one path segment, taken as it appears in the path.
+    ///
+    /// - `PUT /kv/<key>` (body ignored): after the write delay, commits the next version on
+    ///   the primary and answers `200` `{"key":"<key>","version":N}` with the new N.
+    /// - `GET /kv/<key>` (`HEAD` alike): reads, when it arrives, the version the replica
+    ///   shows (the newest one committed at least the replica lag ago), waits the read delay
+    ///   and answers `200` `{"key":"<key>","version":N}` with what it read, so a slow read
+    ///   racing a write answers the old version.
+    ///
+    /// Both carry `Surrogate-Key: kv-<key> kv-all` with [`TestOrigin::set_kv_tags`]. Per-path
+    /// settings (status, body, echo) still take precedence (a `PUT` they answer commits
+    /// nothing); per-path and default delays apply as usual, on top of the KV delays.
+    pub fn enable_kv(&self) {
+        lock(&self.state.kv).enabled = true;
+    }
+
+    /// Whether KV answers carry `Surrogate-Key: kv-<key> kv-all` (default false).
+    pub fn set_kv_tags(&self, tags: bool) {
+        lock(&self.state.kv).tags = tags;
+    }
+
+    /// How far the replica (what `GET` answers) trails the primary (default 0). Commits
+    /// older than the lag are forgotten once a newer one is visible, so raising the lag
+    /// later does not bring their versions back.
+    pub fn set_replica_lag(&self, lag: Duration) {
+        lock(&self.state.kv).replica_lag = lag;
+    }
+
+    /// Time between a `GET /kv/<key>` reading its version (on arrival) and answering it
+    /// (default 0).
+    pub fn set_kv_read_delay(&self, delay: Duration) {
+        lock(&self.state.kv).read_delay = delay;
+    }
+
+    /// Time a `PUT /kv/<key>` waits before it commits and answers (default 0).
+    pub fn set_kv_write_delay(&self, delay: Duration) {
+        lock(&self.state.kv).write_delay = delay;
+    }
+
+    /// The newest committed version of `key` (the primary; 0 before any write).
+    pub fn kv_version(&self, key: &str) -> u64 {
+        lock(&self.state.kv).keys.get(key).map_or(0, |k| k.primary)
+    }
+
+    /// `GET` (and `HEAD`) requests for `/kv/<key>` the origin has seen.
+    pub fn kv_reads(&self, key: &str) -> u64 {
+        lock(&self.state.kv).keys.get(key).map_or(0, |k| k.reads)
+    }
 }
 
 /// The default body for the `n`th request to `path`.
@@ -470,6 +592,7 @@ async fn handle(
 ) -> Response<OriginBody> {
     let _guard = InFlight::enter(state.clone());
     let path = req.uri().path().to_string();
+    let kv_request = kv_arrival(&state, req.method(), &path);
     state.total.fetch_add(1, Ordering::SeqCst);
     let n = {
         let mut counts = lock(&state.counts);
@@ -514,6 +637,8 @@ async fn handle(
     let items_api = *lock(&state.items_api);
     let special = if plain && path == "/internal/ids" {
         Some(ids_response(&state).await)
+    } else if plain && let Some(kv) = kv_request {
+        Some(kv_response(&state, kv).await)
     } else if plain && let Some(api) = items_api {
         items_response(&state, api, &parts.method, &path)
     } else {
@@ -720,4 +845,69 @@ fn items_response(
             r#"{"error":"not found"}"#.to_string(),
         )
     })
+}
+
+/// A KV request on arrival (None when the KV store is off or this is not one): a read takes
+/// the version the replica shows now and is counted.
+fn kv_arrival(state: &State, method: &Method, path: &str) -> Option<KvRequest> {
+    let key = path.strip_prefix(KV_PREFIX)?;
+    if key.is_empty() || key.contains('/') {
+        return None;
+    }
+    let mut kv = lock(&state.kv);
+    if !kv.enabled {
+        return None;
+    }
+    if method == Method::GET || method == Method::HEAD {
+        let (lag, delay) = (kv.replica_lag, kv.read_delay);
+        let entry = kv.keys.entry(key.to_string()).or_default();
+        entry.reads += 1;
+        let version = entry.visible(Instant::now(), lag);
+        Some(KvRequest::Read {
+            key: key.to_string(),
+            version,
+            delay,
+        })
+    } else if method == Method::PUT {
+        Some(KvRequest::Write {
+            key: key.to_string(),
+            delay: kv.write_delay,
+        })
+    } else {
+        None
+    }
+}
+
+/// The KV answer: a read's version after its delay, or a write committed after its delay.
+async fn kv_response(state: &State, request: KvRequest) -> Response<OriginBody> {
+    let (key, delay) = match &request {
+        KvRequest::Read { key, delay, .. } | KvRequest::Write { key, delay } => (key, *delay),
+    };
+    if !delay.is_zero() {
+        tokio::time::sleep(delay).await;
+    }
+    let (version, tags) = {
+        let mut kv = lock(&state.kv);
+        let (lag, tags) = (kv.replica_lag, kv.tags);
+        let version = match &request {
+            KvRequest::Read { version, .. } => *version,
+            KvRequest::Write { key, .. } => kv
+                .keys
+                .entry(key.clone())
+                .or_default()
+                .commit(Instant::now(), lag),
+        };
+        (version, tags)
+    };
+    let body = format!("{{\"key\":{},\"version\":{version}}}", json_string(key));
+    let mut resp = Response::new(full(body));
+    resp.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    if tags && let Ok(value) = HeaderValue::from_str(&format!("kv-{key} kv-all")) {
+        resp.headers_mut()
+            .insert(HeaderName::from_static("surrogate-key"), value);
+    }
+    resp
 }

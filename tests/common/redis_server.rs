@@ -129,9 +129,12 @@ impl RedisServer {
         assert!(status.success(), "kill {sig} {pid} failed");
     }
 
-    /// Every entry key (`cg:*:v`), found with `SCAN`.
+    /// Every entry key (`cg:{<base>}:v` and a variant's `cg:{<base>}:v:<hash>`), found
+    /// with `SCAN`.
     pub async fn entry_keys(&self) -> Vec<Vec<u8>> {
-        self.scan("cg:*:v").await
+        let mut keys = self.scan("cg:*:v").await;
+        keys.extend(self.scan("cg:*:v:*").await);
+        keys
     }
 
     /// Every key matching `pattern`, found with `SCAN` (bounded number of rounds).

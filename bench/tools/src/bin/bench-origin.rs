@@ -16,24 +16,41 @@
 //!   requests are only counted in `overflow`. `/stats/reset` restarts it too. For rates over
 //!   time (bench/avalanche.sh: origin req/s in any 1 s window).
 //!
+//! - With `--kv`: a versioned key-value store with a lagging read replica, for the
+//!   write-path consistency bench (bench/stale_window.sh). Every key exists, at version 0
+//!   until its first write.
+//!   - `PUT /kv/{key}` (body read and ignored): after `--kv-write-delay-ms`, commits the next
+//!     version on the primary and answers `200` `{"key":"<key>","version":N}` with the new N.
+//!   - `GET /kv/{key}` (`HEAD` alike): reads, on arrival, the version the replica shows (the
+//!     newest one committed at least `--replica-lag-ms` ago), waits `--kv-read-delay-ms` and
+//!     answers `200` `{"key":"<key>","version":N}` with what it read: a slow read racing a
+//!     write answers the old version.
+//!   - With `--kv-tags` both carry `Surrogate-Key: kv-<key> kv-all`. Other methods get 405.
+//!   - `--delay-ms` does not apply to `/kv`. `/stats` adds `kv_reads` and `kv_writes`;
+//!     `/stats/reset` zeroes those counters but keeps the versions.
+//!   - Keys live in 64 mutex-guarded shards; each key keeps only the commits younger than
+//!     the lag (the rest are folded into the version the replica shows).
+//!
 //! The stats endpoints and `/internal/ids` are not counted in `total`/`paths` (so `total`
 //! stays "API requests that reached the origin"); `/stats` reports the id-list downloads
 //! separately as `ids_lists`. Listens on 127.0.0.1 only.
 
-use std::collections::BTreeMap;
+use std::collections::hash_map::DefaultHasher;
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::convert::Infallible;
+use std::hash::{Hash, Hasher};
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use clap::Parser;
-use http_body_util::{Either, Full};
+use http_body_util::{BodyExt, Either, Full, Limited};
 use hyper::body::{Body, Frame, Incoming, SizeHint};
-use hyper::header::{CONTENT_TYPE, HeaderValue};
+use hyper::header::{ALLOW, CONTENT_TYPE, HeaderName, HeaderValue};
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper::{Method, Request, Response, StatusCode};
@@ -61,6 +78,114 @@ struct Args {
     /// Width of one `/stats/timeline` bucket, in milliseconds.
     #[arg(long, default_value_t = 100)]
     timeline_bucket_ms: u64,
+    /// Serve the versioned KV store at /kv/{key} (GET reads the replica, PUT writes).
+    #[arg(long)]
+    kv: bool,
+    /// KV: how far the replica (what GET answers) trails the primary, in milliseconds.
+    #[arg(long, default_value_t = 0, requires = "kv")]
+    replica_lag_ms: u64,
+    /// KV: time between a GET reading its version (on arrival) and answering, in ms.
+    #[arg(long, default_value_t = 0, requires = "kv")]
+    kv_read_delay_ms: u64,
+    /// KV: time a PUT waits before it commits and answers, in milliseconds.
+    #[arg(long, default_value_t = 0, requires = "kv")]
+    kv_write_delay_ms: u64,
+    /// KV: answers carry `Surrogate-Key: kv-<key> kv-all`.
+    #[arg(long, requires = "kv")]
+    kv_tags: bool,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// One key of the KV store.
+#[derive(Default)]
+struct KvKey {
+    /// The newest committed version (the primary).
+    primary: u64,
+    /// The newest version known to be visible on the replica.
+    replica: u64,
+    /// Commits younger than the lag, `(commit time, version)`, oldest first.
+    pending: VecDeque<(Instant, u64)>,
+}
+
+impl KvKey {
+    /// The version the replica shows at `now`: the newest one committed at least `lag` ago.
+    fn visible(&mut self, now: Instant, lag: Duration) -> u64 {
+        while let Some(&(at, version)) = self.pending.front() {
+            if now.saturating_duration_since(at) < lag {
+                break;
+            }
+            self.replica = version;
+            self.pending.pop_front();
+        }
+        self.replica
+    }
+
+    fn commit(&mut self, now: Instant, lag: Duration) -> u64 {
+        self.visible(now, lag);
+        self.primary += 1;
+        self.pending.push_back((now, self.primary));
+        self.primary
+    }
+}
+
+/// The versioned KV store (`--kv`), sharded so requests for different keys rarely contend.
+struct KvStore {
+    lag: Duration,
+    read_delay: Duration,
+    write_delay: Duration,
+    tags: bool,
+    shards: Vec<Mutex<HashMap<String, KvKey>>>,
+    reads: AtomicU64,
+    writes: AtomicU64,
+}
+
+impl KvStore {
+    const SHARDS: usize = 64;
+
+    fn new(args: &Args) -> Self {
+        KvStore {
+            lag: Duration::from_millis(args.replica_lag_ms),
+            read_delay: Duration::from_millis(args.kv_read_delay_ms),
+            write_delay: Duration::from_millis(args.kv_write_delay_ms),
+            tags: args.kv_tags,
+            shards: (0..Self::SHARDS)
+                .map(|_| Mutex::new(HashMap::new()))
+                .collect(),
+            reads: AtomicU64::new(0),
+            writes: AtomicU64::new(0),
+        }
+    }
+
+    fn shard(&self, key: &str) -> &Mutex<HashMap<String, KvKey>> {
+        let mut h = DefaultHasher::new();
+        key.hash(&mut h);
+        &self.shards[(h.finish() % Self::SHARDS as u64) as usize]
+    }
+
+    /// The version the replica shows now (0 for a key never written; reads add no key).
+    fn read(&self, key: &str) -> u64 {
+        let mut shard = lock(self.shard(key));
+        match shard.get_mut(key) {
+            Some(k) => k.visible(Instant::now(), self.lag),
+            None => 0,
+        }
+    }
+
+    /// Commits the next version of `key` on the primary; returns it.
+    fn write(&self, key: &str) -> u64 {
+        let mut shard = lock(self.shard(key));
+        let now = Instant::now();
+        match shard.get_mut(key) {
+            Some(k) => k.commit(now, self.lag),
+            None => shard
+                .entry(key.to_owned())
+                .or_default()
+                .commit(now, self.lag),
+        }
+    }
 }
 
 /// Counted requests per time bucket since `t0` (the last reset), for `/stats/timeline`.
@@ -179,7 +304,7 @@ impl Stats {
         self.paths.lock().expect("stats lock").clear();
     }
 
-    fn json(&self) -> String {
+    fn json(&self) -> serde_json::Value {
         let paths = self.paths.lock().expect("stats lock");
         // Per-path counts are for small runs (stampedes); past 1000 paths only the count is kept.
         let per_path = if paths.len() <= 1000 {
@@ -198,7 +323,6 @@ impl Stats {
             "distinct_paths": paths.len(),
             "paths": per_path,
         })
-        .to_string()
     }
 }
 
@@ -206,6 +330,7 @@ struct State {
     args: Args,
     stats: Stats,
     timeline: Timeline,
+    kv: Option<KvStore>,
 }
 
 /// `{"id":N,"name":"item N","payload":"xxx…"}` of exactly `n` bytes (at least the frame).
@@ -312,14 +437,18 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Result<Response<Re
     let path = req.uri().path().to_owned();
     let stats = &state.stats;
     match (req.method(), path.as_str()) {
-        (&Method::GET, "/stats") => return Ok(json_response(StatusCode::OK, stats.json())),
+        (&Method::GET, "/stats") => return Ok(json_response(StatusCode::OK, state.stats_json())),
         (&Method::GET, "/stats/timeline") => {
             return Ok(json_response(StatusCode::OK, state.timeline.json()));
         }
         (&Method::POST | &Method::GET, "/stats/reset") => {
             stats.reset();
             state.timeline.reset();
-            return Ok(json_response(StatusCode::OK, stats.json()));
+            if let Some(kv) = &state.kv {
+                kv.reads.store(0, Ordering::SeqCst);
+                kv.writes.store(0, Ordering::SeqCst);
+            }
+            return Ok(json_response(StatusCode::OK, state.stats_json()));
         }
         (&Method::GET, "/internal/ids") => {
             stats.ids_lists.fetch_add(1, Ordering::SeqCst);
@@ -340,6 +469,12 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Result<Response<Re
         .entry(path.clone())
         .or_insert(0) += 1;
 
+    if let Some(kv) = &state.kv
+        && let Some(key) = path.strip_prefix("/kv/")
+    {
+        let _guard = InFlight::enter(stats, &state.timeline);
+        return Ok(kv_handle(kv, req, key).await);
+    }
     let Some(id) = path.strip_prefix("/items/") else {
         stats.other.fetch_add(1, Ordering::SeqCst);
         return Ok(json_response(StatusCode::NOT_FOUND, r#"{"error":"no such path"}"#));
@@ -357,6 +492,73 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Result<Response<Re
         _ => {
             stats.items_404.fetch_add(1, Ordering::SeqCst);
             Ok(json_response(StatusCode::NOT_FOUND, r#"{"error":"not found"}"#))
+        }
+    }
+}
+
+impl State {
+    /// `/stats`, with the KV counters in KV mode.
+    fn stats_json(&self) -> String {
+        let mut json = self.stats.json();
+        if let Some(kv) = &self.kv {
+            json["kv_reads"] = kv.reads.load(Ordering::SeqCst).into();
+            json["kv_writes"] = kv.writes.load(Ordering::SeqCst).into();
+        }
+        json.to_string()
+    }
+}
+
+/// `{"key":"<key>","version":N}`, with the surrogate keys when `--kv-tags`.
+fn kv_answer(kv: &KvStore, key: &str, version: u64) -> Response<RespBody> {
+    let body = serde_json::json!({"key": key, "version": version}).to_string();
+    let mut resp = json_response(StatusCode::OK, body);
+    if kv.tags
+        && let Ok(value) = HeaderValue::from_str(&format!("kv-{key} kv-all"))
+    {
+        resp.headers_mut()
+            .insert(HeaderName::from_static("surrogate-key"), value);
+    }
+    resp
+}
+
+/// `/kv/{key}` in KV mode. Nothing here trusts the request: a bad key or method gets 4xx.
+async fn kv_handle(kv: &KvStore, req: Request<Incoming>, key: &str) -> Response<RespBody> {
+    if key.is_empty() || key.contains('/') {
+        return json_response(StatusCode::NOT_FOUND, r#"{"error":"no such key"}"#);
+    }
+    match *req.method() {
+        Method::GET | Method::HEAD => {
+            kv.reads.fetch_add(1, Ordering::Relaxed);
+            let version = kv.read(key);
+            if !kv.read_delay.is_zero() {
+                tokio::time::sleep(kv.read_delay).await;
+            }
+            kv_answer(kv, key, version)
+        }
+        Method::PUT => {
+            // read (and drop) the body, so the connection stays usable; bounded
+            if Limited::new(req.into_body(), 1 << 20)
+                .collect()
+                .await
+                .is_err()
+            {
+                return json_response(StatusCode::BAD_REQUEST, r#"{"error":"bad body"}"#);
+            }
+            if !kv.write_delay.is_zero() {
+                tokio::time::sleep(kv.write_delay).await;
+            }
+            kv.writes.fetch_add(1, Ordering::Relaxed);
+            let version = kv.write(key);
+            kv_answer(kv, key, version)
+        }
+        _ => {
+            let mut resp = json_response(
+                StatusCode::METHOD_NOT_ALLOWED,
+                r#"{"error":"method not allowed"}"#,
+            );
+            resp.headers_mut()
+                .insert(ALLOW, HeaderValue::from_static("GET, HEAD, PUT"));
+            resp
         }
     }
 }
@@ -380,11 +582,19 @@ async fn serve(args: Args) -> std::io::Result<()> {
         "bench-origin listening on http://{addr} (delay {} ms, ids 1..={}, {} byte bodies)",
         args.delay_ms, args.max_id, args.body_bytes
     );
+    if args.kv {
+        eprintln!(
+            "bench-origin: KV store at /kv/{{key}} (replica lag {} ms, read delay {} ms, write delay {} ms, tags {})",
+            args.replica_lag_ms, args.kv_read_delay_ms, args.kv_write_delay_ms, args.kv_tags
+        );
+    }
     let timeline = Timeline::new(args.timeline_bucket_ms);
+    let kv = args.kv.then(|| KvStore::new(&args));
     let state = Arc::new(State {
         args,
         stats: Stats::default(),
         timeline,
+        kv,
     });
     loop {
         let (stream, _) = match listener.accept().await {

@@ -1,0 +1,364 @@
+//! Invalidation: the one way a key or a tag leaves every cache tier, whoever asks (a write,
+//! the purge API, the invalidation stream, the retry journal).
+//!
+//! ```text
+//! invalidate(items)
+//!   ├─ here, at once: mark (LocalMarks), drop from L1 (base + variants, or by tag),
+//!   │                 end a hot key's L1 grace
+//!   └─ Redis (shared mode): key → INVALIDATE (generation bump, delete entry, variants and
+//!                           locks, publish `invalidate`: every instance drops its L1 copies)
+//!                           tag → TAG_MARK (record the time, list the tagged base keys),
+//!                           then INVALIDATE each, then forget them from the tag's index
+//!      failed (Redis down, timeout) → appended to the journal before the caller goes on,
+//!      retried until done, across restarts (see `journal.rs`)
+//! ```
+//!
+//! While an owed invalidation waits in the journal, this instance does not read the keys it
+//! concerns from Redis (where an old copy may still be), and while a tag invalidation is
+//! owed it does not read Redis at all: the journal is retried the moment Redis is back.
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use tokio::sync::Notify;
+use tracing::{error, warn};
+
+use super::journal::{Journal, Owed};
+use super::marks::LocalMarks;
+use crate::cache::l1::L1;
+use crate::coord::redis::Unavailable;
+use crate::metrics::Metrics;
+use crate::protect::hotkeys::HotKeys;
+use crate::protect::lock::DistLock;
+
+/// One thing to invalidate.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum Invalidation {
+    /// A base key and all its variants; the generation must outlive any fill of it.
+    Key {
+        base: u128,
+        generation_ttl: Duration,
+    },
+    /// Every entry carrying the tag.
+    Tag(String),
+}
+
+/// Who asked: the `source` label of the invalidation metrics.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Source {
+    Write,
+    Purge,
+    Stream,
+    Retry,
+}
+
+impl Source {
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            Source::Write => "write",
+            Source::Purge => "purge",
+            Source::Stream => "stream",
+            Source::Retry => "retry",
+        }
+    }
+}
+
+/// What became of a batch of invalidations.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Report {
+    /// Applied everywhere (or locally, in embedded mode).
+    pub(crate) done: usize,
+    /// Applied here; owed to Redis, kept in the journal.
+    pub(crate) journaled: usize,
+    /// Applied here; owed to Redis but the journal could not take it (logged as an error).
+    pub(crate) lost: usize,
+}
+
+impl Report {
+    /// Everything reached Redis (or there is no Redis).
+    pub(crate) fn complete(&self) -> bool {
+        self.journaled == 0 && self.lost == 0
+    }
+}
+
+#[derive(Debug)]
+pub(crate) struct Invalidator {
+    l1: L1,
+    hot: Arc<HotKeys>,
+    pub(crate) marks: Arc<LocalMarks>,
+    /// `None` in embedded mode.
+    dist: Option<DistLock>,
+    journal: Option<Arc<Journal>>,
+    /// Wakes the journal's retry loop.
+    pub(crate) wake: Arc<Notify>,
+    /// How long a tag's invalidation time and a base's generation must be kept.
+    horizon: Duration,
+    /// Base keys with an owed invalidation (a superset while the journal is not empty), and
+    /// whether any tag is owed; `owing` is the fast path: nothing is owed.
+    owed_keys: Mutex<HashSet<u128>>,
+    owed_tags: AtomicBool,
+    owing: AtomicBool,
+    metrics: Metrics,
+}
+
+impl Invalidator {
+    pub(crate) fn new(
+        l1: L1,
+        hot: Arc<HotKeys>,
+        marks: Arc<LocalMarks>,
+        dist: Option<DistLock>,
+        journal: Option<Arc<Journal>>,
+        horizon: Duration,
+        metrics: Metrics,
+    ) -> Self {
+        let this = Invalidator {
+            l1,
+            hot,
+            marks,
+            dist,
+            journal,
+            wake: Arc::new(Notify::new()),
+            horizon,
+            owed_keys: Mutex::default(),
+            owed_tags: AtomicBool::new(false),
+            owing: AtomicBool::new(false),
+            metrics,
+        };
+        if let Some(journal) = &this.journal {
+            for (owed, _) in journal.pending() {
+                if let Some(item) = from_owed(&owed) {
+                    this.note_owed(&item);
+                }
+            }
+        }
+        this
+    }
+
+    /// How long generations and tag times are kept (longer than any fill).
+    pub(crate) fn horizon(&self) -> Duration {
+        self.horizon
+    }
+
+    /// Invalidates `items` here at once and, in shared mode, fleet-wide through Redis;
+    /// what Redis cannot take now is journaled before this returns. A non-zero `quarantine`
+    /// (a write's) keeps fills of the keys from storing anything for that long.
+    pub(crate) async fn invalidate(
+        &self,
+        items: &[Invalidation],
+        source: Source,
+        quarantine: Duration,
+    ) -> Report {
+        for item in items {
+            self.apply_local(item, quarantine).await;
+        }
+        let mut report = Report::default();
+        let Some(dist) = &self.dist else {
+            report.done = items.len();
+            self.metrics.invalidation(source, "done", items.len());
+            return report;
+        };
+        let mut owed = Vec::new();
+        for item in items {
+            match self.apply_remote(dist, item, quarantine).await {
+                Ok(()) => report.done += 1,
+                Err(Unavailable) => owed.push(item.clone()),
+            }
+        }
+        self.metrics.invalidation(source, "done", report.done);
+        if owed.is_empty() {
+            return report;
+        }
+        let Some(journal) = &self.journal else {
+            report.lost = owed.len();
+            self.metrics.invalidation(source, "lost", owed.len());
+            error!(
+                message = "Invalidation not delivered and no journal to keep it.",
+                count = owed.len()
+            );
+            return report;
+        };
+        for item in &owed {
+            self.note_owed(item);
+        }
+        match journal.append(owed.iter().map(to_owed).collect()).await {
+            Ok(()) => {
+                report.journaled = owed.len();
+                self.metrics.invalidation(source, "journaled", owed.len());
+                warn!(
+                    message = "Invalidation journaled: Redis unavailable; retried until done.",
+                    count = owed.len(),
+                    journal = %journal.path().display(),
+                );
+                self.wake.notify_one();
+            }
+            Err(e) => {
+                report.lost = owed.len();
+                self.metrics.invalidation(source, "lost", owed.len());
+                error!(
+                    message = "Invalidation could not be journaled; stale copies may stay in Redis until they expire.",
+                    count = owed.len(),
+                    error = %e,
+                );
+            }
+        }
+        report
+    }
+
+    /// Whether this instance must not read `base` from Redis now: an invalidation of it
+    /// (or of some tag) is owed there.
+    pub(crate) fn owes(&self, base: u128) -> bool {
+        if !self.owing.load(Ordering::Acquire) {
+            return false;
+        }
+        if self.journal.as_ref().is_none_or(|j| j.depth() == 0) {
+            // Everything owed was applied: back to the fast path.
+            self.owing.store(false, Ordering::Release);
+            self.owed_tags.store(false, Ordering::Release);
+            self.owed_keys().clear();
+            return false;
+        }
+        self.owed_tags.load(Ordering::Acquire) || self.owed_keys().contains(&base)
+    }
+
+    /// One retry of a journaled invalidation; true when Redis took it.
+    pub(crate) async fn retry(&self, owed: &Owed) -> bool {
+        let (Some(dist), Some(item)) = (&self.dist, from_owed(owed)) else {
+            // Unreadable, or no Redis any more (embedded now): nothing left to do.
+            return true;
+        };
+        match self.apply_remote(dist, &item, Duration::ZERO).await {
+            Ok(()) => {
+                self.metrics.invalidation(Source::Retry, "done", 1);
+                self.settle_owed(&item);
+                true
+            }
+            Err(Unavailable) => false,
+        }
+    }
+
+    async fn apply_local(&self, item: &Invalidation, quarantine: Duration) {
+        match item {
+            Invalidation::Key { base, .. } => {
+                self.marks.mark_key(*base);
+                self.marks.quarantine(*base, quarantine);
+                drop_base(&self.l1, &self.hot, *base).await;
+            }
+            Invalidation::Tag(tag) => {
+                self.marks.mark_tag(tag);
+                for hash in self.l1.invalidate_tag(tag).await {
+                    self.hot.invalidated(hash);
+                }
+            }
+        }
+    }
+
+    async fn apply_remote(
+        &self,
+        dist: &DistLock,
+        item: &Invalidation,
+        quarantine: Duration,
+    ) -> Result<(), Unavailable> {
+        match item {
+            Invalidation::Key {
+                base,
+                generation_ttl,
+            } => dist.invalidate(*base, *generation_ttl, quarantine).await,
+            Invalidation::Tag(tag) => {
+                let members = dist.tag_mark(tag, self.horizon).await?;
+                for member in &members {
+                    let base = member
+                        .get(..32)
+                        .and_then(|hex| u128::from_str_radix(hex, 16).ok());
+                    if let Some(base) = base {
+                        dist.invalidate(base, self.horizon, quarantine).await?;
+                    }
+                }
+                dist.tag_forget(tag, &members).await
+            }
+        }
+    }
+
+    fn owed_keys(&self) -> std::sync::MutexGuard<'_, HashSet<u128>> {
+        self.owed_keys
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn note_owed(&self, item: &Invalidation) {
+        match item {
+            Invalidation::Key { base, .. } => {
+                self.owed_keys().insert(*base);
+            }
+            Invalidation::Tag(_) => self.owed_tags.store(true, Ordering::Release),
+        }
+        self.owing.store(true, Ordering::Release);
+    }
+
+    fn settle_owed(&self, item: &Invalidation) {
+        if let Invalidation::Key { base, .. } = item {
+            self.owed_keys().remove(base);
+        }
+    }
+}
+
+/// Drops base key `base` and its variants from L1 and ends their hot-key L1 grace (also
+/// what another instance's `invalidate` event does here).
+pub(crate) async fn drop_base(l1: &L1, hot: &HotKeys, base: u128) {
+    for hash in l1.invalidate_base(base).await {
+        hot.invalidated(hash);
+    }
+}
+
+fn to_owed(item: &Invalidation) -> Owed {
+    match item {
+        Invalidation::Key {
+            base,
+            generation_ttl,
+        } => Owed::Key {
+            base: format!("{base:032x}"),
+            generation_ttl_ms: u64::try_from(generation_ttl.as_millis()).unwrap_or(u64::MAX),
+        },
+        Invalidation::Tag(tag) => Owed::Tag { tag: tag.clone() },
+    }
+}
+
+fn from_owed(owed: &Owed) -> Option<Invalidation> {
+    match owed {
+        Owed::Key {
+            base,
+            generation_ttl_ms,
+        } => Some(Invalidation::Key {
+            base: u128::from_str_radix(base, 16).ok()?,
+            generation_ttl: Duration::from_millis(*generation_ttl_ms),
+        }),
+        Owed::Tag { tag } => Some(Invalidation::Tag(tag.clone())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn journal_records_round_trip() {
+        let items = [
+            Invalidation::Key {
+                base: 0x0123_4567_89ab_cdef_0011_2233_4455_6677,
+                generation_ttl: Duration::from_millis(123_456),
+            },
+            Invalidation::Tag("item-7".into()),
+        ];
+        for item in items {
+            assert_eq!(from_owed(&to_owed(&item)), Some(item));
+        }
+        assert_eq!(
+            from_owed(&Owed::Key {
+                base: "zz".into(),
+                generation_ttl_ms: 1
+            }),
+            None
+        );
+    }
+}

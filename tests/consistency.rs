@@ -1,0 +1,846 @@
+//! Consistency (issue #7): after a write, no instance serves the old value for longer than
+//! the configured bound; a read racing a write cannot put the old value back; owed
+//! invalidations survive a Redis outage and a restart; purges and the invalidation stream
+//! reach every tier. Everything against real redis-server processes.
+//!
+//! The origin is the test origin's versioned KV store: `GET /kv/{key}` answers the version
+//! a (possibly lagging) replica sees, `PUT /kv/{key}` commits version + 1 on the primary.
+
+mod common;
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use http::Method;
+use tokio::sync::Mutex;
+use tokio::time::Instant;
+
+/// Timing-heavy tests run one at a time: the box has two cores.
+static SERIAL: Mutex<()> = Mutex::const_new(());
+
+const TOKEN: &str = "purge-secret-0123456789";
+
+/// A cached KV route (L1 for every entry: the hardest case, every instance holds copies)
+/// and its write route with the delayed double delete.
+fn kv_routes(delay: &str, invalidate: bool) -> String {
+    let invalidate = if invalidate {
+        r#"invalidate = ["/kv/{key}"]"#
+    } else {
+        ""
+    };
+    format!(
+        r#"
+[[routes]]
+name = "kv"
+match = "/kv/{{key}}"
+methods = ["GET"]
+l1 = "all"
+
+[[routes]]
+name = "kv-write"
+match = "/kv/{{key}}"
+methods = ["PUT"]
+{invalidate}
+double_delete_delay = "{delay}"
+"#
+    )
+}
+
+fn kv_config(origin: &TestOrigin, redis: &RedisServer, delay: &str) -> CgConfig {
+    CgConfig::new(origin)
+        .redis(redis)
+        .set_str("admin", "token", TOKEN)
+        .routes(&kv_routes(delay, true))
+}
+
+/// The version in a KV answer.
+fn version(resp: &Resp) -> u64 {
+    let body: serde_json::Value = serde_json::from_slice(&resp.body)
+        .unwrap_or_else(|e| panic!("KV body is not JSON ({e}): {resp}"));
+    body["version"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("KV body has no version: {resp}"))
+}
+
+async fn get_version(client: &HttpClient, addr: std::net::SocketAddr, path: &str) -> u64 {
+    let resp = client.get(&url(addr, path)).await;
+    assert_eq!(resp.status, 200, "GET {path}: {resp}");
+    version(&resp)
+}
+
+async fn put(client: &HttpClient, addr: std::net::SocketAddr, path: &str) -> Resp {
+    client
+        .request(Method::PUT, &url(addr, path), &[], client::full_body("x"))
+        .await
+        .unwrap_or_else(|e| panic!("PUT {path}: {e}"))
+}
+
+async fn metric(
+    client: &HttpClient,
+    admin: std::net::SocketAddr,
+    name: &str,
+    labels: &[(&str, &str)],
+) -> f64 {
+    scrape(client, admin).await.1.sum(name, labels)
+}
+
+// === 1. read-after-write on every instance ===
+
+/// A write through A returns → B and C (and A) serve the new value at once, from every
+/// copy: L1 on each instance, L2, and the query variants of the path.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn write_through_one_instance_is_seen_by_all_at_once() {
+    let _serial = SERIAL.lock().await;
+    let redis = RedisServer::start().await;
+    let origin = TestOrigin::start().await;
+    origin.enable_kv();
+    let cfg = kv_config(&origin, &redis, "200ms");
+    let (a, b, c) = (cfg.start().await, cfg.start().await, cfg.start().await);
+    let client = HttpClient::new();
+    let instances = [a.addr(), b.addr(), c.addr()];
+    let paths = |k: usize| [format!("/kv/k{k}"), format!("/kv/k{k}?lang=de")];
+
+    // Every copy everywhere: L2, and L1 on each instance (the second GET is an L1 hit).
+    for k in 0..20 {
+        for addr in instances {
+            for path in paths(k) {
+                for _ in 0..2 {
+                    assert_eq!(get_version(&client, addr, &path).await, 0);
+                }
+                let resp = client.get(&url(addr, &path)).await;
+                assert_eq!(resp.x_cache(), "HIT-L1", "{path} on {addr}: {resp}");
+            }
+        }
+    }
+    let mut stale = Vec::new();
+    for k in 0..20 {
+        let written = put(&client, a.addr(), &format!("/kv/k{k}")).await;
+        assert_eq!(written.status, 200, "{written}");
+        assert_eq!(version(&written), 1);
+        for addr in instances {
+            for path in paths(k) {
+                let seen = get_version(&client, addr, &path).await;
+                if seen != 1 {
+                    stale.push(format!("{path} on {addr}: version {seen}"));
+                }
+            }
+        }
+    }
+    assert!(
+        stale.is_empty(),
+        "stale reads after the write returned:\n{}",
+        stale.join("\n")
+    );
+    let done = metric(
+        &client,
+        a.admin_addr(),
+        "cacheguard_invalidations_total",
+        &[("source", "write"), ("result", "done")],
+    )
+    .await;
+    assert!(done >= 40.0, "before and after each of 20 writes: {done}");
+    // Right after a write its keys are quarantined: fetched, answered, not kept.
+    let mut quarantined = 0.0;
+    for admin in [a.admin_addr(), b.admin_addr(), c.admin_addr()] {
+        quarantined += metric(
+            &client,
+            admin,
+            "cacheguard_fill_refused_total",
+            &[("reason", "quarantine")],
+        )
+        .await;
+    }
+    assert!(
+        quarantined >= 20.0,
+        "fills during the write quarantine kept nothing: {quarantined}"
+    );
+    for r in [a, b, c] {
+        r.shutdown().await;
+    }
+}
+
+/// A write route without `invalidate` patterns still invalidates what its answer's
+/// surrogate keys name; the tags never reach clients.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn surrogate_keys_of_a_write_answer_invalidate_tagged_entries() {
+    let _serial = SERIAL.lock().await;
+    let redis = RedisServer::start().await;
+    let origin = TestOrigin::start().await;
+    origin.enable_kv();
+    origin.set_kv_tags(true);
+    let cfg = CgConfig::new(&origin)
+        .redis(&redis)
+        .routes(&kv_routes("200ms", false));
+    let (a, b) = (cfg.start().await, cfg.start().await);
+    let client = HttpClient::new();
+    for addr in [a.addr(), b.addr()] {
+        for path in ["/kv/t1", "/kv/t1?x=1", "/kv/t2"] {
+            let resp = client.get(&url(addr, path)).await;
+            assert_eq!(version(&resp), 0);
+            assert!(
+                resp.header("surrogate-key").is_none(),
+                "the origin's tags leaked to a client: {resp}"
+            );
+        }
+    }
+    let written = put(&client, a.addr(), "/kv/t1").await;
+    assert!(written.header("surrogate-key").is_none(), "{written}");
+    for addr in [a.addr(), b.addr()] {
+        assert_eq!(
+            get_version(&client, addr, "/kv/t1").await,
+            1,
+            "t1 on {addr}"
+        );
+        assert_eq!(
+            get_version(&client, addr, "/kv/t1?x=1").await,
+            1,
+            "t1?x=1 on {addr}"
+        );
+        // t2 carries `kv-all` too, which the write named: invalidated, refetched (still 0).
+        let resp = client.get(&url(addr, "/kv/t2")).await;
+        assert_eq!(version(&resp), 0);
+    }
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
+// === 2. a read racing a write ===
+
+/// A reader's origin fetch begins (the slow origin answers the old value after 500 ms); a
+/// write commits in between → the old value is not stored; the next GET shows the new one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fill_that_raced_a_write_is_not_stored() {
+    let _serial = SERIAL.lock().await;
+    let redis = RedisServer::start().await;
+    let origin = TestOrigin::start().await;
+    origin.enable_kv();
+    let cfg = kv_config(&origin, &redis, "200ms");
+    let (a, b) = (cfg.start().await, cfg.start().await);
+    race(&origin, a.addr(), b.addr(), a.admin_addr()).await;
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
+/// The same race with no Redis at all: the local generation marks refuse the fill.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fill_that_raced_a_write_is_not_stored_in_embedded_mode() {
+    let _serial = SERIAL.lock().await;
+    let origin = TestOrigin::start().await;
+    origin.enable_kv();
+    let cg = CgConfig::new(&origin)
+        .routes(&kv_routes("200ms", true))
+        .start()
+        .await;
+    race(&origin, cg.addr(), cg.addr(), cg.admin_addr()).await;
+    cg.shutdown().await;
+}
+
+async fn race(
+    origin: &TestOrigin,
+    reader: std::net::SocketAddr,
+    writer: std::net::SocketAddr,
+    reader_admin: std::net::SocketAddr,
+) {
+    let client = HttpClient::new();
+    origin.set_kv_read_delay(Duration::from_millis(500));
+    let slow = {
+        let client = client.clone();
+        tokio::spawn(async move { get_version(&client, reader, "/kv/race").await })
+    };
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    assert_eq!(origin.kv_reads("race"), 1, "the slow read has begun");
+    let written = put(&client, writer, "/kv/race").await;
+    assert_eq!(version(&written), 1);
+    origin.set_kv_read_delay(Duration::ZERO);
+    assert_eq!(
+        slow.await.expect("slow read"),
+        0,
+        "it began before the write"
+    );
+    for _ in 0..3 {
+        let resp = client.get(&url(reader, "/kv/race")).await;
+        assert_eq!(version(&resp), 1, "the old value was stored: {resp}");
+    }
+    let refused = metric(
+        &client,
+        reader_admin,
+        "cacheguard_fill_refused_total",
+        &[("reason", "generation")],
+    )
+    .await;
+    assert!(
+        refused >= 1.0,
+        "the raced fill was counted as refused: {refused}"
+    );
+}
+
+// === 3. stress: 8 writers, 32 readers, replica lag ===
+
+/// One stress run's observations.
+struct Observed {
+    writes: usize,
+    reads: usize,
+    /// Reads that began more than `bound` after some write of their key returned, and saw
+    /// an older version than it.
+    stale_after_bound: usize,
+}
+
+/// `writers` + `readers` closed loops over `keys` keys for `run`, each request to a random
+/// instance; then counts stale reads (see [`Observed`]).
+async fn stress(
+    instances: &[std::net::SocketAddr],
+    keys: usize,
+    writers: usize,
+    readers: usize,
+    run: Duration,
+    bound: Duration,
+) -> Observed {
+    let started = Instant::now();
+    let deadline = started + run;
+    // (key, return time, version) and (key, start time, version).
+    let writes = Arc::new(std::sync::Mutex::new(Vec::<(usize, Duration, u64)>::new()));
+    let reads = Arc::new(std::sync::Mutex::new(Vec::<(usize, Duration, u64)>::new()));
+    let mut tasks = Vec::new();
+    for worker in 0..writers + readers {
+        let instances = instances.to_vec();
+        let (writes, reads) = (Arc::clone(&writes), Arc::clone(&reads));
+        tasks.push(tokio::spawn(async move {
+            let client = HttpClient::new();
+            let mut seed = 0x9e37_79b9_7f4a_7c15_u64 ^ (worker as u64 + 1);
+            let mut next = move || {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                seed
+            };
+            // Bounded by time and by count.
+            for _ in 0..200_000 {
+                if Instant::now() >= deadline {
+                    break;
+                }
+                let key = next() as usize % keys;
+                let addr = instances[next() as usize % instances.len()];
+                let path = format!("/kv/s{key}");
+                if worker < writers {
+                    let resp = put(&client, addr, &path).await;
+                    assert_eq!(resp.status, 200, "{resp}");
+                    let at = started.elapsed();
+                    writes
+                        .lock()
+                        .expect("writes")
+                        .push((key, at, version(&resp)));
+                } else {
+                    let at = started.elapsed();
+                    let seen = get_version(&client, addr, &path).await;
+                    reads.lock().expect("reads").push((key, at, seen));
+                }
+            }
+        }));
+    }
+    for task in tasks {
+        task.await.expect("stress worker");
+    }
+    let writes = std::mem::take(&mut *writes.lock().expect("writes"));
+    let reads = std::mem::take(&mut *reads.lock().expect("reads"));
+    // Per key: writes by return time, with the running maximum version.
+    let mut by_key: HashMap<usize, Vec<(Duration, u64)>> = HashMap::new();
+    for &(key, at, v) in &writes {
+        by_key.entry(key).or_default().push((at, v));
+    }
+    for list in by_key.values_mut() {
+        list.sort();
+        let mut max = 0;
+        for entry in list.iter_mut() {
+            max = max.max(entry.1);
+            entry.1 = max;
+        }
+    }
+    let stale_after_bound = reads
+        .iter()
+        .filter(|&&(key, at, seen)| {
+            let Some(list) = by_key.get(&key) else {
+                return false;
+            };
+            let Some(cutoff) = at.checked_sub(bound) else {
+                return false;
+            };
+            // The newest version returned before `at - bound`.
+            let i = list.partition_point(|&(t, _)| t < cutoff);
+            i > 0 && list[i - 1].1 > seen
+        })
+        .count();
+    Observed {
+        writes: writes.len(),
+        reads: reads.len(),
+        stale_after_bound,
+    }
+}
+
+/// 8 writers and 32 readers over 100 keys for 10 s through 3 instances, origin replica lag
+/// 50 ms: reads that begin more than `double_delete_delay` after a write returned never see
+/// an older version. The same load on a naive cache-aside configuration (no delayed
+/// delete) does show stale reads: the count detects staleness.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stress_with_replica_lag_never_serves_older_than_the_bound() {
+    const BOUND: Duration = Duration::from_millis(200);
+    let _serial = SERIAL.lock().await;
+    let origin = TestOrigin::start().await;
+    origin.enable_kv();
+    origin.set_replica_lag(Duration::from_millis(50));
+
+    let redis = RedisServer::start().await;
+    let cfg = kv_config(&origin, &redis, "200ms");
+    let fleet = [cfg.start().await, cfg.start().await, cfg.start().await];
+    let addrs: Vec<_> = fleet.iter().map(|r| r.addr()).collect();
+    let guarded = stress(&addrs, 100, 8, 32, Duration::from_secs(10), BOUND).await;
+    for r in fleet {
+        r.shutdown().await;
+    }
+
+    let naive_redis = RedisServer::start().await;
+    let naive_cfg = kv_config(&origin, &naive_redis, "0s");
+    let naive_fleet = [
+        naive_cfg.start().await,
+        naive_cfg.start().await,
+        naive_cfg.start().await,
+    ];
+    let addrs: Vec<_> = naive_fleet.iter().map(|r| r.addr()).collect();
+    let naive = stress(&addrs, 100, 8, 32, Duration::from_secs(5), BOUND).await;
+    for r in naive_fleet {
+        r.shutdown().await;
+    }
+
+    eprintln!(
+        "guarded: {} writes, {} reads, {} stale after {BOUND:?}; naive cache-aside: {} writes, {} reads, {} stale",
+        guarded.writes,
+        guarded.reads,
+        guarded.stale_after_bound,
+        naive.writes,
+        naive.reads,
+        naive.stale_after_bound
+    );
+    assert!(
+        guarded.writes > 200 && guarded.reads > 1000,
+        "too little load to tell"
+    );
+    assert_eq!(
+        guarded.stale_after_bound, 0,
+        "reads older than a write that returned over {BOUND:?} before"
+    );
+    assert!(
+        naive.stale_after_bound > 0,
+        "the naive configuration showed no stale read: the check cannot detect staleness"
+    );
+}
+
+// === 4. Redis down during writes, cacheguard restarted ===
+
+/// A config file for a cacheguard process on fixed ports, its Redis through `redis_url`, its
+/// journal at `journal`.
+fn process_config(
+    dir: &Path,
+    origin: &TestOrigin,
+    redis_url: &str,
+    journal: &Path,
+    extra: &str,
+) -> std::path::PathBuf {
+    let toml = CgConfig::new(origin)
+        .set_str("server", "listen", &format!("127.0.0.1:{}", free_port()))
+        .set_str("admin", "listen", &format!("127.0.0.1:{}", free_port()))
+        .set_str("redis", "url", redis_url)
+        .set_str("redis", "command_timeout", "200ms")
+        .set_str("journal", "path", &journal.display().to_string())
+        .set_str("admin", "token", TOKEN)
+        .routes(&format!("{}{extra}", kv_routes("200ms", true)))
+        .toml();
+    let path = dir.join(format!("cg-{}.toml", free_port()));
+    std::fs::write(&path, toml).expect("write config");
+    path
+}
+
+/// Redis is cut off from instance A during 100 writes: all 100 succeed at the origin, the
+/// journal holds the deletes; A is killed (SIGKILL) and started again while Redis is still
+/// unreachable; Redis comes back → every delete applied, journal empty, and no instance
+/// serves a stale value (B kept reading Redis all along and had the old entries).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_during_a_redis_outage_are_journaled_and_survive_a_restart() {
+    let _serial = SERIAL.lock().await;
+    let redis = RedisServer::start().await;
+    let link = TcpProxy::start(std::net::SocketAddr::from(([127, 0, 0, 1], redis.port()))).await;
+    let origin = TestOrigin::start().await;
+    origin.enable_kv();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let journal = dir.path().join("a.journal");
+    let conf_a = process_config(dir.path(), &origin, &link.redis_url(), &journal, "");
+    let mut a = spawn_cacheguard_process(&conf_a).await;
+    let b = CgConfig::new(&origin)
+        .redis(&redis)
+        .routes(&kv_routes("200ms", true))
+        .l1("off")
+        .start()
+        .await;
+    let client = HttpClient::new();
+    let depth = |admin| {
+        let client = client.clone();
+        async move { metric(&client, admin, "cacheguard_journal_depth", &[]).await }
+    };
+    let keys: Vec<String> = (0..100).map(|k| format!("/kv/j{k}")).collect();
+    for path in &keys {
+        assert_eq!(get_version(&client, b.addr(), path).await, 0);
+    }
+    assert_eq!(redis.entry_keys().await.len(), 100);
+
+    link.cut();
+    poll_until(
+        Duration::from_secs(5),
+        Duration::from_millis(50),
+        || async {
+            let (text, _) = scrape(&client, a.admin_addr()).await;
+            text.contains("cacheguard_redis_up 0").then_some(())
+        },
+    )
+    .await
+    .expect("A sees Redis down");
+    for path in &keys {
+        let resp = put(&client, a.addr(), path).await;
+        assert_eq!(
+            resp.status, 200,
+            "a write was refused while Redis was down: {resp}"
+        );
+        assert_eq!(version(&resp), 1);
+    }
+    for path in &keys {
+        let key = path.trim_start_matches("/kv/");
+        assert_eq!(origin.kv_version(key), 1, "{path} reached the origin");
+    }
+    // Each write owes one base key: before, after and the delayed delete are one record.
+    let owed = poll_until(
+        Duration::from_secs(5),
+        Duration::from_millis(50),
+        || async {
+            let d = depth(a.admin_addr()).await;
+            (d >= 100.0).then_some(d)
+        },
+    )
+    .await;
+    assert_eq!(owed, Some(100.0), "journal depth on A");
+    // B reads Redis, which still holds the old entries: the outage's stale window.
+    assert_eq!(get_version(&client, b.addr(), "/kv/j0").await, 0);
+
+    // Crash A and start it again, Redis still unreachable: the journal is read back.
+    a.kill();
+    let mut a = spawn_cacheguard_process(&conf_a).await;
+    assert_eq!(
+        depth(a.admin_addr()).await,
+        100.0,
+        "journal depth after the restart"
+    );
+    assert_eq!(
+        get_version(&client, a.addr(), "/kv/j1").await,
+        1,
+        "A does not read Redis for a key it owes an invalidation"
+    );
+
+    link.restore();
+    let drained = poll_until(
+        Duration::from_secs(10),
+        Duration::from_millis(50),
+        || async { (depth(a.admin_addr()).await == 0.0).then_some(()) },
+    )
+    .await;
+    assert!(
+        drained.is_some(),
+        "journal not drained after Redis came back\n{}",
+        a.output()
+    );
+    let mut stale = Vec::new();
+    for path in &keys {
+        for addr in [a.addr(), b.addr()] {
+            let seen = get_version(&client, addr, path).await;
+            if seen != 1 {
+                stale.push(format!("{path} on {addr}: {seen}"));
+            }
+        }
+    }
+    assert!(
+        stale.is_empty(),
+        "stale after the journal drained:\n{}",
+        stale.join("\n")
+    );
+    let (_, exp) = scrape(&client, a.admin_addr()).await;
+    assert_eq!(exp.sum("cacheguard_journal_give_ups_total", &[]), 0.0);
+    assert!(exp.sum("cacheguard_journal_applied_total", &[]) >= 100.0);
+    assert!(journal.exists(), "the journal file is kept (empty)");
+    a.kill();
+    b.shutdown().await;
+}
+
+// === 5. purge API ===
+
+async fn purge(
+    client: &HttpClient,
+    admin: std::net::SocketAddr,
+    auth: Option<&str>,
+    body: &str,
+) -> Resp {
+    let header = auth.map(|t| format!("Bearer {t}"));
+    let headers: Vec<(&str, &str)> = header
+        .as_deref()
+        .map(|h| vec![("authorization", h), ("content-type", "application/json")])
+        .unwrap_or_else(|| vec![("content-type", "application/json")]);
+    post(client, &url(admin, "/admin/purge"), &headers, body).await
+}
+
+/// Purge by key, by pattern and by tag reaches L1 and L2 on every instance; without a
+/// token → 401, with a wrong one → 403, and then nothing is purged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn purge_by_key_pattern_and_tag() {
+    let _serial = SERIAL.lock().await;
+    let redis = RedisServer::start().await;
+    let origin = TestOrigin::start().await;
+    origin.enable_kv();
+    origin.set_kv_tags(true);
+    let cfg = kv_config(&origin, &redis, "200ms");
+    let (a, b) = (cfg.start().await, cfg.start().await);
+    let client = HttpClient::new();
+    let paths = [
+        "/kv/p1",
+        "/kv/p1?v=2",
+        "/kv/p2",
+        "/kv/c1",
+        "/kv/c2",
+        "/kv/other",
+    ];
+    for addr in [a.addr(), b.addr()] {
+        for path in paths {
+            assert_eq!(get_version(&client, addr, path).await, 0);
+        }
+    }
+    // The data changes behind the cache's back (a PUT straight to the origin).
+    for key in ["p1", "p2", "c1", "c2", "other"] {
+        put(&client, origin.addr(), &format!("/kv/{key}")).await;
+    }
+    let everything = r#"{"keys": ["/kv/p1"], "patterns": ["/kv/c*"], "tags": ["kv-p2"]}"#;
+    let refused = purge(&client, a.admin_addr(), None, everything).await;
+    assert_eq!(refused.status, 401, "{refused}");
+    let refused = purge(
+        &client,
+        a.admin_addr(),
+        Some("wrong-token-000000000000"),
+        everything,
+    )
+    .await;
+    assert_eq!(refused.status, 403, "{refused}");
+    for addr in [a.addr(), b.addr()] {
+        for path in paths {
+            assert_eq!(
+                get_version(&client, addr, path).await,
+                0,
+                "{path} purged by a refused call"
+            );
+        }
+    }
+
+    let ok = purge(
+        &client,
+        a.admin_addr(),
+        Some(TOKEN),
+        r#"{"keys": ["/kv/p1"]}"#,
+    )
+    .await;
+    assert_eq!(ok.status, 200, "{ok}");
+    for addr in [b.addr(), a.addr()] {
+        assert_eq!(get_version(&client, addr, "/kv/p1").await, 1);
+        assert_eq!(
+            get_version(&client, addr, "/kv/p1?v=2").await,
+            1,
+            "variants go with their key"
+        );
+        assert_eq!(get_version(&client, addr, "/kv/p2").await, 0);
+    }
+    let ok = purge(
+        &client,
+        b.admin_addr(),
+        Some(TOKEN),
+        r#"{"patterns": ["/kv/c*"]}"#,
+    )
+    .await;
+    assert_eq!(ok.status, 200, "{ok}");
+    let outcome: serde_json::Value = serde_json::from_slice(&ok.body).expect("JSON");
+    assert_eq!(outcome["pattern_matches"], 2, "{ok}");
+    for addr in [a.addr(), b.addr()] {
+        assert_eq!(get_version(&client, addr, "/kv/c1").await, 1);
+        assert_eq!(get_version(&client, addr, "/kv/c2").await, 1);
+        assert_eq!(get_version(&client, addr, "/kv/other").await, 0);
+        assert_eq!(get_version(&client, addr, "/kv/p2").await, 0);
+    }
+    let ok = purge(
+        &client,
+        a.admin_addr(),
+        Some(TOKEN),
+        r#"{"tags": ["kv-p2"]}"#,
+    )
+    .await;
+    assert_eq!(ok.status, 200, "{ok}");
+    for addr in [a.addr(), b.addr()] {
+        assert_eq!(get_version(&client, addr, "/kv/p2").await, 1);
+        assert_eq!(get_version(&client, addr, "/kv/other").await, 0);
+    }
+
+    for bad in [
+        "not json",
+        "{}",
+        r#"{"keys": ["no-slash"]}"#,
+        r#"{"pattern": ["/x"]}"#,
+    ] {
+        let resp = purge(&client, a.admin_addr(), Some(TOKEN), bad).await;
+        assert_eq!(resp.status, 400, "{bad}: {resp}");
+    }
+    let (_, exp) = scrape(&client, a.admin_addr()).await;
+    assert_eq!(
+        exp.sum("cacheguard_purges_total", &[("result", "unauthorized")]),
+        1.0
+    );
+    assert_eq!(
+        exp.sum("cacheguard_purges_total", &[("result", "forbidden")]),
+        1.0
+    );
+    assert_eq!(exp.sum("cacheguard_purges_total", &[("result", "ok")]), 2.0);
+    assert_eq!(
+        exp.sum("cacheguard_purges_total", &[("result", "bad_request")]),
+        4.0
+    );
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
+// === 6. the invalidation stream ===
+
+async fn xadd_paths(redis: &RedisServer, paths: impl Iterator<Item = String>) {
+    let mut con = redis.client().await;
+    let mut pipe = redis::pipe();
+    for path in paths {
+        pipe.cmd("XADD")
+            .arg("cg:invalidate")
+            .arg("*")
+            .arg("path")
+            .arg(path)
+            .ignore();
+    }
+    pipe.query_async::<()>(&mut con).await.expect("XADD");
+}
+
+/// Entries delivered to the group and not yet acknowledged (0 before the group exists).
+async fn group_pending(redis: &RedisServer) -> i64 {
+    let mut con = redis.client().await;
+    let Ok(summary) = redis::cmd("XPENDING")
+        .arg("cg:invalidate")
+        .arg("cacheguard")
+        .query_async::<redis::Value>(&mut con)
+        .await
+    else {
+        return 0;
+    };
+    match summary {
+        redis::Value::Array(items) => match items.first() {
+            Some(redis::Value::Int(n)) => *n,
+            _ => -1,
+        },
+        _ => -1,
+    }
+}
+
+/// 1000 path entries in `cg:invalidate` → every one applied (all instances serve the new
+/// values); the consumer that had them pending is killed mid-way → another claims and
+/// applies them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stream_entries_are_all_applied_and_a_dead_consumers_are_claimed() {
+    let _serial = SERIAL.lock().await;
+    let redis = RedisServer::start().await;
+    let link = TcpProxy::start(std::net::SocketAddr::from(([127, 0, 0, 1], redis.port()))).await;
+    let origin = TestOrigin::start().await;
+    origin.enable_kv();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let journal = dir.path().join("slow.journal");
+    // A slow consumer: its Redis link adds 15 ms per chunk, so a batch takes seconds.
+    let conf = process_config(
+        dir.path(),
+        &origin,
+        &link.redis_url(),
+        &journal,
+        "\n[invalidation_stream]\nbatch = 200\nclaim_idle = \"1s\"\n",
+    );
+    let reader = CgConfig::new(&origin)
+        .redis(&redis)
+        .routes(&kv_routes("200ms", true))
+        .set("invalidation_stream", "enabled", "false")
+        .start()
+        .await;
+    let client = HttpClient::new();
+    let keys: Vec<String> = (0..1000).map(|k| format!("/kv/x{k}")).collect();
+    for path in &keys {
+        assert_eq!(get_version(&client, reader.addr(), path).await, 0);
+    }
+    for path in &keys {
+        put(&client, origin.addr(), path).await;
+    }
+
+    // The entries are there before the slow consumer starts: its first read takes a whole
+    // batch, which it needs seconds to apply, and acknowledges only after.
+    xadd_paths(&redis, keys.iter().cloned()).await;
+    link.set_delay(Duration::from_millis(15));
+    let mut slow = spawn_cacheguard_process(&conf).await;
+    let pending = poll_until(
+        Duration::from_secs(10),
+        Duration::from_millis(20),
+        || async {
+            let n = group_pending(&redis).await;
+            (n >= 100).then_some(n)
+        },
+    )
+    .await
+    .expect("the slow consumer took entries");
+    slow.kill();
+    eprintln!("killed the slow consumer with {pending} entries pending");
+
+    // The survivor joins the same group and claims what the dead consumer left.
+    let survivor = CgConfig::new(&origin)
+        .redis(&redis)
+        .routes(&kv_routes("200ms", true))
+        .set_str("invalidation_stream", "claim_idle", "1s")
+        .start()
+        .await;
+    let drained = poll_until(
+        Duration::from_secs(30),
+        Duration::from_millis(100),
+        || async {
+            let (_, exp) = scrape(&client, survivor.admin_addr()).await;
+            let applied = exp.sum("cacheguard_stream_entries_total", &[("result", "applied")]);
+            (group_pending(&redis).await == 0 && applied > 0.0).then_some(exp)
+        },
+    )
+    .await
+    .expect("the stream was not drained");
+    assert!(
+        drained.sum("cacheguard_stream_claimed_total", &[]) > 0.0,
+        "the survivor claimed the dead consumer's entries"
+    );
+    let mut stale = Vec::new();
+    for path in &keys {
+        let seen = get_version(&client, reader.addr(), path).await;
+        if seen != 1 {
+            stale.push(path.clone());
+        }
+    }
+    assert!(
+        stale.is_empty(),
+        "{} of 1000 entries not applied: {:?}",
+        stale.len(),
+        &stale[..stale.len().min(10)]
+    );
+    survivor.shutdown().await;
+    reader.shutdown().await;
+}
