@@ -992,3 +992,45 @@ fn debug_output_redacts_secrets() {
     assert!(!shown.contains("s3cret-token"), "{shown}");
     assert!(shown.contains("app:***@127.0.0.1:6379"), "{shown}");
 }
+
+#[test]
+fn journal_and_stream_take_defaults_and_check_their_values() {
+    let config = load(MINIMAL).unwrap();
+    assert_eq!(
+        config.journal.path,
+        std::path::PathBuf::from("cacheguard.journal")
+    );
+    assert_eq!(config.journal.fsync, crate::config::JournalFsync::Always);
+    assert!(config.stream.enabled);
+    assert_eq!(config.stream.key, "cg:invalidate");
+    assert_eq!(config.stream.group, "cacheguard");
+    assert_eq!(config.stream.claim_idle, Duration::from_secs(30));
+    let interval = load(&with_minimal("[journal]\nfsync = \"250ms\"\n")).unwrap();
+    assert_eq!(
+        interval.journal.fsync,
+        crate::config::JournalFsync::Interval(Duration::from_millis(250))
+    );
+    assert_eq!(
+        problem(&with_minimal("[journal]\nfsync = \"sometimes\"\n")),
+        "test.toml:4: journal.fsync: expected \"always\", \"never\" or an interval like \"1s\", got \"sometimes\""
+    );
+    assert_eq!(
+        problem(&with_minimal("[journal]\npath = \"\"\n")),
+        "test.toml:4: journal.path: expected a file path, got \"\""
+    );
+    assert_eq!(
+        problem(&with_minimal("[invalidation_stream]\nbatch = 0\n")),
+        "test.toml:4: invalidation_stream.batch: expected a count from 1 to 10000, got 0"
+    );
+}
+
+#[test]
+fn a_relative_journal_path_is_next_to_the_config_file() {
+    let vars = std::collections::HashMap::<String, String>::new();
+    let text = format!("{MINIMAL}\n[journal]\npath = \"j/owed.journal\"\n");
+    let config = crate::Config::from_toml(&text, "/etc/cacheguard/cacheguard.toml", &vars).unwrap();
+    assert_eq!(
+        config.journal.path,
+        std::path::PathBuf::from("/etc/cacheguard/j/owed.journal")
+    );
+}
