@@ -175,10 +175,10 @@ impl App {
             ),
             None => None,
         };
-        let l1 = L1::new(config.cache.l1_max_bytes);
-        tokio::spawn(sweep_l1_index(l1.clone(), stop_tasks.clone()));
         let horizon = invalidation_horizon(&config);
         let marks = Arc::new(LocalMarks::new(horizon));
+        let l1 = L1::new(config.cache.l1_max_bytes, Arc::clone(&marks));
+        tokio::spawn(sweep_l1_index(l1.clone(), stop_tasks.clone()));
         let l2 = match (&redis, &config.redis) {
             (Some(conn), Some(rc)) => Some(L2::new(conn.clone(), &rc.key_prefix, metrics.clone())),
             _ => None,

@@ -19,23 +19,37 @@ use moka::Expiry;
 use moka::future::Cache;
 
 use super::{CacheKey, Entry, now_ms};
+use crate::consistency::marks::LocalMarks;
+
+/// An L1 copy: the entry, and the local marks' sequence number from which it is known
+/// valid. An invalidation marked later (here or by another instance's event, which marks
+/// at once) makes it a miss at once, before its removal from moka has run.
+#[derive(Clone)]
+struct Held {
+    entry: Arc<Entry>,
+    since: u64,
+}
 
 /// Per-entry expiry: an L1 copy lives as long as its entry is fresh or within grace.
 struct EntryLife;
 
-impl Expiry<u128, Arc<Entry>> for EntryLife {
-    fn expire_after_create(&self, _: &u128, entry: &Arc<Entry>, _: Instant) -> Option<Duration> {
-        Some(Duration::from_millis(entry.remaining_life_ms(now_ms())))
+impl Expiry<u128, Held> for EntryLife {
+    fn expire_after_create(&self, _: &u128, held: &Held, _: Instant) -> Option<Duration> {
+        Some(Duration::from_millis(
+            held.entry.remaining_life_ms(now_ms()),
+        ))
     }
 
     fn expire_after_update(
         &self,
         _: &u128,
-        entry: &Arc<Entry>,
+        held: &Held,
         _: Instant,
         _: Option<Duration>,
     ) -> Option<Duration> {
-        Some(Duration::from_millis(entry.remaining_life_ms(now_ms())))
+        Some(Duration::from_millis(
+            held.entry.remaining_life_ms(now_ms()),
+        ))
     }
 }
 
@@ -49,8 +63,9 @@ struct Index {
 /// The in-process cache. Cloning shares the same cache.
 #[derive(Clone)]
 pub(crate) struct L1 {
-    cache: Cache<u128, Arc<Entry>>,
+    cache: Cache<u128, Held>,
     index: Arc<Mutex<Index>>,
+    marks: Arc<LocalMarks>,
 }
 
 impl std::fmt::Debug for L1 {
@@ -63,15 +78,16 @@ impl std::fmt::Debug for L1 {
 }
 
 impl L1 {
-    pub(crate) fn new(max_bytes: u64) -> Self {
+    pub(crate) fn new(max_bytes: u64, marks: Arc<LocalMarks>) -> Self {
         let cache = Cache::builder()
             .max_capacity(max_bytes)
-            .weigher(|_: &u128, e: &Arc<Entry>| u32::try_from(e.weight()).unwrap_or(u32::MAX))
+            .weigher(|_: &u128, h: &Held| u32::try_from(h.entry.weight()).unwrap_or(u32::MAX))
             .expire_after(EntryLife)
             .build();
         L1 {
             cache,
             index: Arc::default(),
+            marks,
         }
     }
 
@@ -80,12 +96,25 @@ impl L1 {
     }
 
     /// The entry for `key`, if present and really for this key (the full key is compared).
+    /// Not returned: a copy an invalidation marked since it was stored.
     pub(crate) async fn get(&self, key: &CacheKey) -> Option<Arc<Entry>> {
-        let entry = self.cache.get(&key.hash).await?;
-        entry.matches(key).then_some(entry)
+        let held = self.cache.get(&key.hash).await?;
+        if !held.entry.matches(key) {
+            return None;
+        }
+        if !self
+            .marks
+            .unchanged_since(key.base, &held.entry.tags, held.since)
+        {
+            self.cache.invalidate(&key.hash).await;
+            return None;
+        }
+        Some(held.entry)
     }
 
-    pub(crate) async fn insert(&self, key: &CacheKey, entry: Arc<Entry>) {
+    /// Stores `entry`, known valid from the local marks' `since` (taken before it was
+    /// fetched or read).
+    pub(crate) async fn insert(&self, key: &CacheKey, entry: Arc<Entry>, since: u64) {
         if key.is_variant() || !entry.tags.is_empty() {
             let mut index = self.index();
             if key.is_variant() {
@@ -95,7 +124,7 @@ impl L1 {
                 index.tags.entry(tag.clone()).or_default().insert(key.hash);
             }
         }
-        self.cache.insert(key.hash, entry).await;
+        self.cache.insert(key.hash, Held { entry, since }).await;
     }
 
     /// Drops the copy of `hash`, if any.
@@ -135,8 +164,8 @@ impl L1 {
     pub(crate) fn matching_keys(&self, matches: impl Fn(&str) -> bool) -> Vec<String> {
         self.cache
             .iter()
-            .filter(|(_, entry)| entry.key.split('\n').nth(1).is_some_and(&matches))
-            .map(|(_, entry)| entry.key.clone())
+            .filter(|(_, held)| held.entry.key.split('\n').nth(1).is_some_and(&matches))
+            .map(|(_, held)| held.entry.key.clone())
             .collect()
     }
 

@@ -254,7 +254,7 @@ impl Proxy {
             self.metrics.fill_refused(FillRefusal::Generation);
             return;
         }
-        self.l1.insert(key, Arc::clone(&entry)).await;
+        self.l1.insert(key, Arc::clone(&entry), since).await;
         if !marks.allows(key.base, &entry.tags, since) {
             self.l1.invalidate(key.hash).await;
             self.metrics.fill_refused(FillRefusal::Generation);
