@@ -22,6 +22,7 @@
 use std::net::SocketAddr;
 use std::sync::{Arc, LazyLock};
 
+use arc_swap::ArcSwap;
 use http::header::{self, HeaderValue};
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Limited};
@@ -38,6 +39,7 @@ use crate::proxy::Proxy;
 use crate::proxy::body::Body;
 use crate::proxy::purge::{PurgeError, PurgeRequest};
 use crate::proxy::respond;
+use crate::reload::Live;
 
 #[derive(Debug)]
 pub(crate) struct Admin {
@@ -47,10 +49,12 @@ pub(crate) struct Admin {
     pub(crate) redis: Option<RedisConn>,
     pub(crate) filters: Arc<Filters>,
     pub(crate) hot: Arc<HotKeys>,
-    /// Bearer token for mutating calls; `None` disables them.
-    pub(crate) token: Option<String>,
+    /// Bearer token for mutating calls; `None` disables them. Reloadable.
+    pub(crate) token: Arc<ArcSwap<Option<String>>>,
     /// For purges.
     pub(crate) proxy: Arc<Proxy>,
+    /// The config in effect, for `GET /admin/config`.
+    pub(crate) live: Arc<Live>,
 }
 
 /// Largest purge request body.
@@ -66,6 +70,7 @@ enum Endpoint {
     BloomRebuild,
     HotKeys,
     Purge,
+    Config,
 }
 
 static ENDPOINTS: LazyLock<matchit::Router<Endpoint>> = LazyLock::new(|| {
@@ -78,6 +83,7 @@ static ENDPOINTS: LazyLock<matchit::Router<Endpoint>> = LazyLock::new(|| {
         ("/admin/bloom/{name}/rebuild", Endpoint::BloomRebuild),
         ("/admin/hotkeys", Endpoint::HotKeys),
         ("/admin/purge", Endpoint::Purge),
+        ("/admin/config", Endpoint::Config),
     ] {
         // Fixed, distinct paths: an insert error is a bug caught by the tests.
         if let Err(error) = router.insert(path, endpoint) {
@@ -102,6 +108,7 @@ impl Admin {
             (Endpoint::Healthz, true) => respond::text(StatusCode::OK, "ok\n"),
             (Endpoint::Readyz, true) => self.readyz(),
             (Endpoint::Bloom, true) => self.bloom_status(),
+            (Endpoint::Config, true) => self.config_text().await,
             (Endpoint::HotKeys, true) => json(
                 StatusCode::OK,
                 &serde_json::json!({
@@ -132,6 +139,24 @@ impl Admin {
             }
             _ => respond::text(StatusCode::METHOD_NOT_ALLOWED, "method not allowed\n"),
         }
+    }
+
+    /// The config in effect (what a reload applied; keys that need a restart show their
+    /// running values), secrets redacted: the config types' `Debug` never shows the Redis
+    /// password or the admin token.
+    async fn config_text(&self) -> Response<Body> {
+        let config = self.live.current.lock().await;
+        let generation = self
+            .live
+            .generation
+            .load(std::sync::atomic::Ordering::Acquire);
+        respond::text(
+            StatusCode::OK,
+            format!(
+                "# cacheguard config in effect: generation {generation}, from {}\n{config:#?}\n",
+                config.source
+            ),
+        )
     }
 
     fn readyz(&self) -> Response<Body> {
@@ -249,7 +274,8 @@ impl Admin {
     /// Checks the bearer token of a mutating call.
     #[allow(clippy::result_large_err)] // the error is the response itself
     fn authorize(&self, request: &Request<Incoming>) -> Result<(), Response<Body>> {
-        let Some(token) = &self.token else {
+        let token = self.token.load();
+        let Some(token) = token.as_ref() else {
             return Err(respond::text(
                 StatusCode::FORBIDDEN,
                 "mutating admin calls are disabled: set admin.token\n",

@@ -4,10 +4,12 @@
 //! `server.shutdown_grace`), then stop background tasks (the Redis probe).
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
+use arc_swap::ArcSwap;
 use prometheus::Registry;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
@@ -18,7 +20,7 @@ use tracing::info;
 use crate::admin::Admin;
 use crate::cache::l1::L1;
 use crate::cache::l2::L2;
-use crate::config::{Config, JournalFsync};
+use crate::config::{Config, JournalFsync, Vars};
 use crate::consistency::invalidate::Invalidator;
 use crate::consistency::journal::{self, FsyncPolicy, Journal};
 use crate::consistency::marks::LocalMarks;
@@ -35,6 +37,7 @@ use crate::proxy::route::RouteTable;
 use crate::proxy::server::{self, ConnLimits};
 use crate::proxy::upstream::Upstream;
 use crate::proxy::{CacheEvents, Proxy};
+use crate::reload::{self, Live, Reloaded, Source};
 
 /// How long generations, tag invalidation times and local marks are kept: longer than any
 /// fill can run (the longest entry life — a refresh may begin just before it ends —, the
@@ -149,6 +152,10 @@ pub struct Running {
     servers: Vec<JoinHandle<()>>,
     /// Delayed deletes not yet done: run at once, and waited for, on shutdown.
     deferred: TaskTracker,
+    /// What a config reload changes.
+    live: Arc<Live>,
+    /// The config file, once [`Running::watch_config`] was called.
+    source: Option<Arc<Source>>,
 }
 
 /// How long shutdown waits for the delayed deletes it runs early.
@@ -294,12 +301,12 @@ impl App {
             spawn_retries(journal, conn, &invalidator, &stop_tasks);
         }
         let proxy = Arc::new(Proxy {
-            routes,
+            routes: ArcSwap::from_pointee(routes),
             l1: l1.clone(),
             l2,
             flights: Arc::new(Flights::default()),
             dist,
-            lock: config.lock.clone(),
+            lock: ArcSwap::from_pointee(config.lock.clone()),
             uncacheable: moka::sync::Cache::builder()
                 .max_capacity(100_000)
                 .time_to_live(config.lock.uncacheable_ttl)
@@ -308,9 +315,8 @@ impl App {
                 .max_capacity(100_000)
                 .time_to_live(REFRESH_BACKOFF)
                 .build(),
-            upstream,
-            guard,
-            queue_timeout: config.upstream.queue_timeout,
+            upstream: ArcSwap::from_pointee(upstream),
+            guard: ArcSwap::from_pointee(guard),
             max_header_bytes: config.server.max_header_bytes,
             max_body_bytes: config.server.max_body_bytes,
             passthrough_metrics: metrics.for_route("_passthrough"),
@@ -328,6 +334,24 @@ impl App {
             spawn_stream(&proxy, conn, &config, instance, &stop_tasks);
         }
         proxy.spawn_warmups(&stop_tasks);
+        let token = Arc::new(ArcSwap::from_pointee(config.admin.token.clone()));
+        let (shared, route_count) = (config.redis.is_some(), config.routes.len());
+        let listen = (config.server.listen, config.admin.listen);
+        let limits = ConnLimits {
+            max_header_bytes: config.server.max_header_bytes,
+            header_read_timeout: config.server.header_read_timeout,
+            shutdown_grace: config.server.shutdown_grace,
+        };
+        let live = Arc::new(Live {
+            proxy: Arc::clone(&proxy),
+            hot: Arc::clone(&hot),
+            filters: Arc::clone(&filters),
+            token: Arc::clone(&token),
+            metrics: metrics.clone(),
+            current: tokio::sync::Mutex::new(config),
+            generation: std::sync::atomic::AtomicU64::new(0),
+        });
+        live.started(0);
         let admin = Arc::new(Admin {
             registry,
             metrics,
@@ -335,23 +359,19 @@ impl App {
             redis,
             filters,
             hot,
-            token: config.admin.token.clone(),
+            token,
             proxy: Arc::clone(&proxy),
+            live: Arc::clone(&live),
         });
 
-        let listener = TcpListener::bind(config.server.listen)
+        let listener = TcpListener::bind(listen.0)
             .await
-            .with_context(|| format!("binding server.listen {}", config.server.listen))?;
-        let admin_listener = TcpListener::bind(config.admin.listen)
+            .with_context(|| format!("binding server.listen {}", listen.0))?;
+        let admin_listener = TcpListener::bind(listen.1)
             .await
-            .with_context(|| format!("binding admin.listen {}", config.admin.listen))?;
+            .with_context(|| format!("binding admin.listen {}", listen.1))?;
         let addr = listener.local_addr()?;
         let admin_addr = admin_listener.local_addr()?;
-        let limits = ConnLimits {
-            max_header_bytes: config.server.max_header_bytes,
-            header_read_timeout: config.server.header_read_timeout,
-            shutdown_grace: config.server.shutdown_grace,
-        };
 
         let stop_proxy = stop_listeners.clone();
         let proxy_handler = Arc::new(move |request, peer| {
@@ -386,8 +406,8 @@ impl App {
             message = "cacheguard started.",
             listen = %addr,
             admin = %admin_addr,
-            mode = if config.redis.is_some() { "shared" } else { "embedded" },
-            routes = config.routes.len(),
+            mode = if shared { "shared" } else { "embedded" },
+            routes = route_count,
             workers,
         );
         Ok(Running {
@@ -397,6 +417,8 @@ impl App {
             stop_tasks,
             servers,
             deferred,
+            live,
+            source: None,
         })
     }
 }
@@ -410,6 +432,36 @@ impl Running {
     /// The admin listener's bound address.
     pub fn admin_addr(&self) -> SocketAddr {
         self.admin_addr
+    }
+
+    /// Reloads the config from `path` whenever its content changes (checked every 500 ms),
+    /// and makes [`Running::reload`] (what `SIGHUP` calls) read it. `vars` are the
+    /// environment overrides, as at start.
+    pub fn watch_config(&mut self, path: PathBuf, vars: Arc<dyn Vars + Send + Sync>) {
+        let source = Arc::new(Source { path, vars });
+        // The file as read at start is generation 1.
+        if let Ok(text) = std::fs::read_to_string(&source.path) {
+            self.live.started(reload::text_hash(&text));
+        }
+        tokio::spawn(reload::watch(
+            Arc::clone(&self.live),
+            Arc::clone(&source),
+            self.stop_tasks.clone(),
+        ));
+        self.source = Some(source);
+    }
+
+    /// Reloads the config file now (`SIGHUP`).
+    ///
+    /// # Errors
+    /// No file is watched, or the file is unreadable, invalid or not applicable: the
+    /// message says why (file, line and key for an invalid file); the running config is
+    /// unchanged.
+    pub async fn reload(&self) -> Result<Reloaded, String> {
+        let Some(source) = &self.source else {
+            return Err("no config file to reload: watch_config was not called".to_owned());
+        };
+        reload::reload_file(&self.live, source).await
     }
 
     /// Graceful shutdown: stop accepting, drain in-flight requests (bounded by

@@ -32,6 +32,7 @@ mod coord;
 mod error;
 mod protect;
 mod proxy;
+pub mod reload;
 pub mod shutdown;
 
 pub use app::{App, Running};

@@ -2,6 +2,7 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
 
 use cacheguard::config::{Config, ProcessEnv};
 use cacheguard::{App, shutdown};
@@ -71,21 +72,65 @@ fn main() -> ExitCode {
         }
     };
     runtime.block_on(async {
-        let running = match App::start(config).await {
+        let mut running = match App::start(config).await {
             Ok(running) => running,
             Err(error) => {
                 eprintln!("cacheguard: {error:#}");
                 return ExitCode::from(1);
             }
         };
-        if let Err(error) = shutdown::signal().await {
-            eprintln!("cacheguard: cannot wait for signals: {error}");
+        // A change to the file reloads it; so does SIGHUP.
+        running.watch_config(args.config.clone(), Arc::new(ProcessEnv));
+        let stop = shutdown::signal();
+        tokio::pin!(stop);
+        let mut hangup = reload_signal();
+        loop {
+            tokio::select! {
+                result = &mut stop => {
+                    if let Err(error) = result {
+                        eprintln!("cacheguard: cannot wait for signals: {error}");
+                    }
+                    break;
+                }
+                () = next_hangup(&mut hangup) => {
+                    tracing::info!(message = "SIGHUP: reloading the config.");
+                    // The outcome is logged by the reload itself.
+                    let _ = running.reload().await;
+                }
+            }
         }
         tracing::info!(message = "Shutting down: draining in-flight requests.");
         running.shutdown().await;
         tracing::info!(message = "Stopped.");
         ExitCode::SUCCESS
     })
+}
+
+/// The SIGHUP stream, when it can be installed (Unix).
+#[cfg(unix)]
+fn reload_signal() -> Option<tokio::signal::unix::Signal> {
+    tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok()
+}
+
+#[cfg(not(unix))]
+fn reload_signal() -> Option<()> {
+    None
+}
+
+/// The next SIGHUP; never, without a SIGHUP stream.
+#[cfg(unix)]
+async fn next_hangup(hangup: &mut Option<tokio::signal::unix::Signal>) {
+    if let Some(signal) = hangup
+        && signal.recv().await.is_some()
+    {
+        return;
+    }
+    std::future::pending().await
+}
+
+#[cfg(not(unix))]
+async fn next_hangup(_: &mut Option<()>) {
+    std::future::pending().await
 }
 
 fn init_logging(format: LogFormat) {

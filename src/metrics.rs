@@ -254,6 +254,9 @@ pub struct Metrics {
     /// The invalidation stream's consumer.
     pub(crate) stream: crate::consistency::stream::StreamMetrics,
     purges: IntCounterVec,
+    config_reloads: IntCounterVec,
+    config_generation: IntGauge,
+    config_info: IntGaugeVec,
     pub origin_in_flight: IntGauge,
     pub origin_queue_wait: Histogram,
     pub entry_decode_errors: IntCounter,
@@ -542,6 +545,30 @@ impl Metrics {
             purges.with_label_values(&[result]);
         }
         registry.register(Box::new(purges.clone()))?;
+        let config_reloads = IntCounterVec::new(
+            Opts::new(
+                "cacheguard_config_reloads_total",
+                "Config reloads, by result (ok; partial: applied except keys that need a restart; invalid: refused, the old config keeps serving; refused: valid but not applicable without a restart).",
+            ),
+            &["result"],
+        )?;
+        for result in ["ok", "partial", "invalid", "refused"] {
+            config_reloads.with_label_values(&[result]);
+        }
+        let config_generation = IntGauge::new(
+            "cacheguard_config_generation",
+            "Generation of the config in effect: 1 at start, +1 per applied reload.",
+        )?;
+        let config_info = IntGaugeVec::new(
+            Opts::new(
+                "cacheguard_config_info",
+                "1 for the config in effect, labelled with the hash of its file text.",
+            ),
+            &["hash"],
+        )?;
+        registry.register(Box::new(config_reloads.clone()))?;
+        registry.register(Box::new(config_generation.clone()))?;
+        registry.register(Box::new(config_info.clone()))?;
         registry.register(Box::new(redis_command_duration.clone()))?;
         registry.register(Box::new(redis_breaker_open.clone()))?;
         registry.register(Box::new(redis_breaker_transitions.clone()))?;
@@ -833,6 +860,9 @@ impl Metrics {
             journal,
             stream,
             purges,
+            config_reloads,
+            config_generation,
+            config_info,
             origin_in_flight,
             origin_queue_wait,
             entry_decode_errors,
@@ -959,6 +989,20 @@ impl Metrics {
                 .with_label_values(&[source.as_str(), result])
                 .inc_by(count as u64);
         }
+    }
+
+    pub fn config_reload(&self, result: &str) {
+        self.config_reloads.with_label_values(&[result]).inc();
+    }
+
+    /// The config of `generation` (file text hash `hash`) is in effect.
+    pub fn config_loaded(&self, generation: u64, hash: u64) {
+        self.config_generation
+            .set(i64::try_from(generation).unwrap_or(i64::MAX));
+        self.config_info.reset();
+        self.config_info
+            .with_label_values(&[&format!("{hash:016x}")])
+            .set(1);
     }
 
     pub fn purge(&self, result: &str) {

@@ -19,8 +19,8 @@ pub(crate) mod write;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
 
+use arc_swap::ArcSwap;
 use http::{Method, Request, Response, header};
 use hyper::body::Incoming;
 use tokio_util::sync::CancellationToken;
@@ -46,22 +46,22 @@ use crate::protect::lock::DistLock;
 /// Everything a request needs, built once by the app and shared by every connection.
 #[derive(Debug)]
 pub(crate) struct Proxy {
-    pub(crate) routes: RouteTable,
+    /// Reloadable: swapped whole by a config reload (see `app.rs`).
+    pub(crate) routes: ArcSwap<RouteTable>,
     pub(crate) l1: L1,
     /// `None` in embedded mode.
     pub(crate) l2: Option<L2>,
     pub(crate) flights: Arc<Flights>,
     /// The fleet-wide fill lock; `None` in embedded mode.
     pub(crate) dist: Option<DistLock>,
-    pub(crate) lock: LockConfig,
+    pub(crate) lock: ArcSwap<LockConfig>,
     /// Keys whose last answer was not shareable (hit-for-miss), for a short time.
     pub(crate) uncacheable: moka::sync::Cache<u128, ()>,
     /// Keys whose background refresh just failed: not retried for a moment, so a failing
     /// origin is not hit once per stale-served request.
     pub(crate) refresh_backoff: moka::sync::Cache<u128, ()>,
-    pub(crate) upstream: Upstream,
-    pub(crate) guard: OriginGuard,
-    pub(crate) queue_timeout: Duration,
+    pub(crate) upstream: ArcSwap<Upstream>,
+    pub(crate) guard: ArcSwap<OriginGuard>,
     pub(crate) max_header_bytes: usize,
     pub(crate) max_body_bytes: u64,
     pub(crate) metrics: Metrics,
@@ -131,7 +131,8 @@ impl Proxy {
         }
         let method = request.method();
         let head = method == Method::HEAD;
-        match self.routes.find(method, request.uri().path()) {
+        let routes = self.routes.load();
+        match routes.find(method, request.uri().path()) {
             Some(matched)
                 if matched.route.config.is_read()
                     && (method == Method::GET || method == Method::HEAD) =>

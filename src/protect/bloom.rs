@@ -381,6 +381,26 @@ impl Filters {
         &self.order
     }
 
+    /// TEMPORARY: only checks that the same filters exist.
+    pub(crate) fn reconfigure(&self, configs: &[BloomConfig]) -> Result<Vec<String>, Vec<String>> {
+        let mut diff: Vec<String> = configs
+            .iter()
+            .filter(|c| !self.by_name.contains_key(&c.name))
+            .map(|c| c.name.clone())
+            .collect();
+        diff.extend(
+            self.order
+                .iter()
+                .filter(|f| !configs.iter().any(|c| c.name == f.config.name))
+                .map(|f| f.config.name.clone()),
+        );
+        if diff.is_empty() {
+            Ok(Vec::new())
+        } else {
+            Err(diff)
+        }
+    }
+
     /// Starts one load loop per filter (and, in shared mode, the loop that retries what
     /// Redis could not take: created ids not yet logged, replays that failed).
     pub(crate) fn spawn(self: &Arc<Self>, stop: &CancellationToken) {

@@ -121,10 +121,11 @@ pub(crate) struct HotMetrics {
 
 /// The detector, the hot set and the per-key limiter of one instance.
 pub(crate) struct HotKeys {
-    config: HotKeysConfig,
+    /// Reloadable (see [`HotKeys::reconfigure`]); the sketches keep the size they had at start.
+    config: ArcSwap<HotKeysConfig>,
     shards: Vec<Mutex<TopK<u128>>>,
     hot: ArcSwap<HashMap<u128, Arc<Hot>>>,
-    limiter: Option<DefaultKeyedRateLimiter<u128>>,
+    limiter: ArcSwap<Option<DefaultKeyedRateLimiter<u128>>>,
     /// Full cache keys of hot keys, for the admin view (filled by the read path).
     labels: Mutex<HashMap<u128, String>>,
     instance: u64,
@@ -137,7 +138,7 @@ impl std::fmt::Debug for HotKeys {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("HotKeys")
             .field("hot", &self.hot.load().len())
-            .field("config", &self.config)
+            .field("config", &**self.config.load())
             .finish_non_exhaustive()
     }
 }
@@ -159,10 +160,10 @@ impl HotKeys {
         let limiter = std::num::NonZeroU32::new(config.max_backend_rps_per_key)
             .map(|rate| RateLimiter::keyed(Quota::per_second(rate)));
         Arc::new(HotKeys {
-            config: config.clone(),
+            config: ArcSwap::from_pointee(config.clone()),
             shards,
             hot: ArcSwap::from_pointee(HashMap::new()),
-            limiter,
+            limiter: ArcSwap::from_pointee(limiter),
             labels: Mutex::new(HashMap::new()),
             instance,
             bus,
@@ -170,22 +171,36 @@ impl HotKeys {
         })
     }
 
+    /// Applies reloaded thresholds: rates, window, L1 grace and the per-key limit take
+    /// effect at once (a new limit starts a fresh limiter); `max_hot_keys` caps the hot set
+    /// at once, but the sketches keep the size they were built with.
+    pub(crate) fn reconfigure(&self, config: &HotKeysConfig) {
+        let old = self.config.load_full();
+        if old.max_backend_rps_per_key != config.max_backend_rps_per_key {
+            self.limiter.store(Arc::new(
+                std::num::NonZeroU32::new(config.max_backend_rps_per_key)
+                    .map(|rate| RateLimiter::keyed(Quota::per_second(rate))),
+            ));
+        }
+        self.config.store(Arc::new(config.clone()));
+    }
+
     fn sketch(k: usize) -> TopK<u128> {
         TopK::new(k, SKETCH_WIDTH, SKETCH_DEPTH, SKETCH_DECAY)
     }
 
     fn enabled(&self) -> bool {
-        self.config.threshold_rps > 0
+        self.config.load().threshold_rps > 0
     }
 
     /// Upper bound of the detector's and limiter's memory in bytes, whatever the traffic.
     pub(crate) fn memory_bound(&self) -> usize {
-        let k = self.config.max_hot_keys.clamp(16, 1024);
+        let k = self.config.load().max_hot_keys.clamp(16, 1024);
         // A sketch bucket holds a fingerprint and a count; a heap slot an item and a count.
         let sketch = SKETCH_WIDTH * SKETCH_DEPTH * 16 + k * 48;
         // A hot-set entry: the map slot, the `Hot`, a label of up to 1 KiB; a limiter slot.
         let per_hot = 64 + 64 + 1024 + 64;
-        self.shards.len() * sketch + self.config.max_hot_keys * per_hot
+        self.shards.len() * sketch + self.config.load().max_hot_keys * per_hot
     }
 
     /// Counts one request for `hash`.
@@ -221,7 +236,7 @@ impl HotKeys {
     /// Notes the full key of hot `hash` for the admin view (once).
     pub(crate) fn label(&self, hash: u128, full_key: &str) {
         let mut labels = self.labels.lock().unwrap_or_else(PoisonError::into_inner);
-        if labels.len() < self.config.max_hot_keys && !labels.contains_key(&hash) {
+        if labels.len() < self.config.load().max_hot_keys && !labels.contains_key(&hash) {
             let mut label = full_key.to_owned();
             label.truncate(1024);
             labels.insert(hash, label);
@@ -231,13 +246,15 @@ impl HotKeys {
     /// Whether one more request for hot `hash` may go past L1 (to Redis, the origin).
     pub(crate) fn allow_backend(&self, hash: u128) -> bool {
         self.limiter
+            .load()
+            .as_ref()
             .as_ref()
             .is_none_or(|limiter| limiter.check_key(&hash).is_ok())
     }
 
     /// The L1 copy of hot `hash` was just refreshed from Redis or the origin.
     pub(crate) fn renew_l1(&self, hot: &Hot) {
-        let ttl = ttl::jittered(self.config.l1_ttl, 0.2, &mut rand::rng());
+        let ttl = ttl::jittered(self.config.load().l1_ttl, 0.2, &mut rand::rng());
         hot.l1_until_ms
             .store(now_ms() + millis(ttl), Ordering::Relaxed);
     }
@@ -265,7 +282,7 @@ impl HotKeys {
         self.hot.rcu(|current| {
             let mut next = HashMap::clone(current);
             promoted = false;
-            if next.len() < self.config.max_hot_keys && !next.contains_key(&hash) {
+            if next.len() < self.config.load().max_hot_keys && !next.contains_key(&hash) {
                 next.insert(hash, Arc::new(Hot::new(Promoted::Peer(instance), 0.0)));
                 promoted = true;
             }
@@ -303,17 +320,16 @@ impl HotKeys {
 
     /// Runs the detector until `stop`.
     pub(crate) async fn run(self: Arc<Self>, stop: CancellationToken) {
-        if !self.enabled() {
-            return;
-        }
-        let window = self.config.window;
-        let mut tick = tokio::time::interval(window);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut last_broadcast = tokio::time::Instant::now();
         loop {
+            // Read each round: a reload may change the window or turn detection on or off.
+            let window = self.config.load().window;
             tokio::select! {
                 () = stop.cancelled() => return,
-                _ = tick.tick() => {}
+                () = tokio::time::sleep(window) => {}
+            }
+            if !self.enabled() {
+                continue;
             }
             let newly = self.detect(window);
             let due = last_broadcast.elapsed() >= REBROADCAST;
@@ -331,7 +347,7 @@ impl HotKeys {
                 newly
             };
             self.broadcast(&to_send).await;
-            if let Some(limiter) = &self.limiter {
+            if let Some(limiter) = self.limiter.load().as_ref() {
                 limiter.retain_recent();
                 limiter.shrink_to_fit();
             }
@@ -341,7 +357,7 @@ impl HotKeys {
     /// One window: swaps the sketches, promotes and demotes. Returns the keys that became
     /// hot here.
     fn detect(&self, window: Duration) -> Vec<u128> {
-        let k = self.config.max_hot_keys.clamp(16, 1024);
+        let k = self.config.load().max_hot_keys.clamp(16, 1024);
         let mut counts: HashMap<u128, u64> = HashMap::new();
         for shard in &self.shards {
             let sketch = std::mem::replace(
@@ -355,8 +371,8 @@ impl HotKeys {
         let secs = window.as_secs_f64().max(0.001);
         #[allow(clippy::cast_precision_loss)] // counts per window, far below 2^52
         let rate_of = |count: u64| count as f64 / secs;
-        let threshold = f64::from(self.config.threshold_rps);
-        let cool = f64::from(self.config.cool_rps);
+        let threshold = f64::from(self.config.load().threshold_rps);
+        let cool = f64::from(self.config.load().cool_rps);
         let cool_windows_needed =
             u32::try_from((COOL_FOR.as_millis() / window.as_millis().max(1)).max(1))
                 .unwrap_or(u32::MAX);
@@ -395,7 +411,7 @@ impl HotKeys {
         }
         let mut promoted = Vec::new();
         for (hash, rate) in newly {
-            if next.len() >= self.config.max_hot_keys {
+            if next.len() >= self.config.load().max_hot_keys {
                 break;
             }
             next.insert(hash, Arc::new(Hot::new(Promoted::Local, rate)));

@@ -88,6 +88,7 @@ impl Proxy {
         let path = path.split(['?', '#']).next().unwrap_or(path);
         let raw = self
             .routes
+            .load()
             .id_for_filter(filter, path)
             .or_else(|| path.rsplit('/').find(|segment| !segment.is_empty()))?;
         let id: Vec<u8> = percent_encoding::percent_decode_str(raw).collect();

@@ -108,7 +108,7 @@ impl SharedFailure {
 impl Proxy {
     pub(crate) async fn fetch_origin(&self, job: &FillJob) -> Classified {
         let route = &job.route;
-        let slot = match self.guard.acquire().await {
+        let slot = match self.guard.load_full().acquire().await {
             Ok(slot) => slot,
             Err(error) => {
                 route.metrics.shed.inc();
@@ -123,9 +123,10 @@ impl Proxy {
 
         let started = Instant::now();
         let limit = route.config.max_entry_bytes;
-        let timeout = self.upstream.timeout;
+        let upstream = self.upstream.load_full();
+        let timeout = upstream.timeout;
         let read = tokio::time::timeout(timeout, async {
-            let response = self.upstream.send(request).await?;
+            let response = upstream.send(request).await?;
             Ok::<_, ProxyError>(read_bounded(response, limit).await)
         })
         .await;
@@ -199,12 +200,13 @@ impl Proxy {
     /// itself sets (`Host`, `X-Forwarded-For`, `X-Forwarded-Proto`). Method-override headers,
     /// cookies, unkeyed query parameters and bodies never reach the origin from here.
     fn cached_fetch_request(&self, job: &FillJob) -> Result<Request<UpstreamBody>, ProxyError> {
-        let uri = self.upstream.uri(&job.forward)?;
+        let upstream = self.upstream.load();
+        let uri = upstream.uri(&job.forward)?;
         let mut request = Request::new(Empty::new().map_err(|never| match never {}).boxed());
         *request.method_mut() = Method::GET;
         *request.uri_mut() = uri;
         let headers = request.headers_mut();
-        headers.insert(header::HOST, self.upstream.authority().clone());
+        headers.insert(header::HOST, upstream.authority().clone());
         for (name, value) in &job.vary {
             headers.append(name.clone(), value.clone());
         }

@@ -72,7 +72,7 @@ impl Proxy {
     /// The fleet-wide fill: take the key's lock and fetch, or wait for whoever holds it.
     async fn fill_shared(&self, job: &FillJob, dist: &DistLock) -> Fetched {
         let started = Instant::now();
-        let deadline = started + self.lock.wait_timeout;
+        let deadline = started + self.lock.load().wait_timeout;
         let mut contended = false;
         let metrics = &self.metrics;
         loop {
@@ -137,6 +137,7 @@ impl Proxy {
     }
 
     async fn lock_wait_timed_out(&self, job: &FillJob, started: Instant) -> Fetched {
+        let lock = self.lock.load_full();
         self.metrics.lock_event(LockEvent::WaitTimeout);
         self.metrics
             .lock_wait
@@ -144,12 +145,12 @@ impl Proxy {
         warn!(
             message = "Waited lock.wait_timeout for another instance's fill.",
             route = %job.route.config.name,
-            on_timeout = ?self.lock.on_timeout,
+            on_timeout = ?lock.on_timeout,
         );
-        match self.lock.on_timeout {
+        match lock.on_timeout {
             OnTimeout::Origin => self.fetch_alone(job).await,
             OnTimeout::Error => {
-                Fetched::Failed(Failure::own(&ProxyError::LockWait(self.lock.wait_timeout)))
+                Fetched::Failed(Failure::own(&ProxyError::LockWait(lock.wait_timeout)))
             }
         }
     }

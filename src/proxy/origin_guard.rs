@@ -20,6 +20,8 @@ pub(crate) struct OriginGuard {
     slots: Arc<Semaphore>,
     rate: Option<DefaultDirectRateLimiter>,
     queue_timeout: Duration,
+    max_concurrency: usize,
+    max_rps: u32,
     in_flight: IntGauge,
     queue_wait: Histogram,
 }
@@ -54,9 +56,28 @@ impl OriginGuard {
                 RateLimiter::direct(Quota::per_second(rps).allow_burst(NonZeroU32::MIN))
             }),
             queue_timeout,
+            max_concurrency: max_concurrency.max(1),
+            max_rps,
             in_flight,
             queue_wait,
         }
+    }
+
+    /// How long a request may wait for a slot.
+    pub(crate) fn queue_timeout(&self) -> Duration {
+        self.queue_timeout
+    }
+
+    /// Whether this guard enforces the same limits as `other` would.
+    pub(crate) fn same_limits(
+        &self,
+        max_concurrency: usize,
+        max_rps: u32,
+        queue_timeout: Duration,
+    ) -> bool {
+        self.max_concurrency == max_concurrency.max(1)
+            && self.max_rps == max_rps
+            && self.queue_timeout == queue_timeout
     }
 
     /// Waits for a slot, at most `queue_timeout`.

@@ -76,14 +76,15 @@ impl Proxy {
         body: UpstreamBody,
         client: SocketAddr,
     ) -> (Response<Body>, Outcome) {
+        let upstream = self.upstream.load_full();
         let uri = match parts
             .uri
             .path_and_query()
-            .map(|pq| self.upstream.uri(pq.as_str()))
+            .map(|pq| upstream.uri(pq.as_str()))
         {
             Some(Ok(uri)) => uri,
             Some(Err(error)) => return (respond::error(&error), Outcome::Error),
-            None => match self.upstream.uri("/") {
+            None => match upstream.uri("/") {
                 Ok(uri) => uri,
                 Err(error) => return (respond::error(&error), Outcome::Error),
             },
@@ -104,11 +105,11 @@ impl Proxy {
 
         // The slot is held until the origin's response head arrives; streaming the body
         // back does not occupy the origin's request capacity.
-        let slot = match self.guard.acquire().await {
+        let slot = match self.guard.load_full().acquire().await {
             Ok(slot) => slot,
             Err(error) => return (respond::error(&error), Outcome::Error),
         };
-        let sent = self.upstream.send(request).await;
+        let sent = upstream.send(request).await;
         drop(slot);
         match sent {
             Ok(response) => {

@@ -119,7 +119,7 @@ impl Proxy {
                 let (Some(route), Some(path)) = (lines.next(), lines.next()) else {
                     continue;
                 };
-                if let Some(read) = self.routes.by_name(route) {
+                if let Some(read) = self.routes.load().by_name(route) {
                     bases.insert(key::base(&read.config, path).base);
                 }
             }
@@ -127,7 +127,8 @@ impl Proxy {
             // tag first also refuses every fill of the route that was in flight, so none
             // puts a matched path back.
             if let Some(dist) = dist {
-                for name in self.routes.read_route_names() {
+                let routes = self.routes.load_full();
+                for name in routes.read_route_names() {
                     let tag = route_tag(name);
                     let mut matched = Vec::new();
                     for pattern in &request.patterns {

@@ -419,7 +419,10 @@ impl Proxy {
     /// A follower never waits longer than a leader can take: the lock wait, the guard's
     /// queue and the origin timeout, plus a margin.
     fn follower_wait_limit(&self) -> Duration {
-        self.lock.wait_timeout + self.queue_timeout + self.upstream.timeout + Duration::from_secs(1)
+        self.lock.load().wait_timeout
+            + self.guard.load().queue_timeout()
+            + self.upstream.load().timeout
+            + Duration::from_secs(1)
     }
 }
 

@@ -25,7 +25,8 @@ const MAX_PATH_BYTES: usize = 8 * 1024;
 impl Proxy {
     /// Runs every route's warm-up, each in its own task, until done or `stop`.
     pub(crate) fn spawn_warmups(self: &Arc<Self>, stop: &CancellationToken) {
-        for route in self.routes.all() {
+        let routes = self.routes.load_full();
+        for route in routes.all() {
             if route.config.warmup.is_some() {
                 let this = Arc::clone(self);
                 let route = Arc::clone(route);
@@ -56,6 +57,7 @@ impl Proxy {
                         if line.len() <= MAX_PATH_BYTES
                             && self
                                 .routes
+                                .load()
                                 .find(&http::Method::GET, bare)
                                 .is_some_and(|m| Arc::ptr_eq(m.route, route))
                         {

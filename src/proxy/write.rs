@@ -117,7 +117,8 @@ impl Proxy {
 
     /// The invalidation of `path` (every cached variant of it), if a read route caches it.
     pub(crate) fn path_target(&self, path: &str) -> Option<Invalidation> {
-        let matched = self.routes.find(&Method::GET, path)?;
+        let routes = self.routes.load();
+        let matched = routes.find(&Method::GET, path)?;
         let read = &matched.route.config;
         if !read.is_read() {
             return None;

@@ -1,0 +1,255 @@
+//! Config hot reload: `SIGHUP`, or a change to the config file, reloads it.
+//!
+//! The new file is parsed and validated exactly as at start; an invalid one is refused
+//! with the same error (file, line, key), logged, counted in
+//! `cacheguard_config_reloads_total{result="invalid"}`, and the running config keeps
+//! serving. A valid one is applied without dropping a connection:
+//!
+//! - routes (patterns, TTLs, query and vary policies, invalidation rules, Bloom bindings):
+//!   a new route table is swapped in; requests in flight finish on the one they started
+//!   with;
+//! - origin limits (`max_concurrency`, `max_rps`, `queue_timeout`): a new origin guard is
+//!   swapped in (requests holding a slot of the old one finish on it, so for a moment both
+//!   count) — and the upstream client, when `[upstream]` changed;
+//! - `[lock]`, `[hot_keys]` thresholds and the per-key limit, the admin token;
+//! - Bloom filter definitions (sizing, source, refresh; a changed sizing or source rebuilds
+//!   the filter now).
+//!
+//! What cannot change while running — listeners, `[server]` limits and threads, `[redis]`,
+//! `[journal]`, `[invalidation_stream]`, adding or removing a `[[bloom]]` filter — is kept
+//! as it was; the reload is applied for everything else and a warning names what needs a
+//! restart (`result="partial"`). Adding or removing a filter refuses the whole reload
+//! (`result="refused"`): routes may name it.
+//!
+//! The file is polled (content hash, every 500 ms) rather than watched with inotify: editors
+//! and Kubernetes ConfigMaps replace the file through renames and symlink swaps, which
+//! inotify watches lose; a hash compare is cheap and sees every one of them.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use tokio_util::sync::CancellationToken;
+use tracing::{error, info, warn};
+
+use crate::config::{Config, Vars};
+use crate::metrics::Metrics;
+use crate::protect::bloom::Filters;
+use crate::protect::hotkeys::HotKeys;
+use crate::proxy::Proxy;
+use crate::proxy::origin_guard::OriginGuard;
+use crate::proxy::route::RouteTable;
+use crate::proxy::upstream::Upstream;
+
+/// How often the config file is checked for changes.
+pub(crate) const POLL_EVERY: Duration = Duration::from_millis(500);
+
+/// The parts of a running cacheguard a reload changes, and the config it runs.
+#[derive(Debug)]
+pub(crate) struct Live {
+    pub(crate) proxy: Arc<Proxy>,
+    pub(crate) hot: Arc<HotKeys>,
+    pub(crate) filters: Arc<Filters>,
+    pub(crate) token: Arc<ArcSwap<Option<String>>>,
+    pub(crate) metrics: Metrics,
+    /// The config in effect; the lock also serializes reloads.
+    pub(crate) current: tokio::sync::Mutex<Config>,
+    pub(crate) generation: AtomicU64,
+}
+
+/// What a reload did.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Reloaded {
+    /// Everything in the new file is in effect.
+    Applied,
+    /// In effect except these keys, which need a restart.
+    Partial(Vec<&'static str>),
+}
+
+impl Live {
+    /// Records the config running at start (generation 1).
+    pub(crate) fn started(&self, text_hash: u64) {
+        self.generation.store(1, Ordering::Release);
+        self.metrics.config_loaded(1, text_hash);
+    }
+
+    /// Applies `new` (already validated).
+    ///
+    /// # Errors
+    /// A reload that cannot be applied at all (a `[[bloom]]` filter added or removed, a
+    /// route table that cannot be built); nothing was changed.
+    pub(crate) async fn apply(&self, new: Config, text_hash: u64) -> Result<Reloaded, String> {
+        let mut current = self.current.lock().await;
+        if let Err(names) = self.filters.reconfigure(&new.bloom) {
+            self.metrics.config_reload("refused");
+            return Err(format!(
+                "adding or removing [[bloom]] filters needs a restart ({}); nothing was reloaded",
+                names.join(", ")
+            ));
+        }
+        let routes = RouteTable::build(&new.routes, &self.metrics, &self.filters).map_err(|e| {
+            self.metrics.config_reload("refused");
+            format!("routes: {e:#}; nothing was reloaded")
+        })?;
+        let proxy = &self.proxy;
+        let upstream_changed = format!("{:?}", current.upstream) != format!("{:?}", new.upstream);
+        if upstream_changed {
+            let upstream = Upstream::new(&new.upstream).map_err(|e| {
+                self.metrics.config_reload("refused");
+                format!("upstream: {e:#}; nothing was reloaded")
+            })?;
+            proxy.upstream.store(Arc::new(upstream));
+        }
+        let up = &new.upstream;
+        if !proxy
+            .guard
+            .load()
+            .same_limits(up.max_concurrency, up.max_rps, up.queue_timeout)
+        {
+            proxy.guard.store(Arc::new(OriginGuard::new(
+                up.max_concurrency,
+                up.max_rps,
+                up.queue_timeout,
+                self.metrics.origin_in_flight.clone(),
+                self.metrics.origin_queue_wait.clone(),
+            )));
+        }
+        proxy.routes.store(Arc::new(routes));
+        proxy.lock.store(Arc::new(new.lock.clone()));
+        self.hot.reconfigure(&new.hot_keys);
+        self.token.store(Arc::new(new.admin.token.clone()));
+
+        let restart = needs_restart(&current, &new);
+        let generation = self.generation.fetch_add(1, Ordering::AcqRel) + 1;
+        self.metrics.config_loaded(generation, text_hash);
+        // What runs now: the new config, except the parts that need a restart.
+        let mut effective = new;
+        keep_restart_only(&mut effective, &current);
+        *current = effective;
+        if restart.is_empty() {
+            self.metrics.config_reload("ok");
+            info!(message = "Config reloaded.", generation);
+            Ok(Reloaded::Applied)
+        } else {
+            self.metrics.config_reload("partial");
+            warn!(message = "Config reloaded, except keys that need a restart.", generation, restart = ?restart);
+            Ok(Reloaded::Partial(restart))
+        }
+    }
+}
+
+/// The sections a running instance cannot change, by name, where `new` differs.
+fn needs_restart(old: &Config, new: &Config) -> Vec<&'static str> {
+    let differs =
+        |a: &dyn std::fmt::Debug, b: &dyn std::fmt::Debug| format!("{a:?}") != format!("{b:?}");
+    let mut keys = Vec::new();
+    if differs(&old.server, &new.server) {
+        keys.push("server");
+    }
+    if old.admin.listen != new.admin.listen {
+        keys.push("admin.listen");
+    }
+    let redis_url = |c: &Config| c.redis.as_ref().map(|r| r.url.clone());
+    if redis_url(old) != redis_url(new) || differs(&old.redis, &new.redis) {
+        keys.push("redis");
+    }
+    if differs(&old.journal, &new.journal) {
+        keys.push("journal");
+    }
+    if differs(&old.stream, &new.stream) {
+        keys.push("invalidation_stream");
+    }
+    if differs(&old.cache.l1_max_bytes, &new.cache.l1_max_bytes) {
+        keys.push("cache.l1_max_bytes");
+    }
+    keys
+}
+
+fn keep_restart_only(new: &mut Config, old: &Config) {
+    new.server = old.server.clone();
+    new.admin.listen = old.admin.listen;
+    new.redis = old.redis.clone();
+    new.journal = old.journal.clone();
+    new.stream = old.stream.clone();
+    new.cache.l1_max_bytes = old.cache.l1_max_bytes;
+}
+
+/// Where the config comes from, for reloads.
+pub(crate) struct Source {
+    pub(crate) path: PathBuf,
+    pub(crate) vars: Arc<dyn Vars + Send + Sync>,
+}
+
+impl std::fmt::Debug for Source {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Source")
+            .field("path", &self.path)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The hash of the file text: tells a changed file from a touched one, and names the
+/// config in `cacheguard_config_info`.
+pub(crate) fn text_hash(text: &str) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(text.as_bytes())
+}
+
+/// Reads, validates and applies the config file once.
+///
+/// # Errors
+/// The file cannot be read, is invalid (the error names file, line and key), or cannot
+/// be applied; the running config is unchanged.
+pub(crate) async fn reload_file(live: &Live, source: &Source) -> Result<Reloaded, String> {
+    let text = match tokio::fs::read_to_string(&source.path).await {
+        Ok(text) => text,
+        Err(e) => {
+            live.metrics.config_reload("invalid");
+            let message = format!("{}: cannot read: {e}", source.path.display());
+            error!(message = "Config reload refused; the running config keeps serving.", error = %message);
+            return Err(message);
+        }
+    };
+    let hash = text_hash(&text);
+    let label = source.path.display().to_string();
+    let config = match Config::from_toml(&text, &label, source.vars.as_ref()) {
+        Ok(config) => config,
+        Err(e) => {
+            live.metrics.config_reload("invalid");
+            let message = e.to_string();
+            error!(message = "Config reload refused; the running config keeps serving.", error = %message);
+            return Err(message);
+        }
+    };
+    let applied = live.apply(config, hash).await;
+    if let Err(message) = &applied {
+        error!(message = "Config reload refused; the running config keeps serving.", error = %message);
+    }
+    applied
+}
+
+/// Polls the config file and reloads it when its content changes, until `stop`.
+pub(crate) async fn watch(live: Arc<Live>, source: Arc<Source>, stop: CancellationToken) {
+    let mut last = tokio::fs::read_to_string(&source.path)
+        .await
+        .map(|t| text_hash(&t))
+        .ok();
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => return,
+            () = tokio::time::sleep(POLL_EVERY) => {}
+        }
+        let Ok(text) = tokio::fs::read_to_string(&source.path).await else {
+            // Mid-replace, or removed: the next poll sees what is there then.
+            continue;
+        };
+        let hash = text_hash(&text);
+        if last == Some(hash) {
+            continue;
+        }
+        last = Some(hash);
+        info!(message = "Config file changed; reloading.", path = %source.path.display());
+        let _ = reload_file(&live, &source).await;
+    }
+}

@@ -1,0 +1,240 @@
+//! Config hot reload (issue #8): a change to the config file (or SIGHUP) reloads it under
+//! load without a failed request; an invalid edit is refused with the startup error and the
+//! old config keeps serving.
+
+mod common;
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use common::*;
+use tokio::time::Instant;
+
+/// The config file text: embedded mode, the item route with `ttl`, the origin capped at
+/// `max_rps` (0 = none) with a queue long enough that capped requests wait, not fail.
+fn config_text(origin: &TestOrigin, ttl: &str, max_rps: u32) -> String {
+    CgConfig::new(origin)
+        .set("upstream", "max_rps", &max_rps.to_string())
+        .set_str("upstream", "queue_timeout", "5s")
+        .set("cache", "jitter", "0.0")
+        .set_str("cache", "grace", "0s")
+        .l1("all")
+        .routes(&format!(
+            r#"
+[[routes]]
+name = "item"
+match = "/api/items/{{id}}"
+methods = ["GET"]
+ttl = "{ttl}"
+"#
+        ))
+        .toml()
+}
+
+async fn start_watching(path: &Path) -> cacheguard::Running {
+    let vars = HashMap::<String, String>::new();
+    let config = cacheguard::Config::load(path, &vars).expect("config loads");
+    let mut running = cacheguard::App::start(config).await.expect("starts");
+    running.watch_config(path.to_path_buf(), Arc::new(vars));
+    running
+}
+
+/// Writes the file the way editors do: a new file renamed over the old one.
+fn replace_file(path: &Path, text: &str) {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, text).expect("write config");
+    std::fs::rename(&tmp, path).expect("rename config");
+}
+
+/// Origin requests seen between `from` and `from + window`.
+async fn origin_rate(origin: &TestOrigin, window: Duration) -> u64 {
+    let before = origin.total();
+    tokio::time::sleep(window).await;
+    origin.total() - before
+}
+
+/// Under a steady load of misses, the file changes a route's ttl (60s → 300ms) and sets an
+/// origin rate cap (none → 20/s): both are in effect within 1 s, no request fails, and the
+/// reload is counted. Then an invalid edit is refused with file:line:key, counted, and the
+/// running config keeps serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn file_change_reloads_routes_and_limits_under_load_without_a_failed_request() {
+    let origin = TestOrigin::start().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("cacheguard.toml");
+    std::fs::write(&path, config_text(&origin, "60s", 0)).expect("write config");
+    let cg = start_watching(&path).await;
+    let client = HttpClient::new();
+
+    // Load: 16 loops of distinct keys (every request a miss, so every one reaches the
+    // origin through the guard), bounded by time and count.
+    let stop_at = Instant::now() + Duration::from_secs(7);
+    let failures = Arc::new(AtomicU64::new(0));
+    let served = Arc::new(AtomicU64::new(0));
+    let next = Arc::new(AtomicU64::new(0));
+    let mut load = Vec::new();
+    for _ in 0..16 {
+        let (client, failures, served, next) = (
+            client.clone(),
+            Arc::clone(&failures),
+            Arc::clone(&served),
+            Arc::clone(&next),
+        );
+        let addr = cg.addr();
+        load.push(tokio::spawn(async move {
+            for _ in 0..100_000 {
+                if Instant::now() >= stop_at {
+                    break;
+                }
+                let n = next.fetch_add(1, Ordering::Relaxed);
+                match client
+                    .try_get(&url(addr, &format!("/api/items/load-{n}")))
+                    .await
+                {
+                    Ok(resp) if resp.status == 200 => {
+                        served.fetch_add(1, Ordering::Relaxed);
+                    }
+                    _ => {
+                        failures.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let uncapped = origin_rate(&origin, Duration::from_secs(1)).await;
+    // A key cached under the old ttl.
+    assert_eq!(
+        client.get(&url(cg.addr(), "/api/items/old")).await.status,
+        200
+    );
+
+    replace_file(&path, &config_text(&origin, "300ms", 20));
+    let changed = Instant::now();
+    let reloaded = poll_until(
+        Duration::from_secs(1),
+        Duration::from_millis(20),
+        || async {
+            let (_, exp) = scrape(&client, cg.admin_addr()).await;
+            (exp.sum("cacheguard_config_reloads_total", &[("result", "ok")]) == 1.0).then_some(())
+        },
+    )
+    .await;
+    assert!(
+        reloaded.is_some(),
+        "the file change was not reloaded within 1 s"
+    );
+    let took = changed.elapsed();
+
+    // The rate cap: after the reload, at most 20 origin requests a second (+ the queue's
+    // edge), where the uncapped load made many more.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let capped = origin_rate(&origin, Duration::from_secs(2)).await;
+    assert!(
+        uncapped > 60,
+        "the load before the reload was too light to tell: {uncapped}/s"
+    );
+    assert!(
+        capped <= 2 * 20 + 3,
+        "origin took {capped} requests in 2 s under max_rps = 20 (before: {uncapped}/s)"
+    );
+
+    // The ttl: a key fetched now expires after 300 ms.
+    let fresh = "/api/items/new-ttl";
+    assert_eq!(client.get(&url(cg.addr(), fresh)).await.status, 200);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let again = client.get(&url(cg.addr(), fresh)).await;
+    assert_eq!(again.x_cache(), "MISS", "ttl 300ms not in effect: {again}");
+    assert_eq!(origin.count(fresh), 2);
+
+    for task in load {
+        task.await.expect("load task");
+    }
+    assert_eq!(
+        failures.load(Ordering::Relaxed),
+        0,
+        "requests failed across the reload"
+    );
+    assert!(served.load(Ordering::Relaxed) > 100);
+
+    // An invalid edit: refused with file:line:key, the old config keeps serving.
+    let invalid = config_text(&origin, "soon", 20);
+    replace_file(&path, &invalid);
+    let refused = cg.reload().await.expect_err("an invalid file is refused");
+    let file = path.display().to_string();
+    assert!(
+        refused.contains(&file) && refused.contains("ttl") && refused.contains("\"soon\""),
+        "the error names the file, line and key: {refused}"
+    );
+    let line = invalid
+        .lines()
+        .position(|l| l.contains("\"soon\""))
+        .expect("ttl line")
+        + 1;
+    assert!(
+        refused.contains(&format!("{file}:{line}")),
+        "line {line}: {refused}"
+    );
+    let (_, exp) = scrape(&client, cg.admin_addr()).await;
+    assert!(exp.sum("cacheguard_config_reloads_total", &[("result", "invalid")]) >= 1.0);
+    assert_eq!(exp.sum("cacheguard_config_generation", &[]), 2.0);
+    let still = client
+        .get(&url(cg.addr(), "/api/items/after-invalid"))
+        .await;
+    assert_eq!(still.status, 200);
+    let config = client.get(&url(cg.admin_addr(), "/admin/config")).await;
+    assert_eq!(config.status, 200);
+    assert!(config.text().contains("300ms"), "{}", config.text());
+    eprintln!("reload took {took:?}; origin {uncapped}/s before, {capped} in 2 s after");
+    cg.shutdown().await;
+}
+
+/// SIGHUP reloads the file (the real binary); `/admin/config` shows the effective config
+/// with the admin token redacted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sighup_reloads_the_config_file() {
+    let origin = TestOrigin::start().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("cacheguard.toml");
+    let text = CgConfig::new(&origin)
+        .set_str("server", "listen", &format!("127.0.0.1:{}", free_port()))
+        .set_str("admin", "listen", &format!("127.0.0.1:{}", free_port()))
+        .set_str("admin", "token", "reload-secret-0123456789")
+        .toml();
+    std::fs::write(&path, &text).expect("write config");
+    let cg = spawn_cacheguard_process(&path).await;
+    let client = HttpClient::new();
+    let generation = || async {
+        let (_, exp) = scrape(&client, cg.admin_addr()).await;
+        exp.sum("cacheguard_config_generation", &[])
+    };
+    assert_eq!(generation().await, 1.0);
+    let pid = cg.pid().expect("running");
+    let status = std::process::Command::new("kill")
+        .args(["-HUP", &pid.to_string()])
+        .status()
+        .expect("kill -HUP");
+    assert!(status.success());
+    let reloaded = poll_until(
+        Duration::from_secs(5),
+        Duration::from_millis(50),
+        || async { (generation().await == 2.0).then_some(()) },
+    )
+    .await;
+    assert!(reloaded.is_some(), "SIGHUP did not reload\n{}", cg.output());
+    assert_eq!(
+        client.get(&url(cg.addr(), "/api/items/1")).await.status,
+        200
+    );
+    let config = client.get(&url(cg.admin_addr(), "/admin/config")).await;
+    assert_eq!(config.status, 200);
+    assert!(config.text().contains("generation 2"), "{}", config.text());
+    assert!(
+        !config.text().contains("reload-secret"),
+        "the admin token leaked: {}",
+        config.text()
+    );
+}
