@@ -170,7 +170,7 @@ impl Admin {
             if !filter.is_ready() {
                 problems.push(format!(
                     "bloom filter {:?} not loaded (rejects nothing)",
-                    filter.config.name
+                    filter.name()
                 ));
             }
         }

@@ -20,11 +20,12 @@
 mod shared;
 pub(crate) mod source;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
+use arc_swap::ArcSwap;
 use bloomfilter::Bloom;
 use bytes::Bytes;
 use http_body_util::Empty;
@@ -89,13 +90,19 @@ pub(crate) struct LoadReport {
 /// One `[[bloom]]` filter.
 #[derive(Debug)]
 pub(crate) struct Filter {
-    pub(crate) config: BloomConfig,
+    /// The filter's name: the key a reload matches filters by, so it never changes.
+    name: String,
+    /// The current definition; a reload swaps it ([`Filters::reconfigure`]). Read it through
+    /// [`Filter::config`], once per use: a load sizes, reads and snapshots with one version.
+    config: ArcSwap<BloomConfig>,
     pub(crate) metrics: FilterMetrics,
     // A std RwLock: checks hold it for one filter probe, a swap for a pointer move, an add
     // for one insert; never across an await.
     state: RwLock<State>,
     /// Wakes the load loop for an admin rebuild.
     rebuild: Notify,
+    /// Wakes a waiting load loop to re-read its `refresh` after a reload.
+    reconfigured: Notify,
     loading: AtomicBool,
     created: Instant,
     /// The earliest time from which this instance may have missed created ids (unix ms);
@@ -148,7 +155,8 @@ impl Filter {
     fn new(config: BloomConfig, metrics: FilterMetrics) -> Self {
         metrics.ready.set(0);
         Filter {
-            config,
+            name: config.name.clone(),
+            config: ArcSwap::from_pointee(config),
             metrics,
             state: RwLock::new(State {
                 bloom: None,
@@ -160,10 +168,21 @@ impl Filter {
                 pending: None,
             }),
             rebuild: Notify::new(),
+            reconfigured: Notify::new(),
             loading: AtomicBool::new(false),
             created: Instant::now(),
             missed_since: Mutex::new(None),
         }
+    }
+
+    /// The filter's name (never changed by a reload).
+    pub(crate) fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The current definition. A reload may swap it at any time: take it once per use.
+    pub(crate) fn config(&self) -> Arc<BloomConfig> {
+        self.config.load_full()
     }
 
     fn read(&self) -> std::sync::RwLockReadGuard<'_, State> {
@@ -266,19 +285,20 @@ impl Filter {
     }
 
     pub(crate) fn status(&self) -> FilterStatus {
+        let config = self.config();
         let state = self.read();
         let (bits, hash_functions) = state
             .bloom
             .as_ref()
             .map_or((0, 0), |b| (b.len(), b.number_of_hash_functions()));
         FilterStatus {
-            name: self.config.name.clone(),
+            name: self.name.clone(),
             ready: state.bloom.is_some(),
             loading: self.loading.load(Ordering::Relaxed),
             loaded_from: state.loaded_from,
-            source: self.config.source.to_string(),
-            expected_items: self.config.expected_items,
-            configured_fp_rate: self.config.fp_rate,
+            source: config.source.to_string(),
+            expected_items: config.expected_items,
+            configured_fp_rate: config.fp_rate,
             items: state.items,
             bits,
             bytes: bits.div_ceil(8),
@@ -310,6 +330,56 @@ impl Filter {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .take()
+    }
+}
+
+/// How long a load loop waits after a load before the next one; `None`: until asked.
+/// A failed load is retried with a doubling backoff, never later than `refresh`.
+fn next_wait(refresh: Duration, loaded: bool, failures: u32) -> Option<Duration> {
+    if loaded {
+        return (!refresh.is_zero()).then_some(refresh);
+    }
+    let backoff = RETRY_MIN
+        .saturating_mul(1 << failures.saturating_sub(1).min(6))
+        .min(RETRY_MAX);
+    Some(if refresh.is_zero() {
+        backoff
+    } else {
+        backoff.min(refresh)
+    })
+}
+
+/// What a reload changes for one filter.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Change {
+    None,
+    /// Only what the load loop reads when it needs it (`refresh`, `load_timeout`).
+    Settings,
+    /// What the filter in service was built from: it is rebuilt now.
+    Rebuild,
+}
+
+fn compare(old: &BloomConfig, new: &BloomConfig) -> Change {
+    // Destructured so that a new field cannot be forgotten here.
+    let BloomConfig {
+        name: _,
+        expected_items,
+        fp_rate,
+        refresh,
+        load_timeout,
+        source,
+        format,
+    } = new;
+    if *expected_items != old.expected_items
+        || fp_rate.to_bits() != old.fp_rate.to_bits()
+        || *source != old.source
+        || *format != old.format
+    {
+        Change::Rebuild
+    } else if *refresh != old.refresh || *load_timeout != old.load_timeout {
+        Change::Settings
+    } else {
+        Change::None
     }
 }
 
@@ -358,7 +428,7 @@ impl Filters {
             .collect();
         let by_name = order
             .iter()
-            .map(|f| (f.config.name.clone(), Arc::clone(f)))
+            .map(|f| (f.name.clone(), Arc::clone(f)))
             .collect();
         let shared =
             redis.map(|(conn, prefix)| Shared::new(conn, prefix, format!("{prefix}events")));
@@ -379,26 +449,6 @@ impl Filters {
 
     pub(crate) fn all(&self) -> &[Arc<Filter>] {
         &self.order
-    }
-
-    /// TEMPORARY: only checks that the same filters exist.
-    pub(crate) fn reconfigure(&self, configs: &[BloomConfig]) -> Result<Vec<String>, Vec<String>> {
-        let mut diff: Vec<String> = configs
-            .iter()
-            .filter(|c| !self.by_name.contains_key(&c.name))
-            .map(|c| c.name.clone())
-            .collect();
-        diff.extend(
-            self.order
-                .iter()
-                .filter(|f| !configs.iter().any(|c| c.name == f.config.name))
-                .map(|f| f.config.name.clone()),
-        );
-        if diff.is_empty() {
-            Ok(Vec::new())
-        } else {
-            Err(diff)
-        }
     }
 
     /// Starts one load loop per filter (and, in shared mode, the loop that retries what
@@ -422,11 +472,11 @@ impl Filters {
         };
         let event = BloomAddEvent {
             instance: self.instance,
-            filter: filter.config.name.clone(),
+            filter: filter.name.clone(),
             id: id.to_vec(),
         };
         let at = now_ms();
-        if shared.add(&filter.config, &event, at).await.is_err() {
+        if shared.add(&filter.config(), &event, at).await.is_err() {
             filter.metrics.add_failures_redis.inc();
             let mut unshared = self.unshared.lock().unwrap_or_else(PoisonError::into_inner);
             if unshared.len() < UNSHARED_MAX {
@@ -458,7 +508,7 @@ impl Filters {
                 std::mem::take(&mut *self.unshared.lock().unwrap_or_else(PoisonError::into_inner));
             let mut failed = Vec::new();
             for (filter, event, at) in batch {
-                if failed.is_empty() && shared.add(&filter.config, &event, at).await.is_ok() {
+                if failed.is_empty() && shared.add(&filter.config(), &event, at).await.is_ok() {
                     continue;
                 }
                 failed.push((filter, event, at));
@@ -473,7 +523,9 @@ impl Filters {
     }
 
     /// One filter's life: start from the Redis snapshot when there is one, then load the
-    /// source, then reload every `refresh` (or on request).
+    /// source, then reload every `refresh` (or on request). The definition is re-read for
+    /// every load and whenever a reload changes it, so a new `refresh` counts from the end
+    /// of the last load: shortened below the time already waited, the next load starts now.
     async fn run(self: Arc<Self>, filter: Arc<Filter>, stop: CancellationToken) {
         if self.shared.is_some() {
             tokio::select! {
@@ -487,32 +539,83 @@ impl Filters {
                 () = stop.cancelled() => return,
                 loaded = self.load_source(&filter) => loaded,
             };
-            let refresh = filter.config.refresh;
-            let wait = if loaded {
-                failures = 0;
-                (!refresh.is_zero()).then_some(refresh)
+            let finished = tokio::time::Instant::now();
+            failures = if loaded {
+                0
             } else {
-                failures = failures.saturating_add(1);
-                let backoff = RETRY_MIN
-                    .saturating_mul(1 << failures.saturating_sub(1).min(6))
-                    .min(RETRY_MAX);
-                Some(if refresh.is_zero() {
-                    backoff
-                } else {
-                    backoff.min(refresh)
-                })
+                failures.saturating_add(1)
             };
-            tokio::select! {
-                () = stop.cancelled() => return,
-                () = filter.rebuild.notified() => {}
-                () = async {
-                    match wait {
-                        Some(wait) => tokio::time::sleep(wait).await,
-                        None => std::future::pending().await,
-                    }
-                } => {}
+            loop {
+                let due = next_wait(filter.config().refresh, loaded, failures)
+                    .and_then(|wait| finished.checked_add(wait));
+                tokio::select! {
+                    () = stop.cancelled() => return,
+                    () = filter.rebuild.notified() => break,
+                    // The definition changed: wait again with its `refresh`.
+                    () = filter.reconfigured.notified() => {}
+                    () = async {
+                        match due {
+                            Some(due) => tokio::time::sleep_until(due).await,
+                            None => std::future::pending().await,
+                        }
+                    } => break,
+                }
             }
         }
+    }
+
+    /// Applies a reloaded `[[bloom]]` list (names are unique: the config was validated).
+    /// Filters are matched by name; for each whose definition changed, the new one is in
+    /// effect for everything that reads it from now on:
+    /// - `refresh`: the load loop is woken and waits again with it, counted from the end of
+    ///   its last load;
+    /// - `load_timeout`: from the next load;
+    /// - `source`, `format`, `expected_items`, `fp_rate`: a rebuild is requested now (like
+    ///   an admin rebuild: queued behind a load that is running), which reads and sizes
+    ///   with the new definition. The filter in service keeps serving until it succeeds.
+    ///
+    /// # Errors
+    /// The names of filters added or removed (added first, in `configs` order, then
+    /// removed): that needs a restart, and then nothing is changed.
+    pub(crate) fn reconfigure(&self, configs: &[BloomConfig]) -> Result<Vec<String>, Vec<String>> {
+        let new_names: HashSet<&str> = configs.iter().map(|c| c.name.as_str()).collect();
+        let unmatched: Vec<String> = configs
+            .iter()
+            .filter(|c| !self.by_name.contains_key(&c.name))
+            .map(|c| c.name.clone())
+            .chain(
+                self.order
+                    .iter()
+                    .filter(|f| !new_names.contains(f.name()))
+                    .map(|f| f.name.clone()),
+            )
+            .collect();
+        if !unmatched.is_empty() {
+            return Err(unmatched);
+        }
+        let mut changed = Vec::new();
+        for new in configs {
+            let Some(filter) = self.by_name.get(&new.name) else {
+                continue; // every name was matched above
+            };
+            let change = compare(&filter.config(), new);
+            if change == Change::None {
+                continue;
+            }
+            filter.config.store(Arc::new(new.clone()));
+            if change == Change::Rebuild {
+                filter.rebuild.notify_one();
+            } else {
+                filter.reconfigured.notify_one();
+            }
+            info!(
+                message = "Bloom filter reconfigured.",
+                filter = %new.name,
+                rebuild = change == Change::Rebuild,
+            );
+            changed.push(new.name.clone());
+        }
+        Ok(changed)
     }
 
     /// Loads the Redis snapshot and the ids created since it, if both can be had.
@@ -520,11 +623,12 @@ impl Filters {
         let Some(shared) = &self.shared else {
             return;
         };
-        let name = &filter.config.name;
+        let config = filter.config();
+        let name = filter.name();
         // From here on, events are kept for the filter about to be installed: one that
         // lands after the log was read must not be lost while no filter is in service.
         filter.write().pending.get_or_insert_with(Vec::new);
-        let snapshot = match shared.read_snapshot(&filter.config).await {
+        let snapshot = match shared.read_snapshot(&config).await {
             Ok(Some(snapshot)) => snapshot,
             Ok(None) | Err(_) => return,
         };
@@ -557,7 +661,9 @@ impl Filters {
 
     /// One source load; `true` when it succeeded.
     async fn load_source(&self, filter: &Filter) -> bool {
-        let config = &filter.config;
+        // One version of the definition for the whole load: the snapshot's header must name
+        // the sizing the filter was built with.
+        let config = filter.config();
         let started_ms = now_ms();
         let started = Instant::now();
         let mut bloom: Bloom<[u8]> =
@@ -608,7 +714,7 @@ impl Filters {
         metrics.skipped_lines.inc_by(stats.skipped);
         info!(
             message = "Bloom filter loaded from its source.",
-            filter = %config.name,
+            filter = %filter.name,
             items = stats.items,
             skipped = stats.skipped,
             took = ?elapsed,
@@ -618,11 +724,11 @@ impl Filters {
             filter.note_missed(started_ms.saturating_sub(REPLAY_MARGIN_MS));
             self.replay(filter).await;
             if shared
-                .write_snapshot(config, &snapshot, started_ms, stats.items)
+                .write_snapshot(&config, &snapshot, started_ms, stats.items)
                 .await
                 .is_err()
             {
-                warn!(message = "Bloom filter snapshot not written to Redis.", filter = %config.name);
+                warn!(message = "Bloom filter snapshot not written to Redis.", filter = %filter.name);
             }
         }
         true
@@ -641,13 +747,13 @@ impl Filters {
             if serving {
                 warn!(
                     message = "Bloom filter reload failed; the previous filter keeps serving.",
-                    filter = %filter.config.name,
+                    filter = %filter.name,
                     %error,
                 );
             } else {
                 warn!(
                     message = "Bloom filter not loaded; it rejects nothing until a load succeeds.",
-                    filter = %filter.config.name,
+                    filter = %filter.name,
                     %error,
                 );
             }
@@ -662,7 +768,7 @@ impl Filters {
         let Some(since) = filter.take_missed() else {
             return;
         };
-        match shared.adds_since(&filter.config.name, since).await {
+        match shared.adds_since(&filter.name, since).await {
             Ok(ids) => {
                 filter.add_many(&ids, AddVia::Resync);
                 // While the bus is down, events are still being missed: keep the mark, so
@@ -701,5 +807,258 @@ impl BusListener for Filters {
         if !self.order.is_empty() {
             tokio::spawn(self.replay_all());
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use prometheus::Registry;
+
+    use super::*;
+    use crate::config::{BloomSource, SourceFormat};
+
+    const LIMIT: Duration = Duration::from_secs(10);
+
+    fn config(name: &str, path: &Path, refresh: Duration) -> BloomConfig {
+        BloomConfig {
+            name: name.to_owned(),
+            expected_items: 1000,
+            fp_rate: 0.01,
+            refresh,
+            load_timeout: Duration::from_secs(5),
+            source: BloomSource::File(path.to_owned()),
+            format: SourceFormat::Lines,
+        }
+    }
+
+    fn filters(configs: &[BloomConfig]) -> Arc<Filters> {
+        let metrics = Metrics::register(&Registry::new()).unwrap();
+        Filters::new(configs, &metrics, None, 1)
+    }
+
+    fn write_ids(path: &Path, n: u32) {
+        let text: String = (0..n).map(|i| format!("{i}\n")).collect();
+        std::fs::write(path, text).unwrap();
+    }
+
+    /// Polls `filter` until its status satisfies `done`, within [`LIMIT`].
+    async fn wait_status(filter: &Filter, done: impl Fn(&FilterStatus) -> bool) -> FilterStatus {
+        tokio::time::timeout(LIMIT, async {
+            loop {
+                let status = filter.status();
+                if done(&status) {
+                    return status;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await
+        .unwrap_or_else(|_| panic!("filter status never got there: {:?}", filter.status()))
+    }
+
+    #[tokio::test]
+    async fn a_shorter_refresh_wakes_the_sleeping_loop() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ids");
+        write_ids(&path, 10);
+        let initial = config("ids", &path, Duration::from_secs(600));
+        let filters = filters(std::slice::from_ref(&initial));
+        let stop = CancellationToken::new();
+        filters.spawn(&stop);
+        let filter = Arc::clone(filters.get("ids").unwrap());
+        wait_status(&filter, |s| s.ready && s.items == 10).await;
+        // Let the loop go to sleep on its 10 minutes.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(filter.metrics.loads_source.get(), 1);
+
+        write_ids(&path, 25);
+        let shorter = BloomConfig {
+            refresh: Duration::from_millis(200),
+            ..initial.clone()
+        };
+        assert_eq!(
+            filters.reconfigure(std::slice::from_ref(&shorter)),
+            Ok(vec!["ids".to_owned()])
+        );
+        assert_eq!(filter.config().refresh, Duration::from_millis(200));
+        wait_status(&filter, |s| s.items == 25).await;
+        // And it keeps that pace.
+        let loads = filter.metrics.loads_source.get();
+        tokio::time::timeout(LIMIT, async {
+            while filter.metrics.loads_source.get() < loads + 2 {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await
+        .expect("the loop did not keep reloading every 200ms");
+
+        // Back to a long refresh: the loop waits on it again (a wake alone reloads nothing).
+        assert_eq!(
+            filters.reconfigure(std::slice::from_ref(&initial)),
+            Ok(vec!["ids".to_owned()])
+        );
+        // (A load that was running then may still finish.)
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let settled = filter.metrics.loads_source.get();
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert_eq!(filter.metrics.loads_source.get(), settled);
+        stop.cancel();
+    }
+
+    #[tokio::test]
+    async fn a_new_sizing_rebuilds_now_with_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ids");
+        write_ids(&path, 10);
+        // Loaded once, at start: only the reconfiguration can load it again.
+        let initial = config("ids", &path, Duration::ZERO);
+        let filters = filters(std::slice::from_ref(&initial));
+        let stop = CancellationToken::new();
+        filters.spawn(&stop);
+        let filter = Arc::clone(filters.get("ids").unwrap());
+        let before = wait_status(&filter, |s| s.ready && s.items == 10).await;
+
+        let bigger = BloomConfig {
+            expected_items: 20_000,
+            fp_rate: 0.001,
+            ..initial.clone()
+        };
+        assert_eq!(
+            filters.reconfigure(std::slice::from_ref(&bigger)),
+            Ok(vec!["ids".to_owned()])
+        );
+        let after = wait_status(&filter, |s| s.bits != before.bits).await;
+        assert!(after.bits > before.bits, "{before:?} -> {after:?}");
+        assert!(after.hash_functions > before.hash_functions);
+        assert_eq!(after.items, 10);
+        assert_eq!(after.expected_items, 20_000);
+        assert!((after.configured_fp_rate - 0.001).abs() < f64::EPSILON);
+        assert_eq!(filter.metrics.loads_source.get(), 2);
+        for id in 0..10 {
+            assert_eq!(filter.check(id.to_string().as_bytes()), Verdict::Pass);
+        }
+        stop.cancel();
+    }
+
+    #[tokio::test]
+    async fn added_or_removed_filters_are_refused_and_nothing_changes() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = config("a", &dir.path().join("a"), Duration::from_secs(600));
+        let b = config("b", &dir.path().join("b"), Duration::from_secs(600));
+        let c = config("c", &dir.path().join("c"), Duration::from_secs(600));
+        let filters = filters(&[a.clone(), b.clone()]);
+        let a_before = filters.get("a").unwrap().config();
+        let b_before = filters.get("b").unwrap().config();
+        let changed_a = BloomConfig {
+            refresh: Duration::from_secs(1),
+            fp_rate: 0.05,
+            ..a.clone()
+        };
+
+        assert_eq!(
+            filters.reconfigure(&[changed_a.clone(), c.clone()]),
+            Err(vec!["c".to_owned(), "b".to_owned()])
+        );
+        assert_eq!(
+            filters.reconfigure(std::slice::from_ref(&changed_a)),
+            Err(vec!["b".to_owned()])
+        );
+        assert_eq!(
+            filters.reconfigure(&[changed_a.clone(), b.clone(), c]),
+            Err(vec!["c".to_owned()])
+        );
+        assert_eq!(
+            filters.reconfigure(&[]),
+            Err(vec!["a".to_owned(), "b".to_owned()])
+        );
+        assert!(Arc::ptr_eq(&filters.get("a").unwrap().config(), &a_before));
+        assert!(Arc::ptr_eq(&filters.get("b").unwrap().config(), &b_before));
+        assert_eq!(filters.all().len(), 2);
+        assert!(filters.get("c").is_none());
+
+        // Nothing was asked of the load loops either: once spawned, each loads once and
+        // then waits its 10 minutes.
+        std::fs::write(dir.path().join("a"), "1\n").unwrap();
+        std::fs::write(dir.path().join("b"), "1\n").unwrap();
+        let stop = CancellationToken::new();
+        filters.spawn(&stop);
+        for filter in filters.all() {
+            wait_status(filter, |s| s.ready).await;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        for filter in filters.all() {
+            assert_eq!(filter.metrics.loads_source.get(), 1, "{}", filter.name());
+        }
+        stop.cancel();
+    }
+
+    #[tokio::test]
+    async fn an_unchanged_list_changes_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = config("a", &dir.path().join("a"), Duration::from_secs(600));
+        let b = config("b", &dir.path().join("b"), Duration::ZERO);
+        let filters = filters(&[a.clone(), b.clone()]);
+        let a_before = filters.get("a").unwrap().config();
+        assert_eq!(filters.reconfigure(&[a.clone(), b.clone()]), Ok(vec![]));
+        // The order of the list is not part of any definition.
+        assert_eq!(filters.reconfigure(&[b.clone(), a.clone()]), Ok(vec![]));
+        assert!(Arc::ptr_eq(&filters.get("a").unwrap().config(), &a_before));
+
+        // Only the changed one is named; a timeout alone is no rebuild.
+        let b2 = BloomConfig {
+            load_timeout: Duration::from_secs(1),
+            ..b.clone()
+        };
+        assert_eq!(
+            filters.reconfigure(&[a.clone(), b2]),
+            Ok(vec!["b".to_owned()])
+        );
+        assert_eq!(
+            filters.get("b").unwrap().config().load_timeout,
+            Duration::from_secs(1)
+        );
+        assert!(Arc::ptr_eq(&filters.get("a").unwrap().config(), &a_before));
+    }
+
+    #[test]
+    fn what_a_change_implies() {
+        let path = Path::new("/dev/null");
+        let base = config("x", path, Duration::from_secs(60));
+        let with = |f: &dyn Fn(&mut BloomConfig)| {
+            let mut c = base.clone();
+            f(&mut c);
+            compare(&base, &c)
+        };
+        assert_eq!(with(&|_| {}), Change::None);
+        assert_eq!(with(&|c| c.refresh = Duration::ZERO), Change::Settings);
+        assert_eq!(
+            with(&|c| c.load_timeout = Duration::from_secs(1)),
+            Change::Settings
+        );
+        assert_eq!(with(&|c| c.expected_items = 5), Change::Rebuild);
+        assert_eq!(with(&|c| c.fp_rate = 0.02), Change::Rebuild);
+        assert_eq!(
+            with(&|c| c.source = BloomSource::File("/other".into())),
+            Change::Rebuild
+        );
+        assert_eq!(
+            with(&|c| c.format = SourceFormat::Ndjson {
+                field: "id".to_owned()
+            }),
+            Change::Rebuild
+        );
+    }
+
+    #[test]
+    fn waits_after_a_load() {
+        let ten = Duration::from_secs(10);
+        assert_eq!(next_wait(ten, true, 0), Some(ten));
+        assert_eq!(next_wait(Duration::ZERO, true, 0), None);
+        assert_eq!(next_wait(Duration::ZERO, false, 1), Some(RETRY_MIN));
+        assert_eq!(next_wait(Duration::ZERO, false, 3), Some(RETRY_MIN * 4));
+        assert_eq!(next_wait(Duration::ZERO, false, 30), Some(RETRY_MAX));
+        assert_eq!(next_wait(ten, false, 30), Some(ten));
     }
 }

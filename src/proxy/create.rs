@@ -41,7 +41,7 @@ impl Proxy {
                     .headers()
                     .get(header::LOCATION)
                     .and_then(|value| value.to_str().ok())
-                    .and_then(|location| self.id_from_location(&filter.config.name, location));
+                    .and_then(|location| self.id_from_location(filter.name(), location));
                 (response, id)
             }
             AddFrom::Json(pointer) => {
