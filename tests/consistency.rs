@@ -844,3 +844,39 @@ async fn stream_entries_are_all_applied_and_a_dead_consumers_are_claimed() {
     survivor.shutdown().await;
     reader.shutdown().await;
 }
+
+/// A Redis that may evict any key (an `allkeys-*` policy) could evict generation keys:
+/// cacheguard says so at start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_allkeys_eviction_policy_is_warned_about_at_start() {
+    let redis = RedisServer::start().await;
+    let mut con = redis.client().await;
+    redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory-policy")
+        .arg("allkeys-lru")
+        .query_async::<()>(&mut con)
+        .await
+        .expect("CONFIG SET");
+    let origin = TestOrigin::start().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let conf = process_config(
+        dir.path(),
+        &origin,
+        &redis.url(),
+        &dir.path().join("j.journal"),
+        "",
+    );
+    let cg = spawn_cacheguard_process(&conf).await;
+    let warned = poll_until(
+        Duration::from_secs(5),
+        Duration::from_millis(50),
+        || async { cg.output().contains("maxmemory-policy").then_some(()) },
+    )
+    .await;
+    assert!(
+        warned.is_some(),
+        "no warning about allkeys-lru\n{}",
+        cg.output()
+    );
+}

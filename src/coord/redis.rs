@@ -348,7 +348,9 @@ impl RedisConn {
             .redis_latency(RedisOp::Ping, took.as_secs_f64());
         match info {
             Ok(Ok(info)) if took <= self.inner.command_timeout => {
-                self.note_run_id(&info);
+                if self.note_run_id(&info) {
+                    self.check_eviction_policy().await;
+                }
                 self.mark_up();
             }
             Ok(Ok(_)) => {
@@ -369,13 +371,39 @@ impl RedisConn {
         }
     }
 
-    fn note_run_id(&self, info: &str) {
+    /// Warns when Redis may evict any key under memory pressure: an evicted generation key
+    /// lets a fill that raced a write store its old value (see DESIGN.md, write path).
+    /// `CONFIG` may be refused (managed Redis, ACLs): then nothing is said.
+    async fn check_eviction_policy(&self) {
+        let mut conn = self.inner.conn.clone();
+        let answer = tokio::time::timeout(
+            self.inner.probe_timeout,
+            redis::cmd("CONFIG")
+                .arg("GET")
+                .arg("maxmemory-policy")
+                .query_async::<Vec<String>>(&mut conn),
+        )
+        .await;
+        if let Ok(Ok(pair)) = answer
+            && let Some(policy) = pair.get(1)
+            && policy.starts_with("allkeys-")
+        {
+            warn!(
+                message = "Redis maxmemory-policy may evict generation keys; a fill racing a write could then store the old value. Prefer a volatile-* policy or noeviction, or size Redis so it never evicts.",
+                maxmemory_policy = %policy,
+            );
+        }
+    }
+
+    /// Notes the run id from `INFO server`; true when it is new (first contact, or Redis
+    /// restarted).
+    fn note_run_id(&self, info: &str) -> bool {
         let Some(run_id) = info
             .lines()
             .find_map(|line| line.strip_prefix("run_id:"))
             .map(str::trim)
         else {
-            return;
+            return false;
         };
         let mut last = self
             .inner
@@ -391,8 +419,10 @@ impl RedisConn {
                 previous, run_id,
             );
         }
-        if last.as_deref() != Some(run_id) {
-            *last = Some(run_id.to_owned());
+        if last.as_deref() == Some(run_id) {
+            return false;
         }
+        *last = Some(run_id.to_owned());
+        true
     }
 }
