@@ -24,5 +24,8 @@ cargo clippy --all-targets --locked -- -D warnings
 echo "== cargo test"
 cargo test --all-targets --locked
 
+echo "== container config check (config/docker.toml, the image's default config)"
+cargo run --locked --quiet --bin cacheguard -- --check-config config/docker.toml
+
 echo "== demo smoke run"
 cargo run --locked --example demo -- --exit

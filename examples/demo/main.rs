@@ -23,6 +23,11 @@
 //!
 //! Options: `--items N`, `--db-delay-ms MS`, `--concurrency N`, `--exit`. `RUST_LOG` sets
 //! cacheguard's log level (default `warn`).
+//!
+//! `--origin-only [--listen ADDR]` runs just the SQLite-backed demo API (step 1) on `ADDR`
+//! (default `127.0.0.1:9000`) until SIGTERM or SIGINT: no cacheguard, no burst. It is the
+//! origin of the container setup (`docker-compose.yml`), where cacheguard runs as its own
+//! process, e.g. `cargo run --example demo -- --origin-only --listen 0.0.0.0:9000`.
 
 mod burst;
 mod origin;
@@ -129,6 +134,18 @@ struct Args {
     /// Shut down and exit right after printing the results (for CI).
     #[arg(long)]
     exit: bool,
+    /// Run only the SQLite-backed demo API on --listen, without cacheguard and without the
+    /// burst, until SIGTERM or SIGINT (the origin of the container setup).
+    #[arg(long, conflicts_with_all = ["exit", "concurrency"])]
+    origin_only: bool,
+    /// Address the demo API listens on with --origin-only, "ip:port".
+    #[arg(
+        long,
+        value_name = "ADDR",
+        default_value = "127.0.0.1:9000",
+        requires = "origin_only"
+    )]
+    listen: SocketAddr,
 }
 
 #[tokio::main]
@@ -141,7 +158,12 @@ async fn main() -> ExitCode {
         )
         .with_writer(std::io::stderr)
         .try_init();
-    match run(args).await {
+    let outcome = if args.origin_only {
+        run_origin_only(&args).await
+    } else {
+        run(args).await
+    };
+    match outcome {
         Ok(code) => code,
         Err(e) => {
             eprintln!("demo: error: {e:#}");
@@ -211,6 +233,60 @@ async fn run(args: Args) -> anyhow::Result<ExitCode> {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE
+    })
+}
+
+/// `--origin-only`: serves the demo API on `--listen` until SIGTERM or SIGINT, then lets open
+/// connections finish (bounded) and exits 0.
+async fn run_origin_only(args: &Args) -> anyhow::Result<ExitCode> {
+    // Registered before seeding, so a stop request that arrives early is not lost (as PID 1
+    // in a container, a signal without a handler would simply be ignored).
+    let stop = stop_signals()?;
+    let api = DemoApi::start_on(
+        ApiOptions {
+            items: args.items,
+            db_delay: Duration::from_millis(args.db_delay_ms),
+        },
+        args.listen,
+    )
+    .await?;
+    let addr = api.addr();
+    println!(
+        "demo API (origin only): http://{addr}, {} items, {} ms per query",
+        args.items, args.db_delay_ms
+    );
+    println!("  GET /api/items/{{id}}, PUT /api/items/{{id}}, GET /internal/item-ids,");
+    println!("  GET /stats (database queries so far), POST /stats/reset");
+    println!("  SIGTERM or Ctrl-C stops it");
+    stop.await;
+    println!("demo API: shutting down");
+    if tokio::time::timeout(SHUTDOWN_LIMIT, api.shutdown())
+        .await
+        .is_err()
+    {
+        eprintln!("demo: the demo API did not shut down within {SHUTDOWN_LIMIT:?}");
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// SIGINT and SIGTERM, both registered now; the future completes on the first of them.
+#[cfg(unix)]
+fn stop_signals() -> anyhow::Result<impl std::future::Future<Output = ()>> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut interrupt = signal(SignalKind::interrupt()).context("listening for SIGINT")?;
+    let mut terminate = signal(SignalKind::terminate()).context("listening for SIGTERM")?;
+    Ok(async move {
+        tokio::select! {
+            _ = interrupt.recv() => {}
+            _ = terminate.recv() => {}
+        }
+    })
+}
+
+#[cfg(not(unix))]
+fn stop_signals() -> anyhow::Result<impl std::future::Future<Output = ()>> {
+    Ok(async {
+        let _ = tokio::signal::ctrl_c().await;
     })
 }
 

@@ -87,6 +87,11 @@ pub fn seed_item(id: i64) -> (String, f64) {
 impl DemoApi {
     /// Seeds the database and starts serving on `127.0.0.1:0`.
     pub async fn start(opts: ApiOptions) -> anyhow::Result<DemoApi> {
+        Self::start_on(opts, SocketAddr::from(([127, 0, 0, 1], 0))).await
+    }
+
+    /// Seeds the database and starts serving on `listen` (`--origin-only` mode).
+    pub async fn start_on(opts: ApiOptions, listen: SocketAddr) -> anyhow::Result<DemoApi> {
         let items = i64::try_from(opts.items).context("--items is too large")?;
         let conn = tokio::task::spawn_blocking(move || seed(items))
             .await
@@ -97,9 +102,9 @@ impl DemoApi {
             queries,
             db_delay: opts.db_delay,
         });
-        let listener = TcpListener::bind("127.0.0.1:0")
+        let listener = TcpListener::bind(listen)
             .await
-            .context("binding the demo API listener")?;
+            .with_context(|| format!("binding the demo API listener on {listen}"))?;
         let addr = listener.local_addr()?;
         let (stop, stopped) = oneshot::channel();
         let task = tokio::spawn(serve(listener, state, stopped));
