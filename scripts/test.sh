@@ -15,6 +15,16 @@ fi
 # The redis-server package may start a system instance on 6379; tests never use it (each
 # test starts its own server on a free port), so it is left alone.
 
+# Real Prometheus and promtool for tests/dashboards.rs (every dashboard panel and alert
+# expression in dashboards/ is evaluated by a real Prometheus).
+if ! command -v prometheus >/dev/null 2>&1 || ! command -v promtool >/dev/null 2>&1; then
+    echo "== installing prometheus"
+    as_root apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq prometheus >/dev/null
+fi
+# Likewise the prometheus package may start a system instance on 9090; the test runs its own
+# on a free loopback port.
+
 echo "== cargo fmt --check"
 cargo fmt --all -- --check
 

@@ -325,6 +325,7 @@ impl App {
             hot: Arc::clone(&hot),
             invalidator: Arc::clone(&invalidator),
             deferred: TaskTracker::new(),
+            background: tokio::runtime::Handle::current(),
             stop: stop_tasks.clone(),
         });
         let deferred = proxy.deferred.clone();

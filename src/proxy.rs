@@ -75,6 +75,9 @@ pub(crate) struct Proxy {
     pub(crate) invalidator: Arc<Invalidator>,
     /// Delayed deletes waiting for their time (see `write.rs`).
     pub(crate) deferred: TaskTracker,
+    /// The main runtime: delayed deletes run there, not on a proxy worker's runtime,
+    /// which is gone by the time shutdown runs them early.
+    pub(crate) background: tokio::runtime::Handle,
     /// Cancelled at shutdown: delayed deletes then run at once.
     pub(crate) stop: CancellationToken,
 }

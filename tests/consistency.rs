@@ -880,3 +880,34 @@ async fn an_allkeys_eviction_policy_is_warned_about_at_start() {
         cg.output()
     );
 }
+
+/// A delayed delete still waiting when cacheguard shuts down is done at once, not dropped:
+/// the key's generation is bumped by all three deletes before shutdown returns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_runs_pending_delayed_deletes_at_once() {
+    let redis = RedisServer::start().await;
+    let origin = TestOrigin::start().await;
+    origin.enable_kv();
+    let cg = kv_config(&origin, &redis, "10s").start().await;
+    let client = HttpClient::new();
+    assert_eq!(get_version(&client, cg.addr(), "/kv/bye").await, 0);
+    assert_eq!(put(&client, cg.addr(), "/kv/bye").await.status, 200);
+    let started = Instant::now();
+    cg.shutdown().await;
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "shutdown waited for the 10 s delay"
+    );
+    let gens = redis.scan("cg:*:gen").await;
+    assert_eq!(gens.len(), 1, "one written key");
+    let mut con = redis.client().await;
+    let generation: i64 = redis::cmd("GET")
+        .arg(&gens[0])
+        .query_async(&mut con)
+        .await
+        .expect("GET gen");
+    assert_eq!(
+        generation, 3,
+        "before, after, and the delayed delete at shutdown"
+    );
+}

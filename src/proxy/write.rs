@@ -86,16 +86,19 @@ impl Proxy {
             .await;
         if !delay.is_zero() {
             let this = Arc::clone(self);
-            self.deferred.spawn(async move {
-                // At shutdown, at once: the delete is owed whether or not we wait.
-                tokio::select! {
-                    () = tokio::time::sleep_until(answered + delay - lead) => {}
-                    () = this.stop.cancelled() => {}
-                }
-                this.invalidator
-                    .invalidate(&targets, Source::Write, Duration::ZERO)
-                    .await;
-            });
+            self.deferred.spawn_on(
+                async move {
+                    // At shutdown, at once: the delete is owed whether or not we wait.
+                    tokio::select! {
+                        () = tokio::time::sleep_until(answered + delay - lead) => {}
+                        () = this.stop.cancelled() => {}
+                    }
+                    this.invalidator
+                        .invalidate(&targets, Source::Write, Duration::ZERO)
+                        .await;
+                },
+                &self.background,
+            );
         }
         response
     }
