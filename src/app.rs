@@ -266,6 +266,7 @@ impl App {
         let routes =
             RouteTable::build(&config.routes, &metrics, &filters).context("building routes")?;
         let upstream = Upstream::new(&config.upstream).context("building the upstream client")?;
+        metrics.origin_caps(config.upstream.max_concurrency, config.upstream.max_rps);
         let guard = OriginGuard::new(
             config.upstream.max_concurrency,
             config.upstream.max_rps,

@@ -259,6 +259,8 @@ pub struct Metrics {
     config_info: IntGaugeVec,
     pub origin_in_flight: IntGauge,
     pub origin_queue_wait: Histogram,
+    origin_max_concurrency: IntGauge,
+    origin_max_rps: IntGauge,
     pub entry_decode_errors: IntCounter,
     pub rejected_requests: IntCounterVec,
     lock_events: IntCounterVec,
@@ -578,6 +580,16 @@ impl Metrics {
             "cacheguard_origin_in_flight",
             "Origin requests holding an origin guard slot.",
         )?;
+        let origin_max_concurrency = IntGauge::new(
+            "cacheguard_origin_max_concurrency",
+            "The origin guard's configured upstream.max_concurrency.",
+        )?;
+        let origin_max_rps = IntGauge::new(
+            "cacheguard_origin_max_rps",
+            "The origin guard's configured upstream.max_rps (0 = no rate cap).",
+        )?;
+        registry.register(Box::new(origin_max_concurrency.clone()))?;
+        registry.register(Box::new(origin_max_rps.clone()))?;
         let origin_queue_wait = Histogram::with_opts(
             HistogramOpts::new(
                 "cacheguard_origin_queue_wait_seconds",
@@ -865,6 +877,8 @@ impl Metrics {
             config_info,
             origin_in_flight,
             origin_queue_wait,
+            origin_max_concurrency,
+            origin_max_rps,
             entry_decode_errors,
             rejected_requests,
             lock_events,
@@ -989,6 +1003,13 @@ impl Metrics {
                 .with_label_values(&[source.as_str(), result])
                 .inc_by(count as u64);
         }
+    }
+
+    /// The origin guard's configured caps (at start and after each reload).
+    pub fn origin_caps(&self, max_concurrency: usize, max_rps: u32) {
+        self.origin_max_concurrency
+            .set(i64::try_from(max_concurrency).unwrap_or(i64::MAX));
+        self.origin_max_rps.set(i64::from(max_rps));
     }
 
     pub fn config_reload(&self, result: &str) {

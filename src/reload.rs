@@ -116,6 +116,7 @@ impl Live {
                 self.metrics.origin_queue_wait.clone(),
             )));
         }
+        self.metrics.origin_caps(up.max_concurrency, up.max_rps);
         proxy.routes.store(Arc::new(routes));
         proxy.lock.store(Arc::new(new.lock.clone()));
         self.hot.reconfigure(&new.hot_keys);
