@@ -73,15 +73,17 @@ async fn file_change_reloads_routes_and_limits_under_load_without_a_failed_reque
     // origin through the guard), bounded by time and count.
     let stop_at = Instant::now() + Duration::from_secs(7);
     let failures = Arc::new(AtomicU64::new(0));
+    let failed = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
     let served = Arc::new(AtomicU64::new(0));
     let next = Arc::new(AtomicU64::new(0));
     let mut load = Vec::new();
     for _ in 0..16 {
-        let (client, failures, served, next) = (
+        let (client, failures, served, next, failed) = (
             client.clone(),
             Arc::clone(&failures),
             Arc::clone(&served),
             Arc::clone(&next),
+            Arc::clone(&failed),
         );
         let addr = cg.addr();
         load.push(tokio::spawn(async move {
@@ -97,8 +99,16 @@ async fn file_change_reloads_routes_and_limits_under_load_without_a_failed_reque
                     Ok(resp) if resp.status == 200 => {
                         served.fetch_add(1, Ordering::Relaxed);
                     }
-                    _ => {
+                    other => {
                         failures.fetch_add(1, Ordering::Relaxed);
+                        let what = match other {
+                            Ok(resp) => format!("{} {}", resp.status, resp.text()),
+                            Err(e) => e,
+                        };
+                        failed
+                            .lock()
+                            .expect("failures")
+                            .push(format!("{:?} after start: {what}", stop_at.elapsed()));
                     }
                 }
             }
@@ -156,7 +166,8 @@ async fn file_change_reloads_routes_and_limits_under_load_without_a_failed_reque
     assert_eq!(
         failures.load(Ordering::Relaxed),
         0,
-        "requests failed across the reload"
+        "requests failed across the reload: {:?}",
+        failed.lock().expect("failures")
     );
     assert!(served.load(Ordering::Relaxed) > 100);
 
