@@ -15,7 +15,9 @@
 //!   `proxy/write.rs`, purges `proxy/purge.rs`.
 //! - `coord/`: the Redis connection with bounded command times and health tracking, the Lua
 //!   scripts and the event bus.
-//! - `admin/`: the admin listener (`/metrics`, `/healthz`, `/readyz`).
+//! - `admin.rs`: the admin listener (`/metrics`, `/healthz`, `/readyz`, `/admin/*`: Bloom,
+//!   hot keys, purge, the effective config).
+//! - [`reload`]: config hot reload (file change or `SIGHUP`).
 //! - [`metrics`]: every metric, defined and registered in one place.
 //!
 //! The read path, in order (see `proxy/read.rs`): route match → cache key → L1 → L2 →
