@@ -28,7 +28,9 @@ use tokio::time::Instant;
 
 pub use client::{HttpClient, Resp, raw_request};
 pub use origin::{IdsFault, IdsFormat, TestOrigin, default_body};
-pub use process::{CacheguardProcess, spawn_cacheguard_process};
+pub use process::{
+    CacheguardProcess, spawn_cacheguard_process, spawn_cacheguard_process_with_args,
+};
 pub use redis_server::RedisServer;
 pub use tcp_proxy::TcpProxy;
 

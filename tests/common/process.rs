@@ -104,6 +104,14 @@ fn listen_addr(table: &toml::Table, section: &str) -> SocketAddr {
 /// Runs `cacheguard --config FILE` and waits until `/healthz` on the admin port answers 200.
 /// The file must name fixed ports for `[server]` and `[admin]` (see `free_port`).
 pub async fn spawn_cacheguard_process(config_path: &Path) -> CacheguardProcess {
+    spawn_cacheguard_process_with_args(config_path, &[]).await
+}
+
+/// As [`spawn_cacheguard_process`], with extra command-line arguments (`--log-format json`).
+pub async fn spawn_cacheguard_process_with_args(
+    config_path: &Path,
+    args: &[&str],
+) -> CacheguardProcess {
     let text = std::fs::read_to_string(config_path).expect("read config file");
     let table: toml::Table = text.parse().expect("config file is TOML");
     let addr = listen_addr(&table, "server");
@@ -115,6 +123,7 @@ pub async fn spawn_cacheguard_process(config_path: &Path) -> CacheguardProcess {
     let child = Command::new(env!("CARGO_BIN_EXE_cacheguard"))
         .arg("--config")
         .arg(config_path)
+        .args(args)
         .env_remove("CACHEGUARD_LISTEN")
         .env_remove("CACHEGUARD_UPSTREAM")
         .env_remove("CACHEGUARD_REDIS_URL")
