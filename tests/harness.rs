@@ -180,3 +180,47 @@ async fn redis_server_kill_pause_and_restart() {
         "restarted redis is not empty"
     );
 }
+
+/// The cluster fixture (for the scale-out work): six real nodes form a cluster with three
+/// primaries, each serving a third of the slots; a key's owner can be found; a killed
+/// primary's replica is promoted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_cluster_fixture_forms_and_fails_over() {
+    let mut cluster = common::RedisCluster::start().await;
+    assert_eq!(cluster.ports().len(), 6);
+    let primaries = cluster.primaries().await;
+    assert_eq!(primaries.len(), 3, "{}", cluster.nodes(primaries[0]).await);
+    let mut owners = std::collections::HashSet::new();
+    for k in 0..64 {
+        let owner = cluster
+            .owner_of(&format!("cg:{{{k:032x}}}:v"))
+            .await
+            .expect("every slot has an owner");
+        assert!(primaries.contains(&owner));
+        owners.insert(owner);
+    }
+    assert_eq!(
+        owners.len(),
+        3,
+        "64 hash tags spread over all three primaries"
+    );
+
+    let victim = primaries[0];
+    cluster.kill(victim);
+    let survivor = primaries[1];
+    let promoted = poll_until(Duration::from_secs(20), Duration::from_millis(200), || {
+        let cluster = &cluster;
+        async move {
+            let info = cluster.info(survivor).await;
+            (info.contains("cluster_state:ok") && cluster.primaries().await.len() == 3)
+                .then_some(())
+        }
+    })
+    .await;
+    assert!(
+        promoted.is_some(),
+        "no replica took over from {victim}:\n{}\n{}",
+        cluster.info(survivor).await,
+        cluster.nodes(survivor).await
+    );
+}

@@ -1,6 +1,7 @@
 //! Shared harness for the integration tests.
 //!
 //! - [`RedisServer`]: a real `redis-server` on a free loopback port (always the real server).
+//! - [`RedisCluster`]: a real six-node Redis Cluster (three primaries, three replicas).
 //! - [`TestOrigin`]: the fake origin API (counters, in-flight gauge, per-path behaviour).
 //! - [`CgConfig`] / [`config_toml`] + [`start_cacheguard`]: an in-process cacheguard.
 //! - [`HttpClient`]: keep-alive client; [`raw_request`] for exact headers.
@@ -16,6 +17,7 @@ pub mod client;
 pub mod origin;
 pub mod process;
 pub mod prom;
+pub mod redis_cluster;
 pub mod redis_server;
 pub mod tcp_proxy;
 
@@ -31,6 +33,7 @@ pub use origin::{IdsFault, IdsFormat, TestOrigin, default_body};
 pub use process::{
     CacheguardProcess, spawn_cacheguard_process, spawn_cacheguard_process_with_args,
 };
+pub use redis_cluster::RedisCluster;
 pub use redis_server::RedisServer;
 pub use tcp_proxy::TcpProxy;
 

@@ -178,6 +178,12 @@ impl Drop for RedisServer {
 }
 
 async fn spawn_on(port: u16, dir: &Path) -> Result<Child, String> {
+    spawn_with(port, dir, &[]).await
+}
+
+/// `redis-server` on `port` with its files in `dir`, plus `extra` arguments; waits until
+/// this very process answers (checked by PID).
+pub(crate) async fn spawn_with(port: u16, dir: &Path, extra: &[&str]) -> Result<Child, String> {
     let log = dir.join("redis.log");
     let mut child = Command::new(REDIS_SERVER)
         .arg("--port")
@@ -190,6 +196,7 @@ async fn spawn_on(port: u16, dir: &Path) -> Result<Child, String> {
         .arg(dir)
         .arg("--logfile")
         .arg(&log)
+        .args(extra)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null())

@@ -1,0 +1,229 @@
+//! A real Redis Cluster on loopback: six `redis-server --cluster-enabled yes` processes
+//! joined by `redis-cli --cluster create --cluster-replicas 1` (three primaries, each with
+//! one replica). Every process is killed by PID on `Drop`.
+
+use std::process::{Child, Stdio};
+use std::time::Duration;
+
+use tempfile::TempDir;
+use tokio::time::Instant;
+
+use super::redis_server::spawn_with;
+
+const NODES: usize = 6;
+const FORM_DEADLINE: Duration = Duration::from_secs(30);
+
+/// One cluster node.
+struct Node {
+    port: u16,
+    child: Option<Child>,
+    _dir: TempDir,
+}
+
+pub struct RedisCluster {
+    nodes: Vec<Node>,
+}
+
+impl std::fmt::Debug for RedisCluster {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisCluster")
+            .field("ports", &self.ports())
+            .finish()
+    }
+}
+
+/// A loopback port that is free together with its cluster bus port (port + 10000).
+fn free_cluster_port() -> u16 {
+    for _ in 0..200 {
+        let port = super::free_port();
+        if port < 55_000 && std::net::TcpListener::bind(("127.0.0.1", port + 10_000)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port pair for a cluster node");
+}
+
+impl RedisCluster {
+    /// Starts six nodes, creates the cluster and waits until every node reports all 16384
+    /// slots served (bounded).
+    pub async fn start() -> RedisCluster {
+        let mut nodes = Vec::with_capacity(NODES);
+        while nodes.len() < NODES {
+            let dir = tempfile::tempdir().expect("tempdir for a cluster node");
+            let port = free_cluster_port();
+            let started = spawn_with(
+                port,
+                dir.path(),
+                &[
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-node-timeout",
+                    "2000",
+                    // A replica may take over however long ago it last heard its primary:
+                    // failover tests must not depend on replication timing.
+                    "--cluster-replica-validity-factor",
+                    "0",
+                ],
+            )
+            .await;
+            if let Ok(child) = started {
+                nodes.push(Node {
+                    port,
+                    child: Some(child),
+                    _dir: dir,
+                });
+            }
+        }
+        let cluster = RedisCluster { nodes };
+        let addresses: Vec<String> = cluster
+            .ports()
+            .iter()
+            .map(|p| format!("127.0.0.1:{p}"))
+            .collect();
+        let created = tokio::time::timeout(
+            FORM_DEADLINE,
+            tokio::process::Command::new("redis-cli")
+                .arg("--cluster")
+                .arg("create")
+                .args(&addresses)
+                .args(["--cluster-replicas", "1", "--cluster-yes"])
+                .stdin(Stdio::null())
+                .output(),
+        )
+        .await
+        .expect("redis-cli --cluster create timed out")
+        .expect("run redis-cli");
+        assert!(
+            created.status.success(),
+            "redis-cli --cluster create failed:\n{}{}",
+            String::from_utf8_lossy(&created.stdout),
+            String::from_utf8_lossy(&created.stderr)
+        );
+        let deadline = Instant::now() + FORM_DEADLINE;
+        for port in cluster.ports() {
+            loop {
+                let info = cluster.info(port).await;
+                if info.contains("cluster_state:ok") && info.contains("cluster_slots_ok:16384") {
+                    break;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "node {port} did not see the whole cluster:\n{info}"
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+        cluster
+    }
+
+    pub fn ports(&self) -> Vec<u16> {
+        self.nodes.iter().map(|n| n.port).collect()
+    }
+
+    /// `redis://` seed URLs of every node.
+    pub fn urls(&self) -> Vec<String> {
+        self.ports()
+            .iter()
+            .map(|p| format!("redis://127.0.0.1:{p}"))
+            .collect()
+    }
+
+    /// `CLUSTER INFO` of the node on `port` (empty if it does not answer).
+    pub async fn info(&self, port: u16) -> String {
+        self.query(port, redis::cmd("CLUSTER").arg("INFO"))
+            .await
+            .unwrap_or_default()
+    }
+
+    /// `CLUSTER NODES` as seen by the node on `port`.
+    pub async fn nodes(&self, port: u16) -> String {
+        self.query(port, redis::cmd("CLUSTER").arg("NODES"))
+            .await
+            .unwrap_or_default()
+    }
+
+    /// Ports of the nodes that are primaries now.
+    pub async fn primaries(&self) -> Vec<u16> {
+        let mut primaries = Vec::new();
+        for port in self.ports() {
+            if self
+                .nodes(port)
+                .await
+                .lines()
+                .any(|l| l.contains("myself") && l.contains("master") && !l.contains("fail"))
+            {
+                primaries.push(port);
+            }
+        }
+        primaries
+    }
+
+    /// The port of the node that answers `CLUSTER KEYSLOT key` → owner, as seen by any node.
+    pub async fn owner_of(&self, key: &str) -> Option<u16> {
+        let port = *self.ports().first()?;
+        let mut con = self.connect(port).await?;
+        let slot: i64 = redis::cmd("CLUSTER")
+            .arg("KEYSLOT")
+            .arg(key)
+            .query_async(&mut con)
+            .await
+            .ok()?;
+        let nodes = self.nodes(port).await;
+        nodes.lines().find_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            if !fields.get(2)?.contains("master") {
+                return None;
+            }
+            let owns = fields.iter().skip(8).any(|range| {
+                let mut ends = range.split('-');
+                let lo: i64 = ends.next().and_then(|v| v.parse().ok()).unwrap_or(-1);
+                let hi: i64 = ends.next().and_then(|v| v.parse().ok()).unwrap_or(lo);
+                (lo..=hi).contains(&slot)
+            });
+            let addr = fields.get(1)?.split('@').next()?;
+            owns.then(|| addr.rsplit(':').next()?.parse().ok())?
+        })
+    }
+
+    /// SIGKILL the node on `port`, by PID.
+    pub fn kill(&mut self, port: u16) {
+        if let Some(node) = self.nodes.iter_mut().find(|n| n.port == port)
+            && let Some(mut child) = node.child.take()
+        {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    async fn connect(&self, port: u16) -> Option<redis::aio::MultiplexedConnection> {
+        let client = redis::Client::open(format!("redis://127.0.0.1:{port}")).ok()?;
+        tokio::time::timeout(
+            Duration::from_secs(2),
+            client.get_multiplexed_async_connection(),
+        )
+        .await
+        .ok()?
+        .ok()
+    }
+
+    async fn query(&self, port: u16, cmd: &redis::Cmd) -> Option<String> {
+        let mut con = self.connect(port).await?;
+        tokio::time::timeout(Duration::from_secs(2), cmd.query_async::<String>(&mut con))
+            .await
+            .ok()?
+            .ok()
+    }
+}
+
+impl Drop for RedisCluster {
+    fn drop(&mut self) {
+        for node in &mut self.nodes {
+            if let Some(mut child) = node.child.take() {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+        }
+    }
+}
