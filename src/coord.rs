@@ -41,24 +41,25 @@ pub(crate) struct KeyNames {
 
 impl KeyNames {
     pub(crate) fn new(prefix: &str, key: &CacheKey) -> Self {
-        let variant = key.is_variant().then(|| format!("{:032x}", key.hash));
-        let (entry, lock) = match &variant {
-            Some(hash) => (
-                tagged_key(prefix, key.base, &format!("v:{hash}")),
-                tagged_key(prefix, key.base, &format!("lock:{hash}")),
-            ),
-            None => (
-                tagged_key(prefix, key.base, "v"),
-                tagged_key(prefix, key.base, "lock"),
-            ),
-        };
+        let mut names = KeyNames::of_base(prefix, key.base);
+        if key.is_variant() {
+            let hash = format!("{:032x}", key.hash);
+            names.entry = tagged_key(prefix, key.base, &format!("v:{hash}"));
+            names.lock = tagged_key(prefix, key.base, &format!("lock:{hash}"));
+            names.variant = Some(hash);
+        }
+        names
+    }
+
+    /// The keys of base key `base` itself.
+    pub(crate) fn of_base(prefix: &str, base: u128) -> Self {
         KeyNames {
-            entry,
-            lock,
-            generation: tagged_key(prefix, key.base, "gen"),
-            vars: tagged_key(prefix, key.base, "vars"),
-            quarantine: tagged_key(prefix, key.base, "q"),
-            variant,
+            entry: tagged_key(prefix, base, "v"),
+            lock: tagged_key(prefix, base, "lock"),
+            generation: tagged_key(prefix, base, "gen"),
+            vars: tagged_key(prefix, base, "vars"),
+            quarantine: tagged_key(prefix, base, "q"),
+            variant: None,
         }
     }
 }

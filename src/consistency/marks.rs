@@ -77,14 +77,11 @@ impl LocalMarks {
 
     /// Whether an answer whose fetch began at `snapshot` may still be kept.
     pub(crate) fn allows(&self, base: u128, tags: &[String], snapshot: u64) -> bool {
-        let after = |seq: Option<u64>| seq.is_some_and(|s| s > snapshot);
         let quarantined = self
             .quarantine
             .get(&base)
             .is_some_and(|until| Instant::now() < until);
-        !quarantined
-            && !after(self.keys.get(&base))
-            && !tags.iter().any(|t| after(self.tags.get(t)))
+        !quarantined && self.unchanged_since(base, tags, snapshot)
     }
 }
 

@@ -167,7 +167,9 @@ impl DistLock {
         generation_ttl: Duration,
         quarantine: Duration,
     ) -> Result<(), Unavailable> {
+        // Variant keys are built in the script from this prefix (same hash tag).
         let prefix = tagged_key(&self.prefix, base, "");
+        let names = KeyNames::of_base(&self.prefix, base);
         let ttl_ms = generation_ttl.as_millis().max(1).to_string();
         let quarantine_ms = quarantine.as_millis().to_string();
         self.redis
@@ -175,11 +177,11 @@ impl DistLock {
                 RedisOp::Invalidate,
                 &scripts::INVALIDATE,
                 &[
-                    &format!("{prefix}v"),
-                    &format!("{prefix}lock"),
-                    &format!("{prefix}gen"),
-                    &format!("{prefix}vars"),
-                    &format!("{prefix}q"),
+                    &names.entry,
+                    &names.lock,
+                    &names.generation,
+                    &names.vars,
+                    &names.quarantine,
                 ],
                 &[
                     ttl_ms.as_bytes(),
