@@ -241,8 +241,16 @@ impl Filter {
         self.metrics.added(via, ids.len() as u64);
     }
 
-    /// Puts a newly built filter in service, with the ids created while it was built.
-    fn install(&self, mut bloom: Bloom<[u8]>, mut items: u64, from: LoadedFrom) {
+    /// Puts a newly built filter in service, with the ids created while it was built. A
+    /// source load's report is stored in the same step, so a status never shows the new
+    /// filter without it.
+    fn install(
+        &self,
+        mut bloom: Bloom<[u8]>,
+        mut items: u64,
+        from: LoadedFrom,
+        report: Option<LoadReport>,
+    ) {
         let mut state = self.write();
         for id in state.pending.take().unwrap_or_default() {
             if !bloom.check_and_set(&id) {
@@ -254,6 +262,9 @@ impl Filter {
         state.loaded_from = Some(from);
         state.loaded_at = Some(Instant::now());
         state.last_error = None;
+        if report.is_some() {
+            state.last_load = report;
+        }
         self.publish_gauges(&state);
         self.metrics.ready.set(1);
     }
@@ -648,7 +659,7 @@ impl Filters {
         if filter.is_ready() {
             return; // a source load won the race
         }
-        filter.install(bloom, items, LoadedFrom::Snapshot);
+        filter.install(bloom, items, LoadedFrom::Snapshot, None);
         filter.metrics.loads_snapshot.inc();
         filter.metrics.added(AddVia::Resync, adds.len() as u64);
         info!(
@@ -698,16 +709,13 @@ impl Filters {
         };
         let elapsed = started.elapsed();
         let snapshot = self.shared.as_ref().map(|_| bloom.to_bytes());
-        filter.install(bloom, stats.items, LoadedFrom::Source);
-        {
-            let mut state = filter.write();
-            state.last_load = Some(LoadReport {
-                at_unix_ms: started_ms,
-                duration_ms: u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX),
-                lines: stats.lines,
-                skipped: stats.skipped,
-            });
-        }
+        let report = LoadReport {
+            at_unix_ms: started_ms,
+            duration_ms: u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX),
+            lines: stats.lines,
+            skipped: stats.skipped,
+        };
+        filter.install(bloom, stats.items, LoadedFrom::Source, Some(report));
         let metrics = &filter.metrics;
         metrics.loads_source.inc();
         metrics.load_duration.observe(elapsed.as_secs_f64());

@@ -178,13 +178,21 @@ async fn proxy_connection(client: TcpStream, shared: Arc<Shared>, epoch: Cancell
     // The first direction to end (EOF, error, or the cut) ends the whole connection: both
     // sockets are dropped here, so each peer sees the connection close.
     tokio::select! {
+        biased;
         () = epoch.cancelled() => {}
-        () = pump(client_read, upstream_write, &shared) => {}
-        () = pump(upstream_read, client_write, &shared) => {}
+        () = pump(client_read, upstream_write, &shared, &epoch) => {}
+        () = pump(upstream_read, client_write, &shared, &epoch) => {}
     }
 }
 
-async fn pump(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, shared: &Shared) {
+/// Copies `from` to `to` until either ends. Nothing read after a cut is forwarded: the cut
+/// is checked before every write, so once `cut()` returns no byte crosses.
+async fn pump(
+    mut from: OwnedReadHalf,
+    mut to: OwnedWriteHalf,
+    shared: &Shared,
+    epoch: &CancellationToken,
+) {
     let mut buf = vec![0u8; CHUNK];
     loop {
         let n = match from.read(&mut buf).await {
@@ -195,7 +203,7 @@ async fn pump(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, shared: &Shared) 
         if !delay.is_zero() {
             tokio::time::sleep(delay).await;
         }
-        if to.write_all(&buf[..n]).await.is_err() {
+        if epoch.is_cancelled() || to.write_all(&buf[..n]).await.is_err() {
             return;
         }
     }
