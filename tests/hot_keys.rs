@@ -775,6 +775,66 @@ async fn hot_key_redis_commands_stay_within_max_backend_rps_per_key() {
     shutdown(cg).await;
 }
 
+/// A cold key that turns hot while its first fill is still running: the requests that pile
+/// up behind that fill join it, however far over `max_backend_rps_per_key` they are. They
+/// cost the backend nothing, so the per-key limit must not answer them 429 (it did, before:
+/// a stampede test saw 211 of 600 requests refused once detection caught up mid-fill).
+///
+/// The origin takes 1.5 s; 300 requests arrive over the first second (about 3 windows of
+/// detection at 100 req/s threshold, so the key is hot well before the fill ends), with a
+/// limit of 1 request per second past L1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_waiting_on_a_fill_are_not_limited_when_the_key_turns_hot() {
+    let _serial = SERIAL.lock().await;
+    const PATH: &str = "/api/items/hot-mid-fill";
+    let redis = RedisServer::start().await;
+    let origin = TestOrigin::start().await;
+    origin.set_delay(PATH, Duration::from_millis(1500));
+    let cg = hot_config(&origin, &redis)
+        .set("hot_keys", "threshold_rps", "100")
+        .set("hot_keys", "max_backend_rps_per_key", "1")
+        .set_str("lock", "wait_timeout", "5s")
+        .start()
+        .await;
+    let (addr, admin) = (cg.addr(), cg.admin_addr());
+    let client = HttpClient::new();
+    let answers = common::concurrently(300, Duration::from_secs(20), |i| {
+        let client = client.clone();
+        async move {
+            // 30 requests every 100 ms.
+            tokio::time::sleep(Duration::from_millis(100 * (i as u64 / 30))).await;
+            let r = client.get(&url(addr, PATH)).await;
+            (r.status.as_u16(), r.body)
+        }
+    })
+    .await;
+    let exp = metrics(&client, admin).await;
+    assert!(
+        metric(
+            &exp,
+            "cacheguard_hot_key_promotions_total",
+            &[("from", "local")]
+        ) >= 1.0,
+        "the key never turned hot, so the test did not exercise the limit"
+    );
+    let expected = common::default_body(PATH, 1);
+    let mut by_status = BTreeMap::new();
+    for (status, body) in &answers {
+        *by_status.entry(*status).or_insert(0u32) += 1;
+        assert!(
+            *status != 200 || body == expected.as_bytes(),
+            "a 200 with another body: {body:?}"
+        );
+    }
+    assert_eq!(
+        by_status,
+        BTreeMap::from([(200, 300)]),
+        "every request waiting on the fill must get its answer"
+    );
+    assert_eq!(origin.count(PATH), 1, "more than one origin request");
+    shutdown(cg).await;
+}
+
 // === 3. promotion from a peer's broadcast ===
 
 /// Everything published on `cg:events`, with the time it arrived here.

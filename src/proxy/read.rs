@@ -295,6 +295,12 @@ impl Proxy {
             self.hot.served(key.hash, &key.full, true);
             return Ok(hit(entry, Outcome::HitL1, head));
         }
+        // No copy yet and this process is filling the key: joining that fill costs the
+        // backend nothing, so it is not limited (a cold key that turns hot mid-fill must
+        // not answer 429 to the requests the single-flight was built for).
+        if copy.is_none() && self.flights.foreground_in_progress(key.hash) {
+            return Err(GoOn::ThroughL1);
+        }
         if self.hot.allow_backend(key.hash) {
             self.hot.served(key.hash, &key.full, false);
             // Past L1: its copy is due a check against Redis.
