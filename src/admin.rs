@@ -71,6 +71,7 @@ enum Endpoint {
     HotKeys,
     Purge,
     Config,
+    Redis,
 }
 
 static ENDPOINTS: LazyLock<matchit::Router<Endpoint>> = LazyLock::new(|| {
@@ -84,6 +85,7 @@ static ENDPOINTS: LazyLock<matchit::Router<Endpoint>> = LazyLock::new(|| {
         ("/admin/hotkeys", Endpoint::HotKeys),
         ("/admin/purge", Endpoint::Purge),
         ("/admin/config", Endpoint::Config),
+        ("/admin/redis", Endpoint::Redis),
     ] {
         // Fixed, distinct paths: an insert error is a bug caught by the tests.
         if let Err(error) = router.insert(path, endpoint) {
@@ -109,6 +111,18 @@ impl Admin {
             (Endpoint::Readyz, true) => self.readyz(),
             (Endpoint::Bloom, true) => self.bloom_status(),
             (Endpoint::Config, true) => self.config_text().await,
+            (Endpoint::Redis, true) => match &self.redis {
+                // The topology found at start or after the last failover, and whether
+                // Redis is in the request path right now.
+                Some(redis) => json(
+                    StatusCode::OK,
+                    &serde_json::json!({
+                        "up": redis.is_up(),
+                        "topology": redis.topology(),
+                    }),
+                ),
+                None => json(StatusCode::OK, &serde_json::json!({ "mode": "embedded" })),
+            },
             (Endpoint::HotKeys, true) => json(
                 StatusCode::OK,
                 &serde_json::json!({

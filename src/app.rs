@@ -114,7 +114,7 @@ fn spawn_stream(
     let proxy = Arc::clone(proxy);
     let metrics = proxy.metrics.stream.clone();
     tokio::spawn(stream::run(
-        conn.client().clone(),
+        conn.backend().clone(),
         settings,
         move |targets| {
             let proxy = Arc::clone(&proxy);
@@ -178,7 +178,7 @@ impl App {
             Some(redis) => Some(
                 RedisConn::start(redis, metrics.clone(), stop_tasks.clone())
                     .await
-                    .context("creating the Redis client")?,
+                    .context("connecting to Redis")?,
             ),
             None => None,
         };
@@ -240,7 +240,7 @@ impl App {
                     events: metrics.bus_events.clone(),
                 };
                 tokio::spawn(Arc::clone(&bus).run(
-                    conn.client().clone(),
+                    conn.clone(),
                     rc.connect_timeout,
                     bus_metrics,
                     stop_tasks.clone(),
@@ -251,12 +251,10 @@ impl App {
                 while conn.is_up() && !bus.is_connected() && tokio::time::Instant::now() < ready {
                     tokio::time::sleep(std::time::Duration::from_millis(5)).await;
                 }
-                Some(DistLock::new(
-                    conn.clone(),
-                    &rc.key_prefix,
-                    config.lock.lease,
-                    bus,
-                ))
+                Some(
+                    DistLock::new(conn.clone(), &rc.key_prefix, config.lock.lease, bus)
+                        .with_wait_replicas(config.lock.wait_replicas),
+                )
             }
             _ => None,
         };

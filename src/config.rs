@@ -18,6 +18,7 @@ use std::time::Duration;
 use http::{HeaderName, Method, StatusCode, Uri};
 
 pub use env::{ProcessEnv, Vars};
+pub(crate) use validate::redact_url;
 pub use validate::{ConfigError, ConfigProblem};
 
 /// The whole validated configuration.
@@ -131,8 +132,19 @@ pub struct UpstreamConfig {
 /// `Debug` redacts the password in `url`.
 #[derive(Clone)]
 pub struct RedisConfig {
-    /// `redis://[user:pass@]host:port[/db]`; secret parts are redacted when shown.
+    pub mode: RedisMode,
+    /// Standalone: `redis://[user:pass@]host:port[/db]`; secret parts are redacted when
+    /// shown. Empty in the other modes.
     pub url: String,
+    /// Sentinel: the sentinels; cluster: the seed nodes. Empty for standalone.
+    pub urls: Vec<String>,
+    /// Sentinel: the name the sentinels monitor the primary under.
+    pub master_name: String,
+    /// ACL user for the data nodes, when set apart from the URL.
+    pub username: Option<String>,
+    /// Password for the data nodes (from `password`, `password_file` or
+    /// `CACHEGUARD_REDIS_PASSWORD`); never shown.
+    pub password: Option<String>,
     /// Upper bound on every Redis command; a slower answer is treated as Redis being down.
     pub command_timeout: Duration,
     pub connect_timeout: Duration,
@@ -140,6 +152,27 @@ pub struct RedisConfig {
     pub key_prefix: String,
     /// Consecutive failed or timed-out commands that open the circuit breaker.
     pub breaker_failures: u32,
+}
+
+/// How the shared Redis is deployed (`redis.mode`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RedisMode {
+    /// One server at `url` (or a proxy in front of several).
+    Standalone,
+    /// A primary and its replicas, found and followed through Redis Sentinel.
+    Sentinel,
+    /// A Redis Cluster, found from its seed nodes.
+    Cluster,
+}
+
+impl RedisMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RedisMode::Standalone => "standalone",
+            RedisMode::Sentinel => "sentinel",
+            RedisMode::Cluster => "cluster",
+        }
+    }
 }
 
 /// `Debug` never shows the token.
@@ -152,8 +185,14 @@ pub struct AdminConfig {
 
 impl std::fmt::Debug for RedisConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let urls: Vec<String> = self.urls.iter().map(|u| validate::redact_url(u)).collect();
         f.debug_struct("RedisConfig")
+            .field("mode", &self.mode)
             .field("url", &validate::redact_url(&self.url))
+            .field("urls", &urls)
+            .field("master_name", &self.master_name)
+            .field("username", &self.username)
+            .field("password", &self.password.as_ref().map(|_| "***"))
             .field("command_timeout", &self.command_timeout)
             .field("connect_timeout", &self.connect_timeout)
             .field("key_prefix", &self.key_prefix)
@@ -222,6 +261,9 @@ pub struct LockConfig {
     pub on_timeout: OnTimeout,
     /// How long a key whose answer was not shareable skips single-flight (hit-for-miss).
     pub uncacheable_ttl: Duration,
+    /// After acquiring a lock, `WAIT` for this many replicas to have it (0 = don't), so a
+    /// failover right after is less likely to lose it and cause a second fetch.
+    pub wait_replicas: u32,
 }
 
 /// One `[[routes]]` entry with the `[cache]` defaults already applied.

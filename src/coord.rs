@@ -4,9 +4,11 @@
 //! Redis is an accelerator, not a dependency: every command is bounded by
 //! `redis.command_timeout`, and while Redis is down no request waits on it at all.
 
+pub(crate) mod backend;
 pub(crate) mod events;
 pub(crate) mod redis;
 pub(crate) mod scripts;
+pub(crate) mod sentinel;
 
 pub(crate) use self::redis::RedisConn;
 

@@ -141,16 +141,19 @@ pub enum LockEvent {
     Takeover,
     /// A waiter gave up after `lock.wait_timeout`.
     WaitTimeout,
+    /// With `lock.wait_replicas`, fewer replicas than asked had the lock in time.
+    Unreplicated,
 }
 
 impl LockEvent {
-    pub const ALL: [LockEvent; 6] = [
+    pub const ALL: [LockEvent; 7] = [
         LockEvent::Acquired,
         LockEvent::Contended,
         LockEvent::Renewed,
         LockEvent::Lost,
         LockEvent::Takeover,
         LockEvent::WaitTimeout,
+        LockEvent::Unreplicated,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -161,6 +164,7 @@ impl LockEvent {
             LockEvent::Lost => "lost",
             LockEvent::Takeover => "takeover",
             LockEvent::WaitTimeout => "wait_timeout",
+            LockEvent::Unreplicated => "unreplicated",
         }
     }
 }
@@ -242,6 +246,12 @@ pub struct Metrics {
     pub redis_breaker_open: IntGauge,
     redis_breaker_transitions: IntCounterVec,
     pub redis_restarts: IntCounter,
+    /// Times the primary in use changed (Sentinel failover followed).
+    pub redis_primary_changes: IntCounter,
+    /// Commands retried once after hitting a demoted primary (`READONLY`).
+    pub redis_readonly_retries: IntCounter,
+    /// Nodes of the topology found, by role (primary, replica).
+    pub redis_nodes: IntGaugeVec,
     warmup: IntCounterVec,
     hot_keys: IntGauge,
     hot_promotions: IntCounterVec,
@@ -402,6 +412,21 @@ impl Metrics {
         let redis_restarts = IntCounter::new(
             "cacheguard_redis_restarts_total",
             "Times Redis came back with a new run id (restarted, its data possibly gone).",
+        )?;
+        let redis_primary_changes = IntCounter::new(
+            "cacheguard_redis_primary_changes_total",
+            "Times cacheguard followed Sentinel to a new Redis primary.",
+        )?;
+        let redis_readonly_retries = IntCounter::new(
+            "cacheguard_redis_readonly_retries_total",
+            "Commands that hit a demoted primary (READONLY) and were retried once after re-resolving.",
+        )?;
+        let redis_nodes = IntGaugeVec::new(
+            Opts::new(
+                "cacheguard_redis_nodes",
+                "Redis nodes in the topology found at start or after a failover, by role (primary, replica).",
+            ),
+            &["role"],
         )?;
         let warmup = IntCounterVec::new(
             Opts::new(
@@ -575,6 +600,9 @@ impl Metrics {
         registry.register(Box::new(redis_breaker_open.clone()))?;
         registry.register(Box::new(redis_breaker_transitions.clone()))?;
         registry.register(Box::new(redis_restarts.clone()))?;
+        registry.register(Box::new(redis_primary_changes.clone()))?;
+        registry.register(Box::new(redis_readonly_retries.clone()))?;
+        registry.register(Box::new(redis_nodes.clone()))?;
         registry.register(Box::new(warmup.clone()))?;
         let origin_in_flight = IntGauge::new(
             "cacheguard_origin_in_flight",
@@ -862,6 +890,9 @@ impl Metrics {
             redis_breaker_open,
             redis_breaker_transitions,
             redis_restarts,
+            redis_primary_changes,
+            redis_readonly_retries,
+            redis_nodes,
             warmup,
             hot_keys,
             hot_promotions,

@@ -21,8 +21,8 @@ use tokio::time::Instant;
 
 use common::prom::{Exposition, check_histogram};
 use common::{
-    CgConfig, HttpClient, IdsFault, IdsFormat, RedisServer, TcpProxy, TestOrigin, bounded_parallel,
-    poll_until, post, scrape, url,
+    CgConfig, HttpClient, IdsFault, IdsFormat, RedisCluster, RedisServer, SharedRedis, TcpProxy,
+    TestOrigin, bounded_parallel, poll_until, post, scrape, url,
 };
 
 const FILTER: &str = "items";
@@ -667,12 +667,15 @@ async fn every_existing_id_passes_the_filter() {
 
 /// Two instances sharing one Redis; `n` ids created through A are served 200 through B
 /// within 100 ms of each POST returning.
-async fn created_ids_pass_on_the_other_instance(from: &str, location: bool) {
-    let redis = RedisServer::start().await;
+async fn created_ids_pass_on_the_other_instance(
+    redis: &impl SharedRedis,
+    from: &str,
+    location: bool,
+) {
     let origin = items_origin(seed_ids(1_000)).await;
     origin.set_items_location(location);
-    let cfg = CgConfig::new(&origin)
-        .redis(&redis)
+    let cfg = redis
+        .configure(CgConfig::new(&origin))
         .set_str("redis", "command_timeout", "2s")
         .routes(&routes(
             from,
@@ -724,7 +727,7 @@ async fn created_ids_pass_on_the_other_instance(from: &str, location: bool) {
     eprintln!("from = {from:?}: {first_try}/{n} ids served by B on the very first GET");
 
     // The adds are in Redis (ZSET id -> ms) ...
-    let mut con = redis.client().await;
+    let mut con = redis.conn().await;
     let adds_key = format!("cg:bloom:{FILTER}:adds");
     for id in &created {
         let score: Option<f64> = redis::cmd("ZSCORE")
@@ -761,13 +764,20 @@ async fn created_ids_pass_on_the_other_instance(from: &str, location: bool) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn id_created_through_one_instance_passes_on_another_from_location() {
-    created_ids_pass_on_the_other_instance("location", true).await;
+    created_ids_pass_on_the_other_instance(&RedisServer::start().await, "location", true).await;
+}
+
+/// The same on a Redis Cluster: the add goes to the filter's ZSET on its primary, the
+/// event to every instance through the bus.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn id_created_through_one_instance_passes_on_another_on_cluster() {
+    created_ids_pass_on_the_other_instance(&RedisCluster::start().await, "location", true).await;
 }
 
 /// The origin sends no `Location`: the id can only come from the JSON body.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn id_created_through_one_instance_passes_on_another_from_json_pointer() {
-    created_ids_pass_on_the_other_instance("json:/id", false).await;
+    created_ids_pass_on_the_other_instance(&RedisServer::start().await, "json:/id", false).await;
 }
 
 /// B's Redis connections (commands and pub/sub) go through a proxy that is cut while A
@@ -1012,10 +1022,19 @@ async fn source_that_dies_mid_body_is_a_failed_load_not_a_partial_filter() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restart_serves_from_the_redis_snapshot_while_the_source_is_slow() {
-    let redis = RedisServer::start().await;
+    restart_from_snapshot(&RedisServer::start().await).await;
+}
+
+/// The same on a Redis Cluster (the snapshot is one key, on its slot's primary).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restart_serves_from_the_redis_snapshot_while_the_source_is_slow_on_cluster() {
+    restart_from_snapshot(&RedisCluster::start().await).await;
+}
+
+async fn restart_from_snapshot(redis: &impl SharedRedis) {
     let origin = items_origin(seed_ids(10_000)).await;
-    let cfg = CgConfig::new(&origin)
-        .redis(&redis)
+    let cfg = redis
+        .configure(CgConfig::new(&origin))
         .set_str("redis", "command_timeout", "2s")
         .routes(&routes(
             "location",
@@ -1028,7 +1047,7 @@ async fn restart_serves_from_the_redis_snapshot_while_the_source_is_slow() {
     let f = wait_ready(&client, first.admin_addr()).await;
     assert_eq!(f["loaded_from"], "source", "{f}");
     let snapshot_key = format!("cg:bloom:{FILTER}");
-    let con = redis.client().await;
+    let con = redis.conn().await;
     let snapshot = poll_until(Duration::from_secs(5), POLL_EVERY, || {
         let mut con = con.clone();
         let key = snapshot_key.clone();

@@ -49,9 +49,9 @@ double_delete_delay = "{delay}"
     )
 }
 
-fn kv_config(origin: &TestOrigin, redis: &RedisServer, delay: &str) -> CgConfig {
-    CgConfig::new(origin)
-        .redis(redis)
+fn kv_config(origin: &TestOrigin, redis: &impl SharedRedis, delay: &str) -> CgConfig {
+    redis
+        .configure(CgConfig::new(origin))
         .set_str("admin", "token", TOKEN)
         .routes(&kv_routes(delay, true))
 }
@@ -94,10 +94,21 @@ async fn metric(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn write_through_one_instance_is_seen_by_all_at_once() {
     let _serial = SERIAL.lock().await;
-    let redis = RedisServer::start().await;
+    read_after_write(&RedisServer::start().await).await;
+}
+
+/// The same on a Redis Cluster: an entry, its variants' index and its generation share a
+/// slot; the write's invalidation reaches them all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn write_through_one_instance_is_seen_by_all_at_once_on_cluster() {
+    let _serial = SERIAL.lock().await;
+    read_after_write(&RedisCluster::start().await).await;
+}
+
+async fn read_after_write(redis: &impl SharedRedis) {
     let origin = TestOrigin::start().await;
     origin.enable_kv();
-    let cfg = kv_config(&origin, &redis, "200ms");
+    let cfg = kv_config(&origin, redis, "200ms");
     let (a, b, c) = (cfg.start().await, cfg.start().await, cfg.start().await);
     let client = HttpClient::new();
     let instances = [a.addr(), b.addr(), c.addr()];
@@ -167,12 +178,23 @@ async fn write_through_one_instance_is_seen_by_all_at_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn surrogate_keys_of_a_write_answer_invalidate_tagged_entries() {
     let _serial = SERIAL.lock().await;
-    let redis = RedisServer::start().await;
+    surrogate_keys(&RedisServer::start().await).await;
+}
+
+/// The same on a Redis Cluster, where a tag's index and the tagged entries live in
+/// different slots (on different primaries).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn surrogate_keys_of_a_write_answer_invalidate_tagged_entries_on_cluster() {
+    let _serial = SERIAL.lock().await;
+    surrogate_keys(&RedisCluster::start().await).await;
+}
+
+async fn surrogate_keys(redis: &impl SharedRedis) {
     let origin = TestOrigin::start().await;
     origin.enable_kv();
     origin.set_kv_tags(true);
-    let cfg = CgConfig::new(&origin)
-        .redis(&redis)
+    let cfg = redis
+        .configure(CgConfig::new(&origin))
         .routes(&kv_routes("200ms", false));
     let (a, b) = (cfg.start().await, cfg.start().await);
     let client = HttpClient::new();
@@ -214,10 +236,20 @@ async fn surrogate_keys_of_a_write_answer_invalidate_tagged_entries() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fill_that_raced_a_write_is_not_stored() {
     let _serial = SERIAL.lock().await;
-    let redis = RedisServer::start().await;
+    raced_fill(&RedisServer::start().await).await;
+}
+
+/// The same on a Redis Cluster.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fill_that_raced_a_write_is_not_stored_on_cluster() {
+    let _serial = SERIAL.lock().await;
+    raced_fill(&RedisCluster::start().await).await;
+}
+
+async fn raced_fill(redis: &impl SharedRedis) {
     let origin = TestOrigin::start().await;
     origin.enable_kv();
-    let cfg = kv_config(&origin, &redis, "200ms");
+    let cfg = kv_config(&origin, redis, "200ms");
     let (a, b) = (cfg.start().await, cfg.start().await);
     race(&origin, a.addr(), b.addr(), a.admin_addr()).await;
     a.shutdown().await;
@@ -436,6 +468,39 @@ async fn stress_with_replica_lag_never_serves_older_than_the_bound() {
     );
 }
 
+/// The guarded half of the stress test on a Redis Cluster (the naive half above already
+/// shows that the count detects staleness): 8 writers and 32 readers over 100 keys for
+/// 10 s through 3 instances, 50 ms replica lag → no read that began more than
+/// `double_delete_delay` after a write returned saw an older version.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stress_with_replica_lag_never_serves_older_than_the_bound_on_cluster() {
+    const BOUND: Duration = Duration::from_millis(200);
+    let _serial = SERIAL.lock().await;
+    let origin = TestOrigin::start().await;
+    origin.enable_kv();
+    origin.set_replica_lag(Duration::from_millis(50));
+    let cluster = RedisCluster::start().await;
+    let cfg = kv_config(&origin, &cluster, "200ms");
+    let fleet = [cfg.start().await, cfg.start().await, cfg.start().await];
+    let addrs: Vec<_> = fleet.iter().map(|r| r.addr()).collect();
+    let guarded = stress(&addrs, 100, 8, 32, Duration::from_secs(10), BOUND).await;
+    for r in fleet {
+        r.shutdown().await;
+    }
+    eprintln!(
+        "cluster: {} writes, {} reads, {} stale after {BOUND:?}",
+        guarded.writes, guarded.reads, guarded.stale_after_bound
+    );
+    assert!(
+        guarded.writes > 200 && guarded.reads > 1000,
+        "too little load to tell"
+    );
+    assert_eq!(
+        guarded.stale_after_bound, 0,
+        "reads older than a write that returned over {BOUND:?} before"
+    );
+}
+
 // === 4. Redis down during writes, cacheguard restarted ===
 
 /// A config file for a cacheguard process on fixed ports, its Redis through `redis_url`, its
@@ -599,11 +664,22 @@ async fn purge(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn purge_by_key_pattern_and_tag() {
     let _serial = SERIAL.lock().await;
-    let redis = RedisServer::start().await;
+    purge_all_ways(&RedisServer::start().await).await;
+}
+
+/// The same on a Redis Cluster (a pattern purge scans the route's tag index on its
+/// primary; the keys it names live on all of them).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn purge_by_key_pattern_and_tag_on_cluster() {
+    let _serial = SERIAL.lock().await;
+    purge_all_ways(&RedisCluster::start().await).await;
+}
+
+async fn purge_all_ways(redis: &impl SharedRedis) {
     let origin = TestOrigin::start().await;
     origin.enable_kv();
     origin.set_kv_tags(true);
-    let cfg = kv_config(&origin, &redis, "200ms");
+    let cfg = kv_config(&origin, redis, "200ms");
     let (a, b) = (cfg.start().await, cfg.start().await);
     let client = HttpClient::new();
     let paths = [
@@ -719,23 +795,23 @@ async fn purge_by_key_pattern_and_tag() {
 
 // === 6. the invalidation stream ===
 
-async fn xadd_paths(redis: &RedisServer, paths: impl Iterator<Item = String>) {
-    let mut con = redis.client().await;
-    let mut pipe = redis::pipe();
+async fn xadd_paths(redis: &impl SharedRedis, paths: impl Iterator<Item = String>) {
+    let mut con = redis.conn().await;
     for path in paths {
-        pipe.cmd("XADD")
+        redis::cmd("XADD")
             .arg("cg:invalidate")
             .arg("*")
             .arg("path")
             .arg(path)
-            .ignore();
+            .query_async::<String>(&mut con)
+            .await
+            .expect("XADD");
     }
-    pipe.query_async::<()>(&mut con).await.expect("XADD");
 }
 
 /// Entries delivered to the group and not yet acknowledged (0 before the group exists).
-async fn group_pending(redis: &RedisServer) -> i64 {
-    let mut con = redis.client().await;
+async fn group_pending(redis: &impl SharedRedis) -> i64 {
+    let mut con = redis.conn().await;
     let Ok(summary) = redis::cmd("XPENDING")
         .arg("cg:invalidate")
         .arg("cacheguard")
@@ -842,6 +918,59 @@ async fn stream_entries_are_all_applied_and_a_dead_consumers_are_claimed() {
         &stale[..stale.len().min(10)]
     );
     survivor.shutdown().await;
+    reader.shutdown().await;
+}
+
+/// On a Redis Cluster: the stream key lives on one primary (its slot's); 500 path entries
+/// written there are all applied by a consumer reading over its own cluster connection,
+/// and reach another instance's L1 through the event bus.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stream_entries_are_all_applied_on_cluster() {
+    let _serial = SERIAL.lock().await;
+    let cluster = RedisCluster::start().await;
+    let origin = TestOrigin::start().await;
+    origin.enable_kv();
+    let reader = kv_config(&origin, &cluster, "200ms")
+        .set("invalidation_stream", "enabled", "false")
+        .start()
+        .await;
+    let consumer = kv_config(&origin, &cluster, "200ms").start().await;
+    let client = HttpClient::new();
+    let keys: Vec<String> = (0..500).map(|k| format!("/kv/s{k}")).collect();
+    for path in &keys {
+        assert_eq!(get_version(&client, reader.addr(), path).await, 0);
+    }
+    for path in &keys {
+        put(&client, origin.addr(), path).await;
+    }
+    xadd_paths(&cluster, keys.iter().cloned()).await;
+    let applied = poll_until(
+        Duration::from_secs(20),
+        Duration::from_millis(100),
+        || async {
+            let (_, exp) = scrape(&client, consumer.admin_addr()).await;
+            let n = exp.sum("cacheguard_stream_entries_total", &[("result", "applied")]);
+            (n >= 500.0 && group_pending(&cluster).await == 0).then_some(n)
+        },
+    )
+    .await;
+    assert!(
+        applied.is_some(),
+        "the stream was not drained on the cluster"
+    );
+    let mut stale = Vec::new();
+    for path in &keys {
+        if get_version(&client, reader.addr(), path).await != 1 {
+            stale.push(path.clone());
+        }
+    }
+    assert!(
+        stale.is_empty(),
+        "{} of 500 not applied: {:?}",
+        stale.len(),
+        &stale[..stale.len().min(10)]
+    );
+    consumer.shutdown().await;
     reader.shutdown().await;
 }
 

@@ -109,12 +109,22 @@ ttl = "60s"
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stale_entry_is_served_at_once_while_one_refresh_runs() {
     let _serial = flight_support::serial().await;
-    let redis = RedisServer::start().await;
+    stale_while_one_refresh(&RedisServer::start().await).await;
+}
+
+/// The same on a Redis Cluster.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stale_entry_is_served_at_once_while_one_refresh_runs_on_cluster() {
+    let _serial = flight_support::serial().await;
+    stale_while_one_refresh(&common::RedisCluster::start().await).await;
+}
+
+async fn stale_while_one_refresh(redis: &impl common::SharedRedis) {
     let origin = TestOrigin::start().await;
     let path = "/api/items/swr";
     let cal = "/api/cal/1";
     // command_timeout 2s: a burst on a loaded box must not mark Redis down (degraded).
-    let cfg = short_ttl(CgConfig::new(&origin).redis(&redis))
+    let cfg = short_ttl(redis.configure(CgConfig::new(&origin)))
         .set_str("redis", "command_timeout", "2s")
         .routes(ROUTES_WITH_CAL);
     let a = cfg.start().await;

@@ -190,12 +190,22 @@ async fn cold_key_stampede_over_three_processes_makes_one_origin_request() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stampede_over_two_instances_is_visible_in_lock_metrics() {
     let _serial = flight_support::serial().await;
-    let redis = RedisServer::start().await;
+    stampede_in_lock_metrics(&RedisServer::start().await).await;
+}
+
+/// The same on a Redis Cluster.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stampede_over_two_instances_is_visible_in_lock_metrics_on_cluster() {
+    let _serial = flight_support::serial().await;
+    stampede_in_lock_metrics(&common::RedisCluster::start().await).await;
+}
+
+async fn stampede_in_lock_metrics(redis: &impl common::SharedRedis) {
     let origin = TestOrigin::start().await;
     let path = "/api/items/stampede-metrics";
     origin.set_delay(path, ORIGIN_DELAY);
-    let cfg = CgConfig::new(&origin)
-        .redis(&redis)
+    let cfg = redis
+        .configure(CgConfig::new(&origin))
         .set_str("redis", "command_timeout", "2s")
         .set_str("lock", "wait_timeout", "5s");
     let a = cfg.start().await;

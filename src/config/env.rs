@@ -6,6 +6,7 @@
 //! | `CACHEGUARD_LISTEN`      | `server.listen`                                      |
 //! | `CACHEGUARD_UPSTREAM`    | `upstream.url`                                       |
 //! | `CACHEGUARD_REDIS_URL`   | `redis.url` (creates `[redis]` with defaults if absent) |
+//! | `CACHEGUARD_REDIS_PASSWORD` | `redis.password` (and drops `redis.password_file`) |
 //! | `CACHEGUARD_ADMIN_TOKEN` | `admin.token`                                        |
 //!
 //! Overrides are applied after the file is parsed and before it is validated. An empty
@@ -45,6 +46,7 @@ pub(super) const LISTEN: &str = "CACHEGUARD_LISTEN";
 pub(super) const UPSTREAM: &str = "CACHEGUARD_UPSTREAM";
 pub(super) const REDIS_URL: &str = "CACHEGUARD_REDIS_URL";
 pub(super) const ADMIN_TOKEN: &str = "CACHEGUARD_ADMIN_TOKEN";
+pub(super) const REDIS_PASSWORD: &str = "CACHEGUARD_REDIS_PASSWORD";
 
 /// Applies every set override to `raw`; bad values go to `problems` instead.
 pub(super) fn apply(raw: &mut RawConfig, vars: &dyn Vars, problems: &mut Vec<ConfigProblem>) {
@@ -66,6 +68,14 @@ pub(super) fn apply(raw: &mut RawConfig, vars: &dyn Vars, problems: &mut Vec<Con
             .redis
             .get_or_insert_with(|| Spanned::new(NO_SPAN, Default::default()));
         section.get_mut().url = Some(value);
+    }
+    // A password only means something for a Redis the file (or CACHEGUARD_REDIS_URL) sets.
+    if let Some(section) = raw.redis.as_mut()
+        && let Some(value) = lookup(vars, REDIS_PASSWORD, problems, |_| Ok(()))
+    {
+        let section = section.get_mut();
+        section.password = Some(value);
+        section.password_file = None;
     }
     if let Some(value) = lookup(vars, ADMIN_TOKEN, problems, validate::check_token) {
         raw.admin.token = Some(value);

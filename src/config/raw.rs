@@ -169,8 +169,21 @@ impl Default for RawUpstream {
 #[derive(Debug, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub(super) struct RawRedis {
-    /// Required in the section (or from `CACHEGUARD_REDIS_URL`); checked in `validate.rs`.
+    /// `standalone` (default), `sentinel` or `cluster`.
+    pub(super) mode: Option<Spanned<String>>,
+    /// Standalone: required in the section (or from `CACHEGUARD_REDIS_URL`); cluster: one
+    /// seed (alternative to `urls`); checked in `validate.rs`.
     pub(super) url: Option<Spanned<String>>,
+    /// Sentinel: the sentinels; cluster: seed nodes.
+    pub(super) urls: Option<Spanned<Vec<Spanned<String>>>>,
+    /// Sentinel: the monitored primary's name.
+    pub(super) master_name: Option<Spanned<String>>,
+    /// ACL user for the data nodes (overrides one in the URL).
+    pub(super) username: Option<Spanned<String>>,
+    /// Password for the data nodes; prefer `password_file` or `CACHEGUARD_REDIS_PASSWORD`.
+    pub(super) password: Option<Spanned<String>>,
+    /// A file holding the password (a mounted secret); trailing newlines are ignored.
+    pub(super) password_file: Option<Spanned<String>>,
     pub(super) command_timeout: HumanDuration,
     pub(super) connect_timeout: HumanDuration,
     pub(super) key_prefix: String,
@@ -180,7 +193,13 @@ pub(super) struct RawRedis {
 impl Default for RawRedis {
     fn default() -> Self {
         Self {
+            mode: None,
             url: None,
+            urls: None,
+            master_name: None,
+            username: None,
+            password: None,
+            password_file: None,
             command_timeout: HumanDuration::millis(50),
             connect_timeout: HumanDuration::secs(1),
             key_prefix: "cg:".to_owned(),
@@ -241,6 +260,7 @@ pub(super) struct RawLock {
     pub(super) wait_timeout: HumanDuration,
     pub(super) on_timeout: RawOnTimeout,
     pub(super) uncacheable_ttl: HumanDuration,
+    pub(super) wait_replicas: u32,
 }
 
 impl Default for RawLock {
@@ -250,6 +270,7 @@ impl Default for RawLock {
             wait_timeout: HumanDuration::secs(3),
             on_timeout: RawOnTimeout(OnTimeout::Origin),
             uncacheable_ttl: HumanDuration::secs(10),
+            wait_replicas: 0,
         }
     }
 }

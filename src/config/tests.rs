@@ -1034,3 +1034,128 @@ fn a_relative_journal_path_is_next_to_the_config_file() {
         std::path::PathBuf::from("/etc/cacheguard/j/owed.journal")
     );
 }
+
+// === redis topologies and secrets (#9) ===
+
+#[test]
+fn sentinel_and_cluster_modes_parse() {
+    let sentinel = load(&with_minimal(
+        "[redis]\nmode = \"sentinel\"\nurls = [\"redis://127.0.0.1:26379\", \"redis://127.0.0.1:26380\"]\n\
+         master_name = \"mymaster\"\nusername = \"cg\"\npassword = \"pw\"\n",
+    ))
+    .unwrap();
+    let redis = sentinel.redis.unwrap();
+    assert_eq!(redis.mode, crate::config::RedisMode::Sentinel);
+    assert_eq!(redis.urls.len(), 2);
+    assert_eq!(redis.master_name, "mymaster");
+    assert_eq!(redis.username.as_deref(), Some("cg"));
+    assert_eq!(redis.password.as_deref(), Some("pw"));
+
+    let cluster = load(&with_minimal(
+        "[redis]\nmode = \"cluster\"\nurls = [\"redis://127.0.0.1:7000\", \"rediss://127.0.0.1:7001\"]\n",
+    ))
+    .unwrap();
+    let redis = cluster.redis.unwrap();
+    assert_eq!(redis.mode, crate::config::RedisMode::Cluster);
+    assert_eq!(redis.urls.len(), 2);
+    // A cluster may also be given one seed as `url` (as CACHEGUARD_REDIS_URL does).
+    let one_seed = Config::from_toml(
+        &with_minimal("[redis]\nmode = \"cluster\"\n"),
+        "test.toml",
+        &env(&[("CACHEGUARD_REDIS_URL", "redis://127.0.0.1:7000")]),
+    )
+    .unwrap();
+    assert_eq!(one_seed.redis.unwrap().urls, ["redis://127.0.0.1:7000"]);
+}
+
+#[test]
+fn topology_keys_are_checked_with_file_line_and_key() {
+    assert_eq!(
+        problem(&with_minimal(
+            "[redis]\nmode = \"sharded\"\nurl = \"redis://h:1\"\n"
+        )),
+        "test.toml:4: redis.mode: expected \"standalone\", \"sentinel\" or \"cluster\", got \"sharded\""
+    );
+    assert_eq!(
+        problem(&with_minimal(
+            "[redis]\nmode = \"sentinel\"\nurls = [\"redis://127.0.0.1:26379\"]\n"
+        )),
+        "test.toml:3: redis.master_name: required key is missing: expected the name the \
+         sentinels monitor the primary under, like \"mymaster\""
+    );
+    assert!(
+        problem(&with_minimal("[redis]\nmode = \"cluster\"\n")).starts_with(
+            "test.toml:3: redis.urls: required key is missing: expected the cluster's seed nodes"
+        )
+    );
+    assert!(
+        problem(&with_minimal(
+            "[redis]\nmode = \"cluster\"\nurls = [\"redis://127.0.0.1:7000\", \"unix:///run/r.sock\"]\n"
+        ))
+        .starts_with("test.toml:5: redis.urls[1]: a unix socket cannot be a cluster node")
+    );
+    assert!(
+        problem(&with_minimal(
+            "[redis]\nurl = \"redis://h:1\"\nurls = [\"redis://h:2\"]\n"
+        ))
+        .starts_with("test.toml:5: redis.urls: urls is for mode = \"sentinel\" or \"cluster\"")
+    );
+    assert_eq!(
+        problem(&with_minimal(
+            "[redis]\nurl = \"redis://h:1\"\nmaster_name = \"m\"\n"
+        )),
+        "test.toml:5: redis.master_name: master_name is only for mode = \"sentinel\""
+    );
+    assert_eq!(
+        problem(&with_minimal(
+            "[redis]\nurl = \"redis://h:1\"\npassword = \"a\"\npassword_file = \"/x\"\n"
+        )),
+        "test.toml:6: redis.password_file: set either password or password_file, not both"
+    );
+    let missing = problem(&with_minimal(
+        "[redis]\nurl = \"redis://h:1\"\npassword_file = \"/nonexistent/cg-secret\"\n",
+    ));
+    assert!(
+        missing.starts_with("test.toml:5: redis.password_file: cannot read /nonexistent/cg-secret"),
+        "{missing}"
+    );
+}
+
+#[test]
+fn password_comes_from_a_file_or_the_environment_and_is_never_shown() {
+    let dir = tempfile::tempdir().unwrap();
+    let secret = dir.path().join("redis-password");
+    std::fs::write(&secret, "from-file-s3cret\n").unwrap();
+    let text = with_minimal(&format!(
+        "[redis]\nmode = \"sentinel\"\nurls = [\"redis://u:sentinel-pw@127.0.0.1:26379\"]\n\
+         master_name = \"m\"\npassword_file = {:?}\n",
+        secret.display().to_string()
+    ));
+    let config = load(&text).unwrap();
+    let redis = config.redis.as_ref().unwrap();
+    assert_eq!(redis.password.as_deref(), Some("from-file-s3cret"));
+    let shown = format!("{config:?}");
+    assert!(!shown.contains("from-file-s3cret"), "{shown}");
+    assert!(!shown.contains("sentinel-pw"), "{shown}");
+    assert!(shown.contains("password: Some(\"***\")"), "{shown}");
+
+    // The environment wins over the file.
+    let from_env = Config::from_toml(
+        &text,
+        "test.toml",
+        &env(&[("CACHEGUARD_REDIS_PASSWORD", "from-env-s3cret")]),
+    )
+    .unwrap();
+    assert_eq!(
+        from_env.redis.as_ref().unwrap().password.as_deref(),
+        Some("from-env-s3cret")
+    );
+    assert!(!format!("{from_env:?}").contains("from-env-s3cret"));
+}
+
+#[test]
+fn lock_wait_replicas_defaults_off() {
+    assert_eq!(load(MINIMAL).unwrap().lock.wait_replicas, 0);
+    let set = load(&with_minimal("[lock]\nwait_replicas = 1\n")).unwrap();
+    assert_eq!(set.lock.wait_replicas, 1);
+}

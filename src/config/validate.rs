@@ -30,8 +30,8 @@ use super::raw::{
 };
 use super::{
     AddFrom, AdminConfig, BloomAdd, BloomConfig, BloomSource, CacheDefaults, Config, HotKeysConfig,
-    JournalConfig, JournalFsync, LockConfig, QueryPolicy, RedisConfig, RouteBloom, RouteConfig,
-    ServerConfig, SourceFormat, StreamConfig, UpstreamConfig, Vars, WarmupConfig, env,
+    JournalConfig, JournalFsync, LockConfig, QueryPolicy, RedisConfig, RedisMode, RouteBloom,
+    RouteConfig, ServerConfig, SourceFormat, StreamConfig, UpstreamConfig, Vars, WarmupConfig, env,
 };
 
 /// One problem in a config source: `file:line: key: message`.
@@ -569,6 +569,7 @@ impl Checker<'_> {
             wait_timeout: raw.lock.wait_timeout.0,
             on_timeout: raw.lock.on_timeout.0,
             uncacheable_ttl: raw.lock.uncacheable_ttl.0,
+            wait_replicas: raw.lock.wait_replicas,
         };
         let bloom = self.blooms(&raw.bloom, &upstream);
         let hot_keys = self.hot_keys(&raw.hot_keys);
@@ -607,10 +608,7 @@ impl Checker<'_> {
         };
         // Relative to the config file, so a service manager's working directory does not
         // decide where owed invalidations go.
-        let path = match Path::new(self.file).parent() {
-            Some(dir) if path.is_relative() && !dir.as_os_str().is_empty() => dir.join(path),
-            _ => path,
-        };
+        let path = self.relative_to_config(&path.to_string_lossy());
         let fsync = match &raw.fsync {
             None => JournalFsync::Always,
             Some(value) => match value.get_ref().as_str() {
@@ -749,7 +747,171 @@ impl Checker<'_> {
 
     fn redis(&mut self, section: &Spanned<super::raw::RawRedis>) -> RedisConfig {
         let redis = section.get_ref();
-        let url = match &redis.url {
+        let mode = match &redis.mode {
+            None => RedisMode::Standalone,
+            Some(mode) => match mode.get_ref().as_str() {
+                "standalone" => RedisMode::Standalone,
+                "sentinel" => RedisMode::Sentinel,
+                "cluster" => RedisMode::Cluster,
+                other => {
+                    self.report(
+                        mode.span(),
+                        "redis.mode",
+                        format!(
+                            "expected \"standalone\", \"sentinel\" or \"cluster\", got {other:?}"
+                        ),
+                    );
+                    RedisMode::Standalone
+                }
+            },
+        };
+        let mut urls = Vec::new();
+        for (i, url) in redis.urls.iter().flat_map(|u| u.get_ref()).enumerate() {
+            let checked = check_redis_url(url.get_ref()).and_then(|()| {
+                if url.get_ref().starts_with("unix://") {
+                    Err(format!(
+                        "a unix socket cannot be a {} node; expected redis:// or rediss://",
+                        mode.as_str()
+                    ))
+                } else {
+                    Ok(())
+                }
+            });
+            if self
+                .check(checked, url.span(), &format!("redis.urls[{i}]"))
+                .is_some()
+            {
+                urls.push(url.get_ref().clone());
+            }
+        }
+        let mut url = String::new();
+        match mode {
+            RedisMode::Standalone => {
+                if let Some(list) = &redis.urls {
+                    self.report(
+                        list.span(),
+                        "redis.urls",
+                        "urls is for mode = \"sentinel\" or \"cluster\"; a standalone Redis \
+                         takes one url",
+                    );
+                }
+                url = self.redis_url(section);
+            }
+            RedisMode::Cluster => {
+                // One seed may come as `url` (as from `CACHEGUARD_REDIS_URL`).
+                if redis.url.is_some() {
+                    let seed = self.redis_url(section);
+                    if !seed.is_empty() && !urls.contains(&seed) {
+                        urls.insert(0, seed);
+                    }
+                } else if redis.urls.as_ref().is_none_or(|u| u.get_ref().is_empty()) {
+                    self.report(
+                        section.span(),
+                        "redis.urls",
+                        "required key is missing: expected the cluster's seed nodes like \
+                         [\"redis://10.0.0.1:6379\", \"redis://10.0.0.2:6379\"]",
+                    );
+                }
+            }
+            RedisMode::Sentinel => {
+                if let Some(given) = &redis.url {
+                    self.report(
+                        given.span(),
+                        "redis.url",
+                        "mode = \"sentinel\" finds the primary through the sentinels: list \
+                         them in urls (and name the primary in master_name) instead",
+                    );
+                }
+                if redis.urls.as_ref().is_none_or(|u| u.get_ref().is_empty()) {
+                    self.report(
+                        section.span(),
+                        "redis.urls",
+                        "required key is missing: expected the sentinels like \
+                         [\"redis://10.0.0.1:26379\", \"redis://10.0.0.2:26379\"]",
+                    );
+                }
+            }
+        }
+        let master_name = match (&redis.master_name, mode) {
+            (Some(name), RedisMode::Sentinel) if name.get_ref().trim().is_empty() => {
+                self.report(
+                    name.span(),
+                    "redis.master_name",
+                    "expected a non-empty name",
+                );
+                String::new()
+            }
+            (Some(name), RedisMode::Sentinel) => name.get_ref().clone(),
+            (None, RedisMode::Sentinel) => {
+                self.report(
+                    section.span(),
+                    "redis.master_name",
+                    "required key is missing: expected the name the sentinels monitor the \
+                     primary under, like \"mymaster\"",
+                );
+                String::new()
+            }
+            (Some(name), _) => {
+                self.report(
+                    name.span(),
+                    "redis.master_name",
+                    "master_name is only for mode = \"sentinel\"",
+                );
+                String::new()
+            }
+            (None, _) => String::new(),
+        };
+        let password = match (&redis.password, &redis.password_file) {
+            (Some(_), Some(file)) => {
+                self.report(
+                    file.span(),
+                    "redis.password_file",
+                    "set either password or password_file, not both",
+                );
+                None
+            }
+            (Some(password), None) => Some(password.get_ref().clone()),
+            (None, Some(file)) => {
+                let path = self.relative_to_config(file.get_ref());
+                let read = std::fs::read_to_string(&path)
+                    .map_err(|error| format!("cannot read {}: {error}", path.display()))
+                    .and_then(|text| {
+                        let secret = text.trim_end_matches(['\r', '\n']).to_owned();
+                        if secret.is_empty() {
+                            Err(format!("{} is empty", path.display()))
+                        } else {
+                            Ok(secret)
+                        }
+                    });
+                self.check(read, file.span(), "redis.password_file")
+            }
+            (None, None) => None,
+        };
+        let breaker_failures = *redis.breaker_failures.get_ref();
+        if breaker_failures == 0 {
+            self.report(
+                redis.breaker_failures.span(),
+                "redis.breaker_failures",
+                "expected an integer of at least 1, got 0",
+            );
+        }
+        RedisConfig {
+            mode,
+            url,
+            urls,
+            master_name,
+            username: redis.username.as_ref().map(|u| u.get_ref().clone()),
+            password,
+            command_timeout: redis.command_timeout.0,
+            connect_timeout: redis.connect_timeout.0,
+            key_prefix: redis.key_prefix.clone(),
+            breaker_failures,
+        }
+    }
+
+    /// `redis.url`, checked; reported as missing when absent.
+    fn redis_url(&mut self, section: &Spanned<super::raw::RawRedis>) -> String {
+        match &section.get_ref().url {
             Some(url) => {
                 let checked = check_redis_url(url.get_ref());
                 self.check(checked, url.span(), "redis.url");
@@ -764,21 +926,15 @@ impl Checker<'_> {
                 );
                 String::new()
             }
-        };
-        let breaker_failures = *redis.breaker_failures.get_ref();
-        if breaker_failures == 0 {
-            self.report(
-                redis.breaker_failures.span(),
-                "redis.breaker_failures",
-                "expected an integer of at least 1, got 0",
-            );
         }
-        RedisConfig {
-            url,
-            command_timeout: redis.command_timeout.0,
-            connect_timeout: redis.connect_timeout.0,
-            key_prefix: redis.key_prefix.clone(),
-            breaker_failures,
+    }
+
+    /// A path from the config, relative to the config file's directory.
+    fn relative_to_config(&self, path: &str) -> PathBuf {
+        let path = Path::new(path);
+        match Path::new(self.file).parent() {
+            Some(dir) if path.is_relative() && !dir.as_os_str().is_empty() => dir.join(path),
+            _ => path.to_path_buf(),
         }
     }
 

@@ -65,10 +65,12 @@ use std::time::Duration;
 
 use prometheus::{IntCounter, IntCounterVec, IntGauge};
 use redis::Value;
-use redis::aio::MultiplexedConnection;
+use redis::aio::ConnectionLike;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
+
+use crate::coord::backend::{Backend, DataConn};
 
 /// What one stream entry asks to invalidate.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -162,7 +164,7 @@ const MAX_TAG_BYTES: usize = 1024;
 /// `apply` in progress is dropped and its entries stay pending: another instance claims
 /// them after `claim_idle`.
 pub(crate) async fn run<F, Fut>(
-    client: redis::Client,
+    backend: Backend,
     settings: StreamSettings,
     apply: F,
     metrics: StreamMetrics,
@@ -181,7 +183,7 @@ pub(crate) async fn run<F, Fut>(
     loop {
         let ended = tokio::select! {
             () = stop.cancelled() => return,
-            ended = worker.session(&client, &mut timers, &mut backoff) => ended,
+            ended = worker.session(&backend, &mut timers, &mut backoff) => ended,
         };
         let failure = match ended {
             Ok(never) => match never {},
@@ -256,11 +258,11 @@ where
     /// One connection's life: returns only on a failure that needs a new connection.
     async fn session(
         &self,
-        client: &redis::Client,
+        backend: &Backend,
         timers: &mut Timers,
         backoff: &mut Duration,
     ) -> Result<Infallible, Failure> {
-        let mut conn = self.connect(client).await?;
+        let mut conn = self.connect(backend).await?;
         create_group(&mut conn, self.settings).await?;
         // Entries may be pending on this consumer from before (a read whose reply was lost
         // with the previous connection, or an `apply` that answered false).
@@ -310,19 +312,12 @@ where
         }
     }
 
-    async fn connect(&self, client: &redis::Client) -> Result<MultiplexedConnection, Failure> {
+    async fn connect(&self, backend: &Backend) -> Result<DataConn, Failure> {
         let limit = self.settings.command_timeout.max(MIN_CONNECT_TIMEOUT);
         // No response timeout of the crate's own: its default (500 ms) is shorter than a
-        // BLOCK read. Every command here is bounded by `tokio::time::timeout` instead.
-        let config = redis::AsyncConnectionConfig::new()
-            .set_connection_timeout(Some(limit))
-            .set_response_timeout(None);
-        match tokio::time::timeout(
-            limit,
-            client.get_multiplexed_async_connection_with_config(&config),
-        )
-        .await
-        {
+        // BLOCK read. Every command here is bounded by `tokio::time::timeout` instead. The
+        // connection is this consumer's own: a blocking read must not stall other traffic.
+        match tokio::time::timeout(limit, backend.dedicated(limit, None)).await {
             Ok(Ok(conn)) => Ok(conn),
             Ok(Err(error)) => Err(Failure::redis("connect", error)),
             Err(_) => Err(Failure::timeout("connect", limit)),
@@ -332,7 +327,7 @@ where
     /// Own pending entries first, then claims and housekeeping when due, then new entries.
     async fn round(
         &self,
-        conn: &mut MultiplexedConnection,
+        conn: &mut (impl ConnectionLike + Send),
         timers: &mut Timers,
         own_pending: &mut bool,
     ) -> Result<Progress, Failure> {
@@ -386,7 +381,7 @@ where
     /// Entries delivered to this consumer and not acknowledged, page by page.
     async fn drain_own_pending(
         &self,
-        conn: &mut MultiplexedConnection,
+        conn: &mut (impl ConnectionLike + Send),
     ) -> Result<Progress, Failure> {
         let mut after = "0".to_owned();
         loop {
@@ -413,7 +408,7 @@ where
     }
 
     /// `XAUTOCLAIM` entries idle for `claim_idle` on any consumer, following the cursor.
-    async fn claim(&self, conn: &mut MultiplexedConnection) -> Result<Progress, Failure> {
+    async fn claim(&self, conn: &mut (impl ConnectionLike + Send)) -> Result<Progress, Failure> {
         let idle_ms = u64::try_from(self.settings.claim_idle.as_millis()).unwrap_or(u64::MAX);
         let mut cursor = "0-0".to_owned();
         let mut total = 0u64;
@@ -464,7 +459,7 @@ where
 
     async fn read_new(
         &self,
-        conn: &mut MultiplexedConnection,
+        conn: &mut (impl ConnectionLike + Send),
         block: Duration,
     ) -> Result<Vec<Entry>, Failure> {
         let block_ms = u64::try_from(block.as_millis()).unwrap_or(u64::MAX).max(1);
@@ -488,7 +483,7 @@ where
     /// one `XACK`. Nothing is acknowledged (or counted) when `apply` answers false.
     async fn process(
         &self,
-        conn: &mut MultiplexedConnection,
+        conn: &mut (impl ConnectionLike + Send),
         entries: Vec<Entry>,
     ) -> Result<Progress, Failure> {
         if entries.is_empty() {
@@ -561,7 +556,7 @@ where
 
 /// `XGROUP CREATE key group 0 MKSTREAM`; an existing group (`BUSYGROUP`) is fine.
 async fn create_group(
-    conn: &mut MultiplexedConnection,
+    conn: &mut (impl ConnectionLike + Send),
     settings: &StreamSettings,
 ) -> Result<(), Failure> {
     // Start at `0`, not `$`: entries written before the group existed (a producer that
@@ -589,7 +584,7 @@ async fn create_group(
 
 /// The group's pending count, from the summary form of `XPENDING`.
 async fn pending_count(
-    conn: &mut MultiplexedConnection,
+    conn: &mut (impl ConnectionLike + Send),
     settings: &StreamSettings,
 ) -> Result<i64, Failure> {
     let mut cmd = redis::cmd("XPENDING");
@@ -602,7 +597,7 @@ async fn pending_count(
 /// Deletes the group's consumers (other than this one) with nothing pending and idle for
 /// more than `max_idle`. Returns their names.
 async fn remove_idle_consumers(
-    conn: &mut MultiplexedConnection,
+    conn: &mut (impl ConnectionLike + Send),
     settings: &StreamSettings,
     max_idle: Duration,
 ) -> Result<Vec<String>, Failure> {
@@ -652,7 +647,7 @@ async fn remove_idle_consumers(
 
 /// One command, bounded by `limit`.
 async fn query(
-    conn: &mut MultiplexedConnection,
+    conn: &mut (impl ConnectionLike + Send),
     cmd: &redis::Cmd,
     op: &'static str,
     limit: Duration,
@@ -975,6 +970,8 @@ mod tests {
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
     use std::sync::{Arc, Mutex};
 
+    use redis::aio::MultiplexedConnection;
+
     const KEY: &str = "cg:invalidate";
     const GROUP: &str = "cacheguard";
     const TEST_LIMIT: Duration = Duration::from_secs(9);
@@ -1204,7 +1201,7 @@ mod tests {
     {
         let stop = CancellationToken::new();
         let task = tokio::spawn(run(
-            redis.client(),
+            Backend::Standalone(Box::new(redis.client())),
             settings,
             apply,
             metrics.clone(),
@@ -1603,7 +1600,13 @@ mod tests {
             };
             let stop = CancellationToken::new();
             let client = redis::Client::open(url.as_str()).unwrap();
-            let task = tokio::spawn(run(client, s, apply, metrics.clone(), stop.clone()));
+            let task = tokio::spawn(run(
+                Backend::Standalone(Box::new(client)),
+                s,
+                apply,
+                metrics.clone(),
+                stop.clone(),
+            ));
             eventually("31 handled", Duration::from_secs(6), async || {
                 applied(&metrics) + malformed(&metrics) == 31
             })

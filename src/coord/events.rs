@@ -26,6 +26,8 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
+use super::RedisConn;
+
 /// What happened to a key, as carried on the bus.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum EventKind {
@@ -308,23 +310,27 @@ impl EventBus {
         self.connected.load(Ordering::Relaxed)
     }
 
-    /// Runs the subscription until `stop`, reconnecting with backoff.
+    /// Runs the subscription until `stop`, reconnecting with backoff. Each (re)connection
+    /// tries the nodes [`Backend::pubsub_clients`] names in turn: on a cluster any node
+    /// hears every `PUBLISH`, so losing one node moves the subscription to another; with
+    /// Sentinel it follows the primary (a new primary ends the current subscription).
     pub(crate) async fn run(
         self: Arc<Self>,
-        client: redis::Client,
+        redis: RedisConn,
         connect_timeout: Duration,
         metrics: BusMetrics,
         stop: CancellationToken,
     ) {
         let mut backoff = BACKOFF_MIN;
         let mut first = true;
+        let mut primary_changes = redis.backend().sentinel().map(|s| s.changes());
         loop {
             let subscribed = tokio::select! {
                 () = stop.cancelled() => return,
-                s = tokio::time::timeout(connect_timeout, self.subscribe(&client)) => s,
+                s = self.subscribe_any(&redis, connect_timeout) => s,
             };
             match subscribed {
-                Ok(Ok(pubsub)) => {
+                Ok(pubsub) => {
                     backoff = BACKOFF_MIN;
                     self.connected.store(true, Ordering::Relaxed);
                     metrics.subscribed.set(1);
@@ -339,7 +345,12 @@ impl EventBus {
                     for listener in &self.listeners {
                         Arc::clone(listener).on_subscribed();
                     }
-                    let ended = self.consume(pubsub, &metrics, &stop).await;
+                    if let Some(changes) = primary_changes.as_mut() {
+                        changes.mark_unchanged();
+                    }
+                    let ended = self
+                        .consume(pubsub, &metrics, &stop, primary_changes.as_mut())
+                        .await;
                     self.connected.store(false, Ordering::Relaxed);
                     metrics.subscribed.set(0);
                     let lost_at = crate::cache::now_ms();
@@ -354,10 +365,7 @@ impl EventBus {
                     }
                     warn!(message = "Event bus subscription lost; reconnecting.", channel = %self.channel);
                 }
-                Ok(Err(error)) => {
-                    warn!(message = "Event bus cannot subscribe.", %error);
-                }
-                Err(_) => warn!(message = "Event bus subscribe timed out."),
+                Err(error) => warn!(message = "Event bus cannot subscribe.", error = %error),
             }
             tokio::select! {
                 () = stop.cancelled() => return,
@@ -367,10 +375,34 @@ impl EventBus {
         }
     }
 
-    async fn subscribe(&self, client: &redis::Client) -> redis::RedisResult<redis::aio::PubSub> {
-        let mut pubsub = client.get_async_pubsub().await?;
-        pubsub.subscribe(&self.channel).await?;
-        Ok(pubsub)
+    /// Subscribes on the first node that takes it, each bounded by `connect_timeout`.
+    async fn subscribe_any(
+        &self,
+        redis: &RedisConn,
+        connect_timeout: Duration,
+    ) -> Result<redis::aio::PubSub, String> {
+        let clients = redis
+            .backend()
+            .pubsub_clients(redis.shared(), connect_timeout, &self.channel)
+            .await;
+        if clients.is_empty() {
+            return Err("no node to subscribe on (no primary known yet)".to_owned());
+        }
+        let mut last = String::new();
+        for client in clients {
+            let attempt = tokio::time::timeout(connect_timeout, async {
+                let mut pubsub = client.get_async_pubsub().await?;
+                pubsub.subscribe(&self.channel).await?;
+                Ok::<_, redis::RedisError>(pubsub)
+            })
+            .await;
+            match attempt {
+                Ok(Ok(pubsub)) => return Ok(pubsub),
+                Ok(Err(error)) => last = error.to_string(),
+                Err(_) => last = format!("timed out after {connect_timeout:?}"),
+            }
+        }
+        Err(last)
     }
 
     async fn consume(
@@ -378,11 +410,19 @@ impl EventBus {
         pubsub: redis::aio::PubSub,
         metrics: &BusMetrics,
         stop: &CancellationToken,
+        mut primary_changes: Option<&mut watch::Receiver<u64>>,
     ) -> Ended {
         let (mut sink, mut stream) = pubsub.split();
         loop {
+            let primary_changed = async {
+                match primary_changes.as_mut() {
+                    Some(changes) => changes.changed().await.is_ok(),
+                    None => std::future::pending().await,
+                }
+            };
             let next = tokio::select! {
                 () = stop.cancelled() => return Ended::Stopped,
+                true = primary_changed => return Ended::Lost,
                 next = tokio::time::timeout(IDLE_PING, stream.next()) => next,
             };
             match next {

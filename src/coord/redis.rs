@@ -1,7 +1,7 @@
 //! The shared Redis connection behind a circuit breaker.
 //!
-//! One multiplexed [`ConnectionManager`] serves every request (commands are pipelined on one
-//! socket; redis-rs reconnects it after I/O errors). Around it:
+//! One multiplexed connection serves every request (commands are pipelined on one socket
+//! per node; see [`super::backend`] for how it is made in each `redis.mode`). Around it:
 //!
 //! - every command is wrapped in `command_timeout`, because a reconnecting manager makes
 //!   callers wait for the reconnection, which the manager's own response timeout does not
@@ -15,23 +15,35 @@
 //! - while closed, the probe runs every 800 ms with `INFO server`, so an idle instance
 //!   notices an outage before a request pays for it, and a changed `run_id` tells that Redis
 //!   restarted (its cache, locks and generations are gone: L1 and stale copies keep serving
-//!   while single-flight refills it, under the origin caps).
+//!   while single-flight refills it, under the origin caps). On a cluster the probe asks
+//!   `CLUSTER INFO` of any node instead (node run ids differ);
+//! - with Sentinel, a command that hits a demoted primary (`READONLY`) re-resolves the
+//!   primary and is retried once; a failing primary makes the follower ask the sentinels
+//!   at once, and the connection moves to each new primary they name.
+//!
+//! At start the topology found is logged (mode, primaries, replicas) and exported
+//! (`cacheguard_redis_nodes`); a cluster that does not cover every slot is refused.
 
 use std::sync::Arc;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
-use redis::aio::{ConnectionManager, ConnectionManagerConfig, MultiplexedConnection};
+use anyhow::bail;
+use arc_swap::ArcSwapOption;
 use redis::{FromRedisValue, RedisError, Script};
+use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use crate::config::RedisConfig;
+use super::backend::{self, Backend, CLUSTER_SLOTS, DataConn};
+use crate::config::{RedisConfig, RedisMode};
 use crate::metrics::{Metrics, RedisOp};
 
 /// How often an open breaker probes Redis.
 pub(crate) const PROBE_INTERVAL: Duration = Duration::from_millis(200);
+/// Connections kept for replicated lock acquires (`lock.wait_replicas`).
+const WAIT_POOL: usize = 16;
 /// How often a closed breaker checks on Redis (every this many probe intervals).
 const UP_CHECK_EVERY: u32 = 4;
 
@@ -46,11 +58,21 @@ pub(crate) struct RedisConn {
 }
 
 struct Inner {
-    client: redis::Client,
-    conn: ConnectionManager,
+    backend: Backend,
+    config: RedisConfig,
+    /// The shared connection; `None` while there is none to use (no primary known yet, a
+    /// cluster not reached yet).
+    conn: ArcSwapOption<DataConn>,
+    /// Sentinel: the primary `conn` talks to.
+    conn_primary: Mutex<Option<String>>,
     /// A second connection for rare large transfers (see [`RedisConn::bulk`]); made on
     /// first use and dropped after an error.
-    bulk: tokio::sync::Mutex<Option<MultiplexedConnection>>,
+    bulk: tokio::sync::Mutex<Option<DataConn>>,
+    /// What the last topology check found.
+    topology: Mutex<Topology>,
+    /// Connections for a lock write followed by `WAIT` (see
+    /// [`RedisConn::run_script_replicated`]); emptied when the primary changes.
+    wait_pool: Mutex<Vec<DataConn>>,
     command_timeout: Duration,
     probe_timeout: Duration,
     /// Breaker closed (Redis in the request path).
@@ -73,32 +95,61 @@ impl std::fmt::Debug for RedisConn {
     }
 }
 
+/// The topology found at start (and after a failover), as logged and shown in
+/// `/admin/redis`.
+#[derive(Clone, Debug, Default, Serialize)]
+pub(crate) struct Topology {
+    pub(crate) mode: &'static str,
+    /// `host:port` of each primary (one unless a cluster).
+    pub(crate) primaries: Vec<String>,
+    pub(crate) replicas: usize,
+    /// Cluster: hash slots served by a primary (16384 when complete).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) slots_covered: Option<u32>,
+    /// Sentinel: the name of the monitored primary.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) master_name: Option<String>,
+}
+
 impl RedisConn {
     /// Creates the connection, probes it once (a Redis that is down at start is not an
-    /// error: the instance starts degraded) and spawns the health probe, which stops on
-    /// `stop`.
+    /// error: the instance starts degraded), reports the topology, and spawns the health
+    /// probe (and with Sentinel, the primary follower), which stop on `stop`.
     ///
     /// # Errors
-    /// When the URL cannot be turned into a client (validated at config load already).
+    /// When the URL cannot be turned into a client (validated at config load already), or
+    /// a reachable cluster does not serve every hash slot.
     pub(crate) async fn start(
         config: &RedisConfig,
         metrics: Metrics,
         stop: CancellationToken,
-    ) -> Result<Self, RedisError> {
-        let client = redis::Client::open(config.url.as_str())?;
-        let manager_config = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(config.connect_timeout))
-            .set_response_timeout(Some(config.command_timeout))
-            // Few, short retries: the probe below retries for us every PROBE_INTERVAL, and a
-            // long backoff would delay noticing that Redis is back.
-            .set_number_of_retries(1)
-            .set_min_delay(Duration::from_millis(50))
-            .set_max_delay(Duration::from_millis(200));
-        let conn = ConnectionManager::new_lazy_with_config(client.clone(), manager_config)?;
+    ) -> anyhow::Result<Self> {
+        let backend = Backend::new(config)?;
+        if let Some(covered) = backend
+            .seed_coverage(config.connect_timeout.max(config.command_timeout))
+            .await
+        {
+            refuse_partial_cluster(covered)?;
+        }
+        if let Some(sentinel) = backend.sentinel() {
+            if sentinel.resolve_now().await.is_none() {
+                warn!(
+                    message = "No sentinel names a reachable primary yet; serving degraded until one does.",
+                    master_name = %sentinel.master_name(),
+                );
+            }
+            tokio::spawn(Arc::clone(sentinel).follow(stop.clone()));
+        }
+        let conn = backend.shared(config).await?;
+        let conn_primary = backend.sentinel().and_then(|s| s.primary_addr());
         let inner = Arc::new(Inner {
-            client,
-            conn,
+            backend,
+            config: config.clone(),
+            conn: ArcSwapOption::new(conn.map(Arc::new)),
+            conn_primary: Mutex::new(conn_primary),
             bulk: tokio::sync::Mutex::new(None),
+            topology: Mutex::new(Topology::default()),
+            wait_pool: Mutex::new(Vec::new()),
             command_timeout: config.command_timeout,
             probe_timeout: config.connect_timeout.max(config.command_timeout),
             // Open until the first probe answers: requests never wait on a first connect.
@@ -113,11 +164,258 @@ impl RedisConn {
         inner.metrics.redis_breaker_open.set(1);
         let this = RedisConn { inner };
         this.probe().await;
-        if !this.is_up() {
-            warn!(message = "Redis unavailable at start; serving degraded until it answers.");
+        if this.is_up() {
+            let topology = this.discover().await;
+            if let Some(covered) = topology.slots_covered {
+                refuse_partial_cluster(covered)?;
+            }
+        } else {
+            warn!(
+                message = "Redis unavailable at start; serving degraded until it answers.",
+                mode = this.inner.config.mode.as_str(),
+            );
+        }
+        if let Some(sentinel) = this.inner.backend.sentinel() {
+            tokio::spawn(
+                this.clone()
+                    .follow_primary(sentinel.changes(), stop.clone()),
+            );
         }
         tokio::spawn(this.clone().probe_loop(stop));
         Ok(this)
+    }
+
+    /// How to reach Redis, for connections of their own (the event bus, the stream).
+    pub(crate) fn backend(&self) -> &Backend {
+        &self.inner.backend
+    }
+
+    /// The shared connection, when there is one.
+    pub(crate) fn shared(&self) -> Option<DataConn> {
+        self.inner.conn.load().as_deref().cloned()
+    }
+
+    /// What the last topology check found.
+    pub(crate) fn topology(&self) -> Topology {
+        self.inner
+            .topology
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Sentinel: moves the shared connection to each new primary.
+    async fn follow_primary(
+        self,
+        mut changes: tokio::sync::watch::Receiver<u64>,
+        stop: CancellationToken,
+    ) {
+        loop {
+            tokio::select! {
+                () = stop.cancelled() => return,
+                changed = changes.changed() => if changed.is_err() { return },
+            }
+            if self.sync_primary() {
+                // Check the new primary now rather than at the next probe tick.
+                self.probe().await;
+                self.discover().await;
+            }
+        }
+    }
+
+    /// Sentinel: points the shared connection at the primary the follower holds; true when
+    /// it moved.
+    fn sync_primary(&self) -> bool {
+        let Some(sentinel) = self.inner.backend.sentinel() else {
+            return false;
+        };
+        let addr = sentinel.primary_addr();
+        let mut current = self
+            .inner
+            .conn_primary
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if *current == addr {
+            return false;
+        }
+        let Some(client) = sentinel.primary_client() else {
+            return false;
+        };
+        match backend::managed(&client, &self.inner.config) {
+            Ok(conn) => {
+                self.inner
+                    .conn
+                    .store(Some(Arc::new(DataConn::Managed(conn))));
+                self.inner
+                    .wait_pool
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .clear();
+                if current.is_some() {
+                    self.inner.metrics.redis_primary_changes.inc();
+                }
+                *current = addr;
+                // A new primary has its own run id: not a restart.
+                *self
+                    .inner
+                    .run_id
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner) = None;
+                true
+            }
+            Err(error) => {
+                warn!(message = "Cannot connect to the new primary.", %error);
+                false
+            }
+        }
+    }
+
+    /// Finds and reports the topology (best effort: a failure leaves the last report).
+    pub(crate) async fn discover(&self) -> Topology {
+        let Some(mut conn) = self.shared() else {
+            return self.topology();
+        };
+        let timeout = self.inner.probe_timeout;
+        let mut topology = Topology {
+            mode: self.inner.config.mode.as_str(),
+            ..Topology::default()
+        };
+        match self.inner.config.mode {
+            RedisMode::Cluster => {
+                let mut cmd = redis::cmd("CLUSTER");
+                cmd.arg("NODES");
+                let Ok(Ok(text)) =
+                    tokio::time::timeout(timeout, cmd.query_async::<String>(&mut conn)).await
+                else {
+                    return self.topology();
+                };
+                let nodes = backend::parse_cluster_nodes(&text);
+                for node in &nodes {
+                    if node.primary && node.slots > 0 && node.connected {
+                        topology
+                            .primaries
+                            .push(format!("{}:{}", node.host, node.port));
+                    } else if !node.primary && node.connected {
+                        topology.replicas += 1;
+                    }
+                }
+                self.check_eviction_policy().await;
+                topology.slots_covered = Some(
+                    nodes
+                        .iter()
+                        .filter(|n| n.primary && n.connected)
+                        .map(|n| n.slots)
+                        .sum::<u32>()
+                        .min(CLUSTER_SLOTS),
+                );
+            }
+            RedisMode::Standalone | RedisMode::Sentinel => {
+                let mut cmd = redis::cmd("INFO");
+                cmd.arg("replication");
+                let Ok(Ok(text)) =
+                    tokio::time::timeout(timeout, cmd.query_async::<String>(&mut conn)).await
+                else {
+                    return self.topology();
+                };
+                let field = |name: &str| {
+                    text.lines()
+                        .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
+                        .map(str::trim)
+                };
+                topology.replicas = field("connected_slaves")
+                    .and_then(|n| n.parse().ok())
+                    .unwrap_or(0);
+                let primary = match self.inner.backend.sentinel() {
+                    Some(sentinel) => {
+                        topology.master_name = Some(sentinel.master_name().to_owned());
+                        sentinel.primary_addr().unwrap_or_default()
+                    }
+                    None => crate::config::redact_url(&self.inner.config.url),
+                };
+                if field("role") == Some("slave") {
+                    warn!(
+                        message = "Redis is a replica: writes will fail. Point redis.url at the primary, or use mode = \"sentinel\".",
+                        redis = %primary,
+                    );
+                }
+                topology.primaries.push(primary);
+            }
+        }
+        info!(
+            message = "Redis topology.",
+            mode = topology.mode,
+            primaries = %topology.primaries.join(","),
+            replicas = topology.replicas,
+            slots_covered = ?topology.slots_covered,
+        );
+        let gauge = &self.inner.metrics.redis_nodes;
+        gauge
+            .with_label_values(&["primary"])
+            .set(i64::try_from(topology.primaries.len()).unwrap_or(i64::MAX));
+        gauge
+            .with_label_values(&["replica"])
+            .set(i64::try_from(topology.replicas).unwrap_or(i64::MAX));
+        *self
+            .inner
+            .topology
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = topology.clone();
+        topology
+    }
+
+    /// Runs `attempt` on the shared connection, bounded by `command_timeout`; with
+    /// Sentinel, a `READONLY` answer (the primary was demoted) re-resolves the primary and
+    /// retries once on the new one. Counted toward the breaker.
+    async fn run<T, F, Fut>(&self, op: RedisOp, attempt: F) -> Result<T, Unavailable>
+    where
+        F: Fn(DataConn) -> Fut,
+        Fut: Future<Output = Result<T, RedisError>>,
+    {
+        if !self.is_up() {
+            return Err(Unavailable);
+        }
+        let Some(conn) = self.shared() else {
+            self.failed("no Redis connection to use");
+            return Err(Unavailable);
+        };
+        let started = Instant::now();
+        let timeout = self.inner.command_timeout;
+        let mut result = tokio::time::timeout(timeout, attempt(conn)).await;
+        if let Some(sentinel) = self.inner.backend.sentinel() {
+            match &result {
+                Ok(Err(error)) if is_readonly(error) => {
+                    self.inner.metrics.redis_readonly_retries.inc();
+                    let resolved =
+                        tokio::time::timeout(self.inner.probe_timeout, sentinel.resolve_now())
+                            .await;
+                    self.sync_primary();
+                    if matches!(resolved, Ok(Some(_)))
+                        && let Some(conn) = self.shared()
+                    {
+                        result = tokio::time::timeout(timeout, attempt(conn)).await;
+                    }
+                }
+                // The primary may be gone: let the follower ask the sentinels now.
+                Ok(Err(error)) if error.is_io_error() || error.is_connection_dropped() => {
+                    sentinel.poke();
+                }
+                Err(_) => sentinel.poke(),
+                _ => {}
+            }
+        }
+        self.settle(op, started, result)
+    }
+
+    pub(crate) fn mode(&self) -> RedisMode {
+        self.inner.config.mode
+    }
+
+    pub(crate) fn metrics(&self) -> &Metrics {
+        &self.inner.metrics
+    }
+
+    pub(crate) fn command_timeout(&self) -> Duration {
+        self.inner.command_timeout
     }
 
     pub(crate) fn is_up(&self) -> bool {
@@ -129,11 +427,6 @@ impl RedisConn {
         &self.inner.back
     }
 
-    /// The client, for connections of their own (the pub/sub subscription).
-    pub(crate) fn client(&self) -> &redis::Client {
-        &self.inner.client
-    }
-
     /// Runs a Lua script (EVALSHA, loading it on first use), bounded like every command.
     pub(crate) async fn run_script<T: FromRedisValue>(
         &self,
@@ -142,9 +435,6 @@ impl RedisConn {
         keys: &[&str],
         args: &[&[u8]],
     ) -> Result<T, Unavailable> {
-        if !self.is_up() {
-            return Err(Unavailable);
-        }
         let mut invocation = script.prepare_invoke();
         for key in keys {
             invocation.key(*key);
@@ -152,14 +442,11 @@ impl RedisConn {
         for arg in args {
             invocation.arg(*arg);
         }
-        let mut conn = self.inner.conn.clone();
-        let started = Instant::now();
-        let result = tokio::time::timeout(
-            self.inner.command_timeout,
-            invocation.invoke_async(&mut conn),
-        )
-        .await;
-        self.settle(op, started, result)
+        let invocation = &invocation;
+        self.run(op, |mut conn| async move {
+            invocation.invoke_async(&mut conn).await
+        })
+        .await
     }
 
     /// `PUBLISH channel message`, bounded like every command.
@@ -183,14 +470,96 @@ impl RedisConn {
         op: RedisOp,
         cmd: &redis::Cmd,
     ) -> Result<T, Unavailable> {
+        self.run(op, |mut conn| async move {
+            cmd.query_async::<T>(&mut conn).await
+        })
+        .await
+    }
+
+    /// Runs a script, then `WAIT replicas timeout` on the node that holds `keys[0]`; the
+    /// script's answer and how many replicas had its writes in time (0 when `WAIT` failed).
+    ///
+    /// `WAIT` covers the writes of the connection it is sent on and blocks that connection
+    /// meanwhile, so both run on a connection of their own, taken from a small pool: the
+    /// shared connection's pipeline never waits on a replica.
+    pub(crate) async fn run_script_replicated<T: FromRedisValue>(
+        &self,
+        op: RedisOp,
+        script: &Script,
+        keys: &[&str],
+        args: &[&[u8]],
+        replicas: u32,
+        timeout: Duration,
+    ) -> Result<(T, i64), Unavailable> {
         if !self.is_up() {
             return Err(Unavailable);
         }
-        let mut conn = self.inner.conn.clone();
         let started = Instant::now();
-        let result =
-            tokio::time::timeout(self.inner.command_timeout, cmd.query_async::<T>(&mut conn)).await;
-        self.settle(op, started, result)
+        let pooled = self
+            .inner
+            .wait_pool
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .pop();
+        let mut conn = match pooled {
+            Some(conn) => conn,
+            None => match tokio::time::timeout(
+                self.inner.probe_timeout,
+                self.inner.backend.dedicated(
+                    self.inner.probe_timeout,
+                    Some(timeout + self.inner.command_timeout),
+                ),
+            )
+            .await
+            {
+                Ok(Ok(conn)) => conn,
+                _ => {
+                    self.failed("no connection for a replicated lock");
+                    return Err(Unavailable);
+                }
+            },
+        };
+        let mut invocation = script.prepare_invoke();
+        for key in keys {
+            invocation.key(*key);
+        }
+        for arg in args {
+            invocation.arg(*arg);
+        }
+        let result = tokio::time::timeout(
+            self.inner.command_timeout,
+            invocation.invoke_async(&mut conn),
+        )
+        .await;
+        let value = self.settle(op, started, result)?;
+        let mut wait = redis::cmd("WAIT");
+        wait.arg(replicas).arg(
+            u64::try_from(timeout.as_millis())
+                .unwrap_or(u64::MAX)
+                .max(1),
+        );
+        let key = keys.first().copied().unwrap_or_default();
+        let acked = match tokio::time::timeout(
+            timeout + self.inner.command_timeout,
+            conn.query_at_key::<i64>(key, &wait),
+        )
+        .await
+        {
+            Ok(Ok(acked)) => {
+                let mut pool = self
+                    .inner
+                    .wait_pool
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                if pool.len() < WAIT_POOL {
+                    pool.push(conn);
+                }
+                acked
+            }
+            // A connection in an unknown state is dropped, not pooled.
+            _ => 0,
+        };
+        Ok((value, acked))
     }
 
     /// Runs a command that may move a large value (a Bloom filter snapshot, a resync of
@@ -219,13 +588,10 @@ impl RedisConn {
                     Err(_) => {}
                 }
             }
-            let config = redis::AsyncConnectionConfig::new()
-                .set_connection_timeout(Some(self.inner.probe_timeout))
-                .set_response_timeout(Some(timeout));
             let mut conn = self
                 .inner
-                .client
-                .get_multiplexed_async_connection_with_config(&config)
+                .backend
+                .dedicated(self.inner.probe_timeout, Some(timeout))
                 .await?;
             let value = cmd.query_async::<T>(&mut conn).await?;
             Ok::<_, RedisError>((conn, value))
@@ -333,22 +699,40 @@ impl RedisConn {
     /// is answered within `command_timeout`; a failure opens it at once (the probe is not
     /// a request: one failed probe is evidence enough). The run id tells a restart.
     async fn probe(&self) {
-        let mut conn = self.inner.conn.clone();
+        let cluster = self.inner.config.mode == RedisMode::Cluster;
+        if cluster && self.shared().is_none() {
+            // Not reached yet: try the seeds again.
+            if let Ok(Some(conn)) = self.inner.backend.shared(&self.inner.config).await {
+                self.inner.conn.store(Some(Arc::new(conn)));
+            }
+        }
+        let Some(mut conn) = self.shared() else {
+            if let Some(sentinel) = self.inner.backend.sentinel() {
+                sentinel.poke();
+            }
+            self.mark_down("no Redis connection (no primary known, or no node reached)");
+            return;
+        };
         let started = Instant::now();
+        let mut cmd = redis::cmd(if cluster { "CLUSTER" } else { "INFO" });
+        cmd.arg(if cluster { "INFO" } else { "server" });
         let info = tokio::time::timeout(
             self.inner.probe_timeout,
-            redis::cmd("INFO")
-                .arg("server")
-                .query_async::<String>(&mut conn),
+            cmd.query_async::<String>(&mut conn),
         )
         .await;
+        if !matches!(info, Ok(Ok(_)))
+            && let Some(sentinel) = self.inner.backend.sentinel()
+        {
+            sentinel.poke();
+        }
         let took = started.elapsed();
         self.inner
             .metrics
             .redis_latency(RedisOp::Ping, took.as_secs_f64());
         match info {
             Ok(Ok(info)) if took <= self.inner.command_timeout => {
-                if self.note_run_id(&info) {
+                if !cluster && self.note_run_id(&info) {
                     self.check_eviction_policy().await;
                 }
                 self.mark_up();
@@ -375,7 +759,9 @@ impl RedisConn {
     /// lets a fill that raced a write store its old value (see DESIGN.md, write path).
     /// `CONFIG` may be refused (managed Redis, ACLs): then nothing is said.
     async fn check_eviction_policy(&self) {
-        let mut conn = self.inner.conn.clone();
+        let Some(mut conn) = self.shared() else {
+            return;
+        };
         let answer = tokio::time::timeout(
             self.inner.probe_timeout,
             redis::cmd("CONFIG")
@@ -425,4 +811,22 @@ impl RedisConn {
         *last = Some(run_id.to_owned());
         true
     }
+}
+
+/// A demoted primary's answer to a write (also inside a script).
+fn is_readonly(error: &RedisError) -> bool {
+    error.code() == Some("READONLY") || error.to_string().contains("READONLY")
+}
+
+/// A cluster that leaves hash slots unserved would fail the commands of every key in them,
+/// quietly, forever: refuse to start on one.
+fn refuse_partial_cluster(covered: u32) -> anyhow::Result<()> {
+    if covered < CLUSTER_SLOTS {
+        bail!(
+            "the Redis Cluster serves {covered} of {CLUSTER_SLOTS} hash slots, so commands for \
+             keys in the others would fail: assign every slot (redis-cli --cluster fix) or point \
+             redis.urls at a complete cluster"
+        );
+    }
+    Ok(())
 }

@@ -156,7 +156,8 @@ return 1
 ///
 /// - `KEYS[1]` entry, `KEYS[2]` lock, `KEYS[3]` generation, `KEYS[4]` variant index,
 ///   `KEYS[5]` write quarantine, all of the base key
-/// - `ARGV[1]` generation ttl in ms, `ARGV[2]` channel, `ARGV[3]` invalidate message,
+/// - `ARGV[1]` generation ttl in ms, `ARGV[2]` channel (empty: the caller publishes),
+///   `ARGV[3]` invalidate message,
 ///   `ARGV[4]` the base's key prefix `cg:{<base>}:` (variant keys are built from it; they
 ///   share the hash tag, so the script stays single-slot), `ARGV[5]` quarantine in ms (0 =
 ///   none; a longer quarantine already set is kept): until it ends, [`FILL`] stores nothing
@@ -177,7 +178,9 @@ local q = tonumber(ARGV[5])
 if q > 0 and redis.call('PTTL', KEYS[5]) < q then
   redis.call('SET', KEYS[5], '1', 'PX', q)
 end
-redis.call('PUBLISH', ARGV[2], ARGV[3])
+if ARGV[2] ~= '' then
+  redis.call('PUBLISH', ARGV[2], ARGV[3])
+end
 return #vars
 ",
     )

@@ -11,10 +11,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::cache::CacheKey;
+use crate::config::RedisMode;
 use crate::coord::events::{Event, EventBus, EventKind, Waiters};
 use crate::coord::redis::Unavailable;
 use crate::coord::{KeyNames, RedisConn, scripts, tag_keys, tagged_key};
-use crate::metrics::RedisOp;
+use crate::metrics::{LockEvent, RedisOp};
 
 /// A held lease on one key.
 #[derive(Debug)]
@@ -57,6 +58,8 @@ pub(crate) struct DistLock {
     prefix: Arc<str>,
     pub(crate) lease: Duration,
     bus: Arc<EventBus>,
+    /// `lock.wait_replicas`: replicas that must have a new lock before its fetch starts.
+    wait_replicas: u32,
 }
 
 impl DistLock {
@@ -66,7 +69,18 @@ impl DistLock {
             prefix: prefix.into(),
             lease,
             bus,
+            wait_replicas: 0,
         }
+    }
+
+    /// With `n > 0`, a won lock waits (`WAIT n`, up to `redis.command_timeout`) until `n`
+    /// replicas have it, as Redisson does: a failover right after the acquire then keeps
+    /// the lock, and a second instance does not fetch the same key. Fewer replicas in time
+    /// is counted (`lock_events{event="unreplicated"}`) and the fetch goes on: correctness
+    /// never rests on the lock (fills are generation-checked).
+    pub(crate) fn with_wait_replicas(mut self, n: u32) -> Self {
+        self.wait_replicas = n;
+        self
     }
 
     /// Whether the distributed path can be used right now: Redis answers. The event bus
@@ -99,15 +113,30 @@ impl DistLock {
     pub(crate) async fn acquire(&self, key: &CacheKey) -> Result<Acquired, Unavailable> {
         let names = KeyNames::new(&self.prefix, key);
         let token = format!("{:032x}", rand::random::<u128>());
-        let (won, generation, pttl, now): (i64, String, i64, u64) = self
-            .redis
-            .run_script(
-                RedisOp::Lock,
-                &scripts::ACQUIRE,
-                &[&names.lock, &names.generation],
-                &[token.as_bytes(), &self.lease_ms()],
-            )
-            .await?;
+        let keys = [names.lock.as_str(), names.generation.as_str()];
+        let args = [token.as_bytes(), &self.lease_ms()];
+        let (won, generation, pttl, now): (i64, String, i64, u64) = if self.wait_replicas > 0 {
+            let (answer, acked): ((i64, String, i64, u64), i64) = self
+                .redis
+                .run_script_replicated(
+                    RedisOp::Lock,
+                    &scripts::ACQUIRE,
+                    &keys,
+                    &args,
+                    self.wait_replicas,
+                    self.redis.command_timeout(),
+                )
+                .await?;
+            let (won, ..) = answer;
+            if won == 1 && acked < i64::from(self.wait_replicas) {
+                self.redis.metrics().lock_event(LockEvent::Unreplicated);
+            }
+            answer
+        } else {
+            self.redis
+                .run_script(RedisOp::Lock, &scripts::ACQUIRE, &keys, &args)
+                .await?
+        };
         if won == 1 {
             Ok(Acquired::Won(Box::new(Lease {
                 token,
@@ -172,6 +201,18 @@ impl DistLock {
         let names = KeyNames::of_base(&self.prefix, base);
         let ttl_ms = generation_ttl.as_millis().max(1).to_string();
         let quarantine_ms = quarantine.as_millis().to_string();
+        let message = self.message(EventKind::Invalidate, base);
+        // On a cluster a PUBLISH inside the script reaches the other nodes' subscribers
+        // over the cluster bus, after the script has answered: a write could return before
+        // another instance heard of it. There the event is published on its own, routed
+        // to the node every instance subscribes on first (the primary of the channel's
+        // slot, see `EventBus::run`), which delivers it before it answers.
+        let separate = self.redis.mode() == RedisMode::Cluster;
+        let channel: &[u8] = if separate {
+            b""
+        } else {
+            self.bus.channel.as_bytes()
+        };
         self.redis
             .run_script::<i64>(
                 RedisOp::Invalidate,
@@ -185,14 +226,19 @@ impl DistLock {
                 ],
                 &[
                     ttl_ms.as_bytes(),
-                    self.bus.channel.as_bytes(),
-                    &self.message(EventKind::Invalidate, base),
+                    channel,
+                    &message,
                     prefix.as_bytes(),
                     quarantine_ms.as_bytes(),
                 ],
             )
-            .await
-            .map(|_| ())
+            .await?;
+        if separate {
+            let mut cmd = redis::cmd("PUBLISH");
+            cmd.arg(&self.bus.channel).arg(&message);
+            self.redis.query::<i64>(RedisOp::Invalidate, &cmd).await?;
+        }
+        Ok(())
     }
 
     /// Lists `member` (`<base hex> <path>`) under `tag` for `life`, and tells whether the tag

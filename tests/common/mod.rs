@@ -14,11 +14,14 @@
 #![allow(dead_code, unused_imports, unreachable_pub)]
 
 pub mod client;
+pub mod load;
 pub mod origin;
 pub mod process;
 pub mod prom;
 pub mod redis_cluster;
+pub mod redis_sentinel;
 pub mod redis_server;
+pub mod shared;
 pub mod tcp_proxy;
 
 use std::collections::HashMap;
@@ -34,7 +37,9 @@ pub use process::{
     CacheguardProcess, spawn_cacheguard_process, spawn_cacheguard_process_with_args,
 };
 pub use redis_cluster::RedisCluster;
+pub use redis_sentinel::RedisSentinel;
 pub use redis_server::RedisServer;
+pub use shared::{SharedRedis, TestConn};
 pub use tcp_proxy::TcpProxy;
 
 /// The cached route most tests use.
@@ -124,6 +129,23 @@ impl CgConfig {
     /// journal file of its own ([`fresh_journal_path`]): two instances never share one.
     pub fn redis(self, redis: &RedisServer) -> CgConfig {
         self.set("redis", "url", &q(&redis.url()))
+            .set("redis", "command_timeout", &q("200ms"))
+    }
+
+    /// Shared mode against a Redis Cluster, seeded with every node.
+    pub fn redis_cluster(self, cluster: &RedisCluster) -> CgConfig {
+        let urls: Vec<String> = cluster.urls().iter().map(|u| q(u)).collect();
+        self.set_str("redis", "mode", "cluster")
+            .set("redis", "urls", &format!("[{}]", urls.join(", ")))
+            .set("redis", "command_timeout", &q("200ms"))
+    }
+
+    /// Shared mode against a Sentinel-managed primary.
+    pub fn redis_sentinel(self, sentinel: &RedisSentinel) -> CgConfig {
+        let urls: Vec<String> = sentinel.sentinel_urls().iter().map(|u| q(u)).collect();
+        self.set_str("redis", "mode", "sentinel")
+            .set("redis", "urls", &format!("[{}]", urls.join(", ")))
+            .set_str("redis", "master_name", redis_sentinel::MASTER_NAME)
             .set("redis", "command_timeout", &q("200ms"))
     }
 

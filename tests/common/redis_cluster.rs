@@ -45,7 +45,7 @@ fn free_cluster_port() -> u16 {
 
 impl RedisCluster {
     /// Starts six nodes, creates the cluster and waits until every node reports all 16384
-    /// slots served (bounded).
+    /// slots served and knows the three replicas (bounded).
     pub async fn start() -> RedisCluster {
         let mut nodes = Vec::with_capacity(NODES);
         while nodes.len() < NODES {
@@ -105,7 +105,17 @@ impl RedisCluster {
         for port in cluster.ports() {
             loop {
                 let info = cluster.info(port).await;
-                if info.contains("cluster_state:ok") && info.contains("cluster_slots_ok:16384") {
+                // Replica roles spread by gossip: wait until every node knows all three.
+                let replicas = cluster
+                    .nodes(port)
+                    .await
+                    .lines()
+                    .filter(|l| l.contains("slave") && l.contains(" connected"))
+                    .count();
+                if info.contains("cluster_state:ok")
+                    && info.contains("cluster_slots_ok:16384")
+                    && replicas == NODES / 2
+                {
                     break;
                 }
                 assert!(
@@ -185,6 +195,70 @@ impl RedisCluster {
             let addr = fields.get(1)?.split('@').next()?;
             owns.then(|| addr.rsplit(':').next()?.parse().ok())?
         })
+    }
+
+    /// The node id of the node on `port` (`CLUSTER MYID`).
+    pub async fn node_id(&self, port: u16) -> String {
+        self.query(port, redis::cmd("CLUSTER").arg("MYID"))
+            .await
+            .unwrap_or_else(|| panic!("CLUSTER MYID on {port}"))
+    }
+
+    /// Moves `slots` hash slots from the primary on `from` to the one on `to` with
+    /// `redis-cli --cluster reshard` (keys migrate with `MIGRATE`, clients see `ASK` and
+    /// then `MOVED`). Bounded by 120 s.
+    pub async fn reshard(&self, from: u16, to: u16, slots: u32) -> std::process::Output {
+        let (from_id, to_id) = (self.node_id(from).await, self.node_id(to).await);
+        tokio::time::timeout(
+            Duration::from_secs(120),
+            tokio::process::Command::new("redis-cli")
+                .arg("--cluster")
+                .arg("reshard")
+                .arg(format!("127.0.0.1:{from}"))
+                .args(["--cluster-from", &from_id, "--cluster-to", &to_id])
+                .args(["--cluster-slots", &slots.to_string(), "--cluster-yes"])
+                .stdin(Stdio::null())
+                .output(),
+        )
+        .await
+        .expect("redis-cli --cluster reshard timed out")
+        .expect("run redis-cli")
+    }
+
+    /// Waits until every live node reports `cluster_state:ok` with all slots served and
+    /// `port` is not a primary any more (bounded by `timeout`); how long it took.
+    pub async fn wait_failed_over(&self, dead: u16, timeout: Duration) -> Option<Duration> {
+        let started = Instant::now();
+        let live: Vec<u16> = self
+            .nodes
+            .iter()
+            .filter(|n| n.child.is_some())
+            .map(|n| n.port)
+            .collect();
+        loop {
+            let mut ok = true;
+            for port in &live {
+                let info = self.info(*port).await;
+                let nodes = self.nodes(*port).await;
+                let dead_is_primary = nodes.lines().any(|l| {
+                    l.contains(&format!(":{dead}@")) && l.contains("master") && !l.contains("fail")
+                });
+                if !info.contains("cluster_state:ok")
+                    || !info.contains("cluster_slots_ok:16384")
+                    || dead_is_primary
+                {
+                    ok = false;
+                    break;
+                }
+            }
+            if ok {
+                return Some(started.elapsed());
+            }
+            if started.elapsed() > timeout {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
     }
 
     /// SIGKILL the node on `port`, by PID.

@@ -225,6 +225,45 @@ pub(crate) async fn spawn_with(port: u16, dir: &Path, extra: &[&str]) -> Result<
 }
 
 /// `INFO server` over a raw socket; the `process_id` of whatever answers on `port`.
+/// Starts `redis-server <dir>/sentinel.conf --sentinel` on `port`, the config file holding
+/// `config` (the `sentinel monitor …` lines); waits until it answers as itself.
+pub(crate) async fn spawn_sentinel(port: u16, dir: &Path, config: &str) -> Result<Child, String> {
+    let conf = dir.join("sentinel.conf");
+    let log = dir.join("sentinel.log");
+    let text = format!(
+        "port {port}\nbind 127.0.0.1\ndaemonize no\ndir {}\nlogfile {}\n{config}\n",
+        dir.display(),
+        log.display()
+    );
+    std::fs::write(&conf, text).map_err(|e| format!("write {}: {e}", conf.display()))?;
+    let mut child = Command::new(REDIS_SERVER)
+        .arg(&conf)
+        .arg("--sentinel")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .map_err(|e| format!("spawn {REDIS_SERVER} --sentinel: {e}"))?;
+    let deadline = Instant::now() + START_DEADLINE;
+    loop {
+        if let Ok(Some(status)) = child.try_wait() {
+            let log = std::fs::read_to_string(&log).unwrap_or_default();
+            return Err(format!(
+                "sentinel on port {port} exited with {status}: {log}"
+            ));
+        }
+        if server_pid(port).await == Some(child.id()) {
+            return Ok(child);
+        }
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(format!("sentinel on port {port} never answered"));
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 async fn server_pid(port: u16) -> Option<u32> {
     let attempt = async {
         let mut s = TcpStream::connect(("127.0.0.1", port)).await.ok()?;

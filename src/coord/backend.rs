@@ -1,0 +1,501 @@
+//! Where the shared Redis is and how to reach it: standalone, Sentinel-managed, or a Redis
+//! Cluster (`redis.mode`).
+//!
+//! [`Backend`] makes the connections; [`DataConn`] is one connection to the data, whatever
+//! the topology, and implements redis-rs's `ConnectionLike`, so every command, script and
+//! pipeline in cacheguard is written once:
+//!
+//! - **standalone**: a `ConnectionManager` (reconnects by itself);
+//! - **sentinel**: a `ConnectionManager` to the primary the sentinels name, replaced when
+//!   they name another one (see [`super::sentinel`]);
+//! - **cluster**: redis-rs `cluster-async`, which routes each command by its key's slot and
+//!   follows `MOVED`/`ASK` and topology changes. Every key of one cache key carries one hash
+//!   tag (see [`super::KeyNames`]), so each Lua script touches one slot.
+//!
+//! Pub/sub (the event bus) needs a plain node connection: [`Backend::pubsub_clients`] lists
+//! the nodes to try, in order. On a cluster `PUBLISH` reaches every node, so any node will
+//! do; with Sentinel it is the current primary.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use redis::aio::{
+    ConnectionLike, ConnectionManager, ConnectionManagerConfig, MultiplexedConnection,
+};
+use redis::cluster::ClusterClient;
+use redis::cluster_async::ClusterConnection;
+use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
+use redis::{Cmd, ConnectionInfo, IntoConnectionInfo, Pipeline, RedisFuture, RedisResult, Value};
+
+use super::sentinel::Sentinel;
+use crate::config::{RedisConfig, RedisMode};
+
+/// The number of hash slots of a Redis Cluster.
+pub(crate) const CLUSTER_SLOTS: u32 = 16_384;
+
+/// One connection to the data (see the module docs). Cheap to clone: clones share the
+/// underlying multiplexed socket(s).
+#[derive(Clone)]
+pub(crate) enum DataConn {
+    Managed(ConnectionManager),
+    Plain(MultiplexedConnection),
+    Cluster(ClusterConnection),
+}
+
+impl ConnectionLike for DataConn {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            DataConn::Managed(conn) => conn.req_packed_command(cmd),
+            DataConn::Plain(conn) => conn.req_packed_command(cmd),
+            DataConn::Cluster(conn) => conn.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            DataConn::Managed(conn) => conn.req_packed_commands(pipeline, offset, count),
+            DataConn::Plain(conn) => conn.req_packed_commands(pipeline, offset, count),
+            DataConn::Cluster(conn) => conn.req_packed_commands(pipeline, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            DataConn::Managed(conn) => conn.get_db(),
+            DataConn::Plain(conn) => conn.get_db(),
+            DataConn::Cluster(conn) => conn.get_db(),
+        }
+    }
+}
+
+impl DataConn {
+    /// Runs `cmd` on the node that holds `key` (the primary of its slot on a cluster): for
+    /// commands redis-rs would otherwise fan out, like `WAIT`.
+    pub(crate) async fn query_at_key<T: redis::FromRedisValue>(
+        &mut self,
+        key: &str,
+        cmd: &Cmd,
+    ) -> RedisResult<T> {
+        match self {
+            DataConn::Cluster(conn) => {
+                let route = Route::new(slot_of(key.as_bytes()), SlotAddr::Master);
+                let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(route));
+                let value = conn.route_command(cmd.clone(), routing).await?;
+                redis::from_redis_value(value).map_err(Into::into)
+            }
+            _ => cmd.query_async(self).await,
+        }
+    }
+}
+
+/// The hash slot of `key`: CRC16 (XMODEM) of its hash tag (the part between the first `{`
+/// and the next `}`, when not empty) or of the whole key, modulo 16384. redis-rs computes
+/// this too but does not export it; the checksum itself comes from the `crc16` crate.
+pub(crate) fn slot_of(key: &[u8]) -> u16 {
+    let tagged = key
+        .iter()
+        .position(|&b| b == b'{')
+        .and_then(|open| {
+            let rest = &key[open + 1..];
+            let close = rest.iter().position(|&b| b == b'}')?;
+            (close > 0).then(|| &rest[..close])
+        })
+        .unwrap_or(key);
+    #[allow(clippy::cast_possible_truncation)] // modulo 16384 fits in u16
+    let slot = (u32::from(crc16::State::<crc16::XMODEM>::calculate(tagged)) % CLUSTER_SLOTS) as u16;
+    slot
+}
+
+/// How to reach the shared Redis; cheap to clone.
+#[derive(Clone)]
+pub(crate) enum Backend {
+    Standalone(Box<redis::Client>),
+    Sentinel(Arc<Sentinel>),
+    Cluster {
+        client: Arc<ClusterClient>,
+        /// The seed nodes, for pub/sub when the topology cannot be asked.
+        seeds: Arc<Vec<ConnectionInfo>>,
+        /// ACL credentials, to reach the nodes the cluster names.
+        template: Arc<ConnectionInfo>,
+    },
+}
+
+impl std::fmt::Debug for Backend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Backend::Standalone(_) => "Backend::Standalone",
+            Backend::Sentinel(_) => "Backend::Sentinel",
+            Backend::Cluster { .. } => "Backend::Cluster",
+        })
+    }
+}
+
+/// `url` with the configured ACL user and password (which win over any in the URL).
+pub(crate) fn node_info(url: &str, config: &RedisConfig) -> RedisResult<ConnectionInfo> {
+    let info = url.into_connection_info()?;
+    Ok(with_credentials(info, config))
+}
+
+fn with_credentials(info: ConnectionInfo, config: &RedisConfig) -> ConnectionInfo {
+    let mut settings = info.redis_settings().clone();
+    if let Some(username) = &config.username {
+        settings = settings.set_username(username);
+    }
+    if let Some(password) = &config.password {
+        settings = settings.set_password(password);
+    }
+    info.set_redis_settings(settings)
+}
+
+impl Backend {
+    /// # Errors
+    /// A URL the client cannot use (validated at config load already).
+    pub(crate) fn new(config: &RedisConfig) -> RedisResult<Backend> {
+        match config.mode {
+            RedisMode::Standalone => Ok(Backend::Standalone(Box::new(redis::Client::open(
+                node_info(&config.url, config)?,
+            )?))),
+            RedisMode::Sentinel => Ok(Backend::Sentinel(Arc::new(Sentinel::new(config)?))),
+            RedisMode::Cluster => {
+                let seeds = config
+                    .urls
+                    .iter()
+                    .map(|url| node_info(url, config))
+                    .collect::<RedisResult<Vec<_>>>()?;
+                let mut builder = ClusterClient::builder(seeds.clone())
+                    .connection_timeout(config.connect_timeout)
+                    .response_timeout(config.connect_timeout.max(config.command_timeout))
+                    // Few, short retries: every command is bounded by command_timeout, and
+                    // the breaker's probe retries for us.
+                    .retries(2)
+                    .min_retry_wait(10)
+                    .max_retry_wait(100);
+                if let Some(username) = &config.username {
+                    builder = builder.username(username);
+                }
+                if let Some(password) = &config.password {
+                    builder = builder.password(password);
+                }
+                let template = seeds.first().cloned().ok_or_else(|| {
+                    redis::RedisError::from((
+                        redis::ErrorKind::InvalidClientConfig,
+                        "a cluster needs at least one seed node",
+                    ))
+                })?;
+                Ok(Backend::Cluster {
+                    client: Arc::new(builder.build()?),
+                    seeds: Arc::new(seeds),
+                    template: Arc::new(template),
+                })
+            }
+        }
+    }
+
+    /// The connection every request shares. Standalone: made lazily (a Redis down at start
+    /// is not an error). Sentinel: to the current primary, `None` while none is known.
+    /// Cluster: connects now (bounded by `connect_timeout`); `None` when no seed answers.
+    pub(crate) async fn shared(&self, config: &RedisConfig) -> RedisResult<Option<DataConn>> {
+        match self {
+            Backend::Standalone(client) => Ok(Some(DataConn::Managed(managed(client, config)?))),
+            Backend::Sentinel(sentinel) => match sentinel.primary_client() {
+                Some(client) => Ok(Some(DataConn::Managed(managed(&client, config)?))),
+                None => Ok(None),
+            },
+            Backend::Cluster { client, .. } => {
+                match tokio::time::timeout(
+                    config.connect_timeout.max(Duration::from_millis(100)) * 2,
+                    client.get_async_connection(),
+                )
+                .await
+                {
+                    Ok(Ok(conn)) => Ok(Some(DataConn::Cluster(conn))),
+                    Ok(Err(_)) | Err(_) => Ok(None),
+                }
+            }
+        }
+    }
+
+    /// A connection of its own (not shared with the request path): for blocking reads
+    /// (`XREADGROUP BLOCK`) and large transfers. `response_timeout` `None` = only the
+    /// caller's own bounds apply.
+    ///
+    /// # Errors
+    /// When no node (or, with Sentinel, no primary) answers.
+    pub(crate) async fn dedicated(
+        &self,
+        connect_timeout: Duration,
+        response_timeout: Option<Duration>,
+    ) -> RedisResult<DataConn> {
+        let config = redis::AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(connect_timeout))
+            .set_response_timeout(response_timeout);
+        match self {
+            Backend::Standalone(client) => Ok(DataConn::Plain(
+                client
+                    .get_multiplexed_async_connection_with_config(&config)
+                    .await?,
+            )),
+            Backend::Sentinel(sentinel) => {
+                let client = match sentinel.primary_client() {
+                    Some(client) => client,
+                    None => sentinel.resolve_now().await.ok_or_else(no_primary)?,
+                };
+                Ok(DataConn::Plain(
+                    client
+                        .get_multiplexed_async_connection_with_config(&config)
+                        .await?,
+                ))
+            }
+            Backend::Cluster { client, .. } => {
+                let config = redis::cluster::ClusterConfig::new()
+                    .set_connection_timeout(connect_timeout)
+                    .set_response_timeout(response_timeout.unwrap_or(Duration::from_secs(3600)));
+                Ok(DataConn::Cluster(
+                    client.get_async_connection_with_config(config).await?,
+                ))
+            }
+        }
+    }
+
+    /// Nodes to subscribe to `channel` on, best first. Cluster: the primary of the
+    /// channel's slot first (a `PUBLISH` routed there reaches its subscribers before it
+    /// answers, see `DistLock::invalidate`), then the other nodes the cluster reports
+    /// (asked through `shared`, when given and connected) in random order, then the seeds.
+    pub(crate) async fn pubsub_clients(
+        &self,
+        shared: Option<DataConn>,
+        timeout: Duration,
+        channel: &str,
+    ) -> Vec<redis::Client> {
+        match self {
+            Backend::Standalone(client) => vec![client.as_ref().clone()],
+            Backend::Sentinel(sentinel) => sentinel.primary_client().into_iter().collect(),
+            Backend::Cluster {
+                seeds, template, ..
+            } => {
+                let mut first = Vec::new();
+                let mut infos = Vec::new();
+                let slot = u32::from(slot_of(channel.as_bytes()));
+                if let Some(mut conn) = shared {
+                    let mut cmd = redis::cmd("CLUSTER");
+                    cmd.arg("NODES");
+                    if let Ok(Ok(nodes)) =
+                        tokio::time::timeout(timeout, cmd.query_async::<String>(&mut conn)).await
+                    {
+                        for node in parse_cluster_nodes(&nodes) {
+                            if node.connected && !node.host.is_empty() && node.port != 0 {
+                                let addr = node_addr(template.addr(), &node.host, node.port);
+                                let info = template.as_ref().clone().set_addr(addr);
+                                let owner = node.primary
+                                    && node.ranges.iter().any(|(a, b)| (*a..=*b).contains(&slot));
+                                if owner {
+                                    first.push(info);
+                                } else {
+                                    infos.push(info);
+                                }
+                            }
+                        }
+                    }
+                }
+                // Any other node hears every message too (the cluster bus carries it):
+                // spread the fallbacks with a random start.
+                if !infos.is_empty() {
+                    let start = rand::random_range(0..infos.len());
+                    infos.rotate_left(start);
+                }
+                first.extend(infos);
+                let mut infos = first;
+                infos.extend(seeds.iter().cloned());
+                infos
+                    .into_iter()
+                    .filter_map(|info| redis::Client::open(info).ok())
+                    .collect()
+            }
+        }
+    }
+
+    /// Cluster: the hash slots a primary serves, as the first seed that answers
+    /// `CLUSTER NODES` sees them (asked over a plain connection, so a cluster the cluster
+    /// client refuses to use is still measured). `None` when no seed answers, or not a
+    /// cluster.
+    pub(crate) async fn seed_coverage(&self, timeout: Duration) -> Option<u32> {
+        let Backend::Cluster { seeds, .. } = self else {
+            return None;
+        };
+        for seed in seeds.iter() {
+            let asked = tokio::time::timeout(timeout, async {
+                let client = redis::Client::open(seed.clone())?;
+                let mut conn = client.get_multiplexed_async_connection().await?;
+                redis::cmd("CLUSTER")
+                    .arg("NODES")
+                    .query_async::<String>(&mut conn)
+                    .await
+            })
+            .await;
+            if let Ok(Ok(text)) = asked {
+                return Some(
+                    parse_cluster_nodes(&text)
+                        .iter()
+                        .filter(|n| n.primary && n.connected)
+                        .map(|n| n.slots)
+                        .sum::<u32>()
+                        .min(CLUSTER_SLOTS),
+                );
+            }
+        }
+        None
+    }
+
+    /// The Sentinel follower, in sentinel mode.
+    pub(crate) fn sentinel(&self) -> Option<&Arc<Sentinel>> {
+        match self {
+            Backend::Sentinel(sentinel) => Some(sentinel),
+            _ => None,
+        }
+    }
+}
+
+fn no_primary() -> redis::RedisError {
+    redis::RedisError::from((
+        redis::ErrorKind::Io,
+        "no sentinel names a reachable primary",
+    ))
+}
+
+/// A `ConnectionManager` with cacheguard's settings, connecting lazily.
+pub(crate) fn managed(
+    client: &redis::Client,
+    config: &RedisConfig,
+) -> RedisResult<ConnectionManager> {
+    let manager_config = ConnectionManagerConfig::new()
+        .set_connection_timeout(Some(config.connect_timeout))
+        .set_response_timeout(Some(config.command_timeout))
+        // Few, short retries: the breaker's probe retries for us every PROBE_INTERVAL, and
+        // a long backoff would delay noticing that Redis is back.
+        .set_number_of_retries(1)
+        .set_min_delay(Duration::from_millis(50))
+        .set_max_delay(Duration::from_millis(200));
+    ConnectionManager::new_lazy_with_config(client.clone(), manager_config)
+}
+
+/// `host:port` with the TLS settings of `like`.
+pub(crate) fn node_addr(
+    like: &redis::ConnectionAddr,
+    host: &str,
+    port: u16,
+) -> redis::ConnectionAddr {
+    match like {
+        redis::ConnectionAddr::TcpTls {
+            insecure,
+            tls_params,
+            ..
+        } => redis::ConnectionAddr::TcpTls {
+            host: host.to_owned(),
+            port,
+            insecure: *insecure,
+            tls_params: tls_params.clone(),
+        },
+        _ => redis::ConnectionAddr::Tcp(host.to_owned(), port),
+    }
+}
+
+/// One line of `CLUSTER NODES`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct ClusterNode {
+    pub(crate) id: String,
+    pub(crate) host: String,
+    pub(crate) port: u16,
+    pub(crate) primary: bool,
+    /// Not flagged `fail`/`fail?`/`noaddr`, and its link is `connected`.
+    pub(crate) connected: bool,
+    /// Slots it serves (primaries only).
+    pub(crate) slots: u32,
+    /// The slot ranges it serves, inclusive.
+    pub(crate) ranges: Vec<(u32, u32)>,
+}
+
+/// Parses `CLUSTER NODES`: `<id> <ip:port@cport[,hostname]> <flags> <primary> <ping> <pong>
+/// <epoch> <link> <slot> ...`. Lines that do not parse are skipped.
+pub(crate) fn parse_cluster_nodes(text: &str) -> Vec<ClusterNode> {
+    text.lines()
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split_ascii_whitespace().collect();
+            if fields.len() < 8 {
+                return None;
+            }
+            let addr = fields[1].split(['@', ',']).next()?;
+            let (host, port) = addr.rsplit_once(':')?;
+            // The host is empty on a node that has not learnt its own address yet.
+            let port: u16 = port.parse().ok()?;
+            let flags: Vec<&str> = fields[2].split(',').collect();
+            let failing = flags
+                .iter()
+                .any(|f| matches!(*f, "fail" | "fail?" | "noaddr" | "handshake"));
+            let primary = flags.contains(&"master");
+            // Slots and ranges; `[slot->-id]` / `[slot-<-id]` are migrations in progress.
+            let ranges: Vec<(u32, u32)> = fields[8..]
+                .iter()
+                .filter(|s| !s.starts_with('['))
+                .filter_map(|range| match range.split_once('-') {
+                    Some((a, b)) => match (a.parse::<u32>(), b.parse::<u32>()) {
+                        (Ok(a), Ok(b)) if b >= a => Some((a, b)),
+                        _ => None,
+                    },
+                    None => range.parse::<u32>().ok().map(|s| (s, s)),
+                })
+                .collect();
+            let slots = ranges.iter().map(|(a, b)| b - a + 1).sum();
+            Some(ClusterNode {
+                id: fields[0].to_owned(),
+                host: host.trim_matches(['[', ']']).to_owned(),
+                port,
+                primary,
+                connected: !failing && fields[7] == "connected",
+                slots,
+                ranges,
+            })
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slots_follow_the_hash_tag_like_redis() {
+        // Values from `CLUSTER KEYSLOT` on Redis 7.
+        assert_eq!(slot_of(b"foo"), 12182);
+        assert_eq!(slot_of(b"{user1000}.following"), slot_of(b"user1000"));
+        assert_eq!(slot_of(b"foo{}{bar}"), slot_of(b"foo{}{bar}"));
+        assert_eq!(slot_of(b"123456789"), 12739);
+        assert_eq!(slot_of(b"cg:{abc}:v"), slot_of(b"cg:{abc}:lock"));
+    }
+
+    #[test]
+    fn cluster_nodes_parse_with_flags_and_slots() {
+        let text = "\
+07c3 127.0.0.1:30004@40004 slave e7d1 0 1426238317239 4 connected
+67ed 127.0.0.1:30002@40002 master - 0 1426238316232 2 connected 5461-10922
+292f 127.0.0.1:30003@40003 master - 0 1426238318243 3 connected 10923-16383
+6ec2 127.0.0.1:30005@40005 slave,fail 67ed 0 1426238316232 5 disconnected
+e7d1 127.0.0.1:30001@40001,host-a myself,master - 0 0 1 connected 0-5460 [5461->-67ed]
+";
+        let nodes = parse_cluster_nodes(text);
+        assert_eq!(nodes.len(), 5);
+        let primaries: Vec<_> = nodes.iter().filter(|n| n.primary).collect();
+        assert_eq!(primaries.len(), 3);
+        assert_eq!(
+            primaries.iter().map(|n| n.slots).sum::<u32>(),
+            CLUSTER_SLOTS
+        );
+        assert!(!nodes[3].connected, "a failed node is not a candidate");
+        assert_eq!(nodes[4].port, 30001);
+        assert_eq!(nodes[4].host, "127.0.0.1");
+    }
+}

@@ -1,0 +1,457 @@
+//! Redis Cluster as the shared backend (issue #9), against a real six-node cluster
+//! (three primaries, three replicas) started by the harness: topology checks at start,
+//! keys spread over every primary, one origin request per cold-key stampede across
+//! instances, a primary killed under load, and a slot resharded under load.
+
+#![allow(clippy::unwrap_used)]
+
+mod common;
+#[path = "flight_support/mod.rs"]
+mod flight_support;
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use serde_json::Value;
+use tokio::sync::Mutex;
+use tokio::time::Instant;
+
+use common::load::Load;
+use common::{CgConfig, HttpClient, RedisCluster, TestOrigin, default_body, scrape, url};
+
+/// Cluster tests start six Redis processes each and measure under load: one at a time.
+static SERIAL: Mutex<()> = Mutex::const_new(());
+
+async fn admin_redis(client: &HttpClient, admin: SocketAddr) -> Value {
+    let r = client.get(&url(admin, "/admin/redis")).await;
+    assert_eq!(r.status, 200, "{r}");
+    serde_json::from_slice(&r.body).unwrap()
+}
+
+async fn metric(
+    client: &HttpClient,
+    admin: SocketAddr,
+    name: &str,
+    labels: &[(&str, &str)],
+) -> f64 {
+    scrape(client, admin).await.1.sum(name, labels)
+}
+
+/// Every key matching `pattern` on the node at `port` (`SCAN`, bounded).
+async fn scan(port: u16, pattern: &str) -> Vec<String> {
+    let client = redis::Client::open(format!("redis://127.0.0.1:{port}")).unwrap();
+    let mut con = client.get_multiplexed_async_connection().await.unwrap();
+    let mut cursor = 0u64;
+    let mut keys = Vec::new();
+    for _ in 0..10_000 {
+        let (next, batch): (u64, Vec<String>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(pattern)
+            .arg("COUNT")
+            .arg(1000)
+            .query_async(&mut con)
+            .await
+            .unwrap();
+        keys.extend(batch);
+        cursor = next;
+        if cursor == 0 {
+            break;
+        }
+    }
+    keys
+}
+
+/// Start-up reports the topology, and L2 works through the cluster: a miss is stored and
+/// the next GET (L1 off) is an L2 hit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_topology_is_reported_and_l2_serves_hits() {
+    let _serial = SERIAL.lock().await;
+    let cluster = RedisCluster::start().await;
+    let origin = TestOrigin::start().await;
+    let cg = CgConfig::new(&origin)
+        .redis_cluster(&cluster)
+        .l1("off")
+        .start()
+        .await;
+    let client = HttpClient::new();
+    let shown = admin_redis(&client, cg.admin_addr()).await;
+    assert_eq!(shown["up"], true, "{shown}");
+    assert_eq!(shown["topology"]["mode"], "cluster", "{shown}");
+    assert_eq!(
+        shown["topology"]["primaries"].as_array().unwrap().len(),
+        3,
+        "{shown}"
+    );
+    assert_eq!(shown["topology"]["replicas"], 3, "{shown}");
+    assert_eq!(shown["topology"]["slots_covered"], 16384, "{shown}");
+    let (_, exp) = scrape(&client, cg.admin_addr()).await;
+    assert_eq!(
+        exp.sum("cacheguard_redis_nodes", &[("role", "primary")]),
+        3.0
+    );
+    assert_eq!(
+        exp.sum("cacheguard_redis_nodes", &[("role", "replica")]),
+        3.0
+    );
+
+    for i in 0..20 {
+        let path = format!("/api/items/smoke-{i}");
+        let first = client.get(&url(cg.addr(), &path)).await;
+        assert_eq!(
+            (first.status.as_u16(), first.x_cache().as_str()),
+            (200, "MISS"),
+            "{first}"
+        );
+        let second = client.get(&url(cg.addr(), &path)).await;
+        assert_eq!(
+            (second.status.as_u16(), second.x_cache().as_str()),
+            (200, "HIT-L2"),
+            "{second}"
+        );
+        assert_eq!(second.body, default_body(&path, 1).as_bytes());
+    }
+}
+
+/// The item paths whose entries live on the node at `port` (read back from the entries:
+/// each stores its full key).
+async fn paths_on(port: u16) -> Vec<String> {
+    let client = redis::Client::open(format!("redis://127.0.0.1:{port}")).unwrap();
+    let mut con = client.get_multiplexed_async_connection().await.unwrap();
+    let mut paths = Vec::new();
+    for key in scan(port, "cg:{*}:v*").await {
+        let Ok(Some(value)) = redis::cmd("GET")
+            .arg(&key)
+            .query_async::<Option<Vec<u8>>>(&mut con)
+            .await
+        else {
+            continue;
+        };
+        let text = String::from_utf8_lossy(&value);
+        if let Some(at) = text.find("/api/items/") {
+            let path: String = text[at..]
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || matches!(c, '/' | '-' | '_'))
+                .collect();
+            paths.push(path);
+        }
+    }
+    paths.sort();
+    paths.dedup();
+    paths
+}
+
+/// 1000 distinct keys through cacheguard land on all three primaries (each entry on the
+/// primary that owns its slot), none of them with less than a fifth.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_keys_spread_over_all_three_primaries() {
+    let _serial = SERIAL.lock().await;
+    let cluster = RedisCluster::start().await;
+    let origin = TestOrigin::start().await;
+    let cg = CgConfig::new(&origin)
+        .redis_cluster(&cluster)
+        .set_str("redis", "command_timeout", "1s")
+        .l1("off")
+        .start()
+        .await;
+    let addr = cg.addr();
+    let statuses = common::bounded_parallel(1000, 32, Duration::from_secs(120), |i| {
+        let client = HttpClient::new();
+        async move {
+            client
+                .get(&url(addr, &format!("/api/items/spread-{i}")))
+                .await
+                .status
+                .as_u16()
+        }
+    })
+    .await;
+    assert!(
+        statuses.iter().all(|s| *s == 200),
+        "not every GET answered 200"
+    );
+
+    let primaries = cluster.primaries().await;
+    assert_eq!(primaries.len(), 3, "{cluster:?}");
+    let mut per_primary = BTreeMap::new();
+    let mut total = 0;
+    for port in &primaries {
+        let entries = scan(*port, "cg:{*}:v").await.len();
+        total += entries;
+        per_primary.insert(*port, entries);
+    }
+    eprintln!("entries per primary: {per_primary:?}");
+    assert_eq!(
+        total, 1000,
+        "every key stored exactly once: {per_primary:?}"
+    );
+    assert!(
+        per_primary.values().all(|n| *n >= 200),
+        "a primary holds less than a fifth of the keys: {per_primary:?}"
+    );
+    // Each entry sits with its lock and generation (one hash tag), on its slot's owner.
+    let key = scan(primaries[0], "cg:{*}:v").await.remove(0);
+    assert_eq!(cluster.owner_of(&key).await, Some(primaries[0]), "{key}");
+}
+
+/// Two cacheguard processes on the cluster, 500 concurrent GETs of one cold key (250 per
+/// instance, released together on warm connections) → one origin request, 500 × 200 with
+/// that one body.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn five_hundred_cold_gets_over_two_instances_make_one_origin_request() {
+    let _serial = SERIAL.lock().await;
+    let _flights = flight_support::serial().await;
+    let cluster = RedisCluster::start().await;
+    let origin = TestOrigin::start().await;
+    let path = "/api/items/cluster-stampede";
+    origin.set_delay(path, Duration::from_millis(300));
+    let cfg = CgConfig::new(&origin)
+        .redis_cluster(&cluster)
+        .set_str("redis", "command_timeout", "2s")
+        .set_str("lock", "lease", "5s")
+        .set_str("lock", "wait_timeout", "5s")
+        .set("upstream", "max_concurrency", "1024");
+    let fleet = flight_support::spawn_fleet(&cfg, 2).await;
+    let client = HttpClient::new();
+    flight_support::wait_coordinated(&client, &fleet.admin_addrs()).await;
+    let conns = flight_support::open_warm(&fleet.addrs(), 250, "/warmup").await;
+    assert_eq!(conns.len(), 500);
+    let shots = flight_support::burst(conns, path, Duration::from_secs(20)).await;
+    let expected = default_body(path, 1);
+    let good = shots
+        .iter()
+        .filter(|s| matches!(&s.result, Ok(r) if r.status == 200 && r.body == expected.as_bytes()))
+        .count();
+    assert_eq!(
+        good,
+        500,
+        "every client must get 200 with the one fetched body: {:?}\n{}",
+        flight_support::outcomes(&shots),
+        fleet.output()
+    );
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(
+        origin.count(path),
+        1,
+        "500 concurrent misses over 2 instances on a cluster made more than one origin request: {:?}",
+        flight_support::outcomes(&shots)
+    );
+}
+
+/// Under load, the primary that holds the hot key is killed. Its replica is promoted; no
+/// client sees anything but 2xx (A serves its L1 copies, fresh or stale, and every miss
+/// falls back to the origin), and B (L1 off) gets L2 hits for that primary's keys again
+/// after the promotion, without a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn primary_killed_under_load_costs_no_errors_and_l2_hits_resume() {
+    let _serial = SERIAL.lock().await;
+    let mut cluster = RedisCluster::start().await;
+    let origin = TestOrigin::start().await;
+    let base = CgConfig::new(&origin)
+        .redis_cluster(&cluster)
+        .set_str("cache", "ttl", "2s")
+        .set_str("cache", "grace", "60s")
+        .set("cache", "jitter", "0.0");
+    let a = base.clone().l1("all").start().await;
+    let b = base.clone().l1("off").start().await;
+    let client = HttpClient::new();
+    let paths: Vec<String> = (0..30).map(|i| format!("/api/items/fo-{i}")).collect();
+    for path in &paths {
+        for addr in [a.addr(), a.addr(), b.addr()] {
+            let r = client.get(&url(addr, path)).await;
+            assert_eq!(r.status, 200, "{r}");
+        }
+    }
+    // The victim: the primary holding the most of these keys; its keys are the ones B
+    // must read from L2 again after the promotion.
+    let mut victim = (0, Vec::new());
+    for port in cluster.primaries().await {
+        let on = paths_on(port).await;
+        if on.len() > victim.1.len() {
+            victim = (port, on);
+        }
+    }
+    let (victim, victim_paths) = victim;
+    assert!(!victim_paths.is_empty());
+    let hot = victim_paths[0].clone();
+
+    let load_paths = paths.clone();
+    let hot_path = hot.clone();
+    let load = Load::new(&[a.addr(), b.addr()], move |n| {
+        // Half the requests on the hot key, the rest over every key.
+        if n % 2 == 0 {
+            hot_path.clone()
+        } else {
+            load_paths[(n as usize / 2) % load_paths.len()].clone()
+        }
+    })
+    .conns(8)
+    .pause(Duration::from_millis(2))
+    .duration(Duration::from_secs(40))
+    .start();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let killed_at = Instant::now();
+    cluster.kill(victim);
+    let promoted = cluster
+        .wait_failed_over(victim, Duration::from_secs(30))
+        .await;
+    assert!(promoted.is_some(), "the replica was never promoted");
+    let promoted_at = Instant::now();
+    // L2 hits resume on B for the killed primary's keys.
+    let mut resumed = None;
+    while promoted_at.elapsed() < Duration::from_secs(15) {
+        let r = client.get(&url(b.addr(), &hot)).await;
+        assert!(r.status.is_success(), "{r}");
+        if r.x_cache() == "HIT-L2" {
+            resumed = Some(promoted_at.elapsed());
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let tally = load.finish().await;
+    eprintln!(
+        "killed {victim} ({} of the keys); promoted after {:?}; L2 hits on B again {:?} after; \
+         load: {} answers, {:?}",
+        victim_paths.len(),
+        promoted_at - killed_at,
+        resumed,
+        tally.answers,
+        tally.by_x_cache
+    );
+    assert_eq!(tally.non_2xx(), 0, "non-2xx answers: {:#?}", tally.bad);
+    assert!(
+        tally.answers > 500,
+        "the load hardly ran: {}",
+        tally.answers
+    );
+    assert!(
+        resumed.is_some(),
+        "B never got an L2 hit for {hot} in 15 s after the promotion"
+    );
+    for path in &victim_paths {
+        let r = client.get(&url(b.addr(), path)).await;
+        assert_eq!(r.status, 200, "{r}");
+    }
+    let up = metric(&client, b.admin_addr(), "cacheguard_redis_up", &[]).await;
+    assert_eq!(up, 1.0, "B's breaker did not close again");
+}
+
+/// Under load through two instances (L1 off: every request reads Redis), 1000 slots move
+/// from one primary to another with `redis-cli --cluster reshard`. Clients see no error,
+/// and afterwards every key is still an L2 hit: the moved entries are found on their new
+/// primary (MOVED/ASK followed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reshard_under_load_costs_no_errors() {
+    let _serial = SERIAL.lock().await;
+    let cluster = RedisCluster::start().await;
+    let origin = TestOrigin::start().await;
+    let cfg = CgConfig::new(&origin)
+        .redis_cluster(&cluster)
+        .set_str("redis", "command_timeout", "1s")
+        .l1("off");
+    let a = cfg.start().await;
+    let b = cfg.start().await;
+    let client = HttpClient::new();
+    let paths: Vec<String> = (0..300).map(|i| format!("/api/items/rs-{i}")).collect();
+    for path in &paths {
+        let r = client.get(&url(a.addr(), path)).await;
+        assert_eq!(r.status, 200, "{r}");
+    }
+    let primaries = cluster.primaries().await;
+    let (from, to) = (primaries[0], primaries[1]);
+    let moving_before = paths_on(from).await;
+
+    let load_paths = paths.clone();
+    let load = Load::new(&[a.addr(), b.addr()], move |n| {
+        load_paths[n as usize % load_paths.len()].clone()
+    })
+    .conns(8)
+    .duration(Duration::from_secs(90))
+    .start();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let resharded = cluster.reshard(from, to, 1000).await;
+    assert!(
+        resharded.status.success(),
+        "reshard failed:\n{}{}",
+        String::from_utf8_lossy(&resharded.stdout),
+        String::from_utf8_lossy(&resharded.stderr)
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let tally = load.finish().await;
+    let now_on_to = paths_on(to).await;
+    let moved_keys = moving_before
+        .iter()
+        .filter(|p| now_on_to.contains(p))
+        .count();
+    eprintln!(
+        "reshard moved {moved_keys} of the keys; load: {} answers, {:?}, {:?}",
+        tally.answers, tally.by_status, tally.by_x_cache
+    );
+    assert!(
+        moved_keys > 0,
+        "no key of the test moved: the reshard tested nothing"
+    );
+    assert_eq!(tally.non_2xx(), 0, "client errors: {:#?}", tally.bad);
+    for path in &paths {
+        let r = client.get(&url(b.addr(), path)).await;
+        assert_eq!(
+            (r.status.as_u16(), r.x_cache().as_str()),
+            (200, "HIT-L2"),
+            "{path} after the reshard: {r}"
+        );
+    }
+}
+
+/// A cluster that does not serve every hash slot is refused at start, with a message that
+/// says so (here: one node serving 10000 of the 16384 slots).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_without_full_slot_coverage_is_refused() {
+    let _serial = SERIAL.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let port = common::free_port();
+    let mut node = common::redis_server::spawn_with(
+        port,
+        dir.path(),
+        &[
+            "--cluster-enabled",
+            "yes",
+            "--cluster-config-file",
+            "nodes.conf",
+        ],
+    )
+    .await
+    .unwrap();
+    let seed = format!("redis://127.0.0.1:{port}");
+    let client = redis::Client::open(seed.as_str()).unwrap();
+    let mut con = client.get_multiplexed_async_connection().await.unwrap();
+    let _: String = redis::cmd("CLUSTER")
+        .arg("ADDSLOTSRANGE")
+        .arg(0)
+        .arg(9999)
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let origin = TestOrigin::start().await;
+    let toml = CgConfig::new(&origin)
+        .set_str("redis", "mode", "cluster")
+        .set("redis", "urls", &format!("[\"{seed}\"]"))
+        .toml();
+    let config =
+        cacheguard::Config::from_toml(&toml, "test.toml", &std::collections::HashMap::new())
+            .unwrap();
+    let started = tokio::time::timeout(Duration::from_secs(15), cacheguard::App::start(config))
+        .await
+        .expect("start did not return");
+    let _ = node.kill();
+    let _ = node.wait();
+    let error = match started {
+        Ok(_) => panic!("a cluster serving 10000 of 16384 slots was accepted"),
+        Err(error) => format!("{error:#}"),
+    };
+    assert!(
+        error.contains("serves 10000 of 16384 hash slots"),
+        "unclear refusal: {error}"
+    );
+}

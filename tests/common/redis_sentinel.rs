@@ -1,0 +1,257 @@
+//! A real Sentinel-managed Redis on loopback: one primary, one replica, and three
+//! `redis-server --sentinel` processes monitoring them (quorum 2, `down-after-milliseconds`
+//! 1000, so a killed primary is failed over in about two seconds). Every process is killed
+//! by PID on `Drop`.
+
+use std::process::Child;
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use tempfile::TempDir;
+use tokio::time::Instant;
+
+use super::free_port;
+use super::redis_server::{spawn_sentinel, spawn_with};
+
+pub const MASTER_NAME: &str = "cgprimary";
+const SENTINELS: usize = 3;
+const FORM_DEADLINE: Duration = Duration::from_secs(30);
+/// `down-after-milliseconds`: how long a silent primary takes to be judged down.
+pub const DOWN_AFTER: Duration = Duration::from_millis(1000);
+
+struct Proc {
+    port: u16,
+    child: Option<Child>,
+    _dir: TempDir,
+}
+
+impl Proc {
+    fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+pub struct RedisSentinel {
+    data: Vec<Proc>,
+    sentinels: Vec<Proc>,
+}
+
+impl std::fmt::Debug for RedisSentinel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisSentinel")
+            .field(
+                "data",
+                &self.data.iter().map(|p| p.port).collect::<Vec<_>>(),
+            )
+            .field("sentinels", &self.sentinel_ports())
+            .finish()
+    }
+}
+
+async fn start_data(extra: &[&str]) -> Proc {
+    for _ in 0..8 {
+        let dir = tempfile::tempdir().expect("tempdir for redis-server");
+        let port = free_port();
+        if let Ok(child) = spawn_with(port, dir.path(), extra).await {
+            return Proc {
+                port,
+                child: Some(child),
+                _dir: dir,
+            };
+        }
+    }
+    panic!("could not start a data node");
+}
+
+impl RedisSentinel {
+    /// Starts the primary, its replica (waiting for the link), then the sentinels, and
+    /// waits until every sentinel sees the replica and the two other sentinels.
+    pub async fn start() -> RedisSentinel {
+        let primary = start_data(&[]).await;
+        let primary_port = primary.port.to_string();
+        let replica = start_data(&["--replicaof", "127.0.0.1", &primary_port]).await;
+        let mut this = RedisSentinel {
+            data: vec![primary, replica],
+            sentinels: Vec::new(),
+        };
+        let deadline = Instant::now() + FORM_DEADLINE;
+        let replica_port = this.data[1].port;
+        while !info(replica_port, "replication")
+            .await
+            .contains("master_link_status:up")
+        {
+            assert!(Instant::now() < deadline, "the replica never synced");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let monitor = format!(
+            "sentinel monitor {MASTER_NAME} 127.0.0.1 {primary_port} 2\n\
+             sentinel down-after-milliseconds {MASTER_NAME} {}\n\
+             sentinel failover-timeout {MASTER_NAME} 5000\n\
+             sentinel parallel-syncs {MASTER_NAME} 1",
+            DOWN_AFTER.as_millis()
+        );
+        while this.sentinels.len() < SENTINELS {
+            let dir = tempfile::tempdir().expect("tempdir for a sentinel");
+            let port = free_port();
+            if let Ok(child) = spawn_sentinel(port, dir.path(), &monitor).await {
+                this.sentinels.push(Proc {
+                    port,
+                    child: Some(child),
+                    _dir: dir,
+                });
+            }
+        }
+        for port in this.sentinel_ports() {
+            loop {
+                let state = sentinel_master(port).await;
+                let field = |name: &str| {
+                    state
+                        .iter()
+                        .position(|v| v == name)
+                        .and_then(|i| state.get(i + 1))
+                        .cloned()
+                };
+                if field("num-slaves").as_deref() == Some("1")
+                    && field("num-other-sentinels").as_deref() == Some("2")
+                {
+                    break;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "sentinel {port} did not see the whole set: {state:?}"
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+        this
+    }
+
+    pub fn sentinel_ports(&self) -> Vec<u16> {
+        self.sentinels.iter().map(|p| p.port).collect()
+    }
+
+    /// `redis://` URLs of the sentinels.
+    pub fn sentinel_urls(&self) -> Vec<String> {
+        self.sentinel_ports()
+            .iter()
+            .map(|p| format!("redis://127.0.0.1:{p}"))
+            .collect()
+    }
+
+    /// Ports of the two data nodes.
+    pub fn data_ports(&self) -> Vec<u16> {
+        self.data.iter().map(|p| p.port).collect()
+    }
+
+    /// The primary's port as the first answering sentinel names it.
+    pub async fn primary_port(&self) -> Option<u16> {
+        for port in self.sentinel_ports() {
+            let asked = tokio::time::timeout(Duration::from_secs(2), async {
+                let client = redis::Client::open(format!("redis://127.0.0.1:{port}")).ok()?;
+                let mut con = client.get_multiplexed_async_connection().await.ok()?;
+                redis::cmd("SENTINEL")
+                    .arg("GET-MASTER-ADDR-BY-NAME")
+                    .arg(MASTER_NAME)
+                    .query_async::<Option<(String, String)>>(&mut con)
+                    .await
+                    .ok()?
+            })
+            .await;
+            if let Ok(Some((_, p))) = asked {
+                return p.parse().ok();
+            }
+        }
+        None
+    }
+
+    /// SIGKILL the data node on `port`, by PID.
+    pub fn kill(&mut self, port: u16) {
+        if let Some(node) = self.data.iter_mut().find(|p| p.port == port) {
+            node.kill();
+        }
+    }
+
+    /// A client subscribed to `+switch-master` on the first sentinel: `wait` returns the
+    /// new primary's port and when the announcement arrived.
+    pub async fn watch_switch(&self) -> SwitchWatch {
+        let port = self.sentinel_ports()[0];
+        let client = redis::Client::open(format!("redis://127.0.0.1:{port}")).expect("url");
+        let mut pubsub = client
+            .get_async_pubsub()
+            .await
+            .expect("subscribe to a sentinel");
+        pubsub.subscribe("+switch-master").await.expect("subscribe");
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let task = tokio::spawn(async move {
+            let mut messages = pubsub.into_on_message();
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while let Ok(Some(message)) = tokio::time::timeout_at(deadline, messages.next()).await {
+                let text = String::from_utf8_lossy(message.get_payload_bytes()).into_owned();
+                let fields: Vec<&str> = text.split_whitespace().collect();
+                if fields.first() == Some(&MASTER_NAME)
+                    && let Some(port) = fields.get(4).and_then(|p| p.parse::<u16>().ok())
+                {
+                    let _ = tx.send((port, Instant::now()));
+                    return;
+                }
+            }
+        });
+        SwitchWatch { rx, task }
+    }
+}
+
+pub struct SwitchWatch {
+    rx: tokio::sync::oneshot::Receiver<(u16, Instant)>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl SwitchWatch {
+    /// The new primary's port and when the switch was announced, if within `timeout`.
+    pub async fn wait(self, timeout: Duration) -> Option<(u16, Instant)> {
+        let got = tokio::time::timeout(timeout, self.rx).await.ok()?.ok();
+        self.task.abort();
+        got
+    }
+}
+
+/// `INFO section` of the node on `port` (empty when it does not answer).
+pub async fn info(port: u16, section: &str) -> String {
+    let asked = tokio::time::timeout(Duration::from_secs(2), async {
+        let client = redis::Client::open(format!("redis://127.0.0.1:{port}")).ok()?;
+        let mut con = client.get_multiplexed_async_connection().await.ok()?;
+        redis::cmd("INFO")
+            .arg(section)
+            .query_async::<String>(&mut con)
+            .await
+            .ok()
+    })
+    .await;
+    asked.ok().flatten().unwrap_or_default()
+}
+
+/// `SENTINEL MASTER <name>` on the sentinel at `port`, as a flat list of names and values.
+async fn sentinel_master(port: u16) -> Vec<String> {
+    let asked = tokio::time::timeout(Duration::from_secs(2), async {
+        let client = redis::Client::open(format!("redis://127.0.0.1:{port}")).ok()?;
+        let mut con = client.get_multiplexed_async_connection().await.ok()?;
+        redis::cmd("SENTINEL")
+            .arg("MASTER")
+            .arg(MASTER_NAME)
+            .query_async::<Vec<String>>(&mut con)
+            .await
+            .ok()
+    })
+    .await;
+    asked.ok().flatten().unwrap_or_default()
+}
+
+impl Drop for RedisSentinel {
+    fn drop(&mut self) {
+        for p in self.sentinels.iter_mut().chain(self.data.iter_mut()) {
+            p.kill();
+        }
+    }
+}

@@ -1,0 +1,97 @@
+//! One shared Redis of any topology, so a test written once runs on a standalone server
+//! and on a Redis Cluster (and on Sentinel): [`SharedRedis::configure`] points a config at
+//! it, and [`SharedRedis::conn`] gives the test its own connection for checks, routed by
+//! key on a cluster.
+
+use std::future::Future;
+use std::time::Duration;
+
+use redis::aio::{ConnectionLike, MultiplexedConnection};
+use redis::cluster_async::ClusterConnection;
+use redis::{Cmd, Pipeline, RedisFuture, Value};
+
+use super::{CgConfig, RedisCluster, RedisSentinel, RedisServer};
+
+/// A test's own connection to the data.
+#[derive(Clone)]
+pub enum TestConn {
+    Single(MultiplexedConnection),
+    Cluster(ClusterConnection),
+}
+
+impl ConnectionLike for TestConn {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            TestConn::Single(c) => c.req_packed_command(cmd),
+            TestConn::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            TestConn::Single(c) => c.req_packed_commands(pipeline, offset, count),
+            TestConn::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            TestConn::Single(c) => c.get_db(),
+            TestConn::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
+pub trait SharedRedis: Send + Sync {
+    /// `cfg` in shared mode on this Redis.
+    fn configure(&self, cfg: CgConfig) -> CgConfig;
+    /// A connection of the test's own.
+    fn conn(&self) -> impl Future<Output = TestConn> + Send;
+}
+
+impl SharedRedis for RedisServer {
+    fn configure(&self, cfg: CgConfig) -> CgConfig {
+        cfg.redis(self)
+    }
+
+    async fn conn(&self) -> TestConn {
+        TestConn::Single(self.client().await)
+    }
+}
+
+impl SharedRedis for RedisCluster {
+    fn configure(&self, cfg: CgConfig) -> CgConfig {
+        cfg.redis_cluster(self)
+    }
+
+    async fn conn(&self) -> TestConn {
+        let client = redis::cluster::ClusterClient::new(self.urls()).expect("cluster urls");
+        let conn = tokio::time::timeout(Duration::from_secs(5), client.get_async_connection())
+            .await
+            .expect("cluster connect timed out")
+            .expect("cluster connect");
+        TestConn::Cluster(conn)
+    }
+}
+
+impl SharedRedis for RedisSentinel {
+    fn configure(&self, cfg: CgConfig) -> CgConfig {
+        cfg.redis_sentinel(self)
+    }
+
+    async fn conn(&self) -> TestConn {
+        let port = self.primary_port().await.expect("a primary");
+        let client = redis::Client::open(format!("redis://127.0.0.1:{port}")).expect("url");
+        TestConn::Single(
+            client
+                .get_multiplexed_async_connection()
+                .await
+                .expect("connect to the primary"),
+        )
+    }
+}

@@ -1,0 +1,423 @@
+//! Sentinel-managed Redis as the shared backend (issue #9), against real processes started
+//! by the harness: one primary, one replica, three sentinels. cacheguard finds the primary
+//! through the sentinels, follows a failover within a second of the announcement, never
+//! lets a `READONLY` (a demoted primary's refusal) reach a client, and owes no
+//! invalidation: writes during the failover are journaled and applied afterwards.
+
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use http::Method;
+use serde_json::Value;
+use tokio::sync::Mutex;
+use tokio::time::Instant;
+
+use common::load::Load;
+use common::redis_sentinel::DOWN_AFTER;
+use common::{CgConfig, HttpClient, RedisSentinel, Resp, TestOrigin, client, scrape, url};
+
+/// Each test starts five Redis processes and measures under load: one at a time.
+static SERIAL: Mutex<()> = Mutex::const_new(());
+
+/// A cached KV route and its write route (delayed double delete).
+const KV_ROUTES: &str = r#"
+[[routes]]
+name = "kv"
+match = "/kv/{key}"
+methods = ["GET"]
+
+[[routes]]
+name = "kv-write"
+match = "/kv/{key}"
+methods = ["PUT"]
+invalidate = ["/kv/{key}"]
+double_delete_delay = "200ms"
+"#;
+
+async fn admin_redis(client: &HttpClient, admin: SocketAddr) -> Value {
+    let r = client.get(&url(admin, "/admin/redis")).await;
+    assert_eq!(r.status, 200, "{r}");
+    serde_json::from_slice(&r.body).unwrap()
+}
+
+async fn metric(
+    client: &HttpClient,
+    admin: SocketAddr,
+    name: &str,
+    labels: &[(&str, &str)],
+) -> f64 {
+    scrape(client, admin).await.1.sum(name, labels)
+}
+
+async fn put(client: &HttpClient, addr: SocketAddr, path: &str) -> Resp {
+    client
+        .request(Method::PUT, &url(addr, path), &[], client::full_body("x"))
+        .await
+        .unwrap_or_else(|e| panic!("PUT {path}: {e}"))
+}
+
+fn version(resp: &Resp) -> u64 {
+    let body: Value = serde_json::from_slice(&resp.body)
+        .unwrap_or_else(|e| panic!("KV body is not JSON ({e}): {resp}"));
+    body["version"].as_u64().unwrap()
+}
+
+/// Polls `/admin/redis` until the instance uses `primary` with its breaker closed; when.
+async fn wait_following(
+    client: &HttpClient,
+    admin: SocketAddr,
+    primary: u16,
+    timeout: Duration,
+) -> Option<Instant> {
+    let want = format!("127.0.0.1:{primary}");
+    common::poll_until(timeout, Duration::from_millis(10), || async {
+        let shown = admin_redis(client, admin).await;
+        (shown["up"] == true && shown["topology"]["primaries"][0] == want.as_str())
+            .then(Instant::now)
+    })
+    .await
+}
+
+/// The primary is found through the sentinels and reported; L2 works through it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn primary_is_found_through_the_sentinels_and_reported() {
+    let _serial = SERIAL.lock().await;
+    let sentinel = RedisSentinel::start().await;
+    let origin = TestOrigin::start().await;
+    let cg = CgConfig::new(&origin)
+        .redis_sentinel(&sentinel)
+        .l1("off")
+        .start()
+        .await;
+    let client = HttpClient::new();
+    let primary = sentinel.primary_port().await.unwrap();
+    let shown = admin_redis(&client, cg.admin_addr()).await;
+    assert_eq!(shown["up"], true, "{shown}");
+    assert_eq!(shown["topology"]["mode"], "sentinel", "{shown}");
+    assert_eq!(
+        shown["topology"]["master_name"],
+        common::redis_sentinel::MASTER_NAME
+    );
+    assert_eq!(
+        shown["topology"]["primaries"][0],
+        format!("127.0.0.1:{primary}"),
+        "{shown}"
+    );
+    assert_eq!(shown["topology"]["replicas"], 1, "{shown}");
+    let path = "/api/items/sentinel-smoke";
+    assert_eq!(client.get(&url(cg.addr(), path)).await.x_cache(), "MISS");
+    assert_eq!(client.get(&url(cg.addr(), path)).await.x_cache(), "HIT-L2");
+}
+
+/// The primary is killed under read load while writes go on. The sentinels fail over;
+/// both instances follow the new primary within 1 s of the `+switch-master`
+/// announcement; no read of a cached key gets anything but 2xx; every write succeeds, its
+/// invalidations journaled while Redis was unusable and applied after (journal back to 0);
+/// afterwards both instances serve the written values; no `READONLY` ever reaches a
+/// client.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn primary_killed_under_load_is_followed_within_a_second() {
+    let _serial = SERIAL.lock().await;
+    let mut sentinel = RedisSentinel::start().await;
+    let origin = TestOrigin::start().await;
+    origin.enable_kv();
+    let base = CgConfig::new(&origin)
+        .redis_sentinel(&sentinel)
+        .set_str("cache", "ttl", "60s")
+        .routes(KV_ROUTES);
+    let a = base.clone().l1("all").start().await;
+    let b = base.clone().l1("off").start().await;
+    let client = HttpClient::new();
+    let keys: Vec<String> = (0..20).map(|i| format!("/kv/k{i}")).collect();
+    for path in &keys {
+        for addr in [a.addr(), a.addr(), b.addr()] {
+            let r = client.get(&url(addr, path)).await;
+            assert_eq!(r.status, 200, "{r}");
+            assert_eq!(version(&r), 0);
+        }
+    }
+    let old_primary = sentinel.primary_port().await.unwrap();
+    let switch = sentinel.watch_switch().await;
+    let load_keys = keys.clone();
+    let load = Load::new(&[a.addr(), b.addr()], move |n| {
+        load_keys[n as usize % load_keys.len()].clone()
+    })
+    .conns(6)
+    .pause(Duration::from_millis(2))
+    .duration(Duration::from_secs(40))
+    .start();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let killed_at = Instant::now();
+    sentinel.kill(old_primary);
+
+    // Writes while the primary is gone (before the sentinels even notice): every one must
+    // succeed at the origin; its invalidations cannot reach Redis now.
+    let written: Vec<String> = keys[..10].to_vec();
+    for path in &written {
+        let r = put(&client, a.addr(), path).await;
+        assert_eq!(r.status, 200, "a write during the failover failed: {r}");
+        tokio::time::sleep(Duration::from_millis(30)).await;
+    }
+    let (new_primary, switched_at) = switch
+        .wait(Duration::from_secs(30))
+        .await
+        .expect("the sentinels never announced a failover");
+    assert_ne!(new_primary, old_primary);
+    let follow_a = wait_following(
+        &client,
+        a.admin_addr(),
+        new_primary,
+        Duration::from_secs(10),
+    )
+    .await;
+    let follow_b = wait_following(
+        &client,
+        b.admin_addr(),
+        new_primary,
+        Duration::from_secs(10),
+    )
+    .await;
+    let lag = |at: Option<Instant>| at.map(|t| t.saturating_duration_since(switched_at));
+    eprintln!(
+        "failover announced {:?} after the kill (down-after {DOWN_AFTER:?}); A followed {:?} \
+         later, B {:?}",
+        switched_at - killed_at,
+        lag(follow_a),
+        lag(follow_b)
+    );
+    for (name, lag) in [("A", lag(follow_a)), ("B", lag(follow_b))] {
+        let lag = lag.unwrap_or_else(|| panic!("{name} never followed the new primary"));
+        assert!(
+            lag <= Duration::from_secs(1),
+            "{name} followed the new primary {lag:?} after the announcement (> 1 s)"
+        );
+    }
+    // The invalidations owed by the writes are applied once Redis is back.
+    let drained = common::poll_until(
+        Duration::from_secs(15),
+        Duration::from_millis(50),
+        || async {
+            (metric(&client, a.admin_addr(), "cacheguard_journal_depth", &[]).await == 0.0)
+                .then_some(())
+        },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let tally = load.finish().await;
+    assert!(
+        drained.is_some(),
+        "A's journal did not drain after the failover"
+    );
+    assert_eq!(
+        metric(
+            &client,
+            a.admin_addr(),
+            "cacheguard_journal_give_ups_total",
+            &[]
+        )
+        .await,
+        0.0
+    );
+    eprintln!(
+        "load: {} answers, {:?}, {:?}; readonly retries A {} B {}",
+        tally.answers,
+        tally.by_status,
+        tally.by_x_cache,
+        metric(
+            &client,
+            a.admin_addr(),
+            "cacheguard_redis_readonly_retries_total",
+            &[]
+        )
+        .await,
+        metric(
+            &client,
+            b.admin_addr(),
+            "cacheguard_redis_readonly_retries_total",
+            &[]
+        )
+        .await,
+    );
+    assert_eq!(
+        tally.non_2xx(),
+        0,
+        "non-2xx answers for cached keys: {:#?}",
+        tally.bad
+    );
+    assert_eq!(
+        tally.readonly, 0,
+        "a READONLY reached a client: {:#?}",
+        tally.bad
+    );
+    assert!(
+        tally.answers > 300,
+        "the load hardly ran: {}",
+        tally.answers
+    );
+    for path in &written {
+        for addr in [a.addr(), b.addr()] {
+            let r = client.get(&url(addr, path)).await;
+            assert_eq!(r.status, 200, "{r}");
+            assert_eq!(
+                version(&r),
+                1,
+                "{path} through {addr} is stale after the failover: {r}"
+            );
+        }
+    }
+    assert_eq!(
+        metric(
+            &client,
+            a.admin_addr(),
+            "cacheguard_redis_primary_changes_total",
+            &[]
+        )
+        .await,
+        1.0
+    );
+}
+
+/// A manual failover (`SENTINEL FAILOVER`: the old primary stays up and is demoted to a
+/// replica) under read and write load: zero non-2xx, and no `READONLY` reaches a client.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn manual_failover_under_load_never_shows_readonly() {
+    let _serial = SERIAL.lock().await;
+    let sentinel = RedisSentinel::start().await;
+    let origin = TestOrigin::start().await;
+    origin.enable_kv();
+    let cfg = CgConfig::new(&origin)
+        .redis_sentinel(&sentinel)
+        .l1("off")
+        .routes(KV_ROUTES);
+    let a = cfg.start().await;
+    let client = HttpClient::new();
+    let keys: Vec<String> = (0..20).map(|i| format!("/kv/m{i}")).collect();
+    for path in &keys {
+        assert_eq!(client.get(&url(a.addr(), path)).await.status, 200);
+    }
+    let old_primary = sentinel.primary_port().await.unwrap();
+    let switch = sentinel.watch_switch().await;
+    let load_keys = keys.clone();
+    let load = Load::new(&[a.addr()], move |n| {
+        load_keys[n as usize % load_keys.len()].clone()
+    })
+    .conns(6)
+    .duration(Duration::from_secs(30))
+    .start();
+    // Writes all through the failover.
+    let writer = {
+        let client = client.clone();
+        let keys = keys.clone();
+        let addr = a.addr();
+        tokio::spawn(async move {
+            let mut bad = Vec::new();
+            let until = Instant::now() + Duration::from_secs(6);
+            let mut n = 0usize;
+            while Instant::now() < until {
+                let r = put(&client, addr, &keys[n % keys.len()]).await;
+                if !r.status.is_success() || r.text().contains("READONLY") {
+                    bad.push(r.to_string());
+                }
+                n += 1;
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            (n, bad)
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let port = sentinel.sentinel_ports()[0];
+    let redis_client = redis::Client::open(format!("redis://127.0.0.1:{port}")).unwrap();
+    let mut con = redis_client
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let _: String = redis::cmd("SENTINEL")
+        .arg("FAILOVER")
+        .arg(common::redis_sentinel::MASTER_NAME)
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let (new_primary, _) = switch
+        .wait(Duration::from_secs(30))
+        .await
+        .expect("no failover announced");
+    assert_ne!(new_primary, old_primary);
+    assert!(
+        wait_following(&client, a.admin_addr(), new_primary, Duration::from_secs(5))
+            .await
+            .is_some(),
+        "cacheguard did not follow the new primary"
+    );
+    let (writes, bad_writes) = writer.await.unwrap();
+    let tally = load.finish().await;
+    eprintln!(
+        "{writes} writes; load: {} answers, {:?}; readonly retries {}",
+        tally.answers,
+        tally.by_x_cache,
+        metric(
+            &client,
+            a.admin_addr(),
+            "cacheguard_redis_readonly_retries_total",
+            &[]
+        )
+        .await
+    );
+    assert!(bad_writes.is_empty(), "writes failed: {bad_writes:#?}");
+    assert_eq!(tally.non_2xx(), 0, "non-2xx: {:#?}", tally.bad);
+    assert_eq!(tally.readonly, 0, "a READONLY reached a client");
+}
+
+/// `lock.wait_replicas`: the lock owner `WAIT`s for the replicas. With 1 (the replica
+/// there is) every acquire is replicated; asking for 2 of the one replica is counted as
+/// `unreplicated` and the fill still goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lock_wait_replicas_waits_for_the_replica() {
+    let _serial = SERIAL.lock().await;
+    let sentinel = RedisSentinel::start().await;
+    let origin = TestOrigin::start().await;
+    let client = HttpClient::new();
+    for (wanted, unreplicated) in [(1, 0.0), (2, 3.0)] {
+        let cg = CgConfig::new(&origin)
+            .redis_sentinel(&sentinel)
+            .set("lock", "wait_replicas", &wanted.to_string())
+            .l1("off")
+            .start()
+            .await;
+        for i in 0..3 {
+            let r = client
+                .get(&url(cg.addr(), &format!("/api/items/wait-{wanted}-{i}")))
+                .await;
+            assert_eq!(
+                (r.status.as_u16(), r.x_cache().as_str()),
+                (200, "MISS"),
+                "{r}"
+            );
+        }
+        let admin = cg.admin_addr();
+        assert_eq!(
+            metric(
+                &client,
+                admin,
+                "cacheguard_lock_events_total",
+                &[("outcome", "acquired")]
+            )
+            .await,
+            3.0
+        );
+        assert_eq!(
+            metric(
+                &client,
+                admin,
+                "cacheguard_lock_events_total",
+                &[("outcome", "unreplicated")]
+            )
+            .await,
+            unreplicated,
+            "wait_replicas = {wanted} with one replica"
+        );
+    }
+}
