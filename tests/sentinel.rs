@@ -421,3 +421,146 @@ async fn lock_wait_replicas_waits_for_the_replica() {
         );
     }
 }
+
+/// A command that reaches a demoted primary is answered `READONLY`; cacheguard re-resolves
+/// the primary through the sentinels and retries once on the new one, so the write's
+/// invalidation is done at once (nothing journaled) and the client never sees it.
+///
+/// To make the demoted primary certain to get commands, cacheguard reaches the sentinels
+/// through TCP proxies that are cut during a `SENTINEL FAILOVER`: it cannot hear the
+/// switch. The old primary, turning replica, drops its clients; cacheguard's breaker opens
+/// and closes again once its probe has reconnected, to the old primary, the only one it
+/// knows. Then the proxies are restored and writes go through at once (the periodic
+/// re-check is a second away): the first meets `READONLY`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readonly_from_a_demoted_primary_is_retried_on_the_new_one() {
+    let _serial = SERIAL.lock().await;
+    let sentinel = RedisSentinel::start().await;
+    let mut proxies = Vec::new();
+    for port in sentinel.sentinel_ports() {
+        proxies.push(common::TcpProxy::start(SocketAddr::from(([127, 0, 0, 1], port))).await);
+    }
+    let urls: Vec<String> = proxies
+        .iter()
+        .map(|p| format!("{:?}", p.redis_url()))
+        .collect();
+    let origin = TestOrigin::start().await;
+    origin.enable_kv();
+    let cg = CgConfig::new(&origin)
+        .set_str("redis", "mode", "sentinel")
+        .set("redis", "urls", &format!("[{}]", urls.join(", ")))
+        .set_str("redis", "master_name", common::redis_sentinel::MASTER_NAME)
+        .set_str("redis", "command_timeout", "1s")
+        .l1("off")
+        .routes(KV_ROUTES)
+        .start()
+        .await;
+    let client = HttpClient::new();
+    let keys: Vec<String> = (0..10).map(|i| format!("/kv/ro{i}")).collect();
+    for path in &keys {
+        assert_eq!(version(&client.get(&url(cg.addr(), path)).await), 0);
+    }
+    let old_primary = sentinel.primary_port().await.unwrap();
+
+    for proxy in &proxies {
+        proxy.cut();
+    }
+    let switch = sentinel.watch_switch().await;
+    let port = sentinel.sentinel_ports()[0];
+    let sentinel_client = redis::Client::open(format!("redis://127.0.0.1:{port}")).unwrap();
+    let mut con = sentinel_client
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let _: String = redis::cmd("SENTINEL")
+        .arg("FAILOVER")
+        .arg(common::redis_sentinel::MASTER_NAME)
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let (new_primary, _) = switch
+        .wait(Duration::from_secs(30))
+        .await
+        .expect("no failover");
+    assert_ne!(new_primary, old_primary);
+    let demoted = common::poll_until(
+        Duration::from_secs(30),
+        Duration::from_millis(50),
+        || async {
+            common::redis_sentinel::info(old_primary, "replication")
+                .await
+                .contains("role:slave")
+                .then_some(())
+        },
+    )
+    .await;
+    assert!(demoted.is_some(), "the old primary was never demoted");
+    let reconnected = common::poll_until(
+        Duration::from_secs(15),
+        Duration::from_millis(20),
+        || async {
+            let opened = metric(
+                &client,
+                cg.admin_addr(),
+                "cacheguard_redis_breaker_transitions_total",
+                &[("to", "open")],
+            )
+            .await;
+            let shown = admin_redis(&client, cg.admin_addr()).await;
+            (opened >= 1.0 && shown["up"] == true).then_some(())
+        },
+    )
+    .await;
+    assert!(
+        reconnected.is_some(),
+        "cacheguard did not reconnect to the demoted primary"
+    );
+    let shown = admin_redis(&client, cg.admin_addr()).await;
+    assert_eq!(
+        shown["topology"]["primaries"][0],
+        format!("127.0.0.1:{old_primary}"),
+        "cacheguard learnt of the failover through the cut: the test proves nothing: {shown}"
+    );
+
+    for proxy in &proxies {
+        proxy.restore();
+    }
+    for path in &keys {
+        let r = put(&client, cg.addr(), path).await;
+        assert_eq!(r.status, 200, "{r}");
+        assert!(!r.text().contains("READONLY"), "{r}");
+    }
+    let admin = cg.admin_addr();
+    let retries = metric(
+        &client,
+        admin,
+        "cacheguard_redis_readonly_retries_total",
+        &[],
+    )
+    .await;
+    let journaled = metric(
+        &client,
+        admin,
+        "cacheguard_invalidations_total",
+        &[("source", "write"), ("result", "journaled")],
+    )
+    .await;
+    eprintln!("READONLY retries: {retries}; invalidations journaled: {journaled}");
+    assert!(
+        retries >= 1.0,
+        "no command met the demoted primary's READONLY"
+    );
+    assert_eq!(
+        journaled, 0.0,
+        "an invalidation was journaled instead of retried"
+    );
+    assert!(
+        wait_following(&client, admin, new_primary, Duration::from_secs(5))
+            .await
+            .is_some()
+    );
+    for path in &keys {
+        let r = client.get(&url(cg.addr(), path)).await;
+        assert_eq!((r.status.as_u16(), version(&r)), (200, 1), "{r}");
+    }
+}

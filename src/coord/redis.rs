@@ -215,11 +215,12 @@ impl RedisConn {
                 () = stop.cancelled() => return,
                 changed = changes.changed() => if changed.is_err() { return },
             }
-            if self.sync_primary() {
-                // Check the new primary now rather than at the next probe tick.
-                self.probe().await;
-                self.discover().await;
-            }
+            // The connection may have moved already (a command that met the demoted
+            // primary re-resolved it): report the new topology either way.
+            self.sync_primary();
+            // Check the new primary now rather than at the next probe tick.
+            self.probe().await;
+            self.discover().await;
         }
     }
 
@@ -382,25 +383,29 @@ impl RedisConn {
         let timeout = self.inner.command_timeout;
         let mut result = tokio::time::timeout(timeout, attempt(conn)).await;
         if let Some(sentinel) = self.inner.backend.sentinel() {
-            match &result {
-                Ok(Err(error)) if is_readonly(error) => {
+            // A demoted primary refuses writes (`READONLY`) and, as it turns into a
+            // replica, drops its clients: both mean the primary may have moved. Ask the
+            // sentinels now (within one more command_timeout) and retry once on the new
+            // primary; a READONLY is retried in any case (the answer cannot be right).
+            let readonly = matches!(&result, Ok(Err(error)) if is_readonly(error));
+            let dropped = matches!(&result, Ok(Err(error)) if error.is_io_error() || error.is_connection_dropped());
+            if readonly || dropped {
+                if readonly {
                     self.inner.metrics.redis_readonly_retries.inc();
-                    let resolved =
-                        tokio::time::timeout(self.inner.probe_timeout, sentinel.resolve_now())
-                            .await;
-                    self.sync_primary();
-                    if matches!(resolved, Ok(Some(_)))
-                        && let Some(conn) = self.shared()
-                    {
-                        result = tokio::time::timeout(timeout, attempt(conn)).await;
-                    }
                 }
-                // The primary may be gone: let the follower ask the sentinels now.
-                Ok(Err(error)) if error.is_io_error() || error.is_connection_dropped() => {
-                    sentinel.poke();
+                let before = sentinel.primary_addr();
+                let resolved = tokio::time::timeout(timeout, sentinel.resolve_now()).await;
+                self.sync_primary();
+                let moved = sentinel.primary_addr() != before;
+                if matches!(resolved, Ok(Some(_)))
+                    && (readonly || moved)
+                    && let Some(conn) = self.shared()
+                {
+                    result = tokio::time::timeout(timeout, attempt(conn)).await;
                 }
-                Err(_) => sentinel.poke(),
-                _ => {}
+            } else if result.is_err() {
+                // Timed out: the primary may be gone; let the follower ask now.
+                sentinel.poke();
             }
         }
         self.settle(op, started, result)
