@@ -212,6 +212,17 @@ async fn primary_killed_under_load_is_followed_within_a_second() {
         drained.is_some(),
         "A's journal did not drain after the failover"
     );
+    let journaled = metric(
+        &client,
+        a.admin_addr(),
+        "cacheguard_invalidations_total",
+        &[("source", "write"), ("result", "journaled")],
+    )
+    .await;
+    assert!(
+        journaled >= 1.0,
+        "no write's invalidation was journaled: the writes did not fall in the failover"
+    );
     assert_eq!(
         metric(
             &client,
