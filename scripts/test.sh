@@ -14,6 +14,15 @@ if ! command -v redis-server >/dev/null 2>&1; then
 fi
 # The redis-server package may start a system instance on 6379; tests never use it (each
 # test starts its own server on a free port), so it is left alone.
+# redis-cli builds and reshards the test clusters (tests/cluster.rs); openssl makes the
+# certificates of the TLS test (tests/redis_tls.rs).
+for tool in redis-cli:redis-tools openssl:openssl; do
+    if ! command -v "${tool%%:*}" >/dev/null 2>&1; then
+        echo "== installing ${tool#*:}"
+        as_root apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq "${tool#*:}" >/dev/null
+    fi
+done
 
 # Real Prometheus and promtool for tests/dashboards.rs (every dashboard panel and alert
 # expression in dashboards/ is evaluated by a real Prometheus).

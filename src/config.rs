@@ -145,6 +145,9 @@ pub struct RedisConfig {
     /// Password for the data nodes (from `password`, `password_file` or
     /// `CACHEGUARD_REDIS_PASSWORD`); never shown.
     pub password: Option<String>,
+    /// `tls_ca_file` and its PEM contents: the CA to verify `rediss://` servers with
+    /// (instead of the system's roots).
+    pub tls_ca: Option<(PathBuf, Vec<u8>)>,
     /// Upper bound on every Redis command; a slower answer is treated as Redis being down.
     pub command_timeout: Duration,
     pub connect_timeout: Duration,
@@ -193,6 +196,7 @@ impl std::fmt::Debug for RedisConfig {
             .field("master_name", &self.master_name)
             .field("username", &self.username)
             .field("password", &self.password.as_ref().map(|_| "***"))
+            .field("tls_ca_file", &self.tls_ca.as_ref().map(|(path, _)| path))
             .field("command_timeout", &self.command_timeout)
             .field("connect_timeout", &self.connect_timeout)
             .field("key_prefix", &self.key_prefix)

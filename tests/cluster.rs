@@ -455,3 +455,96 @@ async fn a_cluster_without_full_slot_coverage_is_refused() {
         "unclear refusal: {error}"
     );
 }
+
+/// The primary every instance subscribes on (the one serving the event channel's slot) is
+/// killed. Each instance's event bus moves to another node at once, then back to the
+/// channel's new primary (the promoted replica); after that, a write through A is seen
+/// through B's L1 as soon as it returns, as before the failover.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn event_bus_follows_the_channels_primary_through_a_failover() {
+    let _serial = SERIAL.lock().await;
+    let mut cluster = RedisCluster::start().await;
+    let origin = TestOrigin::start().await;
+    origin.enable_kv();
+    let cfg = CgConfig::new(&origin).redis_cluster(&cluster).routes(
+        r#"
+[[routes]]
+name = "kv"
+match = "/kv/{key}"
+methods = ["GET"]
+l1 = "all"
+
+[[routes]]
+name = "kv-write"
+match = "/kv/{key}"
+methods = ["PUT"]
+invalidate = ["/kv/{key}"]
+double_delete_delay = "100ms"
+"#,
+    );
+    let a = cfg.start().await;
+    let b = cfg.start().await;
+    let client = HttpClient::new();
+    let channel_home = cluster.owner_of("cg:events").await.unwrap();
+    cluster.kill(channel_home);
+    assert!(
+        cluster
+            .wait_failed_over(channel_home, Duration::from_secs(30))
+            .await
+            .is_some(),
+        "no failover"
+    );
+    let new_home = cluster.owner_of("cg:events").await.unwrap();
+    assert_ne!(new_home, channel_home);
+    // Re-homing is checked every 2 s.
+    let rehomed = common::poll_until(
+        Duration::from_secs(15),
+        Duration::from_millis(200),
+        || async {
+            let mut ok = true;
+            for admin in [a.admin_addr(), b.admin_addr()] {
+                ok &= metric(&client, admin, "cacheguard_event_bus_subscribed", &[]).await == 1.0
+                    && metric(
+                        &client,
+                        admin,
+                        "cacheguard_event_bus_resubscriptions_total",
+                        &[],
+                    )
+                    .await
+                        >= 1.0
+                    && metric(&client, admin, "cacheguard_redis_up", &[]).await == 1.0;
+            }
+            ok.then_some(())
+        },
+    )
+    .await;
+    assert!(rehomed.is_some(), "the event buses did not come back");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let mut stale = Vec::new();
+    for k in 0..20 {
+        let path = format!("/kv/eb{k}");
+        for _ in 0..2 {
+            let r = client.get(&url(b.addr(), &path)).await;
+            assert_eq!(r.status, 200, "{r}");
+        }
+        let written = client
+            .request(
+                http::Method::PUT,
+                &url(a.addr(), &path),
+                &[],
+                common::client::full_body("x"),
+            )
+            .await
+            .unwrap();
+        assert_eq!(written.status, 200, "{written}");
+        let seen = client.get(&url(b.addr(), &path)).await;
+        let body: Value = serde_json::from_slice(&seen.body).unwrap();
+        if body["version"] != 1 {
+            stale.push(format!("{path}: {}", seen.text()));
+        }
+    }
+    assert!(
+        stale.is_empty(),
+        "B served stale values after A's write returned: {stale:#?}"
+    );
+}

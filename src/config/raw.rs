@@ -184,6 +184,8 @@ pub(super) struct RawRedis {
     pub(super) password: Option<Spanned<String>>,
     /// A file holding the password (a mounted secret); trailing newlines are ignored.
     pub(super) password_file: Option<Spanned<String>>,
+    /// PEM file of the CA that signed the servers' certificates (`rediss://`).
+    pub(super) tls_ca_file: Option<Spanned<String>>,
     pub(super) command_timeout: HumanDuration,
     pub(super) connect_timeout: HumanDuration,
     pub(super) key_prefix: String,
@@ -200,6 +202,7 @@ impl Default for RawRedis {
             username: None,
             password: None,
             password_file: None,
+            tls_ca_file: None,
             command_timeout: HumanDuration::millis(50),
             connect_timeout: HumanDuration::secs(1),
             key_prefix: "cg:".to_owned(),

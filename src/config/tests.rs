@@ -1159,3 +1159,26 @@ fn lock_wait_replicas_defaults_off() {
     let set = load(&with_minimal("[lock]\nwait_replicas = 1\n")).unwrap();
     assert_eq!(set.lock.wait_replicas, 1);
 }
+
+#[test]
+fn tls_ca_file_must_be_a_readable_pem_certificate() {
+    let missing = problem(&with_minimal(
+        "[redis]\nurl = \"rediss://h:1\"\ntls_ca_file = \"/nonexistent/ca.crt\"\n",
+    ));
+    assert!(
+        missing.starts_with("test.toml:5: redis.tls_ca_file: cannot read /nonexistent/ca.crt"),
+        "{missing}"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let not_pem = dir.path().join("ca.crt");
+    std::fs::write(&not_pem, "hello").unwrap();
+    let text = with_minimal(&format!(
+        "[redis]\nurl = \"rediss://h:1\"\ntls_ca_file = {:?}\n",
+        not_pem.display().to_string()
+    ));
+    assert!(
+        problem(&text).ends_with("holds no PEM certificate"),
+        "{}",
+        problem(&text)
+    );
+}

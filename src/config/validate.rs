@@ -887,6 +887,19 @@ impl Checker<'_> {
             }
             (None, None) => None,
         };
+        let tls_ca = redis.tls_ca_file.as_ref().and_then(|file| {
+            let path = self.relative_to_config(file.get_ref());
+            let read = std::fs::read(&path)
+                .map_err(|error| format!("cannot read {}: {error}", path.display()))
+                .and_then(|pem| {
+                    if String::from_utf8_lossy(&pem).contains("-----BEGIN CERTIFICATE-----") {
+                        Ok((path.clone(), pem))
+                    } else {
+                        Err(format!("{} holds no PEM certificate", path.display()))
+                    }
+                });
+            self.check(read, file.span(), "redis.tls_ca_file")
+        });
         let breaker_failures = *redis.breaker_failures.get_ref();
         if breaker_failures == 0 {
             self.report(
@@ -902,6 +915,7 @@ impl Checker<'_> {
             master_name,
             username: redis.username.as_ref().map(|u| u.get_ref().clone()),
             password,
+            tls_ca,
             command_timeout: redis.command_timeout.0,
             connect_timeout: redis.connect_timeout.0,
             key_prefix: redis.key_prefix.clone(),

@@ -135,10 +135,28 @@ impl std::fmt::Debug for Backend {
     }
 }
 
-/// `url` with the configured ACL user and password (which win over any in the URL).
+/// `url` with the configured ACL user and password (which win over any in the URL) and
+/// TLS settings.
 pub(crate) fn node_info(url: &str, config: &RedisConfig) -> RedisResult<ConnectionInfo> {
     let info = url.into_connection_info()?;
-    Ok(with_credentials(info, config))
+    with_tls(with_credentials(info, config), config)
+}
+
+/// `info` verifying its server with the configured CA (`redis.tls_ca_file`), when it is a
+/// `rediss://` address; addresses made from it later (`node_addr`) keep that setting.
+pub(crate) fn with_tls(info: ConnectionInfo, config: &RedisConfig) -> RedisResult<ConnectionInfo> {
+    match (&config.tls_ca, info.addr()) {
+        (Some((_, pem)), redis::ConnectionAddr::TcpTls { .. }) => {
+            let certs = redis::TlsCertificates {
+                client_tls: None,
+                root_cert: Some(pem.clone()),
+            };
+            Ok(redis::Client::build_with_tls(info, certs)?
+                .get_connection_info()
+                .clone())
+        }
+        _ => Ok(info),
+    }
 }
 
 fn with_credentials(info: ConnectionInfo, config: &RedisConfig) -> ConnectionInfo {
@@ -180,6 +198,12 @@ impl Backend {
                 }
                 if let Some(password) = &config.password {
                     builder = builder.password(password);
+                }
+                if let Some((_, pem)) = &config.tls_ca {
+                    builder = builder.certs(redis::TlsCertificates {
+                        client_tls: None,
+                        root_cert: Some(pem.clone()),
+                    });
                 }
                 let template = seeds.first().cloned().ok_or_else(|| {
                     redis::RedisError::from((

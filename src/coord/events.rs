@@ -27,6 +27,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use super::RedisConn;
+use crate::config::RedisMode;
 
 /// What happened to a key, as carried on the bus.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -286,6 +287,8 @@ pub(crate) struct BusMetrics {
 
 const BACKOFF_MIN: Duration = Duration::from_millis(25);
 const BACKOFF_MAX: Duration = Duration::from_millis(500);
+/// How often a cluster subscription checks that it is on the channel's primary.
+const REHOME_EVERY: Duration = Duration::from_secs(2);
 /// A subscription idle for this long is pinged, so a half-open connection is noticed.
 const IDLE_PING: Duration = Duration::from_secs(1);
 
@@ -330,7 +333,7 @@ impl EventBus {
                 s = self.subscribe_any(&redis, connect_timeout) => s,
             };
             match subscribed {
-                Ok(pubsub) => {
+                Ok((pubsub, node)) => {
                     backoff = BACKOFF_MIN;
                     self.connected.store(true, Ordering::Relaxed);
                     metrics.subscribed.set(1);
@@ -348,8 +351,12 @@ impl EventBus {
                     if let Some(changes) = primary_changes.as_mut() {
                         changes.mark_unchanged();
                     }
+                    // On a cluster, come back to the channel's primary when it is not the
+                    // node we are on (after a failover moved the slot).
+                    let home = (redis.mode() == RedisMode::Cluster)
+                        .then(|| (&redis, node.as_str(), connect_timeout));
                     let ended = self
-                        .consume(pubsub, &metrics, &stop, primary_changes.as_mut())
+                        .consume(pubsub, &metrics, &stop, primary_changes.as_mut(), home)
                         .await;
                     self.connected.store(false, Ordering::Relaxed);
                     metrics.subscribed.set(0);
@@ -360,10 +367,16 @@ impl EventBus {
                     // Waiters must not sit out a lease on a bus that cannot wake them:
                     // let them re-check (and degrade) now.
                     self.waiters.wake_all();
-                    if ended == Ended::Stopped {
-                        return;
+                    match ended {
+                        Ended::Stopped => return,
+                        Ended::Rehome => {
+                            info!(message = "Event bus moves to the channel's primary.", channel = %self.channel, from = %node);
+                            continue;
+                        }
+                        Ended::Lost => {
+                            warn!(message = "Event bus subscription lost; reconnecting.", channel = %self.channel);
+                        }
                     }
-                    warn!(message = "Event bus subscription lost; reconnecting.", channel = %self.channel);
                 }
                 Err(error) => warn!(message = "Event bus cannot subscribe.", error = %error),
             }
@@ -380,7 +393,7 @@ impl EventBus {
         &self,
         redis: &RedisConn,
         connect_timeout: Duration,
-    ) -> Result<redis::aio::PubSub, String> {
+    ) -> Result<(redis::aio::PubSub, String), String> {
         let clients = redis
             .backend()
             .pubsub_clients(redis.shared(), connect_timeout, &self.channel)
@@ -397,7 +410,9 @@ impl EventBus {
             })
             .await;
             match attempt {
-                Ok(Ok(pubsub)) => return Ok(pubsub),
+                Ok(Ok(pubsub)) => {
+                    return Ok((pubsub, client.get_connection_info().addr().to_string()));
+                }
                 Ok(Err(error)) => last = error.to_string(),
                 Err(_) => last = format!("timed out after {connect_timeout:?}"),
             }
@@ -411,9 +426,26 @@ impl EventBus {
         metrics: &BusMetrics,
         stop: &CancellationToken,
         mut primary_changes: Option<&mut watch::Receiver<u64>>,
+        home: Option<(&RedisConn, &str, Duration)>,
     ) -> Ended {
         let (mut sink, mut stream) = pubsub.split();
+        let mut rehome_at = tokio::time::Instant::now() + REHOME_EVERY;
         loop {
+            if let Some((redis, node, timeout)) = home
+                && tokio::time::Instant::now() >= rehome_at
+            {
+                rehome_at = tokio::time::Instant::now() + REHOME_EVERY;
+                let best = redis
+                    .backend()
+                    .pubsub_clients(redis.shared(), timeout, &self.channel)
+                    .await
+                    .into_iter()
+                    .next()
+                    .map(|c| c.get_connection_info().addr().to_string());
+                if best.is_some_and(|best| best != node) {
+                    return Ended::Rehome;
+                }
+            }
             let primary_changed = async {
                 match primary_changes.as_mut() {
                     Some(changes) => changes.changed().await.is_ok(),
@@ -468,6 +500,8 @@ impl EventBus {
 
 #[derive(Debug, PartialEq, Eq)]
 enum Ended {
+    /// A better node to subscribe on (the channel's primary) is there.
+    Rehome,
     Stopped,
     Lost,
 }

@@ -70,7 +70,7 @@ impl Sentinel {
         let sentinels = config
             .urls
             .iter()
-            .map(|url| url.as_str().into_connection_info())
+            .map(|url| super::backend::with_tls(url.as_str().into_connection_info()?, config))
             .collect::<RedisResult<Vec<_>>>()?;
         // Data nodes speak TLS when the sentinels do; their credentials are the
         // configured ones (a sentinel's own password, if any, stays in its URL).

@@ -1,0 +1,776 @@
+#!/usr/bin/env bash
+# Scale-out benchmark for issue #9: the same cacheguard on three Redis topologies, in one run
+# on this machine, everything on 127.0.0.1:
+#
+#   topologies  started here with Debian's redis-server, no persistence, kept up for the whole
+#               run (each mode has its own, so no mode sees another's keys):
+#               standalone  one redis-server
+#               cluster     6 nodes (`--cluster-enabled yes`), `redis-cli --cluster create
+#                           --cluster-replicas 1`: 3 primaries + 3 replicas, all 16384 slots
+#               sentinel    1 primary + 1 replica + 3 sentinels (`redis-server conf --sentinel`,
+#                           quorum 2) monitoring it as `cgprimary`
+#   origin      bench/tools `bench-origin`: GET /items/{id} -> 1024 bytes of JSON; one instance
+#               with no delay (section a) and one with DELAY_MS (section b), per-path counters
+#               at /stats
+#   cacheguard  release build, `[redis]` per mode (mode / url(s) / master_name),
+#               command_timeout 200ms, its own journal per instance; started for each run and
+#               stopped after it; measured only once /admin/redis says "up":true
+#
+#   a. L2-hit throughput (L1 off): one cacheguard with `[cache] l1 = "off"`, so every hit is a
+#      Redis read. KEYS distinct item paths are filled (bench/tools `loadgen list`, one GET per
+#      path) and checked (a second pass must answer HIT-L2 for every path; on a cluster they
+#      spread over the three primaries), then `wrk -t2 -c64 -d$DURATION --latency` with
+#      bench/id_list.lua cycling over those paths. Recorded: req/s, p50, p99 (wrk), the share
+#      of answers that were HIT-L2 (deltas of cacheguard_requests_total over the run), origin
+#      requests during the run (must be 0), CPU seconds used by cacheguard and by the
+#      topology's redis-servers during the run.
+#   b. Stampede coalescing: two cacheguard instances (L1 default) sharing the topology, origin
+#      delay DELAY_MS; bench/tools `loadgen stampede` opens C keep-alive connections split
+#      over both instances, warms each with a GET of an already-cached key, then releases one
+#      GET of a fresh cold key on all of them at once. Recorded: requests for that key that
+#      reached the origin (target: 1 in every mode), answers 200, p50/p99/max latency, X-Cache
+#      histogram, lock events.
+#
+# Each rep runs section a for every mode, then section b for every mode; the mode order
+# rotates from rep to rep. C in CONCURRENCIES; a fresh cold key (new id) per stampede.
+#
+# usage: bash bench/scale_out.sh
+# env:   MODES="standalone cluster sentinel" REPS=3 DURATION=10s KEYS=1000 CONCURRENCIES=1000
+#        DELAY_MS=200 BASE_PORT=31080 (uses BASE_PORT+1 .. +21, and +10011 .. +10016 for the
+#        cluster bus)
+#        CACHEGUARD_BIN=path (skip `cargo build --release` and use this binary)
+#        KEEP_TMP=1 (keep the scratch dir with the redis/sentinel dirs and cacheguard configs)
+#
+# Writes bench/results/scale-out-<UTC timestamp>/ (env.txt, raw.tsv with one row per run of
+# either section, wrk outputs, loadgen JSON, cacheguard configs, logs and /metrics around each
+# run, topology dumps, summary.md) and prints the markdown summary on stdout. Every process
+# it starts is stopped on exit, by PID.
+
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+# shellcheck source=bench/lib.sh
+source bench/lib.sh
+
+MODES=${MODES:-standalone cluster sentinel}
+REPS=${REPS:-3}
+DURATION=${DURATION:-10s}
+KEYS=${KEYS:-1000}
+CONCURRENCIES=${CONCURRENCIES:-1000}
+DELAY_MS=${DELAY_MS:-200}
+BASE_PORT=${BASE_PORT:-31080}
+TIMEOUT_S=30
+WRK_TIMEOUT=10s
+BODY_BYTES=1024
+MAX_ID=1000000
+WARM_PATH=/items/1
+FIRST_COLD_ID=500001
+MASTER_NAME=cgprimary
+READY_WAIT_S=60 # deadline for a topology or a cacheguard instance to become ready
+
+ORIGIN0_PORT=$((BASE_PORT + 1)) # no delay: section a
+ORIGIN_PORT=$((BASE_PORT + 2))  # DELAY_MS: section b
+CGL_PORT=$((BASE_PORT + 3))
+CGL_ADMIN=$((BASE_PORT + 4))
+CGA_PORT=$((BASE_PORT + 5))
+CGA_ADMIN=$((BASE_PORT + 6))
+CGB_PORT=$((BASE_PORT + 7))
+CGB_ADMIN=$((BASE_PORT + 8))
+STANDALONE_PORT=$((BASE_PORT + 10))
+CLUSTER_PORTS=()
+for i in 1 2 3 4 5 6; do CLUSTER_PORTS+=($((BASE_PORT + 10 + i))); done
+PRIMARY_PORT=$((BASE_PORT + 17))
+REPLICA_PORT=$((BASE_PORT + 18))
+SENTINEL_PORTS=($((BASE_PORT + 19)) $((BASE_PORT + 20)) $((BASE_PORT + 21)))
+
+[[ $REPS =~ ^[1-9][0-9]*$ ]] || die "REPS must be a positive integer (got '$REPS')"
+[[ $KEYS =~ ^[1-9][0-9]*$ ]] || die "KEYS must be a positive integer (got '$KEYS')"
+((KEYS < FIRST_COLD_ID)) || die "KEYS must be below $FIRST_COLD_ID (the first cold id of section b)"
+[[ $DELAY_MS =~ ^[1-9][0-9]*$ ]] || die "DELAY_MS must be a positive integer (got '$DELAY_MS')"
+[[ $DURATION =~ ^[0-9]+[smh]?$ ]] || die "DURATION must be a wrk duration like 10s (got '$DURATION')"
+((BASE_PORT >= 1024 && BASE_PORT + 10016 <= 65535)) || die "BASE_PORT must leave room for +10016 (got $BASE_PORT)"
+for c in $CONCURRENCIES; do
+    [[ $c =~ ^[1-9][0-9]*$ ]] || die "CONCURRENCIES must be positive integers (got '$c')"
+done
+[[ -n ${MODES// /} ]] || die "MODES is empty"
+for m in $MODES; do
+    case $m in standalone | cluster | sentinel) ;;
+    *) die "unknown mode '$m' (known: standalone cluster sentinel)" ;;
+    esac
+done
+
+started_at=$SECONDS
+bench_init
+
+# --- preflight -------------------------------------------------------------------------
+
+ensure_apt_tools redis-server:redis-server redis-cli:redis-tools wrk:wrk curl:curl jq:jq
+require_tools cargo awk sort mktemp ss timeout getconf
+ports=("$ORIGIN0_PORT" "$ORIGIN_PORT" "$CGL_PORT" "$CGL_ADMIN" "$CGA_PORT" "$CGA_ADMIN" "$CGB_PORT" "$CGB_ADMIN")
+for m in $MODES; do
+    case $m in
+    standalone) ports+=("$STANDALONE_PORT") ;;
+    cluster) for p in "${CLUSTER_PORTS[@]}"; do ports+=("$p" $((p + 10000))); done ;;
+    sentinel) ports+=("$PRIMARY_PORT" "$REPLICA_PORT" "${SENTINEL_PORTS[@]}") ;;
+    esac
+done
+require_free_ports "${ports[@]}"
+
+# File descriptors: C connections in the loadgen and as many in the proxies (see stampede.sh).
+FD_WANTED=65536
+if ! ulimit -n "$FD_WANTED" 2>/dev/null; then
+    ulimit -n "$(ulimit -Hn)"
+    log "ulimit -n $FD_WANTED refused (hard limit $(ulimit -Hn)); using $(ulimit -n)"
+fi
+FD_LIMIT=$(ulimit -n)
+max_c=0
+for c in $CONCURRENCIES; do ((c > max_c)) && max_c=$c; done
+[[ $FD_LIMIT == unlimited ]] || ((FD_LIMIT >= 2 * max_c + 512)) ||
+    die "open-file limit $FD_LIMIT is too low for C=$max_c (need at least $((2 * max_c + 512)))"
+
+TOOLS_TARGET=$ROOT/bench/results/tools-target
+log "cargo build --release --manifest-path bench/tools/Cargo.toml (target dir $TOOLS_TARGET)"
+CARGO_TARGET_DIR=$TOOLS_TARGET cargo build --release --manifest-path bench/tools/Cargo.toml >&2 ||
+    die "building bench/tools failed"
+ORIGIN_BIN=$TOOLS_TARGET/release/bench-origin
+LOADGEN_BIN=$TOOLS_TARGET/release/loadgen
+
+if [[ -n "${CACHEGUARD_BIN:-}" ]]; then
+    CG_BIN=$CACHEGUARD_BIN
+    log "using CACHEGUARD_BIN=$CG_BIN (no build)"
+else
+    log "cargo build --release"
+    cargo build --release --bin cacheguard >&2 || die "cargo build --release failed"
+    CG_BIN=$ROOT/target/release/cacheguard
+fi
+[[ -x $CG_BIN ]] || die "cacheguard binary not found at $CG_BIN"
+
+STAMP=$(date -u +%Y%m%dT%H%M%SZ)
+OUT=$ROOT/bench/results/scale-out-$STAMP
+mkdir -p "$OUT/runs" "$OUT/configs" "$OUT/topology"
+log "results: $OUT"
+CLK_TCK=$(getconf CLK_TCK)
+
+# --- environment -----------------------------------------------------------------------
+
+LOAD_START=$(cut -d' ' -f1-3 /proc/loadavg)
+{
+    echo "date_utc: $STAMP"
+    echo "nproc: $(nproc)"
+    echo "mem_total: $(awk '/^MemTotal:/ { printf "%.1f GiB", $2 / 1048576 }' /proc/meminfo)"
+    echo "uname: $(uname -srm)"
+    echo "cpu: $(awk -F': ' '/^model name/ { print $2; exit }' /proc/cpuinfo)"
+    echo "os: $(. /etc/os-release 2>/dev/null && echo "$PRETTY_NAME")"
+    echo "redis: $(redis-server --version)"
+    echo "wrk: $(wrk -v 2>&1 | head -n1 | awk '{ print $1, $2, $3 }')"
+    echo "rustc: $(rustc -V 2>/dev/null || echo unknown)"
+    echo "cacheguard: $("$CG_BIN" --version 2>/dev/null || echo unknown) ($CG_BIN)"
+    echo "git: $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo none)$(git -C "$ROOT" diff --quiet HEAD -- src 2>/dev/null || echo ' (src/ has uncommitted changes)')"
+    echo "fd_limit: $FD_LIMIT (wanted $FD_WANTED)"
+    echo "load_start: $LOAD_START"
+    echo "modes: $MODES"
+    echo "reps: $REPS"
+    echo "throughput: wrk -t2 -c64 -d$DURATION --latency over $KEYS keys, L1 off"
+    echo "concurrencies: $CONCURRENCIES"
+    echo "origin_delay_ms: $DELAY_MS (section b; section a's origin has no delay)"
+} >"$OUT/env.txt"
+cat "$OUT/env.txt" >&2
+
+# --- helpers ---------------------------------------------------------------------------
+
+rcli() { timeout 5 redis-cli -h 127.0.0.1 -p "$@"; }
+pong() { [[ $(rcli "$1" ping 2>/dev/null) == PONG ]]; }
+
+declare -A REDIS_PIDS_OF # mode -> PIDs of its redis-servers (sentinels included)
+
+# start_redis_node MODE NAME PORT EXTRA_ARGS...: a redis-server on 127.0.0.1:PORT in its own
+# dir, no persistence, waited for until it answers PING. Sets LAST_PID.
+start_redis_node() {
+    local mode=$1 name=$2 port=$3 dir="$BENCH_TMP/redis-$2" deadline
+    shift 3
+    mkdir -p "$dir"
+    start_bg "$dir/stdout.log" redis-server --bind 127.0.0.1 --port "$port" --dir "$dir" \
+        --save "" --appendonly no --daemonize no --logfile "$dir/redis.log" "$@"
+    local pid=$LAST_PID
+    REDIS_PIDS_OF[$mode]+="$pid "
+    deadline=$((SECONDS + 15))
+    while ((SECONDS < deadline)); do
+        kill -0 "$pid" 2>/dev/null || die "redis-server ($name, PID $pid) exited; see $dir/redis.log"
+        pong "$port" && return 0
+        sleep 0.1
+    done
+    die "redis-server ($name) did not answer PING on port $port within 15 s"
+}
+
+# wait_for DESC SECONDS CMD...: run CMD every 0.2 s until it succeeds; die at the deadline.
+wait_for() {
+    local desc=$1 limit=$2 deadline
+    shift 2
+    deadline=$((SECONDS + limit))
+    until "$@"; do
+        ((SECONDS < deadline)) || die "timed out after $limit s waiting for $desc"
+        sleep 0.2
+    done
+}
+
+cluster_all_ok() {
+    local p
+    for p in "${CLUSTER_PORTS[@]}"; do
+        rcli "$p" cluster info 2>/dev/null | tr -d '\r' | grep -qx 'cluster_state:ok' || return 1
+    done
+    # every node must know all 6 nodes and their roles (replicas attached)
+    for p in "${CLUSTER_PORTS[@]}"; do
+        [[ $(rcli "$p" cluster info 2>/dev/null | tr -d '\r' | awk -F: '$1 == "cluster_known_nodes" { print $2 }') == 6 ]] ||
+            return 1
+    done
+    [[ $(rcli "${CLUSTER_PORTS[0]}" cluster nodes 2>/dev/null | grep -c 'slave') == 3 ]]
+}
+
+replica_link_up() {
+    rcli "$REPLICA_PORT" info replication 2>/dev/null | tr -d '\r' | grep -qx 'master_link_status:up'
+}
+
+# sentinel_field PORT FIELD: one field of `SENTINEL MASTER cgprimary` from one sentinel.
+sentinel_field() {
+    rcli "$1" sentinel master "$MASTER_NAME" 2>/dev/null | tr -d '\r' |
+        awk -v f="$2" 'prev == f { print; exit } { prev = $0 }'
+}
+
+sentinels_ready() {
+    local s
+    for s in "${SENTINEL_PORTS[@]}"; do
+        [[ $(sentinel_field "$s" num-slaves) == 1 && $(sentinel_field "$s" num-other-sentinels) == 2 ]] ||
+            return 1
+    done
+}
+
+start_standalone() {
+    log "standalone: redis-server on $STANDALONE_PORT"
+    start_redis_node standalone standalone "$STANDALONE_PORT"
+    rcli "$STANDALONE_PORT" info server | tr -d '\r' >"$OUT/topology/standalone-info.txt"
+}
+
+start_cluster() {
+    local p addrs=()
+    log "cluster: 6 nodes on ${CLUSTER_PORTS[*]}"
+    for p in "${CLUSTER_PORTS[@]}"; do
+        start_redis_node cluster "cluster-$p" "$p" --cluster-enabled yes \
+            --cluster-config-file nodes.conf --cluster-node-timeout 2000
+        addrs+=("127.0.0.1:$p")
+    done
+    timeout 60 redis-cli --cluster create "${addrs[@]}" --cluster-replicas 1 --cluster-yes \
+        >"$OUT/topology/cluster-create.txt" 2>&1 ||
+        die "redis-cli --cluster create failed; see $OUT/topology/cluster-create.txt"
+    wait_for "cluster_state:ok and 3 replicas on every cluster node" "$READY_WAIT_S" cluster_all_ok
+    rcli "${CLUSTER_PORTS[0]}" cluster nodes | tr -d '\r' >"$OUT/topology/cluster-nodes.txt"
+    log "cluster: state ok, 3 primaries + 3 replicas"
+}
+
+start_sentinel() {
+    local s dir
+    log "sentinel: primary $PRIMARY_PORT, replica $REPLICA_PORT, sentinels ${SENTINEL_PORTS[*]}"
+    start_redis_node sentinel primary "$PRIMARY_PORT"
+    start_redis_node sentinel replica "$REPLICA_PORT" --replicaof 127.0.0.1 "$PRIMARY_PORT"
+    wait_for "master_link_status:up on the replica" "$READY_WAIT_S" replica_link_up
+    for s in "${SENTINEL_PORTS[@]}"; do
+        dir=$BENCH_TMP/sentinel-$s
+        mkdir -p "$dir"
+        # sentinel rewrites its config file: it lives in the scratch dir
+        cat >"$dir/sentinel.conf" <<EOF
+port $s
+bind 127.0.0.1
+daemonize no
+dir $dir
+logfile $dir/sentinel.log
+sentinel monitor $MASTER_NAME 127.0.0.1 $PRIMARY_PORT 2
+sentinel down-after-milliseconds $MASTER_NAME 1000
+sentinel failover-timeout $MASTER_NAME 5000
+EOF
+        cp "$dir/sentinel.conf" "$OUT/topology/sentinel-$s.conf"
+        start_bg "$dir/stdout.log" redis-server "$dir/sentinel.conf" --sentinel
+        REDIS_PIDS_OF[sentinel]+="$LAST_PID "
+        wait_for "sentinel $s to answer PING" 15 pong "$s"
+    done
+    wait_for "every sentinel to see 1 replica and 2 other sentinels" "$READY_WAIT_S" sentinels_ready
+    rcli "${SENTINEL_PORTS[0]}" sentinel master "$MASTER_NAME" | tr -d '\r' | paste - - \
+        >"$OUT/topology/sentinel-master.txt"
+    log "sentinel: primary with 1 replica, 3 sentinels agree"
+}
+
+# redis_section MODE: the [redis] section of cacheguard's config for MODE.
+redis_section() {
+    local urls
+    echo "[redis]"
+    case $1 in
+    standalone) echo "url = \"redis://127.0.0.1:$STANDALONE_PORT\"" ;;
+    cluster)
+        urls=$(printf '"redis://127.0.0.1:%s", ' "${CLUSTER_PORTS[@]}")
+        echo 'mode = "cluster"'
+        echo "urls = [${urls%, }]"
+        ;;
+    sentinel)
+        urls=$(printf '"redis://127.0.0.1:%s", ' "${SENTINEL_PORTS[@]}")
+        echo 'mode = "sentinel"'
+        echo "urls = [${urls%, }]"
+        echo "master_name = \"$MASTER_NAME\""
+        ;;
+    esac
+    echo 'command_timeout = "200ms"'
+}
+
+# cacheguard_config MODE PORT ADMIN_PORT ORIGIN_PORT L1: as bench/stampede.sh's shared config,
+# with the [redis] section of MODE and `[cache] l1 = L1` ("" = the default).
+cacheguard_config() {
+    cat <<EOF
+[server]
+listen = "127.0.0.1:$2"
+[upstream]
+url = "http://127.0.0.1:$4"
+max_concurrency = 1024
+queue_timeout = "5s"
+EOF
+    redis_section "$1"
+    cat <<EOF
+[journal]
+path = "journal-$2"
+[admin]
+listen = "127.0.0.1:$3"
+[cache]
+ttl = "600s"
+EOF
+    [[ -z $5 ]] || echo "l1 = \"$5\""
+    cat <<EOF
+[lock]
+lease = "5s"
+wait_timeout = "5s"
+[[routes]]
+name = "item"
+match = "/items/{id}"
+EOF
+}
+
+redis_up() { [[ $(curl -s --max-time 2 "$1/admin/redis" | jq -r '.up' 2>/dev/null) == true ]]; }
+
+declare -A CG_PID_OF CG_LOG_OF
+# start_cacheguard NAME MODE TAG PORT ADMIN_PORT ORIGIN_PORT L1: starts one instance (config
+# in the scratch dir, a copy in $OUT/configs, log in $OUT/runs/TAG-NAME.log) and waits until
+# /admin/redis says "up":true.
+start_cacheguard() {
+    local name=$1 mode=$2 tag=$3 port=$4 admin=$5 dir="$BENCH_TMP/cg-$1-$2"
+    mkdir -p "$dir"
+    cacheguard_config "$mode" "$port" "$admin" "$6" "$7" >"$dir/cacheguard.toml"
+    [[ -f $OUT/configs/$mode-$name.toml ]] || cp "$dir/cacheguard.toml" "$OUT/configs/$mode-$name.toml"
+    "$CG_BIN" --check-config "$dir/cacheguard.toml" >&2 || die "cacheguard --check-config $dir/cacheguard.toml failed"
+    CG_LOG_OF[$name]=$OUT/runs/$tag-$name.log
+    start_bg "${CG_LOG_OF[$name]}" "$CG_BIN" --config "$dir/cacheguard.toml"
+    CG_PID_OF[$name]=$LAST_PID
+    wait_http "http://127.0.0.1:$admin/healthz" "$LAST_PID" "cacheguard ($name, $mode)"
+    local deadline=$((SECONDS + READY_WAIT_S))
+    until redis_up "http://127.0.0.1:$admin"; do
+        kill -0 "${CG_PID_OF[$name]}" 2>/dev/null || die "cacheguard ($name, $mode) exited; see ${CG_LOG_OF[$name]}"
+        ((SECONDS < deadline)) || die "cacheguard ($name, $mode): /admin/redis not up within $READY_WAIT_S s"
+        sleep 0.2
+    done
+    curl -s --max-time 2 "http://127.0.0.1:$admin/admin/redis" >"$OUT/runs/$tag-$name-admin-redis.json" || true
+}
+
+stop_cacheguard() {
+    stop_pid "${CG_PID_OF[$1]}"
+    unset "CG_PID_OF[$1]"
+}
+
+# metric FILE NAME[{labels}]: the value of one sample in a /metrics dump (0 when absent).
+metric() { awk -v m="$2" '$1 == m { v = $2 } END { printf "%.0f", v + 0 }' "$1"; }
+
+# metric_sum FILE NAME [LABEL=\"VALUE\"...]: the sum of every sample of NAME carrying all the
+# given label pairs (0 when none).
+metric_sum() {
+    local file=$1 name=$2
+    shift 2
+    awk -v m="$name" -v want="$*" '
+        BEGIN { n = split(want, w, " ") }
+        index($1, m "{") == 1 || $1 == m {
+            for (i = 1; i <= n; i++) if (index($1, w[i]) == 0) next
+            s += $2
+        }
+        END { printf "%.0f", s + 0 }' "$file"
+}
+
+# cpu_ticks PID...: utime + stime of the given processes, in clock ticks (gone ones count 0).
+cpu_ticks() {
+    local pid total=0 t
+    for pid in "$@"; do
+        t=$(awk '{ sub(/^.*\) /, ""); print $12 + $13 }' "/proc/$pid/stat" 2>/dev/null || echo 0)
+        total=$((total + ${t:-0}))
+    done
+    echo "$total"
+}
+ticks_to_s() { awk -v t="$1" -v hz="$CLK_TCK" 'BEGIN { printf "%.2f", t / hz }'; }
+
+origin_total() { curl -s --max-time 5 "$1/stats" | jq '.total'; }
+
+# --- origins and topologies ------------------------------------------------------------
+
+ORIGIN0=http://127.0.0.1:$ORIGIN0_PORT
+ORIGIN=http://127.0.0.1:$ORIGIN_PORT
+start_bg "$OUT/origin0.log" "$ORIGIN_BIN" --port "$ORIGIN0_PORT" --delay-ms 0 --max-id "$MAX_ID" --threads 2
+wait_http "$ORIGIN0/stats" "$LAST_PID" "bench-origin (no delay)"
+start_bg "$OUT/origin.log" "$ORIGIN_BIN" --port "$ORIGIN_PORT" --delay-ms "$DELAY_MS" --max-id "$MAX_ID" --threads 2
+wait_http "$ORIGIN/stats" "$LAST_PID" "bench-origin (delay $DELAY_MS ms)"
+size=$(curl -s -o /dev/null -w '%{size_download}' "$ORIGIN0/items/1")
+[[ $size == "$BODY_BYTES" ]] || die "origin body is $size bytes, expected $BODY_BYTES"
+
+for m in $MODES; do "start_$m"; done
+
+IDS_FILE=$OUT/keys.txt
+seq 1 "$KEYS" >"$IDS_FILE"
+
+# --- section a: L2-hit throughput ------------------------------------------------------
+
+RAW=$OUT/raw.tsv
+{
+    printf 'section\tmode\trep\tc\tid\trps\tp50_ms\tp99_ms\tmax_ms\trequests\terrors\tnon2xx'
+    printf '\thit_l2_share\torigin_requests\tok\tx_cache\tcg_cpu_s\tredis_cpu_s\tlock_events\tlog_warnings\n'
+} >"$RAW"
+
+# keys_per_primary: "port=DBSIZE ..." over the cluster's primaries.
+keys_per_primary() {
+    local p out=()
+    for p in "${CLUSTER_PORTS[@]}"; do
+        [[ $(rcli "$p" role 2>/dev/null | awk 'NR == 1') == master ]] || continue
+        out+=("$p=$(rcli "$p" dbsize)")
+    done
+    echo "${out[*]}"
+}
+
+declare -A SPREAD # mode -> keys per primary after the first fill (cluster only)
+
+run_l2() {
+    local mode=$1 rep=$2 tag="a-$1-rep$2" admin=http://127.0.0.1:$CGL_ADMIN base=http://127.0.0.1:$CGL_PORT
+    log "a. rep $rep/$REPS: $mode: L2-hit throughput over $KEYS keys (L1 off)"
+    start_cacheguard cgL "$mode" "$tag" "$CGL_PORT" "$CGL_ADMIN" "$ORIGIN0_PORT" off
+    local pid=${CG_PID_OF[cgL]}
+    # fill (whatever is not in this topology yet), then check: every key must be a HIT-L2
+    timeout 300 "$LOADGEN_BIN" list --url "$base/items/{id}" --ids-file "$IDS_FILE" --connections 16 \
+        >"$OUT/runs/$tag-fill.json" || die "loadgen list (fill) failed; see $OUT/runs/$tag-fill.json"
+    timeout 300 "$LOADGEN_BIN" list --url "$base/items/{id}" --ids-file "$IDS_FILE" --connections 16 \
+        >"$OUT/runs/$tag-check.json" || die "loadgen list (check) failed; see $OUT/runs/$tag-check.json"
+    local hits ok
+    hits=$(jq '.x_cache["HIT-L2"] // 0' "$OUT/runs/$tag-check.json")
+    ok=$(jq '.ok' "$OUT/runs/$tag-check.json")
+    ((hits == KEYS && ok == KEYS)) ||
+        die "$tag: after the fill only $hits of $KEYS keys answered HIT-L2 ($ok ok); see $OUT/runs/$tag-check.json"
+    local xc
+    xc=$(x_cache "$base/items/1")
+    [[ $xc == HIT-L2 ]] || die "$tag: GET /items/1 answered X-Cache '$xc', expected HIT-L2"
+    if [[ $mode == cluster && -z ${SPREAD[$mode]:-} ]]; then
+        SPREAD[$mode]=$(keys_per_primary)
+        log "cluster keys per primary: ${SPREAD[$mode]}"
+    fi
+
+    local file=$OUT/runs/$tag-wrk.txt before_o after_o cg0 cg1 r0 r1
+    # shellcheck disable=SC2086 # the PID list splits on purpose
+    r0=$(cpu_ticks ${REDIS_PIDS_OF[$mode]})
+    cg0=$(cpu_ticks "$pid")
+    curl -s --max-time 2 "$admin/metrics" >"$OUT/runs/$tag-metrics-before.txt" || die "cannot read $admin/metrics"
+    before_o=$(origin_total "$ORIGIN0")
+    echo "# wrk -t2 -c64 -d$DURATION --latency --timeout $WRK_TIMEOUT -s bench/id_list.lua $base -- $IDS_FILE 2" >"$file"
+    start_bg "$file.part" wrk -t2 -c64 -d"$DURATION" --latency --timeout "$WRK_TIMEOUT" \
+        -s bench/id_list.lua "$base" -- "$IDS_FILE" 2
+    local wrk_pid=$LAST_PID wrk_rc=0
+    wait "$wrk_pid" || wrk_rc=$?
+    forget_pid "$wrk_pid"
+    cat "$file.part" >>"$file" && rm -f "$file.part"
+    ((wrk_rc == 0)) || die "wrk failed ($wrk_rc) for $tag; see $file"
+    after_o=$(origin_total "$ORIGIN0")
+    curl -s --max-time 2 "$admin/metrics" >"$OUT/runs/$tag-metrics-after.txt" || die "cannot read $admin/metrics"
+    cg1=$(cpu_ticks "$pid")
+    # shellcheck disable=SC2086
+    r1=$(cpu_ticks ${REDIS_PIDS_OF[$mode]})
+
+    local parsed rps p50 p99 max reqs errs non2xx
+    parsed=$(wrk_parse "$file") || die "cannot parse wrk output $file"
+    read -r rps p50 p99 max reqs errs non2xx <<<"$parsed"
+    local l2_b l2_a all_b all_a share
+    l2_b=$(metric_sum "$OUT/runs/$tag-metrics-before.txt" cacheguard_requests_total 'outcome="hit_l2"')
+    l2_a=$(metric_sum "$OUT/runs/$tag-metrics-after.txt" cacheguard_requests_total 'outcome="hit_l2"')
+    all_b=$(metric_sum "$OUT/runs/$tag-metrics-before.txt" cacheguard_requests_total)
+    all_a=$(metric_sum "$OUT/runs/$tag-metrics-after.txt" cacheguard_requests_total)
+    share=$(awk -v h=$((l2_a - l2_b)) -v n=$((all_a - all_b)) 'BEGIN { printf "%.4f", (n > 0) ? h / n : 0 }')
+    # the outcomes other than hit_l2 during the run, for the record
+    local other="" o d
+    for o in hit_l1 miss stale bypass error negative reject; do
+        d=$(($(metric_sum "$OUT/runs/$tag-metrics-after.txt" cacheguard_requests_total "outcome=\"$o\"") -
+            $(metric_sum "$OUT/runs/$tag-metrics-before.txt" cacheguard_requests_total "outcome=\"$o\"")))
+        ((d == 0)) || other+="$o=$d,"
+    done
+    other="hit_l2=$((l2_a - l2_b)),${other}"
+    local warn
+    warn=$(grep -c -E 'WARN|ERROR' "${CG_LOG_OF[cgL]}" || true)
+    stop_cacheguard cgL
+
+    printf 'a\t%s\t%s\t-\t-\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t-\t%s\t%s\t%s\t-\t%s\n' "$mode" "$rep" \
+        "$rps" "$p50" "$p99" "$max" "$reqs" "$errs" "$non2xx" "$share" $((after_o - before_o)) "${other%,}" \
+        "$(ticks_to_s $((cg1 - cg0)))" "$(ticks_to_s $((r1 - r0)))" "$warn" >>"$RAW"
+    printf '  %-10s %10s req/s  p50 %7.3f  p99 %7.3f ms  HIT-L2 %s  origin %s  cpu cg %ss redis %ss\n' "$mode" \
+        "$(fmt_int "$rps")" "$p50" "$p99" "$share" $((after_o - before_o)) "$(ticks_to_s $((cg1 - cg0)))" \
+        "$(ticks_to_s $((r1 - r0)))" >&2
+    ((errs == 0 && non2xx == 0)) || log "WARNING: $tag: $errs socket errors, $non2xx non-2xx answers (see $file)"
+    [[ $((after_o - before_o)) == 0 ]] || log "WARNING: $tag: $((after_o - before_o)) origin requests during the run"
+    ((warn == 0)) || log "WARNING: $tag: $warn WARN/ERROR lines in ${CG_LOG_OF[cgL]}"
+}
+
+# --- section b: stampede coalescing ------------------------------------------------------
+
+LOCK_OUTCOMES="acquired contended renewed lost takeover wait_timeout"
+next_id=$FIRST_COLD_ID
+
+# run_stampede MODE REP C: one stampede on the instances cgA and cgB (already running).
+run_stampede() {
+    local mode=$1 rep=$2 c=$3 id=$next_id
+    next_id=$((next_id + 1))
+    local path=/items/$id tag="b-$1-rep$2-c$3" inst
+    declare -A log_lines_before=()
+    for inst in cgA cgB; do
+        curl -s --max-time 2 "${ADMIN_OF[$inst]}/metrics" >"$OUT/runs/$tag-metrics-$inst-before.txt" || true
+        log_lines_before[$inst]=$(wc -l <"${CG_LOG_OF[$inst]}")
+    done
+    curl -s -X POST --max-time 5 "$ORIGIN/stats/reset" >/dev/null || die "cannot reset origin counters"
+    local json=$OUT/runs/$tag.json
+    log "b. rep $rep/$REPS: $mode: stampede C=$c on $path over cgA + cgB"
+    start_bg "$json" timeout --signal=TERM 120 "$LOADGEN_BIN" stampede \
+        --url "${URL_OF[cgA]}$path" --url "${URL_OF[cgB]}$path" \
+        --concurrency "$c" --timeout-s "$TIMEOUT_S" --warm-path "$WARM_PATH"
+    local lg_pid=$LAST_PID lg_rc=0
+    wait "$lg_pid" || lg_rc=$?
+    forget_pid "$lg_pid"
+    ((lg_rc == 0)) || die "loadgen failed ($lg_rc) for $tag; see $json"
+    sleep 0.2 # anything still on its way to the origin
+    curl -s --max-time 5 "$ORIGIN/stats" >"$OUT/runs/$tag-origin.json" || die "cannot read origin stats"
+    local origin_cold
+    origin_cold=$(jq --arg p "$path" '.paths[$p] // 0' "$OUT/runs/$tag-origin.json")
+
+    local parts=() o before_v after_v delta sum_warn=0 f p
+    for inst in cgA cgB; do
+        curl -s --max-time 2 "${ADMIN_OF[$inst]}/metrics" >"$OUT/runs/$tag-metrics-$inst-after.txt" || true
+        f=$OUT/runs/$tag-$inst-lines.log
+        tail -n +"$((log_lines_before[$inst] + 1))" "${CG_LOG_OF[$inst]}" >"$f"
+        sum_warn=$((sum_warn + $(grep -c -E 'WARN|ERROR' "$f" || true)))
+        p=""
+        for o in $LOCK_OUTCOMES; do
+            before_v=$(metric "$OUT/runs/$tag-metrics-$inst-before.txt" "cacheguard_lock_events_total{outcome=\"$o\"}")
+            after_v=$(metric "$OUT/runs/$tag-metrics-$inst-after.txt" "cacheguard_lock_events_total{outcome=\"$o\"}")
+            delta=$((after_v - before_v))
+            ((delta == 0)) || p+="$o=$delta,"
+        done
+        p+="bus=$(metric "$OUT/runs/$tag-metrics-$inst-after.txt" cacheguard_event_bus_subscribed)"
+        parts+=("$inst:$p")
+    done
+
+    local vals xc
+    vals=$(jq -r '[.count, .ok, .non_2xx, .errors, .setup_failures, .ready, .latency_ms.p50, .latency_ms.p99,
+        .latency_ms.max] | map(if . == null then "nan" else tostring end) | join("\t")' "$json") ||
+        die "cannot parse $json"
+    xc=$(jq -r '.x_cache | to_entries | map("\(.key)=\(.value)") | join(",")' "$json")
+    local count ok non2xx errors setup_f ready p50 p99 max
+    IFS=$'\t' read -r count ok non2xx errors setup_f ready p50 p99 max <<<"$vals"
+    printf 'b\t%s\t%s\t%s\t%s\t-\t%s\t%s\t%s\t%s\t%s\t%s\t-\t%s\t%s\t%s\t-\t-\t%s\t%s\n' "$mode" "$rep" "$c" "$id" \
+        "$p50" "$p99" "$max" "$count" "$((errors + setup_f))" "$non2xx" "$origin_cold" "$ok" "$xc" \
+        "${parts[*]}" "$sum_warn" >>"$RAW"
+    printf '  %-10s C=%-5s origin %-3s  ok %s/%s  p50 %8.1f  p99 %8.1f  max %8.1f ms  X-Cache %s  %s\n' \
+        "$mode" "$c" "$origin_cold" "$ok" "$c" "$p50" "$p99" "$max" "$xc" "${parts[*]}" >&2
+    ((ready == c)) || log "WARNING: $tag: only $ready of $c connections were ready before the release"
+    ((errors == 0 && non2xx == 0 && setup_f == 0)) ||
+        log "WARNING: $tag: $errors errors, $non2xx non-2xx, $setup_f setup failures (see $json)"
+    [[ $origin_cold == 1 ]] ||
+        log "WARNING: $tag: $origin_cold requests for the cold key reached the origin (target 1)"
+    sleep 0.3 # let the closed connections drain
+}
+
+declare -A URL_OF=([cgA]=http://127.0.0.1:$CGA_PORT [cgB]=http://127.0.0.1:$CGB_PORT)
+declare -A ADMIN_OF=([cgA]=http://127.0.0.1:$CGA_ADMIN [cgB]=http://127.0.0.1:$CGB_ADMIN)
+
+run_coalescing() {
+    local mode=$1 rep=$2 tag="b-$1-rep$2" inst c
+    start_cacheguard cgA "$mode" "$tag" "$CGA_PORT" "$CGA_ADMIN" "$ORIGIN_PORT" ""
+    start_cacheguard cgB "$mode" "$tag" "$CGB_PORT" "$CGB_ADMIN" "$ORIGIN_PORT" ""
+    # the event bus must be live in both instances before a stampede means anything
+    for inst in cgA cgB; do
+        local deadline=$((SECONDS + 15))
+        while :; do
+            curl -s --max-time 2 "${ADMIN_OF[$inst]}/metrics" >"$OUT/runs/$tag-$inst-metrics-start.txt" || true
+            [[ $(metric "$OUT/runs/$tag-$inst-metrics-start.txt" cacheguard_event_bus_subscribed) == 1 ]] && break
+            if ((SECONDS >= deadline)); then
+                log "WARNING: $tag $inst: cacheguard_event_bus_subscribed is not 1 after 15 s"
+                break
+            fi
+            sleep 0.2
+        done
+        warm "${URL_OF[$inst]}$WARM_PATH" HIT-L1 HIT-L2
+    done
+    for c in $CONCURRENCIES; do run_stampede "$mode" "$rep" "$c"; done
+    stop_cacheguard cgA
+    stop_cacheguard cgB
+}
+
+# rotate N WORD...: WORD list rotated left by N (so each rep starts with another mode).
+rotate() {
+    local n=$1
+    shift
+    local a=("$@") k i
+    k=${#a[@]}
+    for ((i = 0; i < k; i++)); do printf '%s ' "${a[(i + n) % k]}"; done
+}
+
+for ((rep = 1; rep <= REPS; rep++)); do
+    # shellcheck disable=SC2086 # word splitting of MODES is intended
+    order=$(rotate $((rep - 1)) $MODES)
+    for m in $order; do run_l2 "$m" "$rep"; done
+    for m in $order; do run_coalescing "$m" "$rep"; done
+done
+
+for m in $MODES; do
+    case $m in
+    cluster) rcli "${CLUSTER_PORTS[0]}" cluster nodes | tr -d '\r' >"$OUT/topology/cluster-nodes-end.txt" || true ;;
+    sentinel) rcli "${SENTINEL_PORTS[0]}" sentinel master "$MASTER_NAME" | tr -d '\r' | paste - - \
+        >"$OUT/topology/sentinel-master-end.txt" || true ;;
+    esac
+done
+
+LOAD_END=$(cut -d' ' -f1-3 /proc/loadavg)
+echo "load_end: $LOAD_END" >>"$OUT/env.txt"
+WALL=$((SECONDS - started_at))
+
+# --- summary ---------------------------------------------------------------------------
+
+col() { # col SECTION MODE C FIELD_NO: one raw.tsv column for one (section, mode[, C])
+    awk -F'\t' -v s="$1" -v m="$2" -v c="$3" -v f="$4" \
+        'NR > 1 && $1 == s && $2 == m && (c == "-" || $4 == c) { print $f }' "$RAW"
+}
+sum_col() { col "$@" | awk '{ s += $1 } END { print s + 0 }'; }
+merge_hist() { # "K=V,K=V" cells summed over the reps
+    col "$@" | tr ',' '\n' | awk -F= 'NF == 2 { s[$1] += $2 } END { for (k in s) printf "%s %d\n", k, s[k] }' |
+        sort | awk '{ printf "%s%s %d", (NR > 1 ? ", " : ""), $1, $2 }'
+}
+# paired_ratio MODE: per rep, req/s of MODE / req/s of standalone in the same rep.
+paired_ratio() {
+    local v=()
+    mapfile -t v < <(awk -F'\t' -v m="$1" '
+        NR > 1 && $1 == "a" && $2 == "standalone" { base[$3] = $6 }
+        NR > 1 && $1 == "a" && $2 == m { val[$3] = $6 }
+        END { for (r in val) if (r in base && base[r] > 0) printf "%.4f\n", val[r] / base[r] }' "$RAW")
+    ((${#v[@]} > 0)) || {
+        printf '–'
+        return
+    }
+    cell_dec 2 "${v[@]}"
+}
+verdict() { if [[ $1 == 1 ]]; then echo "**met**"; else echo "**MISSED**"; fi; }
+# cell_rps V...: req/s as "median (min–max)" with thousands separators; a lone value when all
+# values are equal.
+cell_rps() {
+    local med min max
+    read -r med min max < <(stats "$@")
+    if [[ $med == nan ]]; then
+        printf '–'
+    elif [[ $(fmt_int "$min") == "$(fmt_int "$max")" ]]; then
+        fmt_int "$med"
+    else
+        printf '%s (%s–%s)' "$(fmt_int "$med")" "$(fmt_int "$min")" "$(fmt_int "$max")"
+    fi
+}
+# pct_cell MODE: section a's HIT-L2 share as a percent, "median (min–max)".
+pct_cell() {
+    local v=() x
+    for x in $(col a "$1" - 13); do v+=("$(awk -v s="$x" 'BEGIN { printf "%.4f", s * 100 }')"); done
+    ((${#v[@]} > 0)) || {
+        printf '–'
+        return
+    }
+    printf '%s %%' "$(cell_dec 2 "${v[@]}")"
+}
+declare -A LABEL=(
+    [standalone]="standalone (1 redis-server)"
+    [cluster]="cluster (3 primaries + 3 replicas)"
+    [sentinel]="sentinel (primary + replica, 3 sentinels)"
+)
+
+{
+    echo "# cacheguard scale-out (issue #9): $STAMP"
+    echo
+    echo "The same cacheguard on three Redis topologies, all on 127.0.0.1 on the same $(nproc) cores"
+    echo "(load generator, cacheguard, origin and every redis-server share them)."
+    echo "Each cell is **median (min–max) over $REPS rep(s)** (one value when they agree); modes rotate within each rep."
+    echo "Load average (1/5/15 min) at start: $LOAD_START; at end: $LOAD_END. Wall time: ${WALL} s."
+    echo
+    echo "| item | value |"
+    echo "|---|---|"
+    sed -n 's/^\([a-z_]*\): \(.*\)$/| \1 | \2 |/p' "$OUT/env.txt"
+    echo
+    echo "## a. L2-hit throughput, L1 off"
+    echo
+    echo "One cacheguard with \`l1 = \"off\"\`, $KEYS distinct 1 KiB keys all in Redis, \`wrk -t2 -c64 -d$DURATION --latency\` cycling over them (bench/id_list.lua)."
+    echo
+    echo "| mode | req/s | p50 ms | p99 ms | max ms | req/s vs standalone (paired per rep) | HIT-L2 share | errors / non-2xx | origin requests | CPU s cacheguard | CPU s redis |"
+    echo "|---|---|---|---|---|---|---|---|---|---|---|"
+    for m in $MODES; do
+        ratio="1.00"
+        [[ $m == standalone ]] || ratio=$(paired_ratio "$m")
+        # shellcheck disable=SC2046 # one value per rep
+        printf '| %s | %s | %s | %s | %s | %s | %s | %s / %s | %s | %s | %s |\n' "${LABEL[$m]}" \
+            "$(cell_rps $(col a "$m" - 6))" "$(cell_dec 3 $(col a "$m" - 7))" "$(cell_dec 3 $(col a "$m" - 8))" \
+            "$(cell_dec 1 $(col a "$m" - 9))" "$ratio" "$(pct_cell "$m")" \
+            "$(sum_col a "$m" - 11)" "$(sum_col a "$m" - 12)" "$(sum_col a "$m" - 14)" \
+            "$(cell_dec 2 $(col a "$m" - 17))" "$(cell_dec 2 $(col a "$m" - 18))"
+    done
+    echo
+    outcomes=""
+    for m in $MODES; do outcomes+="${outcomes:+; }$m: $(merge_hist a "$m" - 16)"; done
+    echo "- HIT-L2 share: hit_l2 / all outcomes of \`cacheguard_requests_total\` between /metrics before and after the run; outcomes summed over the reps: $outcomes."
+    echo "- req/s vs standalone: in each rep, the mode's req/s divided by standalone's req/s in the same rep."
+    echo "- CPU s: user + system CPU seconds during the wrk run, of cacheguard and of the mode's redis-servers (sentinels included)."
+    [[ -z ${SPREAD[cluster]:-} ]] || echo "- cluster: keys per primary after the first fill (port=DBSIZE, cacheguard's own keys such as the invalidation stream included): ${SPREAD[cluster]}."
+    echo "- WARN/ERROR lines in cacheguard's log during the section: $(awk -F'\t' 'NR > 1 && $1 == "a" { s += $20 } END { print s + 0 }' "$RAW")."
+    for c in $CONCURRENCIES; do
+        echo
+        echo "## b. Stampede coalescing, C = $c"
+        echo
+        echo "Two cacheguard instances (L1 default) sharing the topology, origin delay $DELAY_MS ms, $c GETs of one cold key released at once (half on each instance); a fresh key per run."
+        echo
+        echo "| mode | origin requests | answers 200 | p50 ms | p99 ms | max ms | errors / non-2xx | X-Cache (all reps) |"
+        echo "|---|---|---|---|---|---|---|---|"
+        for m in $MODES; do
+            # shellcheck disable=SC2046
+            printf '| %s | %s | %s | %s | %s | %s | %s / %s | %s |\n' "${LABEL[$m]}" \
+                "$(cell_dec 0 $(col b "$m" "$c" 14))" "$(cell_dec 0 $(col b "$m" "$c" 15))" \
+                "$(cell_dec 1 $(col b "$m" "$c" 7))" "$(cell_dec 1 $(col b "$m" "$c" 8))" \
+                "$(cell_dec 1 $(col b "$m" "$c" 9))" "$(sum_col b "$m" "$c" 11)" "$(sum_col b "$m" "$c" 12)" \
+                "$(merge_hist b "$m" "$c" 16)"
+        done
+    done
+    echo
+    echo "### lock events per stampede (deltas of \`cacheguard_lock_events_total\`; bus = \`cacheguard_event_bus_subscribed\` after the run)"
+    echo
+    echo "| mode | C | rep | origin requests | lock events | WARN/ERROR log lines |"
+    echo "|---|---|---|---|---|---|"
+    awk -F'\t' 'NR > 1 && $1 == "b" { printf "| %s | %s | %s | %s | %s | %s |\n", $2, $4, $3, $14, $19, $20 }' "$RAW"
+    echo
+    echo "## Issue #9 target: 1 origin request per stampede in every mode"
+    echo
+    echo "| mode | C | origin requests per rep | verdict |"
+    echo "|---|---|---|---|"
+    for c in $CONCURRENCIES; do
+        for m in $MODES; do
+            o=$(col b "$m" "$c" 14 | tr '\n' ' ')
+            ok=1
+            for x in $o; do [[ $x == 1 ]] || ok=0; done
+            echo "| ${LABEL[$m]} | $c | $o | $(verdict $ok) |"
+        done
+    done
+    echo
+    echo "Raw data: \`bench/results/scale-out-$STAMP/\` (raw.tsv, runs/: wrk outputs, loadgen JSON, origin stats, cacheguard logs, /metrics and /admin/redis around each run; configs/; topology/)."
+} >"$OUT/summary.md"
+
+cat "$OUT/summary.md"
+log "done in ${WALL} s; results in $OUT"
