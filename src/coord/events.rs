@@ -353,8 +353,11 @@ impl EventBus {
                     }
                     // On a cluster, come back to the channel's primary when it is not the
                     // node we are on (after a failover moved the slot).
-                    let home = (redis.mode() == RedisMode::Cluster)
-                        .then(|| (&redis, node.as_str(), connect_timeout));
+                    let home = (redis.mode() == RedisMode::Cluster).then_some((
+                        &redis,
+                        node.as_str(),
+                        connect_timeout,
+                    ));
                     let ended = self
                         .consume(pubsub, &metrics, &stop, primary_changes.as_mut(), home)
                         .await;
