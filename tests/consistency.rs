@@ -970,6 +970,20 @@ async fn stream_entries_are_all_applied_on_cluster() {
         stale.len(),
         &stale[..stale.len().min(10)]
     );
+    // The consumer's blocking reads come back empty when idle, without errors (a response
+    // timeout shorter than the BLOCK would fail every idle read and reconnect).
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert_eq!(
+        metric(
+            &client,
+            consumer.admin_addr(),
+            "cacheguard_stream_errors_total",
+            &[]
+        )
+        .await,
+        0.0,
+        "the stream consumer failed on the cluster"
+    );
     consumer.shutdown().await;
     reader.shutdown().await;
 }

@@ -1182,3 +1182,27 @@ fn tls_ca_file_must_be_a_readable_pem_certificate() {
         problem(&text)
     );
 }
+
+#[test]
+fn sentinel_and_cluster_example_files_parse() {
+    let sentinel = Config::from_toml(
+        include_str!("../../config/sentinel.toml"),
+        "config/sentinel.toml",
+        &no_env(),
+    )
+    .unwrap();
+    let redis = sentinel.redis.unwrap();
+    assert_eq!(redis.mode, crate::config::RedisMode::Sentinel);
+    assert_eq!(redis.urls.len(), 3);
+    assert_eq!(sentinel.lock.wait_replicas, 1);
+    let cluster = Config::from_toml(
+        include_str!("../../config/cluster.toml"),
+        "config/cluster.toml",
+        &no_env(),
+    )
+    .unwrap();
+    assert_eq!(
+        cluster.redis.unwrap().mode,
+        crate::config::RedisMode::Cluster
+    );
+}

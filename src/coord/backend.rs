@@ -118,6 +118,8 @@ pub(crate) enum Backend {
     Sentinel(Arc<Sentinel>),
     Cluster {
         client: Arc<ClusterClient>,
+        /// For [`Backend::dedicated`] connections.
+        own: Arc<ClusterClient>,
         /// The seed nodes, for pub/sub when the topology cannot be asked.
         seeds: Arc<Vec<ConnectionInfo>>,
         /// ACL credentials, to reach the nodes the cluster names.
@@ -185,26 +187,38 @@ impl Backend {
                     .iter()
                     .map(|url| node_info(url, config))
                     .collect::<RedisResult<Vec<_>>>()?;
-                let mut builder = ClusterClient::builder(seeds.clone())
-                    .connection_timeout(config.connect_timeout)
+                let builder = || {
+                    let mut builder = ClusterClient::builder(seeds.clone())
+                        .connection_timeout(config.connect_timeout)
+                        // Few, short retries: every command is bounded by command_timeout,
+                        // and the breaker's probe retries for us.
+                        .retries(2)
+                        .min_retry_wait(10)
+                        .max_retry_wait(100);
+                    if let Some(username) = &config.username {
+                        builder = builder.username(username);
+                    }
+                    if let Some(password) = &config.password {
+                        builder = builder.password(password);
+                    }
+                    if let Some((_, pem)) = &config.tls_ca {
+                        builder = builder.certs(redis::TlsCertificates {
+                            client_tls: None,
+                            root_cert: Some(pem.clone()),
+                        });
+                    }
+                    builder
+                };
+                let shared = builder()
                     .response_timeout(config.connect_timeout.max(config.command_timeout))
-                    // Few, short retries: every command is bounded by command_timeout, and
-                    // the breaker's probe retries for us.
-                    .retries(2)
-                    .min_retry_wait(10)
-                    .max_retry_wait(100);
-                if let Some(username) = &config.username {
-                    builder = builder.username(username);
-                }
-                if let Some(password) = &config.password {
-                    builder = builder.password(password);
-                }
-                if let Some((_, pem)) = &config.tls_ca {
-                    builder = builder.certs(redis::TlsCertificates {
-                        client_tls: None,
-                        root_cert: Some(pem.clone()),
-                    });
-                }
+                    .build()?;
+                // Connections of their own carry blocking reads (`XREADGROUP BLOCK`) and
+                // large transfers, bounded by their callers: no overall timeout here (the
+                // per-connection config cannot lift the client's).
+                let own = builder()
+                    .response_timeout(Duration::from_secs(3600))
+                    .overall_response_timeout(None)
+                    .build()?;
                 let template = seeds.first().cloned().ok_or_else(|| {
                     redis::RedisError::from((
                         redis::ErrorKind::InvalidClientConfig,
@@ -212,7 +226,8 @@ impl Backend {
                     ))
                 })?;
                 Ok(Backend::Cluster {
-                    client: Arc::new(builder.build()?),
+                    client: Arc::new(shared),
+                    own: Arc::new(own),
                     seeds: Arc::new(seeds),
                     template: Arc::new(template),
                 })
@@ -275,12 +290,12 @@ impl Backend {
                         .await?,
                 ))
             }
-            Backend::Cluster { client, .. } => {
+            Backend::Cluster { own, .. } => {
                 let config = redis::cluster::ClusterConfig::new()
                     .set_connection_timeout(connect_timeout)
                     .set_response_timeout(response_timeout.unwrap_or(Duration::from_secs(3600)));
                 Ok(DataConn::Cluster(
-                    client.get_async_connection_with_config(config).await?,
+                    own.get_async_connection_with_config(config).await?,
                 ))
             }
         }

@@ -331,7 +331,12 @@ impl RedisConn {
                         topology.master_name = Some(sentinel.master_name().to_owned());
                         sentinel.primary_addr().unwrap_or_default()
                     }
-                    None => crate::config::redact_url(&self.inner.config.url),
+                    None => match &self.inner.backend {
+                        Backend::Standalone(client) => {
+                            client.get_connection_info().addr().to_string()
+                        }
+                        _ => crate::config::redact_url(&self.inner.config.url),
+                    },
                 };
                 if field("role") == Some("slave") {
                     warn!(

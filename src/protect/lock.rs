@@ -52,6 +52,12 @@ pub(crate) enum FillOutcome {
     Quarantined,
 }
 
+/// Clock skew allowed between two Redis Cluster nodes when a tag's invalidation time (one
+/// node's `TIME`) is compared with a fill's start (another node's `TIME`). NTP keeps hosts
+/// within a few milliseconds of each other; a skew beyond this could let a fill that began
+/// after a tag invalidation on the skewed clock store its answer.
+const CLUSTER_CLOCK_MARGIN_MS: u64 = 50;
+
 #[derive(Clone, Debug)]
 pub(crate) struct DistLock {
     redis: RedisConn,
@@ -261,7 +267,15 @@ impl DistLock {
                 &[member.as_bytes(), life_ms.as_bytes()],
             )
             .await?;
-        Ok(invalidated >= since_ms)
+        // On a cluster the tag's time comes from its node's clock and `since_ms` from the
+        // key's node: allow for their skew by refusing a little early (a fill that began
+        // just after a tag invalidation then stores nothing, which costs one miss).
+        let margin = if self.redis.mode() == RedisMode::Cluster {
+            CLUSTER_CLOCK_MARGIN_MS
+        } else {
+            0
+        };
+        Ok(invalidated.saturating_add(margin) >= since_ms)
     }
 
     /// Records that `tag` is invalidated now and returns its index's live members.

@@ -107,9 +107,12 @@ impl Proxy {
             parts.uri.query(),
             &parts.headers,
         );
-        self.hot.record(derived.key.hash);
         let mut skip_l1 = false;
         let mut refresh_early = false;
+        // A route without L1 has nothing to promote a hot key into: no detection either.
+        if route.config.l1 != L1Policy::Off {
+            self.hot.record(derived.key.hash);
+        }
         if route.config.l1 != L1Policy::Off
             && let Some(hot) = self.hot.get(derived.key.hash)
         {
@@ -228,7 +231,7 @@ impl Proxy {
     /// Whether this route's entries are kept in L1. In embedded mode, and while Redis is
     /// down in shared mode, L1 is the only tier and holds everything unless the route says
     /// `off` (degraded = embedded behaviour). With Redis up, `hot` keeps L1 for hot keys
-    /// only (none are promoted until hot-key detection exists).
+    /// only (see [`Self::keeps_in_l1`]).
     pub(crate) fn uses_l1(&self, route: &Route) -> bool {
         match route.config.l1 {
             L1Policy::Off => false,
