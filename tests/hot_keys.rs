@@ -835,6 +835,57 @@ async fn requests_waiting_on_a_fill_are_not_limited_when_the_key_turns_hot() {
     shutdown(cg).await;
 }
 
+/// A key B has never served is promoted on B by A's broadcast, then a burst of 100
+/// concurrent requests reaches B with the per-key limit at 1 per second. B has no copy
+/// and, for the first of them, no fill running either: the excess must join the key's one
+/// fill on B (one Redis lookup, the entry A stored), not get 429.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_hot_before_its_first_fill_here_answers_every_request() {
+    let _serial = SERIAL.lock().await;
+    const PATH: &str = "/api/items/hot-from-peer";
+    let redis = RedisServer::start().await;
+    let origin = TestOrigin::start().await;
+    let cfg = hot_config(&origin, &redis)
+        .set("hot_keys", "threshold_rps", "100")
+        .set("hot_keys", "max_backend_rps_per_key", "1");
+    let a = cfg.start().await;
+    let b = cfg.start().await;
+    let client = HttpClient::new();
+    wait_subscribed(&client, a.admin_addr()).await;
+    wait_subscribed(&client, b.admin_addr()).await;
+    assert_eq!(client.get(&url(a.addr(), PATH)).await.x_cache(), "MISS");
+    let load = Load::new(a.addr(), |_| PATH.to_owned())
+        .conns(4, 16)
+        .duration(Duration::from_secs(5))
+        .start();
+    let promoted = wait_hot(&client, b.admin_addr(), Duration::from_secs(4)).await;
+    load.stop();
+    load.finish().await;
+    assert!(
+        promoted.is_some(),
+        "B never promoted the key from A's broadcast"
+    );
+    let answers = common::concurrently(100, Duration::from_secs(20), |_| {
+        let client = client.clone();
+        let addr = b.addr();
+        async move {
+            let r = client.get(&url(addr, PATH)).await;
+            (r.status.as_u16(), r.body)
+        }
+    })
+    .await;
+    let expected = common::default_body(PATH, 1);
+    let mut by_status = BTreeMap::new();
+    for (status, body) in &answers {
+        *by_status.entry(*status).or_insert(0u32) += 1;
+        assert!(*status != 200 || body == expected.as_bytes(), "{body:?}");
+    }
+    assert_eq!(by_status, BTreeMap::from([(200, 100)]), "answers on B");
+    assert_eq!(origin.count(PATH), 1, "the origin was asked again");
+    shutdown(a).await;
+    shutdown(b).await;
+}
+
 // === 3. promotion from a peer's broadcast ===
 
 /// Everything published on `cg:events`, with the time it arrived here.

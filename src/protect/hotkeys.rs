@@ -12,7 +12,10 @@
 //!   once.
 //! - **Per-key limits.** A governor keyed limiter caps, per key and instance, the requests
 //!   per second that may go past L1 (`max_backend_rps_per_key`); the excess is answered
-//!   from the L1 copy (fresh or stale) or, with none, 429.
+//!   from the L1 copy (fresh or stale). With no copy yet (a key that turned hot before its
+//!   first fill here), the excess joins the key's one in-process fill, which costs the
+//!   backend one fetch per instance at a time; only a key whose answers cannot be shared
+//!   (each request would fetch for itself) is answered 429.
 //!
 //! **Memory bound.** Independent of how many distinct keys pass: one sketch per worker
 //! thread (plus one) of `SKETCH_WIDTH × SKETCH_DEPTH` counters and a top-K heap of

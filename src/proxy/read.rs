@@ -46,6 +46,9 @@ enum GoOn {
     PastL1,
     /// The usual path, which answers from L1 and refreshes the entry early (XFetch chose it).
     RefreshEarly,
+    /// Straight to the key's one in-process fill (joined, or led when none runs), without a
+    /// lookup of its own: a hot key with no copy yet.
+    Coalesce,
 }
 
 /// What a lookup found.
@@ -109,6 +112,7 @@ impl Proxy {
         );
         let mut skip_l1 = false;
         let mut refresh_early = false;
+        let mut coalesce = false;
         // A route without L1 has nothing to promote a hot key into: no detection either.
         if route.config.l1 != L1Policy::Off {
             self.hot.record(derived.key.hash);
@@ -120,11 +124,12 @@ impl Proxy {
                 Ok(answer) => return answer,
                 Err(GoOn::PastL1) => skip_l1 = true,
                 Err(GoOn::RefreshEarly) => refresh_early = true,
+                Err(GoOn::Coalesce) => coalesce = true,
                 Err(GoOn::ThroughL1) => {}
             }
         }
         // A miss for this key is being filled right now: join it rather than look again.
-        let found = if self.flights.foreground_in_progress(derived.key.hash) {
+        let found = if coalesce || self.flights.foreground_in_progress(derived.key.hash) {
             None
         } else {
             self.lookup_from(route, &derived.key, skip_l1).await
@@ -271,7 +276,8 @@ impl Proxy {
 
     /// A hot key: its L1 copy answers while its L1 grace lasts; after that, at most
     /// `max_backend_rps_per_key` requests per second go on to Redis and the origin, and the
-    /// rest get the L1 copy (fresh or stale) or 429. `Err` = go on, as [`GoOn`] says.
+    /// rest get the L1 copy (fresh or stale), join the key's fill when there is no copy, or
+    /// (for a key whose answers cannot be shared) 429. `Err` = go on, as [`GoOn`] says.
     async fn serve_hot(
         &self,
         route: &Route,
@@ -302,7 +308,7 @@ impl Proxy {
         // backend nothing, so it is not limited (a cold key that turns hot mid-fill must
         // not answer 429 to the requests the single-flight was built for).
         if copy.is_none() && self.flights.foreground_in_progress(key.hash) {
-            return Err(GoOn::ThroughL1);
+            return Err(GoOn::Coalesce);
         }
         if self.hot.allow_backend(key.hash) {
             self.hot.served(key.hash, &key.full, false);
@@ -323,6 +329,12 @@ impl Proxy {
                 self.hot.served(key.hash, &key.full, true);
                 Ok(hit(&entry, Outcome::Stale, head))
             }
+            // No copy at all (a key that turned hot before its first fill here, between
+            // the lookups of the first requests and their fill): the excess joins, or
+            // leads, the one in-process fill, which costs the backend at most one fetch per
+            // instance at a time. Only a key whose answers cannot be shared, where each
+            // request would fetch for itself, is refused.
+            _ if !self.uncacheable.contains_key(&key.hash) => Err(GoOn::Coalesce),
             _ => {
                 let mut response = respond::text(
                     http::StatusCode::TOO_MANY_REQUESTS,
