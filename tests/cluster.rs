@@ -112,6 +112,44 @@ async fn cluster_topology_is_reported_and_l2_serves_hits() {
         );
         assert_eq!(second.body, default_body(&path, 1).as_bytes());
     }
+
+    // lock.wait_replicas on a cluster: the acquire and its WAIT go to the primary of the
+    // lock's slot, which has its one replica.
+    let waiting = CgConfig::new(&origin)
+        .redis_cluster(&cluster)
+        .set("lock", "wait_replicas", "1")
+        .l1("off")
+        .start()
+        .await;
+    for i in 0..3 {
+        let r = client
+            .get(&url(waiting.addr(), &format!("/api/items/wait-{i}")))
+            .await;
+        assert_eq!(
+            (r.status.as_u16(), r.x_cache().as_str()),
+            (200, "MISS"),
+            "{r}"
+        );
+    }
+    let admin = waiting.admin_addr();
+    let events = |outcome: &'static str| {
+        let client = client.clone();
+        async move {
+            metric(
+                &client,
+                admin,
+                "cacheguard_lock_events_total",
+                &[("outcome", outcome)],
+            )
+            .await
+        }
+    };
+    assert_eq!(events("acquired").await, 3.0);
+    assert_eq!(
+        events("unreplicated").await,
+        0.0,
+        "WAIT 1 on a primary with one replica"
+    );
 }
 
 /// The item paths whose entries live on the node at `port` (read back from the entries:

@@ -24,7 +24,6 @@ use redis::aio::{
 };
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
-use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
 use redis::{Cmd, ConnectionInfo, IntoConnectionInfo, Pipeline, RedisFuture, RedisResult, Value};
 
 use super::sentinel::Sentinel;
@@ -69,26 +68,6 @@ impl ConnectionLike for DataConn {
             DataConn::Managed(conn) => conn.get_db(),
             DataConn::Plain(conn) => conn.get_db(),
             DataConn::Cluster(conn) => conn.get_db(),
-        }
-    }
-}
-
-impl DataConn {
-    /// Runs `cmd` on the node that holds `key` (the primary of its slot on a cluster): for
-    /// commands redis-rs would otherwise fan out, like `WAIT`.
-    pub(crate) async fn query_at_key<T: redis::FromRedisValue>(
-        &mut self,
-        key: &str,
-        cmd: &Cmd,
-    ) -> RedisResult<T> {
-        match self {
-            DataConn::Cluster(conn) => {
-                let route = Route::new(slot_of(key.as_bytes()), SlotAddr::Master);
-                let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(route));
-                let value = conn.route_command(cmd.clone(), routing).await?;
-                redis::from_redis_value(value).map_err(Into::into)
-            }
-            _ => cmd.query_async(self).await,
         }
     }
 }

@@ -486,16 +486,18 @@ impl RedisConn {
         .await
     }
 
-    /// Runs a script, then `WAIT replicas timeout` on the node that holds `keys[0]`; the
-    /// script's answer and how many replicas had its writes in time (0 when `WAIT` failed).
+    /// Runs a script (`EVAL source`), then `WAIT replicas timeout`, as one pipeline on one
+    /// connection: the script's answer and how many replicas had its writes in time (0 when
+    /// `WAIT` failed).
     ///
     /// `WAIT` covers the writes of the connection it is sent on and blocks that connection
     /// meanwhile, so both run on a connection of their own, taken from a small pool: the
-    /// shared connection's pipeline never waits on a replica.
+    /// shared connection's pipeline never waits on a replica. On a cluster the pipeline goes
+    /// to the node of the script's keys (`WAIT` names none), so the two stay together.
     pub(crate) async fn run_script_replicated<T: FromRedisValue>(
         &self,
         op: RedisOp,
-        script: &Script,
+        source: &str,
         keys: &[&str],
         args: &[&[u8]],
         replicas: u32,
@@ -529,46 +531,33 @@ impl RedisConn {
                 }
             },
         };
-        let mut invocation = script.prepare_invoke();
+        let mut pipe = redis::pipe();
+        let eval = pipe.cmd("EVAL").arg(source).arg(keys.len());
         for key in keys {
-            invocation.key(*key);
+            eval.arg(*key);
         }
         for arg in args {
-            invocation.arg(*arg);
+            eval.arg(*arg);
         }
-        let result = tokio::time::timeout(
-            self.inner.command_timeout,
-            invocation.invoke_async(&mut conn),
-        )
-        .await;
-        let value = self.settle(op, started, result)?;
-        let mut wait = redis::cmd("WAIT");
-        wait.arg(replicas).arg(
+        pipe.cmd("WAIT").arg(replicas).arg(
             u64::try_from(timeout.as_millis())
                 .unwrap_or(u64::MAX)
                 .max(1),
         );
-        let key = keys.first().copied().unwrap_or_default();
-        let acked = match tokio::time::timeout(
+        let result = tokio::time::timeout(
             timeout + self.inner.command_timeout,
-            conn.query_at_key::<i64>(key, &wait),
+            pipe.query_async::<(T, i64)>(&mut conn),
         )
-        .await
-        {
-            Ok(Ok(acked)) => {
-                let mut pool = self
-                    .inner
-                    .wait_pool
-                    .lock()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner);
-                if pool.len() < WAIT_POOL {
-                    pool.push(conn);
-                }
-                acked
-            }
-            // A connection in an unknown state is dropped, not pooled.
-            _ => 0,
-        };
+        .await;
+        let (value, acked) = self.settle(op, started, result)?;
+        let mut pool = self
+            .inner
+            .wait_pool
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if pool.len() < WAIT_POOL {
+            pool.push(conn);
+        }
         Ok((value, acked))
     }
 

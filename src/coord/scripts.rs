@@ -30,18 +30,20 @@ use redis::Script;
 /// Reading the generation here, before the fetch starts, is what lets [`FILL`] refuse an
 /// answer that an invalidation overtook while it was being fetched; `now` lets the filler
 /// refuse it when a tag it carries was invalidated since (see [`TAG_ADD`]).
-pub(crate) static ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(concat!(
-        now_ms!(),
-        r"
+pub(crate) static ACQUIRE: LazyLock<Script> = LazyLock::new(|| Script::new(ACQUIRE_SOURCE));
+
+/// The source of [`ACQUIRE`], for `EVAL` in a pipeline (see
+/// `RedisConn::run_script_replicated`).
+pub(crate) const ACQUIRE_SOURCE: &str = concat!(
+    now_ms!(),
+    r"
 local gen = redis.call('GET', KEYS[2]) or '0'
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
   return {1, gen, 0, now}
 end
 return {0, gen, redis.call('PTTL', KEYS[1]), now}
 ",
-    ))
-});
+);
 
 /// Begins a fill without the lock: reads the generation and Redis's clock.
 ///

@@ -126,7 +126,7 @@ impl DistLock {
                 .redis
                 .run_script_replicated(
                     RedisOp::Lock,
-                    &scripts::ACQUIRE,
+                    scripts::ACQUIRE_SOURCE,
                     &keys,
                     &args,
                     self.wait_replicas,

@@ -44,8 +44,8 @@ fn free_cluster_port() -> u16 {
 }
 
 impl RedisCluster {
-    /// Starts six nodes, creates the cluster and waits until every node reports all 16384
-    /// slots served and knows the three replicas (bounded).
+    /// Starts six nodes, creates the cluster and waits until every replica has synced and
+    /// every node reports all 16384 slots served and knows the three replicas (bounded).
     pub async fn start() -> RedisCluster {
         let mut nodes = Vec::with_capacity(NODES);
         while nodes.len() < NODES {
@@ -64,6 +64,9 @@ impl RedisCluster {
                     // A replica may take over however long ago it last heard its primary:
                     // failover tests must not depend on replication timing.
                     "--cluster-replica-validity-factor",
+                    "0",
+                    // Replicas sync at once (the default waits 5 s for more replicas).
+                    "--repl-diskless-sync-delay",
                     "0",
                 ],
             )
@@ -102,6 +105,25 @@ impl RedisCluster {
             String::from_utf8_lossy(&created.stderr)
         );
         let deadline = Instant::now() + FORM_DEADLINE;
+        // Every replica has finished its first sync (WAIT counts only synced replicas).
+        for port in cluster.ports() {
+            loop {
+                let replication = cluster
+                    .query(port, redis::cmd("INFO").arg("replication"))
+                    .await
+                    .unwrap_or_default();
+                if replication.contains("role:master")
+                    || replication.contains("master_link_status:up")
+                {
+                    break;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "replica {port} did not sync:\n{replication}"
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
         for port in cluster.ports() {
             loop {
                 let info = cluster.info(port).await;
