@@ -557,7 +557,8 @@ double_delete_delay = "100ms"
     )
     .await;
     assert!(rehomed.is_some(), "the event buses did not come back");
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    // Two re-home checks' time, with margin for the nodes' views of the new primary.
+    tokio::time::sleep(Duration::from_secs(5)).await;
     let mut stale = Vec::new();
     for k in 0..20 {
         let path = format!("/kv/eb{k}");
