@@ -121,32 +121,11 @@ async fn cluster_topology_is_reported_and_l2_serves_hits() {
         .l1("off")
         .start()
         .await;
-    for i in 0..3 {
-        let r = client
-            .get(&url(waiting.addr(), &format!("/api/items/wait-{i}")))
-            .await;
-        assert_eq!(
-            (r.status.as_u16(), r.x_cache().as_str()),
-            (200, "MISS"),
-            "{r}"
-        );
-    }
+    common::cold_misses(&client, waiting.addr(), "wait", 3).await;
     let admin = waiting.admin_addr();
-    let events = |outcome: &'static str| {
-        let client = client.clone();
-        async move {
-            metric(
-                &client,
-                admin,
-                "cacheguard_lock_events_total",
-                &[("outcome", outcome)],
-            )
-            .await
-        }
-    };
-    assert_eq!(events("acquired").await, 3.0);
+    assert_eq!(common::lock_events(&client, admin, "acquired").await, 3.0);
     assert_eq!(
-        events("unreplicated").await,
+        common::lock_events(&client, admin, "unreplicated").await,
         0.0,
         "WAIT 1 on a primary with one replica"
     );
@@ -504,22 +483,9 @@ async fn event_bus_follows_the_channels_primary_through_a_failover() {
     let mut cluster = RedisCluster::start().await;
     let origin = TestOrigin::start().await;
     origin.enable_kv();
-    let cfg = CgConfig::new(&origin).redis_cluster(&cluster).routes(
-        r#"
-[[routes]]
-name = "kv"
-match = "/kv/{key}"
-methods = ["GET"]
-l1 = "all"
-
-[[routes]]
-name = "kv-write"
-match = "/kv/{key}"
-methods = ["PUT"]
-invalidate = ["/kv/{key}"]
-double_delete_delay = "100ms"
-"#,
-    );
+    let cfg = CgConfig::new(&origin)
+        .redis_cluster(&cluster)
+        .routes(&common::kv_routes("100ms", true, Some("all")));
     let a = cfg.start().await;
     let b = cfg.start().await;
     let client = HttpClient::new();

@@ -26,27 +26,7 @@ const TOKEN: &str = "purge-secret-0123456789";
 /// A cached KV route (L1 for every entry: the hardest case, every instance holds copies)
 /// and its write route with the delayed double delete.
 fn kv_routes(delay: &str, invalidate: bool) -> String {
-    let invalidate = if invalidate {
-        r#"invalidate = ["/kv/{key}"]"#
-    } else {
-        ""
-    };
-    format!(
-        r#"
-[[routes]]
-name = "kv"
-match = "/kv/{{key}}"
-methods = ["GET"]
-l1 = "all"
-
-[[routes]]
-name = "kv-write"
-match = "/kv/{{key}}"
-methods = ["PUT"]
-{invalidate}
-double_delete_delay = "{delay}"
-"#
-    )
+    common::kv_routes(delay, invalidate, Some("all"))
 }
 
 fn kv_config(origin: &TestOrigin, redis: &impl SharedRedis, delay: &str) -> CgConfig {
@@ -411,6 +391,25 @@ async fn stress(
     }
 }
 
+/// The stress load (8 writers, 32 readers, 100 keys, `run`) through three instances of
+/// `kv_config(origin, redis, delay)`, stopped afterwards.
+async fn stress_fleet(
+    origin: &TestOrigin,
+    redis: &impl SharedRedis,
+    delay: &str,
+    run: Duration,
+    bound: Duration,
+) -> Observed {
+    let cfg = kv_config(origin, redis, delay);
+    let fleet = [cfg.start().await, cfg.start().await, cfg.start().await];
+    let addrs: Vec<_> = fleet.iter().map(|r| r.addr()).collect();
+    let observed = stress(&addrs, 100, 8, 32, run, bound).await;
+    for r in fleet {
+        r.shutdown().await;
+    }
+    observed
+}
+
 /// 8 writers and 32 readers over 100 keys for 10 s through 3 instances, origin replica lag
 /// 50 ms: reads that begin more than `double_delete_delay` after a write returned never see
 /// an older version. The same load on a naive cache-aside configuration (no delayed
@@ -424,26 +423,9 @@ async fn stress_with_replica_lag_never_serves_older_than_the_bound() {
     origin.set_replica_lag(Duration::from_millis(50));
 
     let redis = RedisServer::start().await;
-    let cfg = kv_config(&origin, &redis, "200ms");
-    let fleet = [cfg.start().await, cfg.start().await, cfg.start().await];
-    let addrs: Vec<_> = fleet.iter().map(|r| r.addr()).collect();
-    let guarded = stress(&addrs, 100, 8, 32, Duration::from_secs(10), BOUND).await;
-    for r in fleet {
-        r.shutdown().await;
-    }
-
+    let guarded = stress_fleet(&origin, &redis, "200ms", Duration::from_secs(10), BOUND).await;
     let naive_redis = RedisServer::start().await;
-    let naive_cfg = kv_config(&origin, &naive_redis, "0s");
-    let naive_fleet = [
-        naive_cfg.start().await,
-        naive_cfg.start().await,
-        naive_cfg.start().await,
-    ];
-    let addrs: Vec<_> = naive_fleet.iter().map(|r| r.addr()).collect();
-    let naive = stress(&addrs, 100, 8, 32, Duration::from_secs(5), BOUND).await;
-    for r in naive_fleet {
-        r.shutdown().await;
-    }
+    let naive = stress_fleet(&origin, &naive_redis, "0s", Duration::from_secs(5), BOUND).await;
 
     eprintln!(
         "guarded: {} writes, {} reads, {} stale after {BOUND:?}; naive cache-aside: {} writes, {} reads, {} stale",
@@ -480,13 +462,7 @@ async fn stress_with_replica_lag_never_serves_older_than_the_bound_on_cluster() 
     origin.enable_kv();
     origin.set_replica_lag(Duration::from_millis(50));
     let cluster = RedisCluster::start().await;
-    let cfg = kv_config(&origin, &cluster, "200ms");
-    let fleet = [cfg.start().await, cfg.start().await, cfg.start().await];
-    let addrs: Vec<_> = fleet.iter().map(|r| r.addr()).collect();
-    let guarded = stress(&addrs, 100, 8, 32, Duration::from_secs(10), BOUND).await;
-    for r in fleet {
-        r.shutdown().await;
-    }
+    let guarded = stress_fleet(&origin, &cluster, "200ms", Duration::from_secs(10), BOUND).await;
     eprintln!(
         "cluster: {} writes, {} reads, {} stale after {BOUND:?}",
         guarded.writes, guarded.reads, guarded.stale_after_bound

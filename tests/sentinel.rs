@@ -23,20 +23,10 @@ use common::{CgConfig, HttpClient, RedisSentinel, Resp, TestOrigin, client, scra
 /// Each test starts five Redis processes and measures under load: one at a time.
 static SERIAL: Mutex<()> = Mutex::const_new(());
 
-/// A cached KV route and its write route (delayed double delete).
-const KV_ROUTES: &str = r#"
-[[routes]]
-name = "kv"
-match = "/kv/{key}"
-methods = ["GET"]
-
-[[routes]]
-name = "kv-write"
-match = "/kv/{key}"
-methods = ["PUT"]
-invalidate = ["/kv/{key}"]
-double_delete_delay = "200ms"
-"#;
+/// A cached KV route (the instance's own `l1` policy) and its write route.
+fn kv_routes() -> String {
+    common::kv_routes("200ms", true, None)
+}
 
 async fn admin_redis(client: &HttpClient, admin: SocketAddr) -> Value {
     let r = client.get(&url(admin, "/admin/redis")).await;
@@ -128,7 +118,7 @@ async fn primary_killed_under_load_is_followed_within_a_second() {
     let base = CgConfig::new(&origin)
         .redis_sentinel(&sentinel)
         .set_str("cache", "ttl", "60s")
-        .routes(KV_ROUTES);
+        .routes(&kv_routes());
     let a = base.clone().l1("all").start().await;
     let b = base.clone().l1("off").start().await;
     let client = HttpClient::new();
@@ -303,7 +293,7 @@ async fn manual_failover_under_load_never_shows_readonly() {
     let cfg = CgConfig::new(&origin)
         .redis_sentinel(&sentinel)
         .l1("off")
-        .routes(KV_ROUTES);
+        .routes(&kv_routes());
     let a = cfg.start().await;
     let client = HttpClient::new();
     let keys: Vec<String> = (0..20).map(|i| format!("/kv/m{i}")).collect();
@@ -340,18 +330,7 @@ async fn manual_failover_under_load_never_shows_readonly() {
         })
     };
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let port = sentinel.sentinel_ports()[0];
-    let redis_client = redis::Client::open(format!("redis://127.0.0.1:{port}")).unwrap();
-    let mut con = redis_client
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap();
-    let _: String = redis::cmd("SENTINEL")
-        .arg("FAILOVER")
-        .arg(common::redis_sentinel::MASTER_NAME)
-        .query_async(&mut con)
-        .await
-        .unwrap();
+    sentinel.failover().await;
     let (new_primary, _) = switch
         .wait(Duration::from_secs(30))
         .await
@@ -398,35 +377,11 @@ async fn lock_wait_replicas_waits_for_the_replica() {
             .l1("off")
             .start()
             .await;
-        for i in 0..3 {
-            let r = client
-                .get(&url(cg.addr(), &format!("/api/items/wait-{wanted}-{i}")))
-                .await;
-            assert_eq!(
-                (r.status.as_u16(), r.x_cache().as_str()),
-                (200, "MISS"),
-                "{r}"
-            );
-        }
+        common::cold_misses(&client, cg.addr(), &format!("wait-{wanted}"), 3).await;
         let admin = cg.admin_addr();
+        assert_eq!(common::lock_events(&client, admin, "acquired").await, 3.0);
         assert_eq!(
-            metric(
-                &client,
-                admin,
-                "cacheguard_lock_events_total",
-                &[("outcome", "acquired")]
-            )
-            .await,
-            3.0
-        );
-        assert_eq!(
-            metric(
-                &client,
-                admin,
-                "cacheguard_lock_events_total",
-                &[("outcome", "unreplicated")]
-            )
-            .await,
+            common::lock_events(&client, admin, "unreplicated").await,
             unreplicated,
             "wait_replicas = {wanted} with one replica"
         );
@@ -463,7 +418,7 @@ async fn readonly_from_a_demoted_primary_is_retried_on_the_new_one() {
         .set_str("redis", "master_name", common::redis_sentinel::MASTER_NAME)
         .set_str("redis", "command_timeout", "1s")
         .l1("off")
-        .routes(KV_ROUTES)
+        .routes(&kv_routes())
         .start()
         .await;
     let client = HttpClient::new();
@@ -477,18 +432,7 @@ async fn readonly_from_a_demoted_primary_is_retried_on_the_new_one() {
         proxy.cut();
     }
     let switch = sentinel.watch_switch().await;
-    let port = sentinel.sentinel_ports()[0];
-    let sentinel_client = redis::Client::open(format!("redis://127.0.0.1:{port}")).unwrap();
-    let mut con = sentinel_client
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap();
-    let _: String = redis::cmd("SENTINEL")
-        .arg("FAILOVER")
-        .arg(common::redis_sentinel::MASTER_NAME)
-        .query_async(&mut con)
-        .await
-        .unwrap();
+    sentinel.failover().await;
     let (new_primary, _) = switch
         .wait(Duration::from_secs(30))
         .await

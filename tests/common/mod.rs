@@ -50,6 +50,57 @@ match = "/api/items/{id}"
 methods = ["GET"]
 "#;
 
+/// The KV origin's routes: `GET /kv/{key}` cached (with route-level `l1` when given), and
+/// `PUT /kv/{key}`, a write route with the delayed double delete after `delay` and, when
+/// `invalidate`, the pattern that invalidates the written key.
+pub fn kv_routes(delay: &str, invalidate: bool, l1: Option<&str>) -> String {
+    let invalidate = if invalidate {
+        r#"invalidate = ["/kv/{key}"]"#
+    } else {
+        ""
+    };
+    let l1 = l1.map(|p| format!("l1 = \"{p}\"")).unwrap_or_default();
+    format!(
+        r#"
+[[routes]]
+name = "kv"
+match = "/kv/{{key}}"
+methods = ["GET"]
+{l1}
+
+[[routes]]
+name = "kv-write"
+match = "/kv/{{key}}"
+methods = ["PUT"]
+{invalidate}
+double_delete_delay = "{delay}"
+"#
+    )
+}
+
+/// GETs `/api/items/{prefix}-{i}` for `i` in `0..n`, each a cold key: every answer must be a
+/// 200 MISS (in shared mode, one lock acquire each).
+pub async fn cold_misses(client: &HttpClient, addr: SocketAddr, prefix: &str, n: usize) {
+    for i in 0..n {
+        let r = client
+            .get(&url(addr, &format!("/api/items/{prefix}-{i}")))
+            .await;
+        assert_eq!(
+            (r.status.as_u16(), r.x_cache().as_str()),
+            (200, "MISS"),
+            "{r}"
+        );
+    }
+}
+
+/// `cacheguard_lock_events_total{outcome}` on the instance whose admin listener is `admin`.
+pub async fn lock_events(client: &HttpClient, admin: SocketAddr, outcome: &str) -> f64 {
+    scrape(client, admin)
+        .await
+        .1
+        .sum("cacheguard_lock_events_total", &[("outcome", outcome)])
+}
+
 /// A free loopback port: bind `127.0.0.1:0`, read the port, drop the listener.
 pub fn free_port() -> u16 {
     for _ in 0..20 {

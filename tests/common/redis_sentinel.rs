@@ -167,6 +167,23 @@ impl RedisSentinel {
         None
     }
 
+    /// `SENTINEL FAILOVER`: a failover without the primary failing (it is demoted to a
+    /// replica), asked of the first sentinel.
+    pub async fn failover(&self) {
+        let port = self.sentinel_ports()[0];
+        let client = redis::Client::open(format!("redis://127.0.0.1:{port}")).expect("url");
+        let mut con = client
+            .get_multiplexed_async_connection()
+            .await
+            .expect("connect to a sentinel");
+        let _: String = redis::cmd("SENTINEL")
+            .arg("FAILOVER")
+            .arg(MASTER_NAME)
+            .query_async(&mut con)
+            .await
+            .expect("SENTINEL FAILOVER");
+    }
+
     /// SIGKILL the data node on `port`, by PID.
     pub fn kill(&mut self, port: u16) {
         if let Some(node) = self.data.iter_mut().find(|p| p.port == port) {
