@@ -34,6 +34,15 @@ fi
 # Likewise the prometheus package may start a system instance on 9090; the test runs its own
 # on a free loopback port.
 
+# A one-shot build gains nothing from incremental compilation, which would add several GB of
+# state to the target directory. A developer who wants it back can export CARGO_INCREMENTAL=1.
+export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
+# The build needs about 3 GB of free disk from empty; say up front how much there is, so that a
+# full disk is recognised as such rather than as a compiler failure.
+target_dir="${CARGO_TARGET_DIR:-target}"
+mkdir -p "$target_dir"
+echo "== disk free where the build goes ($target_dir): $(df -h --output=avail "$target_dir" | tail -1 | tr -d ' ')"
+
 echo "== cargo fmt --check"
 cargo fmt --all -- --check
 

@@ -838,7 +838,8 @@ async fn requests_waiting_on_a_fill_are_not_limited_when_the_key_turns_hot() {
 /// A key B has never served is promoted on B by A's broadcast, then a burst of 100
 /// concurrent requests reaches B with the per-key limit at 1 per second. B has no copy
 /// and, for the first of them, no fill running either: the excess must join the key's one
-/// fill on B (one Redis lookup, the entry A stored), not get 429.
+/// fill on B (one Redis lookup, the entry A stored), not get 429, and be answered as the
+/// hits they are.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_key_hot_before_its_first_fill_here_answers_every_request() {
     let _serial = SERIAL.lock().await;
@@ -870,18 +871,27 @@ async fn a_key_hot_before_its_first_fill_here_answers_every_request() {
         let addr = b.addr();
         async move {
             let r = client.get(&url(addr, PATH)).await;
-            (r.status.as_u16(), r.body)
+            (r.status.as_u16(), r.x_cache(), r.body)
         }
     })
     .await;
     let expected = common::default_body(PATH, 1);
     let mut by_status = BTreeMap::new();
-    for (status, body) in &answers {
+    let mut by_x_cache = BTreeMap::new();
+    for (status, x_cache, body) in &answers {
         *by_status.entry(*status).or_insert(0u32) += 1;
+        *by_x_cache.entry(x_cache.clone()).or_insert(0u32) += 1;
         assert!(*status != 200 || body == expected.as_bytes(), "{body:?}");
     }
     assert_eq!(by_status, BTreeMap::from([(200, 100)]), "answers on B");
     assert_eq!(origin.count(PATH), 1, "the origin was asked again");
+    // Nothing was fetched for them: the requests that joined B's fill were answered from the
+    // copy its leader found in Redis, and say so (a MISS would tell an operator, and the hit
+    // ratio, that the origin was asked).
+    assert!(
+        by_x_cache.keys().all(|x| x.starts_with("HIT")),
+        "answers on B by X-Cache: {by_x_cache:?}"
+    );
     shutdown(a).await;
     shutdown(b).await;
 }

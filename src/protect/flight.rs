@@ -13,13 +13,16 @@ use std::time::Duration;
 use tokio::sync::watch;
 
 use crate::cache::Entry;
+use crate::metrics::Outcome;
 use crate::proxy::fetch::SharedFailure;
 
 /// How a flight ended, as seen by its followers.
 #[derive(Clone, Debug)]
 pub(crate) enum FlightResult {
-    /// The answer was stored; followers serve it.
-    Filled(Arc<Entry>),
+    /// The answer was stored; followers serve it. The outcome says where it came from: a
+    /// cache tier when the leader's re-check found it there (no origin fetch was made for
+    /// it, so the followers' answers are hits too), otherwise a miss.
+    Filled(Arc<Entry>, Outcome),
     /// The answer must not be shared (per-user, uncacheable status, too large): each
     /// follower fetches for itself.
     Uncacheable,

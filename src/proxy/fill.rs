@@ -47,12 +47,12 @@ impl Proxy {
             && let Some(found) = self.lookup(&job.route, &job.key).await
             && found.freshness == Freshness::Fresh
         {
-            leader.finish(FlightResult::Filled(Arc::clone(&found.entry)));
+            leader.finish(FlightResult::Filled(Arc::clone(&found.entry), found.tier));
             return Fetched::Ready(found.entry, found.tier);
         }
         let fetched = self.fill_unflighted(&job).await;
         leader.finish(match &fetched {
-            Fetched::Ready(entry, _) => FlightResult::Filled(Arc::clone(entry)),
+            Fetched::Ready(entry, _) => FlightResult::Filled(Arc::clone(entry), Outcome::Miss),
             Fetched::Uncacheable(_) => FlightResult::Uncacheable,
             Fetched::Failed(failure) => FlightResult::Failed(failure.shared.clone()),
             Fetched::Skipped => FlightResult::Abandoned,

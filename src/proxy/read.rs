@@ -386,8 +386,8 @@ impl Proxy {
                         counted = true;
                     }
                     match follower.wait(self.follower_wait_limit()).await {
-                        FlightResult::Filled(entry) if entry.matches(&job.key) => {
-                            return hit(&entry, Outcome::Miss, head);
+                        FlightResult::Filled(entry, tier) if entry.matches(&job.key) => {
+                            return hit(&entry, tier, head);
                         }
                         FlightResult::Uncacheable => {
                             // Not shareable: each request fetches for itself, lock-free.
@@ -399,7 +399,7 @@ impl Proxy {
                         // An origin failure: one of the followers becomes the new leader and
                         // tries once more (pingora's lock does the same).
                         FlightResult::Failed(failure) => last_failure = failure.or(last_failure),
-                        FlightResult::Filled(_) | FlightResult::Abandoned => {}
+                        FlightResult::Filled(..) | FlightResult::Abandoned => {}
                     }
                 }
             }
