@@ -10,7 +10,6 @@ mod common;
 mod flight_support;
 
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
 use std::time::Duration;
 
 use serde_json::Value;
@@ -18,25 +17,12 @@ use tokio::sync::Mutex;
 use tokio::time::Instant;
 
 use common::load::Load;
-use common::{CgConfig, HttpClient, RedisCluster, TestOrigin, default_body, scrape, url};
+use common::{
+    CgConfig, HttpClient, RedisCluster, TestOrigin, admin_redis, default_body, metric, scrape, url,
+};
 
 /// Cluster tests start six Redis processes each and measure under load: one at a time.
 static SERIAL: Mutex<()> = Mutex::const_new(());
-
-async fn admin_redis(client: &HttpClient, admin: SocketAddr) -> Value {
-    let r = client.get(&url(admin, "/admin/redis")).await;
-    assert_eq!(r.status, 200, "{r}");
-    serde_json::from_slice(&r.body).unwrap()
-}
-
-async fn metric(
-    client: &HttpClient,
-    admin: SocketAddr,
-    name: &str,
-    labels: &[(&str, &str)],
-) -> f64 {
-    scrape(client, admin).await.1.sum(name, labels)
-}
 
 /// Every key matching `pattern` on the node at `port` (`SCAN`, bounded).
 async fn scan(port: u16, pattern: &str) -> Vec<String> {

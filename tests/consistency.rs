@@ -14,7 +14,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
-use http::Method;
 use tokio::sync::Mutex;
 use tokio::time::Instant;
 
@@ -49,22 +48,6 @@ async fn get_version(client: &HttpClient, addr: std::net::SocketAddr, path: &str
     let resp = client.get(&url(addr, path)).await;
     assert_eq!(resp.status, 200, "GET {path}: {resp}");
     version(&resp)
-}
-
-async fn put(client: &HttpClient, addr: std::net::SocketAddr, path: &str) -> Resp {
-    client
-        .request(Method::PUT, &url(addr, path), &[], client::full_body("x"))
-        .await
-        .unwrap_or_else(|e| panic!("PUT {path}: {e}"))
-}
-
-async fn metric(
-    client: &HttpClient,
-    admin: std::net::SocketAddr,
-    name: &str,
-    labels: &[(&str, &str)],
-) -> f64 {
-    scrape(client, admin).await.1.sum(name, labels)
 }
 
 // === 1. read-after-write on every instance ===

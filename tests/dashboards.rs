@@ -28,8 +28,8 @@ use serde_json::Value;
 use tokio::time::Instant;
 
 use common::{
-    CgConfig, HttpClient, IdsFault, RedisServer, Resp, TcpProxy, TestOrigin, free_port, poll_until,
-    post, scrape, url,
+    CgConfig, HttpClient, IdsFault, RedisServer, Resp, TcpProxy, TestOrigin, free_port, metric,
+    poll_until, post, put, url,
 };
 
 const TOKEN: &str = "dashboards-admin-token-0123";
@@ -817,27 +817,6 @@ fn fleet_config(origin: &TestOrigin, redis_url: &str) -> CgConfig {
 
 async fn get(client: &HttpClient, addr: SocketAddr, path: &str) -> Resp {
     client.get(&url(addr, path)).await
-}
-
-async fn put(client: &HttpClient, addr: SocketAddr, path: &str) -> Resp {
-    client
-        .request(
-            http::Method::PUT,
-            &url(addr, path),
-            &[],
-            common::client::full_body("x"),
-        )
-        .await
-        .unwrap_or_else(|e| panic!("PUT {path}: {e}"))
-}
-
-async fn metric(
-    client: &HttpClient,
-    admin: SocketAddr,
-    name: &str,
-    labels: &[(&str, &str)],
-) -> f64 {
-    scrape(client, admin).await.1.sum(name, labels)
 }
 
 /// Polls `/metrics` of `admin` until `pred` holds for `name{labels}`; panics after `timeout`.

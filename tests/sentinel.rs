@@ -11,14 +11,15 @@ mod common;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use http::Method;
 use serde_json::Value;
 use tokio::sync::Mutex;
 use tokio::time::Instant;
 
 use common::load::Load;
 use common::redis_sentinel::DOWN_AFTER;
-use common::{CgConfig, HttpClient, RedisSentinel, Resp, TestOrigin, client, scrape, url};
+use common::{
+    CgConfig, HttpClient, RedisSentinel, Resp, TestOrigin, admin_redis, metric, put, url,
+};
 
 /// Each test starts five Redis processes and measures under load: one at a time.
 static SERIAL: Mutex<()> = Mutex::const_new(());
@@ -26,28 +27,6 @@ static SERIAL: Mutex<()> = Mutex::const_new(());
 /// A cached KV route (the instance's own `l1` policy) and its write route.
 fn kv_routes() -> String {
     common::kv_routes("200ms", true, None)
-}
-
-async fn admin_redis(client: &HttpClient, admin: SocketAddr) -> Value {
-    let r = client.get(&url(admin, "/admin/redis")).await;
-    assert_eq!(r.status, 200, "{r}");
-    serde_json::from_slice(&r.body).unwrap()
-}
-
-async fn metric(
-    client: &HttpClient,
-    admin: SocketAddr,
-    name: &str,
-    labels: &[(&str, &str)],
-) -> f64 {
-    scrape(client, admin).await.1.sum(name, labels)
-}
-
-async fn put(client: &HttpClient, addr: SocketAddr, path: &str) -> Resp {
-    client
-        .request(Method::PUT, &url(addr, path), &[], client::full_body("x"))
-        .await
-        .unwrap_or_else(|e| panic!("PUT {path}: {e}"))
 }
 
 fn version(resp: &Resp) -> u64 {

@@ -407,3 +407,33 @@ pub async fn scrape(client: &HttpClient, admin: SocketAddr) -> (String, prom::Ex
     let exp = prom::parse(&text).unwrap_or_else(|e| panic!("/metrics does not parse: {e}"));
     (text, exp)
 }
+
+/// The sum of `name{labels}` over the series of `admin`'s `/metrics`.
+pub async fn metric(
+    client: &HttpClient,
+    admin: SocketAddr,
+    name: &str,
+    labels: &[(&str, &str)],
+) -> f64 {
+    scrape(client, admin).await.1.sum(name, labels)
+}
+
+/// `GET /admin/redis` (the topology report) as JSON.
+pub async fn admin_redis(client: &HttpClient, admin: SocketAddr) -> serde_json::Value {
+    let r = client.get(&url(admin, "/admin/redis")).await;
+    assert_eq!(r.status, 200, "{r}");
+    serde_json::from_slice(&r.body).unwrap_or_else(|e| panic!("/admin/redis: {e}: {r}"))
+}
+
+/// `PUT path` with a small body through cacheguard at `addr` (a write route).
+pub async fn put(client: &HttpClient, addr: SocketAddr, path: &str) -> Resp {
+    client
+        .request(
+            http::Method::PUT,
+            &url(addr, path),
+            &[],
+            client::full_body("x"),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("PUT {path}: {e}"))
+}
