@@ -143,31 +143,13 @@ all_ports=("$ORIGIN_PORT" "$NGINX_PORT" "$VARNISH_PORT" "$REDIS_PORT")
 for ((p = CG_PORT_FIRST; p <= CG_PORT_LAST; p++)); do all_ports+=("$p"); done
 require_free_ports "${all_ports[@]}"
 
-FD_WANTED=65536
-if ! ulimit -n "$FD_WANTED" 2>/dev/null; then
-    ulimit -n "$(ulimit -Hn)"
-    log "ulimit -n $FD_WANTED refused (hard limit $(ulimit -Hn)); using $(ulimit -n)"
-fi
-FD_LIMIT=$(ulimit -n)
+raise_fd_limit
 [[ $FD_LIMIT == unlimited ]] || ((FD_LIMIT >= 4 * CONNECTIONS + 1024)) ||
     die "open-file limit $FD_LIMIT is too low for CONNECTIONS=$CONNECTIONS"
 
-TOOLS_TARGET=${TOOLS_TARGET:-$ROOT/bench/results/tools-target}
-log "cargo build --release --manifest-path bench/tools/Cargo.toml (target dir $TOOLS_TARGET)"
-CARGO_TARGET_DIR=$TOOLS_TARGET cargo build --release --manifest-path bench/tools/Cargo.toml >&2 ||
-    die "building bench/tools failed"
-ORIGIN_BIN=$TOOLS_TARGET/release/bench-origin
-LOADGEN_BIN=$TOOLS_TARGET/release/loadgen
+build_bench_tools
 
-if [[ -n "${CACHEGUARD_BIN:-}" ]]; then
-    CG_BIN=$CACHEGUARD_BIN
-    log "using CACHEGUARD_BIN=$CG_BIN (no build)"
-else
-    log "cargo build --release"
-    cargo build --release --bin cacheguard >&2 || die "cargo build --release failed"
-    CG_BIN=$ROOT/target/release/cacheguard
-fi
-[[ -x $CG_BIN ]] || die "cacheguard binary not found at $CG_BIN"
+build_cacheguard
 
 STAMP=$(date -u +%Y%m%dT%H%M%SZ)
 OUT=$ROOT/bench/results/avalanche-$STAMP

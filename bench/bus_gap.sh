@@ -41,20 +41,13 @@ ensure_apt_tools redis-server:redis-server redis-cli:redis-tools curl:curl jq:jq
 require_tools cargo
 require_free_ports "$ORIGIN_PORT" "$REDIS_PORT" "$A_PORT" "$A_ADMIN" "$B_PORT" "$B_ADMIN"
 
-TOOLS_TARGET=$ROOT/bench/results/tools-target
-CARGO_TARGET_DIR=$TOOLS_TARGET cargo build --release --manifest-path bench/tools/Cargo.toml >&2 ||
-    die "building bench/tools failed"
-if [[ -n "${CACHEGUARD_BIN:-}" ]]; then
-    CG_BIN=$CACHEGUARD_BIN
-else
-    cargo build --release --bin cacheguard >&2 || die "cargo build --release failed"
-    CG_BIN=$ROOT/target/release/cacheguard
-fi
+build_bench_tools
+build_cacheguard
 
 OUT=$ROOT/bench/results/bus-gap-$(date -u +%Y%m%dT%H%M%SZ)
 mkdir -p "$OUT"
 
-start_bg "$OUT/origin.log" "$TOOLS_TARGET/release/bench-origin" --port "$ORIGIN_PORT" --delay-ms 200
+start_bg "$OUT/origin.log" "$ORIGIN_BIN" --port "$ORIGIN_PORT" --delay-ms 200
 wait_http "http://127.0.0.1:$ORIGIN_PORT/stats" "$LAST_PID" bench-origin
 start_redis bus-gap "$REDIS_PORT"
 

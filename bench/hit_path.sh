@@ -97,21 +97,9 @@ ensure_apt_tools nginx:nginx wrk:wrk curl:curl jq:jq
 require_tools cargo awk sort mktemp id timeout
 require_free_ports "$ORIGIN_PORT" "$NGINX_PORT" "$CG_PORT" "$CG_ADMIN_PORT" "$CGM_PORT" "$CGM_ADMIN_PORT"
 
-if [[ -n "${CACHEGUARD_BIN:-}" ]]; then
-    CG_BIN=$CACHEGUARD_BIN
-    log "using CACHEGUARD_BIN=$CG_BIN (no build)"
-else
-    log "cargo build --release"
-    cargo build --release --bin cacheguard >&2 || die "cargo build --release failed"
-    CG_BIN=$ROOT/target/release/cacheguard
-fi
-[[ -x $CG_BIN ]] || die "cacheguard binary not found at $CG_BIN"
+build_cacheguard
 
-TOOLS_TARGET=$ROOT/bench/results/tools-target
-log "cargo build --release --manifest-path bench/tools/Cargo.toml (target dir $TOOLS_TARGET)"
-CARGO_TARGET_DIR=$TOOLS_TARGET cargo build --release --manifest-path bench/tools/Cargo.toml >&2 ||
-    die "building bench/tools failed"
-LOADGEN_BIN=$TOOLS_TARGET/release/loadgen
+build_bench_tools
 
 STAMP=$(date -u +%Y%m%dT%H%M%SZ)
 OUT=$ROOT/bench/results/$STAMP

@@ -128,21 +128,9 @@ require_free_ports "$ORIGIN_PORT" "$NGINX_PORT" "$VARNISH_PORT" "$REDIS_PORT" "$
     "$CGE_PORT" "$CGE_ADMIN" "$NGINX_T_PORT" "$VARNISH_T_PORT" "$CGA_PORT" "$CGA_ADMIN" "$CGB_PORT" "$CGB_ADMIN" \
     "$CGC_PORT" "$CGC_ADMIN" "$CGD_PORT" "$CGD_ADMIN"
 
-TOOLS_TARGET=$ROOT/bench/results/tools-target
-log "cargo build --release --manifest-path bench/tools/Cargo.toml (target dir $TOOLS_TARGET)"
-CARGO_TARGET_DIR=$TOOLS_TARGET cargo build --release --manifest-path bench/tools/Cargo.toml >&2 ||
-    die "building bench/tools failed"
-ORIGIN_BIN=$TOOLS_TARGET/release/bench-origin
+build_bench_tools
 
-if [[ -n "${CACHEGUARD_BIN:-}" ]]; then
-    CG_BIN=$CACHEGUARD_BIN
-    log "using CACHEGUARD_BIN=$CG_BIN (no build)"
-else
-    log "cargo build --release"
-    cargo build --release --bin cacheguard >&2 || die "cargo build --release failed"
-    CG_BIN=$ROOT/target/release/cacheguard
-fi
-[[ -x $CG_BIN ]] || die "cacheguard binary not found at $CG_BIN"
+build_cacheguard
 
 STAMP=$(date -u +%Y%m%dT%H%M%SZ)
 OUT=$ROOT/bench/results/hot-key-$STAMP

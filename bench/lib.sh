@@ -132,6 +132,47 @@ wait_http() {
     die "$name did not answer $url within 15 s"
 }
 
+# --- builds and limits -----------------------------------------------------------------
+
+# raise_fd_limit: ask for FD_WANTED (65536) open files. A container without CAP_SYS_RESOURCE
+# cannot raise the hard limit, so fall back to the hard limit. Sets FD_LIMIT (a number or
+# "unlimited"); each script checks it against what its load needs.
+FD_WANTED=65536
+# shellcheck disable=SC2034 # the variables it sets are for the calling script
+raise_fd_limit() {
+    if ! ulimit -n "$FD_WANTED" 2>/dev/null; then
+        ulimit -n "$(ulimit -Hn)"
+        log "ulimit -n $FD_WANTED refused (hard limit $(ulimit -Hn)); using $(ulimit -n)"
+    fi
+    FD_LIMIT=$(ulimit -n)
+}
+
+# build_bench_tools: release build of bench/tools into TOOLS_TARGET (default
+# bench/results/tools-target). Sets ORIGIN_BIN and LOADGEN_BIN.
+# shellcheck disable=SC2034 # the variables it sets are for the calling script
+build_bench_tools() {
+    TOOLS_TARGET=${TOOLS_TARGET:-$ROOT/bench/results/tools-target}
+    log "cargo build --release --manifest-path bench/tools/Cargo.toml (target dir $TOOLS_TARGET)"
+    CARGO_TARGET_DIR=$TOOLS_TARGET cargo build --release --manifest-path bench/tools/Cargo.toml >&2 ||
+        die "building bench/tools failed"
+    ORIGIN_BIN=$TOOLS_TARGET/release/bench-origin
+    LOADGEN_BIN=$TOOLS_TARGET/release/loadgen
+}
+
+# build_cacheguard: sets CG_BIN to CACHEGUARD_BIN when that is set (no build), otherwise to a
+# fresh `cargo build --release` of the cacheguard binary.
+build_cacheguard() {
+    if [[ -n "${CACHEGUARD_BIN:-}" ]]; then
+        CG_BIN=$CACHEGUARD_BIN
+        log "using CACHEGUARD_BIN=$CG_BIN (no build)"
+    else
+        log "cargo build --release"
+        cargo build --release --bin cacheguard >&2 || die "cargo build --release failed"
+        CG_BIN=$ROOT/target/release/cacheguard
+    fi
+    [[ -x $CG_BIN ]] || die "cacheguard binary not found at $CG_BIN"
+}
+
 # --- templates -------------------------------------------------------------------------
 
 # render_template TEMPLATE OUT KEY=VALUE...: replace @KEY@ with VALUE (no sed escaping games:

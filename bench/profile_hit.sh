@@ -31,13 +31,7 @@ ensure_apt_tools nginx:nginx wrk:wrk curl:curl perf:linux-perf
 require_tools cargo
 require_free_ports "$ORIGIN_PORT" "$CG_PORT" "$CG_ADMIN_PORT"
 
-if [[ -n "${CACHEGUARD_BIN:-}" ]]; then
-    CG_BIN=$CACHEGUARD_BIN
-else
-    cargo build --release --bin cacheguard >&2 || die "cargo build --release failed"
-    CG_BIN=$ROOT/target/release/cacheguard
-fi
-[[ -x $CG_BIN ]] || die "cacheguard binary not found at $CG_BIN"
+build_cacheguard
 
 OUT=$ROOT/bench/results/profile-$MODE-$(date -u +%Y%m%dT%H%M%SZ)
 mkdir -p "$OUT"

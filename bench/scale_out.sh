@@ -118,33 +118,15 @@ done
 require_free_ports "${ports[@]}"
 
 # File descriptors: C connections in the loadgen and as many in the proxies (see stampede.sh).
-FD_WANTED=65536
-if ! ulimit -n "$FD_WANTED" 2>/dev/null; then
-    ulimit -n "$(ulimit -Hn)"
-    log "ulimit -n $FD_WANTED refused (hard limit $(ulimit -Hn)); using $(ulimit -n)"
-fi
-FD_LIMIT=$(ulimit -n)
+raise_fd_limit
 max_c=0
 for c in $CONCURRENCIES; do ((c > max_c)) && max_c=$c; done
 [[ $FD_LIMIT == unlimited ]] || ((FD_LIMIT >= 2 * max_c + 512)) ||
     die "open-file limit $FD_LIMIT is too low for C=$max_c (need at least $((2 * max_c + 512)))"
 
-TOOLS_TARGET=$ROOT/bench/results/tools-target
-log "cargo build --release --manifest-path bench/tools/Cargo.toml (target dir $TOOLS_TARGET)"
-CARGO_TARGET_DIR=$TOOLS_TARGET cargo build --release --manifest-path bench/tools/Cargo.toml >&2 ||
-    die "building bench/tools failed"
-ORIGIN_BIN=$TOOLS_TARGET/release/bench-origin
-LOADGEN_BIN=$TOOLS_TARGET/release/loadgen
+build_bench_tools
 
-if [[ -n "${CACHEGUARD_BIN:-}" ]]; then
-    CG_BIN=$CACHEGUARD_BIN
-    log "using CACHEGUARD_BIN=$CG_BIN (no build)"
-else
-    log "cargo build --release"
-    cargo build --release --bin cacheguard >&2 || die "cargo build --release failed"
-    CG_BIN=$ROOT/target/release/cacheguard
-fi
-[[ -x $CG_BIN ]] || die "cacheguard binary not found at $CG_BIN"
+build_cacheguard
 
 STAMP=$(date -u +%Y%m%dT%H%M%SZ)
 OUT=$ROOT/bench/results/scale-out-$STAMP

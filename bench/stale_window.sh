@@ -115,19 +115,9 @@ ports=("$ORIGIN_PORT" "$REDIS_PORT")
 for ((n = 1; n <= INSTANCES; n++)); do ports+=("$(cg_port "$n")" "$(cg_admin "$n")"); done
 require_free_ports "${ports[@]}"
 
-TOOLS_TARGET=$ROOT/bench/results/tools-target
-log "cargo build --release --manifest-path bench/tools/Cargo.toml (target dir $TOOLS_TARGET)"
-CARGO_TARGET_DIR=$TOOLS_TARGET cargo build --release --manifest-path bench/tools/Cargo.toml >&2 ||
-    die "building bench/tools failed"
-ORIGIN_BIN=$TOOLS_TARGET/release/bench-origin
-LOADGEN_BIN=$TOOLS_TARGET/release/loadgen
+build_bench_tools
 
-CG_BIN=${CACHEGUARD_BIN:-$ROOT/target/release/cacheguard}
-if [[ -z ${CACHEGUARD_BIN:-} && ! -x $CG_BIN ]]; then
-    log "cargo build --release (no $CG_BIN yet)"
-    CARGO_TARGET_DIR=$ROOT/target cargo build --release --bin cacheguard >&2 || die "cargo build --release failed"
-fi
-[[ -x $CG_BIN ]] || die "cacheguard binary not found at $CG_BIN"
+build_cacheguard
 log "cacheguard: $CG_BIN"
 
 STAMP=$(date -u +%Y%m%dT%H%M%SZ)
