@@ -25,8 +25,8 @@ use crate::consistency::invalidate::Invalidator;
 use crate::consistency::journal::{self, FsyncPolicy, Journal};
 use crate::consistency::marks::LocalMarks;
 use crate::consistency::stream::{self, StreamSettings};
-use crate::coord::RedisConn;
 use crate::coord::events::{BusListener, BusMetrics, EventBus, Waiters};
+use crate::coord::{Keyspace, RedisConn};
 use crate::metrics::Metrics;
 use crate::protect::bloom::Filters;
 use crate::protect::flight::Flights;
@@ -187,7 +187,11 @@ impl App {
         let l1 = L1::new(config.cache.l1_max_bytes, Arc::clone(&marks));
         tokio::spawn(sweep_l1_index(l1.clone(), stop_tasks.clone()));
         let l2 = match (&redis, &config.redis) {
-            (Some(conn), Some(rc)) => Some(L2::new(conn.clone(), &rc.key_prefix, metrics.clone())),
+            (Some(conn), Some(rc)) => Some(L2::new(
+                conn.clone(),
+                Keyspace::new(&rc.key_prefix),
+                metrics.clone(),
+            )),
             _ => None,
         };
         let workers = match config.server.worker_threads {
@@ -202,7 +206,7 @@ impl App {
             redis
                 .as_ref()
                 .zip(config.redis.as_ref())
-                .map(|(conn, rc)| (conn.clone(), format!("{}events", rc.key_prefix))),
+                .map(|(conn, rc)| (conn.clone(), Keyspace::new(&rc.key_prefix).events_channel())),
             &metrics,
         );
         tokio::spawn(Arc::clone(&hot).run(stop_tasks.clone()));
@@ -212,7 +216,7 @@ impl App {
             redis
                 .as_ref()
                 .zip(config.redis.as_ref())
-                .map(|(conn, rc)| (conn.clone(), rc.key_prefix.as_str())),
+                .map(|(conn, rc)| (conn.clone(), Keyspace::new(&rc.key_prefix))),
             instance,
         );
         // The fleet-wide fill lock and the event bus that wakes its waiters (and carries
@@ -228,12 +232,8 @@ impl App {
                         marks: Arc::clone(&marks),
                     }) as _,
                 ];
-                let bus = EventBus::new(
-                    format!("{}events", rc.key_prefix),
-                    instance,
-                    waiters,
-                    listeners,
-                );
+                let keys = Keyspace::new(&rc.key_prefix);
+                let bus = EventBus::new(keys.events_channel(), instance, waiters, listeners);
                 let bus_metrics = BusMetrics {
                     subscribed: metrics.bus_subscribed.clone(),
                     resubscriptions: metrics.bus_resubscriptions.clone(),
@@ -252,7 +252,7 @@ impl App {
                     tokio::time::sleep(std::time::Duration::from_millis(5)).await;
                 }
                 Some(
-                    DistLock::new(conn.clone(), &rc.key_prefix, config.lock.lease, bus)
+                    DistLock::new(conn.clone(), keys, config.lock.lease, bus)
                         .with_wait_replicas(config.lock.wait_replicas),
                 )
             }

@@ -48,10 +48,22 @@ impl CacheKey {
         }
     }
 
+    /// The normalized path this key was derived from.
+    pub(crate) fn path(&self) -> &str {
+        route_and_path(&self.full).map_or("", |(_, path)| path)
+    }
+
     /// Whether this key is a variant (query or `vary` values) of another, its base.
     pub(crate) fn is_variant(&self) -> bool {
         self.hash != self.base
     }
+}
+
+/// The route name and path of a full key text (`route \n path \n …`): the one reader of
+/// the format [`derive`] writes. `None` for text that is not a key.
+pub(crate) fn route_and_path(full: &str) -> Option<(&str, &str)> {
+    let mut lines = full.split('\n');
+    Some((lines.next()?, lines.next()?))
 }
 
 /// The base key of `path` on `route`: no query, no `vary` values.

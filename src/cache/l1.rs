@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use moka::Expiry;
 use moka::future::Cache;
 
-use super::{CacheKey, Entry, now_ms};
+use super::{CacheKey, Entry, key, now_ms};
 use crate::consistency::marks::LocalMarks;
 
 /// An L1 copy: the entry, and the local marks' sequence number from which it is known
@@ -164,7 +164,9 @@ impl L1 {
     pub(crate) fn matching_keys(&self, matches: impl Fn(&str) -> bool) -> Vec<String> {
         self.cache
             .iter()
-            .filter(|(_, held)| held.entry.key.split('\n').nth(1).is_some_and(&matches))
+            .filter(|(_, held)| {
+                key::route_and_path(&held.entry.key).is_some_and(|(_, path)| matches(path))
+            })
             .map(|(_, held)| held.entry.key.clone())
             .collect()
     }

@@ -1,7 +1,6 @@
-//! L2: entries in the shared Redis, one key per cache key: `<prefix>{<hash>}:v`.
-//!
-//! The hash sits in a Redis Cluster hash tag so a key's entry, lock and generation share one
-//! slot (see DESIGN.md, Redis layout). A value that fails to decode is counted and treated
+//! L2: entries in the shared Redis, one key per cache key, named by
+//! [`Keyspace::entry`] (`<prefix>{<base>}:v` for a base key, `<prefix>{<base>}:v:<hash>`
+//! for a variant): the same name the fill writes, so lookup and fill cannot disagree. A value that fails to decode is counted and treated
 //! as a miss; the next fill overwrites it.
 
 use std::sync::Arc;
@@ -9,7 +8,7 @@ use std::sync::Arc;
 use tracing::debug;
 
 use super::{CacheKey, Entry};
-use crate::coord::{RedisConn, tagged_key};
+use crate::coord::{Keyspace, RedisConn};
 use crate::metrics::Metrics;
 
 /// What an L2 read found.
@@ -24,15 +23,15 @@ pub(crate) enum Lookup {
 #[derive(Clone, Debug)]
 pub(crate) struct L2 {
     redis: RedisConn,
-    prefix: Arc<str>,
+    keys: Keyspace,
     metrics: Metrics,
 }
 
 impl L2 {
-    pub(crate) fn new(redis: RedisConn, prefix: &str, metrics: Metrics) -> Self {
+    pub(crate) fn new(redis: RedisConn, keys: Keyspace, metrics: Metrics) -> Self {
         L2 {
             redis,
-            prefix: prefix.into(),
+            keys,
             metrics,
         }
     }
@@ -41,12 +40,8 @@ impl L2 {
         &self.redis
     }
 
-    fn entry_key(&self, key: &CacheKey) -> String {
-        tagged_key(&self.prefix, key.hash, "v")
-    }
-
     pub(crate) async fn get(&self, key: &CacheKey) -> Lookup {
-        let bytes = match self.redis.get(&self.entry_key(key)).await {
+        let bytes = match self.redis.get(&self.keys.entry(key.base, key.hash)).await {
             Ok(Some(bytes)) => bytes,
             Ok(None) => return Lookup::Miss,
             Err(_) => return Lookup::Unavailable,

@@ -1,10 +1,10 @@
 //! The Lua scripts cacheguard runs in Redis. Each is one round trip and atomic; all keys of
 //! one script share a cache key's hash tag, so they stay single-slot on a Redis Cluster.
 //!
-//! Key names (prefix `cg:` by default; see [`super::KeyNames`]): `cg:{<base>}:v` entry,
+//! Key names (prefix `cg:` by default; see [`super::keyspace`]): `cg:{<base>}:v` entry,
 //! `cg:{<base>}:lock` lock token, `cg:{<base>}:gen` generation (absent = "0"), and for a
 //! variant `cg:{<base>}:v:<hash>`, `cg:{<base>}:lock:<hash>`, indexed in `cg:{<base>}:vars`.
-//! Tags: `cg:tag:{<t>}:keys` and `cg:tag:{<t>}:at` (see [`super::tag_keys`]).
+//! Tags: `cg:tag:{<t>}:keys` and `cg:tag:{<t>}:at` (see [`super::keyspace`]).
 //!
 //! Times come from Redis (`TIME`), one clock for every instance: a fill compares the time
 //! its fetch began with the time a tag was last invalidated.

@@ -39,8 +39,8 @@ use tracing::{info, warn};
 use self::shared::{REPLAY_MARGIN_MS, Shared};
 use crate::cache::now_ms;
 use crate::config::BloomConfig;
-use crate::coord::RedisConn;
 use crate::coord::events::{BloomAddEvent, BusListener};
+use crate::coord::{Keyspace, RedisConn};
 use crate::metrics::{AddVia, FilterMetrics, Metrics};
 
 /// Filters are sized for this fraction of the configured false-positive rate. Sized for
@@ -425,7 +425,7 @@ impl Filters {
     pub(crate) fn new(
         configs: &[BloomConfig],
         metrics: &Metrics,
-        redis: Option<(RedisConn, &str)>,
+        redis: Option<(RedisConn, Keyspace)>,
         instance: u64,
     ) -> Arc<Self> {
         let order: Vec<Arc<Filter>> = configs
@@ -441,8 +441,7 @@ impl Filters {
             .iter()
             .map(|f| (f.name.clone(), Arc::clone(f)))
             .collect();
-        let shared =
-            redis.map(|(conn, prefix)| Shared::new(conn, prefix, format!("{prefix}events")));
+        let shared = redis.map(|(conn, keys)| Shared::new(conn, keys));
         Arc::new(Filters {
             by_name,
             order,

@@ -2,7 +2,7 @@
 //!
 //! Only an instance's in-process leader for a key takes part (see `flight.rs`), so each
 //! instance makes one lock attempt per key, not one per request. The lock is a Redis key
-//! `<prefix>{<hash>}:lock` holding a token that is random per acquisition, set with
+//! (see [`Keyspace::key`]) holding a token that is random per acquisition, set with
 //! `SET NX PX lease`; every later operation compares the token first, so a holder whose
 //! lease ran out can never release, renew or fill over a newer holder. Redis-side logic is
 //! in `coord/scripts.rs`.
@@ -13,8 +13,9 @@ use std::time::Duration;
 use crate::cache::CacheKey;
 use crate::config::RedisMode;
 use crate::coord::events::{Event, EventBus, EventKind, Waiters};
+use crate::coord::keyspace::TagKeys;
 use crate::coord::redis::Unavailable;
-use crate::coord::{KeyNames, RedisConn, scripts, tag_keys, tagged_key};
+use crate::coord::{KeyNames, Keyspace, RedisConn, scripts};
 use crate::metrics::{LockEvent, RedisOp};
 
 /// A held lease on one key.
@@ -61,7 +62,7 @@ const CLUSTER_CLOCK_MARGIN_MS: u64 = 50;
 #[derive(Clone, Debug)]
 pub(crate) struct DistLock {
     redis: RedisConn,
-    prefix: Arc<str>,
+    keys: Keyspace,
     pub(crate) lease: Duration,
     bus: Arc<EventBus>,
     /// `lock.wait_replicas`: replicas that must have a new lock before its fetch starts.
@@ -69,10 +70,15 @@ pub(crate) struct DistLock {
 }
 
 impl DistLock {
-    pub(crate) fn new(redis: RedisConn, prefix: &str, lease: Duration, bus: Arc<EventBus>) -> Self {
+    pub(crate) fn new(
+        redis: RedisConn,
+        keys: Keyspace,
+        lease: Duration,
+        bus: Arc<EventBus>,
+    ) -> Self {
         DistLock {
             redis,
-            prefix: prefix.into(),
+            keys,
             lease,
             bus,
             wait_replicas: 0,
@@ -117,7 +123,7 @@ impl DistLock {
 
     /// `SET lock token NX PX lease`, reading the generation in the same round trip.
     pub(crate) async fn acquire(&self, key: &CacheKey) -> Result<Acquired, Unavailable> {
-        let names = KeyNames::new(&self.prefix, key);
+        let names = self.keys.key(key.base, key.hash);
         let token = format!("{:032x}", rand::random::<u128>());
         let keys = [names.lock.as_str(), names.generation.as_str()];
         let args = [token.as_bytes(), &self.lease_ms()];
@@ -164,7 +170,7 @@ impl DistLock {
     /// lock — its token matches none — so its fill stores only while nobody holds the lock
     /// and the generation read here is unchanged.
     pub(crate) async fn unlocked_lease(&self, key: &CacheKey) -> Result<Lease, Unavailable> {
-        let names = KeyNames::new(&self.prefix, key);
+        let names = self.keys.key(key.base, key.hash);
         let (generation, now): (String, u64) = self
             .redis
             .run_script(RedisOp::Lock, &scripts::BEGIN, &[&names.generation], &[])
@@ -203,8 +209,8 @@ impl DistLock {
         quarantine: Duration,
     ) -> Result<(), Unavailable> {
         // Variant keys are built in the script from this prefix (same hash tag).
-        let prefix = tagged_key(&self.prefix, base, "");
-        let names = KeyNames::of_base(&self.prefix, base);
+        let prefix = self.keys.variant_prefix(base);
+        let names = self.keys.base(base);
         let ttl_ms = generation_ttl.as_millis().max(1).to_string();
         let quarantine_ms = quarantine.as_millis().to_string();
         let message = self.message(EventKind::Invalidate, base);
@@ -256,7 +262,7 @@ impl DistLock {
         life: Duration,
         since_ms: u64,
     ) -> Result<bool, Unavailable> {
-        let (index, at) = tag_keys(&self.prefix, tag);
+        let TagKeys { index, at } = self.keys.tag(tag);
         let life_ms = life.as_millis().max(1).to_string();
         let invalidated: u64 = self
             .redis
@@ -284,7 +290,7 @@ impl DistLock {
         tag: &str,
         keep: Duration,
     ) -> Result<Vec<String>, Unavailable> {
-        let (index, at) = tag_keys(&self.prefix, tag);
+        let TagKeys { index, at } = self.keys.tag(tag);
         let keep_ms = keep.as_millis().max(1).to_string();
         self.redis
             .run_script(
@@ -305,7 +311,7 @@ impl DistLock {
         keep: Duration,
         glob: &str,
     ) -> Result<Vec<String>, Unavailable> {
-        let (index, at) = tag_keys(&self.prefix, tag);
+        let TagKeys { index, at } = self.keys.tag(tag);
         let keep_ms = keep.as_millis().max(1).to_string();
         self.redis
             .run_script::<i64>(
@@ -357,7 +363,7 @@ impl DistLock {
         if members.is_empty() {
             return Ok(());
         }
-        let (index, _) = tag_keys(&self.prefix, tag);
+        let index = self.keys.tag(tag).index;
         let mut cmd = redis::cmd("ZREM");
         cmd.arg(&index).arg(members);
         self.redis

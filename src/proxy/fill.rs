@@ -288,8 +288,7 @@ impl Proxy {
         lease: &Lease,
         life: Duration,
     ) -> Result<bool, crate::coord::redis::Unavailable> {
-        let path = job.key.full.split('\n').nth(1).unwrap_or("");
-        let member = format!("{:032x} {path}", job.key.base);
+        let member = format!("{:032x} {}", job.key.base, job.key.path());
         let route_tag = route_tag(&job.route.config.name);
         let tags = std::iter::once(route_tag.as_str()).chain(entry.tags.iter().map(String::as_str));
         let checks = tags.map(|tag| dist.tag_add(tag, &member, life, lease.started_ms));

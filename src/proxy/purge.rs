@@ -115,8 +115,7 @@ impl Proxy {
             let mut bases = HashSet::new();
             // L1: the whole cache in embedded mode, and copies made while Redis was down.
             for full in self.l1.matching_keys(|path| matches(path)) {
-                let mut lines = full.split('\n');
-                let (Some(route), Some(path)) = (lines.next(), lines.next()) else {
+                let Some((route, path)) = key::route_and_path(&full) else {
                     continue;
                 };
                 if let Some(read) = self.routes.load().by_name(route) {

@@ -21,6 +21,7 @@ use redis::Script;
 
 use crate::cache::now_ms;
 use crate::config::BloomConfig;
+use crate::coord::Keyspace;
 use crate::coord::events::BloomAddEvent;
 use crate::coord::redis::{RedisConn, Unavailable};
 use crate::metrics::RedisOp;
@@ -55,27 +56,27 @@ pub(crate) struct Snapshot {
 #[derive(Debug)]
 pub(crate) struct Shared {
     pub(crate) redis: RedisConn,
-    prefix: String,
+    keys: Keyspace,
     channel: String,
     add_script: Script,
 }
 
 impl Shared {
-    pub(crate) fn new(redis: RedisConn, prefix: &str, channel: String) -> Self {
+    pub(crate) fn new(redis: RedisConn, keys: Keyspace) -> Self {
         Shared {
             redis,
-            prefix: prefix.to_owned(),
-            channel,
+            channel: keys.events_channel(),
+            keys,
             add_script: Script::new(ADD),
         }
     }
 
     fn snapshot_key(&self, filter: &str) -> String {
-        format!("{}bloom:{filter}", self.prefix)
+        self.keys.bloom_snapshot(filter)
     }
 
     fn adds_key(&self, filter: &str) -> String {
-        format!("{}bloom:{filter}:adds", self.prefix)
+        self.keys.bloom_adds(filter)
     }
 
     /// How long created ids are kept in the log (and a snapshot trusted): long enough for

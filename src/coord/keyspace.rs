@@ -1,0 +1,153 @@
+//! Every Redis key and channel name cacheguard uses, built here and nowhere else.
+//!
+//! ```text
+//! <p>{<base>}:v            entry of a base key (route and path, no query, no `vary` values)
+//! <p>{<base>}:v:<hash>     entry of one of its variants (query or `vary` values)
+//! <p>{<base>}:lock[:<hash>] fill lock of the base key [of a variant]
+//! <p>{<base>}:gen          generation, shared by the base and all its variants
+//! <p>{<base>}:vars         sorted set of the variants' hashes (score: entry expiry)
+//! <p>{<base>}:q            a write's quarantine (fills store nothing while it lives)
+//! <p>tag:{<t>}:keys        sorted set of the base keys a surrogate key (tag) covers
+//! <p>tag:{<t>}:at          Redis time (ms) of the tag's last invalidation
+//! <p>bloom:<filter>        a Bloom filter's snapshot; `:adds` its recent creates
+//! <p>events                the pub/sub channel of the event bus
+//! ```
+//!
+//! `<p>` is `redis.key_prefix` (`cg:` by default). The base hash sits in a Redis Cluster
+//! hash tag, so every key of a path and of all its variants lives in one slot and each Lua
+//! script stays single-slot. Lookup and fill both name an entry through
+//! [`Keyspace::entry`], so they cannot disagree on where it lives.
+
+use std::sync::Arc;
+
+/// Builds the names under one key prefix.
+#[derive(Clone, Debug)]
+pub(crate) struct Keyspace {
+    prefix: Arc<str>,
+}
+
+/// The Redis keys of one cache key (see the module docs).
+#[derive(Clone, Debug)]
+pub(crate) struct KeyNames {
+    pub(crate) entry: String,
+    pub(crate) lock: String,
+    pub(crate) generation: String,
+    pub(crate) vars: String,
+    /// Set by a write for its `double_delete_delay`: fills store nothing meanwhile.
+    pub(crate) quarantine: String,
+    /// The variant's hash in hex, `None` for a base key.
+    pub(crate) variant: Option<String>,
+}
+
+/// The two keys of one surrogate key (tag).
+#[derive(Clone, Debug)]
+pub(crate) struct TagKeys {
+    /// Sorted set of `<base hex> <path>` members, scored by the entry's expiry.
+    pub(crate) index: String,
+    /// The Redis time (ms) of the tag's last invalidation.
+    pub(crate) at: String,
+}
+
+impl Keyspace {
+    pub(crate) fn new(prefix: &str) -> Self {
+        Keyspace {
+            prefix: prefix.into(),
+        }
+    }
+
+    /// `<p>{<base>}:<suffix>`.
+    fn tagged(&self, base: u128, suffix: &str) -> String {
+        format!("{}{{{base:032x}}}:{suffix}", self.prefix)
+    }
+
+    /// The entry key of the cache key `hash` whose base is `base` (equal for a base key).
+    /// The only place an entry's name is built: the lookup and the fill both use it.
+    pub(crate) fn entry(&self, base: u128, hash: u128) -> String {
+        if hash == base {
+            self.tagged(base, "v")
+        } else {
+            self.tagged(base, &format!("v:{hash:032x}"))
+        }
+    }
+
+    /// Every key of the cache key `hash` whose base is `base`.
+    pub(crate) fn key(&self, base: u128, hash: u128) -> KeyNames {
+        let mut names = self.base(base);
+        if hash != base {
+            names.entry = self.entry(base, hash);
+            names.lock = self.tagged(base, &format!("lock:{hash:032x}"));
+            names.variant = Some(format!("{hash:032x}"));
+        }
+        names
+    }
+
+    /// The keys of base key `base` itself.
+    pub(crate) fn base(&self, base: u128) -> KeyNames {
+        KeyNames {
+            entry: self.entry(base, base),
+            lock: self.tagged(base, "lock"),
+            generation: self.tagged(base, "gen"),
+            vars: self.tagged(base, "vars"),
+            quarantine: self.tagged(base, "q"),
+            variant: None,
+        }
+    }
+
+    /// `<p>{<base>}:`, from which the invalidation script names the variants' keys
+    /// (`v:<hash>`, `lock:<hash>`) inside Redis.
+    pub(crate) fn variant_prefix(&self, base: u128) -> String {
+        self.tagged(base, "")
+    }
+
+    /// The keys of surrogate key `tag`, hashed so any text is a valid, bounded name.
+    pub(crate) fn tag(&self, tag: &str) -> TagKeys {
+        let hash = xxhash_rust::xxh3::xxh3_128(tag.as_bytes());
+        TagKeys {
+            index: format!("{}tag:{{{hash:032x}}}:keys", self.prefix),
+            at: format!("{}tag:{{{hash:032x}}}:at", self.prefix),
+        }
+    }
+
+    /// A Bloom filter's snapshot.
+    pub(crate) fn bloom_snapshot(&self, filter: &str) -> String {
+        format!("{}bloom:{filter}", self.prefix)
+    }
+
+    /// A Bloom filter's recent creates (sorted set scored by unix ms).
+    pub(crate) fn bloom_adds(&self, filter: &str) -> String {
+        format!("{}bloom:{filter}:adds", self.prefix)
+    }
+
+    /// The event bus channel.
+    pub(crate) fn events_channel(&self) -> String {
+        format!("{}events", self.prefix)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_base_key_and_its_variants_share_one_hash_tag() {
+        let space = Keyspace::new("cg:");
+        let base = space.key(1, 1);
+        assert_eq!(base.entry, format!("cg:{{{:032x}}}:v", 1));
+        assert_eq!(base.variant, None);
+        let variant = space.key(1, 2);
+        assert_eq!(variant.entry, format!("cg:{{{:032x}}}:v:{:032x}", 1, 2));
+        assert_eq!(variant.lock, format!("cg:{{{:032x}}}:lock:{:032x}", 1, 2));
+        assert_eq!(variant.generation, base.generation);
+        assert_eq!(variant.vars, base.vars);
+        assert_eq!(variant.quarantine, base.quarantine);
+        assert!(variant.entry.starts_with(&space.variant_prefix(1)));
+    }
+
+    #[test]
+    fn the_entry_name_is_the_one_every_key_set_uses() {
+        let space = Keyspace::new("p:");
+        for (base, hash) in [(7, 7), (7, 9)] {
+            assert_eq!(space.entry(base, hash), space.key(base, hash).entry);
+        }
+    }
+}
