@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Avalanche benchmark for issue #5, in one run on this machine:
+# Avalanche benchmark, in one run on this machine:
 #
 #   origin   bench/tools `bench-origin`: GET /items/{id} -> 1024 bytes of JSON after DELAY_MS
 #            (20 ms); /stats/timeline counts the requests that reached it per 100 ms (and the
@@ -639,7 +639,7 @@ merge_hist() { # merge_hist TARGET FIELD_NO: "K=V,K=V" cells summed over the rep
 }
 
 {
-    echo "# cacheguard avalanche (issue #5): $STAMP"
+    echo "# cacheguard avalanche: $STAMP"
     echo
     echo "All processes on 127.0.0.1 on the same $(nproc) cores; origin delay $DELAY_MS ms."
     echo "Load average (1/5/15 min) at start: $LOAD_START; at end: $LOAD_END. Wall time: ${WALL} s."

@@ -9,7 +9,7 @@
 # never drops; a cold key that arrives after a quiet second can land in the gap.
 #
 # Starts bench-origin (200 ms delay), a throwaway redis-server and two shared-mode
-# cacheguard instances (the issue #3 config). Then, for each pause P in PAUSES, it waits P
+# cacheguard instances (the stampede benchmark's config). Then, for each pause P in PAUSES, it waits P
 # seconds after the previous pair and fires one GET of a fresh key at each instance at the
 # same moment (two curls). The previous pair's fill message arrives ~0.2 s after that pair,
 # so a pause of ~1.2 s lands the next pair ~1 s after the last bus message. It reports how

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Hit-path benchmark for issue #2, in one run on this machine:
+# Hit-path benchmark, in one run on this machine:
 #
 #   origin   nginx `return 200` with 1024 bytes of JSON for /items/{id}; it is also the
 #            "direct static response" reference
@@ -147,7 +147,7 @@ wait_http "http://127.0.0.1:$NGINX_PORT/nginx-ready" "$NGINX_PID" "nginx proxy_c
 cp "$BENCH_TMP/nginx-origin/nginx.conf" "$OUT/nginx-origin.conf"
 cp "$BENCH_TMP/nginx-proxy/nginx.conf" "$OUT/nginx-proxy.conf"
 
-# cacheguard_config PORT ADMIN_PORT L1_MAX_BYTES: the embedded-mode config from issue #2.
+# cacheguard_config PORT ADMIN_PORT L1_MAX_BYTES: the embedded-mode config of the hit-path benchmark.
 cacheguard_config() {
     cat <<EOF
 [server]
@@ -521,7 +521,7 @@ latency_table() { # latency_table TARGET...
 }
 
 {
-    echo "# cacheguard hit path (issue #2): $STAMP"
+    echo "# cacheguard hit path: $STAMP"
     echo
     echo "Each cell is **median (min–max) over $REPS runs**; targets alternate within each rep."
     echo "All processes on 127.0.0.1 on the same $(nproc) cores: wrk, the proxy and the origin compete for CPU."
@@ -585,7 +585,7 @@ latency_table() { # latency_table TARGET...
     echo "- Peak VmHWM ≤ l1_max_bytes + 64 MiB at $DISTINCT_KEYS distinct keys: $(verdict "$T3")."
     echo "- For reference, the hit-path instance (l1_max_bytes = 256 MiB, one key) after sections a and b: VmHWM $(mib "$CG_HIT_HWM_KB"), VmRSS $(mib "$CG_HIT_RSS_KB")."
     echo
-    echo "## Issue #2 targets"
+    echo "## Hit-path targets"
     echo
     echo "| target | result | |"
     echo "|---|---|---|"

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Hot-key benchmark for issue #6, in one run on this machine:
+# Hot-key benchmark, in one run on this machine:
 #
 #   origin   bench/tools `bench-origin`: GET /items/{id} -> exactly 1024 bytes of JSON after
-#            DELAY_MS (50 ms, the peers kit's hot-key-expiry section), per-path counters at
+#            DELAY_MS (50 ms, the same delay for every target), per-path counters at
 #            /stats and a 100 ms timeline at /stats/timeline
 #   peers    nginx 1.22 proxy_cache (bench/nginx.conf.tmpl: lock on, `use_stale updating`,
 #            worker_processes NGINX_WORKERS = 2 as in bench/hit_path.sh) and Varnish 7.1
@@ -725,7 +725,7 @@ ttl_ok() {
 has_ttl cg2 && T_TTL=$(ttl_ok cg2)
 
 {
-    echo "# cacheguard hot keys (issue #6): $STAMP"
+    echo "# cacheguard hot keys: $STAMP"
     echo
     echo "Each cell is **median (min–max) over $REPS runs** unless it says otherwise; targets rotate within each rep."
     echo "All processes on 127.0.0.1 on the same $(nproc) cores: wrk, the proxies, Redis and the origin compete for CPU."
@@ -796,7 +796,7 @@ has_ttl cg2 && T_TTL=$(ttl_ok cg2)
         fi
         echo
     fi
-    echo "## Issue #6 benchmark targets"
+    echo "## Hot-key benchmark targets"
     echo
     echo "| target | result | |"
     echo "|---|---|---|"

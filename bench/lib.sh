@@ -340,7 +340,7 @@ cell_dec() {
 
 # start_varnish NAME PORT TEMPLATE KEY=VALUE...: render the VCL TEMPLATE into
 # $BENCH_TMP/varnish-NAME and run varnishd in the foreground (-F) with its own working dir
-# (-n), no jail, no management port, malloc storage, as in the peers kit. Sets LAST_PID
+# (-n), no jail, no management port, malloc storage. Sets LAST_PID
 # (the manager; TERM to it stops the cache child too).
 start_varnish() {
     local name=$1 port=$2 tmpl=$3

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Penetration benchmark for issue #4 (Bloom filters), in one run on this machine:
+# Penetration benchmark (Bloom filters), in one run on this machine:
 #
 #   origin   bench/tools `bench-origin`: ids 1..=100000 exist (GET /items/{id} -> 1024 bytes of
 #            JSON after DELAY_MS, 404 after the same delay otherwise), request counters at
@@ -49,7 +49,7 @@ N=${N:-100000}
 ATTACK_SEED=${ATTACK_SEED:-4}
 ATTACK_CONNECTIONS=${ATTACK_CONNECTIONS:-64}
 ATTACK_MAX_S=${ATTACK_MAX_S:-300}
-# 50 ms: the peers kit's penetration section (d). Every request that reaches the origin
+# 50 ms, the same delay for every target. Every request that reaches the origin
 # holds a connection for this long, so a peer's pass takes about N × DELAY_MS /
 # ATTACK_CONNECTIONS (≈ 78 s with the defaults); DELAY_MS=200 (bench/stampede.sh) ≈ 5 min.
 DELAY_MS=${DELAY_MS:-50}
@@ -526,7 +526,7 @@ wrk_table() {
 }
 
 {
-    echo "# cacheguard penetration (issue #4): $STAMP"
+    echo "# cacheguard penetration (Bloom filters): $STAMP"
     echo
     echo "All processes on 127.0.0.1 on the same $(nproc) cores: the load generator, the proxies and the origin compete for CPU."
     echo "Load average (1/5/15 min) at start: $LOAD_START; at end: $LOAD_END. Wall time: ${WALL} s."
@@ -580,7 +580,7 @@ wrk_table() {
     echo "| VmRSS idle, filter loaded | $(mib "$RSS1_KB") (VmHWM $(mib "$HWM1_KB")); difference $(awk -v a="$RSS1_KB" -v b="$RSS0_KB" 'BEGIN { printf "%+d kB", a - b }') vs the filter's $(awk -v b="$F_BYTES" 'BEGIN { printf "%.0f kB", b / 1024 }') |"
     echo "| VmRSS / VmHWM at the end of the run | $(mib "$RSS_END_KB") / $(mib "$HWM_END_KB") |"
     echo
-    echo "## Issue #4 targets"
+    echo "## Penetration targets"
     echo
     echo "| target | result | |"
     echo "|---|---|---|"

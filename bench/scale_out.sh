@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Scale-out benchmark for issue #9: the same cacheguard on three Redis topologies, in one run
+# Scale-out benchmark (Redis Cluster and Sentinel): the same cacheguard on three Redis topologies, in one run
 # on this machine, everything on 127.0.0.1:
 #
 #   topologies  started here with Debian's redis-server, no persistence, kept up for the whole
@@ -679,7 +679,7 @@ declare -A LABEL=(
 )
 
 {
-    echo "# cacheguard scale-out (issue #9): $STAMP"
+    echo "# cacheguard scale-out (Redis Cluster and Sentinel): $STAMP"
     echo
     echo "The same cacheguard on three Redis topologies, all on 127.0.0.1 on the same $(nproc) cores"
     echo "(load generator, cacheguard, origin and every redis-server share them)."
@@ -738,7 +738,7 @@ declare -A LABEL=(
     echo "|---|---|---|---|---|---|"
     awk -F'\t' 'NR > 1 && $1 == "b" { printf "| %s | %s | %s | %s | %s | %s |\n", $2, $4, $3, $14, $19, $20 }' "$RAW"
     echo
-    echo "## Issue #9 target: 1 origin request per stampede in every mode"
+    echo "## Scale-out target: 1 origin request per stampede in every mode"
     echo
     echo "| mode | C | origin requests per rep | verdict |"
     echo "|---|---|---|---|"

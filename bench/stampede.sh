@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Stampede benchmark for issue #3, in one run on this machine:
+# Stampede benchmark, in one run on this machine:
 #
 #   origin   bench/tools `bench-origin`: GET /items/{id} -> exactly 1024 bytes of JSON after
 #            DELAY_MS (200 ms), per-path request counters at /stats, max in-flight
@@ -160,7 +160,7 @@ done
 start_redis shared "$REDIS_PORT"
 REDIS_PID=$LAST_PID
 
-# cacheguard_config PORT ADMIN_PORT SHARED(1|0): the config from issue #3.
+# cacheguard_config PORT ADMIN_PORT SHARED(1|0): the stampede benchmark's config.
 cacheguard_config() {
     cat <<EOF
 [server]
@@ -416,7 +416,7 @@ ratio_cell() { # p99 / delay, median (min–max)
 P99_LIMIT=$(awk -v d="$DELAY_MS" 'BEGIN { printf "%.1f", d * 1.1 }')
 
 {
-    echo "# cacheguard stampede (issue #3): $STAMP"
+    echo "# cacheguard stampede: $STAMP"
     echo
     echo "Cold key, origin delay $DELAY_MS ms, C concurrent GETs released at once (with 2 instances C is split half/half)."
     echo "Each cell is **median (min–max) over $REPS runs**; a fresh cold key per run; targets rotate within each rep."
@@ -466,7 +466,7 @@ P99_LIMIT=$(awk -v d="$DELAY_MS" 'BEGIN { printf "%.1f", d * 1.1 }')
         echo "- runs in which a shared instance took no part in the distributed lock (no acquired/contended/takeover event, i.e. it fetched on in-process single-flight only): ${bypass:-none}."
     fi
     echo
-    echo "## Issue #3 targets"
+    echo "## Stampede targets"
     echo
     echo "| target | C | measured | verdict |"
     echo "|---|---|---|---|"

@@ -26,12 +26,13 @@ use crate::consistency::journal::{self, FsyncPolicy, Journal};
 use crate::consistency::marks::LocalMarks;
 use crate::consistency::stream::{self, StreamSettings};
 use crate::coord::events::{BusListener, BusMetrics, EventBus, Waiters};
+use crate::coord::store::RedisStore;
 use crate::coord::{Keyspace, RedisConn};
 use crate::metrics::Metrics;
 use crate::protect::bloom::Filters;
 use crate::protect::flight::Flights;
+use crate::protect::flight::fleet::FleetLock;
 use crate::protect::hotkeys::HotKeys;
-use crate::protect::lock::DistLock;
 use crate::proxy::origin_guard::OriginGuard;
 use crate::proxy::route::RouteTable;
 use crate::proxy::server::{self, ConnLimits};
@@ -252,7 +253,7 @@ impl App {
                     tokio::time::sleep(std::time::Duration::from_millis(5)).await;
                 }
                 Some(
-                    DistLock::new(conn.clone(), keys, config.lock.lease, bus)
+                    RedisStore::new(conn.clone(), keys, config.lock.lease, bus)
                         .with_wait_replicas(config.lock.wait_replicas),
                 )
             }
@@ -304,7 +305,9 @@ impl App {
             l1: l1.clone(),
             l2,
             flights: Arc::new(Flights::default()),
-            dist,
+            fleet: dist
+                .clone()
+                .map(|store| FleetLock::new(store, metrics.clone())),
             lock: ArcSwap::from_pointee(config.lock.clone()),
             uncacheable: moka::sync::Cache::builder()
                 .max_capacity(100_000)

@@ -11,6 +11,7 @@ pub(crate) mod keyspace;
 pub(crate) mod redis;
 pub(crate) mod scripts;
 pub(crate) mod sentinel;
+pub(crate) mod store;
 
 pub(crate) use self::keyspace::{KeyNames, Keyspace};
 pub(crate) use self::redis::RedisConn;

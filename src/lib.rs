@@ -1,6 +1,7 @@
 //! cacheguard: a cache-protection sidecar. An HTTP reverse proxy in front of a
 //! database-backed API that keeps the API and its database alive and correct under the
 //! classic cache failure modes (penetration, stampede, avalanche, hot keys, inconsistency).
+//! The architecture is described in `docs/architecture.md`.
 //!
 //! # Layout
 //!

@@ -1,9 +1,8 @@
 //! Protections in front of the origin: Bloom filters of existing ids ([`bloom`]),
-//! in-process single-flight ([`flight`]), the fleet-wide fill lock ([`lock`]) and hot-key
-//! detection with per-key limits ([`hotkeys`]).
+//! single-flight in this process and across the fleet ([`flight`], [`flight::fleet`]) and
+//! hot-key detection with per-key limits ([`hotkeys`]).
 //! The origin guard lives with the upstream client in `proxy/origin_guard.rs`.
 
 pub(crate) mod bloom;
 pub(crate) mod flight;
 pub(crate) mod hotkeys;
-pub(crate) mod lock;

@@ -40,8 +40,8 @@ use crate::error::ProxyError;
 use crate::metrics::{Metrics, RouteMetrics};
 use crate::protect::bloom::Filters;
 use crate::protect::flight::Flights;
+use crate::protect::flight::fleet::FleetLock;
 use crate::protect::hotkeys::HotKeys;
-use crate::protect::lock::DistLock;
 
 /// Everything a request needs, built once by the app and shared by every connection.
 #[derive(Debug)]
@@ -53,7 +53,7 @@ pub(crate) struct Proxy {
     pub(crate) l2: Option<L2>,
     pub(crate) flights: Arc<Flights>,
     /// The fleet-wide fill lock; `None` in embedded mode.
-    pub(crate) dist: Option<DistLock>,
+    pub(crate) fleet: Option<FleetLock>,
     pub(crate) lock: ArcSwap<LockConfig>,
     /// Keys whose last answer was not shareable (hit-for-miss), for a short time.
     pub(crate) uncacheable: moka::sync::Cache<u128, ()>,
@@ -141,7 +141,7 @@ impl Proxy {
                     && (method == Method::GET || method == Method::HEAD) =>
             {
                 let route = Arc::clone(matched.route);
-                // Step 3 of the pipeline: ids the filter knows nothing of end here.
+                // The Bloom check of the read path: ids the filter knows nothing of end here.
                 if let (Some(filter), Some(id)) = (&route.filter, matched.id)
                     && let Some(rejected) = reject::check(&route, filter, id, head)
                 {

@@ -1,4 +1,4 @@
-//! Avalanche protection and degraded operation (issue #5), against real `redis-server`
+//! Avalanche protection and degraded operation, against real `redis-server`
 //! processes:
 //!
 //! 1. a burst of 5000 stores with ttl 4 s, jitter 0.5 spreads expiries uniformly over
@@ -44,7 +44,7 @@ const BREAKER_OPEN: &str = "cacheguard_redis_breaker_open";
 const BREAKER_TRANSITIONS: &str = "cacheguard_redis_breaker_transitions_total";
 const REDIS_RESTARTS: &str = "cacheguard_redis_restarts_total";
 
-/// `CACHEGUARD_STRICT_LATENCY=1` enforces the issue's absolute latency targets where the
+/// `CACHEGUARD_STRICT_LATENCY=1` enforces the absolute Avalanche latency targets where the
 /// default run relaxes them for this shared machine (each test says how and why).
 fn strict_latency() -> bool {
     std::env::var("CACHEGUARD_STRICT_LATENCY").is_ok_and(|v| v == "1")
@@ -722,16 +722,16 @@ fn capped(cfg: CgConfig) -> CgConfig {
         .set_str("upstream", "timeout", "1s")
 }
 
-/// The issue's bound on a client's wait: a slot (queue_timeout) plus the origin (timeout),
-/// plus 300 ms for the Redis round trips of a miss (loopback, ~1 ms each when healthy) and
-/// scheduling on a loaded 2-core machine. Asserted on the p99.
+/// The Avalanche target's bound on a client's wait: a slot (queue_timeout) plus the origin
+/// (timeout), plus 300 ms for the Redis round trips of a miss (loopback, ~1 ms each when
+/// healthy) and scheduling on a loaded 2-core machine. Asserted on the p99.
 fn issue_bound() -> Duration {
     QUEUE_TIMEOUT + ORIGIN_TIMEOUT + Duration::from_millis(300)
 }
 
-/// The design's bound on every client's wait: the issue's, plus each Redis wait a miss can
-/// make, each bounded by command_timeout (L2 look-up, the leader's re-check, the lock, the
-/// store). Only reached when Redis answers slowly; asserted on every answer ("no hang").
+/// The architecture's bound on every client's wait: the target's, plus each Redis wait a
+/// miss can make, each bounded by command_timeout (L2 look-up, the leader's re-check, the
+/// lock, the store). Only reached when Redis answers slowly; asserted on every answer ("no hang").
 fn answer_bound() -> Duration {
     issue_bound() + 4 * SHARED_COMMAND_TIMEOUT
 }

@@ -1,4 +1,4 @@
-//! Bloom-filter penetration protection (issue #4; the contract is `notes/bloom-spec.md`):
+//! Bloom-filter penetration protection (the contract is `docs/architecture.md`, Bloom filters):
 //! ids that are definitely not in a loaded filter are answered at the edge (`404`,
 //! `X-Cache: REJECT`) without touching Redis or the origin; existing and newly created ids
 //! always pass, across instances and across pub/sub gaps; a filter that is not loaded
@@ -130,7 +130,7 @@ async fn wait_ready(client: &HttpClient, admin: SocketAddr) -> Value {
     wait_bloom(client, admin, READY_TIMEOUT, "ready", is_ready).await
 }
 
-/// `items` after loading `n` distinct ids. The spec's example shows exactly `n`; an
+/// `items` after loading `n` distinct ids. The contract expects exactly `n`; an
 /// implementation that counts only ids that set a new bit reports up to ~fp_rate fewer, so
 /// allow 2% below `n` (never more than `n`).
 fn assert_items(f: &Value, n: u64) {
@@ -458,7 +458,7 @@ async fn get_one(client: &HttpClient, addr: SocketAddr, path: &str) -> Seen {
         .unwrap()
 }
 
-/// Asserts a REJECT answer is exactly the spec's default.
+/// Asserts a REJECT answer is exactly the default one (404, `text/plain`, `not found`).
 fn assert_reject_shape(s: &Seen) {
     assert_eq!(s.status, 404, "{s}");
     assert_eq!(s.content_type.as_deref(), Some(REJECT_CONTENT_TYPE), "{s}");
@@ -1332,7 +1332,7 @@ async fn admin_reports_filters_and_rebuilds_on_request() {
 
     // Sizing: the theoretical m = -n ln p / ln²2 = 9586 bits for the configured p; filters
     // are sized for 0.9 p (so the real rate, with a whole number of hashes, stays under p),
-    // which costs ~2% more bits: at least m, within the issue's 5% of it.
+    // which costs ~2% more bits: at least m, within the 5% of it the penetration target allows.
     let ln2 = std::f64::consts::LN_2;
     let m = (-(n as f64) * fp.ln() / (ln2 * ln2)).ceil();
     let bits = f["bits"].as_f64().unwrap_or_else(|| panic!("bits: {f}"));

@@ -1,4 +1,4 @@
-//! Redis Cluster as the shared backend (issue #9), against a real six-node cluster
+//! Redis Cluster as the shared backend (Scale-out), against a real six-node cluster
 //! (three primaries, three replicas) started by the harness: topology checks at start,
 //! keys spread over every primary, one origin request per cold-key stampede across
 //! instances, a primary killed under load, and a slot resharded under load.

@@ -1,4 +1,4 @@
-//! Consistency (issue #7): after a write, no instance serves the old value for longer than
+//! Consistency: after a write, no instance serves the old value for longer than
 //! the configured bound; a read racing a write cannot put the old value back; owed
 //! invalidations survive a Redis outage and a restart; purges and the invalidation stream
 //! reach every tier. Everything against real redis-server processes.

@@ -1,4 +1,4 @@
-//! Hot keys (issue #6), end to end against real `redis-server` processes: detection, promotion
+//! Hot keys, end to end against real `redis-server` processes: detection, promotion
 //! on every instance (`hot` events), the per-key backend limit, invalidation of a hot key by a
 //! write, and the memory bound of the detector and limiter.
 //!

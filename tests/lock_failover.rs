@@ -1,4 +1,4 @@
-//! The distributed fill lock under failure (issue #3): a holder that dies is replaced by
+//! The distributed fill lock under failure (Stampede): a holder that dies is replaced by
 //! exactly one waiter once its lease ends; a slow fetch keeps its lease by renewing it; a
 //! failed fetch hands the key to exactly one waiter; `on_timeout = "error"` answers 503.
 

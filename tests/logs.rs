@@ -1,4 +1,4 @@
-//! Logs (issue #8): human by default, one JSON object per line with `--log-format json`, and
+//! Logs: human by default, one JSON object per line with `--log-format json`, and
 //! no log line per request on the hit path.
 
 mod common;

@@ -1,5 +1,5 @@
-//! `rediss://` with a private CA and an ACL user whose password comes from a file (issue
-//! #9), against a real `redis-server` serving TLS only: L2 works through it, and the
+//! `rediss://` with a private CA and an ACL user whose password comes from a file
+//! (Scale-out), against a real `redis-server` serving TLS only: L2 works through it, and the
 //! password shows nowhere.
 
 #![allow(clippy::unwrap_used)]

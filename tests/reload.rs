@@ -1,4 +1,4 @@
-//! Config hot reload (issue #8): a change to the config file (or SIGHUP) reloads it under
+//! Config hot reload: a change to the config file (or SIGHUP) reloads it under
 //! load without a failed request; an invalid edit is refused with the startup error and the
 //! old config keeps serving.
 

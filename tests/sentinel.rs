@@ -1,4 +1,4 @@
-//! Sentinel-managed Redis as the shared backend (issue #9), against real processes started
+//! Sentinel-managed Redis as the shared backend (Scale-out), against real processes started
 //! by the harness: one primary, one replica, three sentinels. cacheguard finds the primary
 //! through the sentinels, follows a failover within a second of the announcement, never
 //! lets a `READONLY` (a demoted primary's refusal) reach a client, and owes no

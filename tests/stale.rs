@@ -1,4 +1,4 @@
-//! Stale-while-revalidate, stale-if-error and degraded single-flight (issue #3):
+//! Stale-while-revalidate, stale-if-error and degraded single-flight (Stampede):
 //! a stale entry is served at once while exactly one refresh runs; a failed refresh keeps
 //! the stale copy in service (and is not retried for 1 s); with Redis gone each instance
 //! still fetches a cold key once and never waits on Redis timeouts request after request;

@@ -1,4 +1,4 @@
-//! Breakdown protection (issue #3): a cold key hit by hundreds of concurrent requests spread
+//! Breakdown protection (Stampede): a cold key hit by hundreds of concurrent requests spread
 //! over several instances sharing one Redis makes exactly one origin request, and the
 //! waiters on the other instances are woken by the `fill` event (pub/sub), not by polling.
 

@@ -1035,7 +1035,7 @@ fn a_relative_journal_path_is_next_to_the_config_file() {
     );
 }
 
-// === redis topologies and secrets (#9) ===
+// === redis topologies and secrets (Scale-out) ===
 
 #[test]
 fn sentinel_and_cluster_modes_parse() {

@@ -29,9 +29,9 @@ use super::journal::{Journal, Owed};
 use super::marks::LocalMarks;
 use crate::cache::l1::L1;
 use crate::coord::redis::Unavailable;
+use crate::coord::store::RedisStore;
 use crate::metrics::Metrics;
 use crate::protect::hotkeys::HotKeys;
-use crate::protect::lock::DistLock;
 
 /// One thing to invalidate.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -89,7 +89,7 @@ pub(crate) struct Invalidator {
     hot: Arc<HotKeys>,
     pub(crate) marks: Arc<LocalMarks>,
     /// `None` in embedded mode.
-    dist: Option<DistLock>,
+    dist: Option<RedisStore>,
     journal: Option<Arc<Journal>>,
     /// Wakes the journal's retry loop.
     pub(crate) wake: Arc<Notify>,
@@ -108,7 +108,7 @@ impl Invalidator {
         l1: L1,
         hot: Arc<HotKeys>,
         marks: Arc<LocalMarks>,
-        dist: Option<DistLock>,
+        dist: Option<RedisStore>,
         journal: Option<Arc<Journal>>,
         horizon: Duration,
         metrics: Metrics,
@@ -256,7 +256,7 @@ impl Invalidator {
 
     async fn apply_remote(
         &self,
-        dist: &DistLock,
+        dist: &RedisStore,
         item: &Invalidation,
         quarantine: Duration,
     ) -> Result<(), Unavailable> {

@@ -10,7 +10,7 @@
 //!   they name another one (see [`super::sentinel`]);
 //! - **cluster**: redis-rs `cluster-async`, which routes each command by its key's slot and
 //!   follows `MOVED`/`ASK` and topology changes. Every key of one cache key carries one hash
-//!   tag (see [`super::KeyNames`]), so each Lua script touches one slot.
+//!   tag (see [`super::keyspace`]), so each Lua script touches one slot.
 //!
 //! Pub/sub (the event bus) needs a plain node connection: [`Backend::pubsub_clients`] lists
 //! the nodes to try, in order. On a cluster `PUBLISH` reaches every node, so any node will

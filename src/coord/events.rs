@@ -1,11 +1,13 @@
 //! The event bus: one pub/sub subscription per instance on `<prefix>events`.
 //!
 //! Messages are short text lines, `<type> <instance id> <key hash>`, so they can be read
-//! with `redis-cli SUBSCRIBE` when debugging. Types today: `fill` (an entry was stored:
-//! waiters read L2), `released` (a lock was dropped without a fill: one waiter takes over)
-//! and `uncacheable` (the answer must not be shared: waiters fetch for themselves), and
+//! with `redis-cli SUBSCRIBE` when debugging. Types: `fill` (an entry was stored:
+//! waiters read L2), `released` (a lock was dropped without a fill: one waiter takes over),
+//! `uncacheable` (the answer must not be shared: waiters fetch for themselves),
+//! `invalidate` (a base key was invalidated: every instance drops its L1 copies), `hot` (a
+//! key is hot on the sender: promote it here too), and
 //! `bloom_add <instance> <filter> <id as hex>` (an id was created: every instance adds it to
-//! its Bloom filter). Later issues add `invalidate` and `hot`.
+//! its Bloom filter).
 //!
 //! Key events go to the [`Waiters`]; every other message goes to the [`BusListener`]s, which
 //! also hear about gaps in the subscription so they can resync what the events carry.

@@ -755,7 +755,8 @@ impl RedisConn {
     }
 
     /// Warns when Redis may evict any key under memory pressure: an evicted generation key
-    /// lets a fill that raced a write store its old value (see DESIGN.md, write path).
+    /// lets a fill that raced a write store its old value (see `docs/architecture.md`, write
+    /// path).
     /// `CONFIG` may be refused (managed Redis, ACLs): then nothing is said.
     async fn check_eviction_policy(&self) {
         let Some(mut conn) = self.shared() else {

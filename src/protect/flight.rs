@@ -5,6 +5,10 @@
 //! pingora-cache's lock: the leader's permit has a `Drop` that never strands followers —
 //! a leader that is cancelled (client hung up, shutdown) publishes `Abandoned`, and the
 //! followers race to elect a new leader among themselves.
+//!
+//! Across instances the same shape repeats on the Redis lock: see [`fleet`].
+
+pub(crate) mod fleet;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};

@@ -29,14 +29,12 @@ use crate::cache::l2::Lookup;
 use crate::cache::{Entry, Freshness, now_ms};
 use crate::config::{L1Policy, OnTimeout};
 use crate::coord::events::EventKind;
+use crate::coord::redis::Unavailable;
+use crate::coord::store::FillOutcome;
 use crate::error::ProxyError;
 use crate::metrics::{FillRefusal, LockEvent, Outcome};
+use crate::protect::flight::fleet::{Claim, FillPermit, FleetLock, Wake};
 use crate::protect::flight::{FlightResult, Leader};
-use crate::protect::lock::{Acquired, DistLock, FillOutcome, Lease};
-
-/// Slack after a holder's lease end before a waiter tries to take over, so the expiry has
-/// really happened in Redis by then.
-const LEASE_SLACK: Duration = Duration::from_millis(20);
 
 impl Proxy {
     /// Runs the fill for a key this process leads, and publishes the result to the local
@@ -63,33 +61,34 @@ impl Proxy {
     /// Fills without the in-process flight: under the fleet lock while Redis answers,
     /// otherwise on this process alone.
     pub(crate) async fn fill_unflighted(&self, job: &FillJob) -> Fetched {
-        match &self.dist {
-            Some(dist) if dist.is_available() => self.fill_shared(job, dist).await,
+        match &self.fleet {
+            Some(fleet) if fleet.is_available() => self.fill_shared(job, fleet).await,
             _ => self.fetch_and_store(job).await,
         }
     }
 
-    /// The fleet-wide fill: take the key's lock and fetch, or wait for whoever holds it.
-    async fn fill_shared(&self, job: &FillJob, dist: &DistLock) -> Fetched {
+    /// The fleet-wide fill: claim the key's lock and fetch, or wait for whoever holds it.
+    async fn fill_shared(&self, job: &FillJob, fleet: &FleetLock) -> Fetched {
         let started = Instant::now();
         let deadline = started + self.lock.load().wait_timeout;
         let mut contended = false;
-        let metrics = &self.metrics;
         loop {
-            let remaining = match dist.acquire(&job.key).await {
+            let mut follower = match fleet.claim(job.key.base, job.key.hash).await {
                 // Redis went away under us: degrade to this process's single-flight.
                 Err(_) => return self.fetch_and_store(job).await,
-                Ok(Acquired::Won(lease)) => {
+                Ok(Claim::Leader(permit)) => {
                     if contended {
-                        metrics.lock_event(LockEvent::Takeover);
-                        metrics.lock_wait.observe(started.elapsed().as_secs_f64());
+                        fleet.count(LockEvent::Takeover);
+                        self.metrics
+                            .lock_wait
+                            .observe(started.elapsed().as_secs_f64());
                         debug!(message = "Lock taken over after waiting.", route = %job.route.config.name);
                     } else {
-                        metrics.lock_event(LockEvent::Acquired);
+                        fleet.count(LockEvent::Acquired);
                     }
-                    return self.fetch_as_owner(job, dist, *lease).await;
+                    return self.fetch_as_owner(job, *permit).await;
                 }
-                Ok(Acquired::Held { remaining }) => remaining,
+                Ok(Claim::Follower(follower)) => follower,
             };
             if job.background {
                 // Another instance is refreshing this key already.
@@ -97,41 +96,36 @@ impl Proxy {
             }
             if !contended {
                 contended = true;
-                metrics.lock_event(LockEvent::Contended);
+                fleet.count(LockEvent::Contended);
             }
-            // Register before looking at L2: a fill that lands between the look and the
-            // wait still wakes us.
-            let mut waiter = dist.waiters().register(job.key.hash);
+            // The follower is registered already: a fill that lands between this look and
+            // the wait still wakes it.
             if let Some(entry) = self.fresh_in_l2(job).await {
-                metrics.lock_wait.observe(started.elapsed().as_secs_f64());
+                self.metrics
+                    .lock_wait
+                    .observe(started.elapsed().as_secs_f64());
                 return Fetched::Ready(entry, Outcome::Miss);
             }
-            let now = Instant::now();
-            if now >= deadline {
+            if Instant::now() >= deadline {
                 return self.lock_wait_timed_out(job, started).await;
             }
-            let lease_end = now + remaining + LEASE_SLACK;
-            tokio::select! {
-                signal = waiter.changed() => match signal.kind {
-                    Some(EventKind::Uncacheable) => {
-                        metrics.lock_wait.observe(started.elapsed().as_secs_f64());
-                        self.remember_uncacheable(&job.key);
-                        return self.fetch_alone(job).await;
+            match follower.wait(deadline).await {
+                Wake::Uncacheable => {
+                    self.metrics
+                        .lock_wait
+                        .observe(started.elapsed().as_secs_f64());
+                    self.remember_uncacheable(&job.key);
+                    return self.fetch_alone(job).await;
+                }
+                Wake::Filled => {
+                    if let Some(entry) = self.fresh_in_l2(job).await {
+                        self.metrics
+                            .lock_wait
+                            .observe(started.elapsed().as_secs_f64());
+                        return Fetched::Ready(entry, Outcome::Miss);
                     }
-                    // A fill, or a reconnect after which events may have been missed.
-                    Some(EventKind::Fill) | None => {
-                        if let Some(entry) = self.fresh_in_l2(job).await {
-                            metrics.lock_wait.observe(started.elapsed().as_secs_f64());
-                            return Fetched::Ready(entry, Outcome::Miss);
-                        }
-                    }
-                    // Released without a fill (or an invalidation, which voids the lease):
-                    // contend for the lock again.
-                    Some(EventKind::Released | EventKind::Invalidate | EventKind::Hot) => {}
-                },
-                // The holder's lease ended without news (its instance may have died):
-                // try to take over; exactly one waiter wins the SET NX.
-                () = tokio::time::sleep_until(lease_end.min(deadline)) => {}
+                }
+                Wake::Contend => {}
             }
         }
     }
@@ -155,42 +149,27 @@ impl Proxy {
         }
     }
 
-    /// The lock holder's fetch: the lease is renewed every lease/3 while the origin works,
-    /// then one script stores (if the generation is unchanged), releases and publishes.
-    async fn fetch_as_owner(&self, job: &FillJob, dist: &DistLock, lease: Lease) -> Fetched {
+    /// The lock holder's fetch: the lease is renewed while the origin works, then one
+    /// script stores (if the generation is unchanged), releases and publishes.
+    async fn fetch_as_owner(&self, job: &FillJob, permit: FillPermit) -> Fetched {
         let since = self.invalidator.marks.snapshot();
-        let fetch = self.fetch_origin(job);
-        tokio::pin!(fetch);
-        let period = (dist.lease / 3).max(Duration::from_millis(10));
-        let mut renew = tokio::time::interval_at(Instant::now() + period, period);
-        let classified = loop {
-            tokio::select! {
-                classified = &mut fetch => break classified,
-                _ = renew.tick() => match dist.renew(&lease).await {
-                    Ok(true) => self.metrics.lock_event(LockEvent::Renewed),
-                    Ok(false) => {
-                        self.metrics.lock_event(LockEvent::Lost);
-                        warn!(message = "Lock lease lost during a fetch.", route = %job.route.config.name);
-                    }
-                    // Redis is down: the fill below will not reach it either; keep fetching.
-                    Err(_) => {}
-                },
-            }
-        };
+        let classified = permit
+            .hold_while(self.fetch_origin(job), &self.metrics)
+            .await;
         match classified {
             Classified::Storable(entry) => {
                 let entry = Arc::new(entry);
-                self.store(job, &entry, Some((dist, &lease)), since).await;
+                self.store(job, &entry, Some(permit), since).await;
                 Fetched::Ready(entry, Outcome::Miss)
             }
             Classified::Uncacheable(response) => {
-                let _ = dist.release(&lease, EventKind::Uncacheable).await;
+                permit.release(EventKind::Uncacheable).await;
                 self.remember_uncacheable(&job.key);
                 Fetched::Uncacheable(response)
             }
             Classified::Failed(failure) => {
                 // One waiter takes over; the others keep waiting on it.
-                let _ = dist.release(&lease, EventKind::Released).await;
+                permit.release(EventKind::Released).await;
                 Fetched::Failed(failure)
             }
         }
@@ -200,16 +179,15 @@ impl Proxy {
     /// keys): fetch, then store generation-checked when Redis is there.
     pub(crate) async fn fetch_and_store(&self, job: &FillJob) -> Fetched {
         // The generation is read before the fetch, like a lock holder's.
-        let unlocked = match &self.dist {
-            Some(dist) => dist.unlocked_lease(&job.key).await.ok().map(|l| (dist, l)),
+        let unlocked = match &self.fleet {
+            Some(fleet) => fleet.unlocked(job.key.base, job.key.hash).await.ok(),
             None => None,
         };
         let since = self.invalidator.marks.snapshot();
         match self.fetch_origin(job).await {
             Classified::Storable(entry) => {
                 let entry = Arc::new(entry);
-                self.store(job, &entry, unlocked.as_ref().map(|(d, l)| (*d, l)), since)
-                    .await;
+                self.store(job, &entry, unlocked, since).await;
                 Fetched::Ready(entry, Outcome::Miss)
             }
             Classified::Uncacheable(response) => {
@@ -239,20 +217,24 @@ impl Proxy {
         &self,
         job: &FillJob,
         entry: &Arc<Entry>,
-        l2: Option<(&DistLock, &Lease)>,
+        permit: Option<FillPermit>,
         since: u64,
     ) {
         let mut keep = true;
         // Filled without Redis (no lease: the breaker was open): L1 is the only copy,
         // whatever the breaker says by now.
-        let in_l1 = l2.is_none() && self.l2.is_some() && job.route.config.l1 != L1Policy::Off;
-        if let Some((dist, lease)) = l2 {
+        let in_l1 = permit.is_none() && self.l2.is_some() && job.route.config.l1 != L1Policy::Off;
+        if let Some(permit) = permit {
             let life = Duration::from_millis(entry.remaining_life_ms(now_ms()));
-            let outcome = match self.index_tags(job, entry, dist, lease, life).await {
-                Ok(true) => Ok(FillOutcome::GenerationChanged),
+            let outcome = match index_tags(job, entry, &permit, life).await {
+                Ok(true) => {
+                    // A tag was invalidated after the fetch began: waiters take over.
+                    permit.release(EventKind::Released).await;
+                    Ok(FillOutcome::GenerationChanged)
+                }
                 Err(e) => Err(e),
                 Ok(false) => match entry.encode() {
-                    Ok(bytes) => dist.fill(lease, &bytes, life).await,
+                    Ok(bytes) => permit.fill(&bytes, life).await,
                     Err(_) => Ok(FillOutcome::Stored),
                 },
             };
@@ -274,32 +256,6 @@ impl Proxy {
         if keep && (in_l1 || self.keeps_in_l1(&job.route, job.key.hash)) {
             self.put_l1(&job.key, Arc::clone(entry), since).await;
         }
-    }
-
-    /// Lists the entry's base key under the route's tag (for pattern purges) and under each
-    /// surrogate key, before the fill stores it. `Ok(true)`: one of its tags was invalidated
-    /// after the fetch began, so the answer may predate it — the lock is released (waiters
-    /// take over) and nothing is stored.
-    async fn index_tags(
-        &self,
-        job: &FillJob,
-        entry: &Entry,
-        dist: &DistLock,
-        lease: &Lease,
-        life: Duration,
-    ) -> Result<bool, crate::coord::redis::Unavailable> {
-        let member = format!("{:032x} {}", job.key.base, job.key.path());
-        let route_tag = route_tag(&job.route.config.name);
-        let tags = std::iter::once(route_tag.as_str()).chain(entry.tags.iter().map(String::as_str));
-        let checks = tags.map(|tag| dist.tag_add(tag, &member, life, lease.started_ms));
-        let mut overtaken = false;
-        for check in futures_util::future::join_all(checks).await {
-            overtaken |= check?;
-        }
-        if overtaken {
-            let _ = dist.release(lease, EventKind::Released).await;
-        }
-        Ok(overtaken)
     }
 
     async fn fresh_in_l2(&self, job: &FillJob) -> Option<Arc<Entry>> {
@@ -324,6 +280,26 @@ impl Proxy {
     fn remember_uncacheable(&self, key: &crate::cache::CacheKey) {
         self.uncacheable.insert(key.hash, ());
     }
+}
+
+/// Lists the entry's base key under the route's tag (for pattern purges) and under each
+/// surrogate key, before the fill stores it. `Ok(true)`: one of its tags was invalidated
+/// after the fetch began, so the answer may predate it and must not be stored.
+async fn index_tags(
+    job: &FillJob,
+    entry: &Entry,
+    permit: &FillPermit,
+    life: Duration,
+) -> Result<bool, Unavailable> {
+    let member = format!("{:032x} {}", job.key.base, job.key.path());
+    let route_tag = route_tag(&job.route.config.name);
+    let tags = std::iter::once(route_tag.as_str()).chain(entry.tags.iter().map(String::as_str));
+    let checks = tags.map(|tag| permit.tag_add(tag, &member, life));
+    let mut overtaken = false;
+    for check in futures_util::future::join_all(checks).await {
+        overtaken |= check?;
+    }
+    Ok(overtaken)
 }
 
 /// The implicit tag every entry of a route carries: its index is what a pattern purge

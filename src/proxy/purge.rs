@@ -19,6 +19,7 @@ use crate::cache::key;
 use crate::consistency::invalidate::{Invalidation, Report, Source};
 use crate::consistency::stream::Target;
 use crate::consistency::tags;
+use crate::protect::flight::fleet::FleetLock;
 
 /// Most keys, patterns and tags one purge request may name.
 pub(crate) const MAX_PURGE_ITEMS: usize = 10_000;
@@ -92,7 +93,7 @@ impl Proxy {
                 bad.len()
             )));
         }
-        let dist = self.dist.as_ref();
+        let dist = self.fleet.as_ref().map(FleetLock::store);
         if !request.patterns.is_empty() && dist.is_some_and(|d| !d.is_available()) {
             return Err(PurgeError::RedisUnavailable);
         }

@@ -1,7 +1,7 @@
-//! Step 3 of the read pipeline: the Bloom check. An id that is definitely not in the
-//! route's filter is answered here, before the cache key is even derived: no Redis command,
-//! no origin request, whatever the rest of the request says (a `Cookie` or `Authorization`
-//! header must not be a way around it).
+//! The read path's Bloom check (`docs/architecture.md`, read path). An id that is
+//! definitely not in the route's filter is answered here, before the cache key is even
+//! derived: no Redis command, no origin request, whatever the rest of the request says (a
+//! `Cookie` or `Authorization` header must not be a way around it).
 
 use std::borrow::Cow;
 use std::time::Instant;

@@ -1,8 +1,8 @@
 //! Routing: the configured `[[routes]]` in a matchit router.
 //!
-//! Several routes may share one pattern with different methods (DESIGN's `item` and
-//! `item-write`), so the router maps a pattern to the list of routes on it, and the method
-//! picks among them. `HEAD` is served by the route that serves `GET`.
+//! Several routes may share one pattern with different methods (`item` and `item-write` in
+//! `config/cacheguard.toml`), so the router maps a pattern to the list of routes on it, and
+//! the method picks among them. `HEAD` is served by the route that serves `GET`.
 
 use std::sync::Arc;
 

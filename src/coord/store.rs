@@ -1,16 +1,16 @@
-//! The distributed fill lock: one origin fetch per key across every instance sharing Redis.
+//! Every Redis call of the fill lock, the fill itself, invalidation and the tag index: one
+//! method per script or command, each bounded and breaker-checked by [`RedisConn`]. The
+//! protocol built on them (who fetches, who waits, for how long) is the fleet flight in
+//! `protect/flight/fleet.rs`; the key names come from [`Keyspace`].
 //!
-//! Only an instance's in-process leader for a key takes part (see `flight.rs`), so each
-//! instance makes one lock attempt per key, not one per request. The lock is a Redis key
-//! (see [`Keyspace::key`]) holding a token that is random per acquisition, set with
+//! The lock is a Redis key holding a token that is random per acquisition, set with
 //! `SET NX PX lease`; every later operation compares the token first, so a holder whose
-//! lease ran out can never release, renew or fill over a newer holder. Redis-side logic is
-//! in `coord/scripts.rs`.
+//! lease ran out can never release, renew or fill over a newer holder. The Lua sources
+//! are in `scripts.rs`.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::cache::CacheKey;
 use crate::config::RedisMode;
 use crate::coord::events::{Event, EventBus, EventKind, Waiters};
 use crate::coord::keyspace::TagKeys;
@@ -19,7 +19,7 @@ use crate::coord::{KeyNames, Keyspace, RedisConn, scripts};
 use crate::metrics::{LockEvent, RedisOp};
 
 /// A held lease on one key.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub(crate) struct Lease {
     token: String,
     /// The key's generation when the lease was taken; the fill is refused if it changed.
@@ -60,7 +60,7 @@ pub(crate) enum FillOutcome {
 const CLUSTER_CLOCK_MARGIN_MS: u64 = 50;
 
 #[derive(Clone, Debug)]
-pub(crate) struct DistLock {
+pub(crate) struct RedisStore {
     redis: RedisConn,
     keys: Keyspace,
     pub(crate) lease: Duration,
@@ -69,14 +69,14 @@ pub(crate) struct DistLock {
     wait_replicas: u32,
 }
 
-impl DistLock {
+impl RedisStore {
     pub(crate) fn new(
         redis: RedisConn,
         keys: Keyspace,
         lease: Duration,
         bus: Arc<EventBus>,
     ) -> Self {
-        DistLock {
+        RedisStore {
             redis,
             keys,
             lease,
@@ -122,8 +122,8 @@ impl DistLock {
     }
 
     /// `SET lock token NX PX lease`, reading the generation in the same round trip.
-    pub(crate) async fn acquire(&self, key: &CacheKey) -> Result<Acquired, Unavailable> {
-        let names = self.keys.key(key.base, key.hash);
+    pub(crate) async fn acquire(&self, base: u128, hash: u128) -> Result<Acquired, Unavailable> {
+        let names = self.keys.key(base, hash);
         let token = format!("{:032x}", rand::random::<u128>());
         let keys = [names.lock.as_str(), names.generation.as_str()];
         let args = [token.as_bytes(), &self.lease_ms()];
@@ -154,7 +154,7 @@ impl DistLock {
                 token,
                 generation,
                 started_ms: now,
-                hash: key.hash,
+                hash,
                 names,
             })))
         } else {
@@ -169,8 +169,12 @@ impl DistLock {
     /// A lease for storing without the lock (no fleet coordination available): it holds no
     /// lock — its token matches none — so its fill stores only while nobody holds the lock
     /// and the generation read here is unchanged.
-    pub(crate) async fn unlocked_lease(&self, key: &CacheKey) -> Result<Lease, Unavailable> {
-        let names = self.keys.key(key.base, key.hash);
+    pub(crate) async fn unlocked_lease(
+        &self,
+        base: u128,
+        hash: u128,
+    ) -> Result<Lease, Unavailable> {
+        let names = self.keys.key(base, hash);
         let (generation, now): (String, u64) = self
             .redis
             .run_script(RedisOp::Lock, &scripts::BEGIN, &[&names.generation], &[])
@@ -179,7 +183,7 @@ impl DistLock {
             token: "-".to_owned(),
             generation,
             started_ms: now,
-            hash: key.hash,
+            hash,
             names,
         })
     }

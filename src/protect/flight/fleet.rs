@@ -1,0 +1,389 @@
+//! Fleet-wide single-flight: across every instance that shares Redis, one lock holder per
+//! key fetches from the origin; the others wait for its answer.
+//!
+//! Only an instance's in-process leader for a key takes part (see the parent module), so
+//! each instance makes one claim per key, not one per request. Shaped like the in-process
+//! flight, a claim gives a typed permit:
+//!
+//! ```text
+//! claim ─▶ Leader(FillPermit)  holds the key's lock; `hold_while` renews its lease every
+//!                              lease/3 while the fetch runs; `fill` (store + release +
+//!                              publish, one script) or `release` consumes it; dropping it
+//!                              unused releases the lock, so waiters take over at once
+//!                              instead of at the lease's end
+//!       ─▶ Follower            registered for the key's events before `claim` returns, so
+//!                              a fill that lands after the claim still wakes it; `wait`
+//!                              ends on an event or at the holder's lease end (its instance
+//!                              may have died: contend again, exactly one waiter wins)
+//! ```
+//!
+//! Nothing polls: the only timers are the holder's lease end and the caller's deadline.
+//! Correctness never rests on the lock: every fill is generation-checked in Redis, so a
+//! holder that lost its lease can waste a fetch but never store over a newer answer.
+
+use std::future::Future;
+use std::time::Duration;
+
+use tokio::time::Instant;
+use tracing::warn;
+
+use crate::coord::events::{EventKind, WaitHandle};
+use crate::coord::redis::Unavailable;
+use crate::coord::store::{Acquired, FillOutcome, Lease, RedisStore};
+use crate::metrics::{LockEvent, Metrics};
+
+/// Slack after a holder's lease end before a waiter contends again, so the expiry has
+/// really happened in Redis by then.
+const LEASE_SLACK: Duration = Duration::from_millis(20);
+
+/// The shortest renewal period, whatever the lease.
+const MIN_RENEW_PERIOD: Duration = Duration::from_millis(10);
+
+/// The fleet lock of every key: claims, and unlocked fill permits.
+#[derive(Clone, Debug)]
+pub(crate) struct FleetLock {
+    store: RedisStore,
+    metrics: Metrics,
+}
+
+/// What a claim got.
+pub(crate) enum Claim {
+    /// This instance holds the key's lock: fetch, then fill or release.
+    Leader(Box<FillPermit>),
+    /// Another instance holds it: wait for its answer.
+    Follower(Follower),
+}
+
+/// The right to store one fetched answer in Redis: a lock holder's, or an unlocked one
+/// (no fleet coordination: the event bus or the lock path is not usable), which stores
+/// only while nobody holds the lock. Either way the store is refused when the key's
+/// generation changed since the permit was taken.
+#[derive(Debug)]
+pub(crate) struct FillPermit {
+    store: RedisStore,
+    lease: Lease,
+    /// Holds the key's lock, which is released if the permit is dropped unused.
+    locked: bool,
+    /// `fill` or `release` ran: the lock is no longer ours to release.
+    done: bool,
+}
+
+/// A waiter on another instance's fetch of one key.
+#[derive(Debug)]
+pub(crate) struct Follower {
+    waiter: WaitHandle,
+    /// When the holder's lease runs out, plus [`LEASE_SLACK`].
+    lease_end: Instant,
+}
+
+/// Why a follower's wait ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Wake {
+    /// The holder stored an answer, or the bus reconnected (events may have been missed):
+    /// look in Redis.
+    Filled,
+    /// The holder's answer cannot be shared: fetch alone.
+    Uncacheable,
+    /// The holder released the lock without an answer, or its lease ended, or the key
+    /// was invalidated: contend for the lock again.
+    Contend,
+}
+
+impl FleetLock {
+    pub(crate) fn new(store: RedisStore, metrics: Metrics) -> Self {
+        FleetLock { store, metrics }
+    }
+
+    /// Whether the fleet path can be used right now: Redis answers. The event bus need
+    /// not be connected at this instant: a waiter registered while it reconnects is woken
+    /// by the re-subscription (which wakes every waiter to re-check), so a short bus gap
+    /// never splits a stampede into one fetch per instance.
+    pub(crate) fn is_available(&self) -> bool {
+        self.store.is_available()
+    }
+
+    /// The Redis calls behind the lock (invalidation and the tag index use them too).
+    pub(crate) fn store(&self) -> &RedisStore {
+        &self.store
+    }
+
+    /// Tries to take the lock of the cache key `hash` (whose base is `base`).
+    ///
+    /// # Cancel safety
+    /// Not cancel-safe in one respect: cancelled after Redis granted the lock, the lock
+    /// stays taken until its lease ends, when a waiter takes over. Fills run in their own
+    /// task, so this only happens at shutdown.
+    pub(crate) async fn claim(&self, base: u128, hash: u128) -> Result<Claim, Unavailable> {
+        match self.store.acquire(base, hash).await? {
+            Acquired::Won(lease) => Ok(Claim::Leader(Box::new(FillPermit {
+                store: self.store.clone(),
+                lease: *lease,
+                locked: true,
+                done: false,
+            }))),
+            Acquired::Held { remaining } => Ok(Claim::Follower(Follower::new(
+                self.store.waiters().register(hash),
+                remaining,
+            ))),
+        }
+    }
+
+    /// A permit to store without the lock (see [`FillPermit`]); it reads the generation
+    /// now, so take it before the fetch starts.
+    pub(crate) async fn unlocked(&self, base: u128, hash: u128) -> Result<FillPermit, Unavailable> {
+        Ok(FillPermit {
+            store: self.store.clone(),
+            lease: self.store.unlocked_lease(base, hash).await?,
+            locked: false,
+            done: false,
+        })
+    }
+
+    /// Counts a lock event.
+    pub(crate) fn count(&self, event: LockEvent) {
+        self.metrics.lock_event(event);
+    }
+}
+
+impl FillPermit {
+    /// Runs `work` (the fetch) while renewing the lease every lease/3, so a slow origin
+    /// does not let the lock expire under it. A renewal that finds the lock lost is counted
+    /// and logged; the work goes on (its fill will be refused if another holder stored).
+    ///
+    /// # Cancel safety
+    /// Cancel-safe: dropping the future drops `work`; the lock is then released by the
+    /// permit's `Drop` (or expires).
+    pub(crate) async fn hold_while<F: Future>(&self, work: F, metrics: &Metrics) -> F::Output {
+        if !self.locked {
+            return work.await;
+        }
+        let period = (self.store.lease / 3).max(MIN_RENEW_PERIOD);
+        keep_alive(work, period, || async {
+            match self.store.renew(&self.lease).await {
+                Ok(true) => metrics.lock_event(LockEvent::Renewed),
+                Ok(false) => {
+                    metrics.lock_event(LockEvent::Lost);
+                    warn!(message = "Lock lease lost during a fetch.");
+                }
+                // Redis is down: the fill will not reach it either; keep fetching.
+                Err(_) => {}
+            }
+        })
+        .await
+    }
+
+    /// Lists `member` (`<base hex> <path>`) under `tag` for `life`; `Ok(true)` when the tag
+    /// was invalidated since the permit was taken (then the answer must not be stored).
+    pub(crate) async fn tag_add(
+        &self,
+        tag: &str,
+        member: &str,
+        life: Duration,
+    ) -> Result<bool, Unavailable> {
+        self.store
+            .tag_add(tag, member, life, self.lease.started_ms)
+            .await
+    }
+
+    /// Stores `encoded` for `ttl` if the generation is unchanged and nobody else holds the
+    /// lock, releases the lock and wakes the waiters (one script).
+    pub(crate) async fn fill(
+        mut self,
+        encoded: &[u8],
+        ttl: Duration,
+    ) -> Result<FillOutcome, Unavailable> {
+        self.done = true;
+        self.store.fill(&self.lease, encoded, ttl).await
+    }
+
+    /// Releases the lock without a fill, telling the waiters `why` (`Released`: one of
+    /// them takes over; `Uncacheable`: each fetches for itself).
+    pub(crate) async fn release(mut self, why: EventKind) {
+        self.done = true;
+        if self.locked {
+            // A failure leaves the lock to expire at its lease's end: waiters take over.
+            let _ = self.store.release(&self.lease, why).await;
+        }
+    }
+}
+
+impl Drop for FillPermit {
+    fn drop(&mut self) {
+        if !self.locked || self.done {
+            return;
+        }
+        // Dropped unused (the fetch task was cancelled or panicked): release the lock in
+        // the background, so waiters take over now rather than at the lease's end. Outside
+        // a runtime (process exit) the lease simply expires.
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let store = self.store.clone();
+        let lease = self.lease.clone();
+        runtime.spawn(async move {
+            let _ = store.release(&lease, EventKind::Released).await;
+        });
+    }
+}
+
+impl Follower {
+    /// A waiter registered on the key's events, whose holder has `remaining` of its lease.
+    pub(crate) fn new(waiter: WaitHandle, remaining: Duration) -> Self {
+        Follower {
+            waiter,
+            lease_end: Instant::now() + remaining + LEASE_SLACK,
+        }
+    }
+
+    /// Waits for news of the holder, at most until its lease ends or `deadline`.
+    ///
+    /// # Cancel safety
+    /// Cancel-safe: an event that arrives while not waiting is seen by the next call.
+    pub(crate) async fn wait(&mut self, deadline: Instant) -> Wake {
+        tokio::select! {
+            signal = self.waiter.changed() => match signal.kind {
+                Some(EventKind::Uncacheable) => Wake::Uncacheable,
+                // A fill, or a reconnect after which events may have been missed.
+                Some(EventKind::Fill) | None => Wake::Filled,
+                // Released without a fill (or an invalidation, which voids the lease).
+                Some(EventKind::Released | EventKind::Invalidate | EventKind::Hot) => {
+                    Wake::Contend
+                }
+            },
+            () = tokio::time::sleep_until(self.lease_end.min(deadline)) => Wake::Contend,
+        }
+    }
+}
+
+/// Runs `work`, calling `renew` every `period` until it completes.
+///
+/// Hand-written rather than a crate: it is a `select!` over the work and an interval, and
+/// the renewal must run on the same task (no spawn) so it stops the moment the work ends.
+async fn keep_alive<F, R, RF>(work: F, period: Duration, mut renew: R) -> F::Output
+where
+    F: Future,
+    R: FnMut() -> RF,
+    RF: Future<Output = ()>,
+{
+    tokio::pin!(work);
+    let mut ticks = tokio::time::interval_at(Instant::now() + period, period);
+    loop {
+        tokio::select! {
+            output = &mut work => return output,
+            _ = ticks.tick() => renew().await,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! On paused time: the follower's timers and the leader's renewal cadence are logic,
+    //! not Redis; the Redis side is exercised end to end in `tests/`.
+
+    use std::cell::Cell;
+    use std::sync::Arc;
+
+    use prometheus::IntGauge;
+
+    use super::*;
+    use crate::coord::events::Waiters;
+
+    fn waiters() -> Arc<Waiters> {
+        Waiters::new(IntGauge::new("waiters", "test").expect("gauge"))
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_follower_contends_again_when_the_holders_lease_ends() {
+        let waiters = waiters();
+        let started = Instant::now();
+        let mut follower = Follower::new(waiters.register(1), Duration::from_millis(300));
+        let wake = follower.wait(started + Duration::from_secs(10)).await;
+        assert_eq!(wake, Wake::Contend);
+        assert_eq!(started.elapsed(), Duration::from_millis(300) + LEASE_SLACK);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_event_wakes_the_follower_before_the_lease_ends() {
+        let waiters = waiters();
+        let started = Instant::now();
+        for (kind, expected) in [
+            (EventKind::Fill, Wake::Filled),
+            (EventKind::Uncacheable, Wake::Uncacheable),
+            (EventKind::Released, Wake::Contend),
+            (EventKind::Invalidate, Wake::Contend),
+        ] {
+            let mut follower = Follower::new(waiters.register(7), Duration::from_secs(5));
+            let notifier = Arc::clone(&waiters);
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(40)).await;
+                notifier.notify(7, kind);
+            });
+            let before = Instant::now();
+            assert_eq!(
+                follower.wait(started + Duration::from_secs(60)).await,
+                expected
+            );
+            assert_eq!(before.elapsed(), Duration::from_millis(40), "{kind:?}");
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_bus_reconnect_makes_every_follower_look_in_redis() {
+        let waiters = waiters();
+        let mut a = Follower::new(waiters.register(1), Duration::from_secs(5));
+        let mut b = Follower::new(waiters.register(2), Duration::from_secs(5));
+        waiters.wake_all();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        assert_eq!(a.wait(deadline).await, Wake::Filled);
+        assert_eq!(b.wait(deadline).await, Wake::Filled);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_follower_never_waits_past_its_deadline() {
+        let waiters = waiters();
+        let started = Instant::now();
+        let mut follower = Follower::new(waiters.register(3), Duration::from_secs(30));
+        let wake = follower.wait(started + Duration::from_millis(250)).await;
+        assert_eq!(wake, Wake::Contend);
+        assert_eq!(started.elapsed(), Duration::from_millis(250));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_event_sent_between_waits_is_not_missed() {
+        let waiters = waiters();
+        let mut follower = Follower::new(waiters.register(9), Duration::from_secs(30));
+        waiters.notify(9, EventKind::Fill);
+        let before = Instant::now();
+        let wake = follower.wait(before + Duration::from_secs(60)).await;
+        assert_eq!((wake, before.elapsed()), (Wake::Filled, Duration::ZERO));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_lease_is_renewed_every_period_while_the_work_runs_and_not_after() {
+        let renewals = Cell::new(0);
+        let output = keep_alive(
+            async {
+                tokio::time::sleep(Duration::from_millis(1050)).await;
+                "fetched"
+            },
+            Duration::from_millis(100),
+            || async { renewals.set(renewals.get() + 1) },
+        )
+        .await;
+        assert_eq!((output, renewals.get()), ("fetched", 10));
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert_eq!(renewals.get(), 10, "renewed after the work ended");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn work_that_ends_before_the_first_period_is_never_renewed() {
+        let renewals = Cell::new(0);
+        keep_alive(
+            tokio::time::sleep(Duration::from_millis(99)),
+            Duration::from_millis(100),
+            || async { renewals.set(renewals.get() + 1) },
+        )
+        .await;
+        assert_eq!(renewals.get(), 0);
+    }
+}
