@@ -20,10 +20,11 @@ use tracing::info;
 use crate::admin::Admin;
 use crate::cache::l1::L1;
 use crate::cache::l2::L2;
+use crate::cache::marks::LocalMarks;
+use crate::cache::tiers::Tiers;
 use crate::config::{Config, JournalFsync, Vars};
 use crate::consistency::invalidate::Invalidator;
 use crate::consistency::journal::{self, FsyncPolicy, Journal};
-use crate::consistency::marks::LocalMarks;
 use crate::consistency::stream::{self, StreamSettings};
 use crate::coord::events::{BusListener, BusMetrics, EventBus, Waiters};
 use crate::coord::store::RedisStore;
@@ -33,7 +34,9 @@ use crate::protect::bloom::Filters;
 use crate::protect::flight::Flights;
 use crate::protect::flight::fleet::FleetLock;
 use crate::protect::hotkeys::HotKeys;
+use crate::proxy::origin::Origin;
 use crate::proxy::origin_guard::OriginGuard;
+use crate::proxy::read::ReadPath;
 use crate::proxy::route::RouteTable;
 use crate::proxy::server::{self, ConnLimits};
 use crate::proxy::upstream::Upstream;
@@ -300,10 +303,20 @@ impl App {
         if let (Some(journal), Some(conn)) = (&journal, &redis) {
             spawn_retries(journal, conn, &invalidator, &stop_tasks);
         }
-        let proxy = Arc::new(Proxy {
-            routes: ArcSwap::from_pointee(routes),
-            l1: l1.clone(),
-            l2,
+        let origin = Arc::new(Origin {
+            upstream: ArcSwap::from_pointee(upstream),
+            guard: ArcSwap::from_pointee(guard),
+            max_body_bytes: config.server.max_body_bytes,
+        });
+        let read = Arc::new(ReadPath {
+            tiers: Tiers::new(
+                l1.clone(),
+                l2,
+                Arc::clone(&marks),
+                Arc::clone(&hot) as _,
+                Arc::clone(&invalidator) as _,
+                metrics.clone(),
+            ),
             flights: Arc::new(Flights::default()),
             fleet: dist
                 .clone()
@@ -317,14 +330,20 @@ impl App {
                 .max_capacity(100_000)
                 .time_to_live(REFRESH_BACKOFF)
                 .build(),
-            upstream: ArcSwap::from_pointee(upstream),
-            guard: ArcSwap::from_pointee(guard),
+            origin: Arc::clone(&origin),
+            hot: Arc::clone(&hot),
+            metrics: metrics.clone(),
+        });
+        let proxy = Arc::new(Proxy {
+            routes: ArcSwap::from_pointee(routes),
+            read,
+            origin,
+            l1: l1.clone(),
+            store: dist,
             max_header_bytes: config.server.max_header_bytes,
-            max_body_bytes: config.server.max_body_bytes,
             passthrough_metrics: metrics.for_route("_passthrough"),
             metrics: metrics.clone(),
             filters: Arc::clone(&filters),
-            hot: Arc::clone(&hot),
             invalidator: Arc::clone(&invalidator),
             deferred: TaskTracker::new(),
             background: tokio::runtime::Handle::current(),

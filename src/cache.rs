@@ -5,11 +5,16 @@
 //! - [`ttl`]: jitter as a pure function.
 //! - [`l1`]: the in-process moka cache, bounded by bytes.
 //! - [`l2`]: entries in Redis, through `coord`.
+//! - [`marks`]: local invalidation marks, the generation check of L1 copies.
+//! - [`tiers`]: L1 over L2 behind one gate: every lookup and every copy into L1 of the
+//!   read path goes through it.
 
 pub(crate) mod entry;
 pub(crate) mod key;
 pub(crate) mod l1;
 pub(crate) mod l2;
+pub(crate) mod marks;
+pub(crate) mod tiers;
 pub(crate) mod ttl;
 
 pub(crate) use entry::{Entry, Freshness};

@@ -3,7 +3,6 @@
 //! done — even across a Redis outage and a restart of cacheguard.
 //!
 //! - [`invalidate`]: the one invalidation routine (L1, Redis, journal on failure).
-//! - [`marks`]: local invalidation marks, the generation check of L1-only copies.
 //! - [`tags`]: surrogate keys (`Surrogate-Key`, `Cache-Tag`).
 //! - [`journal`]: the durable retry journal of owed invalidations.
 //! - [`stream`]: external invalidations from a Redis Stream (CDC, batch jobs).
@@ -13,6 +12,5 @@
 
 pub(crate) mod invalidate;
 pub(crate) mod journal;
-pub(crate) mod marks;
 pub(crate) mod stream;
 pub(crate) mod tags;

@@ -1,10 +1,14 @@
-//! The proxy: HTTP server, routing, the read pipeline, pass-through, the upstream client
-//! and the origin guard.
+//! The proxy: HTTP server, routing, and the three paths a request can take — the read
+//! path ([`read`], with [`hot`], [`fill`], [`fetch`]), the write path ([`write`],
+//! [`create`]) and pass-through ([`passthrough`]) — over the origin ([`origin`], the
+//! upstream client and the origin guard).
 
 pub(crate) mod body;
 pub(crate) mod create;
 pub(crate) mod fetch;
 pub(crate) mod fill;
+pub(crate) mod hot;
+pub(crate) mod origin;
 pub(crate) mod origin_guard;
 pub(crate) mod passthrough;
 pub(crate) mod purge;
@@ -27,50 +31,38 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use self::body::Body;
-use self::origin_guard::OriginGuard;
+use self::origin::Origin;
+use self::read::ReadPath;
 use self::route::RouteTable;
-use self::upstream::Upstream;
 use crate::cache::l1::L1;
-use crate::cache::l2::L2;
-use crate::config::LockConfig;
+use crate::cache::marks::LocalMarks;
 use crate::consistency::invalidate::{self, Invalidator};
-use crate::consistency::marks::LocalMarks;
 use crate::coord::events::{BusListener, Event, EventKind};
+use crate::coord::store::RedisStore;
 use crate::error::ProxyError;
 use crate::metrics::{Metrics, RouteMetrics};
 use crate::protect::bloom::Filters;
-use crate::protect::flight::Flights;
-use crate::protect::flight::fleet::FleetLock;
 use crate::protect::hotkeys::HotKeys;
 
-/// Everything a request needs, built once by the app and shared by every connection.
+/// The router: limits, then the route, then one of three paths — [`ReadPath`] for GET/HEAD
+/// on a cached route, the write path (`write.rs`, `create.rs`) for write routes, and
+/// pass-through for everything else. Built once by the app, shared by every connection.
 #[derive(Debug)]
 pub(crate) struct Proxy {
     /// Reloadable: swapped whole by a config reload (see `app.rs`).
     pub(crate) routes: ArcSwap<RouteTable>,
+    pub(crate) read: Arc<ReadPath>,
+    pub(crate) origin: Arc<Origin>,
+    /// L1, for purges by pattern (in embedded mode it is the whole cache).
     pub(crate) l1: L1,
-    /// `None` in embedded mode.
-    pub(crate) l2: Option<L2>,
-    pub(crate) flights: Arc<Flights>,
-    /// The fleet-wide fill lock; `None` in embedded mode.
-    pub(crate) fleet: Option<FleetLock>,
-    pub(crate) lock: ArcSwap<LockConfig>,
-    /// Keys whose last answer was not shareable (hit-for-miss), for a short time.
-    pub(crate) uncacheable: moka::sync::Cache<u128, ()>,
-    /// Keys whose background refresh just failed: not retried for a moment, so a failing
-    /// origin is not hit once per stale-served request.
-    pub(crate) refresh_backoff: moka::sync::Cache<u128, ()>,
-    pub(crate) upstream: ArcSwap<Upstream>,
-    pub(crate) guard: ArcSwap<OriginGuard>,
+    /// The Redis calls of invalidation and the tag index; `None` in embedded mode.
+    pub(crate) store: Option<RedisStore>,
     pub(crate) max_header_bytes: usize,
-    pub(crate) max_body_bytes: u64,
     pub(crate) metrics: Metrics,
     /// Metric handles for requests that match no route (`route="_passthrough"`).
     pub(crate) passthrough_metrics: Arc<RouteMetrics>,
     /// Bloom filters of existing ids.
     pub(crate) filters: Arc<Filters>,
-    /// Hot-key detection, promotion and per-key limits.
-    pub(crate) hot: Arc<HotKeys>,
     /// Invalidation everywhere (L1, Redis, the journal).
     pub(crate) invalidator: Arc<Invalidator>,
     /// Delayed deletes waiting for their time (see `write.rs`).
@@ -147,7 +139,7 @@ impl Proxy {
                 {
                     return rejected;
                 }
-                self.serve_read(&route, request, client).await
+                self.read.serve(&route, request, client).await
             }
             // Write routes: forwarded as they are, with the invalidations and Bloom adds
             // they owe around them.
@@ -183,8 +175,8 @@ impl Proxy {
             .get(header::CONTENT_LENGTH)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.parse::<u64>().ok());
-        if declared.is_some_and(|len| len > self.max_body_bytes) {
-            return Err(ProxyError::BodyTooLarge(self.max_body_bytes));
+        if declared.is_some_and(|len| len > self.origin.max_body_bytes) {
+            return Err(ProxyError::BodyTooLarge(self.origin.max_body_bytes));
         }
         Ok(())
     }

@@ -100,15 +100,16 @@ impl Live {
                 self.metrics.config_reload("refused");
                 format!("upstream: {e:#}; nothing was reloaded")
             })?;
-            proxy.upstream.store(Arc::new(upstream));
+            proxy.origin.upstream.store(Arc::new(upstream));
         }
         let up = &new.upstream;
         if !proxy
+            .origin
             .guard
             .load()
             .same_limits(up.max_concurrency, up.max_rps, up.queue_timeout)
         {
-            proxy.guard.store(Arc::new(OriginGuard::new(
+            proxy.origin.guard.store(Arc::new(OriginGuard::new(
                 up.max_concurrency,
                 up.max_rps,
                 up.queue_timeout,
@@ -118,7 +119,7 @@ impl Live {
         }
         self.metrics.origin_caps(up.max_concurrency, up.max_rps);
         proxy.routes.store(Arc::new(routes));
-        proxy.lock.store(Arc::new(new.lock.clone()));
+        proxy.read.lock.store(Arc::new(new.lock.clone()));
         self.hot.reconfigure(&new.hot_keys);
         self.token.store(Arc::new(new.admin.token.clone()));
 

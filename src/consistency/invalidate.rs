@@ -26,8 +26,9 @@ use tokio::sync::Notify;
 use tracing::{error, warn};
 
 use super::journal::{Journal, Owed};
-use super::marks::LocalMarks;
 use crate::cache::l1::L1;
+use crate::cache::marks::LocalMarks;
+use crate::cache::tiers::OwedSet;
 use crate::coord::redis::Unavailable;
 use crate::coord::store::RedisStore;
 use crate::metrics::Metrics;
@@ -334,6 +335,12 @@ fn from_owed(owed: &Owed) -> Option<Invalidation> {
             generation_ttl: Duration::from_millis(*generation_ttl_ms),
         }),
         Owed::Tag { tag } => Some(Invalidation::Tag(tag.clone())),
+    }
+}
+
+impl OwedSet for Invalidator {
+    fn owes(&self, base: u128) -> bool {
+        Invalidator::owes(self, base)
     }
 }
 

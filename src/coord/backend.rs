@@ -282,7 +282,7 @@ impl Backend {
 
     /// Nodes to subscribe to `channel` on, best first. Cluster: the primary of the
     /// channel's slot first (a `PUBLISH` routed there reaches its subscribers before it
-    /// answers, see `DistLock::invalidate`), then the other nodes the cluster reports
+    /// answers, see `RedisStore::invalidate`), then the other nodes the cluster reports
     /// (asked through `shared`, when given and connected) in random order, then the seeds.
     pub(crate) async fn pubsub_clients(
         &self,

@@ -35,7 +35,8 @@ use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 use tracing::info;
 
-use crate::cache::{now_ms, ttl};
+use crate::cache::tiers::HotSet;
+use crate::cache::{CacheKey, now_ms, ttl};
 use crate::config::HotKeysConfig;
 use crate::coord::RedisConn;
 use crate::coord::events::{Event, EventKind};
@@ -454,6 +455,19 @@ impl HotKeys {
             if redis.publish(channel, &event.encode()).await.is_err() {
                 return;
             }
+        }
+    }
+}
+
+impl HotSet for HotKeys {
+    fn is_hot(&self, hash: u128) -> bool {
+        self.get(hash).is_some()
+    }
+
+    fn kept(&self, key: &CacheKey) {
+        if let Some(hot) = self.get(key.hash) {
+            self.renew_l1(&hot);
+            self.label(key.hash, &key.full);
         }
     }
 }

@@ -12,11 +12,12 @@ use http::{Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Empty};
 use hyper::body::Incoming;
 
-use super::Proxy;
 use super::body::Body;
+use super::read::ReadPath;
 use super::respond::{self, strip_hop_by_hop};
 use super::route::Route;
 use super::upstream::UpstreamBody;
+use crate::cache::key::Derived;
 use crate::cache::{CacheKey, Entry, now_ms, ttl};
 use crate::consistency::tags;
 use crate::error::ProxyError;
@@ -35,6 +36,32 @@ pub(crate) struct FillJob {
     pub(crate) client: SocketAddr,
     /// A refresh nobody waits on (stale-while-revalidate, early refresh).
     pub(crate) background: bool,
+}
+
+impl FillJob {
+    /// The fill of `derived`'s key for a request with `headers`: only the values of the
+    /// route's `vary` headers travel with it.
+    pub(crate) fn new(
+        route: &Arc<Route>,
+        derived: &Derived,
+        headers: &HeaderMap,
+        client: SocketAddr,
+    ) -> Self {
+        let mut vary = HeaderMap::new();
+        for name in &route.config.vary {
+            for value in headers.get_all(name) {
+                vary.append(name.clone(), value.clone());
+            }
+        }
+        FillJob {
+            route: Arc::clone(route),
+            key: derived.key.clone(),
+            forward: derived.forward_path_and_query.clone(),
+            vary,
+            client,
+            background: false,
+        }
+    }
 }
 
 /// How an origin answer on a cached route was classified.
@@ -105,10 +132,10 @@ impl SharedFailure {
     }
 }
 
-impl Proxy {
+impl ReadPath {
     pub(crate) async fn fetch_origin(&self, job: &FillJob) -> Classified {
         let route = &job.route;
-        let slot = match self.guard.load_full().acquire().await {
+        let slot = match self.origin.guard.load_full().acquire().await {
             Ok(slot) => slot,
             Err(error) => {
                 route.metrics.shed.inc();
@@ -123,7 +150,7 @@ impl Proxy {
 
         let started = Instant::now();
         let limit = route.config.max_entry_bytes;
-        let upstream = self.upstream.load_full();
+        let upstream = self.origin.upstream.load_full();
         let timeout = upstream.timeout;
         let read = tokio::time::timeout(timeout, async {
             let response = upstream.send(request).await?;
@@ -200,7 +227,7 @@ impl Proxy {
     /// itself sets (`Host`, `X-Forwarded-For`, `X-Forwarded-Proto`). Method-override headers,
     /// cookies, unkeyed query parameters and bodies never reach the origin from here.
     fn cached_fetch_request(&self, job: &FillJob) -> Result<Request<UpstreamBody>, ProxyError> {
-        let upstream = self.upstream.load();
+        let upstream = self.origin.upstream.load();
         let uri = upstream.uri(&job.forward)?;
         let mut request = Request::new(Empty::new().map_err(|never| match never {}).boxed());
         *request.method_mut() = Method::GET;
@@ -210,7 +237,7 @@ impl Proxy {
         for (name, value) in &job.vary {
             headers.append(name.clone(), value.clone());
         }
-        super::passthrough::set_forwarded(headers, job.client);
+        super::origin::set_forwarded(headers, job.client);
         Ok(request)
     }
 }

@@ -1,32 +1,40 @@
-//! Filling a miss: the in-process leader of a key fetches once for the whole fleet.
+//! Filling a miss: one origin fetch per key in this process, and one for the whole fleet.
 //!
 //! ```text
+//! fill ─▶ hit-for-miss key? ─▶ fetch alone, lock-free
+//!      ─▶ join the key's in-process flight
+//!           follower ─▶ wait for the leader's result (bounded); a failed or vanished
+//!                       leader: one follower leads next (at most 3 rounds)
+//!           leader   ─▶ lead, in a task of its own (a client hanging up cancels nothing)
 //! lead ─▶ re-check L1/L2 (a fill that just finished has stored already)
-//!      ─▶ Redis and the event bus usable?
+//!      ─▶ Redis usable?
 //!           no  ─▶ fetch_and_store: fetch, store (generation-checked), L1
-//!           yes ─▶ acquire the key's lock
-//!                   won  ─▶ fetch_as_owner: fetch while renewing the lease every lease/3,
-//!                           then FILL (store if generation unchanged + release + publish)
-//!                   held ─▶ wait for the key's event (fill / released / uncacheable) or the
-//!                           end of the holder's lease, whichever comes first; then read L2,
-//!                           or take the lock over, or fetch alone; give up after
-//!                           lock.wait_timeout (lock.on_timeout)
+//!           yes ─▶ claim the key's fleet lock (protect/flight/fleet.rs)
+//!                   leader   ─▶ fetch while the lease is renewed, then FILL (store if the
+//!                               generation is unchanged + release + publish)
+//!                   follower ─▶ look in L2; wait for the key's event or the holder's lease
+//!                               end; then read L2, or claim again, or fetch alone; give up
+//!                               after lock.wait_timeout (lock.on_timeout)
 //! ```
 //!
-//! Waiting is event-driven: the only timers are the holder's lease end (its owner may
-//! have died; one waiter takes over) and the wait timeout. Nothing polls.
+//! Stale-while-revalidate and early refreshes use the same path in the background.
+//! Waiting is event-driven: the only timers are the holder's lease end and the wait
+//! timeout. Nothing polls.
 
 use std::sync::Arc;
 use std::time::Duration;
 
+use http::Response;
 use tokio::time::Instant;
 use tracing::{debug, warn};
 
-use super::Proxy;
-use super::fetch::{Classified, Failure, FillJob};
-use super::read::Fetched;
-use crate::cache::l2::Lookup;
-use crate::cache::{Entry, Freshness, now_ms};
+use super::body::Body;
+use super::fetch::{Classified, Failure, FillJob, SharedFailure};
+use super::read::ReadPath;
+use super::respond;
+use super::route::Route;
+use crate::cache::tiers::Cached;
+use crate::cache::{CacheKey, Entry, now_ms};
 use crate::config::{L1Policy, OnTimeout};
 use crate::coord::events::EventKind;
 use crate::coord::redis::Unavailable;
@@ -34,19 +42,169 @@ use crate::coord::store::FillOutcome;
 use crate::error::ProxyError;
 use crate::metrics::{FillRefusal, LockEvent, Outcome};
 use crate::protect::flight::fleet::{Claim, FillPermit, FleetLock, Wake};
-use crate::protect::flight::{FlightResult, Leader};
+use crate::protect::flight::{FlightKind, FlightResult, Leader, Role};
 
-impl Proxy {
+/// How many times a follower joins a new flight after the leader failed or went away,
+/// before it fetches for itself (still through the origin guard).
+const MAX_FLIGHT_ATTEMPTS: usize = 3;
+
+/// How a fill ended, for the requests that wait on it.
+pub(crate) enum Fetched {
+    /// Answer from this entry (stored, or found stored by another fill), with this outcome.
+    Ready(Arc<Entry>, Outcome),
+    /// For this client only: not shareable.
+    Uncacheable(Response<Body>),
+    /// The origin failed (or cacheguard answered an error itself).
+    Failed(Failure),
+    /// A background refresh found another instance already refreshing; nothing to answer.
+    Skipped,
+}
+
+impl Fetched {
+    /// The answer for the request that waited on this fill.
+    fn respond(self, head: bool) -> (Response<Body>, Outcome) {
+        match self {
+            Fetched::Ready(entry, outcome) => respond::hit(&entry, outcome, head),
+            Fetched::Uncacheable(response) => (response, Outcome::Bypass),
+            Fetched::Failed(failure) => (failure.response, failure.outcome),
+            // Only background fills skip, and nobody awaits their answer.
+            Fetched::Skipped => (
+                respond::text(http::StatusCode::SERVICE_UNAVAILABLE, "cacheguard: retry\n"),
+                Outcome::Error,
+            ),
+        }
+    }
+}
+
+impl ReadPath {
+    /// A miss: one fill per key in this process, shared with every concurrent miss.
+    pub(crate) async fn fill(
+        self: &Arc<Self>,
+        job: FillJob,
+        head: bool,
+    ) -> (Response<Body>, Outcome) {
+        if self.uncacheable.contains_key(&job.key.hash) {
+            // Hit-for-miss: the last answer for this key was not shareable, so nobody waits
+            // on anybody; each request fetches for itself.
+            return self.fetch_and_store(&job).await.respond(head);
+        }
+        let mut counted = false;
+        let mut last_failure: Option<Arc<SharedFailure>> = None;
+        for _ in 0..MAX_FLIGHT_ATTEMPTS {
+            match self.flights.join(job.key.hash, FlightKind::Foreground) {
+                Role::Leader(leader) => {
+                    // The fill runs in its own task: if this client hangs up, the fetch its
+                    // followers (here and on other instances) wait on still completes.
+                    let this = Arc::clone(self);
+                    let task_job = job.clone();
+                    let task = tokio::spawn(async move { this.lead(task_job, leader, true).await });
+                    return match task.await {
+                        Ok(fetched) => fetched.respond(head),
+                        Err(_) => (
+                            respond::text(
+                                http::StatusCode::INTERNAL_SERVER_ERROR,
+                                "cacheguard: internal error\n",
+                            ),
+                            Outcome::Error,
+                        ),
+                    };
+                }
+                Role::Follower(follower) => {
+                    if !counted {
+                        job.route.metrics.coalesced.inc();
+                        counted = true;
+                    }
+                    match follower.wait(self.follower_wait_limit()).await {
+                        FlightResult::Filled(entry, tier) if entry.matches(&job.key) => {
+                            return respond::hit(&entry, tier, head);
+                        }
+                        FlightResult::Uncacheable => {
+                            // Not shareable: each request fetches for itself, lock-free.
+                            return self.fetch_and_store(&job).await.respond(head);
+                        }
+                        FlightResult::Failed(Some(failure)) if !failure.retry => {
+                            return (failure.response(), failure.outcome);
+                        }
+                        // An origin failure: one of the followers becomes the new leader and
+                        // tries once more (pingora's lock does the same).
+                        FlightResult::Failed(failure) => last_failure = failure.or(last_failure),
+                        FlightResult::Filled(..) | FlightResult::Abandoned => {}
+                    }
+                }
+            }
+        }
+        // Out of attempts. After repeated origin failures, answer with the last one rather
+        // than send every waiter to a failing origin; otherwise fill without the in-process
+        // flight, but still under the fleet lock.
+        if let Some(failure) = last_failure {
+            return (failure.response(), failure.outcome);
+        }
+        self.fill_unflighted(&job).await.respond(head)
+    }
+
+    /// XFetch: a fresh entry is refreshed early, in the background, by one request when
+    /// its remaining life is short (or whenever the hot-key gate `chose` it).
+    pub(crate) fn refresh_early(
+        self: &Arc<Self>,
+        route: &Route,
+        entry: &Entry,
+        chose: bool,
+        job: impl FnOnce() -> FillJob,
+    ) {
+        let beta = route.config.early_refresh_beta;
+        if beta > 0.0
+            && (chose || entry.should_refresh_early(now_ms(), beta, rand::random::<f64>()))
+            && self.refresh_in_background(job(), true)
+        {
+            route.metrics.early_refreshes.inc();
+        }
+    }
+
+    /// Starts a refresh of `job`'s key in the background unless one is already running in
+    /// this process. `early` refreshes an entry that is still fresh. Returns whether a
+    /// refresh was started.
+    pub(crate) fn refresh_in_background(self: &Arc<Self>, mut job: FillJob, early: bool) -> bool {
+        if self.refresh_backoff.contains_key(&job.key.hash) {
+            return false;
+        }
+        let Role::Leader(leader) = self.flights.join(job.key.hash, FlightKind::Background) else {
+            return false;
+        };
+        job.background = true;
+        job.route.metrics.background_refreshes.inc();
+        let this = Arc::clone(self);
+        tokio::spawn(async move {
+            let hash = job.key.hash;
+            // A failed refresh, or one another instance is already running, is not tried
+            // again for a moment: the stale copy keeps being served meanwhile.
+            if let Fetched::Failed(_) | Fetched::Skipped = this.lead(job, leader, !early).await {
+                this.refresh_backoff.insert(hash, ());
+            }
+        });
+        true
+    }
+
+    /// A follower never waits longer than a leader can take: the lock wait, the guard's
+    /// queue and the origin timeout, plus a margin.
+    fn follower_wait_limit(&self) -> Duration {
+        self.lock.load().wait_timeout
+            + self.origin.guard.load().queue_timeout()
+            + self.origin.upstream.load().timeout
+            + Duration::from_secs(1)
+    }
+
     /// Runs the fill for a key this process leads, and publishes the result to the local
     /// followers. `recheck` looks for a fresh entry first (off for early refreshes, whose
     /// entry is fresh by design).
     pub(crate) async fn lead(&self, job: FillJob, leader: Leader, recheck: bool) -> Fetched {
         if recheck
-            && let Some(found) = self.lookup(&job.route, &job.key).await
-            && found.freshness == Freshness::Fresh
+            && let Cached::Fresh(entry, tier) = self
+                .tiers
+                .lookup(&job.key, job.route.config.l1, false)
+                .await
         {
-            leader.finish(FlightResult::Filled(Arc::clone(&found.entry), found.tier));
-            return Fetched::Ready(found.entry, found.tier);
+            leader.finish(FlightResult::Filled(Arc::clone(&entry), tier));
+            return Fetched::Ready(entry, tier);
         }
         let fetched = self.fill_unflighted(&job).await;
         leader.finish(match &fetched {
@@ -152,7 +310,7 @@ impl Proxy {
     /// The lock holder's fetch: the lease is renewed while the origin works, then one
     /// script stores (if the generation is unchanged), releases and publishes.
     async fn fetch_as_owner(&self, job: &FillJob, permit: FillPermit) -> Fetched {
-        let since = self.invalidator.marks.snapshot();
+        let since = self.tiers.since();
         let classified = permit
             .hold_while(self.fetch_origin(job), &self.metrics)
             .await;
@@ -183,7 +341,7 @@ impl Proxy {
             Some(fleet) => fleet.unlocked(job.key.base, job.key.hash).await.ok(),
             None => None,
         };
-        let since = self.invalidator.marks.snapshot();
+        let since = self.tiers.since();
         match self.fetch_origin(job).await {
             Classified::Storable(entry) => {
                 let entry = Arc::new(entry);
@@ -223,7 +381,7 @@ impl Proxy {
         let mut keep = true;
         // Filled without Redis (no lease: the breaker was open): L1 is the only copy,
         // whatever the breaker says by now.
-        let in_l1 = permit.is_none() && self.l2.is_some() && job.route.config.l1 != L1Policy::Off;
+        let in_l1 = permit.is_none() && self.tiers.shared() && job.route.config.l1 != L1Policy::Off;
         if let Some(permit) = permit {
             let life = Duration::from_millis(entry.remaining_life_ms(now_ms()));
             let outcome = match index_tags(job, entry, &permit, life).await {
@@ -253,31 +411,18 @@ impl Proxy {
                 }
             }
         }
-        if keep && (in_l1 || self.keeps_in_l1(&job.route, job.key.hash)) {
-            self.put_l1(&job.key, Arc::clone(entry), since).await;
+        if keep && (in_l1 || self.tiers.keeps_in_l1(job.route.config.l1, job.key.hash)) {
+            self.tiers.keep(&job.key, Arc::clone(entry), since).await;
         }
     }
 
     async fn fresh_in_l2(&self, job: &FillJob) -> Option<Arc<Entry>> {
-        let l2 = self.l2.as_ref()?;
-        if self.invalidator.owes(job.key.base) {
-            return None;
-        }
-        let since = self.invalidator.marks.snapshot();
-        match l2.get(&job.key).await {
-            Lookup::Hit(entry) if entry.freshness(now_ms()) == Freshness::Fresh => {
-                if self.keeps_in_l1(&job.route, job.key.hash) {
-                    self.put_l1(&job.key, Arc::clone(&entry), since).await;
-                }
-                Some(entry)
-            }
-            _ => None,
-        }
+        self.tiers.fresh_in_l2(&job.key, job.route.config.l1).await
     }
 
     /// Hit-for-miss: remember for a while that this key's answer is not shareable, so
     /// later requests neither wait on each other nor on a lock.
-    fn remember_uncacheable(&self, key: &crate::cache::CacheKey) {
+    fn remember_uncacheable(&self, key: &CacheKey) {
         self.uncacheable.insert(key.hash, ());
     }
 }

@@ -19,7 +19,6 @@ use crate::cache::key;
 use crate::consistency::invalidate::{Invalidation, Report, Source};
 use crate::consistency::stream::Target;
 use crate::consistency::tags;
-use crate::protect::flight::fleet::FleetLock;
 
 /// Most keys, patterns and tags one purge request may name.
 pub(crate) const MAX_PURGE_ITEMS: usize = 10_000;
@@ -93,7 +92,7 @@ impl Proxy {
                 bad.len()
             )));
         }
-        let dist = self.fleet.as_ref().map(FleetLock::store);
+        let dist = self.store.as_ref();
         if !request.patterns.is_empty() && dist.is_some_and(|d| !d.is_available()) {
             return Err(PurgeError::RedisUnavailable);
         }

@@ -5,7 +5,7 @@ use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Response, StatusCode};
 
 use super::body::Body;
-use crate::cache::Entry;
+use crate::cache::{Entry, now_ms};
 use crate::error::ProxyError;
 use crate::metrics::Outcome;
 
@@ -54,6 +54,16 @@ pub(crate) fn mark(response: &mut Response<Body>, outcome: Outcome) {
 }
 
 /// A response from a cached entry. `head` answers a HEAD request (headers only).
+/// The answer from a cached entry, from the tier `tier` names; a hit on a 404/410 is
+/// `NEGATIVE`.
+pub(crate) fn hit(entry: &Entry, tier: Outcome, head: bool) -> (Response<Body>, Outcome) {
+    let outcome = match tier {
+        Outcome::HitL1 | Outcome::HitL2 if entry.is_negative() => Outcome::Negative,
+        other => other,
+    };
+    (from_entry(entry, outcome, head, now_ms()), outcome)
+}
+
 pub(crate) fn from_entry(
     entry: &Entry,
     outcome: Outcome,

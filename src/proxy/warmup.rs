@@ -16,7 +16,8 @@ use tracing::{info, warn};
 use super::Proxy;
 use super::fetch::FillJob;
 use super::route::Route;
-use crate::cache::{Freshness, key};
+use crate::cache::key;
+use crate::cache::tiers::Cached;
 use crate::metrics::Outcome;
 
 /// Lines of a warm-up file longer than this are skipped.
@@ -98,23 +99,22 @@ impl Proxy {
             None => (path_and_query, None),
         };
         let derived = key::derive(&route.config, path, query, &HeaderMap::new());
-        if self
-            .lookup(route, &derived.key)
+        if let Cached::Fresh(..) = self
+            .read
+            .tiers
+            .lookup(&derived.key, route.config.l1, false)
             .await
-            .is_some_and(|found| found.freshness == Freshness::Fresh)
         {
             self.metrics.warmup(&route.config.name, "cached");
             return None;
         }
-        let job = FillJob {
-            route: Arc::clone(route),
-            key: derived.key,
-            forward: derived.forward_path_and_query,
-            vary: HeaderMap::new(),
-            client: SocketAddr::from(([127, 0, 0, 1], 0)),
-            background: false,
-        };
-        let (response, outcome) = self.fill(job, true).await;
+        let job = FillJob::new(
+            route,
+            &derived,
+            &HeaderMap::new(),
+            SocketAddr::from(([127, 0, 0, 1], 0)),
+        );
+        let (response, outcome) = self.read.fill(job, true).await;
         let ok = outcome != Outcome::Error && !response.status().is_server_error();
         self.metrics
             .warmup(&route.config.name, if ok { "filled" } else { "failed" });

@@ -102,11 +102,6 @@ impl FleetLock {
         self.store.is_available()
     }
 
-    /// The Redis calls behind the lock (invalidation and the tag index use them too).
-    pub(crate) fn store(&self) -> &RedisStore {
-        &self.store
-    }
-
     /// Tries to take the lock of the cache key `hash` (whose base is `base`).
     ///
     /// # Cancel safety

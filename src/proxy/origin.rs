@@ -1,0 +1,104 @@
+//! The origin as every path reaches it: the upstream client and the origin guard (both
+//! swapped whole by a reload), and the one way a request is forwarded untouched.
+
+use std::net::SocketAddr;
+
+use arc_swap::ArcSwap;
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::request::Parts;
+use http::{Request, Response};
+
+use super::body::Body;
+use super::origin_guard::OriginGuard;
+use super::respond::{self, strip_hop_by_hop};
+use super::upstream::{Upstream, UpstreamBody};
+use crate::error::ProxyError;
+use crate::metrics::Outcome;
+
+static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
+static X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
+static FORWARDED: HeaderName = HeaderName::from_static("forwarded");
+
+/// Replaces every client-supplied forwarding header with cacheguard's own: the client's
+/// address is what cacheguard saw on the socket, never what the client claims.
+pub(crate) fn set_forwarded(headers: &mut HeaderMap, client: SocketAddr) {
+    headers.remove(&X_FORWARDED_HOST);
+    headers.remove(&FORWARDED);
+    headers.remove("x-real-ip");
+    let ip = HeaderValue::from_str(&client.ip().to_string())
+        .unwrap_or_else(|_| HeaderValue::from_static("unknown"));
+    headers.insert(X_FORWARDED_FOR.clone(), ip);
+    headers.insert(X_FORWARDED_PROTO.clone(), HeaderValue::from_static("http"));
+}
+
+/// The upstream client and the origin guard every origin request goes through.
+#[derive(Debug)]
+pub(crate) struct Origin {
+    /// Reloadable (see `reload.rs`).
+    pub(crate) upstream: ArcSwap<Upstream>,
+    /// Reloadable (see `reload.rs`).
+    pub(crate) guard: ArcSwap<OriginGuard>,
+    /// `server.max_body_bytes`: a forwarded body is cut there.
+    pub(crate) max_body_bytes: u64,
+}
+
+impl Origin {
+    /// Sends one request to the origin through the origin guard and streams the answer back.
+    pub(crate) async fn forward(
+        &self,
+        mut parts: Parts,
+        body: UpstreamBody,
+        client: SocketAddr,
+    ) -> (Response<Body>, Outcome) {
+        let upstream = self.upstream.load_full();
+        let uri = match parts
+            .uri
+            .path_and_query()
+            .map(|pq| upstream.uri(pq.as_str()))
+        {
+            Some(Ok(uri)) => uri,
+            Some(Err(error)) => return (respond::error(&error), Outcome::Error),
+            None => match upstream.uri("/") {
+                Ok(uri) => uri,
+                Err(error) => return (respond::error(&error), Outcome::Error),
+            },
+        };
+        strip_hop_by_hop(&mut parts.headers);
+        set_forwarded(&mut parts.headers, client);
+        let mut request = Request::new(body);
+        *request.method_mut() = parts.method;
+        *request.uri_mut() = uri;
+        *request.headers_mut() = parts.headers;
+        // HTTP/2 clients send :authority instead of Host; keep what they addressed.
+        if let Some(host) = parts.uri.authority()
+            && !request.headers().contains_key(header::HOST)
+            && let Ok(value) = HeaderValue::from_str(host.as_str())
+        {
+            request.headers_mut().insert(header::HOST, value);
+        }
+
+        // The slot is held until the origin's response head arrives; streaming the body
+        // back does not occupy the origin's request capacity.
+        let slot = match self.guard.load_full().acquire().await {
+            Ok(slot) => slot,
+            Err(error) => return (respond::error(&error), Outcome::Error),
+        };
+        let sent = upstream.send(request).await;
+        drop(slot);
+        match sent {
+            Ok(response) => {
+                let (mut head, body) = response.into_parts();
+                strip_hop_by_hop(&mut head.headers);
+                let mut response = Response::from_parts(head, Body::Stream(body));
+                respond::mark(&mut response, Outcome::Bypass);
+                (response, Outcome::Bypass)
+            }
+            Err(ProxyError::BodyTooLarge(_)) => (
+                respond::error(&ProxyError::BodyTooLarge(self.max_body_bytes)),
+                Outcome::Error,
+            ),
+            Err(error) => (respond::error(&error), Outcome::Error),
+        }
+    }
+}
