@@ -19,11 +19,3 @@ pub(crate) mod ttl;
 
 pub(crate) use entry::{Entry, Freshness};
 pub(crate) use key::CacheKey;
-
-/// Milliseconds since the Unix epoch: entries are shared between instances, so their
-/// timestamps are wall-clock, not `Instant`s.
-pub(crate) fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
-}

@@ -10,6 +10,7 @@ mod raw;
 #[cfg(test)]
 mod tests;
 mod validate;
+mod values;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -18,8 +19,8 @@ use std::time::Duration;
 use http::{HeaderName, Method, StatusCode, Uri};
 
 pub use env::{ProcessEnv, Vars};
-pub(crate) use validate::redact_url;
-pub use validate::{ConfigError, ConfigProblem};
+pub(crate) use values::redact_url;
+pub use values::{ConfigError, ConfigProblem};
 
 /// The whole validated configuration.
 #[derive(Clone, Debug)]
@@ -188,10 +189,10 @@ pub struct AdminConfig {
 
 impl std::fmt::Debug for RedisConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let urls: Vec<String> = self.urls.iter().map(|u| validate::redact_url(u)).collect();
+        let urls: Vec<String> = self.urls.iter().map(|u| values::redact_url(u)).collect();
         f.debug_struct("RedisConfig")
             .field("mode", &self.mode)
-            .field("url", &validate::redact_url(&self.url))
+            .field("url", &values::redact_url(&self.url))
             .field("urls", &urls)
             .field("master_name", &self.master_name)
             .field("username", &self.username)

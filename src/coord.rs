@@ -5,6 +5,7 @@
 //! Redis is an accelerator, not a dependency: every command is bounded by
 //! `redis.command_timeout`, and while Redis is down no request waits on it at all.
 
+pub(crate) mod addr;
 pub(crate) mod backend;
 pub(crate) mod events;
 pub(crate) mod keyspace;

@@ -30,6 +30,7 @@ pub mod metrics;
 
 mod admin;
 mod cache;
+mod clock;
 mod consistency;
 mod coord;
 mod error;
@@ -37,6 +38,7 @@ mod protect;
 mod proxy;
 pub mod reload;
 pub mod shutdown;
+mod worker;
 
 pub use app::{App, Running};
 pub use config::Config;

@@ -260,9 +260,9 @@ pub struct Metrics {
     hot_limited: IntCounterVec,
     invalidations: IntCounterVec,
     /// The retry journal of owed invalidations.
-    pub(crate) journal: crate::consistency::journal::JournalMetrics,
+    pub(crate) journal: JournalMetrics,
     /// The invalidation stream's consumer.
-    pub(crate) stream: crate::consistency::stream::StreamMetrics,
+    pub(crate) stream: StreamMetrics,
     purges: IntCounterVec,
     config_reloads: IntCounterVec,
     config_generation: IntGauge,
@@ -306,11 +306,84 @@ fn buckets_latency() -> Vec<f64> {
     ]
 }
 
+/// The retry journal's metrics (see `consistency/journal.rs`).
+#[derive(Clone, Debug)]
+pub(crate) struct JournalMetrics {
+    /// Pending records.
+    pub(crate) depth: prometheus::IntGauge,
+    /// Age of the oldest pending record (0 when empty).
+    pub(crate) oldest_pending_seconds: prometheus::Gauge,
+    /// Records journaled.
+    pub(crate) appended: prometheus::IntCounter,
+    /// Records retried successfully.
+    pub(crate) applied: prometheus::IntCounter,
+    /// Retry attempts that failed.
+    pub(crate) retries: prometheus::IntCounter,
+    /// Owed invalidations abandoned (could not be journaled; unreadable record).
+    pub(crate) give_ups: prometheus::IntCounter,
+    pub(crate) fsync_seconds: prometheus::Histogram,
+}
+
+/// The invalidation stream consumer's metrics (see `consistency/stream.rs`).
+#[derive(Clone, Debug)]
+pub(crate) struct StreamMetrics {
+    /// Entries handled, label `result`: `applied` | `malformed`.
+    pub(crate) entries: IntCounterVec,
+    /// Entries claimed from another consumer.
+    pub(crate) claimed: IntCounter,
+    /// The group's pending count (`XPENDING` summary), refreshed periodically.
+    pub(crate) pending: IntGauge,
+    /// Redis errors (reconnects).
+    pub(crate) errors: IntCounter,
+}
+
+/// Hot-key metrics.
+#[derive(Clone, Debug)]
+pub(crate) struct HotMetrics {
+    pub(crate) hot_keys: prometheus::IntGauge,
+    pub(crate) promotions_local: prometheus::IntCounter,
+    pub(crate) promotions_peer: prometheus::IntCounter,
+    pub(crate) demotions: prometheus::IntCounter,
+    pub(crate) served_l1: prometheus::IntCounter,
+    pub(crate) served_backend: prometheus::IntCounter,
+}
+
+/// Who asked: the `source` label of the invalidation metrics.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum InvalidationSource {
+    Write,
+    Purge,
+    Stream,
+    Retry,
+}
+
+impl InvalidationSource {
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            InvalidationSource::Write => "write",
+            InvalidationSource::Purge => "purge",
+            InvalidationSource::Stream => "stream",
+            InvalidationSource::Retry => "retry",
+        }
+    }
+}
+
 impl Metrics {
     /// Creates every metric family and registers it in `registry`.
     ///
     /// # Errors
     /// When a family is registered twice in the same registry.
+    /// Every metric, registered in a registry of its own: for unit tests, which then use
+    /// exactly the names and labels production does.
+    ///
+    /// # Panics
+    /// Never: a fresh registry has no family registered twice.
+    #[cfg(test)]
+    #[allow(clippy::expect_used)]
+    pub(crate) fn unregistered() -> Self {
+        Metrics::register(&Registry::new()).expect("a fresh registry")
+    }
+
     pub fn register(registry: &Registry) -> prometheus::Result<Self> {
         let requests = IntCounterVec::new(
             Opts::new(
@@ -491,7 +564,7 @@ impl Metrics {
         registry.register(Box::new(hot_requests.clone()))?;
         registry.register(Box::new(hot_limited.clone()))?;
         registry.register(Box::new(invalidations.clone()))?;
-        let journal = crate::consistency::journal::JournalMetrics {
+        let journal = JournalMetrics {
             depth: IntGauge::new(
                 "cacheguard_journal_depth",
                 "Invalidations owed to Redis, waiting in the journal.",
@@ -533,7 +606,7 @@ impl Metrics {
         registry.register(Box::new(journal.retries.clone()))?;
         registry.register(Box::new(journal.give_ups.clone()))?;
         registry.register(Box::new(journal.fsync_seconds.clone()))?;
-        let stream = crate::consistency::stream::StreamMetrics {
+        let stream = StreamMetrics {
             entries: IntCounterVec::new(
                 Opts::new(
                     "cacheguard_stream_entries_total",
@@ -1008,8 +1081,8 @@ impl Metrics {
             .inc();
     }
 
-    pub(crate) fn hot_metrics(&self) -> crate::protect::hotkeys::HotMetrics {
-        crate::protect::hotkeys::HotMetrics {
+    pub(crate) fn hot_metrics(&self) -> HotMetrics {
+        HotMetrics {
             hot_keys: self.hot_keys.clone(),
             promotions_local: self.hot_promotions.with_label_values(&["local"]),
             promotions_peer: self.hot_promotions.with_label_values(&["peer"]),
@@ -1023,12 +1096,7 @@ impl Metrics {
         self.hot_limited.with_label_values(&[route]).inc();
     }
 
-    pub(crate) fn invalidation(
-        &self,
-        source: crate::consistency::invalidate::Source,
-        result: &str,
-        count: usize,
-    ) {
+    pub(crate) fn invalidation(&self, source: InvalidationSource, result: &str, count: usize) {
         if count > 0 {
             self.invalidations
                 .with_label_values(&[source.as_str(), result])

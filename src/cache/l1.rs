@@ -19,7 +19,8 @@ use moka::Expiry;
 use moka::future::Cache;
 
 use super::marks::LocalMarks;
-use super::{CacheKey, Entry, key, now_ms};
+use super::{CacheKey, Entry, key};
+use crate::clock::now_ms;
 
 /// An L1 copy: the entry, and the local marks' sequence number from which it is known
 /// valid. An invalidation marked later (here or by another instance's event, which marks

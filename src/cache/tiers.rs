@@ -22,7 +22,8 @@ use std::sync::Arc;
 use super::l1::L1;
 use super::l2::{self, L2};
 use super::marks::LocalMarks;
-use super::{CacheKey, Entry, Freshness, now_ms};
+use super::{CacheKey, Entry, Freshness};
+use crate::clock::now_ms;
 use crate::config::L1Policy;
 use crate::metrics::{FillRefusal, Metrics, Outcome};
 

@@ -19,7 +19,7 @@ use std::collections::HashMap;
 use toml::Spanned;
 
 use super::raw::{NO_SPAN, RawConfig, defaults};
-use super::validate::{self, ConfigProblem};
+use super::values::{self, ConfigProblem};
 
 /// A source of `CACHEGUARD_*` variables.
 pub trait Vars {
@@ -51,19 +51,19 @@ pub(super) const REDIS_PASSWORD: &str = "CACHEGUARD_REDIS_PASSWORD";
 /// Applies every set override to `raw`; bad values go to `problems` instead.
 pub(super) fn apply(raw: &mut RawConfig, vars: &dyn Vars, problems: &mut Vec<ConfigProblem>) {
     if let Some(value) = lookup(vars, LISTEN, problems, |v| {
-        validate::parse_listen(v, defaults::SERVER_LISTEN).map(|_| ())
+        values::parse_listen(v, defaults::SERVER_LISTEN).map(|_| ())
     }) {
         raw.server.listen = value;
     }
     if let Some(value) = lookup(vars, UPSTREAM, problems, |v| {
-        validate::parse_upstream_url(v).map(|_| ())
+        values::parse_upstream_url(v).map(|_| ())
     }) {
         let section = raw
             .upstream
             .get_or_insert_with(|| Spanned::new(NO_SPAN, Default::default()));
         section.get_mut().url = Some(value);
     }
-    if let Some(value) = lookup(vars, REDIS_URL, problems, validate::check_redis_url) {
+    if let Some(value) = lookup(vars, REDIS_URL, problems, values::check_redis_url) {
         let section = raw
             .redis
             .get_or_insert_with(|| Spanned::new(NO_SPAN, Default::default()));
@@ -77,7 +77,7 @@ pub(super) fn apply(raw: &mut RawConfig, vars: &dyn Vars, problems: &mut Vec<Con
         section.password = Some(value);
         section.password_file = None;
     }
-    if let Some(value) = lookup(vars, ADMIN_TOKEN, problems, validate::check_token) {
+    if let Some(value) = lookup(vars, ADMIN_TOKEN, problems, values::check_token) {
         raw.admin.token = Some(value);
     }
 }

@@ -46,25 +46,7 @@ pub(crate) enum Invalidation {
     Tag(String),
 }
 
-/// Who asked: the `source` label of the invalidation metrics.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Source {
-    Write,
-    Purge,
-    Stream,
-    Retry,
-}
-
-impl Source {
-    pub(crate) fn as_str(self) -> &'static str {
-        match self {
-            Source::Write => "write",
-            Source::Purge => "purge",
-            Source::Stream => "stream",
-            Source::Retry => "retry",
-        }
-    }
-}
+pub(crate) use crate::metrics::InvalidationSource as Source;
 
 /// What became of a batch of invalidations.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

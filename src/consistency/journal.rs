@@ -70,7 +70,8 @@ use tokio::sync::{Notify, oneshot};
 use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
-use crate::cache::now_ms;
+use crate::clock::now_ms;
+use crate::metrics::JournalMetrics;
 
 /// First wait after a failed retry round.
 const RETRY_INITIAL: Duration = Duration::from_millis(100);
@@ -111,41 +112,6 @@ pub(crate) enum FsyncPolicy {
     Interval(Duration),
     /// Never sync explicitly; the OS decides.
     Never,
-}
-
-/// The journal's metrics, registered by `metrics.rs`.
-#[derive(Clone, Debug)]
-pub(crate) struct JournalMetrics {
-    /// Pending records.
-    pub(crate) depth: prometheus::IntGauge,
-    /// Age of the oldest pending record (0 when empty).
-    pub(crate) oldest_pending_seconds: prometheus::Gauge,
-    /// Records journaled.
-    pub(crate) appended: prometheus::IntCounter,
-    /// Records retried successfully.
-    pub(crate) applied: prometheus::IntCounter,
-    /// Retry attempts that failed.
-    pub(crate) retries: prometheus::IntCounter,
-    /// Owed invalidations abandoned (could not be journaled; unreadable record).
-    pub(crate) give_ups: prometheus::IntCounter,
-    pub(crate) fsync_seconds: prometheus::Histogram,
-}
-
-impl JournalMetrics {
-    #[cfg(test)]
-    pub(crate) fn unregistered() -> Self {
-        use prometheus::{Gauge, Histogram, HistogramOpts, IntCounter, IntGauge};
-        JournalMetrics {
-            depth: IntGauge::new("t_journal_depth", "t").unwrap(),
-            oldest_pending_seconds: Gauge::new("t_journal_oldest", "t").unwrap(),
-            appended: IntCounter::new("t_journal_appended", "t").unwrap(),
-            applied: IntCounter::new("t_journal_applied", "t").unwrap(),
-            retries: IntCounter::new("t_journal_retries", "t").unwrap(),
-            give_ups: IntCounter::new("t_journal_give_ups", "t").unwrap(),
-            fsync_seconds: Histogram::with_opts(HistogramOpts::new("t_journal_fsync", "t"))
-                .unwrap(),
-        }
-    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -1154,7 +1120,7 @@ mod tests {
     }
 
     fn open_with(path: &Path, fsync: FsyncPolicy) -> Arc<Journal> {
-        Journal::open(path, fsync, JournalMetrics::unregistered()).unwrap()
+        Journal::open(path, fsync, crate::metrics::Metrics::unregistered().journal).unwrap()
     }
 
     fn open(path: &Path) -> Arc<Journal> {
@@ -1318,8 +1284,12 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("journal");
         let journal = open(&path);
-        let error =
-            Journal::open(&path, FsyncPolicy::Always, JournalMetrics::unregistered()).unwrap_err();
+        let error = Journal::open(
+            &path,
+            FsyncPolicy::Always,
+            crate::metrics::Metrics::unregistered().journal,
+        )
+        .unwrap_err();
         let message = error.to_string();
         assert!(message.contains("in use"), "{message}");
         assert!(message.contains(&path.display().to_string()), "{message}");
@@ -1351,7 +1321,7 @@ mod tests {
             r#"{"op":"owe","id":4,"at_ms":17637900"#
         );
         fs::write(&path, text).unwrap();
-        let metrics = JournalMetrics::unregistered();
+        let metrics = crate::metrics::Metrics::unregistered().journal;
         let journal = Journal::open(&path, FsyncPolicy::Always, metrics.clone()).unwrap();
         assert_eq!(journal.pending(), vec![(key(1), 1_001), (key(3), 1_003)]);
         assert_eq!(metrics.give_ups.get(), 1);
@@ -1360,7 +1330,7 @@ mod tests {
         bounded(journal.append(vec![key(5)])).await.unwrap();
         drop(journal);
 
-        let metrics = JournalMetrics::unregistered();
+        let metrics = crate::metrics::Metrics::unregistered().journal;
         let journal = Journal::open(&path, FsyncPolicy::Always, metrics.clone()).unwrap();
         assert_eq!(values(&journal), vec![key(1), key(3), key(5)]);
         assert_eq!(metrics.give_ups.get(), 0);
@@ -1372,7 +1342,7 @@ mod tests {
         let mut bytes = fs::read(&path).unwrap();
         bytes.extend_from_slice(&[0; 64]);
         fs::write(&path, bytes).unwrap();
-        let metrics = JournalMetrics::unregistered();
+        let metrics = crate::metrics::Metrics::unregistered().journal;
         let journal = Journal::open(&path, FsyncPolicy::Always, metrics.clone()).unwrap();
         assert_eq!(journal.depth(), 3);
         assert_eq!(metrics.give_ups.get(), 0);

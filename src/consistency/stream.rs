@@ -63,7 +63,6 @@ use std::convert::Infallible;
 use std::future::Future;
 use std::time::Duration;
 
-use prometheus::{IntCounter, IntCounterVec, IntGauge};
 use redis::Value;
 use redis::aio::ConnectionLike;
 use tokio::time::Instant;
@@ -71,6 +70,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use crate::coord::backend::{Backend, DataConn};
+use crate::metrics::StreamMetrics;
 
 /// What one stream entry asks to invalidate.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -97,47 +97,6 @@ pub(crate) struct StreamSettings {
     pub(crate) claim_idle: Duration,
     /// Bound on every non-blocking command.
     pub(crate) command_timeout: Duration,
-}
-
-#[derive(Clone, Debug)]
-pub(crate) struct StreamMetrics {
-    /// Entries handled, label `result`: `applied` | `malformed`.
-    pub(crate) entries: IntCounterVec,
-    /// Entries claimed from another consumer.
-    pub(crate) claimed: IntCounter,
-    /// The group's pending count (`XPENDING` summary), refreshed periodically.
-    pub(crate) pending: IntGauge,
-    /// Redis errors (reconnects).
-    pub(crate) errors: IntCounter,
-}
-
-#[cfg(test)]
-impl StreamMetrics {
-    /// Metrics registered nowhere, for tests.
-    pub(crate) fn unregistered() -> Self {
-        let opts = prometheus::Opts::new(
-            "cacheguard_invalidation_stream_entries_total",
-            "Invalidation stream entries handled, by result.",
-        );
-        StreamMetrics {
-            entries: IntCounterVec::new(opts, &["result"]).expect("metric"),
-            claimed: IntCounter::new(
-                "cacheguard_invalidation_stream_claimed_total",
-                "Invalidation stream entries claimed from another consumer.",
-            )
-            .expect("metric"),
-            pending: IntGauge::new(
-                "cacheguard_invalidation_stream_pending",
-                "Entries pending in the invalidation stream's consumer group.",
-            )
-            .expect("metric"),
-            errors: IntCounter::new(
-                "cacheguard_invalidation_stream_errors_total",
-                "Redis errors on the invalidation stream.",
-            )
-            .expect("metric"),
-        }
-    }
 }
 
 const BACKOFF_MIN: Duration = Duration::from_millis(100);
@@ -1229,7 +1188,7 @@ mod tests {
             // Written before the group exists: the group starts at 0, so none is lost.
             xadd_paths(&mut conn, 0..1000).await;
             let log = Log::default();
-            let metrics = StreamMetrics::unregistered();
+            let metrics = crate::metrics::Metrics::unregistered().stream;
             let (stop, task) =
                 spawn_consumer(&redis, settings("a"), recorder(log.clone()), &metrics);
 
@@ -1260,7 +1219,7 @@ mod tests {
             let redis = TestRedis::start().await;
             let mut conn = redis.conn().await;
             let (log_a, log_b) = (Log::default(), Log::default());
-            let metrics = StreamMetrics::unregistered();
+            let metrics = crate::metrics::Metrics::unregistered().stream;
             // A slow-ish apply, so both consumers are busy and both get entries.
             let slow = |log: Log| {
                 move |targets: Vec<Target>| {
@@ -1338,14 +1297,14 @@ mod tests {
                     std::future::pending::<bool>()
                 }
             };
-            let metrics_a = StreamMetrics::unregistered();
+            let metrics_a = crate::metrics::Metrics::unregistered().stream;
             let (stop_a, task_a) = spawn_consumer(&redis, settings("a"), hang, &metrics_a);
             entered.notified().await;
             stop_consumer(stop_a, task_a).await;
             assert_eq!(pending(&mut conn).await, 100);
 
             let log = Log::default();
-            let metrics = StreamMetrics::unregistered();
+            let metrics = crate::metrics::Metrics::unregistered().stream;
             let b = StreamSettings {
                 claim_idle: Duration::from_millis(500),
                 ..settings("b")
@@ -1389,7 +1348,7 @@ mod tests {
                     std::future::ready(true)
                 }
             };
-            let metrics = StreamMetrics::unregistered();
+            let metrics = crate::metrics::Metrics::unregistered().stream;
             let (stop, task) = spawn_consumer(&redis, settings("a"), apply, &metrics);
 
             eventually("three failed applies", Duration::from_secs(4), async || {
@@ -1440,7 +1399,7 @@ mod tests {
             .await;
 
             let log = Log::default();
-            let metrics = StreamMetrics::unregistered();
+            let metrics = crate::metrics::Metrics::unregistered().stream;
             let (stop, task) =
                 spawn_consumer(&redis, settings("a"), recorder(log.clone()), &metrics);
             eventually("7 handled", Duration::from_secs(5), async || {
@@ -1474,7 +1433,7 @@ mod tests {
             let mut redis = TestRedis::start().await;
             let mut conn = redis.conn().await;
             let log = Log::default();
-            let metrics = StreamMetrics::unregistered();
+            let metrics = crate::metrics::Metrics::unregistered().stream;
             let (stop, task) =
                 spawn_consumer(&redis, settings("a"), recorder(log.clone()), &metrics);
             xadd_paths(&mut conn, 0..10).await;
@@ -1511,7 +1470,7 @@ mod tests {
             let redis = TestRedis::start().await;
             let mut conn = redis.conn().await;
             let log = Log::default();
-            let metrics = StreamMetrics::unregistered();
+            let metrics = crate::metrics::Metrics::unregistered().stream;
             let (stop, task) =
                 spawn_consumer(&redis, settings("a"), recorder(log.clone()), &metrics);
             xadd_paths(&mut conn, 0..10).await;
@@ -1592,7 +1551,7 @@ mod tests {
                     std::future::ready(true)
                 }
             };
-            let metrics = StreamMetrics::unregistered();
+            let metrics = crate::metrics::Metrics::unregistered().stream;
             let s = StreamSettings {
                 claim_idle: Duration::from_millis(500),
                 batch: 7,

@@ -24,8 +24,9 @@ use redis::aio::{
 };
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
-use redis::{Cmd, ConnectionInfo, IntoConnectionInfo, Pipeline, RedisFuture, RedisResult, Value};
+use redis::{Cmd, ConnectionInfo, Pipeline, RedisFuture, RedisResult, Value};
 
+use super::addr::{node_addr, node_info};
 use super::sentinel::Sentinel;
 use crate::config::{RedisConfig, RedisMode};
 
@@ -114,41 +115,6 @@ impl std::fmt::Debug for Backend {
             Backend::Cluster { .. } => "Backend::Cluster",
         })
     }
-}
-
-/// `url` with the configured ACL user and password (which win over any in the URL) and
-/// TLS settings.
-pub(crate) fn node_info(url: &str, config: &RedisConfig) -> RedisResult<ConnectionInfo> {
-    let info = url.into_connection_info()?;
-    with_tls(with_credentials(info, config), config)
-}
-
-/// `info` verifying its server with the configured CA (`redis.tls_ca_file`), when it is a
-/// `rediss://` address; addresses made from it later (`node_addr`) keep that setting.
-pub(crate) fn with_tls(info: ConnectionInfo, config: &RedisConfig) -> RedisResult<ConnectionInfo> {
-    match (&config.tls_ca, info.addr()) {
-        (Some((_, pem)), redis::ConnectionAddr::TcpTls { .. }) => {
-            let certs = redis::TlsCertificates {
-                client_tls: None,
-                root_cert: Some(pem.clone()),
-            };
-            Ok(redis::Client::build_with_tls(info, certs)?
-                .get_connection_info()
-                .clone())
-        }
-        _ => Ok(info),
-    }
-}
-
-fn with_credentials(info: ConnectionInfo, config: &RedisConfig) -> ConnectionInfo {
-    let mut settings = info.redis_settings().clone();
-    if let Some(username) = &config.username {
-        settings = settings.set_username(username);
-    }
-    if let Some(password) = &config.password {
-        settings = settings.set_password(password);
-    }
-    info.set_redis_settings(settings)
 }
 
 impl Backend {
@@ -399,27 +365,6 @@ pub(crate) fn managed(
         .set_min_delay(Duration::from_millis(50))
         .set_max_delay(Duration::from_millis(200));
     ConnectionManager::new_lazy_with_config(client.clone(), manager_config)
-}
-
-/// `host:port` with the TLS settings of `like`.
-pub(crate) fn node_addr(
-    like: &redis::ConnectionAddr,
-    host: &str,
-    port: u16,
-) -> redis::ConnectionAddr {
-    match like {
-        redis::ConnectionAddr::TcpTls {
-            insecure,
-            tls_params,
-            ..
-        } => redis::ConnectionAddr::TcpTls {
-            host: host.to_owned(),
-            port,
-            insecure: *insecure,
-            tls_params: tls_params.clone(),
-        },
-        _ => redis::ConnectionAddr::Tcp(host.to_owned(), port),
-    }
 }
 
 /// One line of `CLUSTER NODES`.

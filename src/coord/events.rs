@@ -365,7 +365,7 @@ impl EventBus {
                         .await;
                     self.connected.store(false, Ordering::Relaxed);
                     metrics.subscribed.set(0);
-                    let lost_at = crate::cache::now_ms();
+                    let lost_at = crate::clock::now_ms();
                     for listener in &self.listeners {
                         listener.on_gap(lost_at);
                     }

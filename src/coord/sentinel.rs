@@ -24,7 +24,7 @@ use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use super::backend::node_addr;
+use super::addr::node_addr;
 use crate::config::RedisConfig;
 
 /// How often the primary is re-checked with the sentinels without any announcement.
@@ -70,7 +70,7 @@ impl Sentinel {
         let sentinels = config
             .urls
             .iter()
-            .map(|url| super::backend::with_tls(url.as_str().into_connection_info()?, config))
+            .map(|url| super::addr::with_tls(url.as_str().into_connection_info()?, config))
             .collect::<RedisResult<Vec<_>>>()?;
         // Data nodes speak TLS when the sentinels do; their credentials are the
         // configured ones (a sentinel's own password, if any, stays in its URL).
@@ -85,7 +85,7 @@ impl Sentinel {
         } else {
             "redis"
         };
-        let template = super::backend::node_info(&format!("{scheme}://127.0.0.1:6379"), config)?;
+        let template = super::addr::node_info(&format!("{scheme}://127.0.0.1:6379"), config)?;
         let template = template.set_addr(node_addr(first.addr(), "127.0.0.1", 6379));
         Ok(Sentinel {
             sentinels,

@@ -37,7 +37,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use self::shared::{REPLAY_MARGIN_MS, Shared};
-use crate::cache::now_ms;
+use crate::clock::now_ms;
 use crate::config::BloomConfig;
 use crate::coord::events::{BloomAddEvent, BusListener};
 use crate::coord::{Keyspace, RedisConn};

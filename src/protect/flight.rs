@@ -18,11 +18,11 @@ use tokio::sync::watch;
 
 use crate::cache::Entry;
 use crate::metrics::Outcome;
-use crate::proxy::fetch::SharedFailure;
 
-/// How a flight ended, as seen by its followers.
-#[derive(Clone, Debug)]
-pub(crate) enum FlightResult {
+/// How a flight ended, as seen by its followers. `F` is the shareable copy of a failed
+/// answer (the read path's buffered error response).
+#[derive(Debug)]
+pub(crate) enum FlightResult<F> {
     /// The answer was stored; followers serve it. The outcome says where it came from: a
     /// cache tier when the leader's re-check found it there (no origin fetch was made for
     /// it, so the followers' answers are hits too), otherwise a miss.
@@ -33,9 +33,22 @@ pub(crate) enum FlightResult {
     /// The fetch failed (5xx, timeout, shed). With a copy of the failure that says
     /// `retry`, followers elect a new leader (one more origin attempt); otherwise they answer
     /// with the copy.
-    Failed(Option<Arc<SharedFailure>>),
+    Failed(Option<Arc<F>>),
     /// The leader went away without an answer: followers elect a new leader.
     Abandoned,
+}
+
+impl<F> Clone for FlightResult<F> {
+    fn clone(&self) -> Self {
+        match self {
+            FlightResult::Filled(entry, outcome) => {
+                FlightResult::Filled(Arc::clone(entry), *outcome)
+            }
+            FlightResult::Uncacheable => FlightResult::Uncacheable,
+            FlightResult::Failed(failure) => FlightResult::Failed(failure.clone()),
+            FlightResult::Abandoned => FlightResult::Abandoned,
+        }
+    }
 }
 
 /// Who started a flight.
@@ -48,41 +61,49 @@ pub(crate) enum FlightKind {
 }
 
 #[derive(Debug)]
-struct Slot {
-    tx: watch::Sender<Option<FlightResult>>,
+struct Slot<F> {
+    tx: watch::Sender<Option<FlightResult<F>>>,
     kind: FlightKind,
 }
 
 /// The table of flights in progress, one per key hash.
-#[derive(Debug, Default)]
-pub(crate) struct Flights {
+#[derive(Debug)]
+pub(crate) struct Flights<F> {
     // A std mutex: it is held only to look up or remove a map entry, never across an await.
-    in_progress: Mutex<HashMap<u128, Arc<Slot>>>,
+    in_progress: Mutex<HashMap<u128, Arc<Slot<F>>>>,
+}
+
+impl<F> Default for Flights<F> {
+    fn default() -> Self {
+        Flights {
+            in_progress: Mutex::new(HashMap::new()),
+        }
+    }
 }
 
 /// The role a request got for one key.
-pub(crate) enum Role {
-    Leader(Leader),
-    Follower(Follower),
+pub(crate) enum Role<F> {
+    Leader(Leader<F>),
+    Follower(Follower<F>),
 }
 
 /// Proof of leadership for one key; must be [`finish`](Leader::finish)ed.
-pub(crate) struct Leader {
-    flights: Arc<Flights>,
+pub(crate) struct Leader<F> {
+    flights: Arc<Flights<F>>,
     hash: u128,
-    slot: Arc<Slot>,
+    slot: Arc<Slot<F>>,
     finished: bool,
 }
 
 /// A waiter on another request's fetch.
-pub(crate) struct Follower {
-    rx: watch::Receiver<Option<FlightResult>>,
+pub(crate) struct Follower<F> {
+    rx: watch::Receiver<Option<FlightResult<F>>>,
 }
 
-impl Flights {
+impl<F> Flights<F> {
     /// Joins the flight for `hash`, becoming its leader (of a `kind` flight) when there is
     /// none.
-    pub(crate) fn join(self: &Arc<Self>, hash: u128, kind: FlightKind) -> Role {
+    pub(crate) fn join(self: &Arc<Self>, hash: u128, kind: FlightKind) -> Role<F> {
         let mut map = self
             .in_progress
             .lock()
@@ -125,7 +146,7 @@ impl Flights {
             .len()
     }
 
-    fn remove(&self, hash: u128, slot: &Arc<Slot>) {
+    fn remove(&self, hash: u128, slot: &Arc<Slot<F>>) {
         let mut map = self
             .in_progress
             .lock()
@@ -137,20 +158,20 @@ impl Flights {
     }
 }
 
-impl Leader {
+impl<F> Leader<F> {
     /// Publishes the result to every follower and ends the flight.
     ///
     /// The flight is removed from the table *before* followers are woken, and the caller
     /// stores the entry (L1/L2) before calling this: a request arriving after the removal
     /// finds the entry in the cache or starts a fresh flight, never a finished one.
-    pub(crate) fn finish(mut self, result: FlightResult) {
+    pub(crate) fn finish(mut self, result: FlightResult<F>) {
         self.finished = true;
         self.flights.remove(self.hash, &self.slot);
         self.slot.tx.send_replace(Some(result));
     }
 }
 
-impl Drop for Leader {
+impl<F> Drop for Leader<F> {
     fn drop(&mut self) {
         if !self.finished {
             self.flights.remove(self.hash, &self.slot);
@@ -159,12 +180,12 @@ impl Drop for Leader {
     }
 }
 
-impl Follower {
+impl<F> Follower<F> {
     /// Waits for the leader's result, at most `limit`; a timeout reads as `Abandoned`.
     ///
     /// # Cancel safety
     /// Cancel-safe: dropping the future only drops this follower's receiver.
-    pub(crate) async fn wait(mut self, limit: Duration) -> FlightResult {
+    pub(crate) async fn wait(mut self, limit: Duration) -> FlightResult<F> {
         let waited = tokio::time::timeout(limit, self.rx.wait_for(Option::is_some)).await;
         match waited {
             Ok(Ok(result)) => result.clone().unwrap_or(FlightResult::Abandoned),
@@ -181,7 +202,7 @@ mod tests {
 
     #[tokio::test]
     async fn one_leader_many_followers() {
-        let flights = Arc::new(Flights::default());
+        let flights = Arc::new(Flights::<()>::default());
         let leaders = Arc::new(AtomicUsize::new(0));
         let barrier = Arc::new(tokio::sync::Barrier::new(100));
         let mut tasks = Vec::new();
@@ -214,7 +235,7 @@ mod tests {
 
     #[tokio::test]
     async fn dropped_leader_releases_followers() {
-        let flights = Arc::new(Flights::default());
+        let flights = Arc::new(Flights::<()>::default());
         let Role::Leader(leader) = flights.join(1, FlightKind::Foreground) else {
             panic!("first join must lead")
         };
@@ -234,7 +255,7 @@ mod tests {
 
     #[test]
     fn only_foreground_flights_are_joined_without_looking() {
-        let flights = Arc::new(Flights::default());
+        let flights = Arc::new(Flights::<()>::default());
         let _refresh = flights.join(1, FlightKind::Background);
         let _miss = flights.join(2, FlightKind::Foreground);
         assert!(!flights.foreground_in_progress(1));
@@ -244,7 +265,7 @@ mod tests {
 
     #[tokio::test]
     async fn follower_wait_is_bounded() {
-        let flights = Arc::new(Flights::default());
+        let flights = Arc::new(Flights::<()>::default());
         let _leader = flights.join(7, FlightKind::Foreground);
         let Role::Follower(follower) = flights.join(7, FlightKind::Foreground) else {
             panic!("second join must follow")

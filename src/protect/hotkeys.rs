@@ -36,11 +36,12 @@ use tokio_util::sync::CancellationToken;
 use tracing::info;
 
 use crate::cache::tiers::HotSet;
-use crate::cache::{CacheKey, now_ms, ttl};
+use crate::cache::{CacheKey, ttl};
+use crate::clock::now_ms;
 use crate::config::HotKeysConfig;
 use crate::coord::RedisConn;
 use crate::coord::events::{Event, EventKind};
-use crate::metrics::Metrics;
+use crate::metrics::{HotMetrics, Metrics};
 
 const SKETCH_WIDTH: usize = 2048;
 const SKETCH_DEPTH: usize = 4;
@@ -110,17 +111,6 @@ pub(crate) struct HotStatus {
     pub(crate) since_unix_ms: u64,
     pub(crate) promoted_from: String,
     pub(crate) l1_fresh_for_ms: u64,
-}
-
-/// Hot-key metrics.
-#[derive(Clone, Debug)]
-pub(crate) struct HotMetrics {
-    pub(crate) hot_keys: prometheus::IntGauge,
-    pub(crate) promotions_local: prometheus::IntCounter,
-    pub(crate) promotions_peer: prometheus::IntCounter,
-    pub(crate) demotions: prometheus::IntCounter,
-    pub(crate) served_l1: prometheus::IntCounter,
-    pub(crate) served_backend: prometheus::IntCounter,
 }
 
 /// The detector, the hot set and the per-key limiter of one instance.
@@ -212,7 +202,7 @@ impl HotKeys {
         if !self.enabled() {
             return;
         }
-        let shard = crate::proxy::server::worker_index() % self.shards.len();
+        let shard = crate::worker::index() % self.shards.len();
         self.shards[shard]
             .lock()
             .unwrap_or_else(PoisonError::into_inner)

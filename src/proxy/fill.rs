@@ -34,15 +34,20 @@ use super::read::ReadPath;
 use super::respond;
 use super::route::Route;
 use crate::cache::tiers::Cached;
-use crate::cache::{CacheKey, Entry, now_ms};
+use crate::cache::{CacheKey, Entry};
+use crate::clock::now_ms;
 use crate::config::{L1Policy, OnTimeout};
 use crate::coord::events::EventKind;
 use crate::coord::redis::Unavailable;
 use crate::coord::store::FillOutcome;
 use crate::error::ProxyError;
 use crate::metrics::{FillRefusal, LockEvent, Outcome};
+use crate::protect::flight::FlightKind;
 use crate::protect::flight::fleet::{Claim, FillPermit, FleetLock, Wake};
-use crate::protect::flight::{FlightKind, FlightResult, Leader, Role};
+
+type FlightResult = crate::protect::flight::FlightResult<SharedFailure>;
+type Leader = crate::protect::flight::Leader<SharedFailure>;
+type Role = crate::protect::flight::Role<SharedFailure>;
 
 /// How many times a follower joins a new flight after the leader failed or went away,
 /// before it fetches for itself (still through the origin guard).

@@ -11,7 +11,8 @@ use super::body::Body;
 use super::read::ReadPath;
 use super::respond;
 use super::route::Route;
-use crate::cache::{CacheKey, Freshness, now_ms};
+use crate::cache::{CacheKey, Freshness};
+use crate::clock::now_ms;
 use crate::config::L1Policy;
 use crate::metrics::Outcome;
 

@@ -27,7 +27,7 @@ use http_body_util::{BodyExt, Empty};
 use hyper::body::Incoming;
 
 use super::body::Body;
-use super::fetch::FillJob;
+use super::fetch::{FillJob, SharedFailure};
 use super::hot::Gate;
 use super::origin::Origin;
 use super::respond;
@@ -37,9 +37,12 @@ use crate::cache::key;
 use crate::cache::tiers::{Cached, Tiers};
 use crate::config::LockConfig;
 use crate::metrics::{Metrics, Outcome};
-use crate::protect::flight::Flights;
 use crate::protect::flight::fleet::FleetLock;
 use crate::protect::hotkeys::HotKeys;
+
+/// The in-process flights of the read path: their failures carry a shareable copy of the
+/// failed answer.
+pub(crate) type Flights = crate::protect::flight::Flights<SharedFailure>;
 
 /// Everything a read needs; built once by the app, shared by every connection.
 #[derive(Debug)]

@@ -5,7 +5,8 @@ use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Response, StatusCode};
 
 use super::body::Body;
-use crate::cache::{Entry, now_ms};
+use crate::cache::Entry;
+use crate::clock::now_ms;
 use crate::error::ProxyError;
 use crate::metrics::Outcome;
 

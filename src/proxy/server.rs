@@ -95,18 +95,6 @@ async fn drain(name: &'static str, graceful: GracefulShutdown, grace: Duration) 
     }
 }
 
-thread_local! {
-    /// 1 + the index of the proxy worker thread this is, 0 elsewhere. Per-thread state
-    /// (the hot-key sketches) is sharded by it, so a request never contends with another
-    /// worker's requests for a lock.
-    static WORKER_INDEX: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
-}
-
-/// See [`WORKER_INDEX`].
-pub(crate) fn worker_index() -> usize {
-    WORKER_INDEX.get()
-}
-
 /// Accepts on `listener` and hands each connection to one of `workers` threads (see the
 /// module docs) until `stop` is cancelled; then stops accepting and waits for every worker
 /// to drain.
@@ -139,7 +127,7 @@ where
         std::thread::Builder::new()
             .name(format!("cacheguard-w{index}"))
             .spawn(move || {
-                WORKER_INDEX.set(index + 1);
+                crate::worker::set_index(index);
                 runtime.block_on(async move {
                     let builder = connection_builder(limits);
                     let graceful = GracefulShutdown::new();

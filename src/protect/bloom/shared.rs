@@ -19,7 +19,7 @@ use std::time::Duration;
 use bloomfilter::Bloom;
 use redis::Script;
 
-use crate::cache::now_ms;
+use crate::clock::now_ms;
 use crate::config::BloomConfig;
 use crate::coord::Keyspace;
 use crate::coord::events::BloomAddEvent;
