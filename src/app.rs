@@ -33,9 +33,11 @@ use crate::metrics::Metrics;
 use crate::protect::bloom::Filters;
 use crate::protect::flight::fleet::FleetLock;
 use crate::protect::hotkeys::HotKeys;
+use crate::proxy::fill::{Filler, Flights};
+use crate::proxy::hot::HotGate;
 use crate::proxy::origin::Origin;
 use crate::proxy::origin_guard::OriginGuard;
-use crate::proxy::read::{Flights, ReadPath};
+use crate::proxy::read::ReadPath;
 use crate::proxy::route::RouteTable;
 use crate::proxy::server::{self, ConnLimits};
 use crate::proxy::upstream::Upstream;
@@ -307,31 +309,44 @@ impl App {
             guard: ArcSwap::from_pointee(guard),
             max_body_bytes: config.server.max_body_bytes,
         });
+        let tiers = Arc::new(Tiers::new(
+            l1.clone(),
+            l2,
+            Arc::clone(&marks),
+            Arc::clone(&hot) as _,
+            Arc::clone(&invalidator) as _,
+            metrics.clone(),
+        ));
+        let flights = Arc::new(Flights::default());
+        let uncacheable = moka::sync::Cache::builder()
+            .max_capacity(100_000)
+            .time_to_live(config.lock.uncacheable_ttl)
+            .build();
         let read = Arc::new(ReadPath {
-            tiers: Tiers::new(
-                l1.clone(),
-                l2,
-                Arc::clone(&marks),
-                Arc::clone(&hot) as _,
-                Arc::clone(&invalidator) as _,
-                metrics.clone(),
-            ),
-            flights: Arc::new(Flights::default()),
-            fleet: dist
-                .clone()
-                .map(|store| FleetLock::new(store, metrics.clone())),
-            lock: ArcSwap::from_pointee(config.lock.clone()),
-            uncacheable: moka::sync::Cache::builder()
-                .max_capacity(100_000)
-                .time_to_live(config.lock.uncacheable_ttl)
-                .build(),
-            refresh_backoff: moka::sync::Cache::builder()
-                .max_capacity(100_000)
-                .time_to_live(REFRESH_BACKOFF)
-                .build(),
+            tiers: Arc::clone(&tiers),
+            gate: HotGate {
+                hot: Arc::clone(&hot),
+                tiers: Arc::clone(&tiers),
+                flights: Arc::clone(&flights),
+                uncacheable: uncacheable.clone(),
+                metrics: metrics.clone(),
+            },
+            filler: Arc::new(Filler {
+                tiers,
+                flights,
+                fleet: dist
+                    .clone()
+                    .map(|store| FleetLock::new(store, metrics.clone())),
+                lock: ArcSwap::from_pointee(config.lock.clone()),
+                uncacheable,
+                refresh_backoff: moka::sync::Cache::builder()
+                    .max_capacity(100_000)
+                    .time_to_live(REFRESH_BACKOFF)
+                    .build(),
+                origin: Arc::clone(&origin),
+                metrics: metrics.clone(),
+            }),
             origin: Arc::clone(&origin),
-            hot: Arc::clone(&hot),
-            metrics: metrics.clone(),
         });
         let proxy = Arc::new(Proxy {
             routes: ArcSwap::from_pointee(routes),

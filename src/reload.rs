@@ -119,7 +119,7 @@ impl Live {
         }
         self.metrics.origin_caps(up.max_concurrency, up.max_rps);
         proxy.routes.store(Arc::new(routes));
-        proxy.read.lock.store(Arc::new(new.lock.clone()));
+        proxy.read.filler.lock.store(Arc::new(new.lock.clone()));
         self.hot.reconfigure(&new.hot_keys);
         self.token.store(Arc::new(new.admin.token.clone()));
 

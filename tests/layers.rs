@@ -186,6 +186,8 @@ fn violations(sources: &[Source]) -> Vec<String> {
             }
         }
     }
+    problems.sort();
+    problems.dedup();
     for (folder, graph) in &siblings {
         if let Some(cycle) = find_cycle(graph) {
             problems.push(format!(

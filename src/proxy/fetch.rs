@@ -13,7 +13,7 @@ use http_body_util::{BodyExt, Empty};
 use hyper::body::Incoming;
 
 use super::body::Body;
-use super::read::ReadPath;
+use super::origin::Origin;
 use super::respond::{self, strip_hop_by_hop};
 use super::route::Route;
 use super::upstream::UpstreamBody;
@@ -133,114 +133,116 @@ impl SharedFailure {
     }
 }
 
-impl ReadPath {
-    pub(crate) async fn fetch_origin(&self, job: &FillJob) -> Classified {
-        let route = &job.route;
-        let slot = match self.origin.guard.load_full().acquire().await {
-            Ok(slot) => slot,
-            Err(error) => {
-                route.metrics.shed.inc();
-                tracing::debug!(message = "Origin guard shed a request.", route = %route.config.name);
-                return Classified::Failed(Failure::own(&error));
-            }
-        };
-        let request = match self.cached_fetch_request(job) {
-            Ok(request) => request,
-            Err(error) => return Classified::Failed(Failure::own(&error)),
-        };
-
-        let started = Instant::now();
-        let limit = route.config.max_entry_bytes;
-        let upstream = self.origin.upstream.load_full();
-        let timeout = upstream.timeout;
-        let read = tokio::time::timeout(timeout, async {
-            let response = upstream.send(request).await?;
-            Ok::<_, ProxyError>(read_bounded(response, limit).await)
-        })
-        .await;
-        let elapsed = started.elapsed();
-        drop(slot);
-
-        let read = match read {
-            Err(_) => Err(ProxyError::OriginTimeout(timeout)),
-            Ok(result) => result,
-        };
-        let seconds = elapsed.as_secs_f64();
-        let (head, body) = match read {
-            Ok(Ok(read)) => read,
-            Ok(Err(_)) | Err(ProxyError::OriginConnect(_)) => {
-                route.metrics.origin(OriginStatus::Error, seconds);
-                let error = ProxyError::OriginConnect("origin closed the connection".into());
-                return Classified::Failed(Failure::own(&error));
-            }
-            Err(error) => {
-                let status = match error {
-                    ProxyError::OriginTimeout(_) => OriginStatus::Timeout,
-                    _ => OriginStatus::Error,
-                };
-                route.metrics.origin(status, seconds);
-                return Classified::Failed(Failure::own(&error));
-            }
-        };
-        route
-            .metrics
-            .origin(OriginStatus::from_status(head.status.as_u16()), seconds);
-        // The id passed a loaded filter, yet the origin has no such resource.
-        if head.status == StatusCode::NOT_FOUND
-            && let Some(filter) = &route.filter
-            && filter.is_ready()
-        {
-            filter.metrics.false_positives.inc();
+/// Fetches `job` from the origin through the origin guard and classifies the answer.
+pub(crate) async fn from_origin(origin: &Origin, job: &FillJob) -> Classified {
+    let route = &job.route;
+    let slot = match origin.guard.load_full().acquire().await {
+        Ok(slot) => slot,
+        Err(error) => {
+            route.metrics.shed.inc();
+            tracing::debug!(message = "Origin guard shed a request.", route = %route.config.name);
+            return Classified::Failed(Failure::own(&error));
         }
+    };
+    let request = match cached_fetch_request(origin, job) {
+        Ok(request) => request,
+        Err(error) => return Classified::Failed(Failure::own(&error)),
+    };
 
-        if head.status.is_server_error() {
-            return Classified::Failed(Failure::new(
-                origin_response(head, body.into_body(), Outcome::Bypass),
-                Outcome::Bypass,
-                true,
-            ));
+    let started = Instant::now();
+    let limit = route.config.max_entry_bytes;
+    let upstream = origin.upstream.load_full();
+    let timeout = upstream.timeout;
+    let read = tokio::time::timeout(timeout, async {
+        let response = upstream.send(request).await?;
+        Ok::<_, ProxyError>(read_bounded(response, limit).await)
+    })
+    .await;
+    let elapsed = started.elapsed();
+    drop(slot);
+
+    let read = match read {
+        Err(_) => Err(ProxyError::OriginTimeout(timeout)),
+        Ok(result) => result,
+    };
+    let seconds = elapsed.as_secs_f64();
+    let (head, body) = match read {
+        Ok(Ok(read)) => read,
+        Ok(Err(_)) | Err(ProxyError::OriginConnect(_)) => {
+            route.metrics.origin(OriginStatus::Error, seconds);
+            let error = ProxyError::OriginConnect("origin closed the connection".into());
+            return Classified::Failed(Failure::own(&error));
         }
-        let complete = match body {
-            ReadBody::Complete(bytes) => bytes,
-            oversized @ ReadBody::Oversized(..) => {
-                route.metrics.oversized.inc();
-                return Classified::Uncacheable(origin_response(
-                    head,
-                    oversized.into_body(),
-                    Outcome::Bypass,
-                ));
-            }
-        };
-        if !storable(head.status, &head.headers) {
-            route.metrics.uncacheable.inc();
+        Err(error) => {
+            let status = match error {
+                ProxyError::OriginTimeout(_) => OriginStatus::Timeout,
+                _ => OriginStatus::Error,
+            };
+            route.metrics.origin(status, seconds);
+            return Classified::Failed(Failure::own(&error));
+        }
+    };
+    route
+        .metrics
+        .origin(OriginStatus::from_status(head.status.as_u16()), seconds);
+    // The id passed a loaded filter, yet the origin has no such resource.
+    if head.status == StatusCode::NOT_FOUND
+        && let Some(filter) = &route.filter
+        && filter.is_ready()
+    {
+        filter.metrics.false_positives.inc();
+    }
+
+    if head.status.is_server_error() {
+        return Classified::Failed(Failure::new(
+            origin_response(head, body.into_body(), Outcome::Bypass),
+            Outcome::Bypass,
+            true,
+        ));
+    }
+    let complete = match body {
+        ReadBody::Complete(bytes) => bytes,
+        oversized @ ReadBody::Oversized(..) => {
+            route.metrics.oversized.inc();
             return Classified::Uncacheable(origin_response(
                 head,
-                Body::full(complete),
+                oversized.into_body(),
                 Outcome::Bypass,
             ));
         }
-        let fetch_ms = u32::try_from(elapsed.as_millis()).unwrap_or(u32::MAX);
-        Classified::Storable(new_entry(job, head, complete, fetch_ms))
+    };
+    if !storable(head.status, &head.headers) {
+        route.metrics.uncacheable.inc();
+        return Classified::Uncacheable(origin_response(
+            head,
+            Body::full(complete),
+            Outcome::Bypass,
+        ));
     }
+    let fetch_ms = u32::try_from(elapsed.as_millis()).unwrap_or(u32::MAX);
+    Classified::Storable(new_entry(job, head, complete, fetch_ms))
+}
 
-    /// The request sent to the origin for a cached fetch. Only what is keyed goes out: the
-    /// normalized path and keyed query, the route's `vary` headers, and headers cacheguard
-    /// itself sets (`Host`, `X-Forwarded-For`, `X-Forwarded-Proto`). Method-override headers,
-    /// cookies, unkeyed query parameters and bodies never reach the origin from here.
-    fn cached_fetch_request(&self, job: &FillJob) -> Result<Request<UpstreamBody>, ProxyError> {
-        let upstream = self.origin.upstream.load();
-        let uri = upstream.uri(&job.forward)?;
-        let mut request = Request::new(Empty::new().map_err(|never| match never {}).boxed());
-        *request.method_mut() = Method::GET;
-        *request.uri_mut() = uri;
-        let headers = request.headers_mut();
-        headers.insert(header::HOST, upstream.authority().clone());
-        for (name, value) in &job.vary {
-            headers.append(name.clone(), value.clone());
-        }
-        super::origin::set_forwarded(headers, job.client);
-        Ok(request)
+/// The request sent to the origin for a cached fetch. Only what is keyed goes out: the
+/// normalized path and keyed query, the route's `vary` headers, and headers cacheguard
+/// itself sets (`Host`, `X-Forwarded-For`, `X-Forwarded-Proto`). Method-override headers,
+/// cookies, unkeyed query parameters and bodies never reach the origin from here.
+fn cached_fetch_request(
+    origin: &Origin,
+    job: &FillJob,
+) -> Result<Request<UpstreamBody>, ProxyError> {
+    let upstream = origin.upstream.load();
+    let uri = upstream.uri(&job.forward)?;
+    let mut request = Request::new(Empty::new().map_err(|never| match never {}).boxed());
+    *request.method_mut() = Method::GET;
+    *request.uri_mut() = uri;
+    let headers = request.headers_mut();
+    headers.insert(header::HOST, upstream.authority().clone());
+    for (name, value) in &job.vary {
+        headers.append(name.clone(), value.clone());
     }
+    super::origin::set_forwarded(headers, job.client);
+    Ok(request)
 }
 
 fn new_entry(job: &FillJob, head: Head, body: Bytes, fetch_ms: u32) -> Entry {

@@ -24,27 +24,31 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use arc_swap::ArcSwap;
 use http::Response;
 use tokio::time::Instant;
 use tracing::{debug, warn};
 
 use super::body::Body;
-use super::fetch::{Classified, Failure, FillJob, SharedFailure};
-use super::read::ReadPath;
+use super::fetch::{self, Classified, Failure, FillJob, SharedFailure};
+use super::origin::Origin;
 use super::respond;
 use super::route::Route;
-use crate::cache::tiers::Cached;
+use crate::cache::tiers::{Cached, Tiers};
 use crate::cache::{CacheKey, Entry};
 use crate::clock::now_ms;
-use crate::config::{L1Policy, OnTimeout};
+use crate::config::{L1Policy, LockConfig, OnTimeout};
 use crate::coord::events::EventKind;
 use crate::coord::redis::Unavailable;
 use crate::coord::store::FillOutcome;
 use crate::error::ProxyError;
-use crate::metrics::{FillRefusal, LockEvent, Outcome};
+use crate::metrics::{FillRefusal, LockEvent, Metrics, Outcome};
 use crate::protect::flight::FlightKind;
 use crate::protect::flight::fleet::{Claim, FillPermit, FleetLock, Wake};
 
+/// The in-process flights of the read path: their failures carry a shareable copy of the
+/// failed answer.
+pub(crate) type Flights = crate::protect::flight::Flights<SharedFailure>;
 type FlightResult = crate::protect::flight::FlightResult<SharedFailure>;
 type Leader = crate::protect::flight::Leader<SharedFailure>;
 type Role = crate::protect::flight::Role<SharedFailure>;
@@ -81,7 +85,32 @@ impl Fetched {
     }
 }
 
-impl ReadPath {
+/// Fills misses: the in-process flights, the fleet lock and the origin, and the store.
+#[derive(Debug)]
+pub(crate) struct Filler {
+    pub(crate) tiers: Arc<Tiers>,
+    /// In-process single-flight (shared with the hot-key gate, which joins running fills).
+    pub(crate) flights: Arc<Flights>,
+    /// The fleet-wide fill lock; `None` in embedded mode.
+    pub(crate) fleet: Option<FleetLock>,
+    /// Reloadable (see `reload.rs`).
+    pub(crate) lock: ArcSwap<LockConfig>,
+    /// Keys whose last answer was not shareable (hit-for-miss), for a short time.
+    pub(crate) uncacheable: moka::sync::Cache<u128, ()>,
+    /// Keys whose background refresh just failed: not retried for a moment, so a failing
+    /// origin is not hit once per stale-served request.
+    pub(crate) refresh_backoff: moka::sync::Cache<u128, ()>,
+    pub(crate) origin: Arc<Origin>,
+    pub(crate) metrics: Metrics,
+}
+
+impl Filler {
+    /// Whether a fill of `hash` that requests wait on runs in this process: its leader
+    /// found nothing usable, so a request arriving now can join it without looking.
+    pub(crate) fn in_progress(&self, hash: u128) -> bool {
+        self.flights.foreground_in_progress(hash)
+    }
+
     /// A miss: one fill per key in this process, shared with every concurrent miss.
     pub(crate) async fn fill(
         self: &Arc<Self>,
@@ -317,7 +346,7 @@ impl ReadPath {
     async fn fetch_as_owner(&self, job: &FillJob, permit: FillPermit) -> Fetched {
         let since = self.tiers.since();
         let classified = permit
-            .hold_while(self.fetch_origin(job), &self.metrics)
+            .hold_while(fetch::from_origin(&self.origin, job), &self.metrics)
             .await;
         match classified {
             Classified::Storable(entry) => {
@@ -347,7 +376,7 @@ impl ReadPath {
             None => None,
         };
         let since = self.tiers.since();
-        match self.fetch_origin(job).await {
+        match fetch::from_origin(&self.origin, job).await {
             Classified::Storable(entry) => {
                 let entry = Arc::new(entry);
                 self.store(job, &entry, unlocked, since).await;
@@ -364,7 +393,7 @@ impl ReadPath {
     /// A fetch for one client that stores nothing: the lock holder is still at work (wait
     /// timeout), or the key's answer is not shareable.
     async fn fetch_alone(&self, job: &FillJob) -> Fetched {
-        match self.fetch_origin(job).await {
+        match fetch::from_origin(&self.origin, job).await {
             Classified::Storable(entry) => Fetched::Ready(Arc::new(entry), Outcome::Bypass),
             Classified::Uncacheable(response) => Fetched::Uncacheable(response),
             Classified::Failed(failure) => Fetched::Failed(failure),

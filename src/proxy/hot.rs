@@ -5,16 +5,20 @@
 //! rest get the L1 copy (fresh or stale), join the key's fill when there is no copy, or
 //! (for a key whose answers cannot be shared) 429.
 
+use std::sync::Arc;
+
 use http::{HeaderValue, Response, StatusCode, header};
 
 use super::body::Body;
-use super::read::ReadPath;
+use super::fill::Flights;
 use super::respond;
 use super::route::Route;
+use crate::cache::tiers::Tiers;
 use crate::cache::{CacheKey, Freshness};
 use crate::clock::now_ms;
 use crate::config::L1Policy;
-use crate::metrics::Outcome;
+use crate::metrics::{Metrics, Outcome};
+use crate::protect::hotkeys::HotKeys;
 
 /// What the gate decided.
 pub(crate) enum Gate {
@@ -34,10 +38,22 @@ const USUAL: Gate = Gate::Lookup {
     refresh_early: false,
 };
 
-impl ReadPath {
+/// The gate: the hot-key set and what it needs to decide.
+#[derive(Debug)]
+pub(crate) struct HotGate {
+    pub(crate) hot: Arc<HotKeys>,
+    pub(crate) tiers: Arc<Tiers>,
+    /// The read path's in-process flights: a hot key with no copy joins its running fill.
+    pub(crate) flights: Arc<Flights>,
+    /// The read path's hit-for-miss keys: only their excess is refused.
+    pub(crate) uncacheable: moka::sync::Cache<u128, ()>,
+    pub(crate) metrics: Metrics,
+}
+
+impl HotGate {
     /// Counts the request towards hot-key detection and, for a hot key, decides how it
     /// goes on.
-    pub(crate) async fn hot_gate(&self, route: &Route, key: &CacheKey, head: bool) -> Gate {
+    pub(crate) async fn check(&self, route: &Route, key: &CacheKey, head: bool) -> Gate {
         // A route without L1 has nothing to promote a hot key into: no detection either.
         if route.config.l1 == L1Policy::Off {
             return USUAL;

@@ -19,7 +19,6 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Instant;
 
-use arc_swap::ArcSwap;
 use http::header::{self, HeaderMap};
 use http::request::Parts;
 use http::{Method, Request, Response};
@@ -27,48 +26,30 @@ use http_body_util::{BodyExt, Empty};
 use hyper::body::Incoming;
 
 use super::body::Body;
-use super::fetch::{FillJob, SharedFailure};
-use super::hot::Gate;
+use super::fetch::FillJob;
+use super::fill::Filler;
+use super::hot::{Gate, HotGate};
 use super::origin::Origin;
 use super::respond;
 use super::route::Route;
 use super::upstream::UpstreamBody;
 use crate::cache::key;
 use crate::cache::tiers::{Cached, Tiers};
-use crate::config::LockConfig;
-use crate::metrics::{Metrics, Outcome};
-use crate::protect::flight::fleet::FleetLock;
-use crate::protect::hotkeys::HotKeys;
-
-/// The in-process flights of the read path: their failures carry a shareable copy of the
-/// failed answer.
-pub(crate) type Flights = crate::protect::flight::Flights<SharedFailure>;
+use crate::metrics::Outcome;
 
 /// Everything a read needs; built once by the app, shared by every connection.
 #[derive(Debug)]
 pub(crate) struct ReadPath {
-    pub(crate) tiers: Tiers,
-    /// In-process single-flight.
-    pub(crate) flights: Arc<Flights>,
-    /// The fleet-wide fill lock; `None` in embedded mode.
-    pub(crate) fleet: Option<FleetLock>,
-    /// Reloadable (see `reload.rs`).
-    pub(crate) lock: ArcSwap<LockConfig>,
-    /// Keys whose last answer was not shareable (hit-for-miss), for a short time.
-    pub(crate) uncacheable: moka::sync::Cache<u128, ()>,
-    /// Keys whose background refresh just failed: not retried for a moment, so a failing
-    /// origin is not hit once per stale-served request.
-    pub(crate) refresh_backoff: moka::sync::Cache<u128, ()>,
+    pub(crate) tiers: Arc<Tiers>,
+    pub(crate) gate: HotGate,
+    pub(crate) filler: Arc<Filler>,
     pub(crate) origin: Arc<Origin>,
-    /// Hot-key detection, promotion and per-key limits.
-    pub(crate) hot: Arc<HotKeys>,
-    pub(crate) metrics: Metrics,
 }
 
 impl ReadPath {
     /// Serves a GET/HEAD on a cached route and records its outcome.
     pub(crate) async fn serve(
-        self: &Arc<Self>,
+        &self,
         route: &Arc<Route>,
         request: Request<Incoming>,
         client: SocketAddr,
@@ -85,7 +66,7 @@ impl ReadPath {
     }
 
     async fn read(
-        self: &Arc<Self>,
+        &self,
         route: &Arc<Route>,
         parts: Parts,
         client: SocketAddr,
@@ -101,16 +82,16 @@ impl ReadPath {
             &parts.headers,
         );
         let job = || FillJob::new(route, &derived, &parts.headers, client);
-        let (past_l1, refresh_early) = match self.hot_gate(route, &derived.key, head).await {
+        let (past_l1, refresh_early) = match self.gate.check(route, &derived.key, head).await {
             Gate::Answered(answer) => return answer,
-            Gate::Join => return self.fill(job(), head).await,
+            Gate::Join => return self.filler.fill(job(), head).await,
             Gate::Lookup {
                 past_l1,
                 refresh_early,
             } => (past_l1, refresh_early),
         };
-        if self.flights.foreground_in_progress(derived.key.hash) {
-            return self.fill(job(), head).await;
+        if self.filler.in_progress(derived.key.hash) {
+            return self.filler.fill(job(), head).await;
         }
         match self
             .tiers
@@ -118,15 +99,15 @@ impl ReadPath {
             .await
         {
             Cached::Fresh(entry, tier) => {
-                self.refresh_early(route, &entry, refresh_early, job);
+                self.filler.refresh_early(route, &entry, refresh_early, job);
                 respond::hit(&entry, tier, head)
             }
             Cached::Stale(entry) => {
-                self.refresh_in_background(job(), false);
+                self.filler.refresh_in_background(job(), false);
                 route.metrics.stale_served.inc();
                 respond::hit(&entry, Outcome::Stale, head)
             }
-            Cached::Miss => self.fill(job(), head).await,
+            Cached::Miss => self.filler.fill(job(), head).await,
         }
     }
 }

@@ -114,7 +114,7 @@ impl Proxy {
             &HeaderMap::new(),
             SocketAddr::from(([127, 0, 0, 1], 0)),
         );
-        let (response, outcome) = self.read.fill(job, true).await;
+        let (response, outcome) = self.read.filler.fill(job, true).await;
         let ok = outcome != Outcome::Error && !response.status().is_server_error();
         self.metrics
             .warmup(&route.config.name, if ok { "filled" } else { "failed" });
