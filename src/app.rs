@@ -257,8 +257,10 @@ impl App {
                     tokio::time::sleep(std::time::Duration::from_millis(5)).await;
                 }
                 Some(
-                    RedisStore::new(conn.clone(), keys, config.lock.lease, bus)
-                        .with_wait_replicas(config.lock.wait_replicas),
+                    RedisStore::new(conn.clone(), keys, config.lock.lease, bus).with_wait_replicas(
+                        config.lock.wait_replicas,
+                        config.lock.wait_replicas_timeout,
+                    ),
                 )
             }
             _ => None,

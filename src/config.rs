@@ -269,6 +269,10 @@ pub struct LockConfig {
     /// After acquiring a lock, `WAIT` for this many replicas to have it (0 = don't), so a
     /// failover right after is less likely to lose it and cause a second fetch.
     pub wait_replicas: u32,
+    /// How long that `WAIT` may take: its own bound, not `redis.command_timeout`, so
+    /// replication lag on a busy primary is counted as `unreplicated`, never as a Redis
+    /// failure that could open the breaker.
+    pub wait_replicas_timeout: Duration,
 }
 
 /// One `[[routes]]` entry with the `[cache]` defaults already applied.

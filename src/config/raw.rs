@@ -264,6 +264,7 @@ pub(super) struct RawLock {
     pub(super) on_timeout: RawOnTimeout,
     pub(super) uncacheable_ttl: HumanDuration,
     pub(super) wait_replicas: u32,
+    pub(super) wait_replicas_timeout: HumanDuration,
 }
 
 impl Default for RawLock {
@@ -274,6 +275,7 @@ impl Default for RawLock {
             on_timeout: RawOnTimeout(OnTimeout::Origin),
             uncacheable_ttl: HumanDuration::secs(10),
             wait_replicas: 0,
+            wait_replicas_timeout: HumanDuration::secs(1),
         }
     }
 }

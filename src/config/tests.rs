@@ -1161,6 +1161,17 @@ fn lock_wait_replicas_defaults_off() {
 }
 
 #[test]
+fn the_replica_wait_has_its_own_bound() {
+    let default = load(MINIMAL).unwrap();
+    assert_eq!(default.lock.wait_replicas_timeout, Duration::from_secs(1));
+    let set = load(&with_minimal(
+        "[lock]\nwait_replicas = 1\nwait_replicas_timeout = \"250ms\"\n",
+    ))
+    .unwrap();
+    assert_eq!(set.lock.wait_replicas_timeout, Duration::from_millis(250));
+}
+
+#[test]
 fn tls_ca_file_must_be_a_readable_pem_certificate() {
     let missing = problem(&with_minimal(
         "[redis]\nurl = \"rediss://h:1\"\ntls_ca_file = \"/nonexistent/ca.crt\"\n",

@@ -443,6 +443,7 @@ impl Checker<'_> {
             on_timeout: raw.lock.on_timeout.0,
             uncacheable_ttl: raw.lock.uncacheable_ttl.0,
             wait_replicas: raw.lock.wait_replicas,
+            wait_replicas_timeout: raw.lock.wait_replicas_timeout.0,
         };
         let bloom = self.blooms(&raw.bloom, &upstream);
         let hot_keys = self.hot_keys(&raw.hot_keys);

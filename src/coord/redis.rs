@@ -424,10 +424,6 @@ impl RedisConn {
         &self.inner.metrics
     }
 
-    pub(crate) fn command_timeout(&self) -> Duration {
-        self.inner.command_timeout
-    }
-
     pub(crate) fn is_up(&self) -> bool {
         self.inner.up.load(Ordering::Relaxed)
     }

@@ -67,6 +67,8 @@ pub(crate) struct RedisStore {
     bus: Arc<EventBus>,
     /// `lock.wait_replicas`: replicas that must have a new lock before its fetch starts.
     wait_replicas: u32,
+    /// `lock.wait_replicas_timeout`: the bound of that `WAIT`.
+    wait_replicas_timeout: Duration,
 }
 
 impl RedisStore {
@@ -82,16 +84,18 @@ impl RedisStore {
             lease,
             bus,
             wait_replicas: 0,
+            wait_replicas_timeout: Duration::ZERO,
         }
     }
 
-    /// With `n > 0`, a won lock waits (`WAIT n`, up to `redis.command_timeout`) until `n`
+    /// With `n > 0`, a won lock waits (`WAIT n`, up to `lock.wait_replicas_timeout`) until `n`
     /// replicas have it, as Redisson does: a failover right after the acquire then keeps
     /// the lock, and a second instance does not fetch the same key. Fewer replicas in time
     /// is counted (`lock_events{event="unreplicated"}`) and the fetch goes on: correctness
     /// never rests on the lock (fills are generation-checked).
-    pub(crate) fn with_wait_replicas(mut self, n: u32) -> Self {
+    pub(crate) fn with_wait_replicas(mut self, n: u32, timeout: Duration) -> Self {
         self.wait_replicas = n;
+        self.wait_replicas_timeout = timeout;
         self
     }
 
@@ -136,7 +140,7 @@ impl RedisStore {
                     &keys,
                     &args,
                     self.wait_replicas,
-                    self.redis.command_timeout(),
+                    self.wait_replicas_timeout,
                 )
                 .await?;
             let (won, ..) = answer;
