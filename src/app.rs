@@ -22,7 +22,7 @@ use crate::cache::l1::L1;
 use crate::cache::l2::L2;
 use crate::cache::marks::LocalMarks;
 use crate::cache::tiers::Tiers;
-use crate::config::{Config, JournalFsync, Vars};
+use crate::config::{Config, JournalFsync, RedisConfig, Vars};
 use crate::consistency::invalidate::Invalidator;
 use crate::consistency::journal::{self, FsyncPolicy, Journal};
 use crate::consistency::stream::{self, StreamSettings};
@@ -130,6 +130,75 @@ fn spawn_stream(
     ));
 }
 
+/// Starts the event bus on `conn`: one subscription that wakes the fleet lock's waiters and
+/// hands key and Bloom events to `listeners`. Returns once the first subscription is up
+/// (bounded by `redis.connect_timeout`), so the first stampede after start already
+/// coalesces across instances; until then the instance runs degraded.
+async fn start_event_bus(
+    conn: &RedisConn,
+    rc: &RedisConfig,
+    instance: u64,
+    listeners: Vec<Arc<dyn BusListener>>,
+    metrics: &Metrics,
+    stop: &CancellationToken,
+) -> Arc<EventBus> {
+    let waiters = Waiters::new(metrics.lock_waiters.clone());
+    let channel = Keyspace::new(&rc.key_prefix).events_channel();
+    let bus = EventBus::new(channel, instance, waiters, listeners);
+    let bus_metrics = BusMetrics {
+        subscribed: metrics.bus_subscribed.clone(),
+        resubscriptions: metrics.bus_resubscriptions.clone(),
+        events: metrics.bus_events.clone(),
+    };
+    tokio::spawn(Arc::clone(&bus).run(conn.clone(), rc.connect_timeout, bus_metrics, stop.clone()));
+    let ready = tokio::time::Instant::now() + rc.connect_timeout;
+    while conn.is_up() && !bus.is_connected() && tokio::time::Instant::now() < ready {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    bus
+}
+
+/// The read path over `tiers`: the hot-key gate and the filler share the in-process
+/// flights and the hit-for-miss set.
+fn read_path(
+    config: &Config,
+    tiers: Arc<Tiers>,
+    hot: &Arc<HotKeys>,
+    store: Option<RedisStore>,
+    origin: &Arc<Origin>,
+    metrics: &Metrics,
+) -> Arc<ReadPath> {
+    let flights = Arc::new(Flights::default());
+    let uncacheable = moka::sync::Cache::builder()
+        .max_capacity(100_000)
+        .time_to_live(config.lock.uncacheable_ttl)
+        .build();
+    Arc::new(ReadPath {
+        tiers: Arc::clone(&tiers),
+        gate: HotGate {
+            hot: Arc::clone(hot),
+            tiers: Arc::clone(&tiers),
+            flights: Arc::clone(&flights),
+            uncacheable: uncacheable.clone(),
+            metrics: metrics.clone(),
+        },
+        filler: Arc::new(Filler {
+            tiers,
+            flights,
+            fleet: store.map(|store| FleetLock::new(store, metrics.clone())),
+            lock: ArcSwap::from_pointee(config.lock.clone()),
+            uncacheable,
+            refresh_backoff: moka::sync::Cache::builder()
+                .max_capacity(100_000)
+                .time_to_live(REFRESH_BACKOFF)
+                .build(),
+            origin: Arc::clone(origin),
+            metrics: metrics.clone(),
+        }),
+        origin: Arc::clone(origin),
+    })
+}
+
 /// Drops L1 index members whose entries left the cache.
 async fn sweep_l1_index(l1: L1, stop: CancellationToken) {
     loop {
@@ -228,7 +297,6 @@ impl App {
         // Bloom adds).
         let dist = match (&redis, &config.redis) {
             (Some(conn), Some(rc)) => {
-                let waiters = Waiters::new(metrics.lock_waiters.clone());
                 let listeners: Vec<Arc<dyn BusListener>> = vec![
                     Arc::clone(&filters) as _,
                     Arc::new(CacheEvents {
@@ -237,27 +305,16 @@ impl App {
                         marks: Arc::clone(&marks),
                     }) as _,
                 ];
-                let keys = Keyspace::new(&rc.key_prefix);
-                let bus = EventBus::new(keys.events_channel(), instance, waiters, listeners);
-                let bus_metrics = BusMetrics {
-                    subscribed: metrics.bus_subscribed.clone(),
-                    resubscriptions: metrics.bus_resubscriptions.clone(),
-                    events: metrics.bus_events.clone(),
-                };
-                tokio::spawn(Arc::clone(&bus).run(
-                    conn.clone(),
-                    rc.connect_timeout,
-                    bus_metrics,
-                    stop_tasks.clone(),
-                ));
-                // Give the first subscription a moment, so the first stampede after start
-                // already coalesces across instances (bounded; degraded until then).
-                let ready = tokio::time::Instant::now() + rc.connect_timeout;
-                while conn.is_up() && !bus.is_connected() && tokio::time::Instant::now() < ready {
-                    tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-                }
+                let bus =
+                    start_event_bus(conn, rc, instance, listeners, &metrics, &stop_tasks).await;
                 Some(
-                    RedisStore::new(conn.clone(), keys, config.lock.lease, bus).with_wait_replicas(
+                    RedisStore::new(
+                        conn.clone(),
+                        Keyspace::new(&rc.key_prefix),
+                        config.lock.lease,
+                        bus,
+                    )
+                    .with_wait_replicas(
                         config.lock.wait_replicas,
                         config.lock.wait_replicas_timeout,
                     ),
@@ -319,37 +376,7 @@ impl App {
             Arc::clone(&invalidator) as _,
             metrics.clone(),
         ));
-        let flights = Arc::new(Flights::default());
-        let uncacheable = moka::sync::Cache::builder()
-            .max_capacity(100_000)
-            .time_to_live(config.lock.uncacheable_ttl)
-            .build();
-        let read = Arc::new(ReadPath {
-            tiers: Arc::clone(&tiers),
-            gate: HotGate {
-                hot: Arc::clone(&hot),
-                tiers: Arc::clone(&tiers),
-                flights: Arc::clone(&flights),
-                uncacheable: uncacheable.clone(),
-                metrics: metrics.clone(),
-            },
-            filler: Arc::new(Filler {
-                tiers,
-                flights,
-                fleet: dist
-                    .clone()
-                    .map(|store| FleetLock::new(store, metrics.clone())),
-                lock: ArcSwap::from_pointee(config.lock.clone()),
-                uncacheable,
-                refresh_backoff: moka::sync::Cache::builder()
-                    .max_capacity(100_000)
-                    .time_to_live(REFRESH_BACKOFF)
-                    .build(),
-                origin: Arc::clone(&origin),
-                metrics: metrics.clone(),
-            }),
-            origin: Arc::clone(&origin),
-        });
+        let read = read_path(&config, tiers, &hot, dist.clone(), &origin, &metrics);
         let proxy = Arc::new(Proxy {
             routes: ArcSwap::from_pointee(routes),
             read,

@@ -3,8 +3,12 @@
 //!
 //! - [`now_ms`]: milliseconds since the Unix epoch, for what is stored and shared between
 //!   instances (an entry's store time, expiry and age), so not an `Instant`;
-//! - `tokio::time::Instant`: deadlines, leases, windows and backoff inside one process.
-//!   Code outside this module takes `Instant`s from `tokio::time`, never from `std`.
+//! - `tokio::time::Instant`: deadlines and leases inside one process (the fleet lock's
+//!   waits and renewals, the in-process flights, the event bus).
+//!
+//! Not yet on this seam: latency measurements for metrics and the journal's writer thread
+//! (which runs outside the runtime) use `std::time::Instant`, and the rate limiters
+//! (origin guard, hot-key limit) use governor's own clock.
 //!
 //! `now_ms` is the wall clock read once, at first use, advanced by tokio's monotonic clock
 //! since then. A step of the system clock (a manual change) is therefore not seen until a
