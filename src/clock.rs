@@ -6,38 +6,83 @@
 //! - `tokio::time::Instant`: deadlines and leases inside one process (the fleet lock's
 //!   waits and renewals, the in-process flights, the event bus).
 //!
-//! Not yet on this seam: latency measurements for metrics and the journal's writer thread
-//! (which runs outside the runtime) use `std::time::Instant`, and the rate limiters
-//! (origin guard, hot-key limit) use governor's own clock.
+//! - [`TokioClock`]: governor's clock on tokio's, for the rate limiters (the origin guard's
+//!   rate cap, the hot-key per-key limit).
+//!
+//! Not on this seam: latency measurements for metrics, and the journal's writer thread
+//! (which runs outside the runtime), use `std::time::Instant`.
 //!
 //! `now_ms` is the wall clock read once, at first use, advanced by tokio's monotonic clock
 //! since then. A step of the system clock (a manual change) is therefore not seen until a
 //! restart; NTP's gradual slewing applies to both clocks alike.
 
 use std::sync::OnceLock;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use tokio::time::Instant;
 
 /// The wall clock (Unix ms) and tokio's clock at the same moment.
 static ANCHOR: OnceLock<(u64, Instant)> = OnceLock::new();
 
-/// Milliseconds since the Unix epoch, on tokio's clock.
-pub(crate) fn now_ms() -> u64 {
-    let (wall_ms, at) = *ANCHOR.get_or_init(|| {
+fn anchor() -> (u64, Instant) {
+    *ANCHOR.get_or_init(|| {
         let wall = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
         (wall, Instant::now())
-    });
+    })
+}
+
+/// Milliseconds since the Unix epoch, on tokio's clock.
+pub(crate) fn now_ms() -> u64 {
+    let (wall_ms, at) = anchor();
     let elapsed = Instant::now().saturating_duration_since(at);
     wall_ms.saturating_add(u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX))
 }
 
+/// governor's clock on tokio's: an instant is the time since the anchor. governor ships
+/// clocks on `std` and on `quanta`, neither of which paused time moves; this adapter is
+/// the whole of what it takes (governor's `Reference` is implemented for `Duration`).
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct TokioClock;
+
+impl governor::clock::Clock for TokioClock {
+    type Instant = Duration;
+
+    fn now(&self) -> Duration {
+        Instant::now().saturating_duration_since(anchor().1)
+    }
+}
+
+/// A direct (unkeyed) rate limiter on [`TokioClock`].
+pub(crate) type DirectLimiter = governor::RateLimiter<
+    governor::state::NotKeyed,
+    governor::state::InMemoryState,
+    TokioClock,
+    governor::middleware::NoOpMiddleware<Duration>,
+>;
+
+/// A keyed rate limiter on [`TokioClock`].
+pub(crate) type KeyedLimiter<K> = governor::RateLimiter<
+    K,
+    governor::state::keyed::DefaultKeyedStateStore<K>,
+    TokioClock,
+    governor::middleware::NoOpMiddleware<Duration>,
+>;
+
+/// Waits until `limiter` grants one cell, sleeping on tokio's clock.
+///
+/// # Cancel safety
+/// Cancel-safe: a cell is only taken by the `check` that returns `Ok`.
+pub(crate) async fn until_ready(limiter: &DirectLimiter) {
+    while let Err(not_until) = limiter.check() {
+        tokio::time::sleep(not_until.wait_time_from(governor::clock::Clock::now(&TokioClock)))
+            .await;
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use std::time::Duration;
-
     use super::*;
 
     #[test]
@@ -46,6 +91,21 @@ mod tests {
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(0));
         assert!(now_ms().abs_diff(wall) < 1_000);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_rate_limiter_on_tokio_time_spaces_its_cells() {
+        let limiter: DirectLimiter = governor::RateLimiter::direct_with_clock(
+            governor::Quota::per_second(std::num::NonZeroU32::new(10).expect("10 > 0"))
+                .allow_burst(std::num::NonZeroU32::MIN),
+            TokioClock,
+        );
+        let started = Instant::now();
+        for _ in 0..5 {
+            until_ready(&limiter).await;
+        }
+        // The first cell at once, then one every 100 ms.
+        assert_eq!(started.elapsed(), Duration::from_millis(400));
     }
 
     #[tokio::test(start_paused = true)]

@@ -369,10 +369,6 @@ impl InvalidationSource {
 }
 
 impl Metrics {
-    /// Creates every metric family and registers it in `registry`.
-    ///
-    /// # Errors
-    /// When a family is registered twice in the same registry.
     /// Every metric, registered in a registry of its own: for unit tests, which then use
     /// exactly the names and labels production does.
     ///
@@ -384,6 +380,10 @@ impl Metrics {
         Metrics::register(&Registry::new()).expect("a fresh registry")
     }
 
+    /// Creates every metric family and registers it in `registry`.
+    ///
+    /// # Errors
+    /// When a family is registered twice in the same registry.
     pub fn register(registry: &Registry) -> prometheus::Result<Self> {
         let requests = IntCounterVec::new(
             Opts::new(

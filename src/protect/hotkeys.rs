@@ -29,7 +29,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
-use governor::{DefaultKeyedRateLimiter, Quota, RateLimiter};
+use governor::{Quota, RateLimiter};
 use heavykeeper::TopK;
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
@@ -37,7 +37,7 @@ use tracing::info;
 
 use crate::cache::tiers::HotSet;
 use crate::cache::{CacheKey, ttl};
-use crate::clock::now_ms;
+use crate::clock::{KeyedLimiter, TokioClock, now_ms};
 use crate::config::HotKeysConfig;
 use crate::coord::RedisConn;
 use crate::coord::events::{Event, EventKind};
@@ -119,7 +119,7 @@ pub(crate) struct HotKeys {
     config: ArcSwap<HotKeysConfig>,
     shards: Vec<Mutex<TopK<u128>>>,
     hot: ArcSwap<HashMap<u128, Arc<Hot>>>,
-    limiter: ArcSwap<Option<DefaultKeyedRateLimiter<u128>>>,
+    limiter: ArcSwap<Option<KeyedLimiter<u128>>>,
     /// Full cache keys of hot keys, for the admin view (filled by the read path).
     labels: Mutex<HashMap<u128, String>>,
     instance: u64,
@@ -152,7 +152,7 @@ impl HotKeys {
         let k = config.max_hot_keys.clamp(16, 1024);
         let shards = (0..=workers).map(|_| Mutex::new(Self::sketch(k))).collect();
         let limiter = std::num::NonZeroU32::new(config.max_backend_rps_per_key)
-            .map(|rate| RateLimiter::keyed(Quota::per_second(rate)));
+            .map(|rate| RateLimiter::dashmap_with_clock(Quota::per_second(rate), TokioClock));
         Arc::new(HotKeys {
             config: ArcSwap::from_pointee(config.clone()),
             shards,
@@ -172,8 +172,9 @@ impl HotKeys {
         let old = self.config.load_full();
         if old.max_backend_rps_per_key != config.max_backend_rps_per_key {
             self.limiter.store(Arc::new(
-                std::num::NonZeroU32::new(config.max_backend_rps_per_key)
-                    .map(|rate| RateLimiter::keyed(Quota::per_second(rate))),
+                std::num::NonZeroU32::new(config.max_backend_rps_per_key).map(|rate| {
+                    RateLimiter::dashmap_with_clock(Quota::per_second(rate), TokioClock)
+                }),
             ));
         }
         self.config.store(Arc::new(config.clone()));
@@ -525,6 +526,55 @@ mod tests {
         // Own broadcasts are ignored.
         hk.peer_hot(1, 10);
         assert!(hk.get(10).is_none());
+    }
+
+    /// On paused time: the L1 grace of a hot key lasts `l1_ttl` ± 20 % (jittered, so the
+    /// hot keys of a fleet do not all go back to Redis at once) after its renewal.
+    #[tokio::test(start_paused = true)]
+    async fn the_l1_grace_lasts_l1_ttl_within_its_jitter() {
+        let hk = hot_keys(100);
+        hk.peer_hot(2, 9);
+        let hot = hk.get(9).expect("promoted by the peer");
+        hk.renew_l1(&hot);
+        tokio::time::advance(Duration::from_millis(799)).await;
+        assert!(hot.l1_fresh());
+        tokio::time::advance(Duration::from_millis(402)).await;
+        assert!(!hot.l1_fresh());
+    }
+
+    /// On paused time: past its burst, the per-key limit lets one request through every
+    /// 1 / max_backend_rps_per_key (200 ms here), per key.
+    #[tokio::test(start_paused = true)]
+    async fn the_per_key_limit_refills_at_its_rate() {
+        let hk = hot_keys(100);
+        assert_eq!((0..20).filter(|_| hk.allow_backend(9)).count(), 5);
+        tokio::time::advance(Duration::from_millis(199)).await;
+        assert!(!hk.allow_backend(9));
+        tokio::time::advance(Duration::from_millis(1)).await;
+        assert!(hk.allow_backend(9));
+        assert!(!hk.allow_backend(9));
+        // Another key has its own budget.
+        assert!(hk.allow_backend(10));
+    }
+
+    /// On paused time: the detector promotes a key at the end of the window in which it
+    /// crossed the threshold, and demotes it a second after it went cold.
+    #[tokio::test(start_paused = true)]
+    async fn the_detector_decides_once_per_window() {
+        let hk = hot_keys(100);
+        let stop = CancellationToken::new();
+        let detector = tokio::spawn(Arc::clone(&hk).run(stop.clone()));
+        for _ in 0..100 {
+            hk.record(7); // 400 req/s over a 250 ms window
+        }
+        tokio::time::sleep(Duration::from_millis(249)).await;
+        assert!(hk.get(7).is_none(), "promoted before the window ended");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+        assert!(hk.get(7).is_some(), "not promoted at the end of the window");
+        tokio::time::sleep(Duration::from_millis(1250)).await;
+        assert!(hk.get(7).is_none(), "still hot a second after it went cold");
+        stop.cancel();
+        detector.await.expect("detector");
     }
 
     #[test]
