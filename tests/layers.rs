@@ -1,63 +1,79 @@
 //! The crate is one stack of layers (docs/architecture.md, "Layers"): a module imports from
-//! its own layer or from below, never from above, and the files of one folder import each
-//! other without a loop. This test reads `src/**/*.rs` and fails on any `crate::` path that
-//! points up the stack, and on any cycle between the files of a folder.
+//! its own layer or from below, never from above, and no set of modules imports each other
+//! in a loop. This test reads `src/**/*.rs` and fails on any `crate::` path that points up
+//! the stack, and on any cycle between the modules of one folder (`src/` itself included).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
-/// Top-level modules from the bottom up; a module may use its own rank and below.
-const LAYERS: &[(&str, u8)] = &[
-    ("clock", 0),
-    ("worker", 0),
-    ("error", 0),
-    ("config", 0),
-    ("metrics", 0),
-    ("shutdown", 0),
-    ("coord", 1),
-    ("cache", 2),
-    ("protect", 3),
-    ("consistency", 4),
-    ("proxy", 5),
-    ("admin", 6),
-    ("reload", 6),
-    ("app", 7),
-    ("lib", 8),
-    ("main", 8),
+/// Within one folder: module → the sibling modules it uses.
+type Graph = BTreeMap<String, BTreeSet<String>>;
+
+/// Top-level modules from the bottom up; a module may use its own layer and below.
+const LAYERS: &[&[&str]] = &[
+    &["clock", "worker", "error", "config", "metrics", "shutdown"],
+    &["coord"],
+    &["cache"],
+    &["protect"],
+    &["consistency"],
+    &["proxy"],
+    &["admin", "reload"],
+    &["app"],
+    &["lib", "main"],
 ];
 
-fn rank(module: &str) -> Option<u8> {
-    LAYERS.iter().find(|(m, _)| *m == module).map(|(_, r)| *r)
+fn layer(module: &str) -> Option<usize> {
+    LAYERS.iter().position(|layer| layer.contains(&module))
 }
 
-/// The text of a source file without comments and string literals (so a path written in a
-/// doc comment or a message is not an import).
+/// The text of a source file without comments, string and char literals (so a path written
+/// in a doc comment or a message is not an import). Block comments are not used in `src/`.
 fn code_only(text: &str) -> String {
+    let chars: Vec<char> = text.chars().collect();
     let mut out = String::with_capacity(text.len());
-    let mut chars = text.chars().peekable();
-    while let Some(c) = chars.next() {
-        match c {
-            '/' if chars.peek() == Some(&'/') => {
-                for c in chars.by_ref() {
-                    if c == '\n' {
-                        out.push('\n');
-                        break;
-                    }
+    let mut i = 0;
+    while i < chars.len() {
+        let next = chars.get(i + 1).copied();
+        match chars[i] {
+            '/' if next == Some('/') => {
+                while i < chars.len() && chars[i] != '\n' {
+                    i += 1;
                 }
+                continue;
             }
             '"' => {
-                let mut escaped = false;
-                for c in chars.by_ref() {
-                    match c {
-                        '\\' if !escaped => escaped = true,
-                        '"' if !escaped => break,
-                        _ => escaped = false,
+                // A raw string (`r"…"`, `r#"…"#`) ends at `"` and as many `#`; no escapes.
+                let hashes = chars[..i].iter().rev().take_while(|c| **c == '#').count();
+                let raw = i > hashes && chars[i - hashes - 1] == 'r';
+                i += 1;
+                while i < chars.len() {
+                    if raw
+                        && chars[i] == '"'
+                        && chars[i + 1..].iter().take_while(|c| **c == '#').count() >= hashes
+                    {
+                        i += hashes;
+                        break;
                     }
+                    match chars[i] {
+                        '\\' if !raw => i += 1,
+                        '"' if !raw => break,
+                        _ => {}
+                    }
+                    i += 1;
                 }
                 out.push_str("\"\"");
             }
-            _ => out.push(c),
+            // A char literal (`'"'`, `'\''`), not a lifetime (`'a`).
+            '\'' if next == Some('\\') || chars.get(i + 2) == Some(&'\'') => {
+                i += if next == Some('\\') { 3 } else { 2 };
+                while i < chars.len() && chars[i] != '\'' {
+                    i += 1;
+                }
+                out.push_str("' '");
+            }
+            c => out.push(c),
         }
+        i += 1;
     }
     out
 }
@@ -66,40 +82,34 @@ fn code_only(text: &str) -> String {
 /// grouped imports (`use crate::{a::x, b::{y, z}}`), as segment lists.
 fn paths(code: &str) -> Vec<Vec<String>> {
     let mut found = Vec::new();
-    for root in ["crate::", "super::"] {
-        let mut rest = code;
-        while let Some(at) = rest.find(root) {
-            let before = rest[..at].chars().next_back();
-            rest = &rest[at + root.len()..];
-            if before.is_some_and(|c| c.is_alphanumeric() || c == '_') {
-                continue;
+    for root in ["crate", "super"] {
+        for (at, _) in code.match_indices(&format!("{root}::")) {
+            let before = code[..at].chars().next_back();
+            let rest = &code[at + root.len() + 2..];
+            if !before.is_some_and(|c| c.is_alphanumeric() || c == '_') {
+                expand(vec![root.to_owned()], rest, &mut found);
             }
-            let prefix = vec![root.trim_end_matches(':').to_owned()];
-            expand(prefix, rest, &mut found);
         }
     }
     found
 }
 
-/// Expands the path starting at `text` (after `prefix::`), following one level of braces
-/// at a time.
+/// Expands the path starting at `text` (after `prefix::`), one level of braces at a time.
 fn expand(prefix: Vec<String>, text: &str, found: &mut Vec<Vec<String>>) {
     let text = text.trim_start();
     if let Some(inner) = text.strip_prefix('{') {
-        let mut depth = 0usize;
-        let mut start = 0;
+        let (mut depth, mut start) = (0usize, 0);
         for (i, c) in inner.char_indices() {
             match c {
                 '{' => depth += 1,
-                '}' if depth == 0 => {
+                '}' | ',' if depth == 0 => {
                     expand(prefix.clone(), &inner[start..i], found);
-                    return;
-                }
-                '}' => depth -= 1,
-                ',' if depth == 0 => {
-                    expand(prefix.clone(), &inner[start..i], found);
+                    if c == '}' {
+                        return;
+                    }
                     start = i + 1;
                 }
+                '}' => depth -= 1,
                 _ => {}
             }
         }
@@ -110,8 +120,7 @@ fn expand(prefix: Vec<String>, text: &str, found: &mut Vec<Vec<String>>) {
         .take_while(|c| c.is_alphanumeric() || *c == '_')
         .collect();
     if ident.is_empty() || ident == "self" {
-        found.push(prefix);
-        return;
+        return found.push(prefix);
     }
     let mut path = prefix;
     path.push(ident.clone());
@@ -127,138 +136,100 @@ struct Source {
     text: String,
 }
 
-/// The module path of a file: `src/proxy/read.rs` → `[proxy, read]`, `src/proxy.rs` →
-/// `[proxy]`, `src/lib.rs` → `[lib]`.
+/// The module path of a file: `proxy/read.rs` → `[proxy, read]`, `proxy.rs` → `[proxy]`.
 fn module_of(path: &Path) -> Vec<String> {
-    path.with_extension("")
-        .components()
-        .map(|c| c.as_os_str().to_string_lossy().into_owned())
-        .filter(|c| c != "mod")
-        .collect()
+    let path = path.with_extension("");
+    let parts = path.iter().map(|c| c.to_string_lossy().into_owned());
+    parts.filter(|c| c != "mod").collect()
 }
 
-/// Every upward import and every in-folder cycle, as readable lines.
+/// Every upward import and every loop, as readable lines.
 fn violations(sources: &[Source]) -> Vec<String> {
     let mut problems = Vec::new();
-    // Within each folder (the module path minus its last segment): file → sibling files.
-    let mut siblings: BTreeMap<Vec<String>, BTreeMap<String, BTreeSet<String>>> = BTreeMap::new();
+    // Per folder (module path): which of its children uses which. An import from
+    // `a/b/c.rs` of `crate::a::d::x` is the edge `b -> d` in folder `a`.
+    let mut graphs: BTreeMap<Vec<String>, Graph> = BTreeMap::new();
     for source in sources {
+        let file = format!("src/{}", source.path.display());
         let module = module_of(&source.path);
-        let Some(top) = module.first() else { continue };
-        let Some(own) = rank(top) else {
-            problems.push(format!("{}: not in the layer list", source.path.display()));
+        let Some(own) = module.first().and_then(|top| layer(top)) else {
+            problems.push(format!("{file}: not in the layer list"));
             continue;
         };
-        let folder = module[..module.len() - 1].to_vec();
-        let edges = siblings
-            .entry(folder.clone())
-            .or_default()
-            .entry(module[module.len() - 1].clone())
-            .or_default();
+        let folder = &module[..module.len() - 1];
         for path in paths(&code_only(&source.text)) {
-            // Resolve to an absolute module path.
-            let absolute: Vec<String> = if path[0] == "crate" {
-                path[1..].to_vec()
-            } else {
-                // `super::` from a file is its folder's module.
-                let mut base = folder.clone();
-                base.extend(path[1..].iter().cloned());
-                base
-            };
-            let Some(target_top) = absolute.first() else {
-                continue;
-            };
-            if let Some(target) = rank(target_top)
-                && target > own
-            {
+            // `super::` from a file is its folder's module.
+            let base = if path[0] == "crate" { &[][..] } else { folder };
+            let target: Vec<String> = base.iter().chain(&path[1..]).cloned().collect();
+            let Some(top) = target.first() else { continue };
+            if let Some(above) = layer(top).filter(|t| *t > own) {
+                let target = target.join("::");
                 problems.push(format!(
-                    "{}: imports crate::{} (layer {target} is above layer {own})",
-                    source.path.display(),
-                    absolute.join("::")
+                    "{file}: imports crate::{target} (layer {above} above layer {own})"
                 ));
             }
-            // A sibling in the same folder (not the folder's own module file).
-            if absolute.len() > folder.len() && absolute[..folder.len()] == folder[..] {
-                let sibling = &absolute[folder.len()];
-                if sibling != &module[module.len() - 1] && !folder.is_empty() {
-                    edges.insert(sibling.clone());
-                }
+            // Where the two paths part: in folder `module[..at]`, `module[at]` uses `target[at]`.
+            if let Some(at) = module.iter().zip(&target).position(|(a, b)| a != b) {
+                let graph = graphs.entry(module[..at].to_vec()).or_default();
+                let uses = graph.entry(module[at].clone()).or_default();
+                uses.insert(target[at].clone());
             }
         }
     }
     problems.sort();
     problems.dedup();
-    for (folder, graph) in &siblings {
-        if let Some(cycle) = find_cycle(graph) {
-            problems.push(format!(
-                "src/{}/: import loop {}",
-                folder.join("/"),
-                cycle.join(" -> ")
-            ));
+    for (folder, graph) in &graphs {
+        let mut done = BTreeSet::new();
+        let mut from = |n| find_cycle(n, graph, &mut Vec::new(), &mut done);
+        if let Some(cycle) = graph.keys().find_map(&mut from) {
+            let folder: String = folder.iter().map(|f| format!("{f}/")).collect();
+            problems.push(format!("src/{folder}: import loop {}", cycle.join(" -> ")));
         }
     }
     problems
 }
 
-/// A cycle in `graph`, if any (depth-first search).
-fn find_cycle(graph: &BTreeMap<String, BTreeSet<String>>) -> Option<Vec<String>> {
-    fn visit(
-        node: &str,
-        graph: &BTreeMap<String, BTreeSet<String>>,
-        stack: &mut Vec<String>,
-        done: &mut BTreeSet<String>,
-    ) -> Option<Vec<String>> {
-        if let Some(at) = stack.iter().position(|n| n == node) {
-            let mut cycle = stack[at..].to_vec();
-            cycle.push(node.to_owned());
-            return Some(cycle);
-        }
-        if done.contains(node) {
-            return None;
-        }
-        stack.push(node.to_owned());
-        for next in graph.get(node).into_iter().flatten() {
-            if let Some(cycle) = visit(next, graph, stack, done) {
-                return Some(cycle);
-            }
-        }
-        stack.pop();
-        done.insert(node.to_owned());
-        None
+/// A cycle reachable from `node` in `graph`, if any (depth-first search; `stack` is the
+/// path to `node`, `done` the modules already searched).
+fn find_cycle(
+    node: &String,
+    graph: &Graph,
+    stack: &mut Vec<String>,
+    done: &mut BTreeSet<String>,
+) -> Option<Vec<String>> {
+    if let Some(at) = stack.iter().position(|n| n == node) {
+        return Some(stack[at..].iter().chain([node]).cloned().collect());
     }
-    let mut done = BTreeSet::new();
-    graph
-        .keys()
-        .find_map(|node| visit(node, graph, &mut Vec::new(), &mut done))
+    if !done.insert(node.clone()) {
+        return None;
+    }
+    stack.push(node.clone());
+    let mut next = graph.get(node).into_iter().flatten();
+    let found = next.find_map(|n| find_cycle(n, graph, stack, done));
+    stack.pop();
+    found
 }
 
 fn read_tree(dir: &Path, root: &Path, out: &mut Vec<Source>) {
-    let mut entries: Vec<_> = std::fs::read_dir(dir)
-        .unwrap_or_else(|e| panic!("read {}: {e}", dir.display()))
-        .filter_map(Result::ok)
-        .map(|e| e.path())
-        .collect();
-    entries.sort();
-    for path in entries {
+    let entries = std::fs::read_dir(dir).unwrap_or_else(|e| panic!("read {}: {e}", dir.display()));
+    for path in entries.filter_map(Result::ok).map(|e| e.path()) {
         if path.is_dir() {
             read_tree(&path, root, out);
         } else if path.extension().is_some_and(|e| e == "rs") {
             let text = std::fs::read_to_string(&path)
                 .unwrap_or_else(|e| panic!("read {}: {e}", path.display()));
-            let relative = path.strip_prefix(root).unwrap_or(&path).to_path_buf();
-            out.push(Source {
-                path: relative,
-                text,
-            });
+            let path = path.strip_prefix(root).unwrap_or(&path).to_path_buf();
+            out.push(Source { path, text });
         }
     }
 }
 
 #[test]
-fn every_import_points_down_the_layers_and_no_folder_has_a_loop() {
+fn every_import_points_down_the_layers_and_nothing_loops() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
     let mut sources = Vec::new();
     read_tree(&root, &root, &mut sources);
+    sources.sort_by(|a, b| a.path.cmp(&b.path));
     assert!(sources.len() > 40, "found only {} files", sources.len());
     let problems = violations(&sources);
     assert!(
@@ -269,14 +240,11 @@ fn every_import_points_down_the_layers_and_no_folder_has_a_loop() {
 }
 
 fn fake(files: &[(&str, &str)]) -> Vec<String> {
-    let sources: Vec<Source> = files
-        .iter()
-        .map(|(path, text)| Source {
-            path: PathBuf::from(path),
-            text: (*text).to_owned(),
-        })
-        .collect();
-    violations(&sources)
+    let source = |(path, text): &(&str, &str)| Source {
+        path: PathBuf::from(path),
+        text: (*text).to_owned(),
+    };
+    violations(&files.iter().map(source).collect::<Vec<_>>())
 }
 
 #[test]
@@ -284,15 +252,18 @@ fn the_checker_catches_an_upward_import_in_every_form() {
     for text in [
         "use crate::proxy::fetch::SharedFailure;",
         "use crate::{config::X, proxy::Y};",
-        "use crate::{config::{A, B}, consistency::{marks::{LocalMarks}}};",
+        "use crate::{config::{A, B}, proxy::{fill::{Filler}}};",
         "fn f() { let n = crate::proxy::server::worker_index(); }",
+        "let c = '\"'; use crate::proxy::Y; let s = \"\\\"\";",
+        "let s = r#\"a\\\"#; use crate::proxy::Y; let t = r\"b\\\";",
     ] {
         let found = fake(&[("cache/l1.rs", text)]);
         assert_eq!(found.len(), 1, "{text}: {found:?}");
         assert!(
-            found[0].starts_with("cache/l1.rs: imports crate::"),
+            found[0].starts_with("src/cache/l1.rs: imports crate::proxy"),
             "{found:?}"
         );
+        assert!(found[0].ends_with("(layer 5 above layer 2)"), "{found:?}");
     }
 }
 
@@ -301,21 +272,33 @@ fn the_checker_ignores_comments_strings_and_downward_imports() {
     let text = "//! see crate::proxy::read\n\
                 use crate::config::X; // crate::app\n\
                 use super::l2::L2;\n\
-                const S: &str = \"crate::proxy\";";
+                fn f<'a>(_: &'a str) -> char { let _ = \"crate::proxy\"; '\\'' }";
     assert_eq!(fake(&[("cache/l1.rs", text)]), Vec::<String>::new());
 }
 
 #[test]
-fn the_checker_catches_a_loop_between_siblings() {
+fn the_checker_catches_a_loop_between_siblings_at_any_depth() {
     let found = fake(&[
         ("config/env.rs", "use super::validate::check;"),
         ("config/validate.rs", "use super::{raw::Raw, env};"),
         ("config/raw.rs", ""),
     ]);
-    assert_eq!(found.len(), 1, "{found:?}");
-    assert!(found[0].contains("import loop"), "{found:?}");
-    assert!(
-        found[0].contains("env") && found[0].contains("validate"),
-        "{found:?}"
+    assert_eq!(found, ["src/config/: import loop env -> validate -> env"]);
+    // Within one layer, across folders: `protect/flight/fleet.rs` uses `bloom`.
+    let found = fake(&[
+        (
+            "protect/flight/fleet.rs",
+            "use crate::protect::bloom::Filter;",
+        ),
+        ("protect/bloom.rs", "use super::flight::Flights;"),
+    ]);
+    assert_eq!(
+        found,
+        ["src/protect/: import loop bloom -> flight -> bloom"]
     );
+    let found = fake(&[
+        ("admin.rs", "use crate::reload::Live;"),
+        ("reload.rs", "use crate::admin::A;"),
+    ]);
+    assert_eq!(found, ["src/: import loop admin -> reload -> admin"]);
 }
