@@ -37,10 +37,12 @@ use crate::proxy::fill::{Filler, Flights};
 use crate::proxy::hot::HotGate;
 use crate::proxy::origin::Origin;
 use crate::proxy::origin_guard::OriginGuard;
+use crate::proxy::passthrough::Passthrough;
 use crate::proxy::read::ReadPath;
 use crate::proxy::route::RouteTable;
 use crate::proxy::server::{self, ConnLimits};
 use crate::proxy::upstream::Upstream;
+use crate::proxy::write::WritePath;
 use crate::proxy::{CacheEvents, Proxy};
 use crate::reload::{self, Live, Reloaded, Source};
 
@@ -377,22 +379,34 @@ impl App {
             metrics.clone(),
         ));
         let read = read_path(&config, tiers, &hot, dist.clone(), &origin, &metrics);
-        let proxy = Arc::new(Proxy {
-            routes: ArcSwap::from_pointee(routes),
-            read,
-            origin,
-            l1: l1.clone(),
-            store: dist,
-            max_header_bytes: config.server.max_header_bytes,
-            passthrough_metrics: metrics.for_route("_passthrough"),
-            metrics: metrics.clone(),
-            filters: Arc::clone(&filters),
+        let routes = Arc::new(ArcSwap::from_pointee(routes));
+        let passthrough = Arc::new(Passthrough {
+            origin: Arc::clone(&origin),
+        });
+        let write = Arc::new(WritePath {
+            routes: Arc::clone(&routes),
             invalidator: Arc::clone(&invalidator),
+            filters: Arc::clone(&filters),
+            passthrough: Arc::clone(&passthrough),
             deferred: TaskTracker::new(),
             background: tokio::runtime::Handle::current(),
             stop: stop_tasks.clone(),
         });
-        let deferred = proxy.deferred.clone();
+        let proxy = Arc::new(Proxy {
+            routes,
+            read,
+            write,
+            passthrough,
+            origin,
+            l1: l1.clone(),
+            store: dist,
+            max_header_bytes: config.server.max_header_bytes,
+            max_body_bytes: config.server.max_body_bytes,
+            passthrough_metrics: metrics.for_route("_passthrough"),
+            metrics: metrics.clone(),
+            invalidator: Arc::clone(&invalidator),
+        });
+        let deferred = proxy.write.deferred.clone();
         if let (Some(conn), Some(_)) = (&redis, &config.redis)
             && config.stream.enabled
         {

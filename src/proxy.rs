@@ -27,13 +27,13 @@ use std::sync::Arc;
 use arc_swap::ArcSwap;
 use http::{Method, Request, Response, header};
 use hyper::body::Incoming;
-use tokio_util::sync::CancellationToken;
-use tokio_util::task::TaskTracker;
 
 use self::body::Body;
 use self::origin::Origin;
+use self::passthrough::Passthrough;
 use self::read::ReadPath;
 use self::route::RouteTable;
+use self::write::WritePath;
 use crate::cache::l1::L1;
 use crate::cache::marks::LocalMarks;
 use crate::consistency::invalidate::{self, Invalidator};
@@ -41,7 +41,6 @@ use crate::coord::events::{BusListener, Event, EventKind};
 use crate::coord::store::RedisStore;
 use crate::error::ProxyError;
 use crate::metrics::{Metrics, RouteMetrics};
-use crate::protect::bloom::Filters;
 use crate::protect::hotkeys::HotKeys;
 
 /// The router: limits, then the route, then one of three paths — [`ReadPath`] for GET/HEAD
@@ -49,29 +48,25 @@ use crate::protect::hotkeys::HotKeys;
 /// pass-through for everything else. Built once by the app, shared by every connection.
 #[derive(Debug)]
 pub(crate) struct Proxy {
-    /// Reloadable: swapped whole by a config reload (see `app.rs`).
-    pub(crate) routes: ArcSwap<RouteTable>,
+    /// Reloadable: swapped whole by a config reload (see `reload.rs`); shared with the
+    /// write path.
+    pub(crate) routes: Arc<ArcSwap<RouteTable>>,
     pub(crate) read: Arc<ReadPath>,
+    pub(crate) write: Arc<WritePath>,
+    pub(crate) passthrough: Arc<Passthrough>,
+    /// The upstream client and origin guard every path shares (swapped by a reload).
     pub(crate) origin: Arc<Origin>,
     /// L1, for purges by pattern (in embedded mode it is the whole cache).
     pub(crate) l1: L1,
     /// The Redis calls of invalidation and the tag index; `None` in embedded mode.
     pub(crate) store: Option<RedisStore>,
     pub(crate) max_header_bytes: usize,
+    pub(crate) max_body_bytes: u64,
     pub(crate) metrics: Metrics,
     /// Metric handles for requests that match no route (`route="_passthrough"`).
     pub(crate) passthrough_metrics: Arc<RouteMetrics>,
-    /// Bloom filters of existing ids.
-    pub(crate) filters: Arc<Filters>,
-    /// Invalidation everywhere (L1, Redis, the journal).
+    /// Invalidation everywhere (L1, Redis, the journal), for purges.
     pub(crate) invalidator: Arc<Invalidator>,
-    /// Delayed deletes waiting for their time (see `write.rs`).
-    pub(crate) deferred: TaskTracker,
-    /// The main runtime: delayed deletes run there, not on a proxy worker's runtime,
-    /// which is gone by the time shutdown runs them early.
-    pub(crate) background: tokio::runtime::Handle,
-    /// Cancelled at shutdown: delayed deletes then run at once.
-    pub(crate) stop: CancellationToken,
 }
 
 /// Applies other instances' key events to this instance's cache: an `invalidate` drops
@@ -146,11 +141,11 @@ impl Proxy {
             Some(matched) => {
                 let route = Arc::clone(matched.route);
                 let params = matched.params;
-                self.serve_write(&route, &params, request, client).await
+                self.write.serve(&route, &params, request, client).await
             }
             None => {
                 let metrics = Arc::clone(&self.passthrough_metrics);
-                self.serve_passthrough(&metrics, request, client).await
+                self.passthrough.serve(&metrics, request, client).await
             }
         }
     }
@@ -175,8 +170,8 @@ impl Proxy {
             .get(header::CONTENT_LENGTH)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.parse::<u64>().ok());
-        if declared.is_some_and(|len| len > self.origin.max_body_bytes) {
-            return Err(ProxyError::BodyTooLarge(self.origin.max_body_bytes));
+        if declared.is_some_and(|len| len > self.max_body_bytes) {
+            return Err(ProxyError::BodyTooLarge(self.max_body_bytes));
         }
         Ok(())
     }

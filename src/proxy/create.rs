@@ -12,14 +12,14 @@ use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use tracing::warn;
 
-use super::Proxy;
 use super::body::Body;
 use super::respond;
 use super::route::Route;
+use super::write::WritePath;
 use crate::config::AddFrom;
 use crate::protect::bloom::source::{self, MAX_ID_BYTES};
 
-impl Proxy {
+impl WritePath {
     pub(crate) async fn serve_create(
         &self,
         route: &Arc<Route>,
@@ -27,7 +27,8 @@ impl Proxy {
         client: SocketAddr,
     ) -> Response<Body> {
         let response = self
-            .serve_passthrough(&route.metrics, request, client)
+            .passthrough
+            .serve(&route.metrics, request, client)
             .await;
         let (Some(filter), Some(add)) = (&route.adds_to, &route.config.bloom_add) else {
             return response;

@@ -9,14 +9,22 @@ use http::{Request, Response};
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 
-use super::Proxy;
+use std::sync::Arc;
+
 use super::body::Body;
+use super::origin::Origin;
 use super::upstream::UpstreamBody;
 use crate::metrics::{OriginStatus, Outcome, RouteMetrics};
 
-impl Proxy {
+/// Forwards requests untouched, through the origin guard.
+#[derive(Debug)]
+pub(crate) struct Passthrough {
+    pub(crate) origin: Arc<Origin>,
+}
+
+impl Passthrough {
     /// Proxies `request` untouched and records it under `metrics`.
-    pub(crate) async fn serve_passthrough(
+    pub(crate) async fn serve(
         &self,
         metrics: &RouteMetrics,
         request: Request<Incoming>,

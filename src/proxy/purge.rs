@@ -101,7 +101,7 @@ impl Proxy {
         let mut items: Vec<Invalidation> = Vec::new();
         for key in &request.keys {
             let path = key.split_once('?').map_or(key.as_str(), |(p, _)| p);
-            match self.path_target(path) {
+            match self.write.path_target(path) {
                 Some(item) => {
                     outcome.keys += 1;
                     items.push(item);
@@ -182,7 +182,7 @@ impl Proxy {
         let items: Vec<Invalidation> = targets
             .into_iter()
             .filter_map(|target| match target {
-                Target::Path(path) => self.path_target(&path),
+                Target::Path(path) => self.write.path_target(&path),
                 Target::Tag(tag) => Some(Invalidation::Tag(tag)),
             })
             .collect();

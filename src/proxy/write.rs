@@ -27,24 +27,48 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use arc_swap::ArcSwap;
 use http::{Method, Request, Response};
 use hyper::body::Incoming;
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
-use super::Proxy;
 use super::body::Body;
-use super::route::Route;
+use super::passthrough::Passthrough;
+use super::route::{Route, RouteTable};
 use crate::cache::key;
-use crate::consistency::invalidate::{Invalidation, Source};
+use crate::consistency::invalidate::{Invalidation, Invalidator, Source};
 use crate::consistency::tags;
+use crate::protect::bloom::Filters;
 
 /// The third delete is issued this much (at most a quarter of the delay) before
 /// `double_delete_delay` is up, so that it has landed by then despite timer and Redis
 /// latency.
 const THIRD_DELETE_LEAD: Duration = Duration::from_millis(20);
 
-impl Proxy {
-    pub(crate) async fn serve_write(
+/// Everything a write needs; built once by the app, shared by every connection.
+#[derive(Debug)]
+pub(crate) struct WritePath {
+    /// The router's table (reloadable): a write's `invalidate` patterns name read routes.
+    pub(crate) routes: Arc<ArcSwap<RouteTable>>,
+    /// Invalidation everywhere (L1, Redis, the journal).
+    pub(crate) invalidator: Arc<Invalidator>,
+    /// Bloom filters, which a create's id is added to (`create.rs`).
+    pub(crate) filters: Arc<Filters>,
+    pub(crate) passthrough: Arc<Passthrough>,
+    /// Delayed deletes waiting for their time.
+    pub(crate) deferred: TaskTracker,
+    /// The main runtime: delayed deletes run there, not on a proxy worker's runtime,
+    /// which is gone by the time shutdown runs them early.
+    pub(crate) background: tokio::runtime::Handle,
+    /// Cancelled at shutdown: delayed deletes then run at once.
+    pub(crate) stop: CancellationToken,
+}
+
+impl WritePath {
+    /// Serves a request on a write route: forwarded, with its invalidations around it.
+    pub(crate) async fn serve(
         self: &Arc<Self>,
         route: &Arc<Route>,
         params: &[(String, String)],
@@ -68,7 +92,8 @@ impl Proxy {
         let mut response = if route.adds_to.is_some() {
             self.serve_create(route, request, client).await
         } else {
-            self.serve_passthrough(&route.metrics, request, client)
+            self.passthrough
+                .serve(&route.metrics, request, client)
                 .await
         };
         let answered = Instant::now();
