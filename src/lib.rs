@@ -40,5 +40,8 @@ pub mod reload;
 pub mod shutdown;
 mod worker;
 
+#[cfg(test)]
+mod test_redis;
+
 pub use app::{App, Running};
 pub use config::Config;

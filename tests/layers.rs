@@ -11,7 +11,15 @@ type Graph = BTreeMap<String, BTreeSet<String>>;
 
 /// Top-level modules from the bottom up; a module may use its own layer and below.
 const LAYERS: &[&[&str]] = &[
-    &["clock", "worker", "error", "config", "metrics", "shutdown"],
+    &[
+        "clock",
+        "worker",
+        "error",
+        "config",
+        "metrics",
+        "shutdown",
+        "test_redis",
+    ],
     &["coord"],
     &["cache"],
     &["protect"],

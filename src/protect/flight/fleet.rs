@@ -273,7 +273,8 @@ where
 #[cfg(test)]
 mod tests {
     //! On paused time: the follower's timers and the leader's renewal cadence are logic,
-    //! not Redis; the Redis side is exercised end to end in `tests/`.
+    //! not Redis. The permit's Redis side (drop, fill) runs against a real redis-server;
+    //! the protocol across instances is exercised end to end in `tests/`.
 
     use std::cell::Cell;
     use std::sync::Arc;
@@ -282,6 +283,7 @@ mod tests {
 
     use super::*;
     use crate::coord::events::Waiters;
+    use crate::test_redis::TestRedis;
 
     fn waiters() -> Arc<Waiters> {
         Waiters::new(IntGauge::new("waiters", "test").expect("gauge"))
@@ -368,6 +370,89 @@ mod tests {
         assert_eq!((output, renewals.get()), ("fetched", 10));
         tokio::time::sleep(Duration::from_secs(1)).await;
         assert_eq!(renewals.get(), 10, "renewed after the work ended");
+    }
+
+    /// A fleet lock on `redis` with a long lease, so only an explicit release frees a key.
+    async fn fleet_on(redis: &TestRedis) -> FleetLock {
+        let toml = format!(
+            "[upstream]\nurl = \"http://127.0.0.1:9\"\n[redis]\nurl = \"{}\"\n\
+             [[routes]]\nname = \"r\"\nmatch = \"/r/{{id}}\"\n",
+            redis.url()
+        );
+        let vars = std::collections::HashMap::<String, String>::new();
+        let config = crate::config::Config::from_toml(&toml, "test.toml", &vars).expect("config");
+        let metrics = Metrics::unregistered();
+        let redis_config = config.redis.as_ref().expect("shared mode");
+        let conn = crate::coord::RedisConn::start(
+            redis_config,
+            metrics.clone(),
+            tokio_util::sync::CancellationToken::new(),
+        )
+        .await
+        .expect("redis");
+        let keys = crate::coord::Keyspace::new(&redis_config.key_prefix);
+        let bus = crate::coord::events::EventBus::new(keys.events_channel(), 1, waiters(), vec![]);
+        FleetLock::new(
+            RedisStore::new(conn, keys, Duration::from_secs(30), bus),
+            metrics,
+        )
+    }
+
+    /// Claims `hash` until this instance leads (bounded), and returns its permit.
+    async fn lead(fleet: &FleetLock, hash: u128, within: Duration) -> Box<FillPermit> {
+        let deadline = Instant::now() + within;
+        loop {
+            if let Ok(Claim::Leader(permit)) = fleet.claim(hash, hash).await {
+                return permit;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "key {hash} still locked after {within:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// Against a real redis-server: a leader whose permit is dropped unused (its fetch
+    /// task was cancelled or panicked) frees the key at once, not after its 30 s lease.
+    #[tokio::test]
+    async fn a_permit_dropped_unused_releases_the_lock_at_once() {
+        let redis = TestRedis::start().await;
+        let fleet = fleet_on(&redis).await;
+        let permit = lead(&fleet, 1, Duration::ZERO).await;
+        assert!(
+            matches!(fleet.claim(1, 1).await, Ok(Claim::Follower(_))),
+            "a second claim follows while the permit lives"
+        );
+        drop(permit);
+        lead(&fleet, 1, Duration::from_secs(2))
+            .await
+            .release(EventKind::Released)
+            .await;
+    }
+
+    /// Against a real redis-server: a fill stores the entry and frees the key in one step,
+    /// and a consumed permit's drop touches nothing (the next holder keeps its lock).
+    #[tokio::test]
+    async fn a_fill_stores_and_frees_the_key_and_the_next_holder_keeps_its_lock() {
+        let redis = TestRedis::start().await;
+        let fleet = fleet_on(&redis).await;
+        let permit = lead(&fleet, 2, Duration::ZERO).await;
+        let stored = permit.fill(b"entry", Duration::from_secs(60)).await;
+        assert_eq!(stored.expect("redis"), FillOutcome::Stored);
+        let mut conn = redis.conn().await;
+        let entry: Option<Vec<u8>> = redis::cmd("GET")
+            .arg(crate::coord::Keyspace::new("cg:").entry(2, 2))
+            .query_async(&mut conn)
+            .await
+            .expect("GET");
+        assert_eq!(entry.as_deref(), Some(&b"entry"[..]));
+        let next = lead(&fleet, 2, Duration::ZERO).await;
+        assert!(
+            matches!(fleet.claim(2, 2).await, Ok(Claim::Follower(_))),
+            "the next holder's lock was released by the filled permit"
+        );
+        next.release(EventKind::Released).await;
     }
 
     #[tokio::test(start_paused = true)]
