@@ -241,6 +241,25 @@ async fn readyz(client: &HttpClient, admin: std::net::SocketAddr) -> (u16, Strin
     (r.status.as_u16(), r.text())
 }
 
+/// Polls `/readyz` on `admin` every `every` until it answers 200 `ready…`; false if it
+/// has not within `timeout`.
+async fn becomes_ready(
+    client: &HttpClient,
+    admin: std::net::SocketAddr,
+    timeout: Duration,
+    every: Duration,
+) -> bool {
+    let ready = poll_until(timeout, every, || {
+        let client = client.clone();
+        async move {
+            let (s, body) = readyz(&client, admin).await;
+            (s == 200 && body.starts_with("ready")).then_some(())
+        }
+    })
+    .await;
+    ready.is_some()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readyz_is_degraded_while_redis_is_down_and_ready_after() {
     let mut redis = RedisServer::start().await;
@@ -249,16 +268,15 @@ async fn readyz_is_degraded_while_redis_is_down_and_ready_after() {
     let client = HttpClient::new();
     let admin = cg.admin_addr();
 
-    let up = poll_until(Duration::from_secs(3), Duration::from_millis(50), || {
-        let client = client.clone();
-        async move {
-            let (s, body) = readyz(&client, admin).await;
-            (s == 200 && body.starts_with("ready")).then_some(())
-        }
-    })
+    let up = becomes_ready(
+        &client,
+        admin,
+        Duration::from_secs(3),
+        Duration::from_millis(50),
+    )
     .await;
     assert!(
-        up.is_some(),
+        up,
         "readyz with Redis up: {:?}",
         readyz(&client, admin).await
     );
@@ -288,16 +306,15 @@ async fn readyz_is_degraded_while_redis_is_down_and_ready_after() {
     assert_eq!(r.status, 200, "{r}");
 
     redis.restart().await;
-    let ready = poll_until(Duration::from_secs(5), Duration::from_millis(100), || {
-        let client = client.clone();
-        async move {
-            let (s, body) = readyz(&client, admin).await;
-            (s == 200 && body.starts_with("ready")).then_some(())
-        }
-    })
+    let ready = becomes_ready(
+        &client,
+        admin,
+        Duration::from_secs(5),
+        Duration::from_millis(100),
+    )
     .await;
     assert!(
-        ready.is_some(),
+        ready,
         "readyz not ready 5 s after Redis returned: {:?}",
         readyz(&client, admin).await
     );

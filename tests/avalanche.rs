@@ -15,8 +15,9 @@
 //! 6. warm-up fetches its paths at start at the configured rate; a second instance finds
 //!    them cached.
 //!
-//! The tests take a file-wide lock and run one at a time: they measure origin rates and
-//! latencies on a small shared machine, and a neighbour's load would be measured too.
+//! The tests take the binary's serial lock ([`common::serial`]) and run one at a time: they
+//! measure origin rates and latencies on a small shared machine, and a neighbour's load
+//! would be measured too.
 
 #![allow(clippy::unwrap_used)]
 
@@ -32,23 +33,17 @@ use tokio::task::{JoinHandle, JoinSet};
 use tokio::time::{Instant, MissedTickBehavior};
 use tokio_util::sync::CancellationToken;
 
-use common::{
-    CgConfig, HttpClient, RedisServer, TcpProxy, TestOrigin, bounded_parallel, poll_until, prom,
-    scrape, url,
-};
+use cacheguard::Running;
 
-/// One test at a time (see the module docs). Not poisoned by a failed test.
-static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+use common::load::{latency_summary, percentile, strict_latency};
+use common::{
+    CgConfig, HttpClient, RedisServer, TcpProxy, TestOrigin, bounded_parallel, item_route,
+    join_within, metrics, poll_until, prom, route, scrape, serial, url,
+};
 
 const BREAKER_OPEN: &str = "cacheguard_redis_breaker_open";
 const BREAKER_TRANSITIONS: &str = "cacheguard_redis_breaker_transitions_total";
 const REDIS_RESTARTS: &str = "cacheguard_redis_restarts_total";
-
-/// `CACHEGUARD_STRICT_LATENCY=1` enforces the absolute Avalanche latency targets where the
-/// default run relaxes them for this shared machine (each test says how and why).
-fn strict_latency() -> bool {
-    std::env::var("CACHEGUARD_STRICT_LATENCY").is_ok_and(|v| v == "1")
-}
 
 /// `redis.command_timeout` of [`shared`].
 const SHARED_COMMAND_TIMEOUT: Duration = Duration::from_millis(500);
@@ -64,10 +59,7 @@ fn shared(origin: &TestOrigin, redis: &RedisServer) -> CgConfig {
 
 // === metrics ===
 
-async fn metrics(client: &HttpClient, admin: SocketAddr) -> prom::Exposition {
-    scrape(client, admin).await.1
-}
-
+/// An unlabelled gauge or counter; panics when it is not exported.
 fn value(e: &prom::Exposition, name: &str) -> f64 {
     e.value(name)
         .unwrap_or_else(|| panic!("{name} is not exported"))
@@ -185,16 +177,11 @@ where
 
 /// Joins load workers (bounded) and concatenates their shots.
 async fn collect(workers: Vec<JoinHandle<Vec<Shot>>>, timeout: Duration) -> Vec<Shot> {
-    let all = async {
-        let mut out = Vec::new();
-        for w in workers {
-            out.extend(w.await.expect("load worker panicked"));
-        }
-        out
-    };
-    tokio::time::timeout(timeout, all)
+    join_within(workers, timeout, "load workers")
         .await
-        .unwrap_or_else(|_| panic!("load workers did not finish within {timeout:?}"))
+        .into_iter()
+        .flatten()
+        .collect()
 }
 
 /// An open-loop load: one request every `period` on a fixed schedule (each in its own
@@ -233,26 +220,14 @@ async fn open_loop(
         .expect("open-loop requests did not finish within 20 s")
 }
 
-/// Nearest-rank percentile.
-fn percentile(latencies: &[Duration], p: f64) -> Duration {
-    assert!(!latencies.is_empty(), "percentile of no samples");
-    let mut v = latencies.to_vec();
-    v.sort();
-    let rank = ((p / 100.0) * v.len() as f64).ceil() as usize;
-    v[rank.clamp(1, v.len()) - 1]
-}
-
-fn summary(latencies: &[Duration]) -> String {
-    if latencies.is_empty() {
-        return "n=0".into();
-    }
-    format!(
-        "n={} p50={:?} p99={:?} max={:?}",
-        latencies.len(),
-        percentile(latencies, 50.0),
-        percentile(latencies, 99.0),
-        percentile(latencies, 100.0)
-    )
+/// Up to five of `shots` that are `bad`, described (for failure messages).
+fn first_bad(shots: &[Shot], bad: impl Fn(&Shot) -> bool) -> Vec<String> {
+    shots
+        .iter()
+        .filter(|s| bad(s))
+        .take(5)
+        .map(Shot::describe)
+        .collect()
 }
 
 /// `"<status> <X-Cache>"` → count.
@@ -487,22 +462,27 @@ fn densest(sorted: &[u64], width: u64) -> (usize, u64) {
 
 // === 1. jitter ===
 
-const JITTER_ROUTES: &str = r#"
-[[routes]]
-name = "item"
-match = "/api/items/{id}"
-methods = ["GET"]
+/// Route `item` (ttl 4 s ± 50 %, grace 60 s) and route `gone` for the negative entries
+/// (negative_ttl 20 s ± 50 %).
+fn jitter_routes() -> String {
+    let item = item_route(
+        r#"
 ttl = "4s"
 jitter = 0.5
 grace = "60s"
-
-[[routes]]
-name = "gone"
-match = "/api/gone/{id}"
-methods = ["GET"]
+"#,
+    );
+    let gone = route(
+        "gone",
+        "/api/gone/{id}",
+        "GET",
+        r#"
 negative_ttl = "20s"
 jitter = 0.5
-"#;
+"#,
+    );
+    item + &gone
+}
 
 /// 5000 entries stored in one burst with ttl 4 s and jitter 0.5 (route overrides over the
 /// [cache] default of 60 s ± 20 %): every drawn ttl is in [2 s, 6 s], the whole range is
@@ -514,7 +494,7 @@ jitter = 0.5
 async fn burst_of_5000_stores_spreads_expiry_uniformly_over_two_to_six_seconds() {
     const N: usize = 5000;
     const NEG: usize = 200;
-    let _serial = SERIAL.lock().await;
+    let _serial = serial().await;
     let redis = RedisServer::start().await;
     let origin = TestOrigin::start().await;
     for i in 0..NEG {
@@ -524,7 +504,7 @@ async fn burst_of_5000_stores_spreads_expiry_uniformly_over_two_to_six_seconds()
     // command_timeout 2 s: a store slowed by a busy machine must not open the breaker.
     let cg = shared(&origin, &redis)
         .set_str("redis", "command_timeout", "2s")
-        .routes(JITTER_ROUTES)
+        .routes(&jitter_routes())
         .start()
         .await;
     let client = HttpClient::new();
@@ -544,19 +524,14 @@ async fn burst_of_5000_stores_spreads_expiry_uniformly_over_two_to_six_seconds()
     })
     .await;
     let burst = started.elapsed();
-    let bad: Vec<String> = results
-        .iter()
-        .filter(|s| {
-            let want = if s.path.starts_with("/api/gone/") {
-                404
-            } else {
-                200
-            };
-            s.status() != Some(want) || s.x_cache() != "MISS"
-        })
-        .take(5)
-        .map(Shot::describe)
-        .collect();
+    let bad = first_bad(&results, |s| {
+        let want = if s.path.starts_with("/api/gone/") {
+            404
+        } else {
+            200
+        };
+        s.status() != Some(want) || s.x_cache() != "MISS"
+    });
     assert!(
         bad.is_empty(),
         "burst answers: {:?}; e.g. {bad:?}",
@@ -722,6 +697,26 @@ fn capped(cfg: CgConfig) -> CgConfig {
         .set_str("upstream", "timeout", "1s")
 }
 
+/// A filler instance and a [`capped`] instance on `redis`, both with `routes`, started in
+/// that order: the filler fills Redis through an origin of its own, so the capped
+/// instance's origin (20 ms per answer) counts only the capped instance's requests.
+/// `(filler, filler's origin, capped instance, its origin)`.
+async fn filler_and_capped(
+    redis: &RedisServer,
+    routes: &str,
+) -> (Running, TestOrigin, Running, Arc<TestOrigin>) {
+    let fill_origin = TestOrigin::start().await;
+    let origin = Arc::new(
+        TestOrigin::builder()
+            .delay(Duration::from_millis(20))
+            .start()
+            .await,
+    );
+    let filler = shared(&fill_origin, redis).routes(routes).start().await;
+    let cg = capped(shared(&origin, redis).routes(routes)).start().await;
+    (filler, fill_origin, cg, origin)
+}
+
 /// The Avalanche target's bound on a client's wait: a slot (queue_timeout) plus the origin
 /// (timeout), plus 300 ms for the Redis round trips of a miss (loopback, ~1 ms each when
 /// healthy) and scheduling on a loaded 2-core machine. Asserted on the p99.
@@ -740,21 +735,16 @@ fn answer_bound() -> Duration {
 /// and the p99 within `issue_bound()`.
 fn assert_ok_or_shed(shots: &[Shot], what: &str) {
     let bound = answer_bound();
-    let bad: Vec<String> = shots
-        .iter()
-        .filter(|s| {
-            let answer_ok = match &s.answer {
-                Ok((200, _, _)) => true,
-                Ok((503, _, retry)) => retry
-                    .as_deref()
-                    .is_some_and(|v| v.trim().parse::<u64>().is_ok()),
-                _ => false,
-            };
-            !answer_ok || s.latency > bound
-        })
-        .take(5)
-        .map(Shot::describe)
-        .collect();
+    let bad = first_bad(shots, |s| {
+        let answer_ok = match &s.answer {
+            Ok((200, _, _)) => true,
+            Ok((503, _, retry)) => retry
+                .as_deref()
+                .is_some_and(|v| v.trim().parse::<u64>().is_ok()),
+            _ => false,
+        };
+        !answer_ok || s.latency > bound
+    });
     assert!(
         bad.is_empty(),
         "{what}: every answer must be 200 or 503 + Retry-After within {bound:?} \
@@ -772,19 +762,20 @@ fn assert_p99_within_issue_bound(shots: &[Shot], what: &str) {
         p99 <= issue_bound(),
         "{what}: p99 {p99:?} over queue_timeout + origin timeout + 300 ms ({:?}); {}",
         issue_bound(),
-        summary(&latencies)
+        latency_summary(&latencies)
     );
 }
 
-const EXPIRY_ROUTE: &str = r#"
-[[routes]]
-name = "item"
-match = "/api/items/{id}"
-methods = ["GET"]
+/// Route `item` with ttl 8 s, no jitter, grace 30 s.
+fn expiry_route() -> String {
+    item_route(
+        r#"
 ttl = "8s"
 jitter = 0.0
 grace = "30s"
-"#;
+"#,
+    )
+}
 
 /// 1000 keys filled together (jitter 0, ttl 8 s) by one instance expire together while a
 /// second, capped instance (100 req/s, 8 in flight) is under load: 8 clients cycling over
@@ -801,23 +792,11 @@ grace = "30s"
 async fn mass_expiry_under_load_keeps_the_origin_under_its_caps() {
     const KEYS: usize = 1000;
     const TTL: Duration = Duration::from_secs(8);
-    let _serial = SERIAL.lock().await;
+    let _serial = serial().await;
     let redis = RedisServer::start().await;
     // The filler has an origin of its own, so `origin` counts only the capped instance.
-    let fill_origin = TestOrigin::start().await;
-    let origin = Arc::new(
-        TestOrigin::builder()
-            .delay(Duration::from_millis(20))
-            .start()
-            .await,
-    );
-    let filler = shared(&fill_origin, &redis)
-        .routes(EXPIRY_ROUTE)
-        .start()
-        .await;
-    let capped_cg = capped(shared(&origin, &redis).routes(EXPIRY_ROUTE))
-        .start()
-        .await;
+    let (filler, _fill_origin, capped_cg, origin) =
+        filler_and_capped(&redis, &expiry_route()).await;
     let client = HttpClient::new();
     let e = metrics(&client, capped_cg.admin_addr()).await;
     assert_eq!(value(&e, BREAKER_OPEN), 0.0, "Redis must be in use");
@@ -895,12 +874,9 @@ async fn mass_expiry_under_load_keeps_the_origin_under_its_caps() {
     stop.cancel();
     let profile = sampler.finish(&origin).await;
 
-    let hot_bad: Vec<String> = hot
-        .iter()
-        .filter(|s| s.status() != Some(200) || s.latency > answer_bound())
-        .take(5)
-        .map(Shot::describe)
-        .collect();
+    let hot_bad = first_bad(&hot, |s| {
+        s.status() != Some(200) || s.latency > answer_bound()
+    });
     let hot_tally = tally(&hot);
     assert!(
         hot_bad.is_empty(),
@@ -915,7 +891,7 @@ async fn mass_expiry_under_load_keeps_the_origin_under_its_caps() {
         hot_p99 < QUEUE_TIMEOUT,
         "expired keys: p99 {hot_p99:?} >= queue_timeout {QUEUE_TIMEOUT:?}: stale answers \
          wait for the origin guard ({})",
-        summary(&hot_lat)
+        latency_summary(&hot_lat)
     );
     assert!(
         hot_tally.get("200 STALE").copied().unwrap_or(0) > 0,
@@ -987,8 +963,8 @@ async fn mass_expiry_under_load_keeps_the_origin_under_its_caps() {
          of {KEYS} expired keys refreshed (max {max_per_key} each); shed_total {shed_total}\n  \
          expired keys {hot_tally:?} {}\n  cold keys {cold_tally:?} {}",
         origin.max_in_flight(),
-        summary(&hot_lat),
-        summary(&cold_lat),
+        latency_summary(&hot_lat),
+        latency_summary(&cold_lat),
     );
     capped_cg.shutdown().await;
 }
@@ -1018,7 +994,7 @@ async fn redis_killed_under_load_l1_keys_keep_answering_fast() {
     const BEFORE: Duration = Duration::from_millis(1500);
     const OUTAGE: Duration = Duration::from_secs(2);
     const COMMAND_TIMEOUT: Duration = Duration::from_millis(200);
-    let _serial = SERIAL.lock().await;
+    let _serial = serial().await;
     let mut redis = RedisServer::start().await;
     let origin = TestOrigin::start().await;
     let cg = CgConfig::new(&origin)
@@ -1071,12 +1047,9 @@ async fn redis_killed_under_load_l1_keys_keep_answering_fast() {
     let shots = load.await.unwrap();
     let opened_after = watch.await.unwrap();
 
-    let bad: Vec<String> = shots
-        .iter()
-        .filter(|s| s.status() != Some(200) || s.x_cache() != "HIT-L1")
-        .take(5)
-        .map(Shot::describe)
-        .collect();
+    let bad = first_bad(&shots, |s| {
+        s.status() != Some(200) || s.x_cache() != "HIT-L1"
+    });
     assert!(
         bad.is_empty(),
         "keys in L1 must be served from L1 with Redis killed: {:?}; e.g. {bad:?}",
@@ -1111,8 +1084,8 @@ async fn redis_killed_under_load_l1_keys_keep_answering_fast() {
         "Redis killed under {rate:.0} req/s over {KEYS} L1 keys: kill took {kill_took:?}, \
          breaker open after {opened_after:?}\n  before the kill {}\n  during the outage {}\n  \
          slowest (latency, sent ms after the kill): {slowest:?}",
-        summary(&before),
-        summary(&during),
+        latency_summary(&before),
+        latency_summary(&during),
     );
     assert!(
         rate >= 450.0,
@@ -1141,7 +1114,7 @@ async fn redis_killed_under_load_l1_keys_keep_answering_fast() {
         assert!(
             p99 < Duration::from_millis(5),
             "CACHEGUARD_STRICT_LATENCY: p99 during the outage {p99:?} >= 5 ms ({})",
-            summary(&during)
+            latency_summary(&during)
         );
     }
     // Relative to the same load before the kill: a stall of the shared machine sets both
@@ -1152,35 +1125,27 @@ async fn redis_killed_under_load_l1_keys_keep_answering_fast() {
         p99 < COMMAND_TIMEOUT + p99_before,
         "p99 during the outage {p99:?} >= command_timeout {COMMAND_TIMEOUT:?} + p99 before \
          {p99_before:?}: L1 hits wait on the dead Redis; during {}, before {}",
-        summary(&during),
-        summary(&before)
+        latency_summary(&during),
+        latency_summary(&before)
     );
     let (p50_before, p50_during) = (percentile(&before, 50.0), percentile(&during, 50.0));
     assert!(
         p50_during < p50_before + Duration::from_millis(2),
         "the outage costs every L1 hit: median {p50_during:?} during it, {p50_before:?} \
          before; during {}, before {}",
-        summary(&during),
-        summary(&before)
+        latency_summary(&during),
+        latency_summary(&before)
     );
     cg.shutdown().await;
 }
 
 // === 4. slow Redis ===
 
-const SLOW_ROUTES: &str = r#"
-[[routes]]
-name = "item"
-match = "/api/items/{id}"
-methods = ["GET"]
-l1 = "all"
-
-[[routes]]
-name = "doc"
-match = "/api/docs/{id}"
-methods = ["GET"]
-l1 = "hot"
-"#;
+/// Route `item` (every entry in L1) and route `doc` (`l1 = "hot"`: in practice L2 only),
+/// for the slow-Redis and the restart scenarios.
+fn l1_and_l2_routes() -> String {
+    item_route(r#"l1 = "all""#) + &route("doc", "/api/docs/{id}", "GET", r#"l1 = "hot""#)
+}
 
 /// The `i`th request of the slow-Redis mix: half keys in L1, a quarter in L2 only, a
 /// quarter never cached (`tag` keeps those distinct between runs of the mix).
@@ -1208,15 +1173,15 @@ fn slow_mix_path(i: usize, tag: &str) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slow_redis_opens_the_breaker_and_costs_at_most_one_command_timeout() {
     const COMMAND_TIMEOUT: Duration = Duration::from_millis(50);
-    let _serial = SERIAL.lock().await;
+    let _serial = serial().await;
     let redis = RedisServer::start().await;
-    let proxy = TcpProxy::start(SocketAddr::from(([127, 0, 0, 1], redis.port()))).await;
+    let proxy = TcpProxy::start(redis.addr()).await;
     let origin = TestOrigin::start().await;
     let cg = CgConfig::new(&origin)
         .redis(&redis)
         .set_str("redis", "url", &proxy.redis_url())
         .set_str("redis", "command_timeout", "50ms")
-        .routes(SLOW_ROUTES)
+        .routes(&l1_and_l2_routes())
         .start()
         .await;
     let client = HttpClient::new();
@@ -1275,12 +1240,7 @@ async fn slow_redis_opens_the_breaker_and_costs_at_most_one_command_timeout() {
         .unwrap()
         .expect("the breaker did not open within 5 s of Redis turning slow");
 
-    let bad: Vec<String> = shots
-        .iter()
-        .filter(|s| s.status() != Some(200))
-        .take(5)
-        .map(Shot::describe)
-        .collect();
+    let bad = first_bad(&shots, |s| s.status() != Some(200));
     assert!(
         bad.is_empty(),
         "a slow Redis must not fail requests: {:?}; e.g. {bad:?}",
@@ -1302,9 +1262,9 @@ async fn slow_redis_opens_the_breaker_and_costs_at_most_one_command_timeout() {
     eprintln!(
         "slow Redis: {} ({:?}); Redis healthy (floor) {}; breaker open {opened_after:?} \
          after the slowdown; {} requests at or over {target:?}: {over:?}",
-        summary(&latencies),
+        latency_summary(&latencies),
         tally(&shots),
-        summary(&floor_lat),
+        latency_summary(&floor_lat),
         over.len()
     );
     assert!(
@@ -1316,7 +1276,7 @@ async fn slow_redis_opens_the_breaker_and_costs_at_most_one_command_timeout() {
         } else {
             format!(" over the floor {floor:?}")
         },
-        summary(&latencies)
+        latency_summary(&latencies)
     );
 
     // While Redis stays slow the breaker stays open: sampled every 50 ms for 1.5 s, and
@@ -1380,20 +1340,6 @@ async fn slow_redis_opens_the_breaker_and_costs_at_most_one_command_timeout() {
 
 // === 5. Redis restarted empty ===
 
-const RESTART_ROUTES: &str = r#"
-[[routes]]
-name = "item"
-match = "/api/items/{id}"
-methods = ["GET"]
-l1 = "all"
-
-[[routes]]
-name = "doc"
-match = "/api/docs/{id}"
-methods = ["GET"]
-l1 = "hot"
-"#;
-
 /// A capped instance (100 req/s, 8 in flight) serves 200 keys from L1 (route `item`) and
 /// 1000 keys only Redis holds (route `doc`, filled by another instance). Under load, Redis
 /// is killed, then restarted empty. The `item` keys never fail; the `doc` keys are
@@ -1404,22 +1350,9 @@ l1 = "hot"
 async fn redis_restarted_empty_refills_under_the_origin_caps() {
     const ITEMS: usize = 200;
     const DOCS: usize = 1000;
-    let _serial = SERIAL.lock().await;
+    let _serial = serial().await;
     let mut redis = RedisServer::start().await;
-    let fill_origin = TestOrigin::start().await;
-    let origin = Arc::new(
-        TestOrigin::builder()
-            .delay(Duration::from_millis(20))
-            .start()
-            .await,
-    );
-    let filler = shared(&fill_origin, &redis)
-        .routes(RESTART_ROUTES)
-        .start()
-        .await;
-    let cg = capped(shared(&origin, &redis).routes(RESTART_ROUTES))
-        .start()
-        .await;
+    let (filler, _fill_origin, cg, origin) = filler_and_capped(&redis, &l1_and_l2_routes()).await;
     let client = HttpClient::new();
     let addr = cg.addr();
     let admin = cg.admin_addr();
@@ -1547,12 +1480,7 @@ async fn redis_restarted_empty_refills_under_the_origin_caps() {
     let profile = sampler.finish(&origin).await;
     let in_l2 = redis.entry_keys().await.len();
 
-    let item_bad: Vec<String> = item_shots
-        .iter()
-        .filter(|s| s.status() != Some(200))
-        .take(5)
-        .map(Shot::describe)
-        .collect();
+    let item_bad = first_bad(&item_shots, |s| s.status() != Some(200));
     assert!(
         item_bad.is_empty(),
         "keys in L1 must never fail across the restart: {:?}; e.g. {item_bad:?}",
@@ -1581,9 +1509,9 @@ async fn redis_restarted_empty_refills_under_the_origin_caps() {
         e.sum(BREAKER_TRANSITIONS, &[("to", "open")]),
         e.sum(BREAKER_TRANSITIONS, &[("to", "closed")]),
         tally(&item_shots),
-        summary(&item_lat),
+        latency_summary(&item_lat),
         tally(&doc_shots),
-        summary(&doc_lat),
+        latency_summary(&doc_lat),
     );
     let closed = closed.expect("the breaker did not close within 5 s of Redis answering");
     assert!(
@@ -1625,7 +1553,7 @@ async fn redis_restarted_empty_refills_under_the_origin_caps() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn warmup_fills_paths_at_its_rate_and_a_second_instance_finds_them_cached() {
     const PATHS: usize = 20;
-    let _serial = SERIAL.lock().await;
+    let _serial = serial().await;
     let redis = RedisServer::start().await;
     let origin = Arc::new(TestOrigin::start().await);
     let paths: Vec<String> = (0..PATHS).map(|i| format!("/api/items/warm-{i}")).collect();
@@ -1634,15 +1562,7 @@ async fn warmup_fills_paths_at_its_rate_and_a_second_instance_finds_them_cached(
         .map(|p| format!("{p:?}"))
         .collect::<Vec<_>>()
         .join(", ");
-    let routes = format!(
-        r#"
-[[routes]]
-name = "item"
-match = "/api/items/{{id}}"
-methods = ["GET"]
-warmup = {{ paths = [{list}], rate = 10 }}
-"#
-    );
+    let routes = item_route(&format!("warmup = {{ paths = [{list}], rate = 10 }}"));
     let cfg = shared(&origin, &redis).routes(&routes);
     let client = HttpClient::new();
 

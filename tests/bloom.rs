@@ -19,10 +19,11 @@ use bytes::Bytes;
 use serde_json::Value;
 use tokio::time::Instant;
 
+use common::client::parse_response;
 use common::prom::{Exposition, check_histogram};
 use common::{
     CgConfig, HttpClient, IdsFault, IdsFormat, RedisCluster, RedisServer, SharedRedis, TcpProxy,
-    TestOrigin, bounded_parallel, poll_until, post, scrape, url,
+    TestOrigin, bounded_parallel, item_route, no_poke, poll_until, post, route, scrape, url,
 };
 
 const FILTER: &str = "items";
@@ -40,10 +41,7 @@ const POLL_EVERY: Duration = Duration::from_millis(20);
 
 /// One `[[bloom]]` table named [`FILTER`]; `source` is the TOML inline table.
 fn bloom_table(expected_items: u64, fp_rate: f64, refresh: &str, source: &str) -> String {
-    format!(
-        "\n[[bloom]]\nname = \"{FILTER}\"\nexpected_items = {expected_items}\nfp_rate = {fp_rate}\n\
-         refresh = \"{refresh}\"\nsource = {source}\n"
-    )
+    common::bloom_table(FILTER, expected_items, fp_rate, refresh, source)
 }
 
 /// The default source: the origin's ids endpoint, as a path on the upstream.
@@ -54,21 +52,16 @@ fn url_source() -> String {
 /// The read route `item` (checks the filter) and the write route `item-create` (adds the
 /// created id, taken `from` the answer), followed by `bloom`.
 fn routes(from: &str, bloom: &str) -> String {
-    format!(
-        r#"
-[[routes]]
-name = "item"
-match = "/api/items/{{id}}"
-methods = ["GET"]
-bloom = {{ filter = "{FILTER}", param = "id" }}
-
-[[routes]]
-name = "item-create"
-match = "/api/items"
-methods = ["POST"]
-bloom_add = {{ filter = "{FILTER}", from = "{from}" }}
-{bloom}"#
-    )
+    let item = item_route(&format!(
+        r#"bloom = {{ filter = "{FILTER}", param = "id" }}"#
+    ));
+    let create = route(
+        "item-create",
+        "/api/items",
+        "POST",
+        &format!(r#"bloom_add = {{ filter = "{FILTER}", from = "{from}" }}"#),
+    );
+    [item, create, bloom.to_owned()].concat()
 }
 
 fn seed_ids(n: u64) -> Vec<String> {
@@ -161,22 +154,8 @@ async fn wait_metric(
     timeout: Duration,
     pred: impl Fn(f64) -> bool,
 ) -> f64 {
-    let found = poll_until(timeout, POLL_EVERY, || async {
-        let (_, exp) = scrape(client, admin).await;
-        let v = metric(&exp, name, labels);
-        pred(v).then_some(v)
-    })
-    .await;
-    match found {
-        Some(v) => v,
-        None => {
-            let (_, exp) = scrape(client, admin).await;
-            panic!(
-                "{name}{labels:?} did not reach the expected value within {timeout:?}; last {}",
-                metric(&exp, name, labels)
-            )
-        }
-    }
+    let every = POLL_EVERY;
+    common::wait_metric(client, admin, name, labels, timeout, every, pred, no_poke).await
 }
 
 /// Waits until the instance's pub/sub subscription is live.
@@ -347,7 +326,7 @@ async fn pipeline_one(
     let mut out = Vec::with_capacity(indices.len());
     for &i in indices {
         let path = &paths[i];
-        let (status, headers, body) = loop {
+        let raw = loop {
             if let Some(parsed) =
                 parse_response(&mut buf).unwrap_or_else(|e| panic!("GET {path} (pipelined): {e}"))
             {
@@ -363,92 +342,16 @@ async fn pipeline_one(
             );
         };
         window.add_permits(1);
-        let header = |name: &str| {
-            headers
-                .iter()
-                .find(|(k, _)| k == name)
-                .map(|(_, v)| v.clone())
-        };
         out.push(Seen {
             path: path.clone(),
-            status,
-            x_cache: header("x-cache").unwrap_or_else(|| "<none>".into()),
-            content_type: header("content-type"),
-            body,
+            status: raw.status,
+            x_cache: raw.x_cache(),
+            content_type: raw.header("content-type").map(str::to_owned),
+            body: raw.body,
         });
     }
     let _wr = writer.await.expect("pipelined writer panicked");
     out
-}
-
-type ParsedResponse = (u16, Vec<(String, String)>, Bytes);
-
-/// Takes one complete HTTP/1.1 response off the front of `buf` (`None`: need more bytes).
-/// Header names are lower-cased. Bodies: `content-length` or `chunked`.
-fn parse_response(buf: &mut bytes::BytesMut) -> Result<Option<ParsedResponse>, String> {
-    let Some(head_end) = buf.windows(4).position(|w| w == b"\r\n\r\n") else {
-        return Ok(None);
-    };
-    let head = std::str::from_utf8(&buf[..head_end]).map_err(|e| format!("head: {e}"))?;
-    let mut lines = head.split("\r\n");
-    let status_line = lines.next().unwrap_or_default();
-    let status: u16 = status_line
-        .split(' ')
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .ok_or_else(|| format!("bad status line {status_line:?}"))?;
-    let headers: Vec<(String, String)> = lines
-        .filter_map(|l| l.split_once(':'))
-        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
-        .collect();
-    let find = |name: &str| {
-        headers
-            .iter()
-            .find(|(k, _)| k == name)
-            .map(|(_, v)| v.as_str())
-    };
-    let body_start = head_end + 4;
-    if let Some(len) = find("content-length") {
-        let len: usize = len.parse().map_err(|_| format!("content-length {len:?}"))?;
-        if buf.len() < body_start + len {
-            return Ok(None);
-        }
-        let mut frame = buf.split_to(body_start + len);
-        let body = frame.split_off(body_start).freeze();
-        return Ok(Some((status, headers, body)));
-    }
-    if find("transfer-encoding").is_some_and(|te| te.eq_ignore_ascii_case("chunked")) {
-        let mut at = body_start;
-        let mut body = bytes::BytesMut::new();
-        loop {
-            let Some(eol) = buf[at..].windows(2).position(|w| w == b"\r\n") else {
-                return Ok(None);
-            };
-            let size_text = std::str::from_utf8(&buf[at..at + eol]).map_err(|e| e.to_string())?;
-            let size = usize::from_str_radix(size_text.split(';').next().unwrap_or("").trim(), 16)
-                .map_err(|_| format!("chunk size {size_text:?}"))?;
-            at += eol + 2;
-            if size == 0 {
-                // Trailers (none expected) end with an empty line.
-                let Some(end) = buf[at..].windows(2).position(|w| w == b"\r\n") else {
-                    return Ok(None);
-                };
-                if end != 0 {
-                    return Err("trailers are not supported".into());
-                }
-                let _ = buf.split_to(at + 2);
-                return Ok(Some((status, headers, body.freeze())));
-            }
-            if buf.len() < at + size + 2 {
-                return Ok(None);
-            }
-            body.extend_from_slice(&buf[at..at + size]);
-            at += size + 2;
-        }
-    }
-    // No body framing: only valid for answers without a body.
-    let _ = buf.split_to(body_start);
-    Ok(Some((status, headers, Bytes::new())))
 }
 
 async fn get_one(client: &HttpClient, addr: SocketAddr, path: &str) -> Seen {
@@ -1155,16 +1058,17 @@ async fn restart_from_snapshot(redis: &impl SharedRedis) {
 
 // === 7. malformed source lines ===
 
-/// Loads `good` ids with `bad` lines in the middle; `harmless` lines (empty, padded) are
-/// not malformed. Checks every good id passes and exactly `bad.len()` lines were skipped.
+/// Loads 400 good ids (`before-*`, `after-*`) with `bad` lines in the middle; `harmless`
+/// lines (empty, padded) are not malformed. Checks every good id passes and exactly
+/// `bad.len()` lines were skipped.
 async fn malformed_lines_are_skipped_and_counted(
     format: IdsFormat,
     source: &str,
-    good_before: Vec<String>,
-    good_after: Vec<String>,
     bad: Vec<Bytes>,
     harmless: Vec<(Bytes, Option<String>)>,
 ) {
+    let good_before = ids("before-", 200);
+    let good_after = ids("after-", 200);
     let mut all_ids = good_before.clone();
     all_ids.extend(good_after.iter().cloned());
     let origin = items_origin(all_ids.clone()).await;
@@ -1261,15 +1165,7 @@ async fn malformed_lines_are_skipped_and_counted_in_lines_format() {
         // 1024 bytes is the longest valid line.
         (Bytes::from(vec![b'k'; 1024]), Some("k".repeat(1024))),
     ];
-    malformed_lines_are_skipped_and_counted(
-        IdsFormat::Lines,
-        &url_source(),
-        ids("before-", 200),
-        ids("after-", 200),
-        bad,
-        harmless,
-    )
-    .await;
+    malformed_lines_are_skipped_and_counted(IdsFormat::Lines, &url_source(), bad, harmless).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1299,8 +1195,6 @@ async fn malformed_lines_are_skipped_and_counted_in_ndjson_format() {
     malformed_lines_are_skipped_and_counted(
         IdsFormat::Ndjson,
         &format!("{{ url = \"{IDS_PATH}\", format = \"ndjson\", field = \"id\" }}"),
-        ids("before-", 200),
-        ids("after-", 200),
         bad,
         harmless,
     )

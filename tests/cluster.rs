@@ -2,58 +2,38 @@
 //! (three primaries, three replicas) started by the harness: topology checks at start,
 //! keys spread over every primary, one origin request per cold-key stampede across
 //! instances, a primary killed under load, and a slot resharded under load.
+//!
+//! The tests run one at a time ([`common::serial`]): each starts six Redis processes, and
+//! several measure under load.
 
 #![allow(clippy::unwrap_used)]
 
 mod common;
-#[path = "flight_support/mod.rs"]
-mod flight_support;
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 
 use serde_json::Value;
-use tokio::sync::Mutex;
 use tokio::time::Instant;
 
-use common::load::Load;
+use common::fleet::{spawn_fleet, wait_coordinated};
+use common::load::{Load, burst, open_warm, outcomes};
+use common::redis_server::{connect, redis_url, scan_keys};
 use common::{
-    CgConfig, HttpClient, RedisCluster, TestOrigin, admin_redis, default_body, metric, scrape, url,
+    CgConfig, HttpClient, RedisCluster, TestOrigin, admin_redis, default_body, metric, scrape,
+    serial, url,
 };
-
-/// Cluster tests start six Redis processes each and measure under load: one at a time.
-static SERIAL: Mutex<()> = Mutex::const_new(());
 
 /// Every key matching `pattern` on the node at `port` (`SCAN`, bounded).
 async fn scan(port: u16, pattern: &str) -> Vec<String> {
-    let client = redis::Client::open(format!("redis://127.0.0.1:{port}")).unwrap();
-    let mut con = client.get_multiplexed_async_connection().await.unwrap();
-    let mut cursor = 0u64;
-    let mut keys = Vec::new();
-    for _ in 0..10_000 {
-        let (next, batch): (u64, Vec<String>) = redis::cmd("SCAN")
-            .arg(cursor)
-            .arg("MATCH")
-            .arg(pattern)
-            .arg("COUNT")
-            .arg(1000)
-            .query_async(&mut con)
-            .await
-            .unwrap();
-        keys.extend(batch);
-        cursor = next;
-        if cursor == 0 {
-            break;
-        }
-    }
-    keys
+    scan_keys(&mut connect(port).await.unwrap(), pattern).await
 }
 
 /// Start-up reports the topology, and L2 works through the cluster: a miss is stored and
 /// the next GET (L1 off) is an L2 hit.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cluster_topology_is_reported_and_l2_serves_hits() {
-    let _serial = SERIAL.lock().await;
+    let _serial = serial().await;
     let cluster = RedisCluster::start().await;
     let origin = TestOrigin::start().await;
     let cg = CgConfig::new(&origin)
@@ -120,8 +100,7 @@ async fn cluster_topology_is_reported_and_l2_serves_hits() {
 /// The item paths whose entries live on the node at `port` (read back from the entries:
 /// each stores its full key).
 async fn paths_on(port: u16) -> Vec<String> {
-    let client = redis::Client::open(format!("redis://127.0.0.1:{port}")).unwrap();
-    let mut con = client.get_multiplexed_async_connection().await.unwrap();
+    let mut con = connect(port).await.unwrap();
     let mut paths = Vec::new();
     for key in scan(port, "cg:{*}:v*").await {
         let Ok(Some(value)) = redis::cmd("GET")
@@ -149,7 +128,7 @@ async fn paths_on(port: u16) -> Vec<String> {
 /// primary that owns its slot), none of them with less than a fifth.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_thousand_keys_spread_over_all_three_primaries() {
-    let _serial = SERIAL.lock().await;
+    let _serial = serial().await;
     let cluster = RedisCluster::start().await;
     let origin = TestOrigin::start().await;
     let cg = CgConfig::new(&origin)
@@ -203,8 +182,7 @@ async fn a_thousand_keys_spread_over_all_three_primaries() {
 /// that one body.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn five_hundred_cold_gets_over_two_instances_make_one_origin_request() {
-    let _serial = SERIAL.lock().await;
-    let _flights = flight_support::serial().await;
+    let _serial = serial().await;
     let cluster = RedisCluster::start().await;
     let origin = TestOrigin::start().await;
     let path = "/api/items/cluster-stampede";
@@ -215,12 +193,12 @@ async fn five_hundred_cold_gets_over_two_instances_make_one_origin_request() {
         .set_str("lock", "lease", "5s")
         .set_str("lock", "wait_timeout", "5s")
         .set("upstream", "max_concurrency", "1024");
-    let fleet = flight_support::spawn_fleet(&cfg, 2).await;
+    let fleet = spawn_fleet(&cfg, 2).await;
     let client = HttpClient::new();
-    flight_support::wait_coordinated(&client, &fleet.admin_addrs()).await;
-    let conns = flight_support::open_warm(&fleet.addrs(), 250, "/warmup").await;
+    wait_coordinated(&client, &fleet.admin_addrs()).await;
+    let conns = open_warm(&fleet.addrs(), 250, "/warmup").await;
     assert_eq!(conns.len(), 500);
-    let shots = flight_support::burst(conns, path, Duration::from_secs(20)).await;
+    let shots = burst(conns, path, Duration::from_secs(20)).await;
     let expected = default_body(path, 1);
     let good = shots
         .iter()
@@ -230,7 +208,7 @@ async fn five_hundred_cold_gets_over_two_instances_make_one_origin_request() {
         good,
         500,
         "every client must get 200 with the one fetched body: {:?}\n{}",
-        flight_support::outcomes(&shots),
+        outcomes(&shots),
         fleet.output()
     );
     tokio::time::sleep(Duration::from_millis(200)).await;
@@ -238,7 +216,7 @@ async fn five_hundred_cold_gets_over_two_instances_make_one_origin_request() {
         origin.count(path),
         1,
         "500 concurrent misses over 2 instances on a cluster made more than one origin request: {:?}",
-        flight_support::outcomes(&shots)
+        outcomes(&shots)
     );
 }
 
@@ -248,7 +226,7 @@ async fn five_hundred_cold_gets_over_two_instances_make_one_origin_request() {
 /// after the promotion, without a restart.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn primary_killed_under_load_costs_no_errors_and_l2_hits_resume() {
-    let _serial = SERIAL.lock().await;
+    let _serial = serial().await;
     let mut cluster = RedisCluster::start().await;
     let origin = TestOrigin::start().await;
     let base = CgConfig::new(&origin)
@@ -347,7 +325,7 @@ async fn primary_killed_under_load_costs_no_errors_and_l2_hits_resume() {
 /// primary (MOVED/ASK followed).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reshard_under_load_costs_no_errors() {
-    let _serial = SERIAL.lock().await;
+    let _serial = serial().await;
     let cluster = RedisCluster::start().await;
     let origin = TestOrigin::start().await;
     let cfg = CgConfig::new(&origin)
@@ -411,24 +389,14 @@ async fn reshard_under_load_costs_no_errors() {
 /// says so (here: one node serving 10000 of the 16384 slots).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cluster_without_full_slot_coverage_is_refused() {
-    let _serial = SERIAL.lock().await;
+    let _serial = serial().await;
     let dir = tempfile::tempdir().unwrap();
     let port = common::free_port();
-    let mut node = common::redis_server::spawn_with(
-        port,
-        dir.path(),
-        &[
-            "--cluster-enabled",
-            "yes",
-            "--cluster-config-file",
-            "nodes.conf",
-        ],
-    )
-    .await
-    .unwrap();
-    let seed = format!("redis://127.0.0.1:{port}");
-    let client = redis::Client::open(seed.as_str()).unwrap();
-    let mut con = client.get_multiplexed_async_connection().await.unwrap();
+    let mut node = common::redis_cluster::spawn_node(port, dir.path(), &[])
+        .await
+        .unwrap();
+    let seed = redis_url(port);
+    let mut con = connect(port).await.unwrap();
     let _: String = redis::cmd("CLUSTER")
         .arg("ADDSLOTSRANGE")
         .arg(0)
@@ -465,10 +433,9 @@ async fn a_cluster_without_full_slot_coverage_is_refused() {
 /// through B's L1 as soon as it returns, as before the failover.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn event_bus_follows_the_channels_primary_through_a_failover() {
-    let _serial = SERIAL.lock().await;
+    let _serial = serial().await;
     let mut cluster = RedisCluster::start().await;
-    let origin = TestOrigin::start().await;
-    origin.enable_kv();
+    let origin = TestOrigin::start_kv().await;
     let cfg = CgConfig::new(&origin)
         .redis_cluster(&cluster)
         .routes(&common::kv_routes("100ms", true, Some("all")));

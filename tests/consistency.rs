@@ -5,6 +5,8 @@
 //!
 //! The origin is the test origin's versioned KV store: `GET /kv/{key}` answers the version
 //! a (possibly lagging) replica sees, `PUT /kv/{key}` commits version + 1 on the primary.
+//!
+//! Timing-heavy tests run one at a time ([`common::serial`]): the box has two cores.
 
 mod common;
 
@@ -14,11 +16,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
-use tokio::sync::Mutex;
 use tokio::time::Instant;
-
-/// Timing-heavy tests run one at a time: the box has two cores.
-static SERIAL: Mutex<()> = Mutex::const_new(());
 
 const TOKEN: &str = "purge-secret-0123456789";
 
@@ -56,21 +54,18 @@ async fn get_version(client: &HttpClient, addr: std::net::SocketAddr, path: &str
 /// copy: L1 on each instance, L2, and the query variants of the path.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn write_through_one_instance_is_seen_by_all_at_once() {
-    let _serial = SERIAL.lock().await;
-    read_after_write(&RedisServer::start().await).await;
+    serially(RedisServer::start(), read_after_write).await;
 }
 
 /// The same on a Redis Cluster: an entry, its variants' index and its generation share a
 /// slot; the write's invalidation reaches them all.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn write_through_one_instance_is_seen_by_all_at_once_on_cluster() {
-    let _serial = SERIAL.lock().await;
-    read_after_write(&RedisCluster::start().await).await;
+    serially(RedisCluster::start(), read_after_write).await;
 }
 
 async fn read_after_write(redis: &impl SharedRedis) {
-    let origin = TestOrigin::start().await;
-    origin.enable_kv();
+    let origin = TestOrigin::start_kv().await;
     let cfg = kv_config(&origin, redis, "200ms");
     let (a, b, c) = (cfg.start().await, cfg.start().await, cfg.start().await);
     let client = HttpClient::new();
@@ -140,21 +135,18 @@ async fn read_after_write(redis: &impl SharedRedis) {
 /// surrogate keys name; the tags never reach clients.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn surrogate_keys_of_a_write_answer_invalidate_tagged_entries() {
-    let _serial = SERIAL.lock().await;
-    surrogate_keys(&RedisServer::start().await).await;
+    serially(RedisServer::start(), surrogate_keys).await;
 }
 
 /// The same on a Redis Cluster, where a tag's index and the tagged entries live in
 /// different slots (on different primaries).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn surrogate_keys_of_a_write_answer_invalidate_tagged_entries_on_cluster() {
-    let _serial = SERIAL.lock().await;
-    surrogate_keys(&RedisCluster::start().await).await;
+    serially(RedisCluster::start(), surrogate_keys).await;
 }
 
 async fn surrogate_keys(redis: &impl SharedRedis) {
-    let origin = TestOrigin::start().await;
-    origin.enable_kv();
+    let origin = TestOrigin::start_kv().await;
     origin.set_kv_tags(true);
     let cfg = redis
         .configure(CgConfig::new(&origin))
@@ -198,20 +190,17 @@ async fn surrogate_keys(redis: &impl SharedRedis) {
 /// write commits in between → the old value is not stored; the next GET shows the new one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fill_that_raced_a_write_is_not_stored() {
-    let _serial = SERIAL.lock().await;
-    raced_fill(&RedisServer::start().await).await;
+    serially(RedisServer::start(), raced_fill).await;
 }
 
 /// The same on a Redis Cluster.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fill_that_raced_a_write_is_not_stored_on_cluster() {
-    let _serial = SERIAL.lock().await;
-    raced_fill(&RedisCluster::start().await).await;
+    serially(RedisCluster::start(), raced_fill).await;
 }
 
 async fn raced_fill(redis: &impl SharedRedis) {
-    let origin = TestOrigin::start().await;
-    origin.enable_kv();
+    let origin = TestOrigin::start_kv().await;
     let cfg = kv_config(&origin, redis, "200ms");
     let (a, b) = (cfg.start().await, cfg.start().await);
     race(&origin, a.addr(), b.addr(), a.admin_addr()).await;
@@ -222,9 +211,8 @@ async fn raced_fill(redis: &impl SharedRedis) {
 /// The same race with no Redis at all: the local generation marks refuse the fill.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fill_that_raced_a_write_is_not_stored_in_embedded_mode() {
-    let _serial = SERIAL.lock().await;
-    let origin = TestOrigin::start().await;
-    origin.enable_kv();
+    let _serial = serial().await;
+    let origin = TestOrigin::start_kv().await;
     let cg = CgConfig::new(&origin)
         .routes(&kv_routes("200ms", true))
         .start()
@@ -393,6 +381,26 @@ async fn stress_fleet(
     observed
 }
 
+/// A KV origin whose replica trails the primary by 50 ms.
+async fn lagging_kv_origin() -> TestOrigin {
+    let origin = TestOrigin::start_kv().await;
+    origin.set_replica_lag(Duration::from_millis(50));
+    origin
+}
+
+/// The stress run had enough load to tell, and no read began more than `bound` after a
+/// write returned yet saw an older version.
+fn assert_never_stale(guarded: &Observed, bound: Duration) {
+    assert!(
+        guarded.writes > 200 && guarded.reads > 1000,
+        "too little load to tell"
+    );
+    assert_eq!(
+        guarded.stale_after_bound, 0,
+        "reads older than a write that returned over {bound:?} before"
+    );
+}
+
 /// 8 writers and 32 readers over 100 keys for 10 s through 3 instances, origin replica lag
 /// 50 ms: reads that begin more than `double_delete_delay` after a write returned never see
 /// an older version. The same load on a naive cache-aside configuration (no delayed
@@ -400,10 +408,8 @@ async fn stress_fleet(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stress_with_replica_lag_never_serves_older_than_the_bound() {
     const BOUND: Duration = Duration::from_millis(200);
-    let _serial = SERIAL.lock().await;
-    let origin = TestOrigin::start().await;
-    origin.enable_kv();
-    origin.set_replica_lag(Duration::from_millis(50));
+    let _serial = serial().await;
+    let origin = lagging_kv_origin().await;
 
     let redis = RedisServer::start().await;
     let guarded = stress_fleet(&origin, &redis, "200ms", Duration::from_secs(10), BOUND).await;
@@ -419,14 +425,7 @@ async fn stress_with_replica_lag_never_serves_older_than_the_bound() {
         naive.reads,
         naive.stale_after_bound
     );
-    assert!(
-        guarded.writes > 200 && guarded.reads > 1000,
-        "too little load to tell"
-    );
-    assert_eq!(
-        guarded.stale_after_bound, 0,
-        "reads older than a write that returned over {BOUND:?} before"
-    );
+    assert_never_stale(&guarded, BOUND);
     assert!(
         naive.stale_after_bound > 0,
         "the naive configuration showed no stale read: the check cannot detect staleness"
@@ -440,24 +439,15 @@ async fn stress_with_replica_lag_never_serves_older_than_the_bound() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stress_with_replica_lag_never_serves_older_than_the_bound_on_cluster() {
     const BOUND: Duration = Duration::from_millis(200);
-    let _serial = SERIAL.lock().await;
-    let origin = TestOrigin::start().await;
-    origin.enable_kv();
-    origin.set_replica_lag(Duration::from_millis(50));
+    let _serial = serial().await;
+    let origin = lagging_kv_origin().await;
     let cluster = RedisCluster::start().await;
     let guarded = stress_fleet(&origin, &cluster, "200ms", Duration::from_secs(10), BOUND).await;
     eprintln!(
         "cluster: {} writes, {} reads, {} stale after {BOUND:?}",
         guarded.writes, guarded.reads, guarded.stale_after_bound
     );
-    assert!(
-        guarded.writes > 200 && guarded.reads > 1000,
-        "too little load to tell"
-    );
-    assert_eq!(
-        guarded.stale_after_bound, 0,
-        "reads older than a write that returned over {BOUND:?} before"
-    );
+    assert_never_stale(&guarded, BOUND);
 }
 
 // === 4. Redis down during writes, cacheguard restarted ===
@@ -471,18 +461,14 @@ fn process_config(
     journal: &Path,
     extra: &str,
 ) -> std::path::PathBuf {
-    let toml = CgConfig::new(origin)
-        .set_str("server", "listen", &format!("127.0.0.1:{}", free_port()))
-        .set_str("admin", "listen", &format!("127.0.0.1:{}", free_port()))
+    CgConfig::new(origin)
+        .on_free_ports()
         .set_str("redis", "url", redis_url)
         .set_str("redis", "command_timeout", "200ms")
         .set_str("journal", "path", &journal.display().to_string())
         .set_str("admin", "token", TOKEN)
         .routes(&format!("{}{extra}", kv_routes("200ms", true)))
-        .toml();
-    let path = dir.join(format!("cg-{}.toml", free_port()));
-    std::fs::write(&path, toml).expect("write config");
-    path
+        .write_to(&dir.join(format!("cg-{}.toml", free_port())))
 }
 
 /// Redis is cut off from instance A during 100 writes: all 100 succeed at the origin, the
@@ -491,11 +477,10 @@ fn process_config(
 /// serves a stale value (B kept reading Redis all along and had the old entries).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn writes_during_a_redis_outage_are_journaled_and_survive_a_restart() {
-    let _serial = SERIAL.lock().await;
+    let _serial = serial().await;
     let redis = RedisServer::start().await;
-    let link = TcpProxy::start(std::net::SocketAddr::from(([127, 0, 0, 1], redis.port()))).await;
-    let origin = TestOrigin::start().await;
-    origin.enable_kv();
+    let link = TcpProxy::start(redis.addr()).await;
+    let origin = TestOrigin::start_kv().await;
     let dir = tempfile::tempdir().expect("tempdir");
     let journal = dir.path().join("a.journal");
     let conf_a = process_config(dir.path(), &origin, &link.redis_url(), &journal, "");
@@ -622,21 +607,18 @@ async fn purge(
 /// token → 401, with a wrong one → 403, and then nothing is purged.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn purge_by_key_pattern_and_tag() {
-    let _serial = SERIAL.lock().await;
-    purge_all_ways(&RedisServer::start().await).await;
+    serially(RedisServer::start(), purge_all_ways).await;
 }
 
 /// The same on a Redis Cluster (a pattern purge scans the route's tag index on its
 /// primary; the keys it names live on all of them).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn purge_by_key_pattern_and_tag_on_cluster() {
-    let _serial = SERIAL.lock().await;
-    purge_all_ways(&RedisCluster::start().await).await;
+    serially(RedisCluster::start(), purge_all_ways).await;
 }
 
 async fn purge_all_ways(redis: &impl SharedRedis) {
-    let origin = TestOrigin::start().await;
-    origin.enable_kv();
+    let origin = TestOrigin::start_kv().await;
     origin.set_kv_tags(true);
     let cfg = kv_config(&origin, redis, "200ms");
     let (a, b) = (cfg.start().await, cfg.start().await);
@@ -793,11 +775,10 @@ async fn group_pending(redis: &impl SharedRedis) -> i64 {
 /// applies them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stream_entries_are_all_applied_and_a_dead_consumers_are_claimed() {
-    let _serial = SERIAL.lock().await;
+    let _serial = serial().await;
     let redis = RedisServer::start().await;
-    let link = TcpProxy::start(std::net::SocketAddr::from(([127, 0, 0, 1], redis.port()))).await;
-    let origin = TestOrigin::start().await;
-    origin.enable_kv();
+    let link = TcpProxy::start(redis.addr()).await;
+    let origin = TestOrigin::start_kv().await;
     let dir = tempfile::tempdir().expect("tempdir");
     let journal = dir.path().join("slow.journal");
     // A slow consumer: its Redis link adds 15 ms per chunk, so a batch takes seconds.
@@ -885,10 +866,9 @@ async fn stream_entries_are_all_applied_and_a_dead_consumers_are_claimed() {
 /// and reach another instance's L1 through the event bus.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stream_entries_are_all_applied_on_cluster() {
-    let _serial = SERIAL.lock().await;
+    let _serial = serial().await;
     let cluster = RedisCluster::start().await;
-    let origin = TestOrigin::start().await;
-    origin.enable_kv();
+    let origin = TestOrigin::start_kv().await;
     let reader = kv_config(&origin, &cluster, "200ms")
         .set("invalidation_stream", "enabled", "false")
         .start()
@@ -988,8 +968,7 @@ async fn an_allkeys_eviction_policy_is_warned_about_at_start() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_runs_pending_delayed_deletes_at_once() {
     let redis = RedisServer::start().await;
-    let origin = TestOrigin::start().await;
-    origin.enable_kv();
+    let origin = TestOrigin::start_kv().await;
     let cg = kv_config(&origin, &redis, "10s").start().await;
     let client = HttpClient::new();
     assert_eq!(get_version(&client, cg.addr(), "/kv/bye").await, 0);

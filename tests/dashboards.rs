@@ -28,11 +28,15 @@ use serde_json::Value;
 use tokio::time::Instant;
 
 use common::{
-    CgConfig, HttpClient, IdsFault, RedisServer, Resp, TcpProxy, TestOrigin, free_port, metric,
-    poll_until, post, put, url,
+    CgConfig, HttpClient, IdsFault, RedisServer, Resp, TcpProxy, TestOrigin, bloom_table,
+    free_port, item_route, kv_routes, metric, no_poke, poll_until, post, put, route, url,
+    wait_metric,
 };
 
 const TOKEN: &str = "dashboards-admin-token-0123";
+
+/// How often a wait on a metric polls `/metrics`.
+const POLL_EVERY: Duration = Duration::from_millis(50);
 /// What `$__rate_interval` becomes: Grafana's value for a 1 s scrape interval is far
 /// smaller; 30 s keeps every `rate()` well fed.
 const RATE_INTERVAL: &str = "30s";
@@ -164,7 +168,8 @@ enum Tok {
     Other,
 }
 
-/// Aggregations, keywords and operators that read like identifiers.
+/// Aggregations, keywords and operators that read like identifiers (besides
+/// [`LABEL_LISTS`]).
 const NOT_METRICS: &[&str] = &[
     "sum",
     "min",
@@ -178,12 +183,6 @@ const NOT_METRICS: &[&str] = &[
     "quantile",
     "count_values",
     "group",
-    "by",
-    "without",
-    "on",
-    "ignoring",
-    "group_left",
-    "group_right",
     "and",
     "or",
     "unless",
@@ -193,6 +192,7 @@ const NOT_METRICS: &[&str] = &[
     "inf",
     "nan",
 ];
+/// Keywords followed by a parenthesized list of label names.
 const LABEL_LISTS: &[&str] = &[
     "by",
     "without",
@@ -201,6 +201,11 @@ const LABEL_LISTS: &[&str] = &[
     "group_left",
     "group_right",
 ];
+
+/// Whether `name` is one of [`NOT_METRICS`] or [`LABEL_LISTS`].
+fn is_keyword(name: &str) -> bool {
+    NOT_METRICS.contains(&name) || LABEL_LISTS.contains(&name)
+}
 
 fn tokenize(expr: &str) -> Vec<Tok> {
     let chars: Vec<char> = expr.chars().collect();
@@ -271,7 +276,7 @@ fn refs(expr: &str) -> Refs {
                 }
             }
             Tok::Ident(_) if next == Some(&Tok::Punct('(')) => {} // a function
-            Tok::Ident(name) if NOT_METRICS.contains(&name.as_str()) => {}
+            Tok::Ident(name) if is_keyword(name) => {}
             Tok::Ident(name) => {
                 out.metrics.insert(name.clone());
             }
@@ -652,10 +657,7 @@ impl Prometheus {
                     }
                     panic!("prometheus exited early with {status}:\n{log}");
                 }
-                if let Ok(Ok(resp)) =
-                    tokio::time::timeout(Duration::from_secs(1), client.try_get(&ready_url)).await
-                    && resp.status == 200
-                {
+                if client.answers_200(&ready_url, Duration::from_secs(1)).await {
                     return prom;
                 }
                 if Instant::now() >= deadline {
@@ -749,55 +751,39 @@ impl Drop for Prometheus {
 
 // === the fleet ===
 
-const ROUTES: &str = r#"
-[[routes]]
-name = "item"
-match = "/api/items/{id}"
-methods = ["GET"]
-bloom = { filter = "items", param = "id" }
-
-[[routes]]
-name = "item-create"
-match = "/api/items"
-methods = ["POST"]
-bloom_add = { filter = "items", from = "location" }
-
-[[routes]]
-name = "thing"
-match = "/api/things/{id}"
-methods = ["GET"]
-warmup = { paths = ["/api/things/warm-1", "/api/things/warm-2"], rate = 10 }
-
-[[routes]]
-name = "kv"
-match = "/kv/{key}"
-methods = ["GET"]
-l1 = "all"
-
-[[routes]]
-name = "kv-write"
-match = "/kv/{key}"
-methods = ["PUT"]
-invalidate = ["/kv/{key}"]
-double_delete_delay = "200ms"
-
-# Sized for 200 ids and loaded with 400: overfull, so it rejects most absent ids and lets a
-# measurable share through (false positives).
-[[bloom]]
-name = "items"
-expected_items = 200
-fp_rate = 0.01
-refresh = "2s"
-source = { url = "/internal/ids" }
-
-# Its source is down from the start: never loaded.
-[[bloom]]
-name = "ghost"
-expected_items = 1000
-fp_rate = 0.01
-refresh = "1s"
-source = { url = "/internal/ghost-ids" }
-"#;
+/// The fleet's routes: `item` (checked against the `items` filter) and `item-create`
+/// (adds to it), `thing` (warmed up at start), the KV routes, and the filters `items` and
+/// `ghost`.
+fn routes() -> String {
+    [
+        item_route(r#"bloom = { filter = "items", param = "id" }"#),
+        route(
+            "item-create",
+            "/api/items",
+            "POST",
+            r#"bloom_add = { filter = "items", from = "location" }"#,
+        ),
+        route(
+            "thing",
+            "/api/things/{id}",
+            "GET",
+            r#"warmup = { paths = ["/api/things/warm-1", "/api/things/warm-2"], rate = 10 }"#,
+        ),
+        kv_routes("200ms", true, Some("all")),
+        // Sized for 200 ids and loaded with 400: overfull, so it rejects most absent ids
+        // and lets a measurable share through (false positives).
+        bloom_table("items", 200, 0.01, "2s", r#"{ url = "/internal/ids" }"#),
+        // Its source is down from the start: never loaded.
+        bloom_table(
+            "ghost",
+            1000,
+            0.01,
+            "1s",
+            &format!("{{ url = {GHOST_IDS_PATH:?} }}"),
+        ),
+    ]
+    .concat()
+}
 
 const ITEM_IDS: u64 = 400;
 const GHOST_IDS_PATH: &str = "/internal/ghost-ids";
@@ -812,48 +798,12 @@ fn fleet_config(origin: &TestOrigin, redis_url: &str) -> CgConfig {
         .set("hot_keys", "max_backend_rps_per_key", "1")
         // The dead consumer's entries stay pending for the whole test.
         .set_str("invalidation_stream", "claim_idle", "60s")
-        .routes(ROUTES)
+        .routes(&routes())
 }
 
 async fn get(client: &HttpClient, addr: SocketAddr, path: &str) -> Resp {
     client.get(&url(addr, path)).await
 }
-
-/// Polls `/metrics` of `admin` until `pred` holds for `name{labels}`; panics after `timeout`.
-/// `poke` runs before every poll (traffic that makes the condition come true).
-async fn wait_metric<F, Fut>(
-    client: &HttpClient,
-    admin: SocketAddr,
-    name: &str,
-    labels: &[(&str, &str)],
-    timeout: Duration,
-    pred: impl Fn(f64) -> bool,
-    mut poke: F,
-) -> f64
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = ()>,
-{
-    let pred = &pred;
-    let found = poll_until(timeout, Duration::from_millis(50), || {
-        let poked = poke();
-        async move {
-            poked.await;
-            let v = metric(client, admin, name, labels).await;
-            pred(v).then_some(v)
-        }
-    })
-    .await;
-    match found {
-        Some(v) => v,
-        None => panic!(
-            "{name}{labels:?} on {admin} not as expected within {timeout:?}; last {}",
-            metric(client, admin, name, labels).await
-        ),
-    }
-}
-
-async fn no_poke() {}
 
 async fn shutdown(cg: cacheguard::Running) {
     tokio::time::timeout(Duration::from_secs(15), cg.shutdown())
@@ -952,7 +902,7 @@ async fn every_panel_and_alert_expression_returns_data() {
 
     // --- the fleet: A reaches Redis through a proxy that can cut it, B directly ---
     let redis = RedisServer::start().await;
-    let link = TcpProxy::start(SocketAddr::from(([127, 0, 0, 1], redis.port()))).await;
+    let link = TcpProxy::start(redis.addr()).await;
     let origin = TestOrigin::builder()
         .ids((1..=ITEM_IDS).map(|i| i.to_string()))
         .start()
@@ -1003,6 +953,7 @@ async fn every_panel_and_alert_expression_returns_data() {
                 name,
                 &labels,
                 Duration::from_secs(15),
+                POLL_EVERY,
                 |v| v == 1.0,
                 no_poke,
             )
@@ -1186,6 +1137,7 @@ async fn every_panel_and_alert_expression_returns_data() {
         "cacheguard_redis_breaker_open",
         &[],
         Duration::from_secs(10),
+        POLL_EVERY,
         |v| v == 1.0,
         || {
             n += 1;
@@ -1207,6 +1159,7 @@ async fn every_panel_and_alert_expression_returns_data() {
         "cacheguard_journal_depth",
         &[],
         Duration::from_secs(5),
+        POLL_EVERY,
         |v| v >= 10.0,
         no_poke,
     )

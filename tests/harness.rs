@@ -10,8 +10,11 @@ use bytes::Bytes;
 use http::Method;
 use tokio::time::Instant;
 
-use common::client::{channel_body, full_body, raw_request};
-use common::{HttpClient, RedisServer, TestOrigin, concurrently, default_body, poll_until};
+use common::client::channel_body;
+use common::{
+    HOP_REQUEST, HOP_RESPONSE, HttpClient, RedisServer, TestOrigin, concurrently, default_body,
+    hop_names, poll_until, post_hop, serve_hop,
+};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn origin_counts_serials_and_records_requests() {
@@ -75,49 +78,14 @@ async fn origin_tracks_max_in_flight() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn raw_request_delivers_hop_by_hop_headers_both_ways() {
     let origin = TestOrigin::start().await;
-    origin.set_echo("/hop");
-    origin.set_headers(
-        "/hop",
-        [
-            ("connection", "x-resp-hop"),
-            ("x-resp-hop", "1"),
-            ("keep-alive", "timeout=5"),
-            ("proxy-authenticate", "Basic"),
-            ("upgrade", "foo/1"),
-        ],
-    );
-    let host = origin.addr().to_string();
-    let r = raw_request(
-        origin.addr(),
-        Method::POST,
-        "/hop",
-        &[
-            ("host", host.as_str()),
-            ("connection", "x-hop"),
-            ("x-hop", "1"),
-            ("keep-alive", "timeout=5"),
-            ("te", "trailers"),
-            ("upgrade", "websocket"),
-            ("proxy-authorization", "Basic c2VjcmV0"),
-            ("proxy-connection", "keep-alive"),
-        ],
-        full_body("hello"),
-    )
-    .await
-    .expect("raw POST");
+    serve_hop(&origin, &[]);
+    let r = post_hop(origin.addr(), &[]).await;
     assert_eq!(r.body, "hello");
     let seen = origin.last_request("/hop").expect("seen");
-    for name in [
-        "x-hop",
-        "keep-alive",
-        "te",
-        "upgrade",
-        "proxy-authorization",
-        "proxy-connection",
-    ] {
+    for name in hop_names(&HOP_REQUEST) {
         assert!(seen.header(name).is_some(), "{name} not delivered directly");
     }
-    for name in ["x-resp-hop", "keep-alive", "proxy-authenticate", "upgrade"] {
+    for name in hop_names(&HOP_RESPONSE) {
         assert!(r.header(name).is_some(), "{name} not received directly");
     }
 }

@@ -2,8 +2,9 @@
 //! on every instance (`hot` events), the per-key backend limit, invalidation of a hot key by a
 //! write, and the memory bound of the detector and limiter.
 //!
-//! The tests here drive thousands of requests per second, so they run one at a time (a
-//! file-wide async mutex): two load tests sharing the two cores would measure each other.
+//! The tests here drive thousands of requests per second, so they run one at a time (the
+//! binary's [`common::serial`] lock): two load tests sharing the two cores would measure
+//! each other.
 //! Load comes from [`Load`], a pipelined HTTP/1.1 client over raw keep-alive connections (a
 //! fraction of the CPU of a full client per request, which a debug build on two cores needs).
 
@@ -22,11 +23,12 @@ use tokio::net::TcpStream;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
+use common::client::parse_response;
 use common::prom::Exposition;
-use common::{CgConfig, HttpClient, RedisServer, TestOrigin, scrape, url};
-
-/// One load test at a time (see the module docs).
-static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+use common::redis_server::command_calls;
+use common::{
+    CgConfig, HttpClient, RedisServer, TestOrigin, item_route, metrics, route, serial, url,
+};
 
 const HOT_PATH: &str = "/api/items/hot";
 
@@ -187,10 +189,14 @@ impl Load {
                 .unwrap_or_else(|e| panic!("write to {}: {e}", self.addr));
             for _ in 0..n {
                 let answer = loop {
-                    if let Some(answer) = parse_response(&mut buf)
+                    if let Some(raw) = parse_response(&mut buf)
                         .unwrap_or_else(|e| panic!("answer from {}: {e}", self.addr))
                     {
-                        break answer;
+                        break Answer {
+                            status: raw.status,
+                            x_cache: raw.x_cache(),
+                            body: raw.body,
+                        };
                     }
                     let read = rd
                         .read_buf(&mut buf)
@@ -245,85 +251,6 @@ impl LoadRun {
     }
 }
 
-/// Takes one complete HTTP/1.1 response off the front of `buf` (`None`: need more bytes).
-/// Bodies: `content-length` or `chunked`.
-fn parse_response(buf: &mut BytesMut) -> Result<Option<Answer>, String> {
-    let Some(head_end) = buf.windows(4).position(|w| w == b"\r\n\r\n") else {
-        return Ok(None);
-    };
-    let head = std::str::from_utf8(&buf[..head_end]).map_err(|e| format!("head: {e}"))?;
-    let mut lines = head.split("\r\n");
-    let status_line = lines.next().unwrap_or_default();
-    let status: u16 = status_line
-        .split(' ')
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .ok_or_else(|| format!("bad status line {status_line:?}"))?;
-    let headers: Vec<(String, String)> = lines
-        .filter_map(|l| l.split_once(':'))
-        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
-        .collect();
-    let find = |name: &str| {
-        headers
-            .iter()
-            .find(|(k, _)| k == name)
-            .map(|(_, v)| v.clone())
-    };
-    let x_cache = find("x-cache").unwrap_or_else(|| "<none>".into());
-    let body_start = head_end + 4;
-    if let Some(len) = find("content-length") {
-        let len: usize = len.parse().map_err(|_| format!("content-length {len:?}"))?;
-        if buf.len() < body_start + len {
-            return Ok(None);
-        }
-        let mut frame = buf.split_to(body_start + len);
-        let body = frame.split_off(body_start).freeze();
-        return Ok(Some(Answer {
-            status,
-            x_cache,
-            body,
-        }));
-    }
-    if find("transfer-encoding").is_some_and(|te| te.eq_ignore_ascii_case("chunked")) {
-        let mut at = body_start;
-        let mut body = BytesMut::new();
-        loop {
-            let Some(eol) = buf[at..].windows(2).position(|w| w == b"\r\n") else {
-                return Ok(None);
-            };
-            let size_text = std::str::from_utf8(&buf[at..at + eol]).map_err(|e| e.to_string())?;
-            let size = usize::from_str_radix(size_text.split(';').next().unwrap_or("").trim(), 16)
-                .map_err(|_| format!("chunk size {size_text:?}"))?;
-            at += eol + 2;
-            if size == 0 {
-                let Some(end) = buf[at..].windows(2).position(|w| w == b"\r\n") else {
-                    return Ok(None);
-                };
-                if end != 0 {
-                    return Err("trailers are not supported".into());
-                }
-                let _ = buf.split_to(at + 2);
-                return Ok(Some(Answer {
-                    status,
-                    x_cache,
-                    body: body.freeze(),
-                }));
-            }
-            if buf.len() < at + size + 2 {
-                return Ok(None);
-            }
-            body.extend_from_slice(&buf[at..at + size]);
-            at += size + 2;
-        }
-    }
-    let _ = buf.split_to(body_start);
-    Ok(Some(Answer {
-        status,
-        x_cache,
-        body: Bytes::new(),
-    }))
-}
-
 // === admin, metrics, Redis ===
 
 /// `GET /admin/hotkeys`.
@@ -345,26 +272,9 @@ fn metric(exp: &Exposition, name: &str, labels: &[(&str, &str)]) -> f64 {
     exp.sum(name, labels)
 }
 
-async fn metrics(client: &HttpClient, admin: SocketAddr) -> Exposition {
-    scrape(client, admin).await.1
-}
-
 /// `INFO commandstats` as `command -> calls`.
 async fn commandstats(redis: &RedisServer) -> BTreeMap<String, u64> {
-    let mut con = redis.client().await;
-    let info: String = redis::cmd("INFO")
-        .arg("commandstats")
-        .query_async(&mut con)
-        .await
-        .expect("INFO commandstats");
-    info.lines()
-        .filter_map(|l| l.strip_prefix("cmdstat_"))
-        .filter_map(|l| {
-            let (cmd, rest) = l.split_once(':')?;
-            let calls = rest.split(',').find_map(|kv| kv.strip_prefix("calls="))?;
-            Some((cmd.to_owned(), calls.parse().ok()?))
-        })
-        .collect()
+    command_calls(&mut redis.client().await).await
 }
 
 /// `after - before`, per command, zero deltas left out.
@@ -472,7 +382,7 @@ async fn wait_hot(client: &HttpClient, admin: SocketAddr, timeout: Duration) -> 
 /// (every request is recorded before any lookup).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hot_key_is_detected_within_a_second_and_background_keys_are_not() {
-    let _serial = SERIAL.lock().await;
+    let _serial = serial().await;
     const THRESHOLD: f64 = 1000.0;
     const DRIVEN: f64 = 2000.0;
     let redis = RedisServer::start().await;
@@ -631,7 +541,7 @@ async fn hot_key_is_detected_within_a_second_and_background_keys_are_not() {
 /// counted against the key, with 4 allowed for one refill (lock, generation read, fill).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hot_key_redis_commands_stay_within_max_backend_rps_per_key() {
-    let _serial = SERIAL.lock().await;
+    let _serial = serial().await;
     const LIMIT: f64 = 5.0;
     const REFILL_ALLOWANCE: u64 = 4;
     let redis = RedisServer::start().await;
@@ -785,7 +695,7 @@ async fn hot_key_redis_commands_stay_within_max_backend_rps_per_key() {
 /// limit of 1 request per second past L1.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_waiting_on_a_fill_are_not_limited_when_the_key_turns_hot() {
-    let _serial = SERIAL.lock().await;
+    let _serial = serial().await;
     const PATH: &str = "/api/items/hot-mid-fill";
     let redis = RedisServer::start().await;
     let origin = TestOrigin::start().await;
@@ -842,7 +752,7 @@ async fn requests_waiting_on_a_fill_are_not_limited_when_the_key_turns_hot() {
 /// hits they are.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_key_hot_before_its_first_fill_here_answers_every_request() {
-    let _serial = SERIAL.lock().await;
+    let _serial = serial().await;
     const PATH: &str = "/api/items/hot-from-peer";
     let redis = RedisServer::start().await;
     let origin = TestOrigin::start().await;
@@ -943,7 +853,7 @@ impl Drop for BusTap {
 /// the key from L1.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn instance_b_promotes_a_hot_key_from_a_broadcast() {
-    let _serial = SERIAL.lock().await;
+    let _serial = serial().await;
     const THRESHOLD: f64 = 200.0;
     let redis = RedisServer::start().await;
     let origin = TestOrigin::start().await;
@@ -1108,7 +1018,7 @@ struct Rec {
 /// An old body whose request was *sent* more than 100 ms after the PUT returned is a failure.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn write_invalidating_a_hot_key_reaches_every_instance_within_100ms() {
-    let _serial = SERIAL.lock().await;
+    let _serial = serial().await;
     let redis = RedisServer::start().await;
     let origin = TestOrigin::start().await;
     origin.set_body(HOT_PATH, "v1");
@@ -1116,21 +1026,19 @@ async fn write_invalidating_a_hot_key_reaches_every_instance_within_100ms() {
         .set("hot_keys", "threshold_rps", "200")
         .set_str("hot_keys", "l1_ttl", "5s")
         .set("hot_keys", "max_backend_rps_per_key", "20")
-        .routes(
-            r#"
-[[routes]]
-name = "item"
-match = "/api/items/{id}"
-methods = ["GET"]
-
-[[routes]]
-name = "item-write"
-match = "/api/items/{id}"
-methods = ["PUT"]
+        .routes(&format!(
+            "{}{}",
+            item_route(""),
+            route(
+                "item-write",
+                "/api/items/{id}",
+                "PUT",
+                r#"
 invalidate = ["/api/items/{id}"]
 double_delete_delay = "300ms"
 "#,
-        );
+            )
+        ));
     let a = cfg.start().await;
     let b = cfg.start().await;
     let client = HttpClient::new();
@@ -1340,7 +1248,7 @@ double_delete_delay = "300ms"
 /// keys fit in the time. (The hot-set part of the bound, with Redis, is the next test.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn distinct_keys_leave_detector_and_limiter_memory_bounded() {
-    let _serial = SERIAL.lock().await;
+    let _serial = serial().await;
     const MAX_KEYS: u64 = 100_000;
     const SETTLE: Duration = Duration::from_secs(2);
     const GROWTH_LIMIT: u64 = 1024 * 1024;
@@ -1443,7 +1351,7 @@ async fn distinct_keys_leave_detector_and_limiter_memory_bounded() {
 /// once the events stop (3 s lease, then a cool second): the hot set is empty again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flood_of_peer_hot_events_promotes_at_most_max_hot_keys() {
-    let _serial = SERIAL.lock().await;
+    let _serial = serial().await;
     const MAX_HOT: usize = 64;
     const EVENTS: u128 = 20_000;
     let redis = RedisServer::start().await;

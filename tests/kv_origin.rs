@@ -56,8 +56,7 @@ async fn put(client: &HttpClient, origin: &TestOrigin, key: &str) -> u64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kv_versions_start_at_zero_and_increment_per_key() {
-    let origin = TestOrigin::start().await;
-    origin.enable_kv();
+    let origin = TestOrigin::start_kv().await;
     let client = HttpClient::new();
 
     assert_eq!(get(&client, &origin, "a").await, 0);
@@ -120,8 +119,7 @@ async fn kv_is_off_by_default_and_per_path_settings_take_precedence() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kv_replica_lag_hides_a_write_until_it_is_old_enough() {
     let lag = Duration::from_millis(1000);
-    let origin = TestOrigin::start().await;
-    origin.enable_kv();
+    let origin = TestOrigin::start_kv().await;
     origin.set_replica_lag(lag);
     let client = HttpClient::new();
 
@@ -167,8 +165,7 @@ async fn kv_replica_lag_hides_a_write_until_it_is_old_enough() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kv_slow_read_answers_the_version_it_read_on_arrival() {
     let read_delay = Duration::from_millis(400);
-    let origin = TestOrigin::start().await;
-    origin.enable_kv();
+    let origin = TestOrigin::start_kv().await;
     origin.set_kv_read_delay(read_delay);
     let client = HttpClient::new();
 
@@ -206,8 +203,7 @@ async fn kv_slow_read_answers_the_version_it_read_on_arrival() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kv_write_delay_commits_after_the_delay() {
     let write_delay = Duration::from_millis(400);
-    let origin = TestOrigin::start().await;
-    origin.enable_kv();
+    let origin = TestOrigin::start_kv().await;
     origin.set_kv_write_delay(write_delay);
     let client = HttpClient::new();
 
@@ -241,8 +237,7 @@ async fn kv_write_delay_commits_after_the_delay() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kv_surrogate_key_tags_only_when_enabled() {
-    let origin = TestOrigin::start().await;
-    origin.enable_kv();
+    let origin = TestOrigin::start_kv().await;
     let client = HttpClient::new();
 
     let r = client.get(&kv_url(&origin, "t1")).await;

@@ -7,10 +7,11 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use tokio::net::TcpStream;
+use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use common::{
-    CgConfig, HttpClient, TestOrigin, default_body, free_port, poll_until,
+    CgConfig, HttpClient, Resp, TestOrigin, default_body, free_port, poll_until,
     spawn_cacheguard_process, url,
 };
 
@@ -32,6 +33,24 @@ async fn refuses_new_requests(addr: SocketAddr) -> Result<(), String> {
     }
 }
 
+/// Starts `GET u` in a task of its own and waits (bounded) until it is in flight at the
+/// origin.
+async fn start_in_flight(
+    client: &HttpClient,
+    origin: &TestOrigin,
+    u: String,
+) -> JoinHandle<Result<Resp, String>> {
+    let in_flight = client.spawn_get(&u);
+    let reached = poll_until(
+        Duration::from_secs(3),
+        Duration::from_millis(10),
+        || async { (origin.in_flight() >= 1).then_some(()) },
+    )
+    .await;
+    assert!(reached.is_some(), "the request never reached the origin");
+    in_flight
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_drains_in_flight_request_and_refuses_new_connections() {
     let origin = TestOrigin::builder()
@@ -43,17 +62,7 @@ async fn shutdown_drains_in_flight_request_and_refuses_new_connections() {
     let admin = cg.admin_addr();
     let client = HttpClient::new();
 
-    let in_flight = tokio::spawn({
-        let client = client.clone();
-        async move { client.try_get(&url(addr, "/api/items/drain")).await }
-    });
-    let reached = poll_until(
-        Duration::from_secs(3),
-        Duration::from_millis(10),
-        || async { (origin.in_flight() >= 1).then_some(()) },
-    )
-    .await;
-    assert!(reached.is_some(), "the request never reached the origin");
+    let in_flight = start_in_flight(&client, &origin, url(addr, "/api/items/drain")).await;
 
     let shutdown = tokio::spawn(cg.shutdown());
     tokio::time::sleep(Duration::from_millis(100)).await;
@@ -104,12 +113,9 @@ async fn idle_keep_alive_connections_do_not_block_shutdown() {
 
 fn process_config(origin: &TestOrigin, dir: &tempfile::TempDir) -> (std::path::PathBuf, u16, u16) {
     let (port, admin_port) = (free_port(), free_port());
-    let toml = CgConfig::new(origin)
-        .set_str("server", "listen", &format!("127.0.0.1:{port}"))
-        .set_str("admin", "listen", &format!("127.0.0.1:{admin_port}"))
-        .toml();
-    let path = dir.path().join("cacheguard.toml");
-    std::fs::write(&path, toml).expect("write config");
+    let path = CgConfig::new(origin)
+        .listen_on(port, admin_port)
+        .write_to(&dir.path().join("cacheguard.toml"));
     (path, port, admin_port)
 }
 
@@ -142,17 +148,7 @@ async fn binary_drains_in_flight_request_on_sigterm() {
     let mut process = spawn_cacheguard_process(&path).await;
     let client = HttpClient::new();
     let addr = process.addr();
-    let in_flight = tokio::spawn({
-        let client = client.clone();
-        async move { client.try_get(&url(addr, "/api/items/term")).await }
-    });
-    let reached = poll_until(
-        Duration::from_secs(3),
-        Duration::from_millis(10),
-        || async { (origin.in_flight() >= 1).then_some(()) },
-    )
-    .await;
-    assert!(reached.is_some(), "the request never reached the origin");
+    let in_flight = start_in_flight(&client, &origin, url(addr, "/api/items/term")).await;
     process.terminate();
     let r = in_flight.await.expect("task");
     let r = r.unwrap_or_else(|e| {
@@ -192,14 +188,10 @@ async fn binary_runs_the_configured_number_of_worker_threads() {
     let mut counts = Vec::new();
     for workers in [1, 4] {
         let dir = tempfile::tempdir().expect("tempdir");
-        let (port, admin_port) = (free_port(), free_port());
-        let toml = CgConfig::new(&origin)
-            .set_str("server", "listen", &format!("127.0.0.1:{port}"))
+        let path = CgConfig::new(&origin)
+            .on_free_ports()
             .set("server", "worker_threads", &workers.to_string())
-            .set_str("admin", "listen", &format!("127.0.0.1:{admin_port}"))
-            .toml();
-        let path = dir.path().join("cacheguard.toml");
-        std::fs::write(&path, toml).expect("write config");
+            .write_to(&dir.path().join("cacheguard.toml"));
         let process = spawn_cacheguard_process(&path).await;
         let r = HttpClient::new()
             .get(&url(process.addr(), "/api/items/threads"))

@@ -4,13 +4,14 @@
 
 mod common;
 
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use bytes::Bytes;
 use http::Method;
 use tokio::time::Instant;
 
-use common::client::{channel_body, full_body};
+use common::client::{TestBody, channel_body, full_body};
 use common::{CgConfig, HttpClient, Resp, TestOrigin, concurrently, free_port, url};
 
 fn assert_short_text_body(r: &Resp, what: &str) {
@@ -65,22 +66,29 @@ async fn oversized_request_head_gets_431() {
     cg.shutdown().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn oversized_body_with_content_length_gets_413() {
+/// An origin that echoes `/upload`, behind an instance with `max_body_bytes = 1024`.
+async fn upload_behind_1k_limit() -> (TestOrigin, cacheguard::Running) {
     let origin = TestOrigin::start().await;
     origin.set_echo("/upload");
     let cg = CgConfig::new(&origin)
         .set("server", "max_body_bytes", "1024")
         .start()
         .await;
+    (origin, cg)
+}
+
+/// `POST /upload` with `body` through the instance at `addr`.
+async fn upload(client: &HttpClient, addr: SocketAddr, body: TestBody) -> Result<Resp, String> {
+    client
+        .request(Method::POST, &url(addr, "/upload"), &[], body)
+        .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_body_with_content_length_gets_413() {
+    let (origin, cg) = upload_behind_1k_limit().await;
     let client = HttpClient::new();
-    let r = client
-        .request(
-            Method::POST,
-            &url(cg.addr(), "/upload"),
-            &[],
-            full_body(vec![b'x'; 4096]),
-        )
+    let r = upload(&client, cg.addr(), full_body(vec![b'x'; 4096]))
         .await
         .expect("POST");
     assert_eq!(r.status, 413, "{r}");
@@ -91,13 +99,7 @@ async fn oversized_body_with_content_length_gets_413() {
         "a body declared too large was forwarded"
     );
     // At the limit is fine.
-    let r = client
-        .request(
-            Method::POST,
-            &url(cg.addr(), "/upload"),
-            &[],
-            full_body(vec![b'y'; 1024]),
-        )
+    let r = upload(&client, cg.addr(), full_body(vec![b'y'; 1024]))
         .await
         .expect("POST");
     assert_eq!(r.status, 200, "{r}");
@@ -107,12 +109,7 @@ async fn oversized_body_with_content_length_gets_413() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn oversized_chunked_body_gets_413() {
-    let origin = TestOrigin::start().await;
-    origin.set_echo("/upload");
-    let cg = CgConfig::new(&origin)
-        .set("server", "max_body_bytes", "1024")
-        .start()
-        .await;
+    let (origin, cg) = upload_behind_1k_limit().await;
     let client = HttpClient::new();
     let (tx, body) = channel_body();
     // Just over the limit, then the stream stays open (no end, no more bytes). A client that
@@ -127,9 +124,7 @@ async fn oversized_chunked_body_gets_413() {
         tokio::time::sleep(Duration::from_secs(10)).await;
         drop(tx);
     });
-    let r = client
-        .request(Method::POST, &url(cg.addr(), "/upload"), &[], body)
-        .await;
+    let r = upload(&client, cg.addr(), body).await;
     feeder.abort();
     match r {
         Ok(r) => {

@@ -5,8 +5,6 @@
 #![allow(clippy::unwrap_used)]
 
 mod common;
-#[path = "flight_support/mod.rs"]
-mod flight_support;
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -14,23 +12,31 @@ use std::time::Duration;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-use common::{CgConfig, HttpClient, RedisServer, Resp, TestOrigin, default_body, poll_until, url};
-use flight_support::{
-    lock_events, lock_events_sum, metrics, spawn_fleet, value, wait_coordinated,
+use common::fleet::{
+    lock_events_sum, shutdown_all, spawn_fleet, start_coordinated, wait_coordinated,
     wait_for_lock_waiters,
 };
+use common::{
+    CgConfig, HttpClient, RedisServer, Resp, TestOrigin, default_body, join_within, metrics,
+    serial, url, wait_origin_count,
+};
 
-/// `n` GETs of `path` on `addr`, each reporting its answer and the moment it completed.
+/// A waiter's answer and the moment it completed.
+type Answer = (Result<Resp, String>, Instant);
+
+/// `n` GETs of `path` on each of `addrs`, each reporting its answer and the moment it
+/// completed.
 fn spawn_waiters(
     client: &HttpClient,
-    addr: SocketAddr,
+    addrs: &[SocketAddr],
     path: &str,
     n: usize,
-) -> Vec<JoinHandle<(Result<Resp, String>, Instant)>> {
-    (0..n)
-        .map(|_| {
+) -> Vec<JoinHandle<Answer>> {
+    addrs
+        .iter()
+        .flat_map(|addr| (0..n).map(move |_| url(*addr, path)))
+        .map(|u| {
             let client = client.clone();
-            let u = url(addr, path);
             tokio::spawn(async move {
                 let r = client.try_get(&u).await;
                 (r, Instant::now())
@@ -39,33 +45,26 @@ fn spawn_waiters(
         .collect()
 }
 
-async fn join_waiters(
-    handles: Vec<JoinHandle<(Result<Resp, String>, Instant)>>,
-    timeout: Duration,
-) -> Vec<(Result<Resp, String>, Instant)> {
-    let all = async {
-        let mut out = Vec::with_capacity(handles.len());
-        for h in handles {
-            out.push(h.await.expect("waiter task panicked"));
-        }
-        out
-    };
-    tokio::time::timeout(timeout, all)
-        .await
-        .unwrap_or_else(|_| panic!("waiters did not finish within {timeout:?}"))
+/// Joins the waiters (bounded), in spawn order.
+async fn join_waiters(handles: Vec<JoinHandle<Answer>>, timeout: Duration) -> Vec<Answer> {
+    join_within(handles, timeout, "waiters").await
 }
 
-/// Waits (bounded) until the origin has received `n` requests for `path`.
-async fn wait_origin_count(origin: &TestOrigin, path: &str, n: u64, timeout: Duration) {
-    let ok = poll_until(timeout, Duration::from_millis(2), || async {
-        (origin.count(path) >= n).then_some(())
-    })
-    .await;
-    assert!(
-        ok.is_some(),
-        "origin did not receive request #{n} for {path} within {timeout:?} (count {})",
-        origin.count(path)
-    );
+/// A Redis and an origin whose `path` answers after `delay`.
+async fn redis_and_slow_origin(path: &str, delay: Duration) -> (RedisServer, TestOrigin) {
+    let redis = RedisServer::start().await;
+    let origin = TestOrigin::start().await;
+    origin.set_delay(path, delay);
+    (redis, origin)
+}
+
+/// Every waiter got 200 with `expected`; `who` names a waiter in messages.
+fn assert_all_got(results: &[Answer], expected: &str, who: &str) {
+    for (i, (r, _)) in results.iter().enumerate() {
+        let r = r.as_ref().unwrap_or_else(|e| panic!("{who} {i}: {e}"));
+        assert_eq!(r.status, 200, "{who} {i}: {r}");
+        assert_eq!(r.body, expected, "{who} {i}: {r}");
+    }
 }
 
 /// (a) The lock holder, a separate process, is SIGKILLed mid-fetch (lease 1 s). Its lease
@@ -74,13 +73,11 @@ async fn wait_origin_count(origin: &TestOrigin, path: &str, n: u64, timeout: Dur
 /// 200 ms of the kill.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn holder_killed_mid_fetch_one_waiter_takes_over_after_the_lease() {
-    let _serial = flight_support::serial().await;
+    let _serial = serial().await;
     const LEASE: Duration = Duration::from_secs(1);
     const DELAY: Duration = Duration::from_millis(800);
-    let redis = RedisServer::start().await;
-    let origin = TestOrigin::start().await;
     let path = "/api/items/failover-kill";
-    origin.set_delay(path, DELAY);
+    let (redis, origin) = redis_and_slow_origin(path, DELAY).await;
     let cfg = CgConfig::new(&origin)
         .redis(&redis)
         .set_str("lock", "lease", "1s")
@@ -96,11 +93,7 @@ async fn holder_killed_mid_fetch_one_waiter_takes_over_after_the_lease() {
 
     // A (the process) takes the lock and starts fetching.
     let sent = Instant::now();
-    let a_request = {
-        let client = client.clone();
-        let u = url(a_addr, path);
-        tokio::spawn(async move { client.try_get(&u).await })
-    };
+    let a_request = client.spawn_get(&url(a_addr, path));
     wait_origin_count(&origin, path, 1, Duration::from_secs(3)).await;
     let locks = redis.scan("cg:*:lock").await;
     assert_eq!(
@@ -110,8 +103,7 @@ async fn holder_killed_mid_fetch_one_waiter_takes_over_after_the_lease() {
     );
 
     // Waiters on B and C; both instances' leaders are waiting on A's lock.
-    let mut waiters = spawn_waiters(&client, b.addr(), path, 10);
-    waiters.extend(spawn_waiters(&client, c.addr(), path, 10));
+    let waiters = spawn_waiters(&client, &[b.addr(), c.addr()], path, 10);
     wait_for_lock_waiters(&client, b.admin_addr(), 1.0).await;
     wait_for_lock_waiters(&client, c.admin_addr(), 1.0).await;
 
@@ -174,37 +166,30 @@ async fn holder_killed_mid_fetch_one_waiter_takes_over_after_the_lease() {
     );
     assert_eq!(lock_events_sum(&client, &bc, "acquired").await, 0.0);
 
-    b.shutdown().await;
-    c.shutdown().await;
+    shutdown_all([b, c]).await;
 }
 
 /// (b) A fetch three times as long as the lease: the holder renews its lease (every
 /// lease/3), nobody takes over, one origin request.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slow_fetch_renews_its_lease_and_stays_the_only_fetch() {
-    let _serial = flight_support::serial().await;
-    let redis = RedisServer::start().await;
-    let origin = TestOrigin::start().await;
+    let _serial = serial().await;
     let path = "/api/items/slow-renew";
-    origin.set_delay(path, Duration::from_millis(1500));
+    let (redis, origin) = redis_and_slow_origin(path, Duration::from_millis(1500)).await;
     let cfg = CgConfig::new(&origin)
         .redis(&redis)
         .set_str("lock", "lease", "500ms")
         .set_str("lock", "wait_timeout", "5s");
-    let a = cfg.start().await;
-    let b = cfg.start().await;
     let client = HttpClient::new();
-    let admins = [a.admin_addr(), b.admin_addr()];
-    wait_coordinated(&client, &admins).await;
+    let [a, b] = start_coordinated(&cfg, &client).await;
 
-    let mut handles = spawn_waiters(&client, a.addr(), path, 10);
-    handles.extend(spawn_waiters(&client, b.addr(), path, 10));
+    let handles = spawn_waiters(&client, &[a.addr(), b.addr()], path, 10);
     let results = join_waiters(handles, Duration::from_secs(10)).await;
     tokio::time::sleep(Duration::from_millis(200)).await;
 
     let ea = metrics(&client, a.admin_addr()).await;
     let eb = metrics(&client, b.admin_addr()).await;
-    let (owner, other) = if lock_events(&ea, "acquired") == 1.0 {
+    let (owner, other) = if ea.lock_events("acquired") == 1.0 {
         (&ea, &eb)
     } else {
         (&eb, &ea)
@@ -219,11 +204,11 @@ async fn slow_fetch_renews_its_lease_and_stays_the_only_fetch() {
             "wait_timeout",
         ]
         .iter()
-        .map(|o| format!("{o}={}", lock_events(e, o)))
+        .map(|o| format!("{o}={}", e.lock_events(o)))
         .collect();
         parts.push(format!(
             "redis_state_changes={}",
-            value(e, "cacheguard_redis_state_changes_total")
+            e.value_or_zero("cacheguard_redis_state_changes_total")
         ));
         parts.join(" ")
     };
@@ -235,66 +220,49 @@ async fn slow_fetch_renews_its_lease_and_stays_the_only_fetch() {
             Err(e) => format!("error {e}"),
         })
         .collect();
-    let expected = default_body(path, 1);
     assert_eq!(
         origin.count(path),
         1,
         "a renewed lease means no second fetch; lock events {report}; answers {answers:#?}"
     );
-    for (i, (r, _)) in results.iter().enumerate() {
-        let r = r.as_ref().unwrap_or_else(|e| panic!("client {i}: {e}"));
-        assert_eq!(r.status, 200, "client {i}: {r}");
-        assert_eq!(r.body, expected, "client {i}: {r}");
-    }
+    assert_all_got(&results, &default_body(path, 1), "client");
 
-    assert_eq!(lock_events(owner, "acquired"), 1.0, "{report}");
+    assert_eq!(owner.lock_events("acquired"), 1.0, "{report}");
     assert!(
-        lock_events(owner, "renewed") >= 2.0,
+        owner.lock_events("renewed") >= 2.0,
         "a 1.5 s fetch under a 500 ms lease must renew at least twice: {report}"
     );
-    assert_eq!(lock_events(owner, "lost"), 0.0, "{report}");
-    assert_eq!(lock_events(other, "takeover"), 0.0, "{report}");
-    assert_eq!(lock_events(other, "acquired"), 0.0, "{report}");
-    assert!(lock_events(other, "contended") >= 1.0, "{report}");
+    assert_eq!(owner.lock_events("lost"), 0.0, "{report}");
+    assert_eq!(other.lock_events("takeover"), 0.0, "{report}");
+    assert_eq!(other.lock_events("acquired"), 0.0, "{report}");
+    assert!(other.lock_events("contended") >= 1.0, "{report}");
 
-    a.shutdown().await;
-    b.shutdown().await;
+    shutdown_all([a, b]).await;
 }
 
 /// (c) The holder's fetch answers 500: it releases the lock, exactly one waiting instance
 /// re-fetches (origin count 2), and the waiters' clients get 200.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failed_fetch_hands_the_key_to_exactly_one_waiter() {
-    let _serial = flight_support::serial().await;
+    let _serial = serial().await;
     const DELAY: Duration = Duration::from_millis(500);
-    let redis = RedisServer::start().await;
-    let origin = TestOrigin::start().await;
     let path = "/api/items/owner-500";
-    origin.set_delay(path, DELAY);
+    let (redis, origin) = redis_and_slow_origin(path, DELAY).await;
     origin.set_status(path, 500);
     let cfg = CgConfig::new(&origin)
         .redis(&redis)
         .set_str("lock", "wait_timeout", "5s");
-    let a = cfg.start().await;
-    let b = cfg.start().await;
-    let c = cfg.start().await;
     let client = HttpClient::new();
-    let admins = [a.admin_addr(), b.admin_addr(), c.admin_addr()];
-    wait_coordinated(&client, &admins).await;
+    let [a, b, c] = start_coordinated(&cfg, &client).await;
 
     let sent = Instant::now();
-    let a_request = {
-        let client = client.clone();
-        let u = url(a.addr(), path);
-        tokio::spawn(async move { client.try_get(&u).await })
-    };
+    let a_request = client.spawn_get(&url(a.addr(), path));
     wait_origin_count(&origin, path, 1, Duration::from_secs(3)).await;
     // Only the first request fails: later ones get the default 200 (same delay).
     origin.reset(path);
     origin.set_delay(path, DELAY);
 
-    let mut waiters = spawn_waiters(&client, b.addr(), path, 10);
-    waiters.extend(spawn_waiters(&client, c.addr(), path, 10));
+    let waiters = spawn_waiters(&client, &[b.addr(), c.addr()], path, 10);
     wait_for_lock_waiters(&client, b.admin_addr(), 1.0).await;
     wait_for_lock_waiters(&client, c.admin_addr(), 1.0).await;
     assert!(
@@ -310,12 +278,7 @@ async fn failed_fetch_hands_the_key_to_exactly_one_waiter() {
     );
 
     let results = join_waiters(waiters, Duration::from_secs(10)).await;
-    let expected = default_body(path, 2);
-    for (i, (r, _)) in results.iter().enumerate() {
-        let r = r.as_ref().unwrap_or_else(|e| panic!("waiter {i}: {e}"));
-        assert_eq!(r.status, 200, "waiter {i}: {r}");
-        assert_eq!(r.body, expected, "waiter {i}: {r}");
-    }
+    assert_all_got(&results, &default_body(path, 2), "waiter");
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(
         origin.count(path),
@@ -325,38 +288,28 @@ async fn failed_fetch_hands_the_key_to_exactly_one_waiter() {
     let bc = [b.admin_addr(), c.admin_addr()];
     assert_eq!(lock_events_sum(&client, &bc, "takeover").await, 1.0);
 
-    a.shutdown().await;
-    b.shutdown().await;
-    c.shutdown().await;
+    shutdown_all([a, b, c]).await;
 }
 
 /// (d) `on_timeout = "error"`: waiters that outwait `wait_timeout` (200 ms, origin takes
 /// 1 s) get 503 with `Retry-After`, and do not go to the origin.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wait_timeout_with_on_timeout_error_answers_503_retry_after() {
-    let _serial = flight_support::serial().await;
-    let redis = RedisServer::start().await;
-    let origin = TestOrigin::start().await;
+    let _serial = serial().await;
     let path = "/api/items/wait-timeout";
-    origin.set_delay(path, Duration::from_secs(1));
+    let (redis, origin) = redis_and_slow_origin(path, Duration::from_secs(1)).await;
     let cfg = CgConfig::new(&origin)
         .redis(&redis)
         .set_str("lock", "wait_timeout", "200ms")
         .set_str("lock", "on_timeout", "error");
-    let a = cfg.start().await;
-    let b = cfg.start().await;
     let client = HttpClient::new();
-    wait_coordinated(&client, &[a.admin_addr(), b.admin_addr()]).await;
+    let [a, b] = start_coordinated(&cfg, &client).await;
 
-    let a_request = {
-        let client = client.clone();
-        let u = url(a.addr(), path);
-        tokio::spawn(async move { client.try_get(&u).await })
-    };
+    let a_request = client.spawn_get(&url(a.addr(), path));
     wait_origin_count(&origin, path, 1, Duration::from_secs(3)).await;
 
     let started = Instant::now();
-    let waiters = spawn_waiters(&client, b.addr(), path, 10);
+    let waiters = spawn_waiters(&client, &[b.addr()], path, 10);
     let results = join_waiters(waiters, Duration::from_secs(10)).await;
     let answers: Vec<String> = results
         .iter()
@@ -399,7 +352,7 @@ async fn wait_timeout_with_on_timeout_error_answers_503_retry_after() {
         "waiters that timed out with on_timeout = \"error\" must not fetch"
     );
     let eb = metrics(&client, b.admin_addr()).await;
-    assert!(lock_events(&eb, "wait_timeout") >= 1.0);
+    assert!(eb.lock_events("wait_timeout") >= 1.0);
 
     let a_answer = a_request.await.expect("A task").expect("A answered");
     assert_eq!(a_answer.status, 200, "{a_answer}");
@@ -408,8 +361,7 @@ async fn wait_timeout_with_on_timeout_error_answers_503_retry_after() {
     assert_eq!(after.body, default_body(path, 1), "{after}");
     assert_eq!(origin.count(path), 1);
 
-    a.shutdown().await;
-    b.shutdown().await;
+    shutdown_all([a, b]).await;
 }
 
 /// A key whose origin keeps failing (500): after each failed fetch exactly one waiter
@@ -417,22 +369,17 @@ async fn wait_timeout_with_on_timeout_error_answers_503_retry_after() {
 /// however many requests wait, and however many times the fetch fails.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failing_origin_is_never_fetched_concurrently_for_one_key() {
-    let _serial = flight_support::serial().await;
-    let redis = RedisServer::start().await;
-    let origin = TestOrigin::start().await;
+    let _serial = serial().await;
     let path = "/api/items/always-500";
-    origin.set_delay(path, Duration::from_millis(150));
+    let (redis, origin) = redis_and_slow_origin(path, Duration::from_millis(150)).await;
     origin.set_status(path, 500);
     let cfg = CgConfig::new(&origin)
         .redis(&redis)
         .set_str("lock", "wait_timeout", "5s");
-    let a = cfg.start().await;
-    let b = cfg.start().await;
     let client = HttpClient::new();
-    wait_coordinated(&client, &[a.admin_addr(), b.admin_addr()]).await;
+    let [a, b] = start_coordinated(&cfg, &client).await;
 
-    let mut handles = spawn_waiters(&client, a.addr(), path, 10);
-    handles.extend(spawn_waiters(&client, b.addr(), path, 10));
+    let handles = spawn_waiters(&client, &[a.addr(), b.addr()], path, 10);
     let results = join_waiters(handles, Duration::from_secs(15)).await;
     let mut statuses = std::collections::BTreeMap::<u16, usize>::new();
     for (i, (r, _)) in results.iter().enumerate() {
@@ -448,6 +395,5 @@ async fn failing_origin_is_never_fetched_concurrently_for_one_key() {
         origin.max_in_flight(),
         origin.count(path)
     );
-    a.shutdown().await;
-    b.shutdown().await;
+    shutdown_all([a, b]).await;
 }

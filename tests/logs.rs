@@ -13,15 +13,12 @@ use common::*;
 async fn json_logs_and_no_line_per_hit() {
     let origin = TestOrigin::start().await;
     let dir = tempfile::tempdir().expect("tempdir");
-    let path = dir.path().join("cacheguard.toml");
-    let text = CgConfig::new(&origin)
-        .set_str("server", "listen", &format!("127.0.0.1:{}", free_port()))
-        .set_str("admin", "listen", &format!("127.0.0.1:{}", free_port()))
+    let path = CgConfig::new(&origin)
+        .on_free_ports()
         .l1("all")
         // Hot-key promotion is logged (once per promotion, not per request): off here.
         .set("hot_keys", "threshold_rps", "0")
-        .toml();
-    std::fs::write(&path, text).expect("write config");
+        .write_to(&dir.path().join("cacheguard.toml"));
     let mut cg = spawn_cacheguard_process_with_args(&path, &["--log-format", "json"]).await;
     let client = HttpClient::new();
     // Let start-up logging settle, then count.

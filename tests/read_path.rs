@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use common::{
     CgConfig, HttpClient, ITEM_ROUTE, RedisServer, TestOrigin, concurrently, config_toml,
-    default_body, start_cacheguard, url,
+    default_body, item_route, route, start_cacheguard, url,
 };
 
 /// 1 MISS, then 49 hits, exactly one origin request. Returns the hit labels seen.
@@ -279,14 +279,8 @@ async fn age_counts_seconds_since_store() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sorted_query_keys_on_every_parameter_in_any_order() {
     let origin = TestOrigin::start().await;
-    let routes = r#"
-[[routes]]
-name = "search"
-match = "/api/search"
-methods = ["GET"]
-query = "sorted"
-"#;
-    let cg = CgConfig::new(&origin).routes(routes).start().await;
+    let routes = route("search", "/api/search", "GET", r#"query = "sorted""#);
+    let cg = CgConfig::new(&origin).routes(&routes).start().await;
     let client = HttpClient::new();
     let a = client.get(&url(cg.addr(), "/api/search?b=2&a=1")).await;
     assert_eq!(a.x_cache(), "MISS", "{a}");
@@ -312,14 +306,8 @@ query = "sorted"
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ignored_query_is_not_keyed_and_not_forwarded() {
     let origin = TestOrigin::start().await;
-    let routes = r#"
-[[routes]]
-name = "item"
-match = "/api/items/{id}"
-methods = ["GET"]
-query = "ignore"
-"#;
-    let cg = CgConfig::new(&origin).routes(routes).start().await;
+    let routes = item_route(r#"query = "ignore""#);
+    let cg = CgConfig::new(&origin).routes(&routes).start().await;
     let client = HttpClient::new();
     let a = client.get(&url(cg.addr(), "/api/items/7?x=1")).await;
     assert_eq!(a.x_cache(), "MISS", "{a}");

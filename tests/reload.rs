@@ -22,15 +22,7 @@ fn config_text(origin: &TestOrigin, ttl: &str, max_rps: u32) -> String {
         .set("cache", "jitter", "0.0")
         .set_str("cache", "grace", "0s")
         .l1("all")
-        .routes(&format!(
-            r#"
-[[routes]]
-name = "item"
-match = "/api/items/{{id}}"
-methods = ["GET"]
-ttl = "{ttl}"
-"#
-        ))
+        .routes(&item_route(&format!("ttl = {ttl:?}")))
         .toml()
 }
 
@@ -209,13 +201,10 @@ async fn file_change_reloads_routes_and_limits_under_load_without_a_failed_reque
 async fn sighup_reloads_the_config_file() {
     let origin = TestOrigin::start().await;
     let dir = tempfile::tempdir().expect("tempdir");
-    let path = dir.path().join("cacheguard.toml");
-    let text = CgConfig::new(&origin)
-        .set_str("server", "listen", &format!("127.0.0.1:{}", free_port()))
-        .set_str("admin", "listen", &format!("127.0.0.1:{}", free_port()))
+    let path = CgConfig::new(&origin)
+        .on_free_ports()
         .set_str("admin", "token", "reload-secret-0123456789")
-        .toml();
-    std::fs::write(&path, &text).expect("write config");
+        .write_to(&dir.path().join("cacheguard.toml"));
     let cg = spawn_cacheguard_process(&path).await;
     let client = HttpClient::new();
     let generation = || async {

@@ -10,7 +10,9 @@ use http::Method;
 use rand::RngExt;
 
 use common::client::full_body;
-use common::{CgConfig, HttpClient, RedisServer, Resp, TestOrigin, default_body, url};
+use common::{
+    CgConfig, HttpClient, RedisServer, Resp, TestOrigin, default_body, item_route, route, url,
+};
 
 /// Both deployment shapes, so every "never shared" rule is checked against L1 and L2.
 async fn both_modes(
@@ -283,14 +285,8 @@ async fn method_override_headers_and_get_body_are_not_forwarded_on_cached_route(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unkeyed_query_params_are_stripped_and_do_not_split_the_key() {
     let origin = TestOrigin::start().await;
-    let routes = r#"
-[[routes]]
-name = "list"
-match = "/api/list"
-methods = ["GET"]
-query = ["page"]
-"#;
-    let cg = CgConfig::new(&origin).routes(routes).start().await;
+    let routes = route("list", "/api/list", "GET", r#"query = ["page"]"#);
+    let cg = CgConfig::new(&origin).routes(&routes).start().await;
     let client = HttpClient::new();
     let first = client.get(&url(cg.addr(), "/api/list?page=2&utm=x")).await;
     assert_eq!(first.status, 200, "{first}");
@@ -347,14 +343,8 @@ async fn client_no_cache_does_not_force_an_origin_fetch() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn vary_header_values_are_distinct_keys() {
     let origin = TestOrigin::start().await;
-    let routes = r#"
-[[routes]]
-name = "item"
-match = "/api/items/{id}"
-methods = ["GET"]
-vary = ["accept-language"]
-"#;
-    let cg = CgConfig::new(&origin).routes(routes).start().await;
+    let routes = item_route(r#"vary = ["accept-language"]"#);
+    let cg = CgConfig::new(&origin).routes(&routes).start().await;
     let client = HttpClient::new();
     let u = url(cg.addr(), "/api/items/v");
     let en = client

@@ -3,6 +3,9 @@
 //! through the sentinels, follows a failover within a second of the announcement, never
 //! lets a `READONLY` (a demoted primary's refusal) reach a client, and owes no
 //! invalidation: writes during the failover are journaled and applied afterwards.
+//!
+//! Each test starts five Redis processes and measures under load: one at a time
+//! ([`common::serial`]).
 
 #![allow(clippy::unwrap_used)]
 
@@ -12,17 +15,13 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use serde_json::Value;
-use tokio::sync::Mutex;
 use tokio::time::Instant;
 
 use common::load::Load;
 use common::redis_sentinel::DOWN_AFTER;
 use common::{
-    CgConfig, HttpClient, RedisSentinel, Resp, TestOrigin, admin_redis, metric, put, url,
+    CgConfig, HttpClient, RedisSentinel, Resp, TestOrigin, admin_redis, metric, put, serial, url,
 };
-
-/// Each test starts five Redis processes and measures under load: one at a time.
-static SERIAL: Mutex<()> = Mutex::const_new(());
 
 /// A cached KV route (the instance's own `l1` policy) and its write route.
 fn kv_routes() -> String {
@@ -33,6 +32,17 @@ fn version(resp: &Resp) -> u64 {
     let body: Value = serde_json::from_slice(&resp.body)
         .unwrap_or_else(|e| panic!("KV body is not JSON ({e}): {resp}"));
     body["version"].as_u64().unwrap()
+}
+
+/// `cacheguard_redis_readonly_retries_total` of the instance whose admin listener is `admin`.
+async fn readonly_retries(client: &HttpClient, admin: SocketAddr) -> f64 {
+    metric(
+        client,
+        admin,
+        "cacheguard_redis_readonly_retries_total",
+        &[],
+    )
+    .await
 }
 
 /// Polls `/admin/redis` until the instance uses `primary` with its breaker closed; when.
@@ -54,7 +64,7 @@ async fn wait_following(
 /// The primary is found through the sentinels and reported; L2 works through it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn primary_is_found_through_the_sentinels_and_reported() {
-    let _serial = SERIAL.lock().await;
+    let _serial = serial().await;
     let sentinel = RedisSentinel::start().await;
     let origin = TestOrigin::start().await;
     let cg = CgConfig::new(&origin)
@@ -90,10 +100,9 @@ async fn primary_is_found_through_the_sentinels_and_reported() {
 /// client.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn primary_killed_under_load_is_followed_within_a_second() {
-    let _serial = SERIAL.lock().await;
+    let _serial = serial().await;
     let mut sentinel = RedisSentinel::start().await;
-    let origin = TestOrigin::start().await;
-    origin.enable_kv();
+    let origin = TestOrigin::start_kv().await;
     let base = CgConfig::new(&origin)
         .redis_sentinel(&sentinel)
         .set_str("cache", "ttl", "60s")
@@ -136,20 +145,9 @@ async fn primary_killed_under_load_is_followed_within_a_second() {
         .await
         .expect("the sentinels never announced a failover");
     assert_ne!(new_primary, old_primary);
-    let follow_a = wait_following(
-        &client,
-        a.admin_addr(),
-        new_primary,
-        Duration::from_secs(10),
-    )
-    .await;
-    let follow_b = wait_following(
-        &client,
-        b.admin_addr(),
-        new_primary,
-        Duration::from_secs(10),
-    )
-    .await;
+    let within = Duration::from_secs(10);
+    let follow_a = wait_following(&client, a.admin_addr(), new_primary, within).await;
+    let follow_b = wait_following(&client, b.admin_addr(), new_primary, within).await;
     let lag = |at: Option<Instant>| at.map(|t| t.saturating_duration_since(switched_at));
     eprintln!(
         "failover announced {:?} after the kill (down-after {DOWN_AFTER:?}); A followed {:?} \
@@ -207,20 +205,8 @@ async fn primary_killed_under_load_is_followed_within_a_second() {
         tally.answers,
         tally.by_status,
         tally.by_x_cache,
-        metric(
-            &client,
-            a.admin_addr(),
-            "cacheguard_redis_readonly_retries_total",
-            &[]
-        )
-        .await,
-        metric(
-            &client,
-            b.admin_addr(),
-            "cacheguard_redis_readonly_retries_total",
-            &[]
-        )
-        .await,
+        readonly_retries(&client, a.admin_addr()).await,
+        readonly_retries(&client, b.admin_addr()).await,
     );
     assert_eq!(
         tally.non_2xx(),
@@ -265,10 +251,9 @@ async fn primary_killed_under_load_is_followed_within_a_second() {
 /// replica) under read and write load: zero non-2xx, and no `READONLY` reaches a client.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn manual_failover_under_load_never_shows_readonly() {
-    let _serial = SERIAL.lock().await;
+    let _serial = serial().await;
     let sentinel = RedisSentinel::start().await;
-    let origin = TestOrigin::start().await;
-    origin.enable_kv();
+    let origin = TestOrigin::start_kv().await;
     let cfg = CgConfig::new(&origin)
         .redis_sentinel(&sentinel)
         .l1("off")
@@ -327,13 +312,7 @@ async fn manual_failover_under_load_never_shows_readonly() {
         "{writes} writes; load: {} answers, {:?}; readonly retries {}",
         tally.answers,
         tally.by_x_cache,
-        metric(
-            &client,
-            a.admin_addr(),
-            "cacheguard_redis_readonly_retries_total",
-            &[]
-        )
-        .await
+        readonly_retries(&client, a.admin_addr()).await
     );
     assert!(bad_writes.is_empty(), "writes failed: {bad_writes:#?}");
     assert_eq!(tally.non_2xx(), 0, "non-2xx: {:#?}", tally.bad);
@@ -345,7 +324,7 @@ async fn manual_failover_under_load_never_shows_readonly() {
 /// `unreplicated` and the fill still goes on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lock_wait_replicas_waits_for_the_replica() {
-    let _serial = SERIAL.lock().await;
+    let _serial = serial().await;
     let sentinel = RedisSentinel::start().await;
     let origin = TestOrigin::start().await;
     let client = HttpClient::new();
@@ -379,7 +358,7 @@ async fn lock_wait_replicas_waits_for_the_replica() {
 /// re-check is a second away): the first meets `READONLY`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readonly_from_a_demoted_primary_is_retried_on_the_new_one() {
-    let _serial = SERIAL.lock().await;
+    let _serial = serial().await;
     let sentinel = RedisSentinel::start().await;
     let mut proxies = Vec::new();
     for port in sentinel.sentinel_ports() {
@@ -389,8 +368,7 @@ async fn readonly_from_a_demoted_primary_is_retried_on_the_new_one() {
         .iter()
         .map(|p| format!("{:?}", p.redis_url()))
         .collect();
-    let origin = TestOrigin::start().await;
-    origin.enable_kv();
+    let origin = TestOrigin::start_kv().await;
     let cg = CgConfig::new(&origin)
         .set_str("redis", "mode", "sentinel")
         .set("redis", "urls", &format!("[{}]", urls.join(", ")))

@@ -89,22 +89,33 @@ async fn store_and_read_pttls(cfg: CgConfig, redis: &RedisServer, n: usize) -> V
     pttls
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn thousand_stored_ttls_are_jittered_within_bounds() {
+/// The Redis PTTLs of `n` entries stored with ttl 60 s, `jitter` and grace 30 s (on a
+/// Redis and an origin of their own).
+async fn pttls_with_jitter(jitter: &str, n: usize) -> Vec<i64> {
     let redis = RedisServer::start().await;
     let origin = TestOrigin::start().await;
     let cfg = CgConfig::new(&origin)
         .redis(&redis)
         .set_str("redis", "command_timeout", "2s")
         .set_str("cache", "ttl", "60s")
-        .set("cache", "jitter", "0.2")
+        .set("cache", "jitter", jitter)
         .set_str("cache", "grace", "30s");
-    let pttls = store_and_read_pttls(cfg, &redis, 1000).await;
-    let out_of_range: Vec<i64> = pttls
+    store_and_read_pttls(cfg, &redis, n).await
+}
+
+/// The values of `pttls` outside `range`.
+fn outside(pttls: &[i64], range: std::ops::RangeInclusive<i64>) -> Vec<i64> {
+    pttls
         .iter()
         .copied()
-        .filter(|&p| !(48_000..=102_000).contains(&p))
-        .collect();
+        .filter(|p| !range.contains(p))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn thousand_stored_ttls_are_jittered_within_bounds() {
+    let pttls = pttls_with_jitter("0.2", 1000).await;
+    let out_of_range = outside(&pttls, 48_000..=102_000);
     assert!(
         out_of_range.is_empty(),
         "{} PTTLs outside [48s, 102s] (ttl 60s ± 20% + grace 30s), e.g. {:?}",
@@ -122,21 +133,9 @@ async fn thousand_stored_ttls_are_jittered_within_bounds() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stored_ttl_is_ttl_plus_grace() {
-    let redis = RedisServer::start().await;
-    let origin = TestOrigin::start().await;
-    let cfg = CgConfig::new(&origin)
-        .redis(&redis)
-        .set_str("redis", "command_timeout", "2s")
-        .set_str("cache", "ttl", "60s")
-        .set("cache", "jitter", "0.0")
-        .set_str("cache", "grace", "30s");
-    let pttls = store_and_read_pttls(cfg, &redis, 50).await;
+    let pttls = pttls_with_jitter("0.0", 50).await;
     // Redis TTL = ttl (no jitter) + grace = 90 s, minus the few seconds the test took.
-    let bad: Vec<i64> = pttls
-        .iter()
-        .copied()
-        .filter(|&p| !(80_000..=90_000).contains(&p))
-        .collect();
+    let bad = outside(&pttls, 80_000..=90_000);
     assert!(
         bad.is_empty(),
         "PTTLs should be ~90 s (60 s ttl + 30 s grace): {bad:?}"

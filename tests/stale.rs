@@ -7,8 +7,6 @@
 #![allow(clippy::unwrap_used)]
 
 mod common;
-#[path = "flight_support/mod.rs"]
-mod flight_support;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -17,27 +15,14 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+use common::fleet::{shutdown_all, start_coordinated};
+use common::load::{
+    burst, hit_floor, latency_summary, open_warm, outcomes, percentile, strict_latency,
+};
 use common::{
-    CgConfig, HttpClient, RedisServer, TestOrigin, concurrently, default_body, poll_until, url,
+    CgConfig, HttpClient, RedisCluster, RedisServer, SharedRedis, TestOrigin, concurrently,
+    default_body, item_route, metrics, poll_until, route, serial, serially, url, wait_origin_count,
 };
-use flight_support::{
-    burst, hit_floor, latency_summary, metrics, open_warm, outcomes, percentile, strict_latency,
-    value, wait_coordinated,
-};
-
-/// Waits (bounded) until the origin has received `n` requests for `path`; returns when.
-async fn wait_origin_count(origin: &TestOrigin, path: &str, n: u64, timeout: Duration) -> Instant {
-    poll_until(timeout, Duration::from_millis(2), || async {
-        (origin.count(path) >= n).then(Instant::now)
-    })
-    .await
-    .unwrap_or_else(|| {
-        panic!(
-            "origin did not receive request #{n} for {path} within {timeout:?} (count {})",
-            origin.count(path)
-        )
-    })
-}
 
 /// A config whose entries go stale after 1 s and stay usable for 30 s more.
 fn short_ttl(cfg: CgConfig) -> CgConfig {
@@ -84,18 +69,9 @@ fn tally(resps: &[common::Resp]) -> HashMap<String, usize> {
 
 /// Routes: `item` (the short-ttl route under test) and `cal`, a long-ttl route whose hits
 /// measure the machine's floor for a burst.
-const ROUTES_WITH_CAL: &str = r#"
-[[routes]]
-name = "item"
-match = "/api/items/{id}"
-methods = ["GET"]
-
-[[routes]]
-name = "cal"
-match = "/api/cal/{id}"
-methods = ["GET"]
-ttl = "60s"
-"#;
+fn routes_with_cal() -> String {
+    item_route("") + &route("cal", "/api/cal/{id}", "GET", r#"ttl = "60s""#)
+}
 
 /// (a) An entry past its ttl, within grace, hit by 100 concurrent GETs over 2 instances:
 /// every one answered at once (`STALE`, old body), one origin refresh in total; afterwards
@@ -108,29 +84,25 @@ ttl = "60s"
 /// also enforces the absolute p99 < 20 ms.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stale_entry_is_served_at_once_while_one_refresh_runs() {
-    let _serial = flight_support::serial().await;
-    stale_while_one_refresh(&RedisServer::start().await).await;
+    serially(RedisServer::start(), stale_while_one_refresh).await;
 }
 
 /// The same on a Redis Cluster.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stale_entry_is_served_at_once_while_one_refresh_runs_on_cluster() {
-    let _serial = flight_support::serial().await;
-    stale_while_one_refresh(&common::RedisCluster::start().await).await;
+    serially(RedisCluster::start(), stale_while_one_refresh).await;
 }
 
-async fn stale_while_one_refresh(redis: &impl common::SharedRedis) {
+async fn stale_while_one_refresh(redis: &impl SharedRedis) {
     let origin = TestOrigin::start().await;
     let path = "/api/items/swr";
     let cal = "/api/cal/1";
     // command_timeout 2s: a burst on a loaded box must not mark Redis down (degraded).
     let cfg = short_ttl(redis.configure(CgConfig::new(&origin)))
         .set_str("redis", "command_timeout", "2s")
-        .routes(ROUTES_WITH_CAL);
-    let a = cfg.start().await;
-    let b = cfg.start().await;
+        .routes(&routes_with_cal());
     let client = HttpClient::new();
-    wait_coordinated(&client, &[a.admin_addr(), b.admin_addr()]).await;
+    let [a, b] = start_coordinated(&cfg, &client).await;
     let addrs = [a.addr(), b.addr()];
 
     let first = client.get(&url(a.addr(), path)).await;
@@ -214,8 +186,7 @@ async fn stale_while_one_refresh(redis: &impl common::SharedRedis) {
         + eb.sum("cacheguard_stale_served_total", &[("route", "item")]);
     assert_eq!(stale_served, 100.0);
 
-    a.shutdown().await;
-    b.shutdown().await;
+    shutdown_all([a, b]).await;
 }
 
 /// While one instance refreshes a stale key (it holds the lock), another instance serving
@@ -223,15 +194,13 @@ async fn stale_while_one_refresh(redis: &impl common::SharedRedis) {
 /// skips), not one per stale request: "one per key per instance".
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn instance_that_lost_the_refresh_lock_does_not_retry_it_per_request() {
-    let _serial = flight_support::serial().await;
+    let _serial = serial().await;
     let redis = RedisServer::start().await;
     let origin = TestOrigin::start().await;
     let path = "/api/items/swr-other";
     let cfg = short_ttl(CgConfig::new(&origin).redis(&redis));
-    let a = cfg.start().await;
-    let b = cfg.start().await;
     let client = HttpClient::new();
-    wait_coordinated(&client, &[a.admin_addr(), b.admin_addr()]).await;
+    let [a, b] = start_coordinated(&cfg, &client).await;
 
     let first = client.get(&url(a.addr(), path)).await;
     assert_eq!(first.x_cache(), "MISS", "{first}");
@@ -266,8 +235,7 @@ async fn instance_that_lost_the_refresh_lock_does_not_retry_it_per_request() {
          request started another (an L2 GET + a lock attempt in Redis per stale hit)"
     );
 
-    a.shutdown().await;
-    b.shutdown().await;
+    shutdown_all([a, b]).await;
 }
 
 /// (b) Stale-if-error: the origin answers 500 to the refresh; clients keep getting the
@@ -275,15 +243,12 @@ async fn instance_that_lost_the_refresh_lock_does_not_retry_it_per_request() {
 /// once the origin recovers the next refresh replaces the copy.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn origin_error_on_refresh_keeps_serving_the_stale_copy() {
-    let _serial = flight_support::serial().await;
+    let _serial = serial().await;
     let redis = RedisServer::start().await;
     let origin = TestOrigin::start().await;
     let path = "/api/items/sie";
-    let cg = short_ttl(CgConfig::new(&origin).redis(&redis))
-        .start()
-        .await;
     let client = HttpClient::new();
-    wait_coordinated(&client, &[cg.admin_addr()]).await;
+    let [cg] = start_coordinated(&short_ttl(CgConfig::new(&origin).redis(&redis)), &client).await;
     let u = url(cg.addr(), path);
 
     let first = client.get(&u).await;
@@ -341,17 +306,14 @@ async fn origin_error_on_refresh_keeps_serving_the_stale_copy() {
 /// down once, then skipped).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_killed_single_flight_stays_per_instance_and_nothing_waits_on_timeouts() {
-    let _serial = flight_support::serial().await;
+    let _serial = serial().await;
     let mut redis = RedisServer::start().await;
     let origin = TestOrigin::start().await;
     let cfg = CgConfig::new(&origin)
         .redis(&redis)
         .set_str("redis", "command_timeout", "300ms");
-    let a = cfg.start().await;
-    let b = cfg.start().await;
-    let c = cfg.start().await;
     let client = HttpClient::new();
-    wait_coordinated(&client, &[a.admin_addr(), b.admin_addr(), c.admin_addr()]).await;
+    let [a, b, c] = start_coordinated(&cfg, &client).await;
 
     redis.kill();
 
@@ -387,25 +349,21 @@ async fn redis_killed_single_flight_stays_per_instance_and_nothing_waits_on_time
          detected down once and skipped, not waited on per request (command_timeout 300ms)"
     );
 
-    a.shutdown().await;
-    b.shutdown().await;
-    c.shutdown().await;
+    shutdown_all([a, b, c]).await;
 }
 
 /// (c, hung variant) Redis stopped with SIGSTOP (socket open, no answers): every Redis
 /// command would wait the full `command_timeout`; only the first one may.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_hung_is_detected_once_then_skipped() {
-    let _serial = flight_support::serial().await;
+    let _serial = serial().await;
     let redis = RedisServer::start().await;
     let origin = TestOrigin::start().await;
     let cfg = CgConfig::new(&origin)
         .redis(&redis)
         .set_str("redis", "command_timeout", "300ms");
-    let a = cfg.start().await;
-    let b = cfg.start().await;
     let client = HttpClient::new();
-    wait_coordinated(&client, &[a.admin_addr(), b.admin_addr()]).await;
+    let [a, b] = start_coordinated(&cfg, &client).await;
 
     redis.pause();
 
@@ -439,8 +397,7 @@ async fn redis_hung_is_detected_once_then_skipped() {
     );
 
     redis.resume();
-    a.shutdown().await;
-    b.shutdown().await;
+    shutdown_all([a, b]).await;
 }
 
 async fn pubsub_clients(con: &mut redis::aio::MultiplexedConnection) -> usize {
@@ -459,18 +416,16 @@ async fn pubsub_clients(con: &mut redis::aio::MultiplexedConnection) -> usize {
 /// one origin request.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dropped_pubsub_resubscribes_and_coordination_still_works() {
-    let _serial = flight_support::serial().await;
+    let _serial = serial().await;
     let redis = RedisServer::start().await;
     let origin = TestOrigin::start().await;
     let cfg = CgConfig::new(&origin)
         .redis(&redis)
         .set_str("redis", "command_timeout", "2s")
         .set_str("lock", "wait_timeout", "5s");
-    let a = cfg.start().await;
-    let b = cfg.start().await;
     let client = HttpClient::new();
+    let [a, b] = start_coordinated(&cfg, &client).await;
     let admins = [a.admin_addr(), b.admin_addr()];
-    wait_coordinated(&client, &admins).await;
     let mut con = redis.client().await;
     assert_eq!(
         pubsub_clients(&mut con).await,
@@ -496,8 +451,8 @@ async fn dropped_pubsub_resubscribes_and_coordination_still_works() {
             let mut resubscribed = 0;
             for admin in admins {
                 let e = metrics(&client, admin).await;
-                if value(&e, "cacheguard_event_bus_resubscriptions_total") >= 1.0
-                    && value(&e, "cacheguard_event_bus_subscribed") == 1.0
+                if e.value_or_zero("cacheguard_event_bus_resubscriptions_total") >= 1.0
+                    && e.value_or_zero("cacheguard_event_bus_subscribed") == 1.0
                 {
                     resubscribed += 1;
                 }
@@ -527,15 +482,14 @@ async fn dropped_pubsub_resubscribes_and_coordination_still_works() {
         "after re-subscribing, a stampede over 2 instances makes one origin request"
     );
 
-    a.shutdown().await;
-    b.shutdown().await;
+    shutdown_all([a, b]).await;
 }
 
 /// (e) Probabilistic early refresh (XFetch): a hot key under steady load is refreshed
 /// before it expires, so no client sees a MISS after the first.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn early_refresh_keeps_a_hot_key_from_ever_missing() {
-    let _serial = flight_support::serial().await;
+    let _serial = serial().await;
     let redis = RedisServer::start().await;
     let origin = TestOrigin::start().await;
     let path = "/api/items/hot-early";
@@ -545,22 +499,13 @@ async fn early_refresh_keeps_a_hot_key_from_ever_missing() {
         .set_str("cache", "ttl", "2s")
         .set("cache", "jitter", "0.0")
         .set_str("cache", "grace", "30s")
-        .routes(
-            r#"
-[[routes]]
-name = "item"
-match = "/api/items/{id}"
-methods = ["GET"]
-early_refresh_beta = 1.0
-"#,
-        );
+        .routes(&item_route("early_refresh_beta = 1.0"));
     let toml = cfg.toml();
     if let Err(e) = cacheguard::Config::from_toml(&toml, "test.toml", &HashMap::new()) {
         panic!("the config loader rejects early_refresh_beta: {e}");
     }
-    let cg = cfg.start().await;
     let client = HttpClient::new();
-    wait_coordinated(&client, &[cg.admin_addr()]).await;
+    let [cg] = start_coordinated(&cfg, &client).await;
     let u = url(cg.addr(), path);
 
     let first = client.get(&u).await;

@@ -5,17 +5,20 @@
 #![allow(clippy::unwrap_used)]
 
 mod common;
-#[path = "flight_support/mod.rs"]
-mod flight_support;
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{CgConfig, HttpClient, RedisServer, TestOrigin, concurrently, default_body, url};
-use flight_support::{
-    burst, command_calls, hit_floor, latency_summary, lock_events, lock_events_sum, metrics,
-    open_warm, outcomes, percentile, reset_command_stats, spawn_fleet, strict_latency, value,
-    wait_coordinated,
+use common::fleet::{
+    lock_events_sum, shutdown_all, spawn_fleet, start_coordinated, wait_coordinated,
+};
+use common::load::{
+    burst, hit_floor, latency_summary, open_warm, outcomes, percentile, strict_latency,
+};
+use common::redis_server::{command_calls, reset_command_stats};
+use common::{
+    CgConfig, HttpClient, RedisCluster, RedisServer, SharedRedis, TestOrigin, concurrently,
+    default_body, metrics, serial, serially, url,
 };
 
 const ORIGIN_DELAY: Duration = Duration::from_millis(300);
@@ -28,7 +31,7 @@ const WAKE_SLACK: Duration = Duration::from_millis(50);
 /// `CACHEGUARD_STRICT_LATENCY=1` also enforces the absolute p99 ≤ origin delay + 50 ms).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cold_key_stampede_over_three_processes_makes_one_origin_request() {
-    let _serial = flight_support::serial().await;
+    let _serial = serial().await;
     const PER_INSTANCE: usize = 200;
     let redis = RedisServer::start().await;
     let origin = TestOrigin::start().await;
@@ -189,18 +192,16 @@ async fn cold_key_stampede_over_three_processes_makes_one_origin_request() {
 /// story (`acquired` = 1 across instances, `contended` ≥ 1, requests coalesced).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stampede_over_two_instances_is_visible_in_lock_metrics() {
-    let _serial = flight_support::serial().await;
-    stampede_in_lock_metrics(&RedisServer::start().await).await;
+    serially(RedisServer::start(), stampede_in_lock_metrics).await;
 }
 
 /// The same on a Redis Cluster.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stampede_over_two_instances_is_visible_in_lock_metrics_on_cluster() {
-    let _serial = flight_support::serial().await;
-    stampede_in_lock_metrics(&common::RedisCluster::start().await).await;
+    serially(RedisCluster::start(), stampede_in_lock_metrics).await;
 }
 
-async fn stampede_in_lock_metrics(redis: &impl common::SharedRedis) {
+async fn stampede_in_lock_metrics(redis: &impl SharedRedis) {
     let origin = TestOrigin::start().await;
     let path = "/api/items/stampede-metrics";
     origin.set_delay(path, ORIGIN_DELAY);
@@ -208,11 +209,8 @@ async fn stampede_in_lock_metrics(redis: &impl common::SharedRedis) {
         .configure(CgConfig::new(&origin))
         .set_str("redis", "command_timeout", "2s")
         .set_str("lock", "wait_timeout", "5s");
-    let a = cfg.start().await;
-    let b = cfg.start().await;
     let client = HttpClient::new();
-    let admins = [a.admin_addr(), b.admin_addr()];
-    wait_coordinated(&client, &admins).await;
+    let [a, b] = start_coordinated(&cfg, &client).await;
 
     let addrs = Arc::new([a.addr(), b.addr()]);
     let results = concurrently(100, Duration::from_secs(20), |i| {
@@ -235,15 +233,15 @@ async fn stampede_in_lock_metrics(redis: &impl common::SharedRedis) {
 
     let ea = metrics(&client, a.admin_addr()).await;
     let eb = metrics(&client, b.admin_addr()).await;
-    let sum = |outcome: &str| lock_events(&ea, outcome) + lock_events(&eb, outcome);
+    let sum = |outcome: &str| ea.lock_events(outcome) + eb.lock_events(outcome);
     let report = format!(
         "A: acquired={} contended={} takeover={} | B: acquired={} contended={} takeover={}",
-        lock_events(&ea, "acquired"),
-        lock_events(&ea, "contended"),
-        lock_events(&ea, "takeover"),
-        lock_events(&eb, "acquired"),
-        lock_events(&eb, "contended"),
-        lock_events(&eb, "takeover"),
+        ea.lock_events("acquired"),
+        ea.lock_events("contended"),
+        ea.lock_events("takeover"),
+        eb.lock_events("acquired"),
+        eb.lock_events("contended"),
+        eb.lock_events("takeover"),
     );
     assert_eq!(
         sum("acquired"),
@@ -272,8 +270,8 @@ async fn stampede_in_lock_metrics(redis: &impl common::SharedRedis) {
         waited >= 1.0,
         "no lock wait observed in cacheguard_lock_wait_seconds"
     );
-    assert_eq!(value(&ea, "cacheguard_lock_waiters"), 0.0);
-    assert_eq!(value(&eb, "cacheguard_lock_waiters"), 0.0);
+    assert_eq!(ea.value_or_zero("cacheguard_lock_waiters"), 0.0);
+    assert_eq!(eb.value_or_zero("cacheguard_lock_waiters"), 0.0);
     let misses = ea.sum(
         "cacheguard_requests_total",
         &[("route", "item"), ("outcome", "miss")],
@@ -283,6 +281,5 @@ async fn stampede_in_lock_metrics(redis: &impl common::SharedRedis) {
     );
     assert_eq!(misses, 100.0, "every request counted as a miss");
 
-    a.shutdown().await;
-    b.shutdown().await;
+    shutdown_all([a, b]).await;
 }

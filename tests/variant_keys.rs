@@ -8,16 +8,19 @@
 
 mod common;
 
-use common::{CgConfig, HttpClient, RedisCluster, RedisServer, SharedRedis, TestOrigin, url};
+use common::{
+    CgConfig, HttpClient, RedisCluster, RedisServer, SharedRedis, TestOrigin, item_route, url,
+};
 
-const ROUTE: &str = r#"
-[[routes]]
-name = "item"
-match = "/api/items/{id}"
-methods = ["GET"]
+/// Route `item`, keyed on its sorted query and on `accept-language`.
+fn item_variants_route() -> String {
+    item_route(
+        r#"
 query = "sorted"
 vary = ["accept-language"]
-"#;
+"#,
+    )
+}
 
 /// One request shape: the path (with any query) and the headers it is sent with.
 struct Case {
@@ -53,7 +56,7 @@ async fn every_case_is_an_l2_hit_through_another_instance(redis: &impl SharedRed
     let mut wrong = Vec::new();
     for l1 in ["off", "hot", "all"] {
         let origin = TestOrigin::start().await;
-        let cfg = redis.configure(CgConfig::new(&origin).routes(ROUTE).l1(l1));
+        let cfg = redis.configure(CgConfig::new(&origin).routes(&item_variants_route()).l1(l1));
         let (a, b) = (cfg.start().await, cfg.start().await);
         // Each mode gets its own paths, so the entries the previous mode left in Redis
         // cannot answer for it.

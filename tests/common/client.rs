@@ -4,7 +4,7 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, StatusCode};
 use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, Empty, Full, StreamBody};
@@ -14,6 +14,21 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+
+/// Every value of header `name` in `headers`, joined with `", "`; `None` when absent.
+pub fn header_values(headers: &HeaderMap, name: &str) -> Option<String> {
+    let values: Vec<&str> = headers
+        .get_all(name)
+        .iter()
+        .map(|v| v.to_str().unwrap_or("<non-utf8>"))
+        .collect();
+    if values.is_empty() {
+        None
+    } else {
+        Some(values.join(", "))
+    }
+}
 
 /// Upper bound on any one request made by a test.
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(15);
@@ -29,18 +44,9 @@ pub struct Resp {
 }
 
 impl Resp {
+    /// Every value of header `name`, joined with `", "` (see [`header_values`]).
     pub fn header(&self, name: &str) -> Option<String> {
-        let values: Vec<&str> = self
-            .headers
-            .get_all(name)
-            .iter()
-            .map(|v| v.to_str().unwrap_or("<non-utf8>"))
-            .collect();
-        if values.is_empty() {
-            None
-        } else {
-            Some(values.join(", "))
-        }
+        header_values(&self.headers, name)
     }
 
     /// The `X-Cache` header, or `"<none>"`.
@@ -138,6 +144,13 @@ impl HttpClient {
         self.request(Method::GET, url, &[], empty_body()).await
     }
 
+    /// [`HttpClient::try_get`] in a task of its own, started now.
+    pub fn spawn_get(&self, url: &str) -> JoinHandle<Result<Resp, String>> {
+        let client = self.clone();
+        let url = url.to_owned();
+        tokio::spawn(async move { client.try_get(&url).await })
+    }
+
     /// Any request, bounded by [`REQUEST_TIMEOUT`]; transport errors returned as text.
     pub async fn request(
         &self,
@@ -147,21 +160,27 @@ impl HttpClient {
         body: TestBody,
     ) -> Result<Resp, String> {
         let req = build_request(method, url, headers, body)?;
-        let fut = async {
+        within(REQUEST_TIMEOUT, async {
             let resp = self
                 .inner
                 .request(req)
                 .await
                 .map_err(|e| format!("request error: {e:?}"))?;
             collect(resp).await
-        };
-        tokio::time::timeout(REQUEST_TIMEOUT, fut)
-            .await
-            .map_err(|_| format!("timed out after {REQUEST_TIMEOUT:?}"))?
+        })
+        .await
+    }
+
+    /// Whether `GET url` answers 200 within `timeout` (a transport error or no answer in
+    /// time: false).
+    pub async fn answers_200(&self, url: &str, timeout: Duration) -> bool {
+        let answer = tokio::time::timeout(timeout, self.try_get(url)).await;
+        matches!(answer, Ok(Ok(resp)) if resp.status == 200)
     }
 }
 
-fn build_request(
+/// A request with `headers` added as given.
+pub fn build_request(
     method: Method,
     url: &str,
     headers: &[(&str, &str)],
@@ -174,7 +193,8 @@ fn build_request(
     builder.body(body).map_err(|e| format!("bad request: {e}"))
 }
 
-async fn collect(resp: http::Response<hyper::body::Incoming>) -> Result<Resp, String> {
+/// Reads a response's whole body into a [`Resp`].
+pub async fn collect(resp: http::Response<hyper::body::Incoming>) -> Result<Resp, String> {
     let (parts, body) = resp.into_parts();
     let body = body
         .collect()
@@ -197,7 +217,7 @@ pub async fn raw_request(
     headers: &[(&str, &str)],
     body: TestBody,
 ) -> Result<Resp, String> {
-    let fut = async {
+    within(REQUEST_TIMEOUT, async {
         let stream = TcpStream::connect(addr)
             .await
             .map_err(|e| format!("connect {addr}: {e}"))?;
@@ -223,8 +243,113 @@ pub async fn raw_request(
         let out = collect(resp).await;
         conn_task.abort();
         out
-    };
-    tokio::time::timeout(REQUEST_TIMEOUT, fut)
+    })
+    .await
+}
+
+/// `fut` bounded by `timeout`; running out of time is an error too.
+pub async fn within<T>(
+    timeout: Duration,
+    fut: impl Future<Output = Result<T, String>>,
+) -> Result<T, String> {
+    tokio::time::timeout(timeout, fut)
         .await
-        .map_err(|_| format!("timed out after {REQUEST_TIMEOUT:?}"))?
+        .map_err(|_| format!("timed out after {timeout:?}"))?
+}
+
+// === raw HTTP/1.1 framing, for pipelined clients ===
+
+/// One response as [`parse_response`] read it off a byte stream.
+#[derive(Debug)]
+pub struct RawResponse {
+    pub status: u16,
+    /// Names lower-cased, in the order received.
+    pub headers: Vec<(String, String)>,
+    pub body: Bytes,
+}
+
+impl RawResponse {
+    /// The first value of header `name` (lower-case).
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
+    }
+
+    /// The `X-Cache` header, or `"<none>"`.
+    pub fn x_cache(&self) -> String {
+        self.header("x-cache").unwrap_or("<none>").to_owned()
+    }
+}
+
+/// Takes one complete HTTP/1.1 response off the front of `buf` (`None`: need more bytes).
+/// Header names are lower-cased. Bodies: `content-length` or `chunked`.
+pub fn parse_response(buf: &mut BytesMut) -> Result<Option<RawResponse>, String> {
+    let Some(head_end) = buf.windows(4).position(|w| w == b"\r\n\r\n") else {
+        return Ok(None);
+    };
+    let head = std::str::from_utf8(&buf[..head_end]).map_err(|e| format!("head: {e}"))?;
+    let mut lines = head.split("\r\n");
+    let status_line = lines.next().unwrap_or_default();
+    let status: u16 = status_line
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| format!("bad status line {status_line:?}"))?;
+    let headers: Vec<(String, String)> = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
+        .collect();
+    let mut response = RawResponse {
+        status,
+        headers,
+        body: Bytes::new(),
+    };
+    let body_start = head_end + 4;
+    if let Some(len) = response.header("content-length") {
+        let len: usize = len.parse().map_err(|_| format!("content-length {len:?}"))?;
+        if buf.len() < body_start + len {
+            return Ok(None);
+        }
+        let mut frame = buf.split_to(body_start + len);
+        response.body = frame.split_off(body_start).freeze();
+        return Ok(Some(response));
+    }
+    if response
+        .header("transfer-encoding")
+        .is_some_and(|te| te.eq_ignore_ascii_case("chunked"))
+    {
+        let mut at = body_start;
+        let mut body = BytesMut::new();
+        loop {
+            let Some(eol) = buf[at..].windows(2).position(|w| w == b"\r\n") else {
+                return Ok(None);
+            };
+            let size_text = std::str::from_utf8(&buf[at..at + eol]).map_err(|e| e.to_string())?;
+            let size = usize::from_str_radix(size_text.split(';').next().unwrap_or("").trim(), 16)
+                .map_err(|_| format!("chunk size {size_text:?}"))?;
+            at += eol + 2;
+            if size == 0 {
+                // Trailers (none expected) end with an empty line.
+                let Some(end) = buf[at..].windows(2).position(|w| w == b"\r\n") else {
+                    return Ok(None);
+                };
+                if end != 0 {
+                    return Err("trailers are not supported".into());
+                }
+                let _ = buf.split_to(at + 2);
+                response.body = body.freeze();
+                return Ok(Some(response));
+            }
+            if buf.len() < at + size + 2 {
+                return Ok(None);
+            }
+            body.extend_from_slice(&buf[at..at + size]);
+            at += size + 2;
+        }
+    }
+    // No body framing: only valid for answers without a body.
+    let _ = buf.split_to(body_start);
+    Ok(Some(response))
 }

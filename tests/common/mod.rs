@@ -9,11 +9,15 @@
 //! - [`prom`]: a Prometheus text parser for `/metrics`.
 //! - [`TcpProxy`]: a fault-injecting TCP proxy (cut / restore / added latency), e.g. in
 //!   front of a Redis server.
+//! - [`fleet`]: several instances on one Redis (process fleets, coordination waits).
+//! - [`load`]: a closed-loop load, and bursts released together on warm connections.
+//! - [`serial`]: one test at a time within a test binary, for the tests that take it.
 //!
 //! Every fixture owns what it started and stops it on `Drop` (by PID for processes).
 #![allow(dead_code, unused_imports, unreachable_pub)]
 
 pub mod client;
+pub mod fleet;
 pub mod load;
 pub mod origin;
 pub mod process;
@@ -29,6 +33,7 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 pub use client::{HttpClient, Resp, raw_request};
@@ -50,6 +55,39 @@ match = "/api/items/{id}"
 methods = ["GET"]
 "#;
 
+/// One `[[routes]]` table: `name`, `match = pattern`, `methods = [method]`, then
+/// `settings` (TOML lines such as `ttl = "4s"`; may be empty).
+pub fn route(name: &str, pattern: &str, method: &str, settings: &str) -> String {
+    format!(
+        "\n[[routes]]\nname = {}\nmatch = {}\nmethods = [{}]\n{}\n",
+        q(name),
+        q(pattern),
+        q(method),
+        settings.trim()
+    )
+}
+
+/// The `item` route of [`ITEM_ROUTE`] (`GET /api/items/{id}`) with `settings` added.
+pub fn item_route(settings: &str) -> String {
+    route("item", "/api/items/{id}", "GET", settings)
+}
+
+/// One `[[bloom]]` table; `source` is the TOML inline table (`{ url = "…" }`).
+pub fn bloom_table(
+    name: &str,
+    expected_items: u64,
+    fp_rate: f64,
+    refresh: &str,
+    source: &str,
+) -> String {
+    format!(
+        "\n[[bloom]]\nname = {}\nexpected_items = {expected_items}\nfp_rate = {fp_rate}\n\
+         refresh = {}\nsource = {source}\n",
+        q(name),
+        q(refresh)
+    )
+}
+
 /// The KV origin's routes: `GET /kv/{key}` cached (with route-level `l1` when given), and
 /// `PUT /kv/{key}`, a write route with the delayed double delete after `delay` and, when
 /// `invalidate`, the pattern that invalidates the written key.
@@ -59,23 +97,9 @@ pub fn kv_routes(delay: &str, invalidate: bool, l1: Option<&str>) -> String {
     } else {
         ""
     };
-    let l1 = l1.map(|p| format!("l1 = \"{p}\"")).unwrap_or_default();
-    format!(
-        r#"
-[[routes]]
-name = "kv"
-match = "/kv/{{key}}"
-methods = ["GET"]
-{l1}
-
-[[routes]]
-name = "kv-write"
-match = "/kv/{{key}}"
-methods = ["PUT"]
-{invalidate}
-double_delete_delay = "{delay}"
-"#
-    )
+    let l1 = l1.map(|p| format!("l1 = {}", q(p))).unwrap_or_default();
+    let write = format!("{invalidate}\ndouble_delete_delay = {}", q(delay));
+    route("kv", "/kv/{key}", "GET", &l1) + &route("kv-write", "/kv/{key}", "PUT", &write)
 }
 
 /// GETs `/api/items/{prefix}-{i}` for `i` in `0..n`, each a cold key: every answer must be a
@@ -95,10 +119,22 @@ pub async fn cold_misses(client: &HttpClient, addr: SocketAddr, prefix: &str, n:
 
 /// `cacheguard_lock_events_total{outcome}` on the instance whose admin listener is `admin`.
 pub async fn lock_events(client: &HttpClient, admin: SocketAddr, outcome: &str) -> f64 {
-    scrape(client, admin)
-        .await
-        .1
-        .sum("cacheguard_lock_events_total", &[("outcome", outcome)])
+    metrics(client, admin).await.lock_events(outcome)
+}
+
+/// Runs `test` on what `start` yields (a Redis of some topology), started and used while
+/// holding the binary's [`serial`] lock.
+pub async fn serially<R>(start: impl Future<Output = R>, test: impl AsyncFnOnce(&R)) {
+    let _serial = serial().await;
+    test(&start.await).await;
+}
+
+/// Serializes the tests of one test binary that take it: they start many processes or
+/// measure rates and latencies on a small machine, and a neighbour's load would be measured
+/// too. Hold the guard for the whole test; a failed test does not poison it.
+pub async fn serial() -> tokio::sync::MutexGuard<'static, ()> {
+    static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+    SERIAL.lock().await
 }
 
 /// A free loopback port: bind `127.0.0.1:0`, read the port, drop the listener.
@@ -235,6 +271,25 @@ impl CgConfig {
         self.set_str("cache", "l1", policy)
     }
 
+    /// Both listeners on fixed loopback ports (a process needs them: see
+    /// [`spawn_cacheguard_process`]).
+    pub fn listen_on(self, port: u16, admin_port: u16) -> CgConfig {
+        self.set_str("server", "listen", &format!("127.0.0.1:{port}"))
+            .set_str("admin", "listen", &format!("127.0.0.1:{admin_port}"))
+    }
+
+    /// Both listeners on free loopback ports of their own ([`CgConfig::listen_on`]).
+    pub fn on_free_ports(self) -> CgConfig {
+        self.listen_on(free_port(), free_port())
+    }
+
+    /// Writes [`CgConfig::toml`] to `path` and returns it.
+    pub fn write_to(&self, path: &std::path::Path) -> std::path::PathBuf {
+        std::fs::write(path, self.toml())
+            .unwrap_or_else(|e| panic!("write config {}: {e}", path.display()));
+        path.to_path_buf()
+    }
+
     /// Replaces the `[[routes]]` text.
     pub fn routes(mut self, routes: &str) -> CgConfig {
         self.routes = routes.to_string();
@@ -317,6 +372,25 @@ pub fn url(addr: SocketAddr, path: &str) -> String {
     format!("http://{addr}{path}")
 }
 
+/// Waits (bounded) until the origin has received `n` requests for `path`; returns when.
+pub async fn wait_origin_count(
+    origin: &TestOrigin,
+    path: &str,
+    n: u64,
+    timeout: Duration,
+) -> Instant {
+    poll_until(timeout, Duration::from_millis(2), || async {
+        (origin.count(path) >= n).then(Instant::now)
+    })
+    .await
+    .unwrap_or_else(|| {
+        panic!(
+            "origin did not receive request #{n} for {path} within {timeout:?} (count {})",
+            origin.count(path)
+        )
+    })
+}
+
 /// Polls `check` every `every` until it returns `Some`, or gives up at `timeout`.
 pub async fn poll_until<T, F, Fut>(timeout: Duration, every: Duration, mut check: F) -> Option<T>
 where
@@ -344,16 +418,7 @@ where
     Fut: Future<Output = T> + Send + 'static,
 {
     let handles: Vec<_> = (0..n).map(|i| tokio::spawn(f(i))).collect();
-    let all = async {
-        let mut out = Vec::with_capacity(n);
-        for h in handles {
-            out.push(h.await.expect("task panicked"));
-        }
-        out
-    };
-    tokio::time::timeout(timeout, all)
-        .await
-        .unwrap_or_else(|_| panic!("{n} concurrent tasks did not finish within {timeout:?}"))
+    join_within(handles, timeout, &format!("{n} concurrent tasks")).await
 }
 
 /// Runs `f(i)` for `i in 0..n` with at most `width` in flight, bounded by `timeout` overall.
@@ -374,16 +439,25 @@ where
             })
         })
         .collect();
+    join_within(handles, timeout, &format!("{n} tasks")).await
+}
+
+/// Joins `handles` in order, bounded by `timeout` overall; panics naming `what` when a task
+/// panicked or the time ran out.
+pub async fn join_within<T>(handles: Vec<JoinHandle<T>>, timeout: Duration, what: &str) -> Vec<T> {
     let all = async {
-        let mut out = Vec::with_capacity(n);
+        let mut out = Vec::with_capacity(handles.len());
         for h in handles {
-            out.push(h.await.expect("task panicked"));
+            out.push(
+                h.await
+                    .unwrap_or_else(|e| panic!("{what}: a task panicked: {e}")),
+            );
         }
         out
     };
     tokio::time::timeout(timeout, all)
         .await
-        .unwrap_or_else(|_| panic!("{n} tasks did not finish within {timeout:?}"))
+        .unwrap_or_else(|_| panic!("{what} did not finish within {timeout:?}"))
 }
 
 /// POST `body` to `url` with extra headers; panics on a transport error.
@@ -408,6 +482,11 @@ pub async fn scrape(client: &HttpClient, admin: SocketAddr) -> (String, prom::Ex
     (text, exp)
 }
 
+/// `admin`'s `/metrics`, parsed.
+pub async fn metrics(client: &HttpClient, admin: SocketAddr) -> prom::Exposition {
+    scrape(client, admin).await.1
+}
+
 /// The sum of `name{labels}` over the series of `admin`'s `/metrics`.
 pub async fn metric(
     client: &HttpClient,
@@ -415,8 +494,50 @@ pub async fn metric(
     name: &str,
     labels: &[(&str, &str)],
 ) -> f64 {
-    scrape(client, admin).await.1.sum(name, labels)
+    metrics(client, admin).await.sum(name, labels)
 }
+
+/// Polls `admin`'s `/metrics` every `every` until `pred` holds for `name{labels}` (summed
+/// over the matching series) and returns that value; panics with the last value after
+/// `timeout`. `poke` runs before every poll (traffic that makes the condition come true;
+/// [`no_poke`] for none).
+#[allow(clippy::too_many_arguments)]
+pub async fn wait_metric<F, Fut>(
+    client: &HttpClient,
+    admin: SocketAddr,
+    name: &str,
+    labels: &[(&str, &str)],
+    timeout: Duration,
+    every: Duration,
+    pred: impl Fn(f64) -> bool,
+    mut poke: F,
+) -> f64
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = ()>,
+{
+    let pred = &pred;
+    let found = poll_until(timeout, every, || {
+        let poked = poke();
+        async move {
+            poked.await;
+            let v = metric(client, admin, name, labels).await;
+            pred(v).then_some(v)
+        }
+    })
+    .await;
+    match found {
+        Some(v) => v,
+        None => panic!(
+            "{name}{labels:?} on {admin} did not reach the expected value within {timeout:?}; \
+             last {}",
+            metric(client, admin, name, labels).await
+        ),
+    }
+}
+
+/// The `poke` of a [`wait_metric`] that needs no traffic.
+pub async fn no_poke() {}
 
 /// `GET /admin/redis` (the topology report) as JSON.
 pub async fn admin_redis(client: &HttpClient, admin: SocketAddr) -> serde_json::Value {
@@ -436,4 +557,61 @@ pub async fn put(client: &HttpClient, addr: SocketAddr, path: &str) -> Resp {
         )
         .await
         .unwrap_or_else(|e| panic!("PUT {path}: {e}"))
+}
+
+/// Hop-by-hop request headers as a client sends them (`connection` names `x-hop`).
+pub const HOP_REQUEST: [(&str, &str); 7] = [
+    ("connection", "x-hop"),
+    ("x-hop", "1"),
+    ("keep-alive", "timeout=5"),
+    ("te", "trailers"),
+    ("upgrade", "websocket"),
+    ("proxy-authorization", "Basic c2VjcmV0"),
+    ("proxy-connection", "keep-alive"),
+];
+
+/// Hop-by-hop response headers as an origin sends them (`connection` names `x-resp-hop`).
+pub const HOP_RESPONSE: [(&str, &str); 5] = [
+    ("connection", "x-resp-hop"),
+    ("x-resp-hop", "1"),
+    ("keep-alive", "timeout=5"),
+    ("proxy-authenticate", "Basic realm=\"origin\""),
+    ("upgrade", "foo/1"),
+];
+
+/// The names in `headers` other than `connection` (the ones it names, and the standard
+/// hop-by-hop ones).
+pub fn hop_names(headers: &[(&'static str, &'static str)]) -> Vec<&'static str> {
+    headers
+        .iter()
+        .map(|(name, _)| *name)
+        .filter(|name| *name != "connection")
+        .collect()
+}
+
+/// Makes `/hop` on `origin` echo the request body and answer with [`HOP_RESPONSE`] plus
+/// `extra` headers.
+pub fn serve_hop(origin: &TestOrigin, extra: &[(&str, &str)]) {
+    origin.set_echo("/hop");
+    origin.set_headers("/hop", HOP_RESPONSE.iter().chain(extra).copied());
+}
+
+/// `POST /hop` with body `hello` on a fresh connection to `addr`, sending `Host`,
+/// [`HOP_REQUEST`] and `extra` headers exactly as given.
+pub async fn post_hop(addr: SocketAddr, extra: &[(&str, &str)]) -> Resp {
+    let host = addr.to_string();
+    let headers: Vec<(&str, &str)> = [("host", host.as_str())]
+        .into_iter()
+        .chain(HOP_REQUEST)
+        .chain(extra.iter().copied())
+        .collect();
+    raw_request(
+        addr,
+        http::Method::POST,
+        "/hop",
+        &headers,
+        client::full_body("hello"),
+    )
+    .await
+    .expect("raw POST")
 }

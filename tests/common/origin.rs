@@ -61,17 +61,7 @@ pub struct RecordedRequest {
 impl RecordedRequest {
     /// Every value of `name`, joined with `, ` (None when absent).
     pub fn header(&self, name: &str) -> Option<String> {
-        let values: Vec<&str> = self
-            .headers
-            .get_all(name)
-            .iter()
-            .map(|v| v.to_str().unwrap_or("<non-utf8>"))
-            .collect();
-        if values.is_empty() {
-            None
-        } else {
-            Some(values.join(", "))
-        }
+        super::client::header_values(&self.headers, name)
     }
 }
 
@@ -326,6 +316,13 @@ impl TestOrigin {
     /// An origin with default behaviour and no delay.
     pub async fn start() -> TestOrigin {
         TestOrigin::builder().start().await
+    }
+
+    /// [`TestOrigin::start`] with the versioned KV store on ([`TestOrigin::enable_kv`]).
+    pub async fn start_kv() -> TestOrigin {
+        let origin = TestOrigin::start().await;
+        origin.enable_kv();
+        origin
     }
 
     pub fn addr(&self) -> SocketAddr {

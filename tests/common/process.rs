@@ -150,10 +150,7 @@ pub async fn spawn_cacheguard_process_with_args(
                 process.output()
             );
         }
-        if let Ok(Ok(resp)) =
-            tokio::time::timeout(Duration::from_millis(500), client.try_get(&url)).await
-            && resp.status == 200
-        {
+        if client.answers_200(&url, Duration::from_millis(500)).await {
             return process;
         }
         if Instant::now() >= deadline {

@@ -53,6 +53,16 @@ impl Exposition {
         let first = it.next()?.value;
         Some(first + it.map(|s| s.value).sum::<f64>())
     }
+
+    /// [`Exposition::value`], 0 when absent.
+    pub fn value_or_zero(&self, name: &str) -> f64 {
+        self.value(name).unwrap_or(0.0)
+    }
+
+    /// `cacheguard_lock_events_total{outcome}`.
+    pub fn lock_events(&self, outcome: &str) -> f64 {
+        self.sum("cacheguard_lock_events_total", &[("outcome", outcome)])
+    }
 }
 
 /// The family a sample belongs to: strips `_bucket`/`_sum`/`_count` when the base name is a

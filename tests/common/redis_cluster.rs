@@ -2,13 +2,14 @@
 //! joined by `redis-cli --cluster create --cluster-replicas 1` (three primaries, each with
 //! one replica). Every process is killed by PID on `Drop`.
 
+use std::path::Path;
 use std::process::{Child, Stdio};
 use std::time::Duration;
 
 use tempfile::TempDir;
 use tokio::time::Instant;
 
-use super::redis_server::spawn_with;
+use super::redis_server::{connect, redis_urls, spawn_with};
 
 const NODES: usize = 6;
 const FORM_DEADLINE: Duration = Duration::from_secs(30);
@@ -43,6 +44,19 @@ fn free_cluster_port() -> u16 {
     panic!("no free port pair for a cluster node");
 }
 
+/// A cluster-enabled `redis-server` on `port` (not yet part of any cluster), its files in
+/// `dir`, plus `extra` arguments.
+pub async fn spawn_node(port: u16, dir: &Path, extra: &[&str]) -> Result<Child, String> {
+    let mut args = vec![
+        "--cluster-enabled",
+        "yes",
+        "--cluster-config-file",
+        "nodes.conf",
+    ];
+    args.extend_from_slice(extra);
+    spawn_with(port, dir, &args).await
+}
+
 impl RedisCluster {
     /// Starts six nodes, creates the cluster and waits until every replica has synced and
     /// every node reports all 16384 slots served and knows the three replicas (bounded).
@@ -51,14 +65,10 @@ impl RedisCluster {
         while nodes.len() < NODES {
             let dir = tempfile::tempdir().expect("tempdir for a cluster node");
             let port = free_cluster_port();
-            let started = spawn_with(
+            let started = spawn_node(
                 port,
                 dir.path(),
                 &[
-                    "--cluster-enabled",
-                    "yes",
-                    "--cluster-config-file",
-                    "nodes.conf",
                     "--cluster-node-timeout",
                     "2000",
                     // A replica may take over however long ago it last heard its primary:
@@ -156,10 +166,7 @@ impl RedisCluster {
 
     /// `redis://` seed URLs of every node.
     pub fn urls(&self) -> Vec<String> {
-        self.ports()
-            .iter()
-            .map(|p| format!("redis://127.0.0.1:{p}"))
-            .collect()
+        redis_urls(&self.ports())
     }
 
     /// `CLUSTER INFO` of the node on `port` (empty if it does not answer).
@@ -294,14 +301,10 @@ impl RedisCluster {
     }
 
     async fn connect(&self, port: u16) -> Option<redis::aio::MultiplexedConnection> {
-        let client = redis::Client::open(format!("redis://127.0.0.1:{port}")).ok()?;
-        tokio::time::timeout(
-            Duration::from_secs(2),
-            client.get_multiplexed_async_connection(),
-        )
-        .await
-        .ok()?
-        .ok()
+        tokio::time::timeout(Duration::from_secs(2), connect(port))
+            .await
+            .ok()?
+            .ok()
     }
 
     async fn query(&self, port: u16, cmd: &redis::Cmd) -> Option<String> {

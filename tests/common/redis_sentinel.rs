@@ -11,7 +11,7 @@ use tempfile::TempDir;
 use tokio::time::Instant;
 
 use super::free_port;
-use super::redis_server::{spawn_sentinel, spawn_with};
+use super::redis_server::{connect, query_port, redis_url, redis_urls, spawn_sentinel, spawn_with};
 
 pub const MASTER_NAME: &str = "cgprimary";
 const SENTINELS: usize = 3;
@@ -135,10 +135,7 @@ impl RedisSentinel {
 
     /// `redis://` URLs of the sentinels.
     pub fn sentinel_urls(&self) -> Vec<String> {
-        self.sentinel_ports()
-            .iter()
-            .map(|p| format!("redis://127.0.0.1:{p}"))
-            .collect()
+        redis_urls(&self.sentinel_ports())
     }
 
     /// Ports of the two data nodes.
@@ -149,18 +146,11 @@ impl RedisSentinel {
     /// The primary's port as the first answering sentinel names it.
     pub async fn primary_port(&self) -> Option<u16> {
         for port in self.sentinel_ports() {
-            let asked = tokio::time::timeout(Duration::from_secs(2), async {
-                let client = redis::Client::open(format!("redis://127.0.0.1:{port}")).ok()?;
-                let mut con = client.get_multiplexed_async_connection().await.ok()?;
-                redis::cmd("SENTINEL")
-                    .arg("GET-MASTER-ADDR-BY-NAME")
-                    .arg(MASTER_NAME)
-                    .query_async::<Option<(String, String)>>(&mut con)
-                    .await
-                    .ok()?
-            })
-            .await;
-            if let Ok(Some((_, p))) = asked {
+            let ask = redis::cmd("SENTINEL")
+                .arg("GET-MASTER-ADDR-BY-NAME")
+                .arg(MASTER_NAME)
+                .clone();
+            if let Some(Some((_, p))) = query_port::<Option<(String, String)>>(port, &ask).await {
                 return p.parse().ok();
             }
         }
@@ -170,10 +160,7 @@ impl RedisSentinel {
     /// `SENTINEL FAILOVER`: a failover without the primary failing (it is demoted to a
     /// replica), asked of the first sentinel.
     pub async fn failover(&self) {
-        let port = self.sentinel_ports()[0];
-        let client = redis::Client::open(format!("redis://127.0.0.1:{port}")).expect("url");
-        let mut con = client
-            .get_multiplexed_async_connection()
+        let mut con = connect(self.sentinel_ports()[0])
             .await
             .expect("connect to a sentinel");
         let _: String = redis::cmd("SENTINEL")
@@ -194,8 +181,7 @@ impl RedisSentinel {
     /// A client subscribed to `+switch-master` on the first sentinel: `wait` returns the
     /// new primary's port and when the announcement arrived.
     pub async fn watch_switch(&self) -> SwitchWatch {
-        let port = self.sentinel_ports()[0];
-        let client = redis::Client::open(format!("redis://127.0.0.1:{port}")).expect("url");
+        let client = redis::Client::open(redis_url(self.sentinel_ports()[0])).expect("url");
         let mut pubsub = client
             .get_async_pubsub()
             .await
@@ -236,33 +222,16 @@ impl SwitchWatch {
 
 /// `INFO section` of the node on `port` (empty when it does not answer).
 pub async fn info(port: u16, section: &str) -> String {
-    let asked = tokio::time::timeout(Duration::from_secs(2), async {
-        let client = redis::Client::open(format!("redis://127.0.0.1:{port}")).ok()?;
-        let mut con = client.get_multiplexed_async_connection().await.ok()?;
-        redis::cmd("INFO")
-            .arg(section)
-            .query_async::<String>(&mut con)
-            .await
-            .ok()
-    })
-    .await;
-    asked.ok().flatten().unwrap_or_default()
+    query_port(port, redis::cmd("INFO").arg(section))
+        .await
+        .unwrap_or_default()
 }
 
 /// `SENTINEL MASTER <name>` on the sentinel at `port`, as a flat list of names and values.
 async fn sentinel_master(port: u16) -> Vec<String> {
-    let asked = tokio::time::timeout(Duration::from_secs(2), async {
-        let client = redis::Client::open(format!("redis://127.0.0.1:{port}")).ok()?;
-        let mut con = client.get_multiplexed_async_connection().await.ok()?;
-        redis::cmd("SENTINEL")
-            .arg("MASTER")
-            .arg(MASTER_NAME)
-            .query_async::<Vec<String>>(&mut con)
-            .await
-            .ok()
-    })
-    .await;
-    asked.ok().flatten().unwrap_or_default()
+    query_port(port, redis::cmd("SENTINEL").arg("MASTER").arg(MASTER_NAME))
+        .await
+        .unwrap_or_default()
 }
 
 impl Drop for RedisSentinel {

@@ -3,6 +3,7 @@
 //! Every test that needs Redis starts its own real server with
 //! [`RedisServer::start`].
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
@@ -60,7 +61,12 @@ impl RedisServer {
     }
 
     pub fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
+        redis_url(self.port)
+    }
+
+    /// The server's loopback socket address.
+    pub fn addr(&self) -> std::net::SocketAddr {
+        std::net::SocketAddr::from(([127, 0, 0, 1], self.port))
     }
 
     pub fn pid(&self) -> Option<u32> {
@@ -139,26 +145,7 @@ impl RedisServer {
 
     /// Every key matching `pattern`, found with `SCAN` (bounded number of rounds).
     pub async fn scan(&self, pattern: &str) -> Vec<Vec<u8>> {
-        let mut con = self.client().await;
-        let mut cursor: u64 = 0;
-        let mut keys = Vec::new();
-        for _ in 0..100_000 {
-            let (next, batch): (u64, Vec<Vec<u8>>) = redis::cmd("SCAN")
-                .arg(cursor)
-                .arg("MATCH")
-                .arg(pattern)
-                .arg("COUNT")
-                .arg(1000)
-                .query_async(&mut con)
-                .await
-                .expect("SCAN");
-            keys.extend(batch);
-            cursor = next;
-            if cursor == 0 {
-                return keys;
-            }
-        }
-        panic!("SCAN did not finish");
+        scan_keys(&mut self.client().await, pattern).await
     }
 
     fn log_path(&self) -> PathBuf {
@@ -185,7 +172,8 @@ async fn spawn_on(port: u16, dir: &Path) -> Result<Child, String> {
 /// this very process answers (checked by PID).
 pub(crate) async fn spawn_with(port: u16, dir: &Path, extra: &[&str]) -> Result<Child, String> {
     let log = dir.join("redis.log");
-    let mut child = Command::new(REDIS_SERVER)
+    let mut command = Command::new(REDIS_SERVER);
+    command
         .arg("--port")
         .arg(port.to_string())
         .args(["--bind", "127.0.0.1"])
@@ -196,35 +184,95 @@ pub(crate) async fn spawn_with(port: u16, dir: &Path, extra: &[&str]) -> Result<
         .arg(dir)
         .arg("--logfile")
         .arg(&log)
-        .args(extra)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .map_err(|e| format!("spawn {REDIS_SERVER}: {e}"))?;
-    let deadline = Instant::now() + START_DEADLINE;
-    loop {
-        if let Ok(Some(status)) = child.try_wait() {
-            let log = std::fs::read_to_string(&log).unwrap_or_default();
-            return Err(format!(
-                "redis-server on port {port} exited with {status}: {log}"
-            ));
-        }
-        // Identity check: a PONG alone could come from another test's server that
-        // won the race for this port.
-        if server_pid(port).await == Some(child.id()) {
-            return Ok(child);
-        }
-        if Instant::now() >= deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            return Err(format!("redis-server on port {port} never answered PING"));
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+        .args(extra);
+    spawn_answering(&mut command, port, &log, "redis-server").await
 }
 
-/// `INFO server` over a raw socket; the `process_id` of whatever answers on `port`.
+/// `redis://127.0.0.1:{port}`: the URL of a Redis (or a sentinel) on loopback `port`.
+pub fn redis_url(port: u16) -> String {
+    format!("redis://127.0.0.1:{port}")
+}
+
+/// [`redis_url`] of each of `ports`.
+pub fn redis_urls(ports: &[u16]) -> Vec<String> {
+    ports.iter().map(|p| redis_url(*p)).collect()
+}
+
+/// A connection to the Redis (or sentinel) on loopback `port`.
+pub async fn connect(port: u16) -> redis::RedisResult<MultiplexedConnection> {
+    redis::Client::open(redis_url(port))?
+        .get_multiplexed_async_connection()
+        .await
+}
+
+/// `cmd` on the Redis (or sentinel) on loopback `port`, connection included bounded by
+/// 2 s; `None` when it does not answer in time or refuses.
+pub async fn query_port<T: redis::FromRedisValue>(port: u16, cmd: &redis::Cmd) -> Option<T> {
+    let asked = tokio::time::timeout(Duration::from_secs(2), async {
+        cmd.query_async::<T>(&mut connect(port).await.ok()?)
+            .await
+            .ok()
+    })
+    .await;
+    asked.ok().flatten()
+}
+
+/// Every key matching `pattern` on the server behind `con`, found with `SCAN` (bounded
+/// number of rounds).
+pub async fn scan_keys<K: redis::FromRedisValue>(
+    con: &mut MultiplexedConnection,
+    pattern: &str,
+) -> Vec<K> {
+    let mut cursor: u64 = 0;
+    let mut keys = Vec::new();
+    for _ in 0..100_000 {
+        let (next, batch): (u64, Vec<K>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(pattern)
+            .arg("COUNT")
+            .arg(1000)
+            .query_async(con)
+            .await
+            .expect("SCAN");
+        keys.extend(batch);
+        cursor = next;
+        if cursor == 0 {
+            return keys;
+        }
+    }
+    panic!("SCAN did not finish");
+}
+
+/// `CONFIG RESETSTAT`: zeroes Redis's per-command call counts.
+pub async fn reset_command_stats(con: &mut MultiplexedConnection) {
+    let _: () = redis::cmd("CONFIG")
+        .arg("RESETSTAT")
+        .query_async(con)
+        .await
+        .expect("CONFIG RESETSTAT");
+}
+
+/// Calls per command since the last reset (`INFO commandstats`), e.g. `"get"`, `"evalsha"`.
+pub async fn command_calls(con: &mut MultiplexedConnection) -> BTreeMap<String, u64> {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(con)
+        .await
+        .expect("INFO commandstats");
+    info.lines()
+        .filter_map(|line| {
+            let (name, rest) = line.trim().strip_prefix("cmdstat_")?.split_once(':')?;
+            let calls = rest
+                .split(',')
+                .find_map(|kv| kv.strip_prefix("calls="))?
+                .parse()
+                .ok()?;
+            Some((name.to_string(), calls))
+        })
+        .collect()
+}
+
 /// Starts `redis-server <dir>/sentinel.conf --sentinel` on `port`, the config file holding
 /// `config` (the `sentinel monitor …` lines); waits until it answers as itself.
 pub(crate) async fn spawn_sentinel(port: u16, dir: &Path, config: &str) -> Result<Child, String> {
@@ -236,34 +284,53 @@ pub(crate) async fn spawn_sentinel(port: u16, dir: &Path, config: &str) -> Resul
         log.display()
     );
     std::fs::write(&conf, text).map_err(|e| format!("write {}: {e}", conf.display()))?;
-    let mut child = Command::new(REDIS_SERVER)
-        .arg(&conf)
-        .arg("--sentinel")
+    let mut command = Command::new(REDIS_SERVER);
+    command.arg(&conf).arg("--sentinel");
+    spawn_answering(&mut command, port, &log, "sentinel").await
+}
+
+/// Spawns `command` (the `what` process, no stdio) and waits ([`answering`]) until it
+/// answers on `port` as itself.
+async fn spawn_answering(
+    command: &mut Command,
+    port: u16,
+    log: &Path,
+    what: &str,
+) -> Result<Child, String> {
+    let child = command
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
-        .map_err(|e| format!("spawn {REDIS_SERVER} --sentinel: {e}"))?;
+        .map_err(|e| format!("spawn {what} ({REDIS_SERVER}): {e}"))?;
+    answering(child, port, log, what).await
+}
+
+/// Waits (bounded by [`START_DEADLINE`]) until the `what` process `child` answers on `port`
+/// as itself (checked by PID); kills it when it exits or never does (`log`: its log file,
+/// for the error).
+async fn answering(mut child: Child, port: u16, log: &Path, what: &str) -> Result<Child, String> {
     let deadline = Instant::now() + START_DEADLINE;
     loop {
         if let Ok(Some(status)) = child.try_wait() {
-            let log = std::fs::read_to_string(&log).unwrap_or_default();
-            return Err(format!(
-                "sentinel on port {port} exited with {status}: {log}"
-            ));
+            let log = std::fs::read_to_string(log).unwrap_or_default();
+            return Err(format!("{what} on port {port} exited with {status}: {log}"));
         }
+        // Identity check: a PONG alone could come from another test's server that
+        // won the race for this port.
         if server_pid(port).await == Some(child.id()) {
             return Ok(child);
         }
         if Instant::now() >= deadline {
             let _ = child.kill();
             let _ = child.wait();
-            return Err(format!("sentinel on port {port} never answered"));
+            return Err(format!("{what} on port {port} never answered"));
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 
+/// `INFO server` over a raw socket; the `process_id` of whatever answers on `port`.
 async fn server_pid(port: u16) -> Option<u32> {
     let attempt = async {
         let mut s = TcpStream::connect(("127.0.0.1", port)).await.ok()?;

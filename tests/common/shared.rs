@@ -10,6 +10,7 @@ use redis::aio::{ConnectionLike, MultiplexedConnection};
 use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, Pipeline, RedisFuture, Value};
 
+use super::redis_server::connect;
 use super::{CgConfig, RedisCluster, RedisSentinel, RedisServer};
 
 /// A test's own connection to the data.
@@ -86,12 +87,6 @@ impl SharedRedis for RedisSentinel {
 
     async fn conn(&self) -> TestConn {
         let port = self.primary_port().await.expect("a primary");
-        let client = redis::Client::open(format!("redis://127.0.0.1:{port}")).expect("url");
-        TestConn::Single(
-            client
-                .get_multiplexed_async_connection()
-                .await
-                .expect("connect to the primary"),
-        )
+        TestConn::Single(connect(port).await.expect("connect to the primary"))
     }
 }
