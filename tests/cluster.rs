@@ -3,8 +3,8 @@
 //! keys spread over every primary, one origin request per cold-key stampede across
 //! instances, a primary killed under load, and a slot resharded under load.
 //!
-//! The tests run one at a time ([`common::serial`]): each starts six Redis processes, and
-//! several measure under load.
+//! Each test starts a cluster of its own (six Redis processes), so tests run beside each
+//! other.
 
 #![allow(clippy::unwrap_used)]
 
@@ -20,8 +20,7 @@ use common::fleet::{spawn_fleet, wait_coordinated};
 use common::load::{Load, burst, open_warm, outcomes};
 use common::redis_server::{connect, redis_url, scan_keys};
 use common::{
-    CgConfig, HttpClient, RedisCluster, TestOrigin, admin_redis, default_body, metric, scrape,
-    serial, url,
+    CgConfig, HttpClient, RedisCluster, TestOrigin, admin_redis, default_body, metric, scrape, url,
 };
 
 /// Every key matching `pattern` on the node at `port` (`SCAN`, bounded).
@@ -33,7 +32,6 @@ async fn scan(port: u16, pattern: &str) -> Vec<String> {
 /// the next GET (L1 off) is an L2 hit.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cluster_topology_is_reported_and_l2_serves_hits() {
-    let _serial = serial().await;
     let cluster = RedisCluster::start().await;
     let origin = TestOrigin::start().await;
     let cg = CgConfig::new(&origin)
@@ -128,7 +126,6 @@ async fn paths_on(port: u16) -> Vec<String> {
 /// primary that owns its slot), none of them with less than a fifth.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_thousand_keys_spread_over_all_three_primaries() {
-    let _serial = serial().await;
     let cluster = RedisCluster::start().await;
     let origin = TestOrigin::start().await;
     let cg = CgConfig::new(&origin)
@@ -182,7 +179,6 @@ async fn a_thousand_keys_spread_over_all_three_primaries() {
 /// that one body.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn five_hundred_cold_gets_over_two_instances_make_one_origin_request() {
-    let _serial = serial().await;
     let cluster = RedisCluster::start().await;
     let origin = TestOrigin::start().await;
     let path = "/api/items/cluster-stampede";
@@ -226,7 +222,6 @@ async fn five_hundred_cold_gets_over_two_instances_make_one_origin_request() {
 /// after the promotion, without a restart.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn primary_killed_under_load_costs_no_errors_and_l2_hits_resume() {
-    let _serial = serial().await;
     let mut cluster = RedisCluster::start().await;
     let origin = TestOrigin::start().await;
     let base = CgConfig::new(&origin)
@@ -325,7 +320,6 @@ async fn primary_killed_under_load_costs_no_errors_and_l2_hits_resume() {
 /// primary (MOVED/ASK followed).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reshard_under_load_costs_no_errors() {
-    let _serial = serial().await;
     let cluster = RedisCluster::start().await;
     let origin = TestOrigin::start().await;
     let cfg = CgConfig::new(&origin)
@@ -389,7 +383,6 @@ async fn reshard_under_load_costs_no_errors() {
 /// says so (here: one node serving 10000 of the 16384 slots).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cluster_without_full_slot_coverage_is_refused() {
-    let _serial = serial().await;
     let dir = tempfile::tempdir().unwrap();
     let port = common::free_port();
     let mut node = common::redis_cluster::spawn_node(port, dir.path(), &[])
@@ -433,7 +426,6 @@ async fn a_cluster_without_full_slot_coverage_is_refused() {
 /// through B's L1 as soon as it returns, as before the failover.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn event_bus_follows_the_channels_primary_through_a_failover() {
-    let _serial = serial().await;
     let mut cluster = RedisCluster::start().await;
     let origin = TestOrigin::start_kv().await;
     let cfg = CgConfig::new(&origin)

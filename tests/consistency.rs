@@ -6,7 +6,7 @@
 //! The origin is the test origin's versioned KV store: `GET /kv/{key}` answers the version
 //! a (possibly lagging) replica sees, `PUT /kv/{key}` commits version + 1 on the primary.
 //!
-//! Timing-heavy tests run one at a time ([`common::serial`]): the box has two cores.
+//! Every test has its own origin, Redis and instances, so tests run beside each other.
 
 mod common;
 
@@ -54,14 +54,14 @@ async fn get_version(client: &HttpClient, addr: std::net::SocketAddr, path: &str
 /// copy: L1 on each instance, L2, and the query variants of the path.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn write_through_one_instance_is_seen_by_all_at_once() {
-    serially(RedisServer::start(), read_after_write).await;
+    on_started(RedisServer::start(), read_after_write).await;
 }
 
 /// The same on a Redis Cluster: an entry, its variants' index and its generation share a
 /// slot; the write's invalidation reaches them all.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn write_through_one_instance_is_seen_by_all_at_once_on_cluster() {
-    serially(RedisCluster::start(), read_after_write).await;
+    on_started(RedisCluster::start(), read_after_write).await;
 }
 
 async fn read_after_write(redis: &impl SharedRedis) {
@@ -135,14 +135,14 @@ async fn read_after_write(redis: &impl SharedRedis) {
 /// surrogate keys name; the tags never reach clients.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn surrogate_keys_of_a_write_answer_invalidate_tagged_entries() {
-    serially(RedisServer::start(), surrogate_keys).await;
+    on_started(RedisServer::start(), surrogate_keys).await;
 }
 
 /// The same on a Redis Cluster, where a tag's index and the tagged entries live in
 /// different slots (on different primaries).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn surrogate_keys_of_a_write_answer_invalidate_tagged_entries_on_cluster() {
-    serially(RedisCluster::start(), surrogate_keys).await;
+    on_started(RedisCluster::start(), surrogate_keys).await;
 }
 
 async fn surrogate_keys(redis: &impl SharedRedis) {
@@ -190,13 +190,13 @@ async fn surrogate_keys(redis: &impl SharedRedis) {
 /// write commits in between → the old value is not stored; the next GET shows the new one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fill_that_raced_a_write_is_not_stored() {
-    serially(RedisServer::start(), raced_fill).await;
+    on_started(RedisServer::start(), raced_fill).await;
 }
 
 /// The same on a Redis Cluster.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fill_that_raced_a_write_is_not_stored_on_cluster() {
-    serially(RedisCluster::start(), raced_fill).await;
+    on_started(RedisCluster::start(), raced_fill).await;
 }
 
 async fn raced_fill(redis: &impl SharedRedis) {
@@ -211,7 +211,6 @@ async fn raced_fill(redis: &impl SharedRedis) {
 /// The same race with no Redis at all: the local generation marks refuse the fill.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fill_that_raced_a_write_is_not_stored_in_embedded_mode() {
-    let _serial = serial().await;
     let origin = TestOrigin::start_kv().await;
     let cg = CgConfig::new(&origin)
         .routes(&kv_routes("200ms", true))
@@ -408,7 +407,6 @@ fn assert_never_stale(guarded: &Observed, bound: Duration) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stress_with_replica_lag_never_serves_older_than_the_bound() {
     const BOUND: Duration = Duration::from_millis(200);
-    let _serial = serial().await;
     let origin = lagging_kv_origin().await;
 
     let redis = RedisServer::start().await;
@@ -439,7 +437,6 @@ async fn stress_with_replica_lag_never_serves_older_than_the_bound() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stress_with_replica_lag_never_serves_older_than_the_bound_on_cluster() {
     const BOUND: Duration = Duration::from_millis(200);
-    let _serial = serial().await;
     let origin = lagging_kv_origin().await;
     let cluster = RedisCluster::start().await;
     let guarded = stress_fleet(&origin, &cluster, "200ms", Duration::from_secs(10), BOUND).await;
@@ -477,7 +474,6 @@ fn process_config(
 /// serves a stale value (B kept reading Redis all along and had the old entries).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn writes_during_a_redis_outage_are_journaled_and_survive_a_restart() {
-    let _serial = serial().await;
     let redis = RedisServer::start().await;
     let link = TcpProxy::start(redis.addr()).await;
     let origin = TestOrigin::start_kv().await;
@@ -607,14 +603,14 @@ async fn purge(
 /// token → 401, with a wrong one → 403, and then nothing is purged.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn purge_by_key_pattern_and_tag() {
-    serially(RedisServer::start(), purge_all_ways).await;
+    on_started(RedisServer::start(), purge_all_ways).await;
 }
 
 /// The same on a Redis Cluster (a pattern purge scans the route's tag index on its
 /// primary; the keys it names live on all of them).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn purge_by_key_pattern_and_tag_on_cluster() {
-    serially(RedisCluster::start(), purge_all_ways).await;
+    on_started(RedisCluster::start(), purge_all_ways).await;
 }
 
 async fn purge_all_ways(redis: &impl SharedRedis) {
@@ -775,7 +771,6 @@ async fn group_pending(redis: &impl SharedRedis) -> i64 {
 /// applies them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stream_entries_are_all_applied_and_a_dead_consumers_are_claimed() {
-    let _serial = serial().await;
     let redis = RedisServer::start().await;
     let link = TcpProxy::start(redis.addr()).await;
     let origin = TestOrigin::start_kv().await;
@@ -866,7 +861,6 @@ async fn stream_entries_are_all_applied_and_a_dead_consumers_are_claimed() {
 /// and reach another instance's L1 through the event bus.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stream_entries_are_all_applied_on_cluster() {
-    let _serial = serial().await;
     let cluster = RedisCluster::start().await;
     let origin = TestOrigin::start_kv().await;
     let reader = kv_config(&origin, &cluster, "200ms")

@@ -17,8 +17,8 @@ use common::fleet::{
     wait_for_lock_waiters,
 };
 use common::{
-    CgConfig, HttpClient, RedisServer, Resp, TestOrigin, default_body, join_within, metrics,
-    serial, url, wait_origin_count,
+    CgConfig, HttpClient, RedisServer, Resp, TestOrigin, default_body, join_within, metrics, url,
+    wait_origin_count,
 };
 
 /// A waiter's answer and the moment it completed.
@@ -73,7 +73,6 @@ fn assert_all_got(results: &[Answer], expected: &str, who: &str) {
 /// 200 ms of the kill.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn holder_killed_mid_fetch_one_waiter_takes_over_after_the_lease() {
-    let _serial = serial().await;
     const LEASE: Duration = Duration::from_secs(1);
     const DELAY: Duration = Duration::from_millis(800);
     let path = "/api/items/failover-kill";
@@ -173,7 +172,6 @@ async fn holder_killed_mid_fetch_one_waiter_takes_over_after_the_lease() {
 /// lease/3), nobody takes over, one origin request.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slow_fetch_renews_its_lease_and_stays_the_only_fetch() {
-    let _serial = serial().await;
     let path = "/api/items/slow-renew";
     let (redis, origin) = redis_and_slow_origin(path, Duration::from_millis(1500)).await;
     let cfg = CgConfig::new(&origin)
@@ -244,7 +242,6 @@ async fn slow_fetch_renews_its_lease_and_stays_the_only_fetch() {
 /// re-fetches (origin count 2), and the waiters' clients get 200.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failed_fetch_hands_the_key_to_exactly_one_waiter() {
-    let _serial = serial().await;
     const DELAY: Duration = Duration::from_millis(500);
     let path = "/api/items/owner-500";
     let (redis, origin) = redis_and_slow_origin(path, DELAY).await;
@@ -295,7 +292,6 @@ async fn failed_fetch_hands_the_key_to_exactly_one_waiter() {
 /// 1 s) get 503 with `Retry-After`, and do not go to the origin.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wait_timeout_with_on_timeout_error_answers_503_retry_after() {
-    let _serial = serial().await;
     let path = "/api/items/wait-timeout";
     let (redis, origin) = redis_and_slow_origin(path, Duration::from_secs(1)).await;
     let cfg = CgConfig::new(&origin)
@@ -369,7 +365,6 @@ async fn wait_timeout_with_on_timeout_error_answers_503_retry_after() {
 /// however many requests wait, and however many times the fetch fails.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failing_origin_is_never_fetched_concurrently_for_one_key() {
-    let _serial = serial().await;
     let path = "/api/items/always-500";
     let (redis, origin) = redis_and_slow_origin(path, Duration::from_millis(150)).await;
     origin.set_status(path, 500);

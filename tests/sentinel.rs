@@ -4,8 +4,7 @@
 //! lets a `READONLY` (a demoted primary's refusal) reach a client, and owes no
 //! invalidation: writes during the failover are journaled and applied afterwards.
 //!
-//! Each test starts five Redis processes and measures under load: one at a time
-//! ([`common::serial`]).
+//! Each test starts five Redis processes of its own, so tests run beside each other.
 
 #![allow(clippy::unwrap_used)]
 
@@ -20,7 +19,7 @@ use tokio::time::Instant;
 use common::load::Load;
 use common::redis_sentinel::DOWN_AFTER;
 use common::{
-    CgConfig, HttpClient, RedisSentinel, Resp, TestOrigin, admin_redis, metric, put, serial, url,
+    CgConfig, HttpClient, RedisSentinel, Resp, TestOrigin, admin_redis, metric, put, url,
 };
 
 /// A cached KV route (the instance's own `l1` policy) and its write route.
@@ -64,7 +63,6 @@ async fn wait_following(
 /// The primary is found through the sentinels and reported; L2 works through it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn primary_is_found_through_the_sentinels_and_reported() {
-    let _serial = serial().await;
     let sentinel = RedisSentinel::start().await;
     let origin = TestOrigin::start().await;
     let cg = CgConfig::new(&origin)
@@ -100,7 +98,6 @@ async fn primary_is_found_through_the_sentinels_and_reported() {
 /// client.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn primary_killed_under_load_is_followed_within_a_second() {
-    let _serial = serial().await;
     let mut sentinel = RedisSentinel::start().await;
     let origin = TestOrigin::start_kv().await;
     let base = CgConfig::new(&origin)
@@ -251,7 +248,6 @@ async fn primary_killed_under_load_is_followed_within_a_second() {
 /// replica) under read and write load: zero non-2xx, and no `READONLY` reaches a client.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn manual_failover_under_load_never_shows_readonly() {
-    let _serial = serial().await;
     let sentinel = RedisSentinel::start().await;
     let origin = TestOrigin::start_kv().await;
     let cfg = CgConfig::new(&origin)
@@ -324,7 +320,6 @@ async fn manual_failover_under_load_never_shows_readonly() {
 /// `unreplicated` and the fill still goes on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lock_wait_replicas_waits_for_the_replica() {
-    let _serial = serial().await;
     let sentinel = RedisSentinel::start().await;
     let origin = TestOrigin::start().await;
     let client = HttpClient::new();
@@ -358,7 +353,6 @@ async fn lock_wait_replicas_waits_for_the_replica() {
 /// re-check is a second away): the first meets `READONLY`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readonly_from_a_demoted_primary_is_retried_on_the_new_one() {
-    let _serial = serial().await;
     let sentinel = RedisSentinel::start().await;
     let mut proxies = Vec::new();
     for port in sentinel.sentinel_ports() {

@@ -21,7 +21,7 @@ use common::load::{
 };
 use common::{
     CgConfig, HttpClient, RedisCluster, RedisServer, SharedRedis, TestOrigin, concurrently,
-    default_body, item_route, metrics, poll_until, route, serial, serially, url, wait_origin_count,
+    default_body, item_route, metrics, on_started, poll_until, route, url, wait_origin_count,
 };
 
 /// A config whose entries go stale after 1 s and stay usable for 30 s more.
@@ -84,13 +84,13 @@ fn routes_with_cal() -> String {
 /// also enforces the absolute p99 < 20 ms.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stale_entry_is_served_at_once_while_one_refresh_runs() {
-    serially(RedisServer::start(), stale_while_one_refresh).await;
+    on_started(RedisServer::start(), stale_while_one_refresh).await;
 }
 
 /// The same on a Redis Cluster.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stale_entry_is_served_at_once_while_one_refresh_runs_on_cluster() {
-    serially(RedisCluster::start(), stale_while_one_refresh).await;
+    on_started(RedisCluster::start(), stale_while_one_refresh).await;
 }
 
 async fn stale_while_one_refresh(redis: &impl SharedRedis) {
@@ -194,7 +194,6 @@ async fn stale_while_one_refresh(redis: &impl SharedRedis) {
 /// skips), not one per stale request: "one per key per instance".
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn instance_that_lost_the_refresh_lock_does_not_retry_it_per_request() {
-    let _serial = serial().await;
     let redis = RedisServer::start().await;
     let origin = TestOrigin::start().await;
     let path = "/api/items/swr-other";
@@ -243,7 +242,6 @@ async fn instance_that_lost_the_refresh_lock_does_not_retry_it_per_request() {
 /// once the origin recovers the next refresh replaces the copy.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn origin_error_on_refresh_keeps_serving_the_stale_copy() {
-    let _serial = serial().await;
     let redis = RedisServer::start().await;
     let origin = TestOrigin::start().await;
     let path = "/api/items/sie";
@@ -306,7 +304,6 @@ async fn origin_error_on_refresh_keeps_serving_the_stale_copy() {
 /// down once, then skipped).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_killed_single_flight_stays_per_instance_and_nothing_waits_on_timeouts() {
-    let _serial = serial().await;
     let mut redis = RedisServer::start().await;
     let origin = TestOrigin::start().await;
     let cfg = CgConfig::new(&origin)
@@ -356,7 +353,6 @@ async fn redis_killed_single_flight_stays_per_instance_and_nothing_waits_on_time
 /// command would wait the full `command_timeout`; only the first one may.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_hung_is_detected_once_then_skipped() {
-    let _serial = serial().await;
     let redis = RedisServer::start().await;
     let origin = TestOrigin::start().await;
     let cfg = CgConfig::new(&origin)
@@ -416,7 +412,6 @@ async fn pubsub_clients(con: &mut redis::aio::MultiplexedConnection) -> usize {
 /// one origin request.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dropped_pubsub_resubscribes_and_coordination_still_works() {
-    let _serial = serial().await;
     let redis = RedisServer::start().await;
     let origin = TestOrigin::start().await;
     let cfg = CgConfig::new(&origin)
@@ -489,7 +484,6 @@ async fn dropped_pubsub_resubscribes_and_coordination_still_works() {
 /// before it expires, so no client sees a MISS after the first.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn early_refresh_keeps_a_hot_key_from_ever_missing() {
-    let _serial = serial().await;
     let redis = RedisServer::start().await;
     let origin = TestOrigin::start().await;
     let path = "/api/items/hot-early";

@@ -18,7 +18,7 @@ use common::load::{
 use common::redis_server::{command_calls, reset_command_stats};
 use common::{
     CgConfig, HttpClient, RedisCluster, RedisServer, SharedRedis, TestOrigin, concurrently,
-    default_body, metrics, serial, serially, url,
+    default_body, metrics, on_started, url,
 };
 
 const ORIGIN_DELAY: Duration = Duration::from_millis(300);
@@ -31,7 +31,6 @@ const WAKE_SLACK: Duration = Duration::from_millis(50);
 /// `CACHEGUARD_STRICT_LATENCY=1` also enforces the absolute p99 ≤ origin delay + 50 ms).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cold_key_stampede_over_three_processes_makes_one_origin_request() {
-    let _serial = serial().await;
     const PER_INSTANCE: usize = 200;
     let redis = RedisServer::start().await;
     let origin = TestOrigin::start().await;
@@ -192,13 +191,13 @@ async fn cold_key_stampede_over_three_processes_makes_one_origin_request() {
 /// story (`acquired` = 1 across instances, `contended` ≥ 1, requests coalesced).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stampede_over_two_instances_is_visible_in_lock_metrics() {
-    serially(RedisServer::start(), stampede_in_lock_metrics).await;
+    on_started(RedisServer::start(), stampede_in_lock_metrics).await;
 }
 
 /// The same on a Redis Cluster.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stampede_over_two_instances_is_visible_in_lock_metrics_on_cluster() {
-    serially(RedisCluster::start(), stampede_in_lock_metrics).await;
+    on_started(RedisCluster::start(), stampede_in_lock_metrics).await;
 }
 
 async fn stampede_in_lock_metrics(redis: &impl SharedRedis) {

@@ -11,13 +11,14 @@
 //!   front of a Redis server.
 //! - [`fleet`]: several instances on one Redis (process fleets, coordination waits).
 //! - [`load`]: a closed-loop load, and bursts released together on warm connections.
-//! - [`serial`]: one test at a time within a test binary, for the tests that take it.
+//! - [`on_started`]: one test body for every Redis topology.
 //!
 //! Every fixture owns what it started and stops it on `Drop` (by PID for processes).
 #![allow(dead_code, unused_imports, unreachable_pub)]
 
 pub mod client;
 pub mod fleet;
+pub mod hot;
 pub mod load;
 pub mod origin;
 pub mod process;
@@ -122,19 +123,10 @@ pub async fn lock_events(client: &HttpClient, admin: SocketAddr, outcome: &str) 
     metrics(client, admin).await.lock_events(outcome)
 }
 
-/// Runs `test` on what `start` yields (a Redis of some topology), started and used while
-/// holding the binary's [`serial`] lock.
-pub async fn serially<R>(start: impl Future<Output = R>, test: impl AsyncFnOnce(&R)) {
-    let _serial = serial().await;
+/// Runs `test` on the fixture `start` makes (a standalone Redis, a cluster, …), so one
+/// test body serves every topology.
+pub async fn on_started<R>(start: impl Future<Output = R>, test: impl AsyncFnOnce(&R)) {
     test(&start.await).await;
-}
-
-/// Serializes the tests of one test binary that take it: they start many processes or
-/// measure rates and latencies on a small machine, and a neighbour's load would be measured
-/// too. Hold the guard for the whole test; a failed test does not poison it.
-pub async fn serial() -> tokio::sync::MutexGuard<'static, ()> {
-    static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-    SERIAL.lock().await
 }
 
 /// A free loopback port: bind `127.0.0.1:0`, read the port, drop the listener.
