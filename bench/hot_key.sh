@@ -141,19 +141,12 @@ log "results: $OUT"
 
 LOAD_START=$(cut -d' ' -f1-3 /proc/loadavg)
 {
-    echo "date_utc: $STAMP"
-    echo "nproc: $(nproc)"
-    echo "mem_total: $(awk '/^MemTotal:/ { printf "%.1f GiB", $2 / 1048576 }' /proc/meminfo)"
-    echo "uname: $(uname -srm)"
-    echo "cpu: $(awk -F': ' '/^model name/ { print $2; exit }' /proc/cpuinfo)"
-    echo "os: $(. /etc/os-release 2>/dev/null && echo "$PRETTY_NAME")"
+    env_machine
     echo "nginx: $(nginx -v 2>&1)"
     echo "varnishd: $(varnishd -V 2>&1 | head -n1)"
     echo "redis: $(redis-server --version)"
     echo "wrk: $(wrk -v 2>&1 | head -n1 | awk '{ print $1, $2, $3 }')"
-    echo "rustc: $(rustc -V 2>/dev/null || echo unknown)"
-    echo "cacheguard: $("$CG_BIN" --version 2>/dev/null || echo unknown) ($CG_BIN)"
-    echo "git: $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo none)$(git -C "$ROOT" diff --quiet HEAD -- src 2>/dev/null || echo ' (src/ has uncommitted changes)')"
+    env_build
     echo "load_start: $LOAD_START"
     echo "reps: $REPS"
     echo "duration: $DURATION"

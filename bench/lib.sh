@@ -258,6 +258,26 @@ wrk_parse() {
         }' "$1"
 }
 
+# --- run environment -------------------------------------------------------------------
+
+# env_machine: the machine lines every env.txt starts with (STAMP must be set).
+env_machine() {
+    echo "date_utc: $STAMP"
+    echo "nproc: $(nproc)"
+    echo "mem_total: $(awk '/^MemTotal:/ { printf "%.1f GiB", $2 / 1048576 }' /proc/meminfo)"
+    echo "uname: $(uname -srm)"
+    echo "cpu: $(awk -F': ' '/^model name/ { print $2; exit }' /proc/cpuinfo)"
+    echo "os: $(. /etc/os-release 2>/dev/null && echo "$PRETTY_NAME")"
+}
+
+# env_build: the build lines of env.txt: rustc, the cacheguard binary (CG_BIN) and the git
+# commit (flagged when src/ has uncommitted changes).
+env_build() {
+    echo "rustc: $(rustc -V 2>/dev/null || echo unknown)"
+    echo "cacheguard: $("$CG_BIN" --version 2>/dev/null || echo unknown) ($CG_BIN)"
+    echo "git: $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo none)$(git -C "$ROOT" diff --quiet HEAD -- src 2>/dev/null || echo ' (src/ has uncommitted changes)')"
+}
+
 # --- statistics --------------------------------------------------------------------------
 
 # stats V...: prints "median min max" (median of an even count = mean of the middle two).
