@@ -59,51 +59,24 @@
 
 set -euo pipefail
 
-ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-cd "$ROOT"
 # shellcheck source=bench/lib.sh
-source bench/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
-REPS=${REPS:-3}
-KEYS=${KEYS:-10000}
-TTL_S=${TTL_S:-10}
-JITTER=${JITTER:-0.5}
-RATE=${RATE:-5000}
-FILL_RATE=${FILL_RATE:-5000}
-STEADY_S=${STEADY_S:-24}
-CONNECTIONS=${CONNECTIONS:-256}
-DELAY_MS=${DELAY_MS:-20}
-CAP_RPS=${CAP_RPS:-1000}
-CAP_CONCURRENCY=${CAP_CONCURRENCY:-32}
-TARGETS=${TARGETS:-cg-j0 cg-j05 cg-cap nginx varnish}
-RS_L1=${RS_L1:-hot all}
-RS_KEYS=${RS_KEYS:-5000}
-RS_RATE=${RS_RATE:-2000}
-RS_TOTAL_S=${RS_TOTAL_S:-35}
-RS_KILL_AT_S=${RS_KILL_AT_S:-10}
-RS_DOWN_S=${RS_DOWN_S:-2}
-RS_MAX_RPS=${RS_MAX_RPS:-400}
-RS_MAX_CONCURRENCY=${RS_MAX_CONCURRENCY:-16}
-RS_CONNECTIONS=${RS_CONNECTIONS:-128}
-SCENARIOS=${SCENARIOS:-expiry restart}
-BASE_PORT=${BASE_PORT:-29480}
-VARNISH_GRACE_S=10
+bench_defaults REPS=3 KEYS=10000 TTL_S=10 JITTER=0.5 RATE=5000 FILL_RATE=5000 STEADY_S=24 \
+    CONNECTIONS=256 DELAY_MS=20 CAP_RPS=1000 CAP_CONCURRENCY=32 TARGETS="cg-j0 cg-j05 cg-cap nginx varnish"
+bench_defaults RS_L1="hot all" RS_KEYS=5000 RS_RATE=2000 RS_TOTAL_S=35 RS_KILL_AT_S=10 RS_DOWN_S=2 \
+    RS_MAX_RPS=400 RS_MAX_CONCURRENCY=16 RS_CONNECTIONS=128 SCENARIOS="expiry restart" BASE_PORT=29480
 # 500 ms, as in tests/avalanche.rs: on this shared 2-core machine a stall can hold a Redis
 # answer past a shorter timeout and open the breaker before the kill.
-REDIS_COMMAND_TIMEOUT=${REDIS_COMMAND_TIMEOUT:-500ms}
+bench_defaults REDIS_COMMAND_TIMEOUT=500ms
+VARNISH_GRACE_S=10
 
-for v in REPS KEYS TTL_S RATE FILL_RATE STEADY_S CONNECTIONS DELAY_MS CAP_RPS CAP_CONCURRENCY \
-    RS_KEYS RS_RATE RS_TOTAL_S RS_KILL_AT_S RS_DOWN_S RS_MAX_RPS RS_MAX_CONCURRENCY RS_CONNECTIONS; do
-    [[ ${!v} =~ ^[1-9][0-9]*$ ]] || die "$v must be a positive integer (got '${!v}')"
-done
+require_positive REPS KEYS TTL_S RATE FILL_RATE STEADY_S CONNECTIONS DELAY_MS CAP_RPS CAP_CONCURRENCY \
+    RS_KEYS RS_RATE RS_TOTAL_S RS_KILL_AT_S RS_DOWN_S RS_MAX_RPS RS_MAX_CONCURRENCY RS_CONNECTIONS
 [[ $JITTER =~ ^0(\.[0-9]+)?$ ]] || die "JITTER must be a number in [0, 1) (got '$JITTER')"
 ((RS_KILL_AT_S + RS_DOWN_S + 5 <= RS_TOTAL_S)) ||
     die "RS_TOTAL_S ($RS_TOTAL_S) must leave at least 5 s after RS_KILL_AT_S + RS_DOWN_S"
-for t in $TARGETS; do
-    case $t in cg-j0 | cg-j05 | cg-cap | nginx | varnish) ;;
-    *) die "unknown target '$t' (known: cg-j0 cg-j05 cg-cap nginx varnish)" ;;
-    esac
-done
+check_list TARGETS target cg-j0 cg-j05 cg-cap nginx varnish
 for l in $RS_L1; do
     case $l in hot | all) ;; *) die "RS_L1 takes hot and/or all (got '$l')" ;; esac
 done
@@ -113,10 +86,7 @@ done
 has_scenario() { [[ " $SCENARIOS " == *" $1 "* ]]; }
 MAX_ID=$((REPS * KEYS + RS_KEYS + 1000))
 
-ORIGIN_PORT=$((BASE_PORT + 1))
-NGINX_PORT=$((BASE_PORT + 2))
-VARNISH_PORT=$((BASE_PORT + 3))
-REDIS_PORT=$((BASE_PORT + 4))
+bench_ports ORIGIN_PORT NGINX_PORT VARNISH_PORT REDIS_PORT
 # cacheguard instances: a fresh process (and fresh ports) per run, so no run inherits L1
 # contents, metrics or TIME_WAIT sockets from another; two ports each, from BASE_PORT+5 on.
 cg_instances=0
@@ -131,7 +101,6 @@ fi
 CG_PORT_FIRST=$((BASE_PORT + 5))
 CG_PORT_LAST=$((BASE_PORT + 4 + 2 * cg_instances))
 
-started_at=$SECONDS
 bench_init
 
 # --- preflight -------------------------------------------------------------------------
@@ -139,68 +108,41 @@ bench_init
 ensure_apt_tools nginx:nginx varnishd:varnish redis-server:redis-server redis-cli:redis-tools \
     curl:curl jq:jq
 require_tools cargo awk sort mktemp id ss timeout date
-all_ports=("$ORIGIN_PORT" "$NGINX_PORT" "$VARNISH_PORT" "$REDIS_PORT")
-for ((p = CG_PORT_FIRST; p <= CG_PORT_LAST; p++)); do all_ports+=("$p"); done
-require_free_ports "${all_ports[@]}"
+cg_ports=()
+for ((p = CG_PORT_FIRST; p <= CG_PORT_LAST; p++)); do cg_ports+=("$p"); done
+require_free_ports "${BENCH_PORTS[@]}" "${cg_ports[@]}"
 
-raise_fd_limit
-[[ $FD_LIMIT == unlimited ]] || ((FD_LIMIT >= 4 * CONNECTIONS + 1024)) ||
-    die "open-file limit $FD_LIMIT is too low for CONNECTIONS=$CONNECTIONS"
+require_fd_limit $((4 * CONNECTIONS + 1024)) "CONNECTIONS=$CONNECTIONS"
 
 build_bench_tools
 
 build_cacheguard
 
-STAMP=$(date -u +%Y%m%dT%H%M%SZ)
-OUT=$ROOT/bench/results/avalanche-$STAMP
-mkdir -p "$OUT/expiry" "$OUT/restart"
-log "results: $OUT"
+bench_results avalanche- expiry restart
 
 # --- environment -----------------------------------------------------------------------
 
-LOAD_START=$(cut -d' ' -f1-3 /proc/loadavg)
-{
-    env_machine
-    echo "nginx: $(nginx -v 2>&1)"
-    echo "varnishd: $(varnishd -V 2>&1 | head -n1)"
-    echo "redis: $(redis-server --version)"
-    env_build
-    echo "fd_limit: $FD_LIMIT (wanted $FD_WANTED)"
-    echo "load_start: $LOAD_START"
-    echo "scenarios: $SCENARIOS"
-    echo "expiry: reps $REPS, keys $KEYS, ttl ${TTL_S}s, jitter $JITTER, fill $FILL_RATE/s, steady $RATE/s for ${STEADY_S}s, $CONNECTIONS connections, cap $CAP_RPS rps / $CAP_CONCURRENCY in flight"
-    echo "restart: l1 $RS_L1, keys $RS_KEYS, $RS_RATE/s for ${RS_TOTAL_S}s over 2 instances, kill at ${RS_KILL_AT_S}s, down ${RS_DOWN_S}s, per instance max_rps $RS_MAX_RPS / max_concurrency $RS_MAX_CONCURRENCY"
-    echo "origin_delay_ms: $DELAY_MS"
-} >"$OUT/env.txt"
-cat "$OUT/env.txt" >&2
+write_env nginx varnishd redis <<EOF
+scenarios: $SCENARIOS
+expiry: reps $REPS, keys $KEYS, ttl ${TTL_S}s, jitter $JITTER, fill $FILL_RATE/s, steady $RATE/s for ${STEADY_S}s, $CONNECTIONS connections, cap $CAP_RPS rps / $CAP_CONCURRENCY in flight
+restart: l1 $RS_L1, keys $RS_KEYS, $RS_RATE/s for ${RS_TOTAL_S}s over 2 instances, kill at ${RS_KILL_AT_S}s, down ${RS_DOWN_S}s, per instance max_rps $RS_MAX_RPS / max_concurrency $RS_MAX_CONCURRENCY
+origin_delay_ms: $DELAY_MS
+EOF
 
 # --- origin, peers, Redis ----------------------------------------------------------------
 
 ORIGIN=http://127.0.0.1:$ORIGIN_PORT
-start_bg "$OUT/origin.log" "$ORIGIN_BIN" --port "$ORIGIN_PORT" --delay-ms "$DELAY_MS" \
-    --max-id "$MAX_ID" --threads 2
-ORIGIN_PID=$LAST_PID
-wait_http "$ORIGIN/stats" "$ORIGIN_PID" "bench-origin"
+start_origin "$OUT/origin.log" bench-origin "$ORIGIN_PORT" --delay-ms "$DELAY_MS" --max-id "$MAX_ID" --threads 2
 curl -s --max-time 2 "$ORIGIN/stats/timeline" | jq -e '.bucket_ms == 100' >/dev/null ||
     die "bench-origin has no /stats/timeline with 100 ms buckets (stale bench/tools build?)"
 
-declare -A URL_OF PID_OF ADMIN_OF
 if has_scenario expiry; then
     if [[ " $TARGETS " == *" nginx "* ]]; then
-        start_nginx av bench/nginx.conf.tmpl WORKERS=2 PORT="$NGINX_PORT" ORIGIN_PORT="$ORIGIN_PORT" \
-            TTL="${TTL_S}s"
-        PID_OF[nginx]=$LAST_PID
-        URL_OF[nginx]=http://127.0.0.1:$NGINX_PORT
-        wait_http "${URL_OF[nginx]}/nginx-ready" "$LAST_PID" "nginx"
-        cp "$BENCH_TMP/nginx-av/nginx.conf" "$OUT/nginx.conf"
+        start_nginx_cache nginx "$NGINX_PORT" nginx "$OUT/nginx.conf" WORKERS=2 TTL="${TTL_S}s"
     fi
     if [[ " $TARGETS " == *" varnish "* ]]; then
-        start_varnish av "$VARNISH_PORT" bench/varnish.vcl.tmpl ORIGIN_PORT="$ORIGIN_PORT" \
-            TTL="${TTL_S}s" GRACE="${VARNISH_GRACE_S}s"
-        PID_OF[varnish]=$LAST_PID
-        URL_OF[varnish]=http://127.0.0.1:$VARNISH_PORT
-        wait_http "${URL_OF[varnish]}/varnish-ready" "$LAST_PID" "varnishd"
-        cp "$BENCH_TMP/varnish-av/default.vcl" "$OUT/varnish.vcl"
+        start_varnish_cache varnish "$VARNISH_PORT" varnishd "$OUT/varnish.vcl" TTL="${TTL_S}s" \
+            GRACE="${VARNISH_GRACE_S}s"
     fi
 fi
 REDIS_GEN=1
@@ -211,56 +153,21 @@ REDIS_PID=$LAST_PID
 
 next_cg_port=$CG_PORT_FIRST
 
-# cacheguard_config PORT ADMIN_PORT SHARED(0|1) TTL JITTER MAX_RPS MAX_CONCURRENCY L1
-cacheguard_config() {
-    cat <<EOF
-[server]
-listen = "127.0.0.1:$1"
-[upstream]
-url = "http://127.0.0.1:$ORIGIN_PORT"
-max_concurrency = $7
-max_rps = $6
-EOF
-    if [[ $3 == 1 ]]; then
-        cat <<EOF
-[redis]
-url = "redis://127.0.0.1:$REDIS_PORT"
-command_timeout = "$REDIS_COMMAND_TIMEOUT"
-[journal]
-path = "journal-$1"
-EOF
-    fi
-    cat <<EOF
-[admin]
-listen = "127.0.0.1:$2"
-[cache]
-ttl = "$4"
-jitter = $5
-l1 = "$8"
-[[routes]]
-name = "item"
-match = "/items/{id}"
-EOF
-}
-
 # start_cacheguard NAME SHARED TTL JITTER MAX_RPS MAX_CONCURRENCY L1: a fresh instance on the
 # next two free ports; sets URL_OF/ADMIN_OF/PID_OF[NAME].
 start_cacheguard() {
-    local name=$1 port=$next_cg_port admin=$((next_cg_port + 1))
+    local name=$1 port=$next_cg_port admin=$((next_cg_port + 1)) shared=()
     ((admin <= CG_PORT_LAST)) || die "out of cacheguard ports (BASE_PORT+5 .. $((CG_PORT_LAST - BASE_PORT)))"
     next_cg_port=$((next_cg_port + 2))
-    local conf=$OUT/cg-$name.toml
-    cacheguard_config "$port" "$admin" "$2" "$3" "$4" "$5" "$6" "$7" >"$conf"
-    "$CG_BIN" --check-config "$conf" >&2 || die "cacheguard --check-config $conf failed"
-    start_bg "$OUT/cg-$name.log" "$CG_BIN" --config "$conf"
-    PID_OF[$name]=$LAST_PID
-    URL_OF[$name]=http://127.0.0.1:$port
-    ADMIN_OF[$name]=http://127.0.0.1:$admin
-    wait_http "http://127.0.0.1:$admin/healthz" "$LAST_PID" "cacheguard ($name)"
+    [[ $2 == 0 ]] || shared=(redis.url="redis://127.0.0.1:$REDIS_PORT"
+        redis.command_timeout="$REDIS_COMMAND_TIMEOUT" journal.path="journal-$port")
+    cg_config "$port" "$admin" "$ORIGIN_PORT" upstream.max_concurrency="$6" upstream.max_rps="$5" \
+        "${shared[@]}" cache.ttl="$3" cache.jitter="$4" cache.l1="$7" >"$OUT/cg-$name.toml"
+    launch_cacheguard "$name" "$OUT/cg-$name.toml" "$port" "$admin" "$OUT/cg-$name.log"
 }
 
 stop_cacheguard() {
-    curl -s --max-time 2 "${ADMIN_OF[$1]}/metrics" >"$OUT/metrics-$1-end.txt" || true
+    save_metrics "${ADMIN_OF[$1]}" "$OUT/metrics-$1-end.txt"
     stop_pid "${PID_OF[$1]}"
 }
 
@@ -268,20 +175,25 @@ stop_cacheguard() {
 msum() {
     awk -v m="$2" '!/^#/ { n = $1; sub(/\{.*/, "", n); if (n == m) s += $2 } END { printf "%.0f", s + 0 }' "$1"
 }
-# mdelta BEFORE AFTER NAME
-mdelta() { echo $(($(msum "$2" "$3") - $(msum "$1" "$3"))); }
+# msum_delta BEFORE AFTER NAME: the change of msum between two /metrics dumps.
+msum_delta() { echo $(($(msum "$2" "$3") - $(msum "$1" "$3"))); }
 
 now_ms() { date +%s%3N; }
 
+# save_origin_timeline PREFIX: the origin's /stats/timeline into PREFIX-origin-timeline.json and
+# its /stats (without the per-path counters) into PREFIX-origin-stats.json.
+save_origin_timeline() {
+    curl -s --max-time 5 "$ORIGIN/stats/timeline" >"$1-origin-timeline.json" ||
+        die "cannot read the origin timeline"
+    curl -s --max-time 5 "$ORIGIN/stats" | jq 'del(.paths)' >"$1-origin-stats.json" ||
+        die "cannot read origin stats"
+}
+
 # run_loadgen JSON ARGS...: one bounded `loadgen cycle`, waited for.
 run_loadgen() {
-    local json=$1 rc=0
+    local json=$1
     shift
-    start_bg "$json" timeout --signal=TERM 600 "$LOADGEN_BIN" cycle "$@"
-    local pid=$LAST_PID
-    wait "$pid" || rc=$?
-    forget_pid "$pid"
-    ((rc == 0)) || die "loadgen cycle failed ($rc); see $json"
+    run_bg "$json" timeout --signal=TERM 600 "$LOADGEN_BIN" cycle "$@" || die "loadgen cycle failed ($?); see $json"
 }
 
 # origin_window TIMELINE FROM_MS TO_MS [CAP]: over the origin's 100 ms buckets inside
@@ -354,8 +266,9 @@ declare -A LABEL=(
     [varnish]="Varnish 7.1 (grace ${VARNISH_GRACE_S} s)"
 )
 
+# expiry_run TARGET REP: one mass-expiry run, parsed into expiry/raw.tsv.
 expiry_run() {
-    local rep=$1 target=$2 tag="rep$1-$2"
+    local target=$1 rep=$2 tag="rep$2-$1"
     local first_id=$(((rep - 1) * KEYS + 1)) fill_url load_url cg=() inst
     case $target in
     cg-j0 | cg-j05)
@@ -380,9 +293,9 @@ expiry_run() {
         ;;
     esac
     for inst in "${cg[@]}"; do
-        curl -s --max-time 2 "${ADMIN_OF[$inst]}/metrics" >"$OUT/expiry/$tag-metrics-$inst-before.txt" || true
+        save_metrics "${ADMIN_OF[$inst]}" "$OUT/expiry/$tag-metrics-$inst-before.txt"
     done
-    curl -s -X POST --max-time 5 "$ORIGIN/stats/reset" >/dev/null || die "cannot reset origin counters"
+    origin_reset
 
     log "expiry rep $rep/$REPS: $target: fill $KEYS keys at $FILL_RATE/s, then $RATE/s for ${STEADY_S}s"
     local fill_s
@@ -394,17 +307,14 @@ expiry_run() {
         --keys "$KEYS" --rate "$RATE" --duration-s "$STEADY_S" --connections "$CONNECTIONS" \
         --drain-s 10
     sleep 0.3
-    curl -s --max-time 5 "$ORIGIN/stats/timeline" >"$OUT/expiry/$tag-origin-timeline.json" ||
-        die "cannot read the origin timeline"
-    curl -s --max-time 5 "$ORIGIN/stats" | jq 'del(.paths)' >"$OUT/expiry/$tag-origin-stats.json" ||
-        die "cannot read origin stats"
+    save_origin_timeline "$OUT/expiry/$tag"
 
     local cgm="-"
     if ((${#cg[@]} > 0)); then
         inst=${cg[0]}
-        curl -s --max-time 2 "${ADMIN_OF[$inst]}/metrics" >"$OUT/expiry/$tag-metrics-$inst-after.txt" || true
         local b=$OUT/expiry/$tag-metrics-$inst-before.txt a=$OUT/expiry/$tag-metrics-$inst-after.txt
-        cgm="stale=$(mdelta "$b" "$a" cacheguard_stale_served_total),refreshes=$(mdelta "$b" "$a" cacheguard_background_refreshes_total),shed=$(mdelta "$b" "$a" cacheguard_shed_total),origin=$(mdelta "$b" "$a" cacheguard_origin_requests_total)"
+        save_metrics "${ADMIN_OF[$inst]}" "$a"
+        cgm="stale=$(msum_delta "$b" "$a" cacheguard_stale_served_total),refreshes=$(msum_delta "$b" "$a" cacheguard_background_refreshes_total),shed=$(msum_delta "$b" "$a" cacheguard_shed_total),origin=$(msum_delta "$b" "$a" cacheguard_origin_requests_total)"
         for inst in "${cg[@]}"; do stop_cacheguard "$inst"; done
     fi
 
@@ -423,7 +333,7 @@ expiry_run() {
     per_sec=$(origin_per_second "$tl" "$s_start" "$STEADY_S" | cut -f1 | paste -sd' ')
     local sent ok non2xx errors unsent xc
     read -r sent ok non2xx errors unsent < <(jq -r '"\(.sent) \(.ok) \(.non_2xx) \(.errors) \(.unsent)"' "$sj")
-    xc=$(jq -r '.x_cache | to_entries | map("\(.key)=\(.value)") | join(",")' "$sj")
+    xc=$(json_counts "$sj")
     printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' \
         "$rep" "$target" "$first_id" "$f_span" "$fill_origin" "$fill_ok" "$fill_bad" "$peak" "$at" \
         "$total" "$mean" "$mif" "$sent" "$ok" "$non2xx" "$errors" "$unsent" "$xc" "$per_sec" "$cgm" "$excess" >>"$EXP_RAW"
@@ -432,25 +342,11 @@ expiry_run() {
     log "  origin per second: $per_sec"
     ((fill_bad == 0)) || log "WARNING: $tag: $fill_bad fill requests failed, got no 2xx or were not sent (see $fj)"
     ((non2xx + errors + unsent == 0)) || log "WARNING: $tag: client non-2xx $non2xx, errors $errors, unsent $unsent (see $sj)"
-}
-
-# rotate N WORD...: WORD list rotated left by N (so each rep starts with another target).
-rotate() {
-    local n=$1
-    shift
-    local a=("$@")
-    local k=${#a[@]} i
-    for ((i = 0; i < k; i++)); do printf '%s ' "${a[(i + n) % k]}"; done
+    sleep 1
 }
 
 if has_scenario expiry; then
-    for ((rep = 1; rep <= REPS; rep++)); do
-        # shellcheck disable=SC2086 # word splitting of TARGETS is intended
-        for t in $(rotate $((rep - 1)) $TARGETS); do
-            expiry_run "$rep" "$t"
-            sleep 1
-        done
-    done
+    each_rep "$TARGETS" expiry_run
 fi
 
 # ======================================================================================
@@ -495,9 +391,9 @@ restart_run() {
     in_redis=$(redis-cli -h 127.0.0.1 -p "$REDIS_PORT" dbsize)
     log "  Redis holds $in_redis keys after the fill"
     for inst in "$ia" "$ib"; do
-        curl -s --max-time 2 "${ADMIN_OF[$inst]}/metrics" >"$dir/$tag-metrics-$inst-before.txt" || true
+        save_metrics "${ADMIN_OF[$inst]}" "$dir/$tag-metrics-$inst-before.txt"
     done
-    curl -s -X POST --max-time 5 "$ORIGIN/stats/reset" >/dev/null || die "cannot reset origin counters"
+    origin_reset
 
     start_bg "$dir/$tag-breaker.txt" breaker_sampler "$((RS_TOTAL_S + 8))" "A=${ADMIN_OF[$ia]}" "B=${ADMIN_OF[$ib]}"
     local sampler=$LAST_PID
@@ -523,21 +419,15 @@ restart_run() {
     REDIS_PID=$LAST_PID
     up_ms=$(now_ms)
     log "  redis-server restarted empty (PID $REDIS_PID), answering PING $((up_ms - kill_ms)) ms after the kill"
-    local rc=0
-    wait "$lg" || rc=$?
-    forget_pid "$lg"
-    ((rc == 0)) || die "loadgen cycle failed ($rc); see $json"
+    reap "$lg" || die "loadgen cycle failed ($?); see $json"
     sleep 0.3
     stop_pid "$sampler"
-    curl -s --max-time 5 "$ORIGIN/stats/timeline" >"$dir/$tag-origin-timeline.json" ||
-        die "cannot read the origin timeline"
-    curl -s --max-time 5 "$ORIGIN/stats" | jq 'del(.paths)' >"$dir/$tag-origin-stats.json" ||
-        die "cannot read origin stats"
+    save_origin_timeline "$dir/$tag"
     local cgm=""
     for inst in "$ia" "$ib"; do
-        curl -s --max-time 2 "${ADMIN_OF[$inst]}/metrics" >"$dir/$tag-metrics-$inst-after.txt" || true
         local mb=$dir/$tag-metrics-$inst-before.txt ma=$dir/$tag-metrics-$inst-after.txt
-        cgm+="${inst##*-}: restarts=$(mdelta "$mb" "$ma" cacheguard_redis_restarts_total),breaker_transitions=$(mdelta "$mb" "$ma" cacheguard_redis_breaker_transitions_total),shed=$(mdelta "$mb" "$ma" cacheguard_shed_total),stale=$(mdelta "$mb" "$ma" cacheguard_stale_served_total),origin=$(mdelta "$mb" "$ma" cacheguard_origin_requests_total); "
+        save_metrics "${ADMIN_OF[$inst]}" "$ma"
+        cgm+="${inst##*-}: restarts=$(msum_delta "$mb" "$ma" cacheguard_redis_restarts_total),breaker_transitions=$(msum_delta "$mb" "$ma" cacheguard_redis_breaker_transitions_total),shed=$(msum_delta "$mb" "$ma" cacheguard_shed_total),stale=$(msum_delta "$mb" "$ma" cacheguard_stale_served_total),origin=$(msum_delta "$mb" "$ma" cacheguard_origin_requests_total); "
         stop_cacheguard "$inst"
     done
     cgm=${cgm%; }
@@ -580,7 +470,7 @@ restart_run() {
     up_at=$(awk -v a="$up_ms" -v s="$start" 'BEGIN { printf "%.1f", (a - s) / 1000 }')
     local sched ok non2xx errors unsent xc
     read -r sched ok non2xx errors unsent < <(jq -r '"\(.scheduled) \(.ok) \(.non_2xx) \(.errors) \(.unsent)"' "$json")
-    xc=$(jq -r '.x_cache | to_entries | map("\(.key)=\(.value)") | join(",")' "$json")
+    xc=$(json_counts "$json")
     local ak_sched ak_bad
     read -r ak_sched ak_bad < <(jq -r --argjson k "$kill_s" \
         '[.timeline[] | select(.t_s >= $k)] | "\(map(.scheduled) | add // 0) \(map(.non_2xx + .errors) | add // 0)"' "$json")
@@ -614,9 +504,7 @@ if has_scenario restart; then
     done
 fi
 
-LOAD_END=$(cut -d' ' -f1-3 /proc/loadavg)
-echo "load_end: $LOAD_END" >>"$OUT/env.txt"
-WALL=$((SECONDS - started_at))
+end_env
 
 # ======================================================================================
 # summary
@@ -625,21 +513,14 @@ WALL=$((SECONDS - started_at))
 col() { # col TARGET FIELD_NO: one expiry raw.tsv column for one target, every rep
     awk -F'\t' -v t="$1" -v f="$2" 'NR > 1 && $2 == t { print $f }' "$EXP_RAW"
 }
-sum_col() { col "$@" | awk '{ s += $1 } END { print s + 0 }'; }
-merge_hist() { # merge_hist TARGET FIELD_NO: "K=V,K=V" cells summed over the reps
-    col "$@" | tr ',' '\n' | awk -F= 'NF == 2 { s[$1] += $2 } END { for (k in s) printf "%s %d\n", k, s[k] }' |
-        sort | awk '{ printf "%s%s %d", (NR > 1 ? ", " : ""), $1, $2 }'
-}
+sum_col() { col "$@" | sum_lines; }
+merge_hist() { col "$@" | merge_counts; } # merge_hist TARGET FIELD_NO: "K=V,K=V" cells summed over the reps
 
 {
     echo "# cacheguard avalanche: $STAMP"
     echo
     echo "All processes on 127.0.0.1 on the same $(nproc) cores; origin delay $DELAY_MS ms."
-    echo "Load average (1/5/15 min) at start: $LOAD_START; at end: $LOAD_END. Wall time: ${WALL} s."
-    echo
-    echo "| item | value |"
-    echo "|---|---|"
-    sed -n 's/^\([a-z_]*\): \(.*\)$/| \1 | \2 |/p' "$OUT/env.txt"
+    env_summary
     if has_scenario expiry; then
         echo
         echo "## 1. Mass expiry: $(fmt_int "$KEYS") keys filled in one burst, nominal TTL ${TTL_S} s, then $(fmt_int "$RATE") req/s cycling over them for ${STEADY_S} s"
@@ -710,5 +591,4 @@ merge_hist() { # merge_hist TARGET FIELD_NO: "K=V,K=V" cells summed over the rep
     echo "Raw data: \`bench/results/avalanche-$STAMP/\` (loadgen JSON with per-second timelines, origin timelines in 100 ms buckets, cacheguard configs, logs and /metrics, breaker samples, raw TSVs)."
 } >"$OUT/summary.md"
 
-cat "$OUT/summary.md"
-log "done in ${WALL} s; results in $OUT"
+show_summary

@@ -22,24 +22,17 @@
 
 set -euo pipefail
 
-ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-cd "$ROOT"
 # shellcheck source=bench/lib.sh
-source bench/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 PAUSES=${PAUSES:-$(LC_ALL=C awk 'BEGIN { for (p = 1.170; p < 1.2625; p += 0.005) printf "%.3f ", p }')}
 BASE_PORT=${BASE_PORT:-29180}
-ORIGIN_PORT=$((BASE_PORT + 1))
-REDIS_PORT=$((BASE_PORT + 2))
-A_PORT=$((BASE_PORT + 3))
-A_ADMIN=$((BASE_PORT + 4))
-B_PORT=$((BASE_PORT + 5))
-B_ADMIN=$((BASE_PORT + 6))
+bench_ports ORIGIN_PORT REDIS_PORT A_PORT A_ADMIN B_PORT B_ADMIN
 
 bench_init
 ensure_apt_tools redis-server:redis-server redis-cli:redis-tools curl:curl jq:jq
 require_tools cargo
-require_free_ports "$ORIGIN_PORT" "$REDIS_PORT" "$A_PORT" "$A_ADMIN" "$B_PORT" "$B_ADMIN"
+require_free_ports "${BENCH_PORTS[@]}"
 
 build_bench_tools
 build_cacheguard
@@ -47,35 +40,13 @@ build_cacheguard
 OUT=$ROOT/bench/results/bus-gap-$(date -u +%Y%m%dT%H%M%SZ)
 mkdir -p "$OUT"
 
-start_bg "$OUT/origin.log" "$ORIGIN_BIN" --port "$ORIGIN_PORT" --delay-ms 200
-wait_http "http://127.0.0.1:$ORIGIN_PORT/stats" "$LAST_PID" bench-origin
+start_origin "$OUT/origin.log" bench-origin "$ORIGIN_PORT" --delay-ms 200
 start_redis bus-gap "$REDIS_PORT"
 
 for inst in A B; do
     port_var=${inst}_PORT admin_var=${inst}_ADMIN
-    cat >"$OUT/cg$inst.toml" <<EOF
-[server]
-listen = "127.0.0.1:${!port_var}"
-[upstream]
-url = "http://127.0.0.1:$ORIGIN_PORT"
-max_concurrency = 1024
-queue_timeout = "5s"
-[redis]
-url = "redis://127.0.0.1:$REDIS_PORT"
-command_timeout = "200ms"
-[journal]
-path = "journal-$inst"
-[admin]
-listen = "127.0.0.1:${!admin_var}"
-[cache]
-ttl = "600s"
-[lock]
-lease = "5s"
-wait_timeout = "5s"
-[[routes]]
-name = "item"
-match = "/items/{id}"
-EOF
+    lock_config "${!port_var}" "${!admin_var}" "$ORIGIN_PORT" redis.url="redis://127.0.0.1:$REDIS_PORT" \
+        redis.command_timeout=200ms journal.path="journal-$inst" >"$OUT/cg$inst.toml"
     start_bg "$OUT/cg$inst.log" "$CG_BIN" --config "$OUT/cg$inst.toml"
     wait_http "http://127.0.0.1:${!admin_var}/healthz" "$LAST_PID" "cacheguard $inst"
 done

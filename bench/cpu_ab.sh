@@ -22,26 +22,17 @@
 
 set -euo pipefail
 
-ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-cd "$ROOT"
 # shellcheck source=bench/lib.sh
-source bench/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 A_BIN=${A_BIN:?set A_BIN to the first cacheguard binary}
 B_BIN=${B_BIN:?set B_BIN to the second cacheguard binary}
-REPS=${REPS:-4}
-RATE=${RATE:-5000}
-DURATION_S=${DURATION_S:-10}
-KEYS=${KEYS:-1000}
-MODES=${MODES:-l1 l2}
-BASE_PORT=${BASE_PORT:-36379}
+bench_defaults REPS=4 RATE=5000 DURATION_S=10 KEYS=1000 MODES="l1 l2" BASE_PORT=36379
 REDIS_PORT=$BASE_PORT
-ORIGIN_PORT=$((BASE_PORT + 1))
-CG_PORT=$((BASE_PORT + 2))
-ADMIN_PORT=$((BASE_PORT + 3))
+bench_ports ORIGIN_PORT CG_PORT ADMIN_PORT
 
 require_tools redis-server redis-cli curl
-require_free_ports "$REDIS_PORT" "$ORIGIN_PORT" "$CG_PORT" "$ADMIN_PORT"
+require_free_ports "$REDIS_PORT" "${BENCH_PORTS[@]}"
 bench_init
 build_bench_tools
 OUT=$ROOT/bench/results/cpu-ab-$(date -u +%Y%m%dT%H%M%SZ)
@@ -50,29 +41,16 @@ TCK=$(getconf CLK_TCK)
 REQUESTS=$((RATE * DURATION_S))
 
 start_redis ab "$REDIS_PORT"
-start_bg "$OUT/origin.log" "$ORIGIN_BIN" --port "$ORIGIN_PORT" --delay-ms 0 --threads 1
-wait_http "http://127.0.0.1:$ORIGIN_PORT/items/1" "$LAST_PID" origin
+start_origin "$OUT/origin.log" origin "$ORIGIN_PORT" --delay-ms 0 --threads 1
 
-# config MODE: cacheguard's config for MODE (l1 | l2).
+# config MODE: cacheguard's config for MODE: l1 (embedded, `l1 = "all"`) or l2 (the Redis
+# started here, `l1 = "off"`).
 config() {
-    cat <<EOF
-[server]
-listen = "127.0.0.1:$CG_PORT"
-[upstream]
-url = "http://127.0.0.1:$ORIGIN_PORT"
-max_concurrency = 1024
-queue_timeout = "5s"
-[admin]
-listen = "127.0.0.1:$ADMIN_PORT"
-EOF
-    if [[ $1 == l2 ]]; then
-        printf '[redis]\nurl = "redis://127.0.0.1:%s"\ncommand_timeout = "200ms"\n' "$REDIS_PORT"
-        printf '[journal]\npath = "%s/journal"\n' "$BENCH_TMP"
-        printf '[cache]\nttl = "600s"\nl1 = "off"\n'
-    else
-        printf '[cache]\nttl = "600s"\nl1 = "all"\n'
-    fi
-    printf '[[routes]]\nname = "item"\nmatch = "/items/{id}"\n'
+    local mode=(cache.l1=all)
+    [[ $1 == l1 ]] || mode=(redis.url="redis://127.0.0.1:$REDIS_PORT" redis.command_timeout=200ms
+        journal.path="$BENCH_TMP/journal" cache.l1=off)
+    cg_config "$CG_PORT" "$ADMIN_PORT" "$ORIGIN_PORT" upstream.max_concurrency=1024 upstream.queue_timeout=5s \
+        cache.ttl=600s "${mode[@]}"
 }
 
 cpu_ticks() { awk '{ print $14 + $15 }' "/proc/$1/stat"; }

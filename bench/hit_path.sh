@@ -33,96 +33,65 @@
 
 set -euo pipefail
 
-ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-cd "$ROOT"
 # shellcheck source=bench/lib.sh
-source bench/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
-REPS=${REPS:-3}
-DURATION=${DURATION:-10s}
-LAT_RATE=${LAT_RATE:-5000}
-LAT_CONNECTIONS=${LAT_CONNECTIONS:-16}
-LAT_DURATION=${LAT_DURATION:-10s}
-LAT_WARMUP=${LAT_WARMUP:-1s}
-LAT_DRAIN_S=5
-DISTINCT_KEYS=${DISTINCT_KEYS:-1000000}
-DISTINCT_MAX_DURATION=${DISTINCT_MAX_DURATION:-180s}
-BASE_PORT=${BASE_PORT:-28080}
-LAT_TARGETS=${LAT_TARGETS:-static cacheguard}
+bench_defaults REPS=3 DURATION=10s LAT_RATE=5000 LAT_CONNECTIONS=16 LAT_DURATION=10s LAT_WARMUP=1s \
+    DISTINCT_KEYS=1000000 DISTINCT_MAX_DURATION=180s BASE_PORT=28080 LAT_TARGETS="static cacheguard" \
+    MEM_L1_MAX_BYTES=67108864
 # Worker counts of the two proxies: nginx worker_processes (the peers' reference is 2) and
 # cacheguard's server.worker_threads (0 = one per CPU). Compare like for like.
-NGINX_WORKERS=${NGINX_WORKERS:-2}
-CG_WORKERS=${CG_WORKERS:-0}
+bench_defaults NGINX_WORKERS=2 CG_WORKERS=0
+LAT_DRAIN_S=5
 WRK_TIMEOUT=10s
 BODY_BYTES=1024
 HIT_L1_MAX_BYTES=268435456
-MEM_L1_MAX_BYTES=${MEM_L1_MAX_BYTES:-67108864}
 KEY=/items/1
 
-ORIGIN_PORT=$((BASE_PORT + 1))
-NGINX_PORT=$((BASE_PORT + 2))
-CG_PORT=$((BASE_PORT + 3))
-CG_ADMIN_PORT=$((BASE_PORT + 4))
-CGM_PORT=$((BASE_PORT + 5))
-CGM_ADMIN_PORT=$((BASE_PORT + 6))
+bench_ports ORIGIN_PORT NGINX_PORT CG_PORT CG_ADMIN_PORT CGM_PORT CGM_ADMIN_PORT
 
-[[ $REPS =~ ^[1-9][0-9]*$ ]] || die "REPS must be a positive integer (got '$REPS')"
+require_positive REPS LAT_CONNECTIONS DISTINCT_KEYS
 for t in static cacheguard; do
     [[ " $LAT_TARGETS " == *" $t "* ]] || die "LAT_TARGETS must include $t (got '$LAT_TARGETS')"
 done
-for t in $LAT_TARGETS; do
-    case $t in static | nginx | cacheguard) ;;
-    *) die "unknown LAT_TARGETS entry '$t' (known: static nginx cacheguard)" ;;
-    esac
-done
+check_list LAT_TARGETS "LAT_TARGETS entry" static nginx cacheguard
 # secs D: "10s" / "10" / "1.5s" -> seconds as a plain number
 secs() {
     [[ $1 =~ ^([0-9]+(\.[0-9]+)?)s?$ ]] || die "not a duration in seconds: '$1' (e.g. 10s)"
     printf '%s' "${BASH_REMATCH[1]}"
 }
+# shellcheck disable=SC2153 # set by bench_defaults
 LAT_DURATION_S=$(secs "$LAT_DURATION")
+# shellcheck disable=SC2153 # set by bench_defaults
 LAT_WARMUP_S=$(secs "$LAT_WARMUP")
 awk -v d="$LAT_DURATION_S" 'BEGIN { exit !(d > 0) }' || die "LAT_DURATION must be > 0"
 [[ $LAT_RATE =~ ^[0-9]+(\.[0-9]+)?$ ]] && awk -v r="$LAT_RATE" 'BEGIN { exit !(r > 0) }' ||
     die "LAT_RATE must be a positive number of req/s (got '$LAT_RATE')"
-[[ $LAT_CONNECTIONS =~ ^[1-9][0-9]*$ ]] || die "LAT_CONNECTIONS must be a positive integer"
-[[ $DISTINCT_KEYS =~ ^[1-9][0-9]*$ ]] || die "DISTINCT_KEYS must be a positive integer"
 
-started_at=$SECONDS
 bench_init
 
 # --- preflight -------------------------------------------------------------------------
 
 ensure_apt_tools nginx:nginx wrk:wrk curl:curl jq:jq
 require_tools cargo awk sort mktemp id timeout
-require_free_ports "$ORIGIN_PORT" "$NGINX_PORT" "$CG_PORT" "$CG_ADMIN_PORT" "$CGM_PORT" "$CGM_ADMIN_PORT"
+require_free_ports "${BENCH_PORTS[@]}"
 
 build_cacheguard
 
 build_bench_tools
 
-STAMP=$(date -u +%Y%m%dT%H%M%SZ)
-OUT=$ROOT/bench/results/$STAMP
-mkdir -p "$OUT"
-log "results: $OUT"
+bench_results "" # bench/results/<UTC timestamp>
 
 # --- environment -----------------------------------------------------------------------
 
-LOAD_START=$(cut -d' ' -f1-3 /proc/loadavg)
-{
-    env_machine
-    echo "nginx: $(nginx -v 2>&1)"
-    echo "wrk: $(wrk -v 2>&1 | head -n1 | awk '{ print $1, $2, $3 }')"
-    env_build
-    echo "load_start: $LOAD_START"
-    echo "reps: $REPS"
-    echo "nginx_workers: $NGINX_WORKERS"
-    echo "cacheguard_worker_threads: $CG_WORKERS (0 = one per CPU)"
-    echo "duration: $DURATION (throughput, wrk); ${LAT_DURATION_S}s + ${LAT_WARMUP_S}s warm-up (latency, loadgen rate)"
-    echo "latency_load: $LAT_RATE req/s fixed rate (open loop) over $LAT_CONNECTIONS connections"
-    echo "distinct_keys: $DISTINCT_KEYS"
-} >"$OUT/env.txt"
-cat "$OUT/env.txt" >&2
+write_env nginx wrk <<EOF
+reps: $REPS
+nginx_workers: $NGINX_WORKERS
+cacheguard_worker_threads: $CG_WORKERS (0 = one per CPU)
+duration: $DURATION (throughput, wrk); ${LAT_DURATION_S}s + ${LAT_WARMUP_S}s warm-up (latency, loadgen rate)
+latency_load: $LAT_RATE req/s fixed rate (open loop) over $LAT_CONNECTIONS connections
+distinct_keys: $DISTINCT_KEYS
+EOF
 
 # --- start the origin, nginx proxy_cache and cacheguard --------------------------------
 
@@ -130,59 +99,29 @@ BODY=$(static_body "$BODY_BYTES")
 
 start_nginx origin bench/origin.conf.tmpl \
     WORKERS=2 PORT="$ORIGIN_PORT" STATIC_BODY="$BODY"
-ORIGIN_PID=$LAST_PID
-wait_http "http://127.0.0.1:$ORIGIN_PORT$KEY" "$ORIGIN_PID" "origin nginx"
-
-start_nginx proxy bench/nginx.conf.tmpl \
-    WORKERS="$NGINX_WORKERS" PORT="$NGINX_PORT" ORIGIN_PORT="$ORIGIN_PORT" TTL=600s
-NGINX_PID=$LAST_PID
-wait_http "http://127.0.0.1:$NGINX_PORT/nginx-ready" "$NGINX_PID" "nginx proxy_cache"
+wait_http "http://127.0.0.1:$ORIGIN_PORT$KEY" "$LAST_PID" "origin nginx"
 cp "$BENCH_TMP/nginx-origin/nginx.conf" "$OUT/nginx-origin.conf"
-cp "$BENCH_TMP/nginx-proxy/nginx.conf" "$OUT/nginx-proxy.conf"
 
-# cacheguard_config PORT ADMIN_PORT L1_MAX_BYTES: the embedded-mode config of the hit-path benchmark.
-cacheguard_config() {
-    cat <<EOF
-[server]
-listen = "127.0.0.1:$1"
-worker_threads = $CG_WORKERS   # 0 = one per CPU
+start_nginx_cache nginx "$NGINX_PORT" "nginx proxy_cache" "$OUT/nginx-proxy.conf" WORKERS="$NGINX_WORKERS" TTL=600s
+NGINX_PID=$LAST_PID
 
-[upstream]
-url = "http://127.0.0.1:$ORIGIN_PORT"
-max_concurrency = 256
-
-[admin]
-listen = "127.0.0.1:$2"   # /metrics, /healthz
-
-[cache]
-ttl = "600s"
-l1_max_bytes = $3
-
-[[routes]]
-name = "item"
-match = "/items/{id}"
-EOF
-}
-
-# start_cacheguard NAME PORT ADMIN_PORT L1_MAX_BYTES: sets LAST_PID.
+# start_cacheguard NAME PORT ADMIN_PORT L1_MAX_BYTES: one instance with the embedded-mode config
+# of the hit-path benchmark (worker_threads CG_WORKERS, 0 = one per CPU). Sets LAST_PID.
 start_cacheguard() {
-    local name=$1 conf="$OUT/$1.toml"
-    cacheguard_config "$2" "$3" "$4" >"$conf"
-    "$CG_BIN" --check-config "$conf" >&2 || die "cacheguard --check-config $conf failed"
-    start_bg "$OUT/$name.log" "$CG_BIN" --config "$conf"
-    wait_http "http://127.0.0.1:$3/healthz" "$LAST_PID" "cacheguard ($name)"
+    cg_config "$2" "$3" "$ORIGIN_PORT" server.worker_threads="$CG_WORKERS" upstream.max_concurrency=256 \
+        cache.ttl=600s cache.l1_max_bytes="$4" >"$OUT/$1.toml"
+    launch_cacheguard "$1" "$OUT/$1.toml" "$2" "$3" "$OUT/$1.log"
 }
 
 start_cacheguard cacheguard "$CG_PORT" "$CG_ADMIN_PORT" "$HIT_L1_MAX_BYTES"
 CG_PID=$LAST_PID
 
-size=$(curl -s -o /dev/null -w '%{size_download}' "http://127.0.0.1:$ORIGIN_PORT$KEY")
-[[ $size == "$BODY_BYTES" ]] || die "origin body is $size bytes, expected $BODY_BYTES"
+check_origin_body "http://127.0.0.1:$ORIGIN_PORT$KEY" "$BODY_BYTES"
 
 declare -A URL=(
     [static]="http://127.0.0.1:$ORIGIN_PORT$KEY"
-    [nginx]="http://127.0.0.1:$NGINX_PORT$KEY"
-    [cacheguard]="http://127.0.0.1:$CG_PORT$KEY"
+    [nginx]="${URL_OF[nginx]}$KEY"
+    [cacheguard]="${URL_OF[cacheguard]}$KEY"
 )
 declare -A LABEL=(
     [static]="nginx static \`return 200\` (direct, no proxy)"
@@ -195,9 +134,7 @@ log "warming $KEY"
 warm "${URL[nginx]}" HIT
 warm "${URL[cacheguard]}" HIT-L1
 for t in static nginx cacheguard; do
-    curl -s -o /dev/null -D "$OUT/headers-$t.txt" "${URL[$t]}"
-    size=$(curl -s -o /dev/null -w '%{size_download}' "${URL[$t]}")
-    [[ $size == "$BODY_BYTES" ]] || die "$t answered $size body bytes, expected $BODY_BYTES"
+    check_answer "$t" "${URL[$t]}" "$OUT/headers-$t.txt" "$BODY_BYTES"
 done
 
 origin_requests() {
@@ -215,14 +152,7 @@ run_wrk() {
     local file="$OUT/wrk-$section-$target-rep$rep.txt" before after xc=""
     before=$(origin_requests)
     log "$section rep $rep/$REPS: $target: wrk $* ${URL[$target]}"
-    echo "# wrk $* ${URL[$target]}" >"$file"
-    # in the background + wait, so a signal reaches our EXIT trap at once (and wrk is stopped)
-    start_bg "$file.part" wrk "$@" "${URL[$target]}"
-    local wrk_pid=$LAST_PID wrk_rc=0
-    wait "$wrk_pid" || wrk_rc=$?
-    forget_pid "$wrk_pid"
-    cat "$file.part" >>"$file" && rm -f "$file.part"
-    ((wrk_rc == 0)) || die "wrk failed ($wrk_rc) for $target; see $file"
+    wrk_once "$file" "$target" "$@" "${URL[$target]}"
     after=$(origin_requests)
     if [[ -n ${HIT[$target]} ]]; then
         xc=$(x_cache "${URL[$target]}")
@@ -241,21 +171,11 @@ run_wrk() {
     printf '  %-10s %12s req/s  p50 %7.3f ms  p99 %7.3f ms\n' "$target" "$rps" "$p50" "$p99" >&2
 }
 
-# rotate N WORD...: WORD list rotated left by N (so each rep starts with another target).
-rotate() {
-    local n=$1
-    shift
-    local a=("$@") k=${#a[@]} i
-    for ((i = 0; i < k; i++)); do printf '%s ' "${a[(i + n) % k]}"; done
-}
-
 # --- a. throughput ---------------------------------------------------------------------
 
-for ((rep = 1; rep <= REPS; rep++)); do
-    for t in $(rotate $((rep - 1)) static nginx cacheguard); do
-        run_wrk throughput "$t" "$rep" -t2 -c64 -d"$DURATION" --timeout "$WRK_TIMEOUT" --latency
-    done
-done
+# run_throughput TARGET REP: one section-a wrk run.
+run_throughput() { run_wrk throughput "$1" "$2" -t2 -c64 -d"$DURATION" --timeout "$WRK_TIMEOUT" --latency; }
+each_rep "static nginx cacheguard" run_throughput
 
 # --- b. latency at a fixed rate --------------------------------------------------------
 
@@ -274,14 +194,9 @@ run_rate() {
     local json="$OUT/loadgen-latency-$target-rep$rep.json" before after xc="" hits="-"
     before=$(origin_requests)
     log "latency rep $rep/$REPS: $target: loadgen rate ${LAT_ARGS[*]} --url ${URL[$target]}"
-    # in the background + wait, so a signal reaches our EXIT trap at once; bounded by
-    # the loadgen's own drain deadline and by `timeout` around it
-    start_bg "$json" timeout --signal=TERM "$LAT_BOUND_S" "$LOADGEN_BIN" rate \
-        --url "${URL[$target]}" "${LAT_ARGS[@]}"
-    local lg_pid=$LAST_PID lg_rc=0
-    wait "$lg_pid" || lg_rc=$?
-    forget_pid "$lg_pid"
-    ((lg_rc == 0)) || die "loadgen rate failed ($lg_rc) for $target; see $json"
+    # bounded by the loadgen's own drain deadline and by `timeout` around it
+    run_bg "$json" timeout --signal=TERM "$LAT_BOUND_S" "$LOADGEN_BIN" rate --url "${URL[$target]}" "${LAT_ARGS[@]}" ||
+        die "loadgen rate failed ($?) for $target; see $json"
     jq -e '.mode == "rate" and .latency_ms.n > 0' "$json" >/dev/null ||
         die "loadgen rate for $target measured no response; see $json"
     after=$(origin_requests)
@@ -311,22 +226,12 @@ run_rate() {
     if [[ $hits != - ]] && ((hits != ok)); then
         problems+=("only $hits of $ok answers were ${HIT[$target]}")
     fi
-    if ((${#problems[@]} > 0)); then
-        local msg
-        msg=$(printf '%s; ' "${problems[@]}")
-        LAT_WARNINGS+=("$target rep $rep: ${msg%; }")
-        log "WARNING: $target rep $rep: ${msg%; } (see $json)"
-    fi
+    note_problems LAT_WARNINGS "$target rep $rep" " (see $json)" "${problems[@]}"
     printf '  %-10s %9s req/s  p50 %7.3f  p99 %7.3f  p99.9 %7.3f  max %8.3f ms  (send lag p99 %.3f ms)\n' \
         "$target" "$achieved" "$p50" "$p99" "$p999" "$mx" "$lag" >&2
 }
 
-for ((rep = 1; rep <= REPS; rep++)); do
-    # shellcheck disable=SC2086 # word splitting of LAT_TARGETS is intended
-    for t in $(rotate $((rep - 1)) $LAT_TARGETS); do
-        run_rate "$t" "$rep"
-    done
-done
+each_rep "$LAT_TARGETS" run_rate
 
 curl -s "http://127.0.0.1:$CG_ADMIN_PORT/metrics" >"$OUT/metrics-hit.txt" || true
 CG_HIT_HWM_KB=$(proc_kb "$CG_PID" VmHWM)
@@ -377,8 +282,7 @@ while kill -0 "$WRK_PID" 2>/dev/null; do
     sleep 0.2
 done
 wrk_rc=0
-wait "$WRK_PID" || wrk_rc=$?
-forget_pid "$WRK_PID"
+reap "$WRK_PID" || wrk_rc=$?
 cat "$MEM_WRK.part" >>"$MEM_WRK" && rm -f "$MEM_WRK.part"
 ((wrk_rc == 0)) || die "wrk (distinct keys) exited with $wrk_rc; see $MEM_WRK"
 mem_secs=$((SECONDS - mem_t0))
@@ -400,9 +304,9 @@ MEM_OK=yes
 
 curl -s "http://127.0.0.1:$CGM_ADMIN_PORT/metrics" >"$OUT/metrics-memory.txt" ||
     die "cannot read cacheguard /metrics after the memory run"
-metric() { awk -v m="$1" '$1 == m { printf "%.0f", $2 }' "$OUT/metrics-memory.txt"; }
-L1_BYTES=$(metric cacheguard_l1_bytes)
-L1_ENTRIES=$(metric cacheguard_l1_entries)
+mem_metric() { awk -v m="$1" '$1 == m { printf "%.0f", $2 }' "$OUT/metrics-memory.txt"; }
+L1_BYTES=$(mem_metric cacheguard_l1_bytes)
+L1_ENTRIES=$(mem_metric cacheguard_l1_entries)
 MEM_FINAL_RSS_KB=$(proc_kb "$CGM_PID" VmRSS)
 MEM_PEAK_HWM_KB=$(proc_kb "$CGM_PID" VmHWM)
 MEM_MAX_SAMPLED_RSS_KB=$(awk 'NR > 1 && $2 > m { m = $2 } END { print m + 0 }' "$RSS_FILE")
@@ -411,17 +315,13 @@ wait "$SAMPLER_PID" 2>/dev/null || true
 forget_pid "$SAMPLER_PID"
 MEM_BOUND_KB=$(((MEM_L1_MAX_BYTES + 64 * 1048576) / 1024))
 
-LOAD_END=$(cut -d' ' -f1-3 /proc/loadavg)
-echo "load_end: $LOAD_END" >>"$OUT/env.txt"
-WALL=$((SECONDS - started_at))
+end_env
 
 # --- summary ---------------------------------------------------------------------------
 
 col() { # col SECTION TARGET FIELD_NO: the values of one raw.tsv column
     awk -F'\t' -v s="$1" -v t="$2" -v f="$3" '$1 == s && $2 == t { print $f }' "$RAW"
 }
-mib() { awk -v k="$1" 'BEGIN { printf "%.1f MiB", k / 1024 }'; }
-verdict() { if [[ $1 == 1 ]]; then echo "**met**"; else echo "**MISSED**"; fi; }
 
 # throughput medians and ratios
 declare -A RPS_MED P99_MED P50_MED
@@ -432,7 +332,6 @@ for s in throughput; do
         P99_MED[$s.$t]=$(median $(col "$s" "$t" 6))
     done
 done
-ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b + 0 > 0 && a + 0 > 0) printf "%.2f", a / b; else printf "–" }'; }
 # per-rep paired ratios cacheguard / nginx (same rep)
 paired() { # paired SECTION FIELD OP(ratio|diff) A B
     paste <(col "$1" "$4" "$2") <(col "$1" "$5" "$2") |
@@ -518,11 +417,7 @@ latency_table() { # latency_table TARGET...
     echo
     echo "Each cell is **median (min–max) over $REPS runs**; targets alternate within each rep."
     echo "All processes on 127.0.0.1 on the same $(nproc) cores: wrk, the proxy and the origin compete for CPU."
-    echo "Load average (1/5/15 min) at start: $LOAD_START; at end: $LOAD_END. Wall time: ${WALL} s."
-    echo
-    echo "| item | value |"
-    echo "|---|---|"
-    sed -n 's/^\([a-z_]*\): \(.*\)$/| \1 | \2 |/p' "$OUT/env.txt"
+    env_summary
     echo
     echo "## a. Throughput: \`wrk -t2 -c64 -d$DURATION --timeout $WRK_TIMEOUT --latency\`, one warmed 1 KiB key ($KEY)"
     echo
@@ -552,12 +447,9 @@ latency_table() { # latency_table TARGET...
         echo "- For reference, nginx proxy_cache HIT over the direct static response: p99 $(paired_cell p99_ms nginx static) ms, p50 $(paired_cell p50_ms nginx static) ms; cacheguard over nginx proxy_cache: p99 $(paired_cell p99_ms cacheguard nginx) ms."
     fi
     echo "- loadgen send lag = scheduled → actual send time, part of every latency above (the load generator shares the $(nproc) cores). When its p99 is close to a target's p99, that tail belongs to the machine, not to the target."
-    if ((${#LAT_WARNINGS[@]} > 0)); then
-        echo "- **Runs that were not clean** (errors, non-2xx, unsent or unfinished requests, achieved rate < 98% of $LAT_RATE req/s, or answers that were not cache hits):"
-        printf '  - %s\n' "${LAT_WARNINGS[@]}"
-    else
-        echo "- Every run: no errors, no non-2xx, nothing unsent, achieved rate ≥ 98% of $LAT_RATE req/s, every cache answer a hit."
-    fi
+    problem_items "- Every run: no errors, no non-2xx, nothing unsent, achieved rate ≥ 98% of $LAT_RATE req/s, every cache answer a hit." \
+        "- **Runs that were not clean** (errors, non-2xx, unsent or unfinished requests, achieved rate < 98% of $LAT_RATE req/s, or answers that were not cache hits):" \
+        "${LAT_WARNINGS[@]}"
     echo
     echo "## c. Memory: cacheguard, \`l1_max_bytes = $MEM_L1_MAX_BYTES\` ($(mib $((MEM_L1_MAX_BYTES / 1024)))), $DISTINCT_KEYS distinct keys"
     echo
@@ -589,5 +481,4 @@ latency_table() { # latency_table TARGET...
     echo "Raw data: \`bench/results/$STAMP/\` (wrk outputs, raw.tsv, loadgen JSON per latency run, latency.tsv, rss.tsv, metrics, configs, response headers)."
 } >"$OUT/summary.md"
 
-cat "$OUT/summary.md"
-log "done in ${WALL} s; results in $OUT"
+show_summary

@@ -50,22 +50,14 @@
 
 set -euo pipefail
 
-ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-cd "$ROOT"
 # shellcheck source=bench/lib.sh
-source bench/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
-REPS=${REPS:-3}
-DURATION=${DURATION:-10s}
-DELAY_MS=${DELAY_MS:-50}
-BASE_PORT=${BASE_PORT:-29580}
+bench_defaults REPS=3 DURATION=10s DELAY_MS=50 BASE_PORT=29580 NGINX_WORKERS=2 CG_WORKERS=0 TTL_GRACE=2s \
+    EARLY_REFRESH_BETA=0 EARLY_REFRESH_BETA_X=1.0
+# an empty list skips its section
 TP_TARGETS=${TP_TARGETS-cg cgemb nginx varnish}
 TTL_TARGETS=${TTL_TARGETS-cg2 cg2x nginx varnish}
-NGINX_WORKERS=${NGINX_WORKERS:-2}
-CG_WORKERS=${CG_WORKERS:-0}
-TTL_GRACE=${TTL_GRACE:-2s}
-EARLY_REFRESH_BETA=${EARLY_REFRESH_BETA:-0}
-EARLY_REFRESH_BETA_X=${EARLY_REFRESH_BETA_X:-1.0}
 WRK_TIMEOUT=10s
 MAX_ID=100000
 HOT_PATH=/items/1
@@ -73,50 +65,25 @@ TTL_PATH=/items/2
 TTL_S=1
 MAX_BACKEND_RPS=50 # [hot_keys] max_backend_rps_per_key (the default)
 
-ORIGIN_PORT=$((BASE_PORT + 1))
-NGINX_PORT=$((BASE_PORT + 2))
-VARNISH_PORT=$((BASE_PORT + 3))
-REDIS_PORT=$((BASE_PORT + 4))
-CG_PORT=$((BASE_PORT + 5))
-CG_ADMIN=$((BASE_PORT + 6))
-CGE_PORT=$((BASE_PORT + 7))
-CGE_ADMIN=$((BASE_PORT + 8))
-NGINX_T_PORT=$((BASE_PORT + 9))
-VARNISH_T_PORT=$((BASE_PORT + 10))
-CGA_PORT=$((BASE_PORT + 11))
-CGA_ADMIN=$((BASE_PORT + 12))
-CGB_PORT=$((BASE_PORT + 13))
-CGB_ADMIN=$((BASE_PORT + 14))
-CGC_PORT=$((BASE_PORT + 15))
-CGC_ADMIN=$((BASE_PORT + 16))
-CGD_PORT=$((BASE_PORT + 17))
-CGD_ADMIN=$((BASE_PORT + 18))
+bench_ports ORIGIN_PORT NGINX_PORT VARNISH_PORT REDIS_PORT CG_PORT CG_ADMIN CGE_PORT CGE_ADMIN \
+    NGINX_T_PORT VARNISH_T_PORT CGA_PORT CGA_ADMIN CGB_PORT CGB_ADMIN CGC_PORT CGC_ADMIN CGD_PORT CGD_ADMIN
 
-[[ $REPS =~ ^[1-9][0-9]*$ ]] || die "REPS must be a positive integer (got '$REPS')"
+require_positive REPS NGINX_WORKERS
 [[ $DELAY_MS =~ ^[0-9]+$ ]] || die "DELAY_MS must be a non-negative integer (got '$DELAY_MS')"
+# shellcheck disable=SC2153 # DURATION is set by bench_defaults
 [[ $DURATION =~ ^([1-9][0-9]*)s$ ]] || die "DURATION must be whole seconds, e.g. 10s (got '$DURATION')"
 DURATION_S=${BASH_REMATCH[1]}
-[[ $NGINX_WORKERS =~ ^[1-9][0-9]*$ ]] || die "NGINX_WORKERS must be a positive integer"
 [[ $CG_WORKERS =~ ^[0-9]+$ ]] || die "CG_WORKERS must be a non-negative integer"
 [[ $TTL_GRACE =~ ^[0-9]+s$ ]] || die "TTL_GRACE must be whole seconds, e.g. 2s (got '$TTL_GRACE')"
 [[ $EARLY_REFRESH_BETA =~ ^[0-9]+(\.[0-9]+)?$ ]] || die "EARLY_REFRESH_BETA must be a number ≥ 0"
 [[ $EARLY_REFRESH_BETA_X =~ ^[0-9]+(\.[0-9]+)?$ ]] || die "EARLY_REFRESH_BETA_X must be a number ≥ 0"
-for t in $TP_TARGETS; do
-    case $t in cg | cgemb | nginx | varnish) ;;
-    *) die "unknown TP_TARGETS entry '$t' (known: cg cgemb nginx varnish)" ;;
-    esac
-done
-for t in $TTL_TARGETS; do
-    case $t in cg2 | cg2x | nginx | varnish) ;;
-    *) die "unknown TTL_TARGETS entry '$t' (known: cg2 cg2x nginx varnish)" ;;
-    esac
-done
+check_list TP_TARGETS "TP_TARGETS entry" cg cgemb nginx varnish
+check_list TTL_TARGETS "TTL_TARGETS entry" cg2 cg2x nginx varnish
 [[ -n ${TP_TARGETS// /} || -n ${TTL_TARGETS// /} ]] || die "TP_TARGETS and TTL_TARGETS are both empty: nothing to run"
 # The most origin requests the 1 s-TTL run may see: one per TTL period, plus one for the
 # period the run starts in.
 TTL_LIMIT=$((DURATION_S / TTL_S + 1))
 
-started_at=$SECONDS
 bench_init
 
 # --- preflight -------------------------------------------------------------------------
@@ -124,155 +91,57 @@ bench_init
 ensure_apt_tools nginx:nginx varnishd:varnish redis-server:redis-server redis-cli:redis-tools \
     wrk:wrk curl:curl jq:jq
 require_tools cargo awk sort mktemp id ss timeout
-require_free_ports "$ORIGIN_PORT" "$NGINX_PORT" "$VARNISH_PORT" "$REDIS_PORT" "$CG_PORT" "$CG_ADMIN" \
-    "$CGE_PORT" "$CGE_ADMIN" "$NGINX_T_PORT" "$VARNISH_T_PORT" "$CGA_PORT" "$CGA_ADMIN" "$CGB_PORT" "$CGB_ADMIN" \
-    "$CGC_PORT" "$CGC_ADMIN" "$CGD_PORT" "$CGD_ADMIN"
+require_free_ports "${BENCH_PORTS[@]}"
 
 build_bench_tools
 
 build_cacheguard
 
-STAMP=$(date -u +%Y%m%dT%H%M%SZ)
-OUT=$ROOT/bench/results/hot-key-$STAMP
-mkdir -p "$OUT/runs"
-log "results: $OUT"
+bench_results hot-key- runs
 
 # --- environment -----------------------------------------------------------------------
 
-LOAD_START=$(cut -d' ' -f1-3 /proc/loadavg)
-{
-    env_machine
-    echo "nginx: $(nginx -v 2>&1)"
-    echo "varnishd: $(varnishd -V 2>&1 | head -n1)"
-    echo "redis: $(redis-server --version)"
-    echo "wrk: $(wrk -v 2>&1 | head -n1 | awk '{ print $1, $2, $3 }')"
-    env_build
-    echo "load_start: $LOAD_START"
-    echo "reps: $REPS"
-    echo "duration: $DURATION"
-    echo "origin_delay_ms: $DELAY_MS"
-    echo "nginx_workers: $NGINX_WORKERS"
-    echo "cacheguard_worker_threads: $CG_WORKERS (0 = one per CPU)"
-    echo "ttl_section: route ttl ${TTL_S}s, jitter 0, grace $TTL_GRACE, early_refresh_beta $EARLY_REFRESH_BETA (cg2) / $EARLY_REFRESH_BETA_X (cg2x)"
-} >"$OUT/env.txt"
-cat "$OUT/env.txt" >&2
+write_env nginx varnishd redis wrk <<EOF
+reps: $REPS
+duration: $DURATION
+origin_delay_ms: $DELAY_MS
+nginx_workers: $NGINX_WORKERS
+cacheguard_worker_threads: $CG_WORKERS (0 = one per CPU)
+ttl_section: route ttl ${TTL_S}s, jitter 0, grace $TTL_GRACE, early_refresh_beta $EARLY_REFRESH_BETA (cg2) / $EARLY_REFRESH_BETA_X (cg2x)
+EOF
 
 # --- origin ----------------------------------------------------------------------------
 
 ORIGIN=http://127.0.0.1:$ORIGIN_PORT
-start_bg "$OUT/origin.log" "$ORIGIN_BIN" --port "$ORIGIN_PORT" --delay-ms "$DELAY_MS" \
-    --max-id "$MAX_ID" --threads 2
-ORIGIN_PID=$LAST_PID
-wait_http "$ORIGIN/stats" "$ORIGIN_PID" "bench-origin"
-size=$(curl -s -o /dev/null -w '%{size_download}' "$ORIGIN$HOT_PATH?delay_ms=0")
-[[ $size == 1024 ]] || die "origin body is $size bytes, expected 1024"
-
-origin_reset() { curl -s -X POST --max-time 5 "$ORIGIN/stats/reset" >/dev/null || die "cannot reset origin counters"; }
+start_origin "$OUT/origin.log" bench-origin "$ORIGIN_PORT" --delay-ms "$DELAY_MS" --max-id "$MAX_ID" --threads 2
+check_origin_body "$ORIGIN$HOT_PATH?delay_ms=0" 1024
 
 # --- peers -----------------------------------------------------------------------------
 
-declare -A URL_OF PID_OF ADMIN_OF
-start_nginx hot bench/nginx.conf.tmpl WORKERS="$NGINX_WORKERS" PORT="$NGINX_PORT" \
-    ORIGIN_PORT="$ORIGIN_PORT" TTL=600s
-PID_OF[nginx]=$LAST_PID
-URL_OF[nginx]=http://127.0.0.1:$NGINX_PORT
-wait_http "${URL_OF[nginx]}/nginx-ready" "$LAST_PID" "nginx proxy_cache"
-cp "$BENCH_TMP/nginx-hot/nginx.conf" "$OUT/nginx-hot.conf"
-
-start_varnish hot "$VARNISH_PORT" bench/varnish.vcl.tmpl ORIGIN_PORT="$ORIGIN_PORT" TTL=600s GRACE=10s
-PID_OF[varnish]=$LAST_PID
-URL_OF[varnish]=http://127.0.0.1:$VARNISH_PORT
-wait_http "${URL_OF[varnish]}/varnish-ready" "$LAST_PID" "varnishd"
-cp "$BENCH_TMP/varnish-hot/default.vcl" "$OUT/varnish-hot.vcl"
+start_nginx_cache nginx "$NGINX_PORT" "nginx proxy_cache" "$OUT/nginx-hot.conf" WORKERS="$NGINX_WORKERS" TTL=600s
+start_varnish_cache varnish "$VARNISH_PORT" varnishd "$OUT/varnish-hot.vcl" TTL=600s GRACE=10s
 
 # --- Redis and cacheguard ----------------------------------------------------------------
 
 start_redis shared "$REDIS_PORT"
-REDIS_PID=$LAST_PID
-PID_OF[redis]=$REDIS_PID
+PID_OF[redis]=$LAST_PID
 
-# cacheguard_config PORT ADMIN_PORT SHARED(1|0) KEY_PREFIX ROUTE_TTL [BETA]: [hot_keys] spelled
-# out at the documented defaults. ROUTE_TTL 600s (section a) or the 1 s route of section b
+# start_cacheguard NAME PORT ADMIN_PORT SHARED(1|0) KEY_PREFIX ROUTE_TTL [BETA]: one instance,
+# [hot_keys] spelled out at the documented defaults (worker_threads CG_WORKERS, 0 = one per
+# CPU, as bench/hit_path.sh). ROUTE_TTL 600s (section a) or the 1 s route of section b
 # (jitter 0, grace TTL_GRACE, early_refresh_beta BETA).
-cacheguard_config() {
-    cat <<EOF
-[server]
-listen = "127.0.0.1:$1"
-worker_threads = $CG_WORKERS   # 0 = one per CPU, as bench/hit_path.sh
-
-[upstream]
-url = "http://127.0.0.1:$ORIGIN_PORT"
-EOF
-    if [[ $3 == 1 ]]; then
-        cat <<EOF
-
-[redis]
-url = "redis://127.0.0.1:$REDIS_PORT"
-key_prefix = "$4"
-[journal]
-path = "journal-$1"
-EOF
-    fi
-    cat <<EOF
-
-[admin]
-listen = "127.0.0.1:$2"
-
-[cache]
-ttl = "600s"
-
-[hot_keys]
-threshold_rps = 100
-cool_rps = 50
-window = "250ms"
-l1_ttl = "1s"
-max_backend_rps_per_key = $MAX_BACKEND_RPS
-max_hot_keys = 256
-
-[[routes]]
-name = "item"
-match = "/items/{id}"
-EOF
-    if [[ $5 != 600s ]]; then
-        cat <<EOF
-ttl = "$5"
-jitter = 0.0
-grace = "$TTL_GRACE"
-early_refresh_beta = ${6:-0}
-EOF
-    fi
-}
-
-# start_cacheguard NAME PORT ADMIN_PORT SHARED KEY_PREFIX ROUTE_TTL [BETA]
 start_cacheguard() {
-    local name=$1 conf="$OUT/$1.toml"
-    cacheguard_config "$2" "$3" "$4" "$5" "$6" "${7:-0}" >"$conf"
-    "$CG_BIN" --check-config "$conf" >&2 || die "cacheguard --check-config $conf failed"
-    start_bg "$OUT/$name.log" "$CG_BIN" --config "$conf"
-    PID_OF[$name]=$LAST_PID
-    URL_OF[$name]=http://127.0.0.1:$2
-    ADMIN_OF[$name]=http://127.0.0.1:$3
-    wait_http "http://127.0.0.1:$3/healthz" "$LAST_PID" "cacheguard ($name)"
+    local shared=() route=()
+    [[ $4 == 0 ]] || shared=(redis.url="redis://127.0.0.1:$REDIS_PORT" redis.key_prefix="$5" journal.path="journal-$2")
+    [[ $6 == 600s ]] || route=(route.ttl="$6" route.jitter=0.0 route.grace="$TTL_GRACE" route.early_refresh_beta="${7:-0}")
+    cg_config "$2" "$3" "$ORIGIN_PORT" server.worker_threads="$CG_WORKERS" "${shared[@]}" cache.ttl=600s \
+        hot_keys.threshold_rps=100 hot_keys.cool_rps=50 hot_keys.window=250ms hot_keys.l1_ttl=1s \
+        hot_keys.max_backend_rps_per_key="$MAX_BACKEND_RPS" hot_keys.max_hot_keys=256 "${route[@]}" >"$OUT/$1.toml"
+    launch_cacheguard "$1" "$OUT/$1.toml" "$2" "$3" "$OUT/$1.log"
 }
 
-# metric FILE NAME[{labels}]: the value of one sample in a /metrics dump (0 when absent).
-metric() { awk -v m="$2" '$1 == m { v = $2 } END { printf "%.0f", v + 0 }' "$1"; }
-# mdelta BEFORE AFTER NAME: the change of one sample between two /metrics dumps.
-mdelta() { echo $(($(metric "$2" "$3") - $(metric "$1" "$3"))); }
-
-# wait_bus NAME: wait (≤ 10 s) until a shared instance's event bus is subscribed.
-wait_bus() {
-    local deadline=$((SECONDS + 10)) f=$OUT/metrics-$1-start.txt
-    while :; do
-        curl -s --max-time 2 "${ADMIN_OF[$1]}/metrics" >"$f" || true
-        [[ $(metric "$f" cacheguard_event_bus_subscribed) == 1 ]] && return 0
-        if ((SECONDS >= deadline)); then
-            log "WARNING: $1: cacheguard_event_bus_subscribed is not 1 after 10 s (see $f)"
-            return 0
-        fi
-        sleep 0.2
-    done
-}
+# bus_ready NAME: wait_bus for one shared instance (its /metrics into metrics-NAME-start.txt).
+bus_ready() { wait_bus "$1" "${ADMIN_OF[$1]}" "$OUT/metrics-$1-start.txt"; }
 
 # redis_info FILE: INFO stats + commandstats of the shared Redis.
 redis_info() { redis-cli -h 127.0.0.1 -p "$REDIS_PORT" INFO all >"$1" 2>/dev/null || true; }
@@ -282,32 +151,6 @@ redis_calls() {
 }
 redis_total() { tr -d '\r' <"$1" | awk -F: '$1 == "total_commands_processed" { print $2 + 0 }'; }
 
-# rotate N WORD...: WORD list rotated left by N (so each rep starts with another target).
-rotate() {
-    local n=$1
-    shift
-    local a=("$@")
-    local k=${#a[@]} i
-    for ((i = 0; i < k; i++)); do printf '%s ' "${a[(i + n) % k]}"; done
-}
-
-# run_wrk_bg OUTFILE URL WRK_ARGS...: wrk in the background (start_bg), header line first.
-# Sets LAST_PID.
-run_wrk_bg() {
-    local file=$1 url=$2
-    shift 2
-    echo "# wrk $* $url" >"$file"
-    start_bg "$file.part" wrk "$@" "$url"
-}
-# finish_wrk OUTFILE PID: wait for one wrk, append its output, fail on a non-zero exit.
-finish_wrk() {
-    local file=$1 pid=$2 rc=0
-    wait "$pid" || rc=$?
-    forget_pid "$pid"
-    cat "$file.part" >>"$file" && rm -f "$file.part"
-    ((rc == 0)) || die "wrk failed ($rc); see $file"
-}
-
 # pre_burst TAG URL...: the same unmeasured 1 s burst before every run (all URLs at once).
 pre_burst() {
     local tag=$1 url pids=() files=() i=0
@@ -316,11 +159,11 @@ pre_burst() {
     ((c >= 1)) || c=1
     for url in "$@"; do
         files+=("$OUT/runs/$tag-preburst-$i.txt")
-        run_wrk_bg "${files[-1]}" "$url" -t1 -c"$c" -d1s --timeout "$WRK_TIMEOUT"
+        wrk_start "${files[-1]}" -t1 -c"$c" -d1s --timeout "$WRK_TIMEOUT" "$url"
         pids+=("$LAST_PID")
         i=$((i + 1))
     done
-    for i in "${!pids[@]}"; do finish_wrk "${files[$i]}" "${pids[$i]}"; done
+    for i in "${!pids[@]}"; do wrk_finish "${files[$i]}" "${pids[$i]}"; done
 }
 
 # hot_check NAME PATH OUTFILE: wait (≤ 3 s) until NAME's /admin/hotkeys lists PATH (or, while
@@ -347,7 +190,7 @@ hot_check() {
 
 start_cacheguard cg "$CG_PORT" "$CG_ADMIN" 1 "cghk:" 600s
 start_cacheguard cgemb "$CGE_PORT" "$CGE_ADMIN" 0 "-" 600s
-wait_bus cg
+bus_ready cg
 
 declare -A LABEL=(
     [cg]="cacheguard shared (Redis), hot key HIT-L1"
@@ -365,9 +208,7 @@ warm "${URL_OF[varnish]}$HOT_PATH" HIT
 warm "${URL_OF[cg]}$HOT_PATH" HIT-L1 HIT-L2
 warm "${URL_OF[cgemb]}$HOT_PATH" HIT-L1
 for t in cg cgemb nginx varnish; do
-    curl -s -o /dev/null -D "$OUT/headers-warm-$t.txt" "${URL_OF[$t]}$HOT_PATH"
-    size=$(curl -s -o /dev/null -w '%{size_download}' "${URL_OF[$t]}$HOT_PATH")
-    [[ $size == 1024 ]] || die "$t answered $size body bytes, expected 1024"
+    check_answer "$t" "${URL_OF[$t]}$HOT_PATH" "$OUT/headers-warm-$t.txt" 1024
 done
 
 TP_RAW=$OUT/throughput.tsv
@@ -380,34 +221,32 @@ run_tp() {
     local file="$OUT/runs/$tag.txt" is_cg=0 hot="-" xb xa
     [[ $t == cg* ]] && is_cg=1
     local log_before=0
-    ((is_cg)) && log_before=$(wc -l <"$OUT/$t.log")
+    ((is_cg)) && log_before=$(log_lines "$OUT/$t.log")
     pre_burst "$tag" "$url"
     if ((is_cg)); then
         hot=$(hot_check "$t" "$HOT_PATH" "$OUT/runs/$tag-hotkeys-before.json")
         [[ $hot != no ]] || log "WARNING: $tag: $HOT_PATH not listed by /admin/hotkeys after the pre-burst"
-        curl -s --max-time 2 "${ADMIN_OF[$t]}/metrics" >"$OUT/runs/$tag-metrics-before.txt" || true
+        save_metrics "${ADMIN_OF[$t]}" "$OUT/runs/$tag-metrics-before.txt"
     fi
     xb=$(x_cache "$url")
     [[ $t == cg ]] && redis_info "$OUT/runs/$tag-redis-before.txt"
     origin_reset
     log "throughput rep $rep/$REPS: $t (hot=$hot, X-Cache $xb): wrk -t2 -c64 -d$DURATION $url"
-    run_wrk_bg "$file" "$url" -t2 -c64 -d"$DURATION" --timeout "$WRK_TIMEOUT" --latency
-    finish_wrk "$file" "$LAST_PID"
+    wrk_once "$file" "" -t2 -c64 -d"$DURATION" --timeout "$WRK_TIMEOUT" --latency "$url"
     [[ $t == cg ]] && redis_info "$OUT/runs/$tag-redis-after.txt"
-    curl -s --max-time 5 "$ORIGIN/stats" >"$OUT/runs/$tag-origin.json" || die "cannot read origin stats"
+    save_origin_stats "$OUT/runs/$tag-origin.json"
     local origin
     origin=$(jq '.total' "$OUT/runs/$tag-origin.json")
     xa=$(x_cache "$url")
     local h_l1="-" h_be="-" h_lim="-" r_cmds="-" r_get="-" warn="-" srv="-"
     if ((is_cg)); then
         local mb="$OUT/runs/$tag-metrics-before.txt" ma="$OUT/runs/$tag-metrics-after.txt"
-        curl -s --max-time 2 "${ADMIN_OF[$t]}/metrics" >"$ma" || true
+        save_metrics "${ADMIN_OF[$t]}" "$ma"
         curl -s --max-time 2 "${ADMIN_OF[$t]}/admin/hotkeys" >"$OUT/runs/$tag-hotkeys-after.json" || true
         h_l1=$(mdelta "$mb" "$ma" 'cacheguard_hot_key_requests_total{tier="l1"}')
         h_be=$(mdelta "$mb" "$ma" 'cacheguard_hot_key_requests_total{tier="backend"}')
         h_lim=$(mdelta "$mb" "$ma" 'cacheguard_hot_key_limited_total{route="item"}')
-        tail -n +"$((log_before + 1))" "$OUT/$t.log" >"$OUT/runs/$tag.log"
-        warn=$(grep -c -E 'WARN|ERROR' "$OUT/runs/$tag.log" || true)
+        warn=$(log_since "$OUT/$t.log" "$log_before" "$OUT/runs/$tag.log")
         local le1 cnt
         le1=$(mdelta "$mb" "$ma" 'cacheguard_request_duration_seconds_bucket{route="item",le="0.001"}')
         cnt=$(mdelta "$mb" "$ma" 'cacheguard_request_duration_seconds_count{route="item"}')
@@ -429,29 +268,17 @@ run_tp() {
     ((origin == 0)) || problems+=("$origin origin requests")
     [[ " ${EXPECT[$t]} " == *" $xa "* ]] || problems+=("X-Cache '$xa' after the run")
     [[ $hot != no ]] || problems+=("not listed hot before the run")
-    if ((${#problems[@]} > 0)); then
-        local msg
-        msg=$(printf '%s; ' "${problems[@]}")
-        TP_WARNINGS+=("$t rep $rep: ${msg%; }")
-        log "WARNING: $t rep $rep: ${msg%; }"
-    fi
+    note_problems TP_WARNINGS "$t rep $rep" "" "${problems[@]}"
     printf '  %-8s %12s req/s  p50 %7.3f ms  p99 %7.3f ms  origin %s  hot l1/backend/limited %s/%s/%s  redis cmds %s (GET %s)\n' \
         "$t" "$rps" "$p50" "$p99" "$origin" "$h_l1" "$h_be" "$h_lim" "$r_cmds" "$r_get" >&2
 }
 
-for ((rep = 1; rep <= REPS; rep++)); do
-    # shellcheck disable=SC2086 # word splitting of TP_TARGETS is intended
-    for t in $(rotate $((rep - 1)) $TP_TARGETS); do
-        run_tp "$t" "$rep"
-    done
-done
+each_rep "$TP_TARGETS" run_tp
 
 for t in cg cgemb; do
-    curl -s --max-time 2 "${ADMIN_OF[$t]}/metrics" >"$OUT/metrics-$t-end.txt" || true
+    save_metrics "${ADMIN_OF[$t]}" "$OUT/metrics-$t-end.txt"
 done
-for t in cg cgemb nginx varnish; do
-    echo "$t: VmHWM $(proc_kb "${PID_OF[$t]}" VmHWM) kB (main process)"
-done >"$OUT/memory-throughput.txt"
+vmhwm_lines cg cgemb nginx varnish >"$OUT/memory-throughput.txt"
 
 # free the CPU and the memory for section b
 for t in cg cgemb nginx varnish; do stop_pid "${PID_OF[$t]}"; done
@@ -460,25 +287,16 @@ for t in cg cgemb nginx varnish; do stop_pid "${PID_OF[$t]}"; done
 # b. sustained hot key, TTL 1 s: origin requests over the run
 # =======================================================================================
 
-start_nginx ttl bench/nginx.conf.tmpl WORKERS="$NGINX_WORKERS" PORT="$NGINX_T_PORT" \
-    ORIGIN_PORT="$ORIGIN_PORT" TTL="${TTL_S}s"
-PID_OF[nginxT]=$LAST_PID
-URL_OF[nginxT]=http://127.0.0.1:$NGINX_T_PORT
-wait_http "${URL_OF[nginxT]}/nginx-ready" "$LAST_PID" "nginx proxy_cache (ttl ${TTL_S}s)"
-cp "$BENCH_TMP/nginx-ttl/nginx.conf" "$OUT/nginx-ttl.conf"
-
-start_varnish ttl "$VARNISH_T_PORT" bench/varnish.vcl.tmpl ORIGIN_PORT="$ORIGIN_PORT" \
+start_nginx_cache nginxT "$NGINX_T_PORT" "nginx proxy_cache (ttl ${TTL_S}s)" "$OUT/nginx-ttl.conf" \
+    WORKERS="$NGINX_WORKERS" TTL="${TTL_S}s"
+start_varnish_cache varnishT "$VARNISH_T_PORT" "varnishd (ttl ${TTL_S}s)" "$OUT/varnish-ttl.vcl" \
     TTL="${TTL_S}s" GRACE="$TTL_GRACE"
-PID_OF[varnishT]=$LAST_PID
-URL_OF[varnishT]=http://127.0.0.1:$VARNISH_T_PORT
-wait_http "${URL_OF[varnishT]}/varnish-ready" "$LAST_PID" "varnishd (ttl ${TTL_S}s)"
-cp "$BENCH_TMP/varnish-ttl/default.vcl" "$OUT/varnish-ttl.vcl"
 
 start_cacheguard cgA "$CGA_PORT" "$CGA_ADMIN" 1 "cghk-ttl:" "${TTL_S}s" "$EARLY_REFRESH_BETA"
 start_cacheguard cgB "$CGB_PORT" "$CGB_ADMIN" 1 "cghk-ttl:" "${TTL_S}s" "$EARLY_REFRESH_BETA"
 start_cacheguard cgC "$CGC_PORT" "$CGC_ADMIN" 1 "cghk-ttlx:" "${TTL_S}s" "$EARLY_REFRESH_BETA_X"
 start_cacheguard cgD "$CGD_PORT" "$CGD_ADMIN" 1 "cghk-ttlx:" "${TTL_S}s" "$EARLY_REFRESH_BETA_X"
-for inst in cgA cgB cgC cgD; do wait_bus "$inst"; done
+for inst in cgA cgB cgC cgD; do bus_ready "$inst"; done
 
 declare -A TLABEL=(
     [cg2]="cacheguard shared (Redis), 2 instances, early_refresh_beta $EARLY_REFRESH_BETA"
@@ -509,14 +327,14 @@ run_ttl() {
     [[ $t == cg* ]] && is_cg=1
     declare -A log_before=()
     if ((is_cg)); then
-        for inst in "${insts[@]}"; do log_before[$inst]=$(wc -l <"$OUT/$inst.log"); done
+        for inst in "${insts[@]}"; do log_before[$inst]=$(log_lines "$OUT/$inst.log"); done
     fi
     pre_burst "$tag" "${urls[@]}"
     if ((is_cg)); then
         local hs=()
         for inst in "${insts[@]}"; do
             hs+=("$inst=$(hot_check "$inst" "$TTL_PATH" "$OUT/runs/$tag-hotkeys-$inst-before.json")")
-            curl -s --max-time 2 "${ADMIN_OF[$inst]}/metrics" >"$OUT/runs/$tag-metrics-$inst-before.txt" || true
+            save_metrics "${ADMIN_OF[$inst]}" "$OUT/runs/$tag-metrics-$inst-before.txt"
         done
         hot=$(
             IFS=,
@@ -532,15 +350,15 @@ run_ttl() {
     log "ttl rep $rep/$REPS: $t ($TTL_PATH, hot=$hot): ${n}× wrk -t$threads -c$conns -d$DURATION ${urls[*]}"
     for i in "${!urls[@]}"; do
         files+=("$OUT/runs/$tag-wrk-${insts[$i]}.txt")
-        run_wrk_bg "${files[$i]}" "${urls[$i]}" -t"$threads" -c"$conns" -d"$DURATION" --timeout "$WRK_TIMEOUT" --latency
+        wrk_start "${files[$i]}" -t"$threads" -c"$conns" -d"$DURATION" --timeout "$WRK_TIMEOUT" --latency "${urls[$i]}"
         pids+=("$LAST_PID")
     done
-    for i in "${!pids[@]}"; do finish_wrk "${files[$i]}" "${pids[$i]}"; done
+    for i in "${!pids[@]}"; do wrk_finish "${files[$i]}" "${pids[$i]}"; done
     sleep 0.3 # a refresh still on its way to the origin
-    curl -s --max-time 5 "$ORIGIN/stats" >"$OUT/runs/$tag-origin.json" || die "cannot read origin stats"
+    save_origin_stats "$OUT/runs/$tag-origin.json"
     curl -s --max-time 5 "$ORIGIN/stats/timeline" >"$OUT/runs/$tag-timeline.json" || die "cannot read origin timeline"
     local o_key o_total o_max win gaps
-    o_key=$(jq --arg p "$TTL_PATH" '.paths[$p] // 0' "$OUT/runs/$tag-origin.json")
+    o_key=$(origin_path_count "$OUT/runs/$tag-origin.json" "$TTL_PATH")
     o_total=$(jq '.total' "$OUT/runs/$tag-origin.json")
     o_max=$(jq '.max_in_flight' "$OUT/runs/$tag-origin.json")
     # the most origin requests in any 1 s window (10 consecutive 100 ms buckets), and the
@@ -553,10 +371,10 @@ run_ttl() {
         "$OUT/runs/$tag-timeline.json")
     [[ -n $gaps ]] || gaps="-"
     # wrk: summed req/s, worst p99 and max, summed errors
-    local rps=0 p99=0 mx=0 errs=0 non2xx=0 f parsed r a b m e nx
+    local rps=0 p99=0 mx=0 errs=0 non2xx=0 f parsed r b m e nx
     for f in "${files[@]}"; do
         parsed=$(wrk_parse "$f") || die "cannot parse wrk output $f"
-        read -r r a b m _ e nx <<<"$parsed"
+        read -r r _ b m _ e nx <<<"$parsed"
         rps=$(awk -v x="$rps" -v y="$r" 'BEGIN { printf "%.2f", x + y }')
         p99=$(awk -v x="$p99" -v y="$b" 'BEGIN { printf "%.3f", (y > x) ? y : x }')
         mx=$(awk -v x="$mx" -v y="$m" 'BEGIN { printf "%.3f", (y > x) ? y : x }')
@@ -569,10 +387,9 @@ run_ttl() {
         for inst in "${insts[@]}"; do
             mb=$OUT/runs/$tag-metrics-$inst-before.txt
             ma=$OUT/runs/$tag-metrics-$inst-after.txt
-            curl -s --max-time 2 "${ADMIN_OF[$inst]}/metrics" >"$ma" || true
+            save_metrics "${ADMIN_OF[$inst]}" "$ma"
             oi+=("$inst=$(mdelta "$mb" "$ma" 'cacheguard_origin_requests_total{route="item",status="2xx"}')")
-            tail -n +"$((log_before[$inst] + 1))" "$OUT/$inst.log" >"$OUT/runs/$tag-$inst.log"
-            w=$((w + $(grep -c -E 'WARN|ERROR' "$OUT/runs/$tag-$inst.log" || true)))
+            w=$((w + $(log_since "$OUT/$inst.log" "${log_before[$inst]}" "$OUT/runs/$tag-$inst.log")))
         done
         for o in hit_l1 hit_l2 stale miss error; do
             sum=0
@@ -599,31 +416,19 @@ run_ttl() {
     ((errs == 0)) || problems+=("$errs socket errors")
     ((non2xx == 0)) || problems+=("$non2xx non-2xx")
     [[ $hot != *=no* ]] || problems+=("not hot on every instance before the run ($hot)")
-    if ((${#problems[@]} > 0)); then
-        local msg
-        msg=$(printf '%s; ' "${problems[@]}")
-        TTL_WARNINGS+=("$t rep $rep: ${msg%; }")
-        log "WARNING: $t rep $rep: ${msg%; }"
-    fi
+    note_problems TTL_WARNINGS "$t rep $rep" "" "${problems[@]}"
     printf '  %-8s origin %3s (max %s in any 1 s, in flight ≤ %s)  %12s req/s  p99 %7.3f ms  max %8.3f ms  %s %s\n' \
         "$t" "$o_key" "$win" "$o_max" "$rps" "$p99" "$mx" "$outcomes" "$by_inst" >&2
 }
 
-for ((rep = 1; rep <= REPS; rep++)); do
-    # shellcheck disable=SC2086 # word splitting of TTL_TARGETS is intended
-    for t in $(rotate $((rep - 1)) $TTL_TARGETS); do
-        run_ttl "$t" "$rep"
-    done
-done
+each_rep "$TTL_TARGETS" run_ttl
 
 for inst in cgA cgB cgC cgD; do
-    curl -s --max-time 2 "${ADMIN_OF[$inst]}/metrics" >"$OUT/metrics-$inst-end.txt" || true
+    save_metrics "${ADMIN_OF[$inst]}" "$OUT/metrics-$inst-end.txt"
 done
 redis_info "$OUT/redis-end.txt"
 
-LOAD_END=$(cut -d' ' -f1-3 /proc/loadavg)
-echo "load_end: $LOAD_END" >>"$OUT/env.txt"
-WALL=$((SECONDS - started_at))
+end_env
 
 # =======================================================================================
 # summary
@@ -637,8 +442,6 @@ bcol() { # bcol TARGET FIELD_NO: one ttl.tsv column, in rep order
 }
 has_tp() { [[ " $TP_TARGETS " == *" $1 "* ]]; }
 has_ttl() { [[ " $TTL_TARGETS " == *" $1 "* ]]; }
-ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b + 0 > 0 && a + 0 > 0) printf "%.2f", a / b; else printf "–" }'; }
-verdict() { if [[ $1 == 1 ]]; then echo "**met**"; else echo "**MISSED**"; fi; }
 # paired A B: per-rep req/s ratios A/B as "min–max"
 paired() {
     local r
@@ -666,7 +469,7 @@ tp_table() {
             "$(if has_tp varnish; then ratio "${RPS_MED[$t]}" "${RPS_MED[varnish]}"; else echo –; fi)" \
             "$(tcol "$t" 10 | paste -sd/)" \
             "$(paste -d' ' <(tcol "$t" 11) <(tcol "$t" 12) | awk '{ printf "%s%s→%s", (NR > 1 ? ", " : ""), $1, $2 }')" \
-            "$(tcol "$t" 8 | awk '{ s += $1 } END { print s + 0 }') / $(tcol "$t" 9 | awk '{ s += $1 } END { print s + 0 }')"
+            "$(tcol "$t" 8 | sum_lines) / $(tcol "$t" 9 | sum_lines)"
     done
 }
 
@@ -698,7 +501,7 @@ ttl_table() {
             "$(gap_cell "$t")" \
             "$(cell int $(bcol "$t" 8))" "$(cell ms $(bcol "$t" 9))" \
             "$(LC_ALL=C printf '%.2f' "$(stats $(bcol "$t" 10) | awk '{ print $3 }')")" \
-            "$(bcol "$t" 11 | awk '{ s += $1 } END { print s + 0 }') / $(bcol "$t" 12 | awk '{ s += $1 } END { print s + 0 }')"
+            "$(bcol "$t" 11 | sum_lines) / $(bcol "$t" 12 | sum_lines)"
     done
 }
 
@@ -722,11 +525,7 @@ has_ttl cg2 && T_TTL=$(ttl_ok cg2)
     echo
     echo "Each cell is **median (min–max) over $REPS runs** unless it says otherwise; targets rotate within each rep."
     echo "All processes on 127.0.0.1 on the same $(nproc) cores: wrk, the proxies, Redis and the origin compete for CPU."
-    echo "Load average (1/5/15 min) at start: $LOAD_START; at end: $LOAD_END. Wall time: ${WALL} s."
-    echo
-    echo "| item | value |"
-    echo "|---|---|"
-    sed -n 's/^\([a-z_]*\): \(.*\)$/| \1 | \2 |/p' "$OUT/env.txt"
+    env_summary
     echo
     if [[ -n ${TP_TARGETS// /} ]]; then
         echo "## a. Hot-key throughput: \`wrk -t2 -c64 -d$DURATION --timeout $WRK_TIMEOUT --latency\`, one hot 1 KiB key ($HOT_PATH)"
@@ -755,12 +554,7 @@ has_ttl cg2 && T_TTL=$(ttl_ok cg2)
         fi
         echo "- origin requests = bench-origin's counter over the run (reset just before it); 0 means every answer came from the cache."
         echo "- 1-min load average after each run (rep order): $(for t in $TP_TARGETS; do echo "$t $(tcol "$t" 21 | paste -sd/)"; done | paste -sd';' | sed 's/;/; /g'). wrk (2 threads) and the proxy's workers alone keep about 4 threads runnable; much more means other work was competing for the 2 cores."
-        if ((${#TP_WARNINGS[@]} > 0)); then
-            echo "- **Runs that were not clean:**"
-            printf '  - %s\n' "${TP_WARNINGS[@]}"
-        else
-            echo "- Every run: no socket errors, no non-2xx, 0 origin requests, the expected X-Cache after the run, and (cacheguard) the key listed hot before it."
-        fi
+        problem_items "- Every run: no socket errors, no non-2xx, 0 origin requests, the expected X-Cache after the run, and (cacheguard) the key listed hot before it." "" "${TP_WARNINGS[@]}"
         echo
     fi
     if [[ -n ${TTL_TARGETS// /} ]]; then
@@ -781,12 +575,7 @@ has_ttl cg2 && T_TTL=$(ttl_ok cg2)
         echo "- A refresh still in flight when wrk stops is counted (the count is read 0.3 s after the run)."
         echo "- A refresh interval just under 1 s (early refresh) puts 2 requests in one 1 s window at this bucket resolution; the gaps column tells a short interval from a duplicate (gap 0–100 ms)."
         echo "- 1-min load average after each run (rep order): $(for t in $TTL_TARGETS; do echo "$t $(bcol "$t" 17 | paste -sd/)"; done | paste -sd';' | sed 's/;/; /g')."
-        if ((${#TTL_WARNINGS[@]} > 0)); then
-            echo "- **Runs that were not clean:**"
-            printf '  - %s\n' "${TTL_WARNINGS[@]}"
-        else
-            echo "- Every run: no socket errors and no non-2xx."
-        fi
+        problem_items "- Every run: no socket errors and no non-2xx." "" "${TTL_WARNINGS[@]}"
         echo
     fi
     echo "## Hot-key benchmark targets"
@@ -801,5 +590,4 @@ has_ttl cg2 && T_TTL=$(ttl_ok cg2)
     echo "Raw data: \`bench/results/hot-key-$STAMP/\` (throughput.tsv, ttl.tsv, runs/: wrk outputs, origin stats and timelines, /admin/hotkeys, /metrics and Redis INFO around each run; configs, logs)."
 } >"$OUT/summary.md"
 
-cat "$OUT/summary.md"
-log "done in ${WALL} s; results in $OUT"
+show_summary

@@ -1,10 +1,18 @@
 # shellcheck shell=bash
-# Helpers for the bench/ scripts: tool checks, ports, process bookkeeping (every process we
-# start is recorded by PID and stopped on EXIT), template rendering, wrk output parsing and
-# small statistics. Source it; it does not run anything by itself.
+# Helpers for the bench/ scripts: settings, tool checks, ports, process bookkeeping (every
+# process we start is recorded by PID and stopped on EXIT), the origin, peers and cacheguard
+# instances, template and config rendering, wrk and loadgen runs, /metrics reading, env.txt
+# and summary.md pieces and small statistics. Source it; it only sets ROOT (the repository)
+# and defines things: bench_init starts the run.
 
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 BENCH_PIDS=()          # every background process started through start_bg / our own loops
 BENCH_TMP=""           # scratch dir (nginx prefixes, configs); removed on exit
+BENCH_PORTS=()         # every port bench_ports assigned, in order
+FD_LIMIT=""            # set by raise_fd_limit
+# per instance name: base URL, PID, admin base URL, log file, log length before a run
+declare -A URL_OF PID_OF ADMIN_OF LOG_OF LOG_MARK
+LOCK_OUTCOMES="acquired contended renewed lost takeover wait_timeout"
 
 log() { printf '[%s] %s\n' "$(date -u +%H:%M:%S)" "$*" >&2; }
 die() {
@@ -39,7 +47,11 @@ bench_cleanup() {
     exit "$rc"
 }
 
+# bench_init: start the run: change to ROOT, note the start time (STARTED_AT, for end_env), make
+# the scratch dir and stop everything we start on exit.
 bench_init() {
+    cd "$ROOT" || die "cannot change to $ROOT"
+    STARTED_AT=$SECONDS
     BENCH_TMP=$(mktemp -d /tmp/cacheguard-bench.XXXXXX)
     trap bench_cleanup EXIT
     trap 'exit 130' INT
@@ -74,6 +86,66 @@ stop_pid() {
     fi
     wait "$pid" 2>/dev/null || true
     forget_pid "$pid"
+}
+
+# reap PID: wait for one process started with start_bg and forget it; returns its exit status.
+reap() {
+    local rc=0
+    wait "$1" || rc=$?
+    forget_pid "$1"
+    return "$rc"
+}
+
+# run_bg LOGFILE CMD...: start_bg, then reap it. In the background + wait, so a signal reaches
+# the EXIT trap at once (and CMD is stopped). Returns CMD's exit status.
+run_bg() {
+    start_bg "$@"
+    reap "$LAST_PID"
+}
+
+# --- settings --------------------------------------------------------------------------
+
+# bench_defaults NAME=DEFAULT...: the settings of a script: each NAME keeps its value from the
+# environment, or is set to DEFAULT when it is unset or empty (as NAME=${NAME:-DEFAULT}).
+bench_defaults() {
+    local spec name
+    for spec in "$@"; do
+        name=${spec%%=*}
+        [[ -n ${!name:-} ]] || printf -v "$name" '%s' "${spec#*=}"
+    done
+}
+
+# require_positive NAME...: die unless each NAME holds a positive integer.
+require_positive() {
+    local v
+    for v in "$@"; do
+        [[ ${!v} =~ ^[1-9][0-9]*$ ]] || die "$v must be a positive integer (got '${!v}')"
+    done
+}
+
+# require_positive_list NAME: die unless every word of NAME is a positive integer.
+require_positive_list() {
+    local w
+    for w in ${!1}; do
+        [[ $w =~ ^[1-9][0-9]*$ ]] || die "$1 must be positive integers (got '$w')"
+    done
+}
+
+# check_list NAME WHAT KNOWN...: die unless every word of NAME is one of KNOWN
+# ("unknown WHAT 'word' (known: KNOWN...)").
+check_list() {
+    local name=$1 what=$2 w
+    shift 2
+    for w in ${!name}; do
+        [[ " $* " == *" $w "* ]] || die "unknown $what '$w' (known: $*)"
+    done
+}
+
+# max_of N...: the largest N (0 for none).
+max_of() {
+    local m=0 n
+    for n in "$@"; do ((n > m)) && m=$n; done
+    echo "$m"
 }
 
 # --- tools and ports -------------------------------------------------------------------
@@ -113,6 +185,19 @@ port_in_use() {
     fi
 }
 
+# bench_ports NAME...: NAME=$((BASE_PORT + i)) for the i-th NAME (i = 1, 2, ...), each added to
+# BENCH_PORTS; a NAME of "-" leaves that offset unused.
+bench_ports() {
+    local i=0 name
+    for name in "$@"; do
+        i=$((i + 1))
+        [[ $name == - ]] && continue
+        printf -v "$name" '%s' $((BASE_PORT + i))
+        BENCH_PORTS+=("${!name}")
+    done
+}
+
+# require_free_ports PORT...: die when one of them is in use.
 require_free_ports() {
     local p
     for p in "$@"; do
@@ -147,6 +232,21 @@ raise_fd_limit() {
     FD_LIMIT=$(ulimit -n)
 }
 
+# require_fd_limit MIN WHAT: raise_fd_limit, then die unless the limit is unlimited or at least
+# MIN ("open-file limit L is too low for WHAT").
+require_fd_limit() {
+    raise_fd_limit
+    [[ $FD_LIMIT == unlimited ]] || ((FD_LIMIT >= $1)) || die "open-file limit $FD_LIMIT is too low for $2"
+}
+
+# require_fds_for_concurrency C...: require_fd_limit for C keep-alive connections in the loadgen
+# and as many in the proxies (plus their upstream sockets), at the largest C.
+require_fds_for_concurrency() {
+    local c
+    c=$(max_of "$@")
+    require_fd_limit $((2 * c + 512)) "C=$c (need at least $((2 * c + 512)))"
+}
+
 # build_bench_tools: release build of bench/tools into TOOLS_TARGET (default
 # bench/results/tools-target). Sets ORIGIN_BIN and LOADGEN_BIN.
 # shellcheck disable=SC2034 # the variables it sets are for the calling script
@@ -173,7 +273,7 @@ build_cacheguard() {
     [[ -x $CG_BIN ]] || die "cacheguard binary not found at $CG_BIN"
 }
 
-# --- templates -------------------------------------------------------------------------
+# --- templates and configs ---------------------------------------------------------------
 
 # render_template TEMPLATE OUT KEY=VALUE...: replace @KEY@ with VALUE (no sed escaping games:
 # done in awk with plain string search, so VALUE may hold / & and quotes).
@@ -216,6 +316,94 @@ static_body() {
     printf '%s%s%s' "$head" "$(head -c "$pad" /dev/zero | tr '\0' 'x')" "$tail"
 }
 
+# toml_kv KEY VALUE: one `KEY = VALUE` line; VALUE is quoted unless it is a number, a boolean,
+# an array or an inline table.
+toml_kv() {
+    if [[ $2 =~ ^-?[0-9]+(\.[0-9]+)?$|^(true|false)$|^[[{] ]]; then
+        printf '%s = %s\n' "$1" "$2"
+    else
+        printf '%s = "%s"\n' "$1" "$2"
+    fi
+}
+
+# cg_config PORT ADMIN_PORT ORIGIN_PORT [SECTION.KEY=VALUE...]: a cacheguard config on stdout:
+# [server] listen 127.0.0.1:PORT, [upstream] url the origin on 127.0.0.1:ORIGIN_PORT, [admin]
+# listen 127.0.0.1:ADMIN_PORT and one route "item" on /items/{id}, plus a `KEY = VALUE` line
+# (toml_kv) per argument in its SECTION: server, upstream, redis, journal, admin, cache,
+# hot_keys, lock, bloom ([[bloom]]) or route (the route's own settings). Sections come in that
+# order; those without a setting are left out.
+cg_config() {
+    local port=$1 admin=$2 upstream_port=$3 section spec lines
+    shift 3
+    for section in server upstream redis journal admin cache hot_keys lock bloom route; do
+        case $section in
+        server) lines=$(toml_kv listen "127.0.0.1:$port") ;;
+        upstream) lines=$(toml_kv url "http://127.0.0.1:$upstream_port") ;;
+        admin) lines=$(toml_kv listen "127.0.0.1:$admin") ;;
+        route) lines=$(toml_kv name item && toml_kv match "/items/{id}") ;;
+        *) lines="" ;;
+        esac
+        for spec in "$@"; do
+            [[ ${spec%%.*} == "$section" ]] || continue
+            spec=${spec#*.}
+            lines+=${lines:+$'\n'}$(toml_kv "${spec%%=*}" "${spec#*=}")
+        done
+        [[ -n $lines ]] || continue
+        case $section in
+        bloom) echo "[[bloom]]" ;;
+        route) echo "[[routes]]" ;;
+        *) echo "[$section]" ;;
+        esac
+        printf '%s\n' "$lines"
+    done
+}
+
+# lock_config PORT ADMIN_PORT ORIGIN_PORT [SECTION.KEY=VALUE...]: cg_config with the settings of
+# the lock benchmarks (bench/stampede.sh, bench/bus_gap.sh, bench/scale_out.sh): upstream
+# max_concurrency 1024 and queue_timeout 5s, ttl 600s, lock lease and wait_timeout 5s.
+lock_config() {
+    local port=$1 admin=$2 upstream_port=$3
+    shift 3
+    cg_config "$port" "$admin" "$upstream_port" upstream.max_concurrency=1024 upstream.queue_timeout=5s \
+        cache.ttl=600s lock.lease=5s lock.wait_timeout=5s "$@"
+}
+
+# --- origin, peers, Redis and cacheguard -------------------------------------------------
+
+# start_origin LOGFILE NAME PORT ARG...: bench-origin (ORIGIN_BIN) --port PORT ARG..., waited
+# for until its /stats answers (NAME in the error). Sets LAST_PID.
+start_origin() {
+    local logfile=$1 name=$2 port=$3
+    shift 3
+    start_bg "$logfile" "$ORIGIN_BIN" --port "$port" "$@"
+    wait_http "http://127.0.0.1:$port/stats" "$LAST_PID" "$name"
+}
+
+# check_origin_body URL BYTES: die unless GET URL answers a body of BYTES bytes.
+check_origin_body() {
+    local size
+    size=$(curl -s -o /dev/null -w '%{size_download}' "$1")
+    [[ $size == "$2" ]] || die "origin body is $size bytes, expected $2"
+}
+
+# check_answer NAME URL HEADERS BYTES: save the headers of one GET of URL to HEADERS, and die
+# unless another GET answers a body of BYTES bytes.
+check_answer() {
+    local size
+    curl -s -o /dev/null -D "$3" "$2"
+    size=$(curl -s -o /dev/null -w '%{size_download}' "$2")
+    [[ $size == "$4" ]] || die "$1 answered $size body bytes, expected $4"
+}
+
+# origin_reset: zero the counters of the bench-origin at ORIGIN.
+origin_reset() { curl -s -X POST --max-time 5 "$ORIGIN/stats/reset" >/dev/null || die "cannot reset origin counters"; }
+
+# save_origin_stats FILE: the /stats of the bench-origin at ORIGIN, into FILE.
+save_origin_stats() { curl -s --max-time 5 "$ORIGIN/stats" >"$1" || die "cannot read origin stats"; }
+
+# origin_path_count STATS_FILE PATH: the requests for PATH in a saved /stats (0 when none).
+origin_path_count() { jq --arg p "$2" '.paths[$p] // 0' "$1"; }
+
 # start_nginx NAME TEMPLATE KEY=VALUE...: render TEMPLATE into $BENCH_TMP/nginx-NAME and run
 # nginx in the foreground (daemon off) from that prefix. Sets LAST_PID.
 start_nginx() {
@@ -229,7 +417,167 @@ start_nginx() {
     start_bg "$prefix/stdout.log" nginx -p "$prefix" -c "$prefix/nginx.conf" -e "$prefix/error.log"
 }
 
-# --- wrk output ------------------------------------------------------------------------
+# start_nginx_cache NAME PORT LABEL CONF_COPY KEY=VALUE...: nginx proxy_cache from
+# bench/nginx.conf.tmpl (PORT, ORIGIN_PORT of the script, KEY=VALUE...), waited for at
+# /nginx-ready (LABEL in the error); the rendered config is copied to CONF_COPY. Sets LAST_PID,
+# PID_OF[NAME] and URL_OF[NAME].
+start_nginx_cache() {
+    local name=$1 port=$2 label=$3 copy=$4
+    shift 4
+    start_nginx "$name" bench/nginx.conf.tmpl PORT="$port" ORIGIN_PORT="$ORIGIN_PORT" "$@"
+    PID_OF[$name]=$LAST_PID
+    URL_OF[$name]=http://127.0.0.1:$port
+    wait_http "${URL_OF[$name]}/nginx-ready" "$LAST_PID" "$label"
+    cp "$BENCH_TMP/nginx-$name/nginx.conf" "$copy"
+}
+
+# start_varnish NAME PORT TEMPLATE KEY=VALUE...: render the VCL TEMPLATE into
+# $BENCH_TMP/varnish-NAME and run varnishd in the foreground (-F) with its own working dir
+# (-n), no jail, no management port, malloc storage. Sets LAST_PID
+# (the manager; TERM to it stops the cache child too).
+start_varnish() {
+    local name=$1 port=$2 tmpl=$3
+    shift 3
+    local dir="$BENCH_TMP/varnish-$name"
+    mkdir -p "$dir"
+    render_template "$tmpl" "$dir/default.vcl" "$@"
+    start_bg "$dir/varnishd.log" varnishd -F -j none -n "$dir/n" -a "127.0.0.1:$port" -T none \
+        -f "$dir/default.vcl" -s malloc,256m
+}
+
+# start_varnish_cache NAME PORT LABEL CONF_COPY KEY=VALUE...: varnishd from
+# bench/varnish.vcl.tmpl (ORIGIN_PORT of the script, KEY=VALUE...), waited for at
+# /varnish-ready (LABEL in the error); the rendered VCL is copied to CONF_COPY. Sets LAST_PID,
+# PID_OF[NAME] and URL_OF[NAME].
+start_varnish_cache() {
+    local name=$1 port=$2 label=$3 copy=$4
+    shift 4
+    start_varnish "$name" "$port" bench/varnish.vcl.tmpl ORIGIN_PORT="$ORIGIN_PORT" "$@"
+    PID_OF[$name]=$LAST_PID
+    URL_OF[$name]=http://127.0.0.1:$port
+    wait_http "${URL_OF[$name]}/varnish-ready" "$LAST_PID" "$label"
+    cp "$BENCH_TMP/varnish-$name/default.vcl" "$copy"
+}
+
+# start_redis NAME PORT: a throwaway redis-server on 127.0.0.1:PORT, no persistence. Waits
+# until it answers PING. Sets LAST_PID.
+start_redis() {
+    local name=$1 port=$2 dir="$BENCH_TMP/redis-$1" deadline
+    mkdir -p "$dir"
+    start_bg "$dir/redis.log" redis-server --bind 127.0.0.1 --port "$port" --dir "$dir" \
+        --save "" --appendonly no --daemonize no
+    local pid=$LAST_PID
+    deadline=$((SECONDS + 15))
+    while ((SECONDS < deadline)); do
+        kill -0 "$pid" 2>/dev/null || die "redis-server ($name, PID $pid) exited; see $dir/redis.log"
+        [[ $(redis-cli -h 127.0.0.1 -p "$port" ping 2>/dev/null) == PONG ]] && return 0
+        sleep 0.1
+    done
+    die "redis-server ($name) did not answer PING on port $port within 15 s"
+}
+
+# launch_cacheguard NAME CONF PORT ADMIN_PORT LOGFILE [LABEL]: check CONF (--check-config), run
+# the cacheguard binary (CG_BIN) on it with its output in LOGFILE, and wait until /healthz
+# answers on ADMIN_PORT (LABEL, default "cacheguard (NAME)", in the error). Sets LAST_PID and
+# PID_OF, URL_OF, ADMIN_OF and LOG_OF[NAME].
+launch_cacheguard() {
+    local name=$1 conf=$2 port=$3 admin=$4 logfile=$5
+    "$CG_BIN" --check-config "$conf" >&2 || die "cacheguard --check-config $conf failed"
+    start_bg "$logfile" "$CG_BIN" --config "$conf"
+    LOG_OF[$name]=$logfile
+    PID_OF[$name]=$LAST_PID
+    URL_OF[$name]=http://127.0.0.1:$port
+    ADMIN_OF[$name]=http://127.0.0.1:$admin
+    wait_http "${ADMIN_OF[$name]}/healthz" "$LAST_PID" "${6:-cacheguard ($name)}"
+}
+
+# wait_bus WHO ADMIN_URL FILE [SECONDS]: poll ADMIN_URL/metrics into FILE until
+# cacheguard_event_bus_subscribed is 1; after SECONDS (10) log a warning (about WHO) and go on.
+wait_bus() {
+    local who=$1 admin=$2 file=$3 limit=${4:-10}
+    local deadline=$((SECONDS + limit))
+    while :; do
+        save_metrics "$admin" "$file"
+        [[ $(metric "$file" cacheguard_event_bus_subscribed) == 1 ]] && return 0
+        if ((SECONDS >= deadline)); then
+            log "WARNING: $who: cacheguard_event_bus_subscribed is not 1 after $limit s (see $file)"
+            return 0
+        fi
+        sleep 0.2
+    done
+}
+
+# log_lines FILE: how many lines FILE has.
+log_lines() { wc -l <"$1"; }
+
+# instances_before PREFIX NAME...: before a run, for each cacheguard instance NAME: its /metrics
+# into PREFIX-metrics-NAME-before.txt and the length of its log into LOG_MARK[NAME].
+instances_before() {
+    local prefix=$1 name
+    shift
+    for name in "$@"; do
+        save_metrics "${ADMIN_OF[$name]}" "$prefix-metrics-$name-before.txt"
+        # shellcheck disable=SC2034 # read by the scripts, with log_since
+        LOG_MARK[$name]=$(log_lines "${LOG_OF[$name]}")
+    done
+}
+
+# log_since LOG SKIP OUT: the lines of LOG after its first SKIP, into OUT; prints how many of
+# them are WARN or ERROR lines.
+log_since() {
+    tail -n +"$(($2 + 1))" "$1" >"$3"
+    grep -c -E 'WARN|ERROR' "$3" || true
+}
+
+# --- /metrics ----------------------------------------------------------------------------
+
+# save_metrics ADMIN_URL FILE: one /metrics dump into FILE (left empty when it does not answer
+# within 2 s).
+save_metrics() { curl -s --max-time 2 "$1/metrics" >"$2" || true; }
+
+# metric FILE NAME[{labels}]: the value of one sample in a /metrics dump (0 when absent).
+metric() { awk -v m="$2" '$1 == m { v = $2 } END { printf "%.0f", v + 0 }' "$1"; }
+
+# mdelta BEFORE AFTER NAME[{labels}]: the change of one sample between two /metrics dumps.
+mdelta() { echo $(($(metric "$2" "$3") - $(metric "$1" "$3"))); }
+
+# lock_events BEFORE AFTER: the non-zero changes of cacheguard_lock_events_total between two
+# /metrics dumps, one "outcome=delta," per outcome (LOCK_OUTCOMES).
+lock_events() {
+    local o d
+    for o in $LOCK_OUTCOMES; do
+        d=$(mdelta "$1" "$2" "cacheguard_lock_events_total{outcome=\"$o\"}")
+        ((d == 0)) || printf '%s=%s,' "$o" "$d"
+    done
+}
+
+# --- wrk and loadgen runs ------------------------------------------------------------------
+
+# wrk_start FILE ARG...: wrk ARG... in the background (start_bg) into FILE.part, after a
+# "# wrk ARG..." line in FILE. Sets LAST_PID.
+wrk_start() {
+    local file=$1
+    shift
+    echo "# wrk $*" >"$file"
+    start_bg "$file.part" wrk "$@"
+}
+
+# wrk_finish FILE PID [WHAT]: reap one wrk_start, append its output to FILE, die when it failed
+# ("wrk failed (rc) for WHAT").
+wrk_finish() {
+    local file=$1 rc=0
+    reap "$2" || rc=$?
+    cat "$file.part" >>"$file" && rm -f "$file.part"
+    ((rc == 0)) || die "wrk failed ($rc)${3:+ for $3}; see $file"
+}
+
+# wrk_once FILE WHAT ARG...: wrk_start, then wrk_finish.
+wrk_once() {
+    local file=$1 what=$2
+    shift 2
+    wrk_start "$file" "$@"
+    wrk_finish "$file" "$LAST_PID" "$what"
+}
 
 # wrk_parse FILE: prints "rps p50_ms p99_ms max_ms requests errors non2xx" for a wrk
 # --latency output file.
@@ -258,7 +606,31 @@ wrk_parse() {
         }' "$1"
 }
 
+# loadgen_stampede JSON WHAT ARG...: one `loadgen stampede ARG...` into JSON, bounded twice (its
+# own timeouts, and `timeout` around it); dies when it fails.
+loadgen_stampede() {
+    local json=$1 what=$2
+    shift 2
+    run_bg "$json" timeout --signal=TERM 120 "$LOADGEN_BIN" stampede "$@" ||
+        die "loadgen failed ($?) for $what; see $json"
+}
+
+# json_counts JSON [FIELD]: a histogram of a loadgen JSON (FIELD, default x_cache) as "K=V,K=V".
+json_counts() { jq -r ".${2:-x_cache} | to_entries | map(\"\\(.key)=\\(.value)\") | join(\",\")" "$1"; }
+
 # --- run environment -------------------------------------------------------------------
+
+# bench_results NAME SUBDIR...: this run's results dir, bench/results/NAME<UTC timestamp>, with
+# its SUBDIRs. Sets STAMP and OUT.
+bench_results() {
+    local d
+    STAMP=$(date -u +%Y%m%dT%H%M%SZ)
+    OUT=$ROOT/bench/results/$1$STAMP
+    shift
+    mkdir -p "$OUT"
+    for d in "$@"; do mkdir -p "$OUT/$d"; done
+    log "results: $OUT"
+}
 
 # env_machine: the machine lines every env.txt starts with (STAMP must be set).
 env_machine() {
@@ -276,6 +648,125 @@ env_build() {
     echo "rustc: $(rustc -V 2>/dev/null || echo unknown)"
     echo "cacheguard: $("$CG_BIN" --version 2>/dev/null || echo unknown) ($CG_BIN)"
     echo "git: $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo none)$(git -C "$ROOT" diff --quiet HEAD -- src 2>/dev/null || echo ' (src/ has uncommitted changes)')"
+}
+
+# write_env TOOL...: $OUT/env.txt: env_machine, the version of each TOOL (nginx, varnishd, redis,
+# wrk), env_build, fd_limit (once raise_fd_limit ran), load_start, then the lines on stdin;
+# echoed to stderr. Sets LOAD_START.
+write_env() {
+    local tool
+    LOAD_START=$(cut -d' ' -f1-3 /proc/loadavg)
+    {
+        env_machine
+        for tool in "$@"; do
+            case $tool in
+            nginx) echo "nginx: $(nginx -v 2>&1)" ;;
+            varnishd) echo "varnishd: $(varnishd -V 2>&1 | head -n1)" ;;
+            redis) echo "redis: $(redis-server --version)" ;;
+            wrk) echo "wrk: $(wrk -v 2>&1 | head -n1 | awk '{ print $1, $2, $3 }')" ;;
+            *) die "write_env: unknown tool '$tool'" ;;
+            esac
+        done
+        env_build
+        [[ -z $FD_LIMIT ]] || echo "fd_limit: $FD_LIMIT (wanted $FD_WANTED)"
+        echo "load_start: $LOAD_START"
+        cat
+    } >"$OUT/env.txt"
+    cat "$OUT/env.txt" >&2
+}
+
+# end_env: the end of the run: load_end into $OUT/env.txt. Sets LOAD_END and WALL (seconds since
+# bench_init).
+end_env() {
+    LOAD_END=$(cut -d' ' -f1-3 /proc/loadavg)
+    echo "load_end: $LOAD_END" >>"$OUT/env.txt"
+    WALL=$((SECONDS - STARTED_AT))
+}
+
+# --- summary ---------------------------------------------------------------------------
+
+# env_table: $OUT/env.txt as a markdown table, one row per "key: value" line.
+env_table() {
+    echo "| item | value |"
+    echo "|---|---|"
+    sed -n 's/^\([a-z_]*\): \(.*\)$/| \1 | \2 |/p' "$OUT/env.txt"
+}
+
+# env_summary: the load averages and wall time, a blank line and env_table (summary.md's head).
+env_summary() {
+    echo "Load average (1/5/15 min) at start: $LOAD_START; at end: $LOAD_END. Wall time: ${WALL} s."
+    echo
+    env_table
+}
+
+# show_summary: print $OUT/summary.md and log the wall time.
+show_summary() {
+    cat "$OUT/summary.md"
+    log "done in ${WALL} s; results in $OUT"
+}
+
+# rotate N WORD...: WORD list rotated left by N (so each rep starts with another one).
+rotate() {
+    local n=$1
+    shift
+    local words=("$@")
+    local k=${#words[@]} i
+    for ((i = 0; i < k; i++)); do printf '%s ' "${words[(i + n) % k]}"; done
+}
+
+# each_rep LIST CMD...: for rep = 1 .. REPS, for each word of LIST rotated left by rep - 1:
+# CMD... WORD REP.
+each_rep() {
+    local list=$1 rep w
+    shift
+    for ((rep = 1; rep <= REPS; rep++)); do
+        # shellcheck disable=SC2086 # LIST splits into words on purpose
+        for w in $(rotate $((rep - 1)) $list); do
+            "$@" "$w" "$rep"
+        done
+    done
+}
+
+# note_problems LIST WHO SUFFIX PROBLEM...: when there is a PROBLEM, add "WHO: p1; p2" to the
+# array named LIST and log it as a warning (followed by SUFFIX).
+note_problems() {
+    local -n note_list=$1
+    local who=$2 suffix=$3 msg
+    shift 3
+    (($# > 0)) || return 0
+    msg=$(printf '%s; ' "$@")
+    note_list+=("$who: ${msg%; }")
+    log "WARNING: $who: ${msg%; }$suffix"
+}
+
+# problem_items CLEAN HEAD ITEM...: summary lines about the runs that were not clean: HEAD
+# ("" for "- **Runs that were not clean:**") and one line per ITEM, or CLEAN when there is none.
+problem_items() {
+    local clean=$1 head=${2:-"- **Runs that were not clean:**"}
+    shift 2
+    if (($# > 0)); then
+        echo "$head"
+        printf '  - %s\n' "$@"
+    else
+        echo "$clean"
+    fi
+}
+
+verdict() { if [[ $1 == 1 ]]; then echo "**met**"; else echo "**MISSED**"; fi; }
+
+# ratio A B: A / B with 2 decimals; "–" unless both are positive.
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b + 0 > 0 && a + 0 > 0) printf "%.2f", a / b; else printf "–" }'; }
+
+# mib KB: kB as "N.N MiB".
+mib() { awk -v k="$1" 'BEGIN { printf "%.1f MiB", k / 1024 }'; }
+
+# sum_lines: the sum of the numbers on stdin, one per line (0 for none).
+sum_lines() { awk '{ s += $1 } END { print s + 0 }'; }
+
+# merge_counts: "K=V,K=V" cells on stdin, one per line, summed per K: "K1 n, K2 m" (sorted by K).
+merge_counts() {
+    tr ',' '\n' | awk -F= 'NF == 2 { s[$1] += $2 } END { for (k in s) printf "%s %d\n", k, s[k] }' |
+        sort | awk '{ printf "%s%s %d", (NR > 1 ? ", " : ""), $1, $2 }'
 }
 
 # --- statistics --------------------------------------------------------------------------
@@ -300,25 +791,50 @@ fmt_int() {
     }'
 }
 
-# cell KIND V...: "median (min–max)" formatted as req/s (KIND=int) or ms (KIND=ms).
+# cell KIND V...: "median (min–max)" formatted as req/s (KIND=int) or ms (KIND=ms, as
+# cell_dec 3).
 cell() {
     local kind=$1
     shift
+    if [[ $kind != int ]]; then
+        cell_dec 3 "$@"
+        return
+    fi
     local med min max
     read -r med min max < <(stats "$@")
-    if [[ $kind == int ]]; then
-        printf '%s (%s–%s)' "$(fmt_int "$med")" "$(fmt_int "$min")" "$(fmt_int "$max")"
-    else
-        LC_ALL=C printf '%.3f (%.3f–%.3f)' "$med" "$min" "$max"
-    fi
+    printf '%s (%s–%s)' "$(fmt_int "$med")" "$(fmt_int "$min")" "$(fmt_int "$max")"
 }
 
 median() { stats "$@" | awk '{ print $1 }'; }
+
+# cell_dec DECIMALS V...: "median (min–max)" with DECIMALS decimals; a lone value when all
+# values are equal.
+cell_dec() {
+    local dec=$1
+    shift
+    local med min max
+    read -r med min max < <(stats "$@")
+    if [[ $med == nan ]]; then
+        printf '–'
+    elif LC_ALL=C awk -v a="$min" -v b="$max" 'BEGIN { exit !(a == b) }'; then
+        LC_ALL=C printf "%.${dec}f" "$med"
+    else
+        LC_ALL=C printf "%.${dec}f (%.${dec}f–%.${dec}f)" "$med" "$min" "$max"
+    fi
+}
 
 # --- process memory --------------------------------------------------------------------
 
 # proc_kb PID FIELD: a /proc/PID/status field (VmRSS, VmHWM) in kB.
 proc_kb() { awk -v f="$2:" '$1 == f { print $2 }' "/proc/$1/status" 2>/dev/null; }
+
+# vmhwm_lines NAME...: "NAME: VmHWM N kB (main process)" for each NAME of PID_OF.
+vmhwm_lines() {
+    local name
+    for name in "$@"; do
+        echo "$name: VmHWM $(proc_kb "${PID_OF[$name]}" VmHWM) kB (main process)"
+    done
+}
 
 # x-cache URL: the X-Cache header of one GET.
 x_cache() {
@@ -338,53 +854,4 @@ warm() {
         sleep 0.1
     done
     die "warming $url: X-Cache stayed '$got' (wanted one of: $*)"
-}
-
-# --- additions for bench/stampede.sh ---------------------------------------------------
-
-# cell_dec DECIMALS V...: "median (min–max)" with DECIMALS decimals; a lone value when all
-# values are equal.
-cell_dec() {
-    local dec=$1
-    shift
-    local med min max
-    read -r med min max < <(stats "$@")
-    if [[ $med == nan ]]; then
-        printf '–'
-    elif LC_ALL=C awk -v a="$min" -v b="$max" 'BEGIN { exit !(a == b) }'; then
-        LC_ALL=C printf "%.${dec}f" "$med"
-    else
-        LC_ALL=C printf "%.${dec}f (%.${dec}f–%.${dec}f)" "$med" "$min" "$max"
-    fi
-}
-
-# start_varnish NAME PORT TEMPLATE KEY=VALUE...: render the VCL TEMPLATE into
-# $BENCH_TMP/varnish-NAME and run varnishd in the foreground (-F) with its own working dir
-# (-n), no jail, no management port, malloc storage. Sets LAST_PID
-# (the manager; TERM to it stops the cache child too).
-start_varnish() {
-    local name=$1 port=$2 tmpl=$3
-    shift 3
-    local dir="$BENCH_TMP/varnish-$name"
-    mkdir -p "$dir"
-    render_template "$tmpl" "$dir/default.vcl" "$@"
-    start_bg "$dir/varnishd.log" varnishd -F -j none -n "$dir/n" -a "127.0.0.1:$port" -T none \
-        -f "$dir/default.vcl" -s malloc,256m
-}
-
-# start_redis NAME PORT: a throwaway redis-server on 127.0.0.1:PORT, no persistence. Waits
-# until it answers PING. Sets LAST_PID.
-start_redis() {
-    local name=$1 port=$2 dir="$BENCH_TMP/redis-$1" deadline
-    mkdir -p "$dir"
-    start_bg "$dir/redis.log" redis-server --bind 127.0.0.1 --port "$port" --dir "$dir" \
-        --save "" --appendonly no --daemonize no
-    local pid=$LAST_PID
-    deadline=$((SECONDS + 15))
-    while ((SECONDS < deadline)); do
-        kill -0 "$pid" 2>/dev/null || die "redis-server ($name, PID $pid) exited; see $dir/redis.log"
-        [[ $(redis-cli -h 127.0.0.1 -p "$port" ping 2>/dev/null) == PONG ]] && return 0
-        sleep 0.1
-    done
-    die "redis-server ($name) did not answer PING on port $port within 15 s"
 }

@@ -40,79 +40,49 @@
 
 set -euo pipefail
 
-ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-cd "$ROOT"
 # shellcheck source=bench/lib.sh
-source bench/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
-N=${N:-100000}
-ATTACK_SEED=${ATTACK_SEED:-4}
-ATTACK_CONNECTIONS=${ATTACK_CONNECTIONS:-64}
-ATTACK_MAX_S=${ATTACK_MAX_S:-300}
+bench_defaults N=100000 ATTACK_SEED=4 ATTACK_CONNECTIONS=64 ATTACK_MAX_S=300 REPS=3 DURATION=10s HIT_IDS=8 \
+    BLOOM_READY_TIMEOUT_S=60 BASE_PORT=29280
 # 50 ms, the same delay for every target. Every request that reaches the origin
 # holds a connection for this long, so a peer's pass takes about N × DELAY_MS /
 # ATTACK_CONNECTIONS (≈ 78 s with the defaults); DELAY_MS=200 (bench/stampede.sh) ≈ 5 min.
-DELAY_MS=${DELAY_MS:-50}
-REPS=${REPS:-3}
-DURATION=${DURATION:-10s}
-HIT_IDS=${HIT_IDS:-8}
-BLOOM_READY_TIMEOUT_S=${BLOOM_READY_TIMEOUT_S:-60}
-BASE_PORT=${BASE_PORT:-29280}
+bench_defaults DELAY_MS=50
 MAX_ID=100000
 FP_RATE=0.01
 WRK_TIMEOUT=10s
 LOADGEN_TIMEOUT_S=10
 
-ORIGIN_PORT=$((BASE_PORT + 1))
-NGINX_PORT=$((BASE_PORT + 2))
-VARNISH_PORT=$((BASE_PORT + 3))
-CG_PORT=$((BASE_PORT + 4))
-CG_ADMIN_PORT=$((BASE_PORT + 5))
-CG0_PORT=$((BASE_PORT + 6))
-CG0_ADMIN_PORT=$((BASE_PORT + 7))
+bench_ports ORIGIN_PORT NGINX_PORT VARNISH_PORT CG_PORT CG_ADMIN_PORT CG0_PORT CG0_ADMIN_PORT
 
-for v in N ATTACK_SEED ATTACK_CONNECTIONS ATTACK_MAX_S DELAY_MS REPS HIT_IDS BLOOM_READY_TIMEOUT_S; do
-    [[ ${!v} =~ ^[1-9][0-9]*$ ]] || die "$v must be a positive integer (got '${!v}')"
-done
+require_positive N ATTACK_SEED ATTACK_CONNECTIONS ATTACK_MAX_S DELAY_MS REPS HIT_IDS BLOOM_READY_TIMEOUT_S
 ((N <= 100000000)) || die "N must be at most 100,000,000 (ids are drawn from 1e9..2e9-1)"
 ((HIT_IDS <= MAX_ID)) || die "HIT_IDS must be at most $MAX_ID"
 [[ $DURATION =~ ^[1-9][0-9]*s$ ]] || die "DURATION must be whole seconds, e.g. 10s (got '$DURATION')"
 
-started_at=$SECONDS
 bench_init
 
 # --- preflight -------------------------------------------------------------------------
 
 ensure_apt_tools nginx:nginx varnishd:varnish wrk:wrk curl:curl jq:jq
 require_tools cargo awk sort comm mktemp id timeout
-require_free_ports "$ORIGIN_PORT" "$NGINX_PORT" "$VARNISH_PORT" "$CG_PORT" "$CG_ADMIN_PORT" \
-    "$CG0_PORT" "$CG0_ADMIN_PORT"
+require_free_ports "${BENCH_PORTS[@]}"
 
 build_bench_tools
 
 build_cacheguard
 
-STAMP=$(date -u +%Y%m%dT%H%M%SZ)
-OUT=$ROOT/bench/results/penetration-$STAMP
-mkdir -p "$OUT"
-log "results: $OUT"
+bench_results penetration-
 
 # --- environment -----------------------------------------------------------------------
 
-LOAD_START=$(cut -d' ' -f1-3 /proc/loadavg)
-{
-    env_machine
-    echo "nginx: $(nginx -v 2>&1)"
-    echo "varnishd: $(varnishd -V 2>&1 | head -n1)"
-    echo "wrk: $(wrk -v 2>&1 | head -n1 | awk '{ print $1, $2, $3 }')"
-    env_build
-    echo "load_start: $LOAD_START"
-    echo "attack: $N distinct random non-existent ids (seed $ATTACK_SEED), $ATTACK_CONNECTIONS connections, loadgen list"
-    echo "origin_delay_ms: $DELAY_MS"
-    echo "throughput: wrk -t2 -c64 -d$DURATION, $REPS reps"
-    echo "bloom: expected_items $MAX_ID, fp_rate $FP_RATE, refresh 0s (loaded once)"
-} >"$OUT/env.txt"
-cat "$OUT/env.txt" >&2
+write_env nginx varnishd wrk <<EOF
+attack: $N distinct random non-existent ids (seed $ATTACK_SEED), $ATTACK_CONNECTIONS connections, loadgen list
+origin_delay_ms: $DELAY_MS
+throughput: wrk -t2 -c64 -d$DURATION, $REPS reps
+bloom: expected_items $MAX_ID, fp_rate $FP_RATE, refresh 0s (loaded once)
+EOF
 
 # --- the id lists ----------------------------------------------------------------------
 
@@ -132,71 +102,29 @@ seq 1 "$HIT_IDS" >"$HIT_IDS_FILE"
 # --- origin ----------------------------------------------------------------------------
 
 ORIGIN=http://127.0.0.1:$ORIGIN_PORT
-start_bg "$OUT/origin.log" "$ORIGIN_BIN" --port "$ORIGIN_PORT" --delay-ms "$DELAY_MS" \
-    --max-id "$MAX_ID" --threads 2
-ORIGIN_PID=$LAST_PID
-wait_http "$ORIGIN/stats" "$ORIGIN_PID" "bench-origin"
-size=$(curl -s -o /dev/null -w '%{size_download}' "$ORIGIN/items/1?delay_ms=0")
-[[ $size == 1024 ]] || die "origin body is $size bytes, expected 1024"
+start_origin "$OUT/origin.log" bench-origin "$ORIGIN_PORT" --delay-ms "$DELAY_MS" --max-id "$MAX_ID" --threads 2
+check_origin_body "$ORIGIN/items/1?delay_ms=0" 1024
 lines=$(curl -s --max-time 30 "$ORIGIN/internal/ids" | wc -l)
 [[ $lines == "$MAX_ID" ]] || die "origin /internal/ids listed $lines ids, expected $MAX_ID"
 
-origin_reset() { curl -s -X POST --max-time 5 "$ORIGIN/stats/reset" >/dev/null || die "cannot reset origin counters"; }
 # origin_stats FILE: save /stats; prints "total items_404 items_ok"
 origin_stats() {
-    curl -s --max-time 5 "$ORIGIN/stats" >"$1" || die "cannot read origin stats"
+    save_origin_stats "$1"
     jq -r '"\(.total) \(.items_404) \(.items_ok)"' "$1"
 }
 
 # --- cacheguard ------------------------------------------------------------------------
 
-# cacheguard_config PORT ADMIN_PORT BLOOM(1|0): embedded mode; with BLOOM=0 the same config
-# without the filter (the memory baseline).
-cacheguard_config() {
-    cat <<EOF
-[server]
-listen = "127.0.0.1:$1"
-
-[upstream]
-url = "http://127.0.0.1:$ORIGIN_PORT"
-max_concurrency = 1024
-queue_timeout = "5s"
-
-[admin]
-listen = "127.0.0.1:$2"
-
-[cache]
-ttl = "600s"
-EOF
-    if [[ $3 == 1 ]]; then
-        cat <<EOF
-
-[[bloom]]
-name = "items"
-expected_items = $MAX_ID
-fp_rate = $FP_RATE
-refresh = "0s"
-source = { url = "/internal/ids" }
-EOF
-    fi
-    cat <<EOF
-
-[[routes]]
-name = "item"
-match = "/items/{id}"
-EOF
-    if [[ $3 == 1 ]]; then
-        echo 'bloom = { filter = "items", param = "id" }'
-    fi
-}
-
-# start_cacheguard NAME PORT ADMIN_PORT BLOOM: sets LAST_PID.
+# start_cacheguard NAME PORT ADMIN_PORT BLOOM(1|0): one instance in embedded mode with the Bloom
+# filter "items" on the route; with BLOOM=0 the same config without the filter (the memory
+# baseline). Sets LAST_PID.
 start_cacheguard() {
-    local name=$1 conf="$OUT/$1.toml"
-    cacheguard_config "$2" "$3" "$4" >"$conf"
-    "$CG_BIN" --check-config "$conf" >&2 || die "cacheguard --check-config $conf failed"
-    start_bg "$OUT/$name.log" "$CG_BIN" --config "$conf"
-    wait_http "http://127.0.0.1:$3/healthz" "$LAST_PID" "cacheguard ($name)"
+    local bloom=()
+    [[ $4 == 0 ]] || bloom=(bloom.name=items bloom.expected_items="$MAX_ID" bloom.fp_rate="$FP_RATE"
+        bloom.refresh=0s bloom.source='{ url = "/internal/ids" }' route.bloom='{ filter = "items", param = "id" }')
+    cg_config "$2" "$3" "$ORIGIN_PORT" upstream.max_concurrency=1024 upstream.queue_timeout=5s cache.ttl=600s \
+        "${bloom[@]}" >"$OUT/$1.toml"
+    launch_cacheguard "$1" "$OUT/$1.toml" "$2" "$3" "$OUT/$1.log"
 }
 
 # The memory baseline: the same config without the filter, idle, then stopped.
@@ -250,21 +178,9 @@ log "filter ready: items=$F_ITEMS bits=$F_BITS bytes=$F_BYTES k=$F_K est_fp=$F_E
 
 # --- peers -----------------------------------------------------------------------------
 
-start_nginx proxy bench/nginx.conf.tmpl WORKERS=2 PORT="$NGINX_PORT" ORIGIN_PORT="$ORIGIN_PORT" TTL=600s
-NGINX_PID=$LAST_PID
-wait_http "http://127.0.0.1:$NGINX_PORT/nginx-ready" "$NGINX_PID" "nginx proxy_cache"
-cp "$BENCH_TMP/nginx-proxy/nginx.conf" "$OUT/nginx.conf"
+start_nginx_cache nginx "$NGINX_PORT" "nginx proxy_cache" "$OUT/nginx.conf" WORKERS=2 TTL=600s
+start_varnish_cache varnish "$VARNISH_PORT" varnishd "$OUT/varnish.vcl" TTL=600s GRACE=10s
 
-start_varnish proxy "$VARNISH_PORT" bench/varnish.vcl.tmpl ORIGIN_PORT="$ORIGIN_PORT" TTL=600s GRACE=10s
-VARNISH_PID=$LAST_PID
-wait_http "http://127.0.0.1:$VARNISH_PORT/varnish-ready" "$VARNISH_PID" "varnishd"
-cp "$BENCH_TMP/varnish-proxy/default.vcl" "$OUT/varnish.vcl"
-
-declare -A BASE=(
-    [cacheguard]="http://127.0.0.1:$CG_PORT"
-    [nginx]="http://127.0.0.1:$NGINX_PORT"
-    [varnish]="http://127.0.0.1:$VARNISH_PORT"
-)
 declare -A LABEL=(
     [cacheguard]="cacheguard (Bloom filter)"
     [nginx]="nginx 1.22 proxy_cache"
@@ -274,21 +190,18 @@ declare -A HIT=([cacheguard]="HIT-L1" [nginx]="HIT" [varnish]="HIT")
 
 # 20 absent ids (below the attack range) through cacheguard: with the filter loaded, all but
 # about 1% of them are rejected at once. A sanity check before the attack.
-curl -s -o /dev/null -D "$OUT/headers-reject.txt" "${BASE[cacheguard]}/items/999999999"
-REJECT_PROBE=$(for id in $(seq 999999980 999999999); do x_cache "${BASE[cacheguard]}/items/$id"; done |
+curl -s -o /dev/null -D "$OUT/headers-reject.txt" "${URL_OF[cacheguard]}/items/999999999"
+REJECT_PROBE=$(for id in $(seq 999999980 999999999); do x_cache "${URL_OF[cacheguard]}/items/$id"; done |
     sort | uniq -c | awk '{ printf "%s%s %d", (NR > 1 ? ", " : ""), $2, $1 }')
 log "probe of 20 absent ids through cacheguard: X-Cache $REJECT_PROBE"
 
 log "warming ids 1..$HIT_IDS on every proxy"
 for t in cacheguard nginx varnish; do
     for ((id = 1; id <= HIT_IDS; id++)); do
-        warm "${BASE[$t]}/items/$id" "${HIT[$t]}"
+        warm "${URL_OF[$t]}/items/$id" "${HIT[$t]}"
     done
-    curl -s -o /dev/null -D "$OUT/headers-hit-$t.txt" "${BASE[$t]}/items/1"
+    curl -s -o /dev/null -D "$OUT/headers-hit-$t.txt" "${URL_OF[$t]}/items/1"
 done
-
-# metric FILE NAME[{labels}]: the value of one sample in a /metrics dump (0 when absent).
-metric() { awk -v m="$2" '$1 == m { v = $2 } END { printf "%.0f", v + 0 }' "$1"; }
 
 # --- a. the attack -----------------------------------------------------------------------
 
@@ -304,14 +217,11 @@ run_attack() {
         curl -s --max-time 5 "$ADMIN/metrics" >"$OUT/metrics-before-attack.txt" || true
     fi
     origin_reset
-    log "attack: $N ids through $t (${BASE[$t]}), $ATTACK_CONNECTIONS connections, at most $ATTACK_MAX_S s"
-    start_bg "$json" timeout --signal=TERM $((ATTACK_MAX_S + 60)) "$LOADGEN_BIN" list \
-        --url "${BASE[$t]}/items/{id}" --ids-file "$ATTACK_IDS" --connections "$ATTACK_CONNECTIONS" \
-        --timeout-s "$LOADGEN_TIMEOUT_S" --max-duration-s "$ATTACK_MAX_S" --threads 2 "${extra[@]}"
-    local lg_pid=$LAST_PID lg_rc=0
-    wait "$lg_pid" || lg_rc=$?
-    forget_pid "$lg_pid"
-    ((lg_rc == 0)) || die "loadgen list failed ($lg_rc) for $t; see $json"
+    log "attack: $N ids through $t (${URL_OF[$t]}), $ATTACK_CONNECTIONS connections, at most $ATTACK_MAX_S s"
+    run_bg "$json" timeout --signal=TERM $((ATTACK_MAX_S + 60)) "$LOADGEN_BIN" list \
+        --url "${URL_OF[$t]}/items/{id}" --ids-file "$ATTACK_IDS" --connections "$ATTACK_CONNECTIONS" \
+        --timeout-s "$LOADGEN_TIMEOUT_S" --max-duration-s "$ATTACK_MAX_S" --threads 2 "${extra[@]}" ||
+        die "loadgen list failed ($?) for $t; see $json"
     sleep 0.5 # anything still on its way to the origin
     local counts total o404 _ok
     counts=$(origin_stats "$OUT/origin-attack-$t.json")
@@ -349,8 +259,8 @@ N_REJECTED=$(wc -l <"$REJECTED_IDS")
 RAW=$OUT/raw.tsv
 printf 'target\trep\trps\tp50_ms\tp99_ms\tmax_ms\trequests\tsocket_errors\tnon2xx\torigin_requests\n' >"$RAW"
 declare -A WRK_BASE=(
-    [cg_reject]=${BASE[cacheguard]} [cg_hit]=${BASE[cacheguard]}
-    [nginx_hit]=${BASE[nginx]} [varnish_hit]=${BASE[varnish]}
+    [cg_reject]=${URL_OF[cacheguard]} [cg_hit]=${URL_OF[cacheguard]}
+    [nginx_hit]=${URL_OF[nginx]} [varnish_hit]=${URL_OF[varnish]}
 )
 declare -A WRK_IDS=(
     [cg_reject]=$REJECTED_IDS [cg_hit]=$HIT_IDS_FILE [nginx_hit]=$HIT_IDS_FILE [varnish_hit]=$HIT_IDS_FILE
@@ -371,14 +281,7 @@ run_wrk() {
         "${WRK_BASE[$t]}" -- "${WRK_IDS[$t]}" 2)
     origin_reset
     log "throughput rep $rep/$REPS: $t: wrk ${args[*]}"
-    echo "# wrk ${args[*]}" >"$file"
-    # in the background + wait, so a signal reaches our EXIT trap at once (and wrk is stopped)
-    start_bg "$file.part" wrk "${args[@]}"
-    local wrk_pid=$LAST_PID wrk_rc=0
-    wait "$wrk_pid" || wrk_rc=$?
-    forget_pid "$wrk_pid"
-    cat "$file.part" >>"$file" && rm -f "$file.part"
-    ((wrk_rc == 0)) || die "wrk failed ($wrk_rc) for $t; see $file"
+    wrk_once "$file" "$t" "${args[@]}"
     local counts origin
     counts=$(origin_stats "$OUT/origin-wrk-$t-rep$rep.json")
     read -r origin _ <<<"$counts"
@@ -397,29 +300,10 @@ run_wrk() {
         ((non2xx == 0)) || problems+=("$non2xx non-2xx answers")
     fi
     ((origin == 0)) || problems+=("$origin requests reached the origin")
-    if ((${#problems[@]} > 0)); then
-        local msg
-        msg=$(printf '%s; ' "${problems[@]}")
-        WRK_WARNINGS+=("$t rep $rep: ${msg%; }")
-        log "WARNING: $t rep $rep: ${msg%; } (see $file)"
-    fi
+    note_problems WRK_WARNINGS "$t rep $rep" " (see $file)" "${problems[@]}"
 }
 
-# rotate N WORD...: WORD list rotated left by N (so each rep starts with another target).
-rotate() {
-    local n=$1
-    shift
-    local a=("$@")
-    local k=${#a[@]} i
-    for ((i = 0; i < k; i++)); do printf '%s ' "${a[(i + n) % k]}"; done
-}
-
-for ((rep = 1; rep <= REPS; rep++)); do
-    # shellcheck disable=SC2086 # word splitting of WRK_TARGETS is intended
-    for t in $(rotate $((rep - 1)) $WRK_TARGETS); do
-        run_wrk "$t" "$rep"
-    done
-done
+each_rep "$WRK_TARGETS" run_wrk
 
 curl -s --max-time 5 "$ADMIN/metrics" >"$OUT/metrics-end.txt" || true
 curl -s --max-time 5 "$ADMIN/admin/bloom" >"$OUT/admin-bloom-end.json" || true
@@ -427,17 +311,12 @@ RSS_END_KB=$(proc_kb "$CG_PID" VmRSS)
 HWM_END_KB=$(proc_kb "$CG_PID" VmHWM)
 LOG_WARN=$(grep -c -E 'WARN|ERROR' "$OUT/cacheguard.log" || true)
 
-LOAD_END=$(cut -d' ' -f1-3 /proc/loadavg)
-echo "load_end: $LOAD_END" >>"$OUT/env.txt"
-WALL=$((SECONDS - started_at))
+end_env
 
 # --- summary ---------------------------------------------------------------------------
 
 acol() { awk -F'\t' -v t="$1" -v f="$2" 'NR > 1 && $1 == t { print $f }' "$ATTACK_RAW"; }
 col() { awk -F'\t' -v t="$1" -v f="$2" 'NR > 1 && $1 == t { print $f }' "$RAW"; }
-verdict() { if [[ $1 == 1 ]]; then echo "**met**"; else echo "**MISSED**"; fi; }
-ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b + 0 > 0 && a + 0 > 0) printf "%.2f", a / b; else printf "–" }'; }
-mib() { awk -v k="$1" 'BEGIN { printf "%.1f MiB", k / 1024 }'; }
 # paired TARGET_A TARGET_B: per-rep ratios of req/s, A / B (same rep)
 paired() {
     LC_ALL=C join <(awk -F'\t' -v t="$1" 'NR > 1 && $1 == t { print $2, $3 }' "$RAW" | LC_ALL=C sort -k1,1) \
@@ -466,9 +345,8 @@ N_PASSED=$(wc -l <"$PASSED_IDS")
 OBS_FP=$(awk -v a="$N_PASSED" -v n="$CG_SENT" 'BEGIN { if (n > 0) printf "%.4f", a / n; else print "–" }')
 M_BEFORE=$OUT/metrics-before-attack.txt
 M_AFTER=$OUT/metrics-after-attack.txt
-mdelta() { echo $(($(metric "$M_AFTER" "$1") - $(metric "$M_BEFORE" "$1"))); }
-D_REJECTIONS=$(mdelta 'cacheguard_bloom_rejections_total{filter="items"}')
-D_FALSE_POS=$(mdelta 'cacheguard_bloom_false_positives_total{filter="items"}')
+D_REJECTIONS=$(mdelta "$M_BEFORE" "$M_AFTER" 'cacheguard_bloom_rejections_total{filter="items"}')
+D_FALSE_POS=$(mdelta "$M_BEFORE" "$M_AFTER" 'cacheguard_bloom_false_positives_total{filter="items"}')
 
 # theoretical size: m = -n ln p / (ln 2)^2 bits, and k = (m/n) ln 2
 read -r M_THEORY K_THEORY < <(awk -v n="$MAX_ID" -v p="$FP_RATE" 'BEGIN {
@@ -513,7 +391,7 @@ wrk_table() {
             "$(cell int $(col "$t" 3))" "$(cell ms $(col "$t" 4))" "$(cell ms $(col "$t" 5))" \
             "$(LC_ALL=C printf '%.2f' "$(stats $(col "$t" 6) | awk '{ print $3 }')")" \
             "$(ratio "${RPS_MED[$t]}" "${RPS_MED[cg_hit]}")" \
-            "$(fmt_int "$(col "$t" 9 | awk '{ s += $1 } END { print s + 0 }')") / $(fmt_int "$(col "$t" 7 | awk '{ s += $1 } END { print s + 0 }')")" \
+            "$(fmt_int "$(col "$t" 9 | sum_lines)") / $(fmt_int "$(col "$t" 7 | sum_lines)")" \
             "$(col "$t" 10 | paste -sd/)"
     done
 }
@@ -522,11 +400,7 @@ wrk_table() {
     echo "# cacheguard penetration (Bloom filters): $STAMP"
     echo
     echo "All processes on 127.0.0.1 on the same $(nproc) cores: the load generator, the proxies and the origin compete for CPU."
-    echo "Load average (1/5/15 min) at start: $LOAD_START; at end: $LOAD_END. Wall time: ${WALL} s."
-    echo
-    echo "| item | value |"
-    echo "|---|---|"
-    sed -n 's/^\([a-z_]*\): \(.*\)$/| \1 | \2 |/p' "$OUT/env.txt"
+    env_summary
     echo
     echo "## a. Attack: $(fmt_int "$N") distinct random non-existent ids, each GET once at full speed"
     echo
@@ -552,12 +426,8 @@ wrk_table() {
     echo "- **cacheguard rejection / cacheguard HIT-L1: ${R_REJ_HIT}×** (medians; per-rep paired $(paired_range cg_reject cg_hit))."
     echo "- cacheguard rejection / nginx proxy_cache HIT: ${R_REJ_NGINX}× (per rep $(paired_range cg_reject nginx_hit)); / Varnish HIT: ${R_REJ_VARNISH}× (per rep $(paired_range cg_reject varnish_hit))."
     echo "- cacheguard HIT-L1 / nginx proxy_cache HIT in this run: ${R_HIT_NGINX}×."
-    if ((${#WRK_WARNINGS[@]} > 0)); then
-        echo "- **Runs that were not clean:**"
-        printf '  - %s\n' "${WRK_WARNINGS[@]}"
-    else
-        echo "- Every run: no socket errors; every REJECT answer a 404 and every HIT answer a 200; 0 origin requests."
-    fi
+    problem_items "- Every run: no socket errors; every REJECT answer a 404 and every HIT answer a 200; 0 origin requests." "" \
+        "${WRK_WARNINGS[@]}"
     echo
     echo "## c. Memory: filter \"items\", n = $MAX_ID, p = $FP_RATE"
     echo
@@ -586,5 +456,4 @@ wrk_table() {
     echo "Raw data: \`bench/results/penetration-$STAMP/\` (id lists, attack-*.json, wrk outputs, raw.tsv, attack.tsv, origin stats, /admin/bloom, configs, logs, /metrics)."
 } >"$OUT/summary.md"
 
-cat "$OUT/summary.md"
-log "done in ${WALL} s; results in $OUT"
+show_summary

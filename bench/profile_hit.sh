@@ -12,24 +12,18 @@
 
 set -euo pipefail
 
-ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-cd "$ROOT"
 # shellcheck source=bench/lib.sh
-source bench/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 MODE=${1:-hit}
 [[ $MODE == hit || $MODE == miss ]] || die "usage: bash bench/profile_hit.sh [hit|miss]"
-PROFILE_SECONDS=${PROFILE_SECONDS:-8}
-BASE_PORT=${BASE_PORT:-28180}
-WRK_ARGS=${WRK_ARGS:--t2 -c64}
-ORIGIN_PORT=$((BASE_PORT + 1))
-CG_PORT=$((BASE_PORT + 3))
-CG_ADMIN_PORT=$((BASE_PORT + 4))
+bench_defaults PROFILE_SECONDS=8 BASE_PORT=28180 WRK_ARGS="-t2 -c64"
+bench_ports ORIGIN_PORT - CG_PORT CG_ADMIN_PORT
 
 bench_init
 ensure_apt_tools nginx:nginx wrk:wrk curl:curl perf:linux-perf
 require_tools cargo
-require_free_ports "$ORIGIN_PORT" "$CG_PORT" "$CG_ADMIN_PORT"
+require_free_ports "${BENCH_PORTS[@]}"
 
 build_cacheguard
 
@@ -39,21 +33,8 @@ mkdir -p "$OUT"
 start_nginx origin bench/origin.conf.tmpl WORKERS=2 PORT="$ORIGIN_PORT" STATIC_BODY="$(static_body 1024)"
 wait_http "http://127.0.0.1:$ORIGIN_PORT/items/1" "$LAST_PID" "origin nginx"
 
-cat >"$OUT/cacheguard.toml" <<EOF
-[server]
-listen = "127.0.0.1:$CG_PORT"
-[upstream]
-url = "http://127.0.0.1:$ORIGIN_PORT"
-max_concurrency = 256
-[admin]
-listen = "127.0.0.1:$CG_ADMIN_PORT"
-[cache]
-ttl = "600s"
-l1_max_bytes = 67108864
-[[routes]]
-name = "item"
-match = "/items/{id}"
-EOF
+cg_config "$CG_PORT" "$CG_ADMIN_PORT" "$ORIGIN_PORT" upstream.max_concurrency=256 cache.ttl=600s \
+    cache.l1_max_bytes=67108864 >"$OUT/cacheguard.toml"
 start_bg "$OUT/cacheguard.log" "$CG_BIN" --config "$OUT/cacheguard.toml"
 CG_PID=$LAST_PID
 wait_http "http://127.0.0.1:$CG_ADMIN_PORT/healthz" "$CG_PID" cacheguard

@@ -48,18 +48,11 @@
 
 set -euo pipefail
 
-ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-cd "$ROOT"
 # shellcheck source=bench/lib.sh
-source bench/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
-MODES=${MODES:-standalone cluster sentinel}
-REPS=${REPS:-3}
-DURATION=${DURATION:-10s}
-KEYS=${KEYS:-1000}
-CONCURRENCIES=${CONCURRENCIES:-1000}
-DELAY_MS=${DELAY_MS:-200}
-BASE_PORT=${BASE_PORT:-31080}
+bench_defaults MODES="standalone cluster sentinel" REPS=3 DURATION=10s KEYS=1000 CONCURRENCIES=1000 \
+    DELAY_MS=200 BASE_PORT=31080
 TIMEOUT_S=30
 WRK_TIMEOUT=10s
 BODY_BYTES=1024
@@ -69,45 +62,30 @@ FIRST_COLD_ID=500001
 MASTER_NAME=cgprimary
 READY_WAIT_S=60 # deadline for a topology or a cacheguard instance to become ready
 
-ORIGIN0_PORT=$((BASE_PORT + 1)) # no delay: section a
-ORIGIN_PORT=$((BASE_PORT + 2))  # DELAY_MS: section b
-CGL_PORT=$((BASE_PORT + 3))
-CGL_ADMIN=$((BASE_PORT + 4))
-CGA_PORT=$((BASE_PORT + 5))
-CGA_ADMIN=$((BASE_PORT + 6))
-CGB_PORT=$((BASE_PORT + 7))
-CGB_ADMIN=$((BASE_PORT + 8))
-STANDALONE_PORT=$((BASE_PORT + 10))
+# ORIGIN0_PORT: the origin with no delay (section a); ORIGIN_PORT: with DELAY_MS (section b)
+bench_ports ORIGIN0_PORT ORIGIN_PORT CGL_PORT CGL_ADMIN CGA_PORT CGA_ADMIN CGB_PORT CGB_ADMIN - STANDALONE_PORT
 CLUSTER_PORTS=()
 for i in 1 2 3 4 5 6; do CLUSTER_PORTS+=($((BASE_PORT + 10 + i))); done
 PRIMARY_PORT=$((BASE_PORT + 17))
 REPLICA_PORT=$((BASE_PORT + 18))
 SENTINEL_PORTS=($((BASE_PORT + 19)) $((BASE_PORT + 20)) $((BASE_PORT + 21)))
 
-[[ $REPS =~ ^[1-9][0-9]*$ ]] || die "REPS must be a positive integer (got '$REPS')"
-[[ $KEYS =~ ^[1-9][0-9]*$ ]] || die "KEYS must be a positive integer (got '$KEYS')"
+require_positive REPS KEYS
 ((KEYS < FIRST_COLD_ID)) || die "KEYS must be below $FIRST_COLD_ID (the first cold id of section b)"
-[[ $DELAY_MS =~ ^[1-9][0-9]*$ ]] || die "DELAY_MS must be a positive integer (got '$DELAY_MS')"
+require_positive DELAY_MS
 [[ $DURATION =~ ^[0-9]+[smh]?$ ]] || die "DURATION must be a wrk duration like 10s (got '$DURATION')"
 ((BASE_PORT >= 1024 && BASE_PORT + 10016 <= 65535)) || die "BASE_PORT must leave room for +10016 (got $BASE_PORT)"
-for c in $CONCURRENCIES; do
-    [[ $c =~ ^[1-9][0-9]*$ ]] || die "CONCURRENCIES must be positive integers (got '$c')"
-done
+require_positive_list CONCURRENCIES
 [[ -n ${MODES// /} ]] || die "MODES is empty"
-for m in $MODES; do
-    case $m in standalone | cluster | sentinel) ;;
-    *) die "unknown mode '$m' (known: standalone cluster sentinel)" ;;
-    esac
-done
+check_list MODES mode standalone cluster sentinel
 
-started_at=$SECONDS
 bench_init
 
 # --- preflight -------------------------------------------------------------------------
 
 ensure_apt_tools redis-server:redis-server redis-cli:redis-tools wrk:wrk curl:curl jq:jq
 require_tools cargo awk sort mktemp ss timeout getconf
-ports=("$ORIGIN0_PORT" "$ORIGIN_PORT" "$CGL_PORT" "$CGL_ADMIN" "$CGA_PORT" "$CGA_ADMIN" "$CGB_PORT" "$CGB_ADMIN")
+ports=("${BENCH_PORTS[@]:0:8}") # the origins and cacheguard instances; Redis by mode:
 for m in $MODES; do
     case $m in
     standalone) ports+=("$STANDALONE_PORT") ;;
@@ -118,39 +96,25 @@ done
 require_free_ports "${ports[@]}"
 
 # File descriptors: C connections in the loadgen and as many in the proxies (see stampede.sh).
-raise_fd_limit
-max_c=0
-for c in $CONCURRENCIES; do ((c > max_c)) && max_c=$c; done
-[[ $FD_LIMIT == unlimited ]] || ((FD_LIMIT >= 2 * max_c + 512)) ||
-    die "open-file limit $FD_LIMIT is too low for C=$max_c (need at least $((2 * max_c + 512)))"
+# shellcheck disable=SC2086 # one C per word
+require_fds_for_concurrency $CONCURRENCIES
 
 build_bench_tools
 
 build_cacheguard
 
-STAMP=$(date -u +%Y%m%dT%H%M%SZ)
-OUT=$ROOT/bench/results/scale-out-$STAMP
-mkdir -p "$OUT/runs" "$OUT/configs" "$OUT/topology"
-log "results: $OUT"
+bench_results scale-out- runs configs topology
 CLK_TCK=$(getconf CLK_TCK)
 
 # --- environment -----------------------------------------------------------------------
 
-LOAD_START=$(cut -d' ' -f1-3 /proc/loadavg)
-{
-    env_machine
-    echo "redis: $(redis-server --version)"
-    echo "wrk: $(wrk -v 2>&1 | head -n1 | awk '{ print $1, $2, $3 }')"
-    env_build
-    echo "fd_limit: $FD_LIMIT (wanted $FD_WANTED)"
-    echo "load_start: $LOAD_START"
-    echo "modes: $MODES"
-    echo "reps: $REPS"
-    echo "throughput: wrk -t2 -c64 -d$DURATION --latency over $KEYS keys, L1 off"
-    echo "concurrencies: $CONCURRENCIES"
-    echo "origin_delay_ms: $DELAY_MS (section b; section a's origin has no delay)"
-} >"$OUT/env.txt"
-cat "$OUT/env.txt" >&2
+write_env redis wrk <<EOF
+modes: $MODES
+reps: $REPS
+throughput: wrk -t2 -c64 -d$DURATION --latency over $KEYS keys, L1 off
+concurrencies: $CONCURRENCIES
+origin_delay_ms: $DELAY_MS (section b; section a's origin has no delay)
+EOF
 
 # --- helpers ---------------------------------------------------------------------------
 
@@ -273,90 +237,53 @@ EOF
     log "sentinel: primary with 1 replica, 3 sentinels agree"
 }
 
-# redis_section MODE: the [redis] section of cacheguard's config for MODE.
-redis_section() {
+# redis_settings MODE: the [redis] settings (cg_config arguments) for MODE, one per line.
+redis_settings() {
     local urls
-    echo "[redis]"
     case $1 in
-    standalone) echo "url = \"redis://127.0.0.1:$STANDALONE_PORT\"" ;;
+    standalone) echo "redis.url=redis://127.0.0.1:$STANDALONE_PORT" ;;
     cluster)
         urls=$(printf '"redis://127.0.0.1:%s", ' "${CLUSTER_PORTS[@]}")
-        echo 'mode = "cluster"'
-        echo "urls = [${urls%, }]"
+        echo redis.mode=cluster
+        echo "redis.urls=[${urls%, }]"
         ;;
     sentinel)
         urls=$(printf '"redis://127.0.0.1:%s", ' "${SENTINEL_PORTS[@]}")
-        echo 'mode = "sentinel"'
-        echo "urls = [${urls%, }]"
-        echo "master_name = \"$MASTER_NAME\""
+        echo redis.mode=sentinel
+        echo "redis.urls=[${urls%, }]"
+        echo "redis.master_name=$MASTER_NAME"
         ;;
     esac
-    echo 'command_timeout = "200ms"'
-}
-
-# cacheguard_config MODE PORT ADMIN_PORT ORIGIN_PORT L1: as bench/stampede.sh's shared config,
-# with the [redis] section of MODE and `[cache] l1 = L1` ("" = the default).
-cacheguard_config() {
-    cat <<EOF
-[server]
-listen = "127.0.0.1:$2"
-[upstream]
-url = "http://127.0.0.1:$4"
-max_concurrency = 1024
-queue_timeout = "5s"
-EOF
-    redis_section "$1"
-    cat <<EOF
-[journal]
-path = "journal-$2"
-[admin]
-listen = "127.0.0.1:$3"
-[cache]
-ttl = "600s"
-EOF
-    [[ -z $5 ]] || echo "l1 = \"$5\""
-    cat <<EOF
-[lock]
-lease = "5s"
-wait_timeout = "5s"
-[[routes]]
-name = "item"
-match = "/items/{id}"
-EOF
+    echo redis.command_timeout=200ms
 }
 
 redis_up() { [[ $(curl -s --max-time 2 "$1/admin/redis" | jq -r '.up' 2>/dev/null) == true ]]; }
 
-declare -A CG_PID_OF CG_LOG_OF
-# start_cacheguard NAME MODE TAG PORT ADMIN_PORT ORIGIN_PORT L1: starts one instance (config
-# in the scratch dir, a copy in $OUT/configs, log in $OUT/runs/TAG-NAME.log) and waits until
-# /admin/redis says "up":true.
+# start_cacheguard NAME MODE TAG PORT ADMIN_PORT ORIGIN_PORT L1: starts one instance with
+# bench/stampede.sh's shared config (lock_config) on the Redis of MODE, `[cache] l1 = L1` ("" =
+# the default); config in the scratch dir, a copy in $OUT/configs, log in
+# $OUT/runs/TAG-NAME.log. Waits until /admin/redis says "up":true.
 start_cacheguard() {
-    local name=$1 mode=$2 tag=$3 port=$4 admin=$5 dir="$BENCH_TMP/cg-$1-$2"
+    local name=$1 mode=$2 tag=$3 port=$4 admin=$5 dir="$BENCH_TMP/cg-$1-$2" redis
     mkdir -p "$dir"
-    cacheguard_config "$mode" "$port" "$admin" "$6" "$7" >"$dir/cacheguard.toml"
+    mapfile -t redis < <(redis_settings "$mode")
+    lock_config "$port" "$admin" "$6" "${redis[@]}" journal.path="journal-$port" ${7:+cache.l1="$7"} \
+        >"$dir/cacheguard.toml"
     [[ -f $OUT/configs/$mode-$name.toml ]] || cp "$dir/cacheguard.toml" "$OUT/configs/$mode-$name.toml"
-    "$CG_BIN" --check-config "$dir/cacheguard.toml" >&2 || die "cacheguard --check-config $dir/cacheguard.toml failed"
-    CG_LOG_OF[$name]=$OUT/runs/$tag-$name.log
-    start_bg "${CG_LOG_OF[$name]}" "$CG_BIN" --config "$dir/cacheguard.toml"
-    CG_PID_OF[$name]=$LAST_PID
-    wait_http "http://127.0.0.1:$admin/healthz" "$LAST_PID" "cacheguard ($name, $mode)"
+    launch_cacheguard "$name" "$dir/cacheguard.toml" "$port" "$admin" "$OUT/runs/$tag-$name.log" "cacheguard ($name, $mode)"
     local deadline=$((SECONDS + READY_WAIT_S))
-    until redis_up "http://127.0.0.1:$admin"; do
-        kill -0 "${CG_PID_OF[$name]}" 2>/dev/null || die "cacheguard ($name, $mode) exited; see ${CG_LOG_OF[$name]}"
+    until redis_up "${ADMIN_OF[$name]}"; do
+        kill -0 "${PID_OF[$name]}" 2>/dev/null || die "cacheguard ($name, $mode) exited; see ${LOG_OF[$name]}"
         ((SECONDS < deadline)) || die "cacheguard ($name, $mode): /admin/redis not up within $READY_WAIT_S s"
         sleep 0.2
     done
-    curl -s --max-time 2 "http://127.0.0.1:$admin/admin/redis" >"$OUT/runs/$tag-$name-admin-redis.json" || true
+    curl -s --max-time 2 "${ADMIN_OF[$name]}/admin/redis" >"$OUT/runs/$tag-$name-admin-redis.json" || true
 }
 
 stop_cacheguard() {
-    stop_pid "${CG_PID_OF[$1]}"
-    unset "CG_PID_OF[$1]"
+    stop_pid "${PID_OF[$1]}"
+    unset "PID_OF[$1]"
 }
-
-# metric FILE NAME[{labels}]: the value of one sample in a /metrics dump (0 when absent).
-metric() { awk -v m="$2" '$1 == m { v = $2 } END { printf "%.0f", v + 0 }' "$1"; }
 
 # metric_sum FILE NAME [LABEL=\"VALUE\"...]: the sum of every sample of NAME carrying all the
 # given label pairs (0 when none).
@@ -389,12 +316,10 @@ origin_total() { curl -s --max-time 5 "$1/stats" | jq '.total'; }
 
 ORIGIN0=http://127.0.0.1:$ORIGIN0_PORT
 ORIGIN=http://127.0.0.1:$ORIGIN_PORT
-start_bg "$OUT/origin0.log" "$ORIGIN_BIN" --port "$ORIGIN0_PORT" --delay-ms 0 --max-id "$MAX_ID" --threads 2
-wait_http "$ORIGIN0/stats" "$LAST_PID" "bench-origin (no delay)"
-start_bg "$OUT/origin.log" "$ORIGIN_BIN" --port "$ORIGIN_PORT" --delay-ms "$DELAY_MS" --max-id "$MAX_ID" --threads 2
-wait_http "$ORIGIN/stats" "$LAST_PID" "bench-origin (delay $DELAY_MS ms)"
-size=$(curl -s -o /dev/null -w '%{size_download}' "$ORIGIN0/items/1")
-[[ $size == "$BODY_BYTES" ]] || die "origin body is $size bytes, expected $BODY_BYTES"
+start_origin "$OUT/origin0.log" "bench-origin (no delay)" "$ORIGIN0_PORT" --delay-ms 0 --max-id "$MAX_ID" --threads 2
+start_origin "$OUT/origin.log" "bench-origin (delay $DELAY_MS ms)" "$ORIGIN_PORT" --delay-ms "$DELAY_MS" \
+    --max-id "$MAX_ID" --threads 2
+check_origin_body "$ORIGIN0/items/1" "$BODY_BYTES"
 
 for m in $MODES; do "start_$m"; done
 
@@ -425,7 +350,7 @@ run_l2() {
     local mode=$1 rep=$2 tag="a-$1-rep$2" admin=http://127.0.0.1:$CGL_ADMIN base=http://127.0.0.1:$CGL_PORT
     log "a. rep $rep/$REPS: $mode: L2-hit throughput over $KEYS keys (L1 off)"
     start_cacheguard cgL "$mode" "$tag" "$CGL_PORT" "$CGL_ADMIN" "$ORIGIN0_PORT" off
-    local pid=${CG_PID_OF[cgL]}
+    local pid=${PID_OF[cgL]}
     # fill (whatever is not in this topology yet), then check: every key must be a HIT-L2
     timeout 300 "$LOADGEN_BIN" list --url "$base/items/{id}" --ids-file "$IDS_FILE" --connections 16 \
         >"$OUT/runs/$tag-fill.json" || die "loadgen list (fill) failed; see $OUT/runs/$tag-fill.json"
@@ -450,14 +375,8 @@ run_l2() {
     cg0=$(cpu_ticks "$pid")
     curl -s --max-time 2 "$admin/metrics" >"$OUT/runs/$tag-metrics-before.txt" || die "cannot read $admin/metrics"
     before_o=$(origin_total "$ORIGIN0")
-    echo "# wrk -t2 -c64 -d$DURATION --latency --timeout $WRK_TIMEOUT -s bench/id_list.lua $base -- $IDS_FILE 2" >"$file"
-    start_bg "$file.part" wrk -t2 -c64 -d"$DURATION" --latency --timeout "$WRK_TIMEOUT" \
+    wrk_once "$file" "$tag" -t2 -c64 -d"$DURATION" --latency --timeout "$WRK_TIMEOUT" \
         -s bench/id_list.lua "$base" -- "$IDS_FILE" 2
-    local wrk_pid=$LAST_PID wrk_rc=0
-    wait "$wrk_pid" || wrk_rc=$?
-    forget_pid "$wrk_pid"
-    cat "$file.part" >>"$file" && rm -f "$file.part"
-    ((wrk_rc == 0)) || die "wrk failed ($wrk_rc) for $tag; see $file"
     after_o=$(origin_total "$ORIGIN0")
     curl -s --max-time 2 "$admin/metrics" >"$OUT/runs/$tag-metrics-after.txt" || die "cannot read $admin/metrics"
     cg1=$(cpu_ticks "$pid")
@@ -482,7 +401,7 @@ run_l2() {
     done
     other="hit_l2=$((l2_a - l2_b)),${other}"
     local warn
-    warn=$(grep -c -E 'WARN|ERROR' "${CG_LOG_OF[cgL]}" || true)
+    warn=$(grep -c -E 'WARN|ERROR' "${LOG_OF[cgL]}" || true)
     stop_cacheguard cgL
 
     printf 'a\t%s\t%s\t-\t-\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t-\t%s\t%s\t%s\t-\t%s\n' "$mode" "$rep" \
@@ -493,12 +412,11 @@ run_l2() {
         "$(ticks_to_s $((r1 - r0)))" >&2
     ((errs == 0 && non2xx == 0)) || log "WARNING: $tag: $errs socket errors, $non2xx non-2xx answers (see $file)"
     [[ $((after_o - before_o)) == 0 ]] || log "WARNING: $tag: $((after_o - before_o)) origin requests during the run"
-    ((warn == 0)) || log "WARNING: $tag: $warn WARN/ERROR lines in ${CG_LOG_OF[cgL]}"
+    ((warn == 0)) || log "WARNING: $tag: $warn WARN/ERROR lines in ${LOG_OF[cgL]}"
 }
 
 # --- section b: stampede coalescing ------------------------------------------------------
 
-LOCK_OUTCOMES="acquired contended renewed lost takeover wait_timeout"
 next_id=$FIRST_COLD_ID
 
 # run_stampede MODE REP C: one stampede on the instances cgA and cgB (already running).
@@ -506,48 +424,30 @@ run_stampede() {
     local mode=$1 rep=$2 c=$3 id=$next_id
     next_id=$((next_id + 1))
     local path=/items/$id tag="b-$1-rep$2-c$3" inst
-    declare -A log_lines_before=()
-    for inst in cgA cgB; do
-        curl -s --max-time 2 "${ADMIN_OF[$inst]}/metrics" >"$OUT/runs/$tag-metrics-$inst-before.txt" || true
-        log_lines_before[$inst]=$(wc -l <"${CG_LOG_OF[$inst]}")
-    done
-    curl -s -X POST --max-time 5 "$ORIGIN/stats/reset" >/dev/null || die "cannot reset origin counters"
+    instances_before "$OUT/runs/$tag" cgA cgB
+    origin_reset
     local json=$OUT/runs/$tag.json
     log "b. rep $rep/$REPS: $mode: stampede C=$c on $path over cgA + cgB"
-    start_bg "$json" timeout --signal=TERM 120 "$LOADGEN_BIN" stampede \
-        --url "${URL_OF[cgA]}$path" --url "${URL_OF[cgB]}$path" \
+    loadgen_stampede "$json" "$tag" --url "${URL_OF[cgA]}$path" --url "${URL_OF[cgB]}$path" \
         --concurrency "$c" --timeout-s "$TIMEOUT_S" --warm-path "$WARM_PATH"
-    local lg_pid=$LAST_PID lg_rc=0
-    wait "$lg_pid" || lg_rc=$?
-    forget_pid "$lg_pid"
-    ((lg_rc == 0)) || die "loadgen failed ($lg_rc) for $tag; see $json"
     sleep 0.2 # anything still on its way to the origin
-    curl -s --max-time 5 "$ORIGIN/stats" >"$OUT/runs/$tag-origin.json" || die "cannot read origin stats"
+    save_origin_stats "$OUT/runs/$tag-origin.json"
     local origin_cold
-    origin_cold=$(jq --arg p "$path" '.paths[$p] // 0' "$OUT/runs/$tag-origin.json")
+    origin_cold=$(origin_path_count "$OUT/runs/$tag-origin.json" "$path")
 
-    local parts=() o before_v after_v delta sum_warn=0 f p
+    local parts=() sum_warn=0 ma
     for inst in cgA cgB; do
-        curl -s --max-time 2 "${ADMIN_OF[$inst]}/metrics" >"$OUT/runs/$tag-metrics-$inst-after.txt" || true
-        f=$OUT/runs/$tag-$inst-lines.log
-        tail -n +"$((log_lines_before[$inst] + 1))" "${CG_LOG_OF[$inst]}" >"$f"
-        sum_warn=$((sum_warn + $(grep -c -E 'WARN|ERROR' "$f" || true)))
-        p=""
-        for o in $LOCK_OUTCOMES; do
-            before_v=$(metric "$OUT/runs/$tag-metrics-$inst-before.txt" "cacheguard_lock_events_total{outcome=\"$o\"}")
-            after_v=$(metric "$OUT/runs/$tag-metrics-$inst-after.txt" "cacheguard_lock_events_total{outcome=\"$o\"}")
-            delta=$((after_v - before_v))
-            ((delta == 0)) || p+="$o=$delta,"
-        done
-        p+="bus=$(metric "$OUT/runs/$tag-metrics-$inst-after.txt" cacheguard_event_bus_subscribed)"
-        parts+=("$inst:$p")
+        ma=$OUT/runs/$tag-metrics-$inst-after.txt
+        save_metrics "${ADMIN_OF[$inst]}" "$ma"
+        sum_warn=$((sum_warn + $(log_since "${LOG_OF[$inst]}" "${LOG_MARK[$inst]}" "$OUT/runs/$tag-$inst-lines.log")))
+        parts+=("$inst:$(lock_events "$OUT/runs/$tag-metrics-$inst-before.txt" "$ma")bus=$(metric "$ma" cacheguard_event_bus_subscribed)")
     done
 
     local vals xc
     vals=$(jq -r '[.count, .ok, .non_2xx, .errors, .setup_failures, .ready, .latency_ms.p50, .latency_ms.p99,
         .latency_ms.max] | map(if . == null then "nan" else tostring end) | join("\t")' "$json") ||
         die "cannot parse $json"
-    xc=$(jq -r '.x_cache | to_entries | map("\(.key)=\(.value)") | join(",")' "$json")
+    xc=$(json_counts "$json")
     local count ok non2xx errors setup_f ready p50 p99 max
     IFS=$'\t' read -r count ok non2xx errors setup_f ready p50 p99 max <<<"$vals"
     printf 'b\t%s\t%s\t%s\t%s\t-\t%s\t%s\t%s\t%s\t%s\t%s\t-\t%s\t%s\t%s\t-\t-\t%s\t%s\n' "$mode" "$rep" "$c" "$id" \
@@ -563,39 +463,18 @@ run_stampede() {
     sleep 0.3 # let the closed connections drain
 }
 
-declare -A URL_OF=([cgA]=http://127.0.0.1:$CGA_PORT [cgB]=http://127.0.0.1:$CGB_PORT)
-declare -A ADMIN_OF=([cgA]=http://127.0.0.1:$CGA_ADMIN [cgB]=http://127.0.0.1:$CGB_ADMIN)
-
 run_coalescing() {
     local mode=$1 rep=$2 tag="b-$1-rep$2" inst c
     start_cacheguard cgA "$mode" "$tag" "$CGA_PORT" "$CGA_ADMIN" "$ORIGIN_PORT" ""
     start_cacheguard cgB "$mode" "$tag" "$CGB_PORT" "$CGB_ADMIN" "$ORIGIN_PORT" ""
     # the event bus must be live in both instances before a stampede means anything
     for inst in cgA cgB; do
-        local deadline=$((SECONDS + 15))
-        while :; do
-            curl -s --max-time 2 "${ADMIN_OF[$inst]}/metrics" >"$OUT/runs/$tag-$inst-metrics-start.txt" || true
-            [[ $(metric "$OUT/runs/$tag-$inst-metrics-start.txt" cacheguard_event_bus_subscribed) == 1 ]] && break
-            if ((SECONDS >= deadline)); then
-                log "WARNING: $tag $inst: cacheguard_event_bus_subscribed is not 1 after 15 s"
-                break
-            fi
-            sleep 0.2
-        done
+        wait_bus "$tag $inst" "${ADMIN_OF[$inst]}" "$OUT/runs/$tag-$inst-metrics-start.txt" 15
         warm "${URL_OF[$inst]}$WARM_PATH" HIT-L1 HIT-L2
     done
     for c in $CONCURRENCIES; do run_stampede "$mode" "$rep" "$c"; done
     stop_cacheguard cgA
     stop_cacheguard cgB
-}
-
-# rotate N WORD...: WORD list rotated left by N (so each rep starts with another mode).
-rotate() {
-    local n=$1
-    shift
-    local a=("$@") k i
-    k=${#a[@]}
-    for ((i = 0; i < k; i++)); do printf '%s ' "${a[(i + n) % k]}"; done
 }
 
 for ((rep = 1; rep <= REPS; rep++)); do
@@ -613,9 +492,7 @@ for m in $MODES; do
     esac
 done
 
-LOAD_END=$(cut -d' ' -f1-3 /proc/loadavg)
-echo "load_end: $LOAD_END" >>"$OUT/env.txt"
-WALL=$((SECONDS - started_at))
+end_env
 
 # --- summary ---------------------------------------------------------------------------
 
@@ -623,11 +500,8 @@ col() { # col SECTION MODE C FIELD_NO: one raw.tsv column for one (section, mode
     awk -F'\t' -v s="$1" -v m="$2" -v c="$3" -v f="$4" \
         'NR > 1 && $1 == s && $2 == m && (c == "-" || $4 == c) { print $f }' "$RAW"
 }
-sum_col() { col "$@" | awk '{ s += $1 } END { print s + 0 }'; }
-merge_hist() { # "K=V,K=V" cells summed over the reps
-    col "$@" | tr ',' '\n' | awk -F= 'NF == 2 { s[$1] += $2 } END { for (k in s) printf "%s %d\n", k, s[k] }' |
-        sort | awk '{ printf "%s%s %d", (NR > 1 ? ", " : ""), $1, $2 }'
-}
+sum_col() { col "$@" | sum_lines; }
+merge_hist() { col "$@" | merge_counts; } # "K=V,K=V" cells summed over the reps
 # paired_ratio MODE: per rep, req/s of MODE / req/s of standalone in the same rep.
 paired_ratio() {
     local v=()
@@ -641,7 +515,6 @@ paired_ratio() {
     }
     cell_dec 2 "${v[@]}"
 }
-verdict() { if [[ $1 == 1 ]]; then echo "**met**"; else echo "**MISSED**"; fi; }
 # cell_rps V...: req/s as "median (min–max)" with thousands separators; a lone value when all
 # values are equal.
 cell_rps() {
@@ -677,11 +550,7 @@ declare -A LABEL=(
     echo "The same cacheguard on three Redis topologies, all on 127.0.0.1 on the same $(nproc) cores"
     echo "(load generator, cacheguard, origin and every redis-server share them)."
     echo "Each cell is **median (min–max) over $REPS rep(s)** (one value when they agree); modes rotate within each rep."
-    echo "Load average (1/5/15 min) at start: $LOAD_START; at end: $LOAD_END. Wall time: ${WALL} s."
-    echo
-    echo "| item | value |"
-    echo "|---|---|"
-    sed -n 's/^\([a-z_]*\): \(.*\)$/| \1 | \2 |/p' "$OUT/env.txt"
+    env_summary
     echo
     echo "## a. L2-hit throughput, L1 off"
     echo
@@ -747,5 +616,4 @@ declare -A LABEL=(
     echo "Raw data: \`bench/results/scale-out-$STAMP/\` (raw.tsv, runs/: wrk outputs, loadgen JSON, origin stats, cacheguard logs, /metrics and /admin/redis around each run; configs/; topology/)."
 } >"$OUT/summary.md"
 
-cat "$OUT/summary.md"
-log "done in ${WALL} s; results in $OUT"
+show_summary

@@ -52,36 +52,21 @@
 
 set -euo pipefail
 
-ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-cd "$ROOT"
 # shellcheck source=bench/lib.sh
-source bench/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
-DELAYS=${DELAYS:-200ms 0s}
-DURATION_S=${DURATION_S:-10}
-WRITERS=${WRITERS:-8}
-READERS=${READERS:-32}
-KEYS=${KEYS:-100}
-REPLICA_LAG_MS=${REPLICA_LAG_MS:-50}
-KV_TAGS=${KV_TAGS:-0}
-CG_WORKERS=${CG_WORKERS:-1}
-CG_JOURNAL=${CG_JOURNAL:-1}
-SEED=${SEED:-}
-BASE_PORT=${BASE_PORT:-29680}
+bench_defaults DELAYS="200ms 0s" DURATION_S=10 WRITERS=8 READERS=32 KEYS=100 REPLICA_LAG_MS=50 KV_TAGS=0 \
+    CG_WORKERS=1 CG_JOURNAL=1 SEED= BASE_PORT=29680
 INSTANCES=3
 # per-request bound of loadgen; the whole loadgen run is bounded by DURATION_S + LOAD_SLACK_S
 REQUEST_TIMEOUT_S=5
 LOAD_SLACK_S=60
 
-ORIGIN_PORT=$((BASE_PORT + 1))
-REDIS_PORT=$((BASE_PORT + 2))
+bench_ports ORIGIN_PORT REDIS_PORT
 cg_port() { echo $((BASE_PORT + 1 + 2 * $1)); }  # instance 1..3: +3, +5, +7
 cg_admin() { echo $((BASE_PORT + 2 + 2 * $1)); } # instance 1..3: +4, +6, +8
 
-[[ $DURATION_S =~ ^[1-9][0-9]*$ ]] || die "DURATION_S must be a positive integer (got '$DURATION_S')"
-[[ $WRITERS =~ ^[1-9][0-9]*$ ]] || die "WRITERS must be a positive integer"
-[[ $READERS =~ ^[1-9][0-9]*$ ]] || die "READERS must be a positive integer"
-[[ $KEYS =~ ^[1-9][0-9]*$ ]] || die "KEYS must be a positive integer"
+require_positive DURATION_S WRITERS READERS KEYS
 [[ $REPLICA_LAG_MS =~ ^[0-9]+$ ]] || die "REPLICA_LAG_MS must be a non-negative integer"
 [[ $KV_TAGS =~ ^[01]$ ]] || die "KV_TAGS must be 0 or 1"
 [[ $CG_JOURNAL =~ ^[01]$ ]] || die "CG_JOURNAL must be 0 or 1"
@@ -104,14 +89,13 @@ for d in $DELAYS; do
 done
 [[ -n ${DELAYS// /} ]] || die "DELAYS is empty: nothing to run"
 
-started_at=$SECONDS
 bench_init
 
 # --- preflight -------------------------------------------------------------------------
 
 ensure_apt_tools redis-server:redis-server redis-cli:redis-tools curl:curl jq:jq
 require_tools cargo awk timeout
-ports=("$ORIGIN_PORT" "$REDIS_PORT")
+ports=("${BENCH_PORTS[@]}")
 for ((n = 1; n <= INSTANCES; n++)); do ports+=("$(cg_port "$n")" "$(cg_admin "$n")"); done
 require_free_ports "${ports[@]}"
 
@@ -120,10 +104,7 @@ build_bench_tools
 build_cacheguard
 log "cacheguard: $CG_BIN"
 
-STAMP=$(date -u +%Y%m%dT%H%M%SZ)
-OUT=$ROOT/bench/results/stale-window-$STAMP
-mkdir -p "$OUT"
-log "results: $OUT"
+bench_results stale-window-
 
 # --- environment -----------------------------------------------------------------------
 
@@ -152,11 +133,9 @@ cat "$OUT/env.txt" >&2
 # --- origin and Redis --------------------------------------------------------------------
 
 ORIGIN=http://127.0.0.1:$ORIGIN_PORT
-origin_args=(--port "$ORIGIN_PORT" --threads 2 --kv --replica-lag-ms "$REPLICA_LAG_MS")
+origin_args=(--threads 2 --kv --replica-lag-ms "$REPLICA_LAG_MS")
 ((KV_TAGS)) && origin_args+=(--kv-tags)
-start_bg "$OUT/origin.log" "$ORIGIN_BIN" "${origin_args[@]}"
-ORIGIN_PID=$LAST_PID
-wait_http "$ORIGIN/stats" "$ORIGIN_PID" "bench-origin"
+start_origin "$OUT/origin.log" bench-origin "$ORIGIN_PORT" "${origin_args[@]}"
 [[ $(curl -s --max-time 2 "$ORIGIN/kv/preflight" | jq -r .version) == 0 ]] ||
     die "bench-origin does not answer GET /kv/{key} (KV mode)"
 
@@ -205,23 +184,6 @@ double_delete_delay = "$2"
 EOF
 }
 
-# metric FILE NAME[{labels}]: the value of one sample in a /metrics dump (0 when absent).
-metric() { awk -v m="$2" '$1 == m { v = $2 } END { printf "%.0f", v + 0 }' "$1"; }
-
-# wait_bus ADMIN_URL FILE: wait (≤ 10 s) until an instance's event bus is subscribed.
-wait_bus() {
-    local deadline=$((SECONDS + 10))
-    while :; do
-        curl -s --max-time 2 "$1/metrics" >"$2" || true
-        [[ $(metric "$2" cacheguard_event_bus_subscribed) == 1 ]] && return 0
-        if ((SECONDS >= deadline)); then
-            log "WARNING: $1: cacheguard_event_bus_subscribed is not 1 after 10 s (see $2)"
-            return 0
-        fi
-        sleep 0.2
-    done
-}
-
 # --- one scenario --------------------------------------------------------------------------
 
 declare -A RESULT_OF WARN_OF INV_OF ORIGIN_READS_OF ORIGIN_WRITES_OF
@@ -255,21 +217,19 @@ run_scenario() {
         wait_http "http://127.0.0.1:$(cg_admin "$n")/healthz" "${pids[n - 1]}" "cacheguard $n ($name)"
     done
     for ((n = 1; n <= INSTANCES; n++)); do
-        wait_bus "http://127.0.0.1:$(cg_admin "$n")" "$run/metrics-$n-before.txt"
+        wait_bus "http://127.0.0.1:$(cg_admin "$n")" "http://127.0.0.1:$(cg_admin "$n")" "$run/metrics-$n-before.txt"
     done
-    curl -s -X POST --max-time 5 "$ORIGIN/stats/reset" >/dev/null || die "cannot reset origin counters"
+    origin_reset
 
     local seed_args=()
     [[ -z $SEED ]] || seed_args=(--seed "$SEED")
     log "loadgen stale: $WRITERS writers, $READERS readers, $KEYS keys, ${DURATION_S} s, delay $d_ms ms"
-    start_bg "$run/loadgen.log" timeout -k 5 $((DURATION_S + LOAD_SLACK_S)) \
+    local rc=0
+    run_bg "$run/loadgen.log" timeout -k 5 $((DURATION_S + LOAD_SLACK_S)) \
         "$LOADGEN_BIN" stale "${urls[@]}" --path-template '/kv/{key}' \
         --writers "$WRITERS" --readers "$READERS" --keys "$KEYS" --key-prefix "s$idx-" \
         --duration-s "$DURATION_S" --delay-ms "$d_ms" --timeout-s "$REQUEST_TIMEOUT_S" \
-        --threads 2 "${seed_args[@]}"
-    local lg=$LAST_PID rc=0
-    wait "$lg" || rc=$?
-    forget_pid "$lg"
+        --threads 2 "${seed_args[@]}" || rc=$?
     # loadgen prints its JSON on stdout and errors on stderr; both went to loadgen.log
     grep '^{' "$run/loadgen.log" | tail -n1 >"$run/stale.json" || true
     if ((rc != 0)) || ! jq -e .mode "$run/stale.json" >/dev/null 2>&1; then
@@ -279,7 +239,7 @@ run_scenario() {
     curl -s --max-time 5 "$ORIGIN/stats" >"$run/origin-stats.json" || true
     local warn=0 inv_done=0 inv_failed=0
     for ((n = 1; n <= INSTANCES; n++)); do
-        curl -s --max-time 2 "http://127.0.0.1:$(cg_admin "$n")/metrics" >"$run/metrics-$n-after.txt" || true
+        save_metrics "http://127.0.0.1:$(cg_admin "$n")" "$run/metrics-$n-after.txt"
         inv_done=$((inv_done + $(metric "$run/metrics-$n-after.txt" 'cacheguard_invalidations_total{result="done"}')))
         inv_failed=$((inv_failed + $(metric "$run/metrics-$n-after.txt" 'cacheguard_invalidations_total{result="failed"}')))
     done
@@ -301,16 +261,14 @@ for d in $DELAYS; do
     run_scenario "$d" "$idx"
 done
 
-LOAD_END=$(cut -d' ' -f1-3 /proc/loadavg)
-echo "load_end: $LOAD_END" >>"$OUT/env.txt"
-WALL=$((SECONDS - started_at))
+end_env
 
 # --- summary -------------------------------------------------------------------------------
 
 # j NAME FILTER: one value of a scenario's loadgen JSON
 j() { jq -r "$2" "${RESULT_OF[$1]}"; }
 ms3() { LC_ALL=C awk -v v="$1" 'BEGIN { if (v == "null" || v == "") print "–"; else printf "%.3f", v }'; }
-ratio() { LC_ALL=C awk -v a="$1" -v b="$2" 'BEGIN { if (b + 0 > 0) printf "%.2f", a / b; else if (a + 0 > 0) print "∞ (denominator 0)"; else print "– (both 0)" }'; }
+ratio_or_inf() { LC_ALL=C awk -v a="$1" -v b="$2" 'BEGIN { if (b + 0 > 0) printf "%.2f", a / b; else if (a + 0 > 0) print "∞ (denominator 0)"; else print "– (both 0)" }'; }
 
 first=${SCENARIOS[0]}
 last=${SCENARIOS[${#SCENARIOS[@]} - 1]}
@@ -321,9 +279,7 @@ last=${SCENARIOS[${#SCENARIOS[@]} - 1]}
     echo "\`loadgen stale\`: $WRITERS writers and $READERS readers, closed loop, $KEYS keys, ${DURATION_S} s per scenario, every request to a random instance."
     echo "All processes on 127.0.0.1 on the same $(nproc) cores. Load average (1/5/15 min) at start: $LOAD_START; at end: $LOAD_END. Wall time: ${WALL} s."
     echo
-    echo "| item | value |"
-    echo "|---|---|"
-    sed -n 's/^\([a-z_]*\): \(.*\)$/| \1 | \2 |/p' "$OUT/env.txt"
+    env_table
     echo
     echo "## Stale windows (ms, over all writes)"
     echo
@@ -340,7 +296,7 @@ last=${SCENARIOS[${#SCENARIOS[@]} - 1]}
     done
     echo
     if [[ $first != "$last" ]]; then
-        echo "- **p99 stale window, ${last#dd-} / ${first#dd-}: $(ratio "$(j "$last" .stale_window_ms.p99)" "$(j "$first" .stale_window_ms.p99)")×**" \
+        echo "- **p99 stale window, ${last#dd-} / ${first#dd-}: $(ratio_or_inf "$(j "$last" .stale_window_ms.p99)" "$(j "$first" .stale_window_ms.p99)")×**" \
             "($(ms3 "$(j "$last" .stale_window_ms.p99)") ms vs $(ms3 "$(j "$first" .stale_window_ms.p99)") ms)."
     fi
     for s in "${SCENARIOS[@]}"; do
@@ -357,5 +313,4 @@ last=${SCENARIOS[${#SCENARIOS[@]} - 1]}
     echo "Raw data: \`bench/results/stale-window-$STAMP/\` (per scenario: loadgen's stale.json, configs, logs, /metrics before and after, origin stats)."
 } >"$OUT/summary.md"
 
-cat "$OUT/summary.md"
-log "done in ${WALL} s; results in $OUT"
+show_summary

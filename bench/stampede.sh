@@ -28,46 +28,23 @@
 
 set -euo pipefail
 
-ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-cd "$ROOT"
 # shellcheck source=bench/lib.sh
-source bench/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
-REPS=${REPS:-3}
-CONCURRENCIES=${CONCURRENCIES:-100 1000}
-DELAY_MS=${DELAY_MS:-200}
-BASE_PORT=${BASE_PORT:-29080}
-TARGETS=${TARGETS:-direct nginx1 nginx2 varnish1 varnish2 cg1 cg2 cgemb1}
+bench_defaults REPS=3 CONCURRENCIES="100 1000" DELAY_MS=200 BASE_PORT=29080 \
+    TARGETS="direct nginx1 nginx2 varnish1 varnish2 cg1 cg2 cgemb1"
 TIMEOUT_S=30
 WARM_PATH=/items/1
 MAX_ID=100000
 FIRST_COLD_ID=20001
 
-ORIGIN_PORT=$((BASE_PORT + 1))
-NGINX_A_PORT=$((BASE_PORT + 2))
-NGINX_B_PORT=$((BASE_PORT + 3))
-VARNISH_A_PORT=$((BASE_PORT + 4))
-VARNISH_B_PORT=$((BASE_PORT + 5))
-REDIS_PORT=$((BASE_PORT + 6))
-CG_A_PORT=$((BASE_PORT + 7))
-CG_A_ADMIN=$((BASE_PORT + 8))
-CG_B_PORT=$((BASE_PORT + 9))
-CG_B_ADMIN=$((BASE_PORT + 10))
-CG_E_PORT=$((BASE_PORT + 11))
-CG_E_ADMIN=$((BASE_PORT + 12))
+bench_ports ORIGIN_PORT NGINX_A_PORT NGINX_B_PORT VARNISH_A_PORT VARNISH_B_PORT REDIS_PORT \
+    CG_A_PORT CG_A_ADMIN CG_B_PORT CG_B_ADMIN CG_E_PORT CG_E_ADMIN
 
-[[ $REPS =~ ^[1-9][0-9]*$ ]] || die "REPS must be a positive integer (got '$REPS')"
-[[ $DELAY_MS =~ ^[1-9][0-9]*$ ]] || die "DELAY_MS must be a positive integer (got '$DELAY_MS')"
-for c in $CONCURRENCIES; do
-    [[ $c =~ ^[1-9][0-9]*$ ]] || die "CONCURRENCIES must be positive integers (got '$c')"
-done
-for t in $TARGETS; do
-    case $t in direct | nginx1 | nginx2 | varnish1 | varnish2 | cg1 | cg2 | cgemb1) ;;
-    *) die "unknown target '$t' (known: direct nginx1 nginx2 varnish1 varnish2 cg1 cg2 cgemb1)" ;;
-    esac
-done
+require_positive REPS DELAY_MS
+require_positive_list CONCURRENCIES
+check_list TARGETS target direct nginx1 nginx2 varnish1 varnish2 cg1 cg2 cgemb1
 
-started_at=$SECONDS
 bench_init
 
 # --- preflight -------------------------------------------------------------------------
@@ -75,157 +52,77 @@ bench_init
 ensure_apt_tools nginx:nginx varnishd:varnish redis-server:redis-server redis-cli:redis-tools \
     curl:curl jq:jq
 require_tools cargo awk sort mktemp id ss timeout
-require_free_ports "$ORIGIN_PORT" "$NGINX_A_PORT" "$NGINX_B_PORT" "$VARNISH_A_PORT" "$VARNISH_B_PORT" \
-    "$REDIS_PORT" "$CG_A_PORT" "$CG_A_ADMIN" "$CG_B_PORT" "$CG_B_ADMIN" "$CG_E_PORT" "$CG_E_ADMIN"
+require_free_ports "${BENCH_PORTS[@]}"
 
 # File descriptors: C=1000 needs ~1000 client sockets in the loadgen and as many in the proxy
 # (plus its upstream sockets). Ask for 65536; a container without CAP_SYS_RESOURCE cannot
 # raise the hard limit, so fall back to the hard limit.
-raise_fd_limit
-max_c=0
-for c in $CONCURRENCIES; do ((c > max_c)) && max_c=$c; done
-[[ $FD_LIMIT == unlimited ]] || ((FD_LIMIT >= 2 * max_c + 512)) ||
-    die "open-file limit $FD_LIMIT is too low for C=$max_c (need at least $((2 * max_c + 512)))"
+# shellcheck disable=SC2086 # one C per word
+require_fds_for_concurrency $CONCURRENCIES
 
 build_bench_tools
 
 build_cacheguard
 
-STAMP=$(date -u +%Y%m%dT%H%M%SZ)
-OUT=$ROOT/bench/results/stampede-$STAMP
-mkdir -p "$OUT/runs"
-log "results: $OUT"
+bench_results stampede- runs
 
 # --- environment -----------------------------------------------------------------------
 
-LOAD_START=$(cut -d' ' -f1-3 /proc/loadavg)
-{
-    env_machine
-    echo "nginx: $(nginx -v 2>&1)"
-    echo "varnishd: $(varnishd -V 2>&1 | head -n1)"
-    echo "redis: $(redis-server --version)"
-    env_build
-    echo "fd_limit: $FD_LIMIT (wanted $FD_WANTED)"
-    echo "load_start: $LOAD_START"
-    echo "reps: $REPS"
-    echo "concurrencies: $CONCURRENCIES"
-    echo "origin_delay_ms: $DELAY_MS"
-} >"$OUT/env.txt"
-cat "$OUT/env.txt" >&2
+write_env nginx varnishd redis <<EOF
+reps: $REPS
+concurrencies: $CONCURRENCIES
+origin_delay_ms: $DELAY_MS
+EOF
 
 # --- origin ----------------------------------------------------------------------------
 
 ORIGIN=http://127.0.0.1:$ORIGIN_PORT
-start_bg "$OUT/origin.log" "$ORIGIN_BIN" --port "$ORIGIN_PORT" --delay-ms "$DELAY_MS" \
-    --max-id "$MAX_ID" --threads 2
-ORIGIN_PID=$LAST_PID
-wait_http "$ORIGIN/stats" "$ORIGIN_PID" "bench-origin"
-size=$(curl -s -o /dev/null -w '%{size_download}' "$ORIGIN/items/1?delay_ms=0")
-[[ $size == 1024 ]] || die "origin body is $size bytes, expected 1024"
+start_origin "$OUT/origin.log" bench-origin "$ORIGIN_PORT" --delay-ms "$DELAY_MS" --max-id "$MAX_ID" --threads 2
+URL_OF[origin]=$ORIGIN
+PID_OF[origin]=$LAST_PID
+check_origin_body "$ORIGIN/items/1?delay_ms=0" 1024
 
 # --- nginx: two independent instances (own prefix, own cache dir) ----------------------
 
-declare -A URL_OF PID_OF
-URL_OF[origin]=$ORIGIN
-PID_OF[origin]=$ORIGIN_PID
 for inst in A B; do
     port_var=NGINX_${inst}_PORT
-    start_nginx "$inst" bench/nginx.conf.tmpl WORKERS=2 PORT="${!port_var}" ORIGIN_PORT="$ORIGIN_PORT" TTL=600s
-    PID_OF[nginx$inst]=$LAST_PID
-    URL_OF[nginx$inst]=http://127.0.0.1:${!port_var}
-    wait_http "${URL_OF[nginx$inst]}/nginx-ready" "$LAST_PID" "nginx $inst"
-    cp "$BENCH_TMP/nginx-$inst/nginx.conf" "$OUT/nginx-$inst.conf"
+    start_nginx_cache "nginx$inst" "${!port_var}" "nginx $inst" "$OUT/nginx-$inst.conf" WORKERS=2 TTL=600s
 done
 
 # --- Varnish: two independent varnishd --------------------------------------------------
 
 for inst in A B; do
     port_var=VARNISH_${inst}_PORT
-    start_varnish "$inst" "${!port_var}" bench/varnish.vcl.tmpl ORIGIN_PORT="$ORIGIN_PORT" TTL=600s GRACE=10s
-    PID_OF[varnish$inst]=$LAST_PID
-    URL_OF[varnish$inst]=http://127.0.0.1:${!port_var}
-    wait_http "${URL_OF[varnish$inst]}/varnish-ready" "$LAST_PID" "varnishd $inst"
-    cp "$BENCH_TMP/varnish-$inst/default.vcl" "$OUT/varnish-$inst.vcl"
+    start_varnish_cache "varnish$inst" "${!port_var}" "varnishd $inst" "$OUT/varnish-$inst.vcl" TTL=600s GRACE=10s
 done
 
 # --- Redis and cacheguard ---------------------------------------------------------------
 
 start_redis shared "$REDIS_PORT"
-REDIS_PID=$LAST_PID
 
-# cacheguard_config PORT ADMIN_PORT SHARED(1|0): the stampede benchmark's config.
-cacheguard_config() {
-    cat <<EOF
-[server]
-listen = "127.0.0.1:$1"
-[upstream]
-url = "http://127.0.0.1:$ORIGIN_PORT"
-max_concurrency = 1024
-queue_timeout = "5s"
-EOF
-    if [[ $3 == 1 ]]; then
-        cat <<EOF
-[redis]
-url = "redis://127.0.0.1:$REDIS_PORT"
-command_timeout = "200ms"
-[journal]
-path = "journal-$1"
-EOF
-    fi
-    cat <<EOF
-[admin]
-listen = "127.0.0.1:$2"
-[cache]
-ttl = "600s"
-[lock]
-lease = "5s"
-wait_timeout = "5s"
-[[routes]]
-name = "item"
-match = "/items/{id}"
-EOF
-}
-
-declare -A ADMIN_OF
-# start_cacheguard NAME PORT ADMIN_PORT SHARED
+# start_cacheguard NAME PORT ADMIN_PORT SHARED(1|0): one instance with the stampede
+# benchmark's config (lock_config; SHARED: with the Redis started here).
 start_cacheguard() {
-    local name=$1 conf="$OUT/$1.toml"
-    cacheguard_config "$2" "$3" "$4" >"$conf"
-    "$CG_BIN" --check-config "$conf" >&2 || die "cacheguard --check-config $conf failed"
-    start_bg "$OUT/$name.log" "$CG_BIN" --config "$conf"
-    PID_OF[$name]=$LAST_PID
-    URL_OF[$name]=http://127.0.0.1:$2
-    ADMIN_OF[$name]=http://127.0.0.1:$3
-    wait_http "http://127.0.0.1:$3/healthz" "$LAST_PID" "cacheguard ($name)"
+    local shared=()
+    [[ $4 == 0 ]] || shared=(redis.url="redis://127.0.0.1:$REDIS_PORT" redis.command_timeout=200ms journal.path="journal-$2")
+    lock_config "$2" "$3" "$ORIGIN_PORT" "${shared[@]}" >"$OUT/$1.toml"
+    launch_cacheguard "$1" "$OUT/$1.toml" "$2" "$3" "$OUT/$1.log"
 }
 start_cacheguard cgA "$CG_A_PORT" "$CG_A_ADMIN" 1
 start_cacheguard cgB "$CG_B_PORT" "$CG_B_ADMIN" 1
 start_cacheguard cgE "$CG_E_PORT" "$CG_E_ADMIN" 0
 CG_STARTED=$SECONDS
 
-# metric FILE NAME[{labels}]: the value of one sample in a /metrics dump (0 when absent).
-metric() { awk -v m="$2" '$1 == m { v = $2 } END { printf "%.0f", v + 0 }' "$1"; }
-
 # The event bus must be live in both shared instances before a stampede means anything.
 for inst in cgA cgB; do
-    deadline=$((SECONDS + 10))
-    while :; do
-        curl -s --max-time 2 "${ADMIN_OF[$inst]}/metrics" >"$OUT/metrics-$inst-start.txt" || true
-        [[ $(metric "$OUT/metrics-$inst-start.txt" cacheguard_event_bus_subscribed) == 1 ]] && break
-        if ((SECONDS >= deadline)); then
-            log "WARNING: $inst: cacheguard_event_bus_subscribed is not 1 after 10 s (see $OUT/metrics-$inst-start.txt)"
-            break
-        fi
-        sleep 0.2
-    done
+    wait_bus "$inst" "${ADMIN_OF[$inst]}" "$OUT/metrics-$inst-start.txt"
 done
 
 # --- warm the connection-warming key on every instance ------------------------------------
 
 for inst in nginxA nginxB varnishA varnishB cgA cgB cgE; do
     case $inst in
-    nginx*) warm "${URL_OF[$inst]}$WARM_PATH" HIT ;;
-    varnish*) warm "${URL_OF[$inst]}$WARM_PATH" HIT ;;
+    nginx* | varnish*) warm "${URL_OF[$inst]}$WARM_PATH" HIT ;;
     cg*) warm "${URL_OF[$inst]}$WARM_PATH" HIT-L1 HIT-L2 ;;
     esac
     curl -s -o /dev/null -D "$OUT/headers-warm-$inst.txt" "${URL_OF[$inst]}$WARM_PATH"
@@ -249,7 +146,6 @@ declare -A LABEL=(
     [cg2]="cacheguard shared (Redis), 2 instances"
     [cgemb1]="cacheguard embedded, 1 instance"
 )
-LOCK_OUTCOMES="acquired contended renewed lost takeover wait_timeout"
 
 RAW=$OUT/raw.tsv
 {
@@ -273,29 +169,19 @@ run_one() {
     [[ $target == direct ]] && warm_path=/stats
     local is_cg=0
     [[ $target == cg* ]] && is_cg=1
-    declare -A log_lines_before=()
-    if ((is_cg)); then
-        for inst in ${INSTANCES[$target]}; do
-            curl -s --max-time 2 "${ADMIN_OF[$inst]}/metrics" >"$OUT/runs/$tag-metrics-$inst-before.txt" || true
-            log_lines_before[$inst]=$(wc -l <"$OUT/$inst.log")
-        done
-    fi
-    curl -s -X POST --max-time 5 "$ORIGIN/stats/reset" >/dev/null || die "cannot reset origin counters"
+    # shellcheck disable=SC2086 # one instance per word
+    ((is_cg == 0)) || instances_before "$OUT/runs/$tag" ${INSTANCES[$target]}
+    origin_reset
 
     local json=$OUT/runs/$tag.json
     log "C=$c rep $rep/$REPS: $target ($path): loadgen stampede ${urls[*]}"
-    # bounded twice: the loadgen's own timeouts, and `timeout` around it
-    start_bg "$json" timeout --signal=TERM 120 "$LOADGEN_BIN" stampede "${args[@]}" \
-        --concurrency "$c" --timeout-s "$TIMEOUT_S" --warm-path "$warm_path" --dump-latencies
-    local lg_pid=$LAST_PID lg_rc=0
-    wait "$lg_pid" || lg_rc=$?
-    forget_pid "$lg_pid"
-    ((lg_rc == 0)) || die "loadgen failed ($lg_rc) for $tag; see $json"
+    loadgen_stampede "$json" "$tag" "${args[@]}" --concurrency "$c" --timeout-s "$TIMEOUT_S" \
+        --warm-path "$warm_path" --dump-latencies
     sleep 0.2 # anything still on its way to the origin
-    curl -s --max-time 5 "$ORIGIN/stats" >"$OUT/runs/$tag-origin.json" || die "cannot read origin stats"
+    save_origin_stats "$OUT/runs/$tag-origin.json"
 
     local origin_cold origin_total origin_max
-    origin_cold=$(jq --arg p "$path" '.paths[$p] // 0' "$OUT/runs/$tag-origin.json")
+    origin_cold=$(origin_path_count "$OUT/runs/$tag-origin.json" "$path")
     origin_total=$(jq '.total' "$OUT/runs/$tag-origin.json")
     origin_max=$(jq '.max_in_flight' "$OUT/runs/$tag-origin.json")
 
@@ -305,25 +191,19 @@ run_one() {
 
     local lock_events="-" log_warn="-"
     if ((is_cg)); then
-        local parts=() o before_v after_v delta sum_warn=0 f
+        local parts=() resub sum_warn=0 mb ma
         for inst in ${INSTANCES[$target]}; do
-            curl -s --max-time 2 "${ADMIN_OF[$inst]}/metrics" >"$OUT/runs/$tag-metrics-$inst-after.txt" || true
+            mb=$OUT/runs/$tag-metrics-$inst-before.txt
+            ma=$OUT/runs/$tag-metrics-$inst-after.txt
+            save_metrics "${ADMIN_OF[$inst]}" "$ma"
             # this run's log lines
-            f=$OUT/runs/$tag-$inst.log
-            tail -n +"$((log_lines_before[$inst] + 1))" "$OUT/$inst.log" >"$f"
-            sum_warn=$((sum_warn + $(grep -c -E 'WARN|ERROR' "$f" || true)))
+            sum_warn=$((sum_warn + $(log_since "${LOG_OF[$inst]}" "${LOG_MARK[$inst]}" "$OUT/runs/$tag-$inst.log")))
             if [[ $target != cgemb1 ]]; then
-                local p=""
-                for o in $LOCK_OUTCOMES; do
-                    before_v=$(metric "$OUT/runs/$tag-metrics-$inst-before.txt" "cacheguard_lock_events_total{outcome=\"$o\"}")
-                    after_v=$(metric "$OUT/runs/$tag-metrics-$inst-after.txt" "cacheguard_lock_events_total{outcome=\"$o\"}")
-                    delta=$((after_v - before_v))
-                    ((delta == 0)) || p+="$o=$delta,"
-                done
-                before_v=$(metric "$OUT/runs/$tag-metrics-$inst-before.txt" cacheguard_event_bus_resubscriptions_total)
-                after_v=$(metric "$OUT/runs/$tag-metrics-$inst-after.txt" cacheguard_event_bus_resubscriptions_total)
-                ((after_v == before_v)) || p+="resub=$((after_v - before_v)),"
-                p+="bus=$(metric "$OUT/runs/$tag-metrics-$inst-after.txt" cacheguard_event_bus_subscribed)"
+                local p
+                p=$(lock_events "$mb" "$ma")
+                resub=$(mdelta "$mb" "$ma" cacheguard_event_bus_resubscriptions_total)
+                ((resub == 0)) || p+="resub=$resub,"
+                p+="bus=$(metric "$ma" cacheguard_event_bus_subscribed)"
                 parts+=("$inst:$p")
             fi
         done
@@ -341,15 +221,15 @@ run_one() {
         echo "${fields[*]}"
     )] | map(if . == null then \"nan\" else tostring end) | join(\"\t\")" "$json") || die "cannot parse $json"
     local xc
-    xc=$(jq -r '.x_cache | to_entries | map("\(.key)=\(.value)") | join(",")' "$json")
+    xc=$(json_counts "$json")
     printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$c" "$target" "$rep" "$id" "$origin_cold" \
         "$origin_total" "$origin_max" "$vals" "$xc" "$(
             IFS=,
             echo "${after[*]}"
         )" "$lock_events" "$log_warn" >>"$RAW"
 
-    local ready count ok non2xx errors setup_f p50 p99 max skew
-    IFS=$'\t' read -r ready count ok non2xx errors setup_f p50 p99 max skew <<<"$vals"
+    local ready ok non2xx errors setup_f p50 p99 max skew
+    IFS=$'\t' read -r ready _ ok non2xx errors setup_f p50 p99 max skew <<<"$vals"
     printf '  %-9s origin %-4s  p50 %8.1f  p99 %8.1f  max %8.1f ms  ok %s/%s  skew %s ms  X-Cache %s  %s\n' \
         "$target" "$origin_cold" "$p50" "$p99" "$max" "$ok" "$c" "$skew" "$xc" "$lock_events" >&2
     ((ready == c)) || log "WARNING: $tag: only $ready of $c connections were ready before the release"
@@ -361,46 +241,25 @@ run_one() {
     sleep 0.3 # let the closed connections drain
 }
 
-# rotate N WORD...: WORD list rotated left by N (so each rep starts with another target).
-rotate() {
-    local n=$1
-    shift
-    local a=("$@") k=${#a[@]} i
-    for ((i = 0; i < k; i++)); do printf '%s ' "${a[(i + n) % k]}"; done
-}
-
 for c in $CONCURRENCIES; do
-    for ((rep = 1; rep <= REPS; rep++)); do
-        # shellcheck disable=SC2086 # word splitting of TARGETS is intended
-        for t in $(rotate $((rep - 1)) $TARGETS); do
-            run_one "$c" "$t" "$rep"
-        done
-    done
+    each_rep "$TARGETS" run_one "$c"
 done
 
 for inst in cgA cgB cgE; do
-    curl -s --max-time 2 "${ADMIN_OF[$inst]}/metrics" >"$OUT/metrics-$inst-end.txt" || true
+    save_metrics "${ADMIN_OF[$inst]}" "$OUT/metrics-$inst-end.txt"
 done
-for inst in nginxA nginxB varnishA varnishB cgA cgB cgE; do
-    echo "$inst: VmHWM $(proc_kb "${PID_OF[$inst]}" VmHWM) kB (main process)"
-done >"$OUT/memory.txt"
+vmhwm_lines nginxA nginxB varnishA varnishB cgA cgB cgE >"$OUT/memory.txt"
 
-LOAD_END=$(cut -d' ' -f1-3 /proc/loadavg)
-echo "load_end: $LOAD_END" >>"$OUT/env.txt"
-WALL=$((SECONDS - started_at))
+end_env
 
 # --- summary ---------------------------------------------------------------------------
 
 col() { # col C TARGET FIELD_NO: one raw.tsv column for one (C, target)
     awk -F'\t' -v c="$1" -v t="$2" -v f="$3" 'NR > 1 && $1 == c && $2 == t { print $f }' "$RAW"
 }
-sum_col() { col "$@" | awk '{ s += $1 } END { print s + 0 }'; }
+sum_col() { col "$@" | sum_lines; }
 # merge_hist C TARGET FIELD_NO: "K=V,K=V" cells summed over the reps
-merge_hist() {
-    col "$@" | tr ',' '\n' | awk -F= 'NF == 2 { s[$1] += $2 } END { for (k in s) printf "%s %d\n", k, s[k] }' |
-        sort | awk '{ printf "%s%s %d", (NR > 1 ? ", " : ""), $1, $2 }'
-}
-verdict() { if [[ $1 == 1 ]]; then echo "**met**"; else echo "**MISSED**"; fi; }
+merge_hist() { col "$@" | merge_counts; }
 ratio_cell() { # p99 / delay, median (min–max)
     local v=() x
     for x in $(col "$1" "$2" 15); do v+=("$(awk -v a="$x" -v d="$DELAY_MS" 'BEGIN { printf "%.4f", a / d }')"); done
@@ -414,11 +273,7 @@ P99_LIMIT=$(awk -v d="$DELAY_MS" 'BEGIN { printf "%.1f", d * 1.1 }')
     echo "Cold key, origin delay $DELAY_MS ms, C concurrent GETs released at once (with 2 instances C is split half/half)."
     echo "Each cell is **median (min–max) over $REPS runs**; a fresh cold key per run; targets rotate within each rep."
     echo "All processes on 127.0.0.1 on the same $(nproc) cores."
-    echo "Load average (1/5/15 min) at start: $LOAD_START; at end: $LOAD_END. Wall time: ${WALL} s."
-    echo
-    echo "| item | value |"
-    echo "|---|---|"
-    sed -n 's/^\([a-z_]*\): \(.*\)$/| \1 | \2 |/p' "$OUT/env.txt"
+    env_summary
     for c in $CONCURRENCIES; do
         echo
         echo "## C = $c"
@@ -482,5 +337,4 @@ P99_LIMIT=$(awk -v d="$DELAY_MS" 'BEGIN { printf "%.1f", d * 1.1 }')
     echo "Raw data: \`bench/results/stampede-$STAMP/\` (raw.tsv, runs/*.json with every latency, origin stats, cacheguard logs and /metrics around each run, configs)."
 } >"$OUT/summary.md"
 
-cat "$OUT/summary.md"
-log "done in ${WALL} s; results in $OUT"
+show_summary

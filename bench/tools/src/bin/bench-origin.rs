@@ -259,7 +259,12 @@ impl Timeline {
     fn json(&self) -> String {
         let elapsed = self.elapsed_ms();
         let n = ((elapsed / self.bucket_ms) as usize + 1).min(self.counts.len());
-        let load = |v: &[AtomicU64]| v[..n].iter().map(|c| c.load(Ordering::Relaxed)).collect::<Vec<_>>();
+        let load = |v: &[AtomicU64]| {
+            v[..n]
+                .iter()
+                .map(|c| c.load(Ordering::Relaxed))
+                .collect::<Vec<_>>()
+        };
         serde_json::json!({
             "bucket_ms": self.bucket_ms,
             "t0_unix_ms": self.t0_unix_ms.load(Ordering::SeqCst),
@@ -369,7 +374,10 @@ impl Body for IdsBody {
     type Data = Bytes;
     type Error = Infallible;
 
-    fn poll_frame(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        _cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
         use std::fmt::Write;
         let this = self.get_mut();
         if this.done {
@@ -433,7 +441,10 @@ impl Drop for InFlight<'_> {
     }
 }
 
-async fn handle(state: Arc<State>, req: Request<Incoming>) -> Result<Response<RespBody>, Infallible> {
+async fn handle(
+    state: Arc<State>,
+    req: Request<Incoming>,
+) -> Result<Response<RespBody>, Infallible> {
     let path = req.uri().path().to_owned();
     let stats = &state.stats;
     match (req.method(), path.as_str()) {
@@ -453,8 +464,10 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Result<Response<Re
         (&Method::GET, "/internal/ids") => {
             stats.ids_lists.fetch_add(1, Ordering::SeqCst);
             let mut resp = Response::new(Either::Right(IdsBody::new(state.args.max_id)));
-            resp.headers_mut()
-                .insert(CONTENT_TYPE, HeaderValue::from_static("text/plain; charset=utf-8"));
+            resp.headers_mut().insert(
+                CONTENT_TYPE,
+                HeaderValue::from_static("text/plain; charset=utf-8"),
+            );
             return Ok(resp);
         }
         _ => {}
@@ -477,7 +490,10 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Result<Response<Re
     }
     let Some(id) = path.strip_prefix("/items/") else {
         stats.other.fetch_add(1, Ordering::SeqCst);
-        return Ok(json_response(StatusCode::NOT_FOUND, r#"{"error":"no such path"}"#));
+        return Ok(json_response(
+            StatusCode::NOT_FOUND,
+            r#"{"error":"no such path"}"#,
+        ));
     };
     let _guard = InFlight::enter(stats, &state.timeline);
     let delay = query_delay(req.uri().query()).unwrap_or(state.args.delay_ms);
@@ -487,11 +503,17 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Result<Response<Re
     match id.parse::<u64>() {
         Ok(id) if (1..=state.args.max_id).contains(&id) && req.method() == Method::GET => {
             stats.items_ok.fetch_add(1, Ordering::SeqCst);
-            Ok(json_response(StatusCode::OK, item_body(id, state.args.body_bytes)))
+            Ok(json_response(
+                StatusCode::OK,
+                item_body(id, state.args.body_bytes),
+            ))
         }
         _ => {
             stats.items_404.fetch_add(1, Ordering::SeqCst);
-            Ok(json_response(StatusCode::NOT_FOUND, r#"{"error":"not found"}"#))
+            Ok(json_response(
+                StatusCode::NOT_FOUND,
+                r#"{"error":"not found"}"#,
+            ))
         }
     }
 }
