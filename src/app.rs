@@ -37,6 +37,7 @@ use crate::proxy::fill::{Filler, Flights};
 use crate::proxy::hot::HotGate;
 use crate::proxy::origin::Origin;
 use crate::proxy::origin_guard::OriginGuard;
+use crate::proxy::own_answer::OwnAnswerLog;
 use crate::proxy::passthrough::Passthrough;
 use crate::proxy::read::ReadPath;
 use crate::proxy::route::RouteTable;
@@ -402,9 +403,10 @@ impl App {
             store: dist,
             max_header_bytes: config.server.max_header_bytes,
             max_body_bytes: config.server.max_body_bytes,
-            passthrough_metrics: metrics.for_route("_passthrough"),
+            passthrough_metrics: metrics.for_route(crate::proxy::PASSTHROUGH),
             metrics: metrics.clone(),
             invalidator: Arc::clone(&invalidator),
+            own_answers: OwnAnswerLog::new(),
         });
         let deferred = proxy.write.deferred.clone();
         if let (Some(conn), Some(_)) = (&redis, &config.redis)

@@ -1,6 +1,7 @@
 //! The cache itself: keys, the stored entry format, TTL jitter, and the two tiers.
 //!
 //! - [`key`]: derives the cache key and the forwarded URL from one parse of the request.
+//! - [`control`]: what an origin answer's `Cache-Control`, `Vary` and `Age` allow.
 //! - [`entry`]: the versioned binary entry format; a corrupt or foreign value is a miss.
 //! - [`ttl`]: jitter as a pure function.
 //! - [`l1`]: the in-process moka cache, bounded by bytes.
@@ -9,6 +10,7 @@
 //! - [`tiers`]: L1 over L2 behind one gate: every lookup and every copy into L1 of the
 //!   read path goes through it.
 
+pub(crate) mod control;
 pub(crate) mod entry;
 pub(crate) mod key;
 pub(crate) mod l1;

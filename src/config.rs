@@ -128,6 +128,9 @@ pub struct UpstreamConfig {
     pub queue_timeout: Duration,
     /// Idle keep-alive connections kept per origin host.
     pub pool_max_idle: usize,
+    /// How long an idle keep-alive connection is kept: below the origin's own keep-alive
+    /// timeout, so a request is never sent on a connection the origin is closing.
+    pub pool_idle_timeout: Duration,
 }
 
 /// `Debug` redacts the password in `url`.

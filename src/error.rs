@@ -15,12 +15,17 @@ pub(crate) enum ProxyError {
     Shed(Duration),
     #[error("origin timed out after {0:?}")]
     OriginTimeout(Duration),
-    #[error("origin unreachable: {0}")]
+    /// The text is the upstream error, for the log line: the client is told less.
+    #[error("origin unreachable")]
     OriginConnect(String),
     #[error("another instance's fill did not finish within {0:?}")]
     LockWait(Duration),
     #[error("bad request: {0}")]
     BadRequest(&'static str),
+    #[error("too many requests for this key")]
+    HotKeyLimited,
+    #[error("internal error")]
+    Internal,
 }
 
 impl ProxyError {
@@ -32,13 +37,38 @@ impl ProxyError {
             ProxyError::OriginTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
             ProxyError::OriginConnect(_) => StatusCode::BAD_GATEWAY,
             ProxyError::BadRequest(_) => StatusCode::BAD_REQUEST,
+            ProxyError::HotKeyLimited => StatusCode::TOO_MANY_REQUESTS,
+            ProxyError::Internal => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    /// A short, stable name for logs and metric labels.
+    pub(crate) fn reason(&self) -> &'static str {
+        match self {
+            ProxyError::HeaderTooLarge(_) => "header_too_large",
+            ProxyError::BodyTooLarge(_) => "body_too_large",
+            ProxyError::Shed(_) => "shed",
+            ProxyError::OriginTimeout(_) => "origin_timeout",
+            ProxyError::OriginConnect(_) => "origin_unreachable",
+            ProxyError::LockWait(_) => "lock_wait",
+            ProxyError::BadRequest(_) => "bad_request",
+            ProxyError::HotKeyLimited => "hot_key_limited",
+            ProxyError::Internal => "internal",
+        }
+    }
+
+    /// What the log line says beyond the client's answer: the upstream error, if any.
+    pub(crate) fn detail(&self) -> String {
+        match self {
+            ProxyError::OriginConnect(upstream) => format!("{self}: {upstream}"),
+            other => other.to_string(),
         }
     }
 
     /// Seconds to put in `Retry-After`, for errors a client should retry later.
     pub(crate) fn retry_after(&self) -> Option<u64> {
         match self {
-            ProxyError::Shed(_) | ProxyError::LockWait(_) => Some(1),
+            ProxyError::Shed(_) | ProxyError::LockWait(_) | ProxyError::HotKeyLimited => Some(1),
             _ => None,
         }
     }

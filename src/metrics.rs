@@ -176,6 +176,9 @@ pub enum FillRefusal {
     LockTaken,
     /// A write's quarantine (its `double_delete_delay`) was running.
     Quarantine,
+    /// The answer's `Vary` names a request header the route neither keys nor forwards
+    /// (or is `*`): a stored copy could reach a client it was not made for.
+    Vary,
 }
 
 impl FillRefusal {
@@ -184,6 +187,7 @@ impl FillRefusal {
             FillRefusal::Generation => "generation",
             FillRefusal::LockTaken => "lock_taken",
             FillRefusal::Quarantine => "quarantine",
+            FillRefusal::Vary => "vary",
         }
     }
 }
@@ -731,7 +735,8 @@ impl Metrics {
         let fill_refused = IntCounterVec::new(
             Opts::new(
                 "cacheguard_fill_refused_total",
-                "Fetched answers the fill script refused to store, by reason.",
+                "Fetched answers that were not stored, by reason: refused by the fill script \
+                 (generation, lock_taken, quarantine) or by their own Vary (vary).",
             ),
             &["reason"],
         )?;
@@ -893,6 +898,7 @@ impl Metrics {
             FillRefusal::Generation,
             FillRefusal::LockTaken,
             FillRefusal::Quarantine,
+            FillRefusal::Vary,
         ] {
             fill_refused.with_label_values(&[refusal.as_str()]);
         }
@@ -1060,6 +1066,9 @@ impl Metrics {
             origin_duration: self.origin_duration.with_label_values(&[route]),
             shed: self.shed.with_label_values(&[route]),
             uncacheable: self.uncacheable.with_label_values(&[route]),
+            refused_vary: self
+                .fill_refused
+                .with_label_values(&[FillRefusal::Vary.as_str()]),
             oversized: self.oversized.with_label_values(&[route]),
             coalesced: self.coalesced.with_label_values(&[route]),
             stale_served: self.stale_served.with_label_values(&[route]),
@@ -1195,6 +1204,8 @@ pub struct RouteMetrics {
     origin_duration: Histogram,
     pub shed: IntCounter,
     pub uncacheable: IntCounter,
+    /// `fill_refused{reason="vary"}` (not per route: the counter has no route label).
+    pub refused_vary: IntCounter,
     pub oversized: IntCounter,
     pub coalesced: IntCounter,
     pub stale_served: IntCounter,

@@ -10,6 +10,7 @@ pub(crate) mod fill;
 pub(crate) mod hot;
 pub(crate) mod origin;
 pub(crate) mod origin_guard;
+pub(crate) mod own_answer;
 pub(crate) mod passthrough;
 pub(crate) mod purge;
 pub(crate) mod read;
@@ -30,9 +31,10 @@ use hyper::body::Incoming;
 
 use self::body::Body;
 use self::origin::Origin;
+use self::own_answer::OwnAnswerLog;
 use self::passthrough::Passthrough;
 use self::read::ReadPath;
-use self::route::RouteTable;
+use self::route::{Route, RouteTable};
 use self::write::WritePath;
 use crate::cache::l1::L1;
 use crate::cache::marks::LocalMarks;
@@ -42,6 +44,9 @@ use crate::coord::store::RedisStore;
 use crate::error::ProxyError;
 use crate::metrics::{Metrics, RouteMetrics};
 use crate::protect::hotkeys::HotKeys;
+
+/// The route name of requests that match no route, in metrics and logs.
+pub(crate) const PASSTHROUGH: &str = "_passthrough";
 
 /// The router: limits, then the route, then one of three paths — [`ReadPath`] for GET/HEAD
 /// on a cached route, the write path (`write.rs`, `create.rs`) for write routes, and
@@ -63,10 +68,12 @@ pub(crate) struct Proxy {
     pub(crate) max_header_bytes: usize,
     pub(crate) max_body_bytes: u64,
     pub(crate) metrics: Metrics,
-    /// Metric handles for requests that match no route (`route="_passthrough"`).
+    /// Metric handles for requests that match no route ([`PASSTHROUGH`]).
     pub(crate) passthrough_metrics: Arc<RouteMetrics>,
     /// Invalidation everywhere (L1, Redis, the journal), for purges.
     pub(crate) invalidator: Arc<Invalidator>,
+    /// One log line per answer cacheguard makes itself, rate-limited.
+    pub(crate) own_answers: OwnAnswerLog,
 }
 
 /// Applies other instances' key events to this instance's cache: an `invalidate` drops
@@ -108,17 +115,33 @@ impl Proxy {
         client: SocketAddr,
     ) -> Response<Body> {
         if let Err(error) = self.check_limits(&request) {
-            let reason = match error {
-                ProxyError::HeaderTooLarge(_) => "header_too_large",
-                ProxyError::BodyTooLarge(_) => "body_too_large",
-                _ => "bad_request",
-            };
             self.metrics
                 .rejected_requests
-                .with_label_values(&[reason])
+                .with_label_values(&[error.reason()])
                 .inc();
-            return respond::error(&error);
+            let response = respond::error(&error);
+            self.own_answers
+                .record("-", request.method(), request.uri().path(), &response);
+            return response;
         }
+        // Cheap clones (no allocation for a standard method; the URI shares its bytes).
+        let (method, uri) = (request.method().clone(), request.uri().clone());
+        let (route, response) = self.route(request, client).await;
+        let name = route
+            .as_ref()
+            .map_or(PASSTHROUGH, |r| r.config.name.as_str());
+        self.own_answers
+            .record(name, &method, uri.path(), &response);
+        response
+    }
+
+    /// Sends a request within the limits down its path; returns its route (`None` for
+    /// pass-through) with the answer.
+    async fn route(
+        self: &Arc<Self>,
+        request: Request<Incoming>,
+        client: SocketAddr,
+    ) -> (Option<Arc<Route>>, Response<Body>) {
         let method = request.method();
         let head = method == Method::HEAD;
         let routes = self.routes.load();
@@ -132,20 +155,25 @@ impl Proxy {
                 if let (Some(filter), Some(id)) = (&route.filter, matched.id)
                     && let Some(rejected) = reject::check(&route, filter, id, head)
                 {
-                    return rejected;
+                    return (Some(route), rejected);
                 }
-                self.read.serve(&route, request, client).await
+                let response = self.read.serve(&route, request, client).await;
+                (Some(route), response)
             }
             // Write routes: forwarded as they are, with the invalidations and Bloom adds
             // they owe around them.
             Some(matched) => {
                 let route = Arc::clone(matched.route);
                 let params = matched.params;
-                self.write.serve(&route, &params, request, client).await
+                let response = self.write.serve(&route, &params, request, client).await;
+                (Some(route), response)
             }
             None => {
                 let metrics = Arc::clone(&self.passthrough_metrics);
-                self.passthrough.serve(&metrics, request, client).await
+                (
+                    None,
+                    self.passthrough.serve(&metrics, request, client).await,
+                )
             }
         }
     }

@@ -56,3 +56,95 @@ async fn json_logs_and_no_line_per_hit() {
     }
     assert!(logged >= 2, "start and stop are logged:\n{output}");
 }
+
+/// The JSON log lines of `output` whose message is cacheguard's own-error line.
+fn own_error_lines(output: &str) -> Vec<serde_json::Value> {
+    output
+        .lines()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .filter(|v| v["fields"]["message"] == "Answered with cacheguard's own error.")
+        .collect()
+}
+
+/// Every answer cacheguard makes itself leaves one line naming the route, the status, the
+/// reason and the upstream error; a flood of them is held to a rate, and what was held
+/// back is counted on the next line. Regression: a 502 left nothing but a metric.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn own_errors_are_logged_with_their_cause_and_rate_limited() {
+    // Nothing listens on the origin's port: every fetch is refused.
+    let origin_url = format!("http://127.0.0.1:{}", free_port());
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = CgConfig::with_upstream(&origin_url)
+        .on_free_ports()
+        .write_to(&dir.path().join("cacheguard.toml"));
+    let mut cg = spawn_cacheguard_process_with_args(&path, &["--log-format", "json"]).await;
+    let client = HttpClient::new();
+
+    let refused = client.get(&url(cg.addr(), "/api/items/1")).await;
+    assert_eq!(refused.status, 502, "{refused}");
+    let big = "x".repeat(20_000);
+    let too_large = client
+        .get_with_headers(&url(cg.addr(), "/api/items/2"), &[("x-big", big.as_str())])
+        .await;
+    assert_eq!(too_large.status, 431, "{too_large}");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let lines = own_error_lines(&cg.output());
+    let found = |status: u64, route: &str, reason: &str| {
+        lines.iter().find(|l| {
+            l["fields"]["status"] == status
+                && l["fields"]["route"] == route
+                && l["fields"]["reason"] == reason
+        })
+    };
+    let line = found(502, "item", "origin_unreachable")
+        .unwrap_or_else(|| panic!("no line for the 502:\n{}", cg.output()));
+    let error = line["fields"]["error"].as_str().unwrap_or_default();
+    assert!(
+        error.contains("onnect"),
+        "the line names the upstream error: {line}"
+    );
+    assert_eq!(line["fields"]["path"], "/api/items/1", "{line}");
+    assert!(
+        found(431, "-", "header_too_large").is_some(),
+        "no line for the 431:\n{}",
+        cg.output()
+    );
+    // The client is told less than the log.
+    assert!(!refused.text().contains("os error"), "{refused}");
+
+    // A flood: 300 errors in well under a second are held to the burst and the rate.
+    let before = own_error_lines(&cg.output()).len();
+    let started = std::time::Instant::now();
+    for i in 0..300 {
+        let resp = client
+            .get(&url(cg.addr(), &format!("/api/items/f{i}")))
+            .await;
+        assert_eq!(resp.status, 502);
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    let resp = client.get(&url(cg.addr(), "/api/items/after")).await;
+    assert_eq!(resp.status, 502);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let lines = own_error_lines(&cg.output());
+    let flood = lines.len() - before;
+    // Burst 20, then 10 per second (plus the line after the flood).
+    let allowed = 20 + (elapsed * 10.0).ceil() as usize + 1;
+    assert!(
+        flood <= allowed,
+        "{flood} lines for 301 errors in {elapsed:.2}s; at most {allowed} allowed"
+    );
+    // Every error is either a line or counted as held back on a later line.
+    let held_back: u64 = lines[before..]
+        .iter()
+        .map(|l| l["fields"]["suppressed"].as_u64().unwrap_or(0))
+        .sum();
+    assert_eq!(
+        flood as u64 + held_back,
+        301,
+        "{flood} lines and {held_back} held back for 301 errors"
+    );
+    assert!(held_back > 0, "nothing was held back");
+    cg.terminate();
+    assert!(cg.wait_exit(Duration::from_secs(10)).await.is_some());
+}

@@ -327,3 +327,42 @@ async fn ignored_query_is_not_keyed_and_not_forwarded() {
     assert_eq!(origin.count("/api/items/7"), 1);
     cg.shutdown().await;
 }
+
+/// `upstream.pool_idle_timeout`: a connection to the origin idle for longer is not reused
+/// (an origin that closes idle connections first would otherwise see a request on a
+/// connection it is closing: a 502). Within it, the connection is reused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_origin_connections_are_dropped_after_pool_idle_timeout() {
+    let origin = TestOrigin::start().await;
+    let cg = CgConfig::new(&origin)
+        .set_str("upstream", "pool_idle_timeout", "300ms")
+        .l1("all")
+        .start()
+        .await;
+    let client = HttpClient::new();
+    let peer = |path: &str| {
+        origin
+            .last_request(path)
+            .unwrap_or_else(|| panic!("the origin saw no request for {path}"))
+            .peer
+    };
+    for path in ["/api/items/a", "/api/items/b"] {
+        assert_eq!(client.get(&url(cg.addr(), path)).await.status, 200);
+    }
+    assert_eq!(
+        peer("/api/items/a"),
+        peer("/api/items/b"),
+        "a connection idle for less than pool_idle_timeout is reused"
+    );
+    tokio::time::sleep(Duration::from_millis(900)).await;
+    assert_eq!(
+        client.get(&url(cg.addr(), "/api/items/c")).await.status,
+        200
+    );
+    assert_ne!(
+        peer("/api/items/a"),
+        peer("/api/items/c"),
+        "a connection idle for longer than pool_idle_timeout is not reused"
+    );
+    cg.shutdown().await;
+}

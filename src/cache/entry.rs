@@ -1,8 +1,8 @@
 //! The stored entry: one origin answer plus what is needed to serve and age it.
 //!
 //! Wire format (L2): `b"CG"`, a format version byte, then the postcard encoding of
-//! [`StoredV2`] (version 2 added the surrogate keys; version 1 values still decode, with
-//! none). Decoding anything else (garbage, another program's value, a future version) is
+//! [`StoredV3`] (version 2 added the surrogate keys, version 3 the age the answer arrived
+//! with; older values still decode, with none). Decoding anything else (garbage, another program's value, a future version) is
 //! an error the caller treats as a miss, never a crash.
 
 use bytes::Bytes;
@@ -14,6 +14,7 @@ use super::CacheKey;
 const MAGIC: &[u8; 2] = b"CG";
 const VERSION_1: u8 = 1;
 const VERSION_2: u8 = 2;
+const VERSION_3: u8 = 3;
 
 /// A cached answer, ready to serve (headers already parsed).
 #[derive(Debug)]
@@ -21,11 +22,14 @@ pub(crate) struct Entry {
     /// The full cache key; compared on read so a hash collision is a miss.
     pub(crate) key: String,
     pub(crate) status: StatusCode,
-    /// End-to-end headers worth keeping (hop-by-hop, `Set-Cookie`, `Age` removed).
+    /// End-to-end headers worth keeping (hop-by-hop, `Set-Cookie`, `Age` removed: the age
+    /// is `initial_age_secs` and grows while the entry is stored).
     pub(crate) headers: HeaderMap,
     pub(crate) body: Bytes,
     /// Wall-clock store time, ms since the Unix epoch.
     pub(crate) stored_at_ms: u64,
+    /// The answer's age when it arrived (its upstream `Age`, corrected: RFC 9111 §4.2.3).
+    pub(crate) initial_age_secs: u64,
     /// Freshness lifetime (already jittered).
     pub(crate) ttl_ms: u64,
     /// How long past `ttl` a stale copy is kept.
@@ -77,6 +81,12 @@ struct StoredV2 {
     tags: Vec<String>,
 }
 
+#[derive(Serialize, Deserialize)]
+struct StoredV3 {
+    v2: StoredV2,
+    initial_age_secs: u64,
+}
+
 impl Entry {
     /// Is this a negative entry (a cached "does not exist")?
     pub(crate) fn is_negative(&self) -> bool {
@@ -98,9 +108,11 @@ impl Entry {
         }
     }
 
-    /// Whole seconds since the entry was stored (the `Age` header).
+    /// The `Age` header (RFC 9111 §4.2.3): the age the answer arrived with plus the whole
+    /// seconds it has been stored.
     pub(crate) fn age_secs(&self, now_ms: u64) -> u64 {
-        now_ms.saturating_sub(self.stored_at_ms) / 1000
+        let resident = now_ms.saturating_sub(self.stored_at_ms) / 1000;
+        self.initial_age_secs.saturating_add(resident)
     }
 
     /// Milliseconds until the entry leaves its grace period (its physical lifetime).
@@ -156,13 +168,16 @@ impl Entry {
             grace_ms: self.grace_ms,
             fetch_ms: self.fetch_ms,
         };
-        let stored = StoredV2 {
-            v1,
-            tags: self.tags.clone(),
+        let stored = StoredV3 {
+            v2: StoredV2 {
+                v1,
+                tags: self.tags.clone(),
+            },
+            initial_age_secs: self.initial_age_secs,
         };
         let mut out = Vec::with_capacity(self.body.len() + self.key.len() + 256);
         out.extend_from_slice(MAGIC);
-        out.push(VERSION_2);
+        out.push(VERSION_3);
         postcard::to_extend(&stored, out)
     }
 
@@ -171,11 +186,15 @@ impl Entry {
             return Err(DecodeEntryError::Magic);
         };
         let (&version, payload) = rest.split_first().ok_or(DecodeEntryError::Magic)?;
-        let (stored, tags) = match version {
-            VERSION_1 => (postcard::from_bytes::<StoredV1>(payload)?, Vec::new()),
+        let (stored, tags, initial_age_secs) = match version {
+            VERSION_1 => (postcard::from_bytes::<StoredV1>(payload)?, Vec::new(), 0),
             VERSION_2 => {
                 let v2: StoredV2 = postcard::from_bytes(payload)?;
-                (v2.v1, v2.tags)
+                (v2.v1, v2.tags, 0)
+            }
+            VERSION_3 => {
+                let v3: StoredV3 = postcard::from_bytes(payload)?;
+                (v3.v2.v1, v3.v2.tags, v3.initial_age_secs)
             }
             other => return Err(DecodeEntryError::Version(other)),
         };
@@ -194,6 +213,7 @@ impl Entry {
             headers,
             body: stored.body,
             stored_at_ms: stored.stored_at_ms,
+            initial_age_secs,
             ttl_ms: stored.ttl_ms,
             grace_ms: stored.grace_ms,
             fetch_ms: stored.fetch_ms,
@@ -217,6 +237,7 @@ mod tests {
             headers,
             body: Bytes::from_static(b"{\"id\":1}"),
             stored_at_ms: 1_000,
+            initial_age_secs: 7,
             ttl_ms: 60_000,
             grace_ms: 30_000,
             fetch_ms: 20,
@@ -233,6 +254,7 @@ mod tests {
         assert_eq!(d.headers, e.headers);
         assert_eq!(d.body, e.body);
         assert_eq!(d.tags, e.tags);
+        assert_eq!(d.initial_age_secs, 7);
         assert_eq!(
             (d.stored_at_ms, d.ttl_ms, d.grace_ms),
             (1_000, 60_000, 30_000)
@@ -304,6 +326,6 @@ mod tests {
         assert_eq!(e.freshness(60_999), Freshness::Fresh);
         assert_eq!(e.freshness(61_000), Freshness::Stale);
         assert_eq!(e.freshness(91_000), Freshness::Expired);
-        assert_eq!(e.age_secs(11_500), 10);
+        assert_eq!(e.age_secs(11_500), 17, "arrived 7 s old, stored 10 s");
     }
 }

@@ -149,6 +149,7 @@ pub(super) struct RawUpstream {
     pub(super) max_rps: u32,
     pub(super) queue_timeout: HumanDuration,
     pub(super) pool_max_idle: usize,
+    pub(super) pool_idle_timeout: Spanned<HumanDuration>,
 }
 
 impl Default for RawUpstream {
@@ -161,6 +162,7 @@ impl Default for RawUpstream {
             max_rps: 0,
             queue_timeout: HumanDuration::millis(100),
             pool_max_idle: 64,
+            pool_idle_timeout: unspanned(HumanDuration::secs(4)),
         }
     }
 }

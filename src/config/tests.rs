@@ -73,6 +73,11 @@ fn example_file_parses_with_the_documented_values() {
     assert_eq!(config.upstream.max_rps, 0);
     assert_eq!(config.upstream.queue_timeout, Duration::from_millis(100));
     assert_eq!(config.upstream.pool_max_idle, 64);
+    assert_eq!(
+        config.upstream.pool_idle_timeout,
+        Duration::from_secs(4),
+        "below the 5 s keep-alive of Node.js, Apache httpd and uvicorn"
+    );
 
     let redis = config
         .redis
@@ -157,6 +162,7 @@ fn example_file_documents_every_key() {
         "max_rps",
         "queue_timeout",
         "pool_max_idle",
+        "pool_idle_timeout",
         "command_timeout",
         "key_prefix",
         "breaker_failures",
@@ -599,6 +605,11 @@ fn out_of_range_numbers() {
     assert_eq!(
         problem("[upstream]\nurl = \"http://127.0.0.1:9000\"\nmax_concurrency = 0\n"),
         "test.toml:3: upstream.max_concurrency: expected an integer of at least 1, got 0"
+    );
+    assert_eq!(
+        problem("[upstream]\nurl = \"http://127.0.0.1:9000\"\npool_idle_timeout = \"0s\"\n"),
+        "test.toml:3: upstream.pool_idle_timeout: expected a duration above zero like \"4s\" \
+         (pool_max_idle = 0 keeps no idle connection)"
     );
     assert_eq!(
         problem("[upstream]\nmax_rps = 5000000000\nurl = \"http://127.0.0.1:9000\"\n"),

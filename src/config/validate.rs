@@ -608,6 +608,15 @@ impl Checker<'_> {
                 "expected an integer of at least 1, got 0",
             );
         }
+        let pool_idle_timeout = up.pool_idle_timeout.get_ref().0;
+        if pool_idle_timeout.is_zero() {
+            self.report(
+                up.pool_idle_timeout.span(),
+                "upstream.pool_idle_timeout",
+                "expected a duration above zero like \"4s\" (pool_max_idle = 0 keeps no idle \
+                 connection)",
+            );
+        }
         UpstreamConfig {
             url: url.unwrap_or_default(),
             timeout: up.timeout.0,
@@ -616,6 +625,7 @@ impl Checker<'_> {
             max_rps: up.max_rps,
             queue_timeout: up.queue_timeout.0,
             pool_max_idle: up.pool_max_idle,
+            pool_idle_timeout,
         }
     }
 

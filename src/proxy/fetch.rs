@@ -7,16 +7,18 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::{Bytes, BytesMut};
-use http::header::{self, HeaderMap};
+use http::header::{self, HeaderMap, HeaderName};
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Empty};
 use hyper::body::Incoming;
 
 use super::body::Body;
 use super::origin::Origin;
+use super::own_answer::OwnAnswer;
 use super::respond::{self, strip_hop_by_hop};
 use super::route::Route;
 use super::upstream::UpstreamBody;
+use crate::cache::control::{ResponseControl, Vary, initial_age_secs};
 use crate::cache::key::Derived;
 use crate::cache::{CacheKey, Entry, ttl};
 use crate::clock::now_ms;
@@ -97,6 +99,8 @@ pub(crate) struct SharedFailure {
     /// transient), rather than answer with this copy at once (cacheguard's own errors:
     /// shed, timeouts, lock wait — retrying inside the same request would hit them again).
     pub(crate) retry: bool,
+    /// Set when cacheguard made the answer itself: each copy is logged as its own.
+    own: Option<OwnAnswer>,
 }
 
 impl Failure {
@@ -108,6 +112,7 @@ impl Failure {
                 body: bytes.clone().unwrap_or_default(),
                 outcome,
                 retry,
+                own: response.extensions().get::<OwnAnswer>().cloned(),
             })),
             Body::Stream(_) | Body::Prefixed(..) => None,
         };
@@ -129,6 +134,9 @@ impl SharedFailure {
         let mut response = Response::new(Body::full(self.body.clone()));
         *response.status_mut() = self.status;
         *response.headers_mut() = self.headers.clone();
+        if let Some(own) = &self.own {
+            response.extensions_mut().insert(own.clone());
+        }
         response
     }
 }
@@ -168,9 +176,9 @@ pub(crate) async fn from_origin(origin: &Origin, job: &FillJob) -> Classified {
     let seconds = elapsed.as_secs_f64();
     let (head, body) = match read {
         Ok(Ok(read)) => read,
-        Ok(Err(_)) | Err(ProxyError::OriginConnect(_)) => {
+        Ok(Err(error)) => {
             route.metrics.origin(OriginStatus::Error, seconds);
-            let error = ProxyError::OriginConnect("origin closed the connection".into());
+            let error = ProxyError::OriginConnect(format!("reading the answer's body: {error}"));
             return Classified::Failed(Failure::own(&error));
         }
         Err(error) => {
@@ -211,8 +219,11 @@ pub(crate) async fn from_origin(origin: &Origin, job: &FillJob) -> Classified {
             ));
         }
     };
-    if !storable(head.status, &head.headers) {
+    if let Err(why) = storable(head.status, &head.headers, &route.config.vary) {
         route.metrics.uncacheable.inc();
+        if why == NotShared::Vary {
+            route.metrics.refused_vary.inc();
+        }
         return Classified::Uncacheable(origin_response(
             head,
             Body::full(complete),
@@ -254,6 +265,9 @@ fn new_entry(job: &FillJob, head: Head, body: Bytes, fetch_ms: u32) -> Entry {
         route.ttl
     };
     let ttl = ttl::jittered(nominal, route.jitter, &mut rand::rng());
+    let control = ResponseControl::parse(&head.headers);
+    let stored_at_ms = now_ms();
+    let initial_age_secs = initial_age_secs(&head.headers, stored_at_ms, u64::from(fetch_ms));
     let mut origin_headers = head.headers;
     strip_hop_by_hop(&mut origin_headers);
     let tags = tags::take(&mut origin_headers);
@@ -282,11 +296,14 @@ fn new_entry(job: &FillJob, head: Head, body: Bytes, fetch_ms: u32) -> Entry {
         status: head.status,
         headers,
         body,
-        stored_at_ms: now_ms(),
+        stored_at_ms,
+        initial_age_secs,
         ttl_ms: u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX),
         // A negative entry gets no grace: serving a stale "does not exist" after the item was
-        // created is worse than one more origin request.
-        grace_ms: if negative {
+        // created is worse than one more origin request. Nor does an answer whose origin
+        // forbids serving it stale (`must-revalidate` and the like): past its lifetime it is
+        // fetched again, and an origin failure is answered as one.
+        grace_ms: if negative || control.forbids_stale() {
             0
         } else {
             u64::try_from(route.grace.as_millis()).unwrap_or(u64::MAX)
@@ -365,30 +382,53 @@ fn storable_status(status: StatusCode) -> bool {
     )
 }
 
-/// Whether an origin answer may be stored and shared.
-fn storable(status: StatusCode, headers: &HeaderMap) -> bool {
+/// Why an origin answer is not stored.
+#[derive(Debug, PartialEq, Eq)]
+enum NotShared {
+    /// Its status, a `Set-Cookie`, or its `Cache-Control` (`private`, `no-store`,
+    /// `no-cache`).
+    Policy,
+    /// Its `Vary` names a request header the route does not key (or is `*`).
+    Vary,
+}
+
+/// Whether an origin answer may be stored and shared by a route that keys the request
+/// headers `keyed`.
+///
+/// A stored answer is only ever served to requests with the same key, so it may be shared
+/// only if every request header its `Vary` names is in the key (RFC 9111 §4.1): a header
+/// the route does not key — one it never forwards, or one cacheguard sets per client such
+/// as `X-Forwarded-For` — would let the copy reach a client it was not made for.
+/// `Accept-Encoding` is the one exception, for an answer without `Content-Encoding`:
+/// cacheguard forwards no `Accept-Encoding` it does not key, so the origin chose the
+/// identity encoding, which every client accepts (RFC 9110 §12.5.3).
+fn storable(
+    status: StatusCode,
+    headers: &HeaderMap,
+    keyed: &[HeaderName],
+) -> Result<(), NotShared> {
     if !storable_status(status) || headers.contains_key(header::SET_COOKIE) {
-        return false;
+        return Err(NotShared::Policy);
     }
-    let forbidden = headers
-        .get_all(header::CACHE_CONTROL)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .map(|directive| {
-            directive
-                .split('=')
-                .next()
-                .unwrap_or("")
-                .trim()
-                .to_ascii_lowercase()
-        })
-        .any(|d| d == "private" || d == "no-store" || d == "no-cache");
-    let vary_star = headers
-        .get_all(header::VARY)
-        .iter()
-        .any(|v| v.as_bytes().trim_ascii() == b"*");
-    !forbidden && !vary_star
+    let control = ResponseControl::parse(headers);
+    if control.private || control.no_store || control.no_cache {
+        return Err(NotShared::Policy);
+    }
+    match Vary::of(headers) {
+        Vary::None => Ok(()),
+        Vary::Any => Err(NotShared::Vary),
+        Vary::Headers(names) => {
+            let identity = !headers.contains_key(header::CONTENT_ENCODING);
+            let keyed_or_identity = |name: &HeaderName| {
+                keyed.contains(name) || (*name == header::ACCEPT_ENCODING && identity)
+            };
+            if names.iter().all(keyed_or_identity) {
+                Ok(())
+            } else {
+                Err(NotShared::Vary)
+            }
+        }
+    }
 }
 
 /// An origin answer passed to one client, with hop-by-hop headers removed.
@@ -406,45 +446,73 @@ fn origin_response(head: Head, body: Body, outcome: Outcome) -> Response<Body> {
 mod tests {
     use super::*;
 
-    use http::HeaderValue;
+    use crate::cache::control::tests::headers;
 
-    fn headers(pairs: &[(&'static str, &'static str)]) -> HeaderMap {
-        let mut h = HeaderMap::new();
-        for (n, v) in pairs {
-            h.append(*n, HeaderValue::from_static(v));
-        }
-        h
+    fn shareable(status: StatusCode, h: &HeaderMap) -> bool {
+        storable(status, h, &[]).is_ok()
+    }
+
+    #[test]
+    fn vary_is_shared_only_on_keyed_headers() {
+        let foo = HeaderName::from_static("foo");
+        let vary = |v: &'static str| headers(&[("vary", v)]);
+        assert_eq!(
+            storable(StatusCode::OK, &vary("Foo"), &[]),
+            Err(NotShared::Vary)
+        );
+        assert_eq!(
+            storable(StatusCode::OK, &vary("Foo"), std::slice::from_ref(&foo)),
+            Ok(())
+        );
+        assert_eq!(
+            storable(
+                StatusCode::OK,
+                &vary("x-forwarded-for"),
+                std::slice::from_ref(&foo)
+            ),
+            Err(NotShared::Vary)
+        );
+        assert_eq!(
+            storable(StatusCode::OK, &vary("foo, *"), std::slice::from_ref(&foo)),
+            Err(NotShared::Vary)
+        );
+        assert_eq!(
+            storable(StatusCode::OK, &vary("Accept-Encoding"), &[]),
+            Ok(())
+        );
+        let gzip = headers(&[("vary", "accept-encoding"), ("content-encoding", "gzip")]);
+        assert_eq!(storable(StatusCode::OK, &gzip, &[]), Err(NotShared::Vary));
     }
 
     #[test]
     fn storable_rules() {
-        assert!(storable(StatusCode::OK, &HeaderMap::new()));
-        assert!(storable(StatusCode::NOT_FOUND, &HeaderMap::new()));
-        assert!(!storable(
+        assert!(shareable(StatusCode::OK, &HeaderMap::new()));
+        assert!(shareable(StatusCode::NOT_FOUND, &HeaderMap::new()));
+        assert!(!shareable(
             StatusCode::INTERNAL_SERVER_ERROR,
             &HeaderMap::new()
         ));
-        assert!(!storable(StatusCode::FORBIDDEN, &HeaderMap::new()));
-        assert!(!storable(
+        assert!(!shareable(StatusCode::FORBIDDEN, &HeaderMap::new()));
+        assert!(!shareable(
             StatusCode::OK,
             &headers(&[("set-cookie", "a=b")])
         ));
-        assert!(!storable(
+        assert!(!shareable(
             StatusCode::OK,
             &headers(&[("cache-control", "max-age=5, private")])
         ));
-        assert!(!storable(
+        assert!(!shareable(
             StatusCode::OK,
             &headers(&[("cache-control", "no-store")])
         ));
-        assert!(!storable(
+        assert!(!shareable(
             StatusCode::OK,
             &headers(&[("cache-control", "private=\"x\"")])
         ));
-        assert!(storable(
+        assert!(shareable(
             StatusCode::OK,
             &headers(&[("cache-control", "public, max-age=60")])
         ));
-        assert!(!storable(StatusCode::OK, &headers(&[("vary", "*")])));
+        assert!(!shareable(StatusCode::OK, &headers(&[("vary", "*")])));
     }
 }

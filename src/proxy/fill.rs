@@ -134,13 +134,7 @@ impl Filler {
                     let task = tokio::spawn(async move { this.lead(task_job, leader, true).await });
                     return match task.await {
                         Ok(fetched) => fetched.respond(head),
-                        Err(_) => (
-                            respond::text(
-                                http::StatusCode::INTERNAL_SERVER_ERROR,
-                                "cacheguard: internal error\n",
-                            ),
-                            Outcome::Error,
-                        ),
+                        Err(_) => (respond::error(&ProxyError::Internal), Outcome::Error),
                     };
                 }
                 Role::Follower(follower) => {

@@ -7,7 +7,7 @@
 
 use std::sync::Arc;
 
-use http::{HeaderValue, Response, StatusCode, header};
+use http::Response;
 
 use super::body::Body;
 use super::fill::Flights;
@@ -17,6 +17,7 @@ use crate::cache::tiers::Tiers;
 use crate::cache::{CacheKey, Freshness};
 use crate::clock::now_ms;
 use crate::config::L1Policy;
+use crate::error::ProxyError;
 use crate::metrics::{Metrics, Outcome};
 use crate::protect::hotkeys::HotKeys;
 
@@ -114,16 +115,7 @@ impl HotGate {
             // instance at a time. Only a key whose answers cannot be shared, where each
             // request would fetch for itself, is refused.
             _ if !self.uncacheable.contains_key(&key.hash) => Gate::Join,
-            _ => {
-                let mut response = respond::text(
-                    StatusCode::TOO_MANY_REQUESTS,
-                    "cacheguard: too many requests for this key\n",
-                );
-                response
-                    .headers_mut()
-                    .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
-                Gate::Answered((response, Outcome::Error))
-            }
+            _ => Gate::Answered((respond::error(&ProxyError::HotKeyLimited), Outcome::Error)),
         }
     }
 }

@@ -5,6 +5,7 @@ use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Response, StatusCode};
 
 use super::body::Body;
+use super::own_answer::OwnAnswer;
 use crate::cache::Entry;
 use crate::clock::now_ms;
 use crate::error::ProxyError;
@@ -92,7 +93,8 @@ pub(crate) fn from_entry(
 }
 
 /// cacheguard's own answer for `error`: the right status, a short text body, and
-/// `Retry-After` where the client should come back later.
+/// `Retry-After` where the client should come back later. Tagged as an [`OwnAnswer`], so
+/// the router logs it.
 pub(crate) fn error(error: &ProxyError) -> Response<Body> {
     let mut response = Response::new(Body::full(format!("cacheguard: {error}\n")));
     *response.status_mut() = error.status();
@@ -105,6 +107,7 @@ pub(crate) fn error(error: &ProxyError) -> Response<Body> {
         headers.insert(header::RETRY_AFTER, HeaderValue::from(seconds));
     }
     headers.insert(X_CACHE.clone(), x_cache_value(Outcome::Error));
+    response.extensions_mut().insert(OwnAnswer::of(error));
     response
 }
 

@@ -43,7 +43,7 @@ impl Upstream {
         connector.enforce_http(true);
         let client = Client::builder(TokioExecutor::new())
             .pool_max_idle_per_host(config.pool_max_idle)
-            .pool_idle_timeout(Duration::from_secs(60))
+            .pool_idle_timeout(config.pool_idle_timeout)
             .pool_timer(TokioTimer::new())
             .build(connector);
         Ok(Upstream {
@@ -92,9 +92,14 @@ fn classify(error: &hyper_util::client::legacy::Error) -> ProxyError {
         }
         source = cause.source();
     }
-    if error.is_connect() {
-        ProxyError::OriginConnect("connection refused or failed".into())
-    } else {
-        ProxyError::OriginConnect("connection to origin failed".into())
+    // The whole chain, for the log line: "client error (Connect): tcp connect error:
+    // Connection refused (os error 111)", "… connection closed before message completed".
+    let mut detail = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        detail.push_str(": ");
+        detail.push_str(&cause.to_string());
+        source = cause.source();
     }
+    ProxyError::OriginConnect(detail)
 }

@@ -217,10 +217,31 @@ pub async fn raw_request(
     headers: &[(&str, &str)],
     body: TestBody,
 ) -> Result<Resp, String> {
+    raw_request_from(None, addr, method, path_and_query, headers, body).await
+}
+
+/// [`raw_request`] from the local address `from` (another loopback address, to play a
+/// second client), or any when `None`.
+pub async fn raw_request_from(
+    from: Option<std::net::IpAddr>,
+    addr: SocketAddr,
+    method: Method,
+    path_and_query: &str,
+    headers: &[(&str, &str)],
+    body: TestBody,
+) -> Result<Resp, String> {
     within(REQUEST_TIMEOUT, async {
-        let stream = TcpStream::connect(addr)
-            .await
-            .map_err(|e| format!("connect {addr}: {e}"))?;
+        let stream = match from {
+            None => TcpStream::connect(addr).await,
+            Some(ip) => {
+                let socket = tokio::net::TcpSocket::new_v4().map_err(|e| e.to_string())?;
+                socket
+                    .bind(SocketAddr::new(ip, 0))
+                    .map_err(|e| format!("bind {ip}: {e}"))?;
+                socket.connect(addr).await
+            }
+        }
+        .map_err(|e| format!("connect {addr}: {e}"))?;
         let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
             .await
             .map_err(|e| format!("handshake: {e}"))?;

@@ -37,7 +37,7 @@ use std::time::Duration;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-pub use client::{HttpClient, Resp, raw_request};
+pub use client::{HttpClient, Resp, empty_body, raw_request, raw_request_from};
 pub use origin::{IdsFault, IdsFormat, TestOrigin, default_body};
 pub use process::{
     CacheguardProcess, spawn_cacheguard_process, spawn_cacheguard_process_with_args,

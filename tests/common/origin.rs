@@ -309,6 +309,13 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl TestOrigin {
+    /// Stops the listener and closes every connection (new connections are refused), as
+    /// when the origin goes down. Takes effect at the server task's next step: give it a
+    /// moment.
+    pub fn stop(&self) {
+        self.task.abort();
+    }
+
     pub fn builder() -> TestOriginBuilder {
         TestOriginBuilder::default()
     }

@@ -1,0 +1,306 @@
+//! What an origin answer's own headers allow a shared cache to do with it (RFC 9111):
+//! its `Cache-Control` directives, the request headers its `Vary` names, and its age when
+//! it arrived.
+//!
+//! The directive parser is written here rather than taken from a crate: the crates that
+//! implement RFC 9111 (e.g. `http-cache-semantics`) decide storage and freshness as a
+//! whole, for a cache keyed by URL alone; cacheguard keys by route, keeps its own freshness
+//! rules per route, and only needs the directives themselves.
+//!
+//! Parsing is lenient where the RFC asks for it: directive names are case-insensitive, a
+//! value may be a token or a quoted string, unknown directives are ignored, and a
+//! delta-seconds value that does not parse makes its directive count as present with no
+//! usable value (`max-age=abc` is treated as stale, RFC 9111 §4.2.1).
+
+use http::header::{self, HeaderMap, HeaderName};
+
+/// The largest age or lifetime a cache must represent (RFC 9111 §1.2.2): larger values,
+/// and values that overflow, count as this.
+pub(crate) const MAX_DELTA_SECONDS: u64 = 2_147_483_648;
+
+/// The response `Cache-Control` directives a shared cache acts on.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct ResponseControl {
+    pub(crate) no_store: bool,
+    /// `private`, with or without a field list: never stored by a shared cache.
+    pub(crate) private: bool,
+    /// `no-cache`, with or without a field list: never reused without revalidation.
+    pub(crate) no_cache: bool,
+    pub(crate) must_revalidate: bool,
+    pub(crate) proxy_revalidate: bool,
+    pub(crate) public: bool,
+    /// `Some(None)`: present but not a valid delta-seconds.
+    pub(crate) s_maxage: Option<Option<u64>>,
+    pub(crate) max_age: Option<Option<u64>>,
+    pub(crate) stale_while_revalidate: Option<u64>,
+    pub(crate) stale_if_error: Option<u64>,
+}
+
+impl ResponseControl {
+    /// The directives of every `Cache-Control` field line of `headers`.
+    pub(crate) fn parse(headers: &HeaderMap) -> Self {
+        let mut control = ResponseControl::default();
+        for (name, value) in directives(headers, &header::CACHE_CONTROL) {
+            let seconds = || value.as_deref().map(delta_seconds);
+            match name.as_str() {
+                "no-store" => control.no_store = true,
+                "private" => control.private = true,
+                "no-cache" => control.no_cache = true,
+                "must-revalidate" => control.must_revalidate = true,
+                "proxy-revalidate" => control.proxy_revalidate = true,
+                "public" => control.public = true,
+                // The first occurrence wins (RFC 9111 §4.2.1 allows it; a second one is
+                // more likely a mistake than the origin's intent).
+                "s-maxage" if control.s_maxage.is_none() => {
+                    control.s_maxage = Some(seconds().flatten());
+                }
+                "max-age" if control.max_age.is_none() => {
+                    control.max_age = Some(seconds().flatten());
+                }
+                "stale-while-revalidate" if control.stale_while_revalidate.is_none() => {
+                    control.stale_while_revalidate = seconds().flatten();
+                }
+                "stale-if-error" if control.stale_if_error.is_none() => {
+                    control.stale_if_error = seconds().flatten();
+                }
+                _ => {}
+            }
+        }
+        control
+    }
+
+    /// Whether a stale copy must never be served without a successful revalidation:
+    /// `must-revalidate` (RFC 9111 §5.2.2.2), and for a shared cache `proxy-revalidate`
+    /// (§5.2.2.8) and `s-maxage` (§5.2.2.10, which implies `proxy-revalidate`). This rules
+    /// out grace, stale-while-revalidate and stale-if-error alike.
+    pub(crate) fn forbids_stale(&self) -> bool {
+        self.must_revalidate || self.proxy_revalidate || self.s_maxage.is_some()
+    }
+}
+
+/// The `(name, value)` pairs of the directives in every `field` line of `headers`, names
+/// lowercased, quoted values unquoted.
+fn directives(headers: &HeaderMap, field: &HeaderName) -> Vec<(String, Option<String>)> {
+    let mut out = Vec::new();
+    for line in headers.get_all(field) {
+        let Ok(line) = line.to_str() else { continue };
+        for item in split_list(line) {
+            let (name, value) = match item.split_once('=') {
+                Some((name, value)) => (name, Some(unquote(value.trim()))),
+                None => (item, None),
+            };
+            let name = name.trim().to_ascii_lowercase();
+            if !name.is_empty() {
+                out.push((name, value));
+            }
+        }
+    }
+    out
+}
+
+/// Splits a comma-separated field value, keeping commas inside quoted strings.
+fn split_list(line: &str) -> Vec<&str> {
+    let mut items = Vec::new();
+    let (mut start, mut quoted, mut escaped) = (0, false, false);
+    for (i, c) in line.char_indices() {
+        match c {
+            _ if escaped => escaped = false,
+            '\\' if quoted => escaped = true,
+            '"' => quoted = !quoted,
+            ',' if !quoted => {
+                items.push(line[start..i].trim());
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    items.push(line[start..].trim());
+    items.retain(|item| !item.is_empty());
+    items
+}
+
+fn unquote(value: &str) -> String {
+    match value
+        .strip_prefix('"')
+        .and_then(|rest| rest.strip_suffix('"'))
+    {
+        Some(inner) => {
+            let mut out = String::with_capacity(inner.len());
+            let mut escaped = false;
+            for c in inner.chars() {
+                if escaped || c != '\\' {
+                    out.push(c);
+                    escaped = false;
+                } else {
+                    escaped = true;
+                }
+            }
+            out
+        }
+        None => value.to_owned(),
+    }
+}
+
+/// A delta-seconds value (RFC 9111 §1.2.2): digits only; too large saturates at
+/// [`MAX_DELTA_SECONDS`].
+pub(crate) fn delta_seconds(value: &str) -> Option<u64> {
+    let value = value.trim();
+    if value.is_empty() || !value.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    Some(
+        value
+            .parse::<u64>()
+            .map_or(MAX_DELTA_SECONDS, |v| v.min(MAX_DELTA_SECONDS)),
+    )
+}
+
+/// What an answer's `Vary` names.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Vary {
+    /// No `Vary` (or an empty one).
+    None,
+    /// `*`: the answer depends on more than request headers; never reused.
+    Any,
+    /// These request headers (lowercase, deduplicated, in order of first mention).
+    Headers(Vec<HeaderName>),
+}
+
+impl Vary {
+    /// The `Vary` of `headers`, over all its field lines. A member that is not a valid
+    /// header name makes the whole answer [`Vary::Any`]: a cache cannot match on it.
+    pub(crate) fn of(headers: &HeaderMap) -> Vary {
+        let mut names: Vec<HeaderName> = Vec::new();
+        for line in headers.get_all(header::VARY) {
+            let Ok(line) = line.to_str() else {
+                return Vary::Any;
+            };
+            for member in line.split(',').map(str::trim).filter(|m| !m.is_empty()) {
+                if member == "*" {
+                    return Vary::Any;
+                }
+                let Ok(name) = HeaderName::from_bytes(member.as_bytes()) else {
+                    return Vary::Any;
+                };
+                if !names.contains(&name) {
+                    names.push(name);
+                }
+            }
+        }
+        if names.is_empty() {
+            Vary::None
+        } else {
+            Vary::Headers(names)
+        }
+    }
+}
+
+/// The age of an answer when it arrived here (RFC 9111 §4.2.3, `corrected_initial_age`):
+/// the larger of its apparent age (arrival time minus its `Date`) and its `Age` plus the
+/// time the request took. `Age` as sent by the origin or a cache upstream is kept this
+/// way, so a downstream cache never keeps the copy fresh longer than the origin allowed.
+pub(crate) fn initial_age_secs(headers: &HeaderMap, response_time_ms: u64, delay_ms: u64) -> u64 {
+    let age_value = headers
+        .get(header::AGE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(',').next())
+        .and_then(delta_seconds)
+        .unwrap_or(0);
+    let corrected_age = age_value.saturating_add(delay_ms / 1000);
+    let apparent_age = headers
+        .get(header::DATE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| httpdate::parse_http_date(v).ok())
+        .and_then(|date| date.duration_since(std::time::UNIX_EPOCH).ok())
+        .map_or(0, |date| {
+            (response_time_ms / 1000).saturating_sub(date.as_secs())
+        });
+    apparent_age.max(corrected_age).min(MAX_DELTA_SECONDS)
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use http::HeaderValue;
+
+    /// A header map of `(name, value)` pairs, repeated names appended.
+    pub(crate) fn headers(pairs: &[(&'static str, &'static str)]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for (n, v) in pairs {
+            h.append(*n, HeaderValue::from_static(v));
+        }
+        h
+    }
+
+    fn control(value: &'static str) -> ResponseControl {
+        ResponseControl::parse(&headers(&[("cache-control", value)]))
+    }
+
+    #[test]
+    fn directives_are_case_insensitive_and_span_lines() {
+        let c = ResponseControl::parse(&headers(&[
+            ("cache-control", "Max-Age=60, MUST-REVALIDATE"),
+            ("cache-control", "s-maxage=\"30\""),
+        ]));
+        assert_eq!(c.max_age, Some(Some(60)));
+        assert_eq!(c.s_maxage, Some(Some(30)));
+        assert!(c.must_revalidate && c.forbids_stale());
+    }
+
+    #[test]
+    fn quoted_commas_do_not_split() {
+        let c = control("private=\"a, b\", max-age=5");
+        assert!(c.private);
+        assert_eq!(c.max_age, Some(Some(5)));
+        assert!(control("no-cache=\"set-cookie\"").no_cache);
+    }
+
+    #[test]
+    fn bad_and_huge_delta_seconds() {
+        assert_eq!(control("max-age=abc").max_age, Some(None));
+        assert_eq!(control("max-age=-1").max_age, Some(None));
+        assert_eq!(
+            control("max-age=99999999999999999999999").max_age,
+            Some(Some(MAX_DELTA_SECONDS))
+        );
+        assert_eq!(control("max-age=1, max-age=9").max_age, Some(Some(1)));
+    }
+
+    #[test]
+    fn what_forbids_stale() {
+        assert!(!control("max-age=2").forbids_stale());
+        assert!(!control("max-age=2, stale-while-revalidate=10").forbids_stale());
+        assert!(control("max-age=2, must-revalidate").forbids_stale());
+        assert!(control("proxy-revalidate").forbids_stale());
+        assert!(control("s-maxage=2").forbids_stale());
+    }
+
+    #[test]
+    fn vary_members() {
+        assert_eq!(Vary::of(&HeaderMap::new()), Vary::None);
+        assert_eq!(Vary::of(&headers(&[("vary", "")])), Vary::None);
+        assert_eq!(Vary::of(&headers(&[("vary", "Foo, *")])), Vary::Any);
+        assert_eq!(Vary::of(&headers(&[("vary", "a b")])), Vary::Any);
+        assert_eq!(
+            Vary::of(&headers(&[("vary", "Foo, accept"), ("vary", "foo,Bar")])),
+            Vary::Headers(vec![
+                HeaderName::from_static("foo"),
+                HeaderName::from_static("accept"),
+                HeaderName::from_static("bar"),
+            ])
+        );
+    }
+
+    #[test]
+    fn initial_age_keeps_the_upstream_age() {
+        let h = headers(&[("age", "2000")]);
+        assert_eq!(initial_age_secs(&h, 1_000_000, 0), 2000);
+        assert_eq!(initial_age_secs(&h, 1_000_000, 3_500), 2003);
+        assert_eq!(initial_age_secs(&headers(&[("age", "x")]), 5_000, 0), 0);
+        // Apparent age from Date, when larger.
+        let dated = headers(&[("date", "Thu, 01 Jan 1970 00:00:10 GMT"), ("age", "5")]);
+        assert_eq!(initial_age_secs(&dated, 100_000, 0), 90);
+        // A Date in the future is no negative age.
+        assert_eq!(initial_age_secs(&dated, 1_000, 0), 5);
+    }
+}

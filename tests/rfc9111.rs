@@ -1,0 +1,320 @@
+//! What an origin answer's own caching headers demand of a shared cache (RFC 9111), held in
+//! the default (strict) mode, where a route's own rules set the lifetime:
+//!
+//! - `Vary`: a stored answer never reaches a request whose `Vary`-named headers could
+//!   differ. An answer that varies on a header the route does not key — one cacheguard does
+//!   not forward, or `X-Forwarded-For`, which it sets per client — is not stored
+//!   (`fill_refused{reason="vary"}`); one that varies on a keyed header is, per key value.
+//! - `must-revalidate`, `proxy-revalidate` and `s-maxage`: past its lifetime such an answer
+//!   is never served stale, whatever the route's grace; the origin's failure is the answer.
+//! - `Age`: the age an answer arrived with is kept and grows while it is stored.
+//!
+//! Each holds in embedded mode and in shared mode with `l1` off, hot and all (the Vary
+//! rules on a Redis Cluster too), read back through a second instance where there is one.
+
+mod common;
+
+use std::net::{IpAddr, Ipv4Addr};
+use std::time::Duration;
+
+use common::*;
+use http::Method;
+
+/// Route `item`, keyed on `accept-language`; no jitter, so lifetimes are exact.
+fn route(ttl: &str) -> String {
+    item_route(&format!(
+        "ttl = \"{ttl}\"\njitter = 0.0\ngrace = \"30s\"\nvary = [\"accept-language\"]\n"
+    ))
+}
+
+/// The modes a user can pick: a name and the config for it.
+async fn modes(origin: &TestOrigin, redis: &RedisServer, ttl: &str) -> Vec<(String, CgConfig)> {
+    let base = || CgConfig::new(origin).routes(&route(ttl));
+    let mut out = vec![
+        ("embedded, l1 = all".to_owned(), base().l1("all")),
+        ("embedded, l1 = hot".to_owned(), base().l1("hot")),
+    ];
+    for l1 in ["off", "hot", "all"] {
+        out.push((format!("shared, l1 = {l1}"), base().redis(redis).l1(l1)));
+    }
+    out
+}
+
+/// Starts an origin and a Redis, runs `one` in every mode of [`modes`] (with route ttl
+/// `ttl`) and in `more`, all at once, and fails with everything that went wrong in any of
+/// them. `one` gets the origin, the mode's name and config, and whether it has Redis.
+async fn in_every_mode(
+    ttl: &str,
+    more: &[(&str, &RedisCluster)],
+    one: impl AsyncFn(&TestOrigin, String, CgConfig, bool) -> Vec<String>,
+) {
+    let origin = TestOrigin::start().await;
+    let redis = RedisServer::start().await;
+    let mut cells = modes(&origin, &redis, ttl).await;
+    for (l1, cluster) in more {
+        cells.push((
+            format!("cluster, l1 = {l1}"),
+            CgConfig::new(&origin)
+                .routes(&route(ttl))
+                .redis_cluster(cluster)
+                .l1(l1),
+        ));
+    }
+    let runs = cells.iter().map(|(mode, cfg)| {
+        one(
+            &origin,
+            mode.clone(),
+            cfg.clone(),
+            !mode.starts_with("embedded"),
+        )
+    });
+    let wrong: Vec<String> = futures_util::future::join_all(runs)
+        .await
+        .into_iter()
+        .flatten()
+        .collect();
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+}
+
+/// The instances of one mode: one in embedded mode, two sharing Redis in shared mode.
+struct Instances {
+    all: Vec<cacheguard::Running>,
+}
+
+impl Instances {
+    async fn start(cfg: &CgConfig, shared: bool) -> Instances {
+        let mut all = vec![cfg.start().await];
+        if shared {
+            all.push(cfg.start().await);
+        }
+        Instances { all }
+    }
+
+    async fn shutdown(self) {
+        for running in self.all {
+            running.shutdown().await;
+        }
+    }
+}
+
+async fn get(addr: std::net::SocketAddr, path: &str, headers: &[(&str, &str)]) -> Resp {
+    get_from(None, addr, path, headers).await
+}
+
+/// A GET on a connection of its own from local address `from`.
+async fn get_from(
+    from: Option<IpAddr>,
+    addr: std::net::SocketAddr,
+    path: &str,
+    headers: &[(&str, &str)],
+) -> Resp {
+    let mut all = vec![("host", "cacheguard.test")];
+    all.extend_from_slice(headers);
+    raw_request_from(from, addr, Method::GET, path, &all, empty_body())
+        .await
+        .unwrap_or_else(|e| panic!("GET {path}: {e}"))
+}
+
+/// The origin's serial number of the answer (`"n":N` in its default body).
+fn serial(resp: &Resp) -> String {
+    let text = resp.text();
+    text.split("\"n\":")
+        .nth(1)
+        .map(|rest| rest.trim_end_matches('}').to_owned())
+        .unwrap_or(text)
+}
+
+/// In one mode: answers that vary on unkeyed headers are fetched for every client and
+/// counted; one that varies on the route's keyed header is stored per value.
+async fn vary_in_one_mode(
+    origin: &TestOrigin,
+    mode: &str,
+    cfg: &CgConfig,
+    shared: bool,
+) -> Vec<String> {
+    let client = HttpClient::new();
+    let tag = mode.replace([',', ' ', '='], "");
+    let instances = Instances::start(cfg, shared).await;
+    let first = instances.all[0].addr();
+    let mut wrong = Vec::new();
+
+    // Unkeyed: a header cacheguard never forwards, one it sets per client, and `*` in a list.
+    let unkeyed = [
+        ("foo", "Foo"),
+        ("xff", "X-Forwarded-For"),
+        ("star", "Accept-Language, *"),
+    ];
+    for (name, vary) in unkeyed {
+        let path = format!("/api/items/{tag}-{name}");
+        origin.set_headers(&path, [("Vary", vary)]);
+        let made = get(first, &path, &[("foo", "1"), ("accept-language", "fr")]).await;
+        for (i, running) in instances.all.iter().enumerate() {
+            // Another client: another address, another `Foo`, the same keyed header.
+            let other = get_from(
+                Some(IpAddr::V4(Ipv4Addr::new(127, 0, 0, 2))),
+                running.addr(),
+                &path,
+                &[("foo", "2"), ("accept-language", "fr")],
+            )
+            .await;
+            if other.is_hit() || serial(&other) == serial(&made) {
+                wrong.push(format!(
+                    "{mode}: Vary: {vary}: the answer made for 127.0.0.1 with Foo: 1 reached \
+                     127.0.0.2 with Foo: 2 through instance {i}: {other}"
+                ));
+            }
+        }
+        let fetches = origin.count(&path);
+        if fetches != 1 + instances.all.len() as u64 {
+            wrong.push(format!(
+                "{mode}: Vary: {vary}: {fetches} origin fetches, expected one per request"
+            ));
+        }
+    }
+    let refused = metric(
+        &client,
+        instances.all[0].admin_addr(),
+        "cacheguard_fill_refused_total",
+        &[("reason", "vary")],
+    )
+    .await;
+    if refused < unkeyed.len() as f64 {
+        wrong.push(format!(
+            "{mode}: fill_refused{{reason=\"vary\"}} is {refused}, expected at least {}",
+            unkeyed.len()
+        ));
+    }
+
+    // Keyed: stored once per value of the keyed header, and only served to that value.
+    let path = format!("/api/items/{tag}-keyed");
+    origin.set_headers(&path, [("Vary", "Accept-Language")]);
+    let fr = get(first, &path, &[("accept-language", "fr")]).await;
+    let last = instances.all[instances.all.len() - 1].addr();
+    let fr_again = get(last, &path, &[("accept-language", "fr")]).await;
+    let de = get(last, &path, &[("accept-language", "de")]).await;
+    if !fr_again.is_hit() || serial(&fr_again) != serial(&fr) {
+        wrong.push(format!(
+            "{mode}: Vary: Accept-Language (keyed): the same value was not a hit: {fr_again}"
+        ));
+    }
+    if de.is_hit() || serial(&de) == serial(&fr) {
+        wrong.push(format!(
+            "{mode}: Vary: Accept-Language (keyed): the fr answer reached de: {de}"
+        ));
+    }
+    instances.shutdown().await;
+    wrong
+}
+
+/// Regression: an answer with `Vary: Foo` stored for `Foo: 1` was served to `Foo: 2`, and
+/// one with `Vary: X-Forwarded-For` made for 127.0.0.1 was served to 127.0.0.2.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vary_never_serves_another_clients_answer() {
+    let cluster = RedisCluster::start().await;
+    in_every_mode(
+        "60s",
+        &[("hot", &cluster)],
+        async |origin, mode, cfg, shared| vary_in_one_mode(origin, &mode, &cfg, shared).await,
+    )
+    .await;
+}
+
+/// In one mode: after the route's 1 s lifetime, with the origin failing, an answer that
+/// forbids stale use is not served (the failure is), while a plain one is (grace).
+async fn stale_in_one_mode(mode: &str, cfg: &CgConfig, shared: bool) -> Vec<String> {
+    let origin = TestOrigin::start().await;
+    let cfg = cfg.clone().set_str("upstream", "url", &origin.url());
+    let tag = mode.replace([',', ' ', '='], "");
+    let instances = Instances::start(&cfg, shared).await;
+    let mut wrong = Vec::new();
+    let cases = [
+        ("plain", "max-age=1", true),
+        ("must", "max-age=1, must-revalidate", false),
+        ("proxy", "max-age=1, proxy-revalidate", false),
+        ("smaxage", "s-maxage=1", false),
+    ];
+    let path = |name: &str| format!("/api/items/{tag}-{name}");
+    for (name, cache_control, _) in cases {
+        origin.set_headers(&path(name), [("Cache-Control", cache_control)]);
+        let first = get(instances.all[0].addr(), &path(name), &[]).await;
+        assert_eq!(first.status, 200, "{mode}: {first}");
+    }
+    // Past the route's ttl (1 s), well within its grace (30 s).
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    for failure in ["503", "down"] {
+        for (name, cache_control, stale_ok) in cases {
+            if failure == "503" {
+                origin.set_status(&path(name), 503);
+            }
+            for (i, running) in instances.all.iter().enumerate() {
+                let resp = get(running.addr(), &path(name), &[]).await;
+                let served_stale = resp.status == 200;
+                if served_stale != stale_ok {
+                    wrong.push(format!(
+                        "{mode}: Cache-Control: {cache_control}, origin {failure}, instance {i}: \
+                         {resp} (stale copy allowed: {stale_ok})"
+                    ));
+                }
+            }
+        }
+        if failure == "503" {
+            origin.stop();
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    instances.shutdown().await;
+    wrong
+}
+
+/// Regression: an answer with `Cache-Control: max-age=2, must-revalidate` was served
+/// `200 STALE` past its lifetime while the origin failed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn revalidation_directives_forbid_stale_answers() {
+    // Each mode stops an origin of its own.
+    in_every_mode("1s", &[], async |_, mode, cfg, shared| {
+        stale_in_one_mode(&mode, &cfg, shared).await
+    })
+    .await;
+}
+
+/// In one mode: the origin's `Age: 2000` is kept on the miss, on a hit from this instance
+/// and on one from the other; an answer without `Age` starts at 0.
+async fn age_in_one_mode(
+    origin: &TestOrigin,
+    mode: &str,
+    cfg: &CgConfig,
+    shared: bool,
+) -> Vec<String> {
+    let tag = mode.replace([',', ' ', '='], "");
+    let instances = Instances::start(cfg, shared).await;
+    let aged = format!("/api/items/{tag}-aged");
+    origin.set_headers(&aged, [("Age", "2000")]);
+    let young = format!("/api/items/{tag}-young");
+    let mut wrong = Vec::new();
+    for (path, from) in [(&aged, 2000), (&young, 0)] {
+        let mut seen = vec![get(instances.all[0].addr(), path, &[]).await];
+        for running in &instances.all {
+            seen.push(get(running.addr(), path, &[]).await);
+        }
+        // Allow a few seconds of residence on a loaded machine.
+        let ok = |r: &Resp| r.age().is_some_and(|age| (from..from + 5).contains(&age));
+        if !seen.iter().all(ok) || !seen[1..].iter().all(Resp::is_hit) {
+            let ages: Vec<_> = seen.iter().map(|r| (r.x_cache(), r.age())).collect();
+            wrong.push(format!(
+                "{mode}: {path}: expected a hit after the miss and Age in {from}..{}: {ages:?}",
+                from + 5
+            ));
+        }
+    }
+    instances.shutdown().await;
+    wrong
+}
+
+/// Regression: the origin's `Age: 2000` left cacheguard as `Age: 0`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn age_includes_the_upstream_age() {
+    in_every_mode("60s", &[], async |origin, mode, cfg, shared| {
+        age_in_one_mode(origin, &mode, &cfg, shared).await
+    })
+    .await;
+}
