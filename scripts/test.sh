@@ -34,6 +34,14 @@ fi
 # Likewise the prometheus package may start a system instance on 9090; the test runs its own
 # on a free loopback port.
 
+# Node.js for tests/cache_tests.rs, which runs the public HTTP-cache test suite (the npm
+# package http-cache-tests: its origin server, its client and its scoring are node programs).
+if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then
+    echo "== installing nodejs and npm"
+    as_root apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq nodejs npm >/dev/null
+fi
+
 # A one-shot build gains nothing from incremental compilation, which would add several GB of
 # state to the target directory. A developer who wants it back can export CARGO_INCREMENTAL=1.
 export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
@@ -42,6 +50,19 @@ export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
 target_dir="${CARGO_TARGET_DIR:-target}"
 mkdir -p "$target_dir"
 echo "== disk free where the build goes ($target_dir): $(df -h --output=avail "$target_dir" | tail -1 | tr -d ' ')"
+
+# The HTTP-cache test suite, pinned, installed under the target directory (nothing from npm is
+# checked in); tests/cache_tests.rs looks for it there. Skipped when that version is in place.
+cache_tests_version=0.4.5
+cache_tests_prefix="$target_dir/cache-tests"
+cache_tests_package="$cache_tests_prefix/node_modules/http-cache-tests"
+installed="$(node -p 'require(process.argv[1]).version' "$(realpath -m "$cache_tests_package")/package.json" 2>/dev/null || true)"
+if [ "$installed" != "$cache_tests_version" ] || [ ! -d "$cache_tests_prefix/node_modules/node-fetch" ]; then
+    echo "== installing http-cache-tests@$cache_tests_version into $cache_tests_prefix"
+    mkdir -p "$cache_tests_prefix"
+    npm install --prefix "$cache_tests_prefix" --omit=dev --no-audit --no-fund --loglevel=error \
+        "http-cache-tests@$cache_tests_version"
+fi
 
 echo "== cargo fmt --check"
 cargo fmt --all -- --check

@@ -55,18 +55,7 @@ impl CacheguardProcess {
 
     /// Waits (bounded) for the process to exit; `None` if it is still running at the deadline.
     pub async fn wait_exit(&mut self, timeout: Duration) -> Option<ExitStatus> {
-        let deadline = Instant::now() + timeout;
-        loop {
-            let child = self.child.as_mut()?;
-            if let Ok(Some(status)) = child.try_wait() {
-                self.child = None;
-                return Some(status);
-            }
-            if Instant::now() >= deadline {
-                return None;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        wait_child(&mut self.child, timeout).await
     }
 
     /// SIGKILL by PID, then reap. Idempotent.
@@ -160,5 +149,21 @@ pub async fn spawn_cacheguard_process_with_args(
             );
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Waits (bounded, without blocking the runtime) for `child` to exit and takes it (so it is
+/// not killed on drop); `None` if there is none or it still runs at the deadline.
+pub async fn wait_child(child: &mut Option<Child>, timeout: Duration) -> Option<ExitStatus> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Ok(Some(status)) = child.as_mut()?.try_wait() {
+            *child = None;
+            return Some(status);
+        }
+        if Instant::now() >= deadline {
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
