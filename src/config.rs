@@ -229,6 +229,19 @@ pub enum L1Policy {
     Off,
 }
 
+/// Where a stored answer's lifetime comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FreshnessSource {
+    /// The route's `ttl`, `grace` and `negative_ttl`, whatever the origin says (strict).
+    /// Only keyed request headers reach the origin.
+    Route,
+    /// The origin's own headers (RFC 9111): `s-maxage`, `max-age`, `Expires`, and the
+    /// `Surrogate-Control`/`CDN-Cache-Control` aimed at this cache, capped by the route's
+    /// `ttl`; `stale-while-revalidate` sets the grace (capped by the route's `grace`).
+    /// End-to-end request headers reach the origin.
+    Origin,
+}
+
 /// What a waiter does when the lock holder does not fill in time.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum OnTimeout {
@@ -260,6 +273,8 @@ pub struct CacheDefaults {
     pub max_entry_bytes: usize,
     pub l1_max_bytes: u64,
     pub l1: L1Policy,
+    pub freshness: FreshnessSource,
+    pub heuristic: f64,
 }
 
 #[derive(Clone, Debug)]
@@ -293,6 +308,12 @@ pub struct RouteConfig {
     pub negative_ttl: Duration,
     pub max_entry_bytes: usize,
     pub l1: L1Policy,
+    /// Where a stored answer's lifetime comes from; `ttl` is a cap in `Origin` mode.
+    pub freshness: FreshnessSource,
+    /// `Origin` mode: the fraction of an answer's age at arrival by its `Last-Modified`
+    /// that it is fresh for when it says nothing of its freshness (RFC 9111 §4.2.2);
+    /// 0 = such answers are not stored.
+    pub heuristic: f64,
     pub query: QueryPolicy,
     /// Request headers whose values are part of the key (and the only client headers,
     /// besides a fixed safe set, forwarded to the origin on a cached fetch). Sorted and

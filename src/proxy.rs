@@ -4,6 +4,7 @@
 //! upstream client and the origin guard).
 
 pub(crate) mod body;
+pub(crate) mod conditional;
 pub(crate) mod create;
 pub(crate) mod fetch;
 pub(crate) mod fill;
@@ -44,6 +45,15 @@ use crate::coord::store::RedisStore;
 use crate::error::ProxyError;
 use crate::metrics::{Metrics, RouteMetrics};
 use crate::protect::hotkeys::HotKeys;
+
+/// The methods RFC 9110 defines as safe: they never invalidate a cached answer. Any other,
+/// an unknown extension method included, may change the resource.
+fn is_safe(method: &Method) -> bool {
+    matches!(
+        *method,
+        Method::GET | Method::HEAD | Method::OPTIONS | Method::TRACE
+    )
+}
 
 /// The route name of requests that match no route, in metrics and logs.
 pub(crate) const PASSTHROUGH: &str = "_passthrough";
@@ -170,6 +180,16 @@ impl Proxy {
             }
             None => {
                 let metrics = Arc::clone(&self.passthrough_metrics);
+                // An unsafe method on a cached path still invalidates it.
+                if !is_safe(method)
+                    && let Some(target) = self.write.path_target(request.uri().path())
+                {
+                    let response = self
+                        .write
+                        .serve_unrouted(target, &metrics, request, client)
+                        .await;
+                    return (None, response);
+                }
                 (
                     None,
                     self.passthrough.serve(&metrics, request, client).await,

@@ -411,10 +411,9 @@ fn check_origin_rate(profile: &RateProfile, max_rps: u64, what: &str) -> String 
 
 // === L2 entries ===
 
-/// The L2 entry format (`src/cache/entry.rs`): `b"CG"`, version 3, then postcard of this
-/// struct followed by the entry's tags and initial age (version 1 had neither, version 2 no
-/// age). postcard is positional and
-/// ignores what follows, so only the field order and types must match.
+/// The L2 entry format (`src/cache/entry.rs`): `b"CG"`, version 4, then postcard of this
+/// struct followed by what later versions added (tags, initial age, error grace). postcard
+/// is positional and ignores what follows, so only the field order and types must match.
 #[derive(Debug, Deserialize)]
 #[allow(dead_code)]
 struct StoredV1 {
@@ -430,7 +429,8 @@ struct StoredV1 {
 
 fn decode_entry(raw: &[u8]) -> StoredV1 {
     let payload = raw
-        .strip_prefix(b"CG\x03")
+        .strip_prefix(b"CG\x04")
+        .or_else(|| raw.strip_prefix(b"CG\x03"))
         .or_else(|| raw.strip_prefix(b"CG\x02"))
         .or_else(|| raw.strip_prefix(b"CG\x01"))
         .unwrap_or_else(|| panic!("not a cacheguard entry: {:?}", &raw[..raw.len().min(8)]));

@@ -8,6 +8,7 @@
 //! - `must-revalidate`, `proxy-revalidate` and `s-maxage`: past its lifetime such an answer
 //!   is never served stale, whatever the route's grace; the origin's failure is the answer.
 //! - `Age`: the age an answer arrived with is kept and grows while it is stored.
+//! - A client's conditionals and range are answered from the stored copy (304, 206, 416).
 //!
 //! Each holds in embedded mode and in shared mode with `l1` off, hot and all (the Vary
 //! rules on a Redis Cluster too), read back through a second instance where there is one.
@@ -46,7 +47,7 @@ async fn modes(origin: &TestOrigin, redis: &RedisServer, ttl: &str) -> Vec<(Stri
 async fn in_every_mode(
     ttl: &str,
     more: &[(&str, &RedisCluster)],
-    one: impl AsyncFn(&TestOrigin, String, CgConfig, bool) -> Vec<String>,
+    one: impl AsyncFn(&TestOrigin, &str, &CgConfig, bool) -> Vec<String>,
 ) {
     let origin = TestOrigin::start().await;
     let redis = RedisServer::start().await;
@@ -60,14 +61,9 @@ async fn in_every_mode(
                 .l1(l1),
         ));
     }
-    let runs = cells.iter().map(|(mode, cfg)| {
-        one(
-            &origin,
-            mode.clone(),
-            cfg.clone(),
-            !mode.starts_with("embedded"),
-        )
-    });
+    let runs = cells
+        .iter()
+        .map(|(mode, cfg)| one(&origin, mode, cfg, !mode.starts_with("embedded")));
     let wrong: Vec<String> = futures_util::future::join_all(runs)
         .await
         .into_iter()
@@ -211,12 +207,7 @@ async fn vary_in_one_mode(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn vary_never_serves_another_clients_answer() {
     let cluster = RedisCluster::start().await;
-    in_every_mode(
-        "60s",
-        &[("hot", &cluster)],
-        async |origin, mode, cfg, shared| vary_in_one_mode(origin, &mode, &cfg, shared).await,
-    )
-    .await;
+    in_every_mode("60s", &[("hot", &cluster)], vary_in_one_mode).await;
 }
 
 /// In one mode: after the route's 1 s lifetime, with the origin failing, an answer that
@@ -272,7 +263,7 @@ async fn stale_in_one_mode(mode: &str, cfg: &CgConfig, shared: bool) -> Vec<Stri
 async fn revalidation_directives_forbid_stale_answers() {
     // Each mode stops an origin of its own.
     in_every_mode("1s", &[], async |_, mode, cfg, shared| {
-        stale_in_one_mode(&mode, &cfg, shared).await
+        stale_in_one_mode(mode, cfg, shared).await
     })
     .await;
 }
@@ -313,8 +304,61 @@ async fn age_in_one_mode(
 /// Regression: the origin's `Age: 2000` left cacheguard as `Age: 0`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn age_includes_the_upstream_age() {
-    in_every_mode("60s", &[], async |origin, mode, cfg, shared| {
-        age_in_one_mode(origin, &mode, &cfg, shared).await
-    })
-    .await;
+    in_every_mode("60s", &[], age_in_one_mode).await;
+}
+
+/// In one mode: a client's `If-None-Match`, `If-Modified-Since` and `Range` are answered
+/// from the stored copy (304, 206, 416), and the origin is asked once.
+async fn conditionals_in_one_mode(
+    origin: &TestOrigin,
+    mode: &str,
+    cfg: &CgConfig,
+    shared: bool,
+) -> Vec<String> {
+    let tag = mode.replace([',', ' ', '='], "");
+    let instances = Instances::start(cfg, shared).await;
+    let path = format!("/api/items/{tag}-conditional");
+    origin.set_headers(
+        &path,
+        [
+            ("ETag", "\"v1\""),
+            ("Last-Modified", "Thu, 01 Jan 2026 00:00:00 GMT"),
+        ],
+    );
+    let full = get(instances.all[0].addr(), &path, &[]).await;
+    let last = instances.all[instances.all.len() - 1].addr();
+    // Request headers, the status expected, the body expected (None: any).
+    type Case<'a> = (&'a [(&'a str, &'a str)], u16, Option<&'a [u8]>);
+    let cases: [Case; 6] = [
+        (&[("if-none-match", "\"v1\"")], 304, Some(b"")),
+        (&[("if-none-match", "W/\"v1\", \"v0\"")], 304, Some(b"")),
+        (
+            &[("if-modified-since", "Fri, 02 Jan 2026 00:00:00 GMT")],
+            304,
+            Some(b""),
+        ),
+        (&[("range", "bytes=0-3")], 206, Some(&full.body[..4])),
+        (&[("range", "bytes=100000-")], 416, Some(b"")),
+        (&[("range", "bytes=0-3"), ("if-range", "\"v0\"")], 200, None),
+    ];
+    let mut wrong = Vec::new();
+    for (headers, status, body) in cases {
+        let resp = get(last, &path, headers).await;
+        let body_ok = body.is_none_or(|b| resp.body == b);
+        if resp.status.as_u16() != status || !body_ok || !resp.is_hit() {
+            wrong.push(format!(
+                "{mode}: {headers:?}: expected a {status} from the cache, got {resp}"
+            ));
+        }
+    }
+    if origin.count(&path) != 1 {
+        wrong.push(format!("{mode}: {} origin fetches", origin.count(&path)));
+    }
+    instances.shutdown().await;
+    wrong
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conditionals_and_ranges_are_answered_from_the_cache() {
+    in_every_mode("60s", &[], conditionals_in_one_mode).await;
 }

@@ -28,6 +28,9 @@ pub(crate) struct ResponseControl {
     pub(crate) no_cache: bool,
     pub(crate) must_revalidate: bool,
     pub(crate) proxy_revalidate: bool,
+    /// Store only an answer whose status this cache understands, and then ignore
+    /// `no-store` (RFC 9111 §5.2.2.3).
+    pub(crate) must_understand: bool,
     pub(crate) public: bool,
     /// `Some(None)`: present but not a valid delta-seconds.
     pub(crate) s_maxage: Option<Option<u64>>,
@@ -48,6 +51,7 @@ impl ResponseControl {
                 "no-cache" => control.no_cache = true,
                 "must-revalidate" => control.must_revalidate = true,
                 "proxy-revalidate" => control.proxy_revalidate = true,
+                "must-understand" => control.must_understand = true,
                 "public" => control.public = true,
                 // The first occurrence wins (RFC 9111 §4.2.1 allows it; a second one is
                 // more likely a mistake than the origin's intent).
@@ -155,6 +159,112 @@ pub(crate) fn delta_seconds(value: &str) -> Option<u64> {
     )
 }
 
+/// How long an answer is fresh by its own headers, in seconds from when it was made
+/// (RFC 9111 §4.2.1), as a surrogate sees it: a `Surrogate-Control` or `CDN-Cache-Control`
+/// (RFC 9213) `max-age` aimed at caches like this one comes first, then `s-maxage`, then
+/// `max-age`, then `Expires` minus `Date`. `None`: the answer gives no freshness at all.
+///
+/// An invalid value counts as already stale (0), as RFC 9111 asks for `Expires` and
+/// `max-age`; so does an `Expires` that does not parse.
+pub(crate) fn origin_lifetime_secs(
+    headers: &HeaderMap,
+    control: &ResponseControl,
+    response_time_ms: u64,
+) -> Option<u64> {
+    if let Some(max_age) = targeted_max_age(headers) {
+        return Some(max_age);
+    }
+    if let Some(s_maxage) = control.s_maxage {
+        return Some(s_maxage.unwrap_or(0));
+    }
+    if let Some(max_age) = control.max_age {
+        return Some(max_age.unwrap_or(0));
+    }
+    let expires = headers.get(header::EXPIRES)?;
+    let Some(expires) = http_date_secs(expires) else {
+        return Some(0);
+    };
+    let date = headers
+        .get(header::DATE)
+        .and_then(http_date_secs)
+        .unwrap_or(response_time_ms / 1000);
+    Some(expires.saturating_sub(date).min(MAX_DELTA_SECONDS))
+}
+
+/// The heuristic lifetime of an answer that gives no freshness (RFC 9111 §4.2.2): `fraction`
+/// of the time between its `Last-Modified` and its `Date` (or its arrival). `None` without
+/// a usable `Last-Modified`.
+pub(crate) fn heuristic_lifetime_secs(
+    headers: &HeaderMap,
+    fraction: f64,
+    response_time_ms: u64,
+) -> Option<u64> {
+    let modified = http_date_secs(headers.get(header::LAST_MODIFIED)?)?;
+    let date = headers
+        .get(header::DATE)
+        .and_then(http_date_secs)
+        .unwrap_or(response_time_ms / 1000);
+    let since = date.saturating_sub(modified);
+    // Whole seconds; the fraction is validated to 0..=1, so this cannot overflow.
+    Some((since as f64 * fraction.clamp(0.0, 1.0)) as u64)
+}
+
+/// The name this cache answers to in `Surrogate-Control` (Edge Architecture): a directive
+/// `max-age=60;cacheguard` is aimed at it, and it says so to the origin with
+/// [`SURROGATE_CAPABILITY_VALUE`].
+pub(crate) const SURROGATE_TARGET: &str = "cacheguard";
+/// The `Surrogate-Capability` request header a fetch carries in origin mode.
+pub(crate) const SURROGATE_CAPABILITY_VALUE: &str = "cacheguard=\"Surrogate/1.0\"";
+
+/// The directives of the targeted fields (`Surrogate-Control`, then `CDN-Cache-Control`)
+/// aimed at this cache: untargeted ones, and those targeted at [`SURROGATE_TARGET`]
+/// (`max-age=60;cacheguard`), the target removed. Those aimed at another surrogate are left
+/// out.
+fn targeted_directives(headers: &HeaderMap) -> Vec<(String, Option<String>)> {
+    let ours = |target: &str| target.trim().eq_ignore_ascii_case(SURROGATE_TARGET);
+    let mut out = Vec::new();
+    for field in [&SURROGATE_CONTROL, &CDN_CACHE_CONTROL] {
+        for (name, value) in directives(headers, field) {
+            let (name, value) = match (name.split_once(';'), value) {
+                (Some((name, target)), None) if ours(target) => (name.to_owned(), None),
+                (Some(_), _) => continue,
+                (None, Some(value)) => match value.split_once(';') {
+                    Some((value, target)) if ours(target) => (name, Some(value.to_owned())),
+                    Some(_) => continue,
+                    None => (name, Some(value)),
+                },
+                (None, None) => (name, None),
+            };
+            out.push((name, value));
+        }
+    }
+    out
+}
+
+/// The `max-age` a targeted field gives this cache (an invalid one is 0: stale).
+pub(crate) fn targeted_max_age(headers: &HeaderMap) -> Option<u64> {
+    targeted_directives(headers)
+        .into_iter()
+        .find(|(name, _)| name == "max-age")
+        .map(|(_, value)| value.as_deref().and_then(delta_seconds).unwrap_or(0))
+}
+
+/// Whether a targeted field says `no-store` to this cache: it overrides `Cache-Control`.
+pub(crate) fn targeted_no_store(headers: &HeaderMap) -> bool {
+    targeted_directives(headers)
+        .iter()
+        .any(|(name, _)| name == "no-store")
+}
+
+/// An HTTP-date as seconds since the Unix epoch.
+fn http_date_secs(value: &http::HeaderValue) -> Option<u64> {
+    let date = httpdate::parse_http_date(value.to_str().ok()?).ok()?;
+    Some(date.duration_since(std::time::UNIX_EPOCH).ok()?.as_secs())
+}
+
+pub(crate) static SURROGATE_CONTROL: HeaderName = HeaderName::from_static("surrogate-control");
+pub(crate) static CDN_CACHE_CONTROL: HeaderName = HeaderName::from_static("cdn-cache-control");
+
 /// What an answer's `Vary` names.
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) enum Vary {
@@ -199,23 +309,27 @@ impl Vary {
 /// the larger of its apparent age (arrival time minus its `Date`) and its `Age` plus the
 /// time the request took. `Age` as sent by the origin or a cache upstream is kept this
 /// way, so a downstream cache never keeps the copy fresh longer than the origin allowed.
-pub(crate) fn initial_age_secs(headers: &HeaderMap, response_time_ms: u64, delay_ms: u64) -> u64 {
-    let age_value = headers
-        .get(header::AGE)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.split(',').next())
-        .and_then(delta_seconds)
-        .unwrap_or(0);
+///
+/// `None` when the `Age` is not valid: not exactly one field line holding one
+/// delta-seconds (two lines, a list, a fraction, a sign, a parameter). Such an answer's
+/// age is unknown; RFC 9111 lets a cache treat it as stale.
+pub(crate) fn initial_age_secs(
+    headers: &HeaderMap,
+    response_time_ms: u64,
+    delay_ms: u64,
+) -> Option<u64> {
+    let mut lines = headers.get_all(header::AGE).iter();
+    let age_value = match (lines.next(), lines.next()) {
+        (None, _) => 0,
+        (Some(line), None) => delta_seconds(line.to_str().ok()?)?,
+        (Some(_), Some(_)) => return None,
+    };
     let corrected_age = age_value.saturating_add(delay_ms / 1000);
     let apparent_age = headers
         .get(header::DATE)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| httpdate::parse_http_date(v).ok())
-        .and_then(|date| date.duration_since(std::time::UNIX_EPOCH).ok())
-        .map_or(0, |date| {
-            (response_time_ms / 1000).saturating_sub(date.as_secs())
-        });
-    apparent_age.max(corrected_age).min(MAX_DELTA_SECONDS)
+        .and_then(http_date_secs)
+        .map_or(0, |date| (response_time_ms / 1000).saturating_sub(date));
+    Some(apparent_age.max(corrected_age).min(MAX_DELTA_SECONDS))
 }
 
 #[cfg(test)]
@@ -292,15 +406,78 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn origin_lifetime_precedence() {
+        let life = |pairs: &[(&'static str, &'static str)]| {
+            let h = headers(pairs);
+            origin_lifetime_secs(&h, &ResponseControl::parse(&h), 100_000)
+        };
+        assert_eq!(life(&[]), None);
+        assert_eq!(life(&[("cache-control", "max-age=60")]), Some(60));
+        assert_eq!(
+            life(&[("cache-control", "max-age=60, s-maxage=5")]),
+            Some(5)
+        );
+        assert_eq!(
+            life(&[
+                ("cache-control", "s-maxage=5"),
+                ("surrogate-control", "max-age=3600")
+            ]),
+            Some(3600)
+        );
+        assert_eq!(life(&[("cdn-cache-control", "max-age=7")]), Some(7));
+        assert_eq!(life(&[("cache-control", "max-age=x")]), Some(0));
+        let dated = [
+            ("date", "Thu, 01 Jan 1970 00:01:00 GMT"),
+            ("expires", "Thu, 01 Jan 1970 00:02:30 GMT"),
+        ];
+        assert_eq!(life(&dated), Some(90));
+        assert_eq!(
+            life(&[("expires", "0")]),
+            Some(0),
+            "an invalid Expires is stale"
+        );
+        // Without Date, the time the answer arrived stands in for it.
+        assert_eq!(
+            life(&[("expires", "Thu, 01 Jan 1970 00:02:30 GMT")]),
+            Some(50)
+        );
+        assert!(targeted_no_store(&headers(&[(
+            "surrogate-control",
+            "no-store"
+        )])));
+        let sc = |v: &'static str| headers(&[("surrogate-control", v)]);
+        assert_eq!(targeted_max_age(&sc("max-age=10;cacheguard")), Some(10));
+        assert_eq!(targeted_max_age(&sc("max-age=10;other")), None);
+        assert_eq!(
+            targeted_max_age(&sc("max-age=10;other, max-age=5")),
+            Some(5)
+        );
+        assert!(targeted_no_store(&sc("no-store;cacheguard")));
+        assert!(!targeted_no_store(&sc("no-store;other")));
+        let modified = headers(&[
+            ("date", "Thu, 01 Jan 1970 00:16:40 GMT"),
+            ("last-modified", "Thu, 01 Jan 1970 00:00:00 GMT"),
+        ]);
+        assert_eq!(heuristic_lifetime_secs(&modified, 0.1, 0), Some(100));
+        assert_eq!(heuristic_lifetime_secs(&HeaderMap::new(), 0.1, 0), None);
+    }
+
+    #[test]
     fn initial_age_keeps_the_upstream_age() {
         let h = headers(&[("age", "2000")]);
-        assert_eq!(initial_age_secs(&h, 1_000_000, 0), 2000);
-        assert_eq!(initial_age_secs(&h, 1_000_000, 3_500), 2003);
-        assert_eq!(initial_age_secs(&headers(&[("age", "x")]), 5_000, 0), 0);
+        assert_eq!(initial_age_secs(&h, 1_000_000, 0), Some(2000));
+        assert_eq!(initial_age_secs(&h, 1_000_000, 3_500), Some(2003));
+        assert_eq!(initial_age_secs(&HeaderMap::new(), 1_000_000, 0), Some(0));
+        for bad in ["x", "0, 0", "7200.0", "-1", "1;a=b", ""] {
+            let h = headers(&[("age", bad)]);
+            assert_eq!(initial_age_secs(&h, 5_000, 0), None, "Age: {bad}");
+        }
+        let two = headers(&[("age", "0"), ("age", "0")]);
+        assert_eq!(initial_age_secs(&two, 5_000, 0), None, "two lines");
         // Apparent age from Date, when larger.
         let dated = headers(&[("date", "Thu, 01 Jan 1970 00:00:10 GMT"), ("age", "5")]);
-        assert_eq!(initial_age_secs(&dated, 100_000, 0), 90);
+        assert_eq!(initial_age_secs(&dated, 100_000, 0), Some(90));
         // A Date in the future is no negative age.
-        assert_eq!(initial_age_secs(&dated, 1_000, 0), 5);
+        assert_eq!(initial_age_secs(&dated, 1_000, 0), Some(5));
     }
 }

@@ -1,8 +1,8 @@
 //! The stored entry: one origin answer plus what is needed to serve and age it.
 //!
 //! Wire format (L2): `b"CG"`, a format version byte, then the postcard encoding of
-//! [`StoredV3`] (version 2 added the surrogate keys, version 3 the age the answer arrived
-//! with; older values still decode, with none). Decoding anything else (garbage, another program's value, a future version) is
+//! [`StoredV4`] (version 2 added the surrogate keys, version 3 the age the answer arrived
+//! with, version 4 the stale-if-error window; older values still decode, with none). Decoding anything else (garbage, another program's value, a future version) is
 //! an error the caller treats as a miss, never a crash.
 
 use bytes::Bytes;
@@ -15,6 +15,7 @@ const MAGIC: &[u8; 2] = b"CG";
 const VERSION_1: u8 = 1;
 const VERSION_2: u8 = 2;
 const VERSION_3: u8 = 3;
+const VERSION_4: u8 = 4;
 
 /// A cached answer, ready to serve (headers already parsed).
 #[derive(Debug)]
@@ -32,8 +33,12 @@ pub(crate) struct Entry {
     pub(crate) initial_age_secs: u64,
     /// Freshness lifetime (already jittered).
     pub(crate) ttl_ms: u64,
-    /// How long past `ttl` a stale copy is kept.
+    /// How long past `ttl` a stale copy is served at once while one request refreshes it
+    /// (stale-while-revalidate).
     pub(crate) grace_ms: u64,
+    /// How long past `ttl` a stale copy may still answer when the origin fails
+    /// (stale-if-error); the copy is kept for the longer of the two windows.
+    pub(crate) error_grace_ms: u64,
     /// How long the origin fetch took: the `delta` of probabilistic early expiration.
     pub(crate) fetch_ms: u32,
     /// The surrogate keys (`Surrogate-Key` / `Cache-Tag`) the origin tagged the answer with:
@@ -45,8 +50,10 @@ pub(crate) struct Entry {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Freshness {
     Fresh,
-    /// Past ttl, within grace: usable for stale-while-revalidate / stale-if-error.
+    /// Past ttl, within grace: served at once while one request refreshes it.
     Stale,
+    /// Past grace, within the error grace: answers only if the origin fails.
+    IfError,
     Expired,
 }
 
@@ -87,6 +94,12 @@ struct StoredV3 {
     initial_age_secs: u64,
 }
 
+#[derive(Serialize, Deserialize)]
+struct StoredV4 {
+    v3: StoredV3,
+    error_grace_ms: u64,
+}
+
 impl Entry {
     /// Is this a negative entry (a cached "does not exist")?
     pub(crate) fn is_negative(&self) -> bool {
@@ -103,6 +116,8 @@ impl Entry {
             Freshness::Fresh
         } else if now_ms < fresh_until.saturating_add(self.grace_ms) {
             Freshness::Stale
+        } else if now_ms < fresh_until.saturating_add(self.error_grace_ms) {
+            Freshness::IfError
         } else {
             Freshness::Expired
         }
@@ -130,7 +145,8 @@ impl Entry {
     }
 
     pub(crate) fn remaining_life_ms(&self, now_ms: u64) -> u64 {
-        (self.stored_at_ms + self.ttl_ms + self.grace_ms).saturating_sub(now_ms)
+        let kept = self.grace_ms.max(self.error_grace_ms);
+        (self.stored_at_ms + self.ttl_ms + kept).saturating_sub(now_ms)
     }
 
     /// Approximate memory held by this entry while it sits in L1, for L1's byte bound.
@@ -168,16 +184,19 @@ impl Entry {
             grace_ms: self.grace_ms,
             fetch_ms: self.fetch_ms,
         };
-        let stored = StoredV3 {
-            v2: StoredV2 {
-                v1,
-                tags: self.tags.clone(),
+        let stored = StoredV4 {
+            v3: StoredV3 {
+                v2: StoredV2 {
+                    v1,
+                    tags: self.tags.clone(),
+                },
+                initial_age_secs: self.initial_age_secs,
             },
-            initial_age_secs: self.initial_age_secs,
+            error_grace_ms: self.error_grace_ms,
         };
         let mut out = Vec::with_capacity(self.body.len() + self.key.len() + 256);
         out.extend_from_slice(MAGIC);
-        out.push(VERSION_3);
+        out.push(VERSION_4);
         postcard::to_extend(&stored, out)
     }
 
@@ -186,15 +205,27 @@ impl Entry {
             return Err(DecodeEntryError::Magic);
         };
         let (&version, payload) = rest.split_first().ok_or(DecodeEntryError::Magic)?;
-        let (stored, tags, initial_age_secs) = match version {
-            VERSION_1 => (postcard::from_bytes::<StoredV1>(payload)?, Vec::new(), 0),
+        // Before version 4 the one grace window served both purposes.
+        let (stored, tags, initial_age_secs, error_grace_ms) = match version {
+            VERSION_1 => {
+                let v1: StoredV1 = postcard::from_bytes(payload)?;
+                let grace = v1.grace_ms;
+                (v1, Vec::new(), 0, grace)
+            }
             VERSION_2 => {
                 let v2: StoredV2 = postcard::from_bytes(payload)?;
-                (v2.v1, v2.tags, 0)
+                let grace = v2.v1.grace_ms;
+                (v2.v1, v2.tags, 0, grace)
             }
             VERSION_3 => {
                 let v3: StoredV3 = postcard::from_bytes(payload)?;
-                (v3.v2.v1, v3.v2.tags, v3.initial_age_secs)
+                let grace = v3.v2.v1.grace_ms;
+                (v3.v2.v1, v3.v2.tags, v3.initial_age_secs, grace)
+            }
+            VERSION_4 => {
+                let v4: StoredV4 = postcard::from_bytes(payload)?;
+                let v3 = v4.v3;
+                (v3.v2.v1, v3.v2.tags, v3.initial_age_secs, v4.error_grace_ms)
             }
             other => return Err(DecodeEntryError::Version(other)),
         };
@@ -216,6 +247,7 @@ impl Entry {
             initial_age_secs,
             ttl_ms: stored.ttl_ms,
             grace_ms: stored.grace_ms,
+            error_grace_ms,
             fetch_ms: stored.fetch_ms,
             tags,
         })
@@ -240,6 +272,7 @@ mod tests {
             initial_age_secs: 7,
             ttl_ms: 60_000,
             grace_ms: 30_000,
+            error_grace_ms: 50_000,
             fetch_ms: 20,
             tags: vec!["item-1".into(), "items".into()],
         }
@@ -255,6 +288,7 @@ mod tests {
         assert_eq!(d.body, e.body);
         assert_eq!(d.tags, e.tags);
         assert_eq!(d.initial_age_secs, 7);
+        assert_eq!(d.error_grace_ms, 50_000);
         assert_eq!(
             (d.stored_at_ms, d.ttl_ms, d.grace_ms),
             (1_000, 60_000, 30_000)
@@ -325,7 +359,13 @@ mod tests {
         assert_eq!(e.freshness(1_000), Freshness::Fresh);
         assert_eq!(e.freshness(60_999), Freshness::Fresh);
         assert_eq!(e.freshness(61_000), Freshness::Stale);
-        assert_eq!(e.freshness(91_000), Freshness::Expired);
+        assert_eq!(e.freshness(91_000), Freshness::IfError);
+        assert_eq!(e.freshness(111_000), Freshness::Expired);
+        assert_eq!(
+            e.remaining_life_ms(61_000),
+            50_000,
+            "kept for the longer window"
+        );
         assert_eq!(e.age_secs(11_500), 17, "arrived 7 s old, stored 10 s");
     }
 }

@@ -223,6 +223,8 @@ mod tests {
             negative_ttl: Duration::from_secs(10),
             max_entry_bytes: 1 << 20,
             l1: L1Policy::Hot,
+            freshness: crate::config::FreshnessSource::Route,
+            heuristic: 0.0,
             query,
             vary: vary.iter().map(|v| HeaderName::from_static(v)).collect(),
             invalidate: vec![],

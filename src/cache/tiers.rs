@@ -8,7 +8,8 @@
 //!             fresh ─▶ Fresh(HIT-L1)
 //!        ─▶ L2 (unless an invalidation of the key is owed to Redis)
 //!             fresh ─▶ copy into L1 when the route keeps it there ─▶ Fresh(HIT-L2)
-//!        ─▶ the newest stale copy within grace ─▶ Stale, else Miss
+//!        ─▶ the newest stale copy within grace ─▶ Stale, else Miss (with the newest copy
+//!           still within its error grace, to answer if the origin fails)
 //! keep   ─▶ into L1 only if no invalidation of the key or its tags was marked since the
 //!           copy was read or its fetch began (checked again after the insert)
 //! ```
@@ -49,7 +50,9 @@ pub(crate) enum Cached {
     Fresh(Arc<Entry>, Outcome),
     /// Only a stale copy (within grace): answered at once, refreshed in the background.
     Stale(Arc<Entry>),
-    Miss,
+    /// Nothing to answer with; maybe a copy past its grace that may still answer if the
+    /// origin fails (within its error grace: stale-if-error).
+    Miss(Option<Arc<Entry>>),
 }
 
 /// The gate over L1 and L2.
@@ -122,11 +125,22 @@ impl Tiers {
         self.l1.get(key).await
     }
 
-    /// L1, then L2: a fresh copy wins; otherwise the newest stale copy within grace.
+    /// L1, then L2: a fresh copy wins; otherwise the newest stale copy within grace;
+    /// otherwise a miss, with the newest copy within its error grace.
     /// `skip_l1` goes past L1 (a hot key whose L1 copy is due a check against Redis).
     pub(crate) async fn lookup(&self, key: &CacheKey, l1: L1Policy, skip_l1: bool) -> Cached {
         let now = now_ms();
         let mut stale = None;
+        let mut if_error = None;
+        // The newer of two copies.
+        let newer = |held: &mut Option<Arc<Entry>>, entry: Arc<Entry>| {
+            if held
+                .as_ref()
+                .is_none_or(|h| h.stored_at_ms < entry.stored_at_ms)
+            {
+                *held = Some(entry);
+            }
+        };
         if l1 != L1Policy::Off
             && !skip_l1
             && let Some(entry) = self.l1.get(key).await
@@ -134,6 +148,7 @@ impl Tiers {
             match entry.freshness(now) {
                 Freshness::Fresh => return Cached::Fresh(entry, Outcome::HitL1),
                 Freshness::Stale => stale = Some(entry),
+                Freshness::IfError => if_error = Some(entry),
                 Freshness::Expired => {}
             }
         }
@@ -146,17 +161,15 @@ impl Tiers {
                     }
                     return Cached::Fresh(entry, Outcome::HitL2);
                 }
-                Freshness::Stale
-                    if stale
-                        .as_ref()
-                        .is_none_or(|s: &Arc<Entry>| s.stored_at_ms < entry.stored_at_ms) =>
-                {
-                    stale = Some(entry);
-                }
-                Freshness::Stale | Freshness::Expired => {}
+                Freshness::Stale => newer(&mut stale, entry),
+                Freshness::IfError => newer(&mut if_error, entry),
+                Freshness::Expired => {}
             }
         }
-        stale.map_or(Cached::Miss, Cached::Stale)
+        match stale {
+            Some(entry) => Cached::Stale(entry),
+            None => Cached::Miss(if_error),
+        }
     }
 
     /// A fresh L2 copy of `key` (a waiter on another instance's fill looks for its

@@ -17,11 +17,34 @@ pub(crate) fn jittered(ttl: Duration, jitter: f64, rng: &mut impl Rng) -> Durati
     ttl.mul_f64(factor)
 }
 
+/// A TTL drawn uniformly from `ttl × [1 - jitter, 1]`: jitter that never extends what the
+/// origin allowed (the lifetime of `freshness = "origin"` routes).
+pub(crate) fn shortened(ttl: Duration, jitter: f64, rng: &mut impl Rng) -> Duration {
+    let jitter = jitter.clamp(0.0, 0.999);
+    if jitter == 0.0 || ttl.is_zero() {
+        return ttl;
+    }
+    ttl.mul_f64(rng.random_range((1.0 - jitter)..=1.0))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use rand::SeedableRng;
     use rand::rngs::StdRng;
+
+    #[test]
+    fn shortened_never_extends() {
+        let mut rng = StdRng::seed_from_u64(7);
+        let ttl = Duration::from_secs(60);
+        let draws: Vec<Duration> = (0..10_000).map(|_| shortened(ttl, 0.2, &mut rng)).collect();
+        assert!(
+            draws
+                .iter()
+                .all(|d| *d <= ttl && *d >= Duration::from_secs(48))
+        );
+        assert!(draws.iter().any(|d| *d < Duration::from_secs(50)));
+    }
 
     #[test]
     fn jitter_stays_in_bounds_and_spreads() {

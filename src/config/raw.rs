@@ -15,7 +15,7 @@ use serde::Deserialize;
 use serde::de::{self, Deserializer, SeqAccess, Visitor};
 use toml::Spanned;
 
-use super::{L1Policy, OnTimeout};
+use super::{FreshnessSource, L1Policy, OnTimeout};
 
 /// Span used for values that did not come from the file (defaults, environment overrides).
 /// Such values are already valid, so no problem is ever reported at this span.
@@ -241,6 +241,8 @@ pub(super) struct RawCache {
     pub(super) max_entry_bytes: usize,
     pub(super) l1_max_bytes: u64,
     pub(super) l1: RawL1,
+    pub(super) freshness: RawFreshness,
+    pub(super) heuristic: Spanned<f64>,
 }
 
 impl Default for RawCache {
@@ -253,6 +255,8 @@ impl Default for RawCache {
             max_entry_bytes: 1024 * 1024,
             l1_max_bytes: 256 * 1024 * 1024,
             l1: RawL1(L1Policy::Hot),
+            freshness: RawFreshness(FreshnessSource::Route),
+            heuristic: unspanned(0.0),
         }
     }
 }
@@ -297,6 +301,8 @@ pub(super) struct RawRoute {
     pub(super) negative_ttl: Option<HumanDuration>,
     pub(super) max_entry_bytes: Option<usize>,
     pub(super) l1: Option<RawL1>,
+    pub(super) freshness: Option<RawFreshness>,
+    pub(super) heuristic: Option<Spanned<f64>>,
     /// `None` = `"sorted"`.
     pub(super) query: Option<Spanned<RawQuery>>,
     #[serde(default)]
@@ -447,6 +453,20 @@ impl<'de> Deserialize<'de> for RawL1 {
             ("hot", L1Policy::Hot),
             ("all", L1Policy::All),
             ("off", L1Policy::Off),
+        ];
+        deserializer.deserialize_str(Keyword(WORDS)).map(Self)
+    }
+}
+
+/// `freshness = "route" | "origin"`.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct RawFreshness(pub(super) FreshnessSource);
+
+impl<'de> Deserialize<'de> for RawFreshness {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        const WORDS: &[(&str, FreshnessSource)] = &[
+            ("route", FreshnessSource::Route),
+            ("origin", FreshnessSource::Origin),
         ];
         deserializer.deserialize_str(Keyword(WORDS)).map(Self)
     }

@@ -163,6 +163,8 @@ fn example_file_documents_every_key() {
         "queue_timeout",
         "pool_max_idle",
         "pool_idle_timeout",
+        "freshness",
+        "heuristic",
         "command_timeout",
         "key_prefix",
         "breaker_failures",
@@ -326,7 +328,7 @@ fn unknown_key_lists_the_known_ones() {
     assert_eq!(
         problem(&with_minimal("[cache]\ntll = \"5s\"\n")),
         "test.toml:4: cache.tll: unknown key, expected one of ttl, jitter, grace, negative_ttl, \
-         max_entry_bytes, l1_max_bytes, l1"
+         max_entry_bytes, l1_max_bytes, l1, freshness, heuristic"
     );
 }
 
@@ -337,7 +339,7 @@ fn unknown_key_in_a_route() {
             "[[routes]]\nname = \"r\"\nmatch = \"/r\"\ncache_ttl = \"5s\"\n"
         )),
         "test.toml:6: routes[0].cache_ttl: unknown key, expected one of name, match, methods, \
-         ttl, jitter, grace, negative_ttl, max_entry_bytes, l1, query, vary, invalidate, \
+         ttl, jitter, grace, negative_ttl, max_entry_bytes, l1, freshness, heuristic, query, vary, invalidate, \
          double_delete_delay, early_refresh_beta, bloom, bloom_add, warmup"
     );
 }
@@ -590,6 +592,15 @@ fn out_of_range_numbers() {
     assert_eq!(
         problem(&with_minimal("[cache]\njitter = 1.5\n")),
         "test.toml:4: cache.jitter: expected a number from 0.0 up to (not including) 1.0, got 1.5"
+    );
+    assert_eq!(
+        problem(&with_minimal("[cache]\nheuristic = 1.5\n")),
+        "test.toml:4: cache.heuristic: expected a fraction from 0.0 to 1.0 of the time since \
+         Last-Modified, got 1.5"
+    );
+    assert_eq!(
+        problem(&with_minimal("[cache]\nfreshness = \"headers\"\n")),
+        "test.toml:4: cache.freshness: expected one of \"route\", \"origin\", got \"headers\""
     );
     assert_eq!(
         problem(&with_minimal("[cache]\njitter = 1\n")),

@@ -242,6 +242,16 @@ fn check_jitter(value: f64) -> Result<f64, String> {
     }
 }
 
+fn check_heuristic(value: f64) -> Result<f64, String> {
+    if (0.0..=1.0).contains(&value) {
+        Ok(value)
+    } else {
+        Err(format!(
+            "expected a fraction from 0.0 to 1.0 of the time since Last-Modified, got {value:?}"
+        ))
+    }
+}
+
 fn check_beta(value: f64) -> Result<f64, String> {
     if (0.0..=100.0).contains(&value) {
         Ok(value)
@@ -421,6 +431,11 @@ impl Checker<'_> {
 
     fn jitter(&mut self, value: &Spanned<f64>, key: &str) -> f64 {
         let checked = check_jitter(*value.get_ref());
+        self.check(checked, value.span(), key).unwrap_or(0.0)
+    }
+
+    fn heuristic(&mut self, value: &Spanned<f64>, key: &str) -> f64 {
+        let checked = check_heuristic(*value.get_ref());
         self.check(checked, value.span(), key).unwrap_or(0.0)
     }
 
@@ -871,6 +886,8 @@ impl Checker<'_> {
             max_entry_bytes: raw.max_entry_bytes,
             l1_max_bytes: raw.l1_max_bytes,
             l1: raw.l1.0,
+            freshness: raw.freshness.0,
+            heuristic: self.heuristic(&raw.heuristic, "cache.heuristic"),
         }
     }
 
@@ -941,6 +958,11 @@ impl Checker<'_> {
             negative_ttl: raw.negative_ttl.map_or(cache.negative_ttl, |d| d.0),
             max_entry_bytes: raw.max_entry_bytes.unwrap_or(cache.max_entry_bytes),
             l1: raw.l1.map_or(cache.l1, |l1| l1.0),
+            freshness: raw.freshness.map_or(cache.freshness, |f| f.0),
+            heuristic: match &raw.heuristic {
+                Some(h) => self.heuristic(h, &key("heuristic")),
+                None => cache.heuristic,
+            },
             query,
             vary,
             invalidate,

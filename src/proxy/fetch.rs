@@ -4,7 +4,7 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use http::header::{self, HeaderMap, HeaderName};
@@ -13,15 +13,20 @@ use http_body_util::{BodyExt, Empty};
 use hyper::body::Incoming;
 
 use super::body::Body;
-use super::origin::Origin;
+use super::origin::{self, Origin};
 use super::own_answer::OwnAnswer;
 use super::respond::{self, strip_hop_by_hop};
 use super::route::Route;
 use super::upstream::UpstreamBody;
-use crate::cache::control::{ResponseControl, Vary, initial_age_secs};
+use crate::cache::control::{
+    CDN_CACHE_CONTROL, MAX_DELTA_SECONDS, ResponseControl, SURROGATE_CAPABILITY_VALUE,
+    SURROGATE_CONTROL, Vary, heuristic_lifetime_secs, initial_age_secs, origin_lifetime_secs,
+    targeted_max_age, targeted_no_store,
+};
 use crate::cache::key::Derived;
 use crate::cache::{CacheKey, Entry, ttl};
 use crate::clock::now_ms;
+use crate::config::{FreshnessSource, RouteConfig};
 use crate::consistency::tags;
 use crate::error::ProxyError;
 use crate::metrics::{OriginStatus, Outcome};
@@ -34,33 +39,40 @@ pub(crate) struct FillJob {
     pub(crate) key: CacheKey,
     /// Path and keyed query to request from the origin.
     pub(crate) forward: String,
-    /// The values of the route's `vary` headers, the only client headers forwarded.
-    pub(crate) vary: HeaderMap,
+    /// The client headers that travel with the fetch: the route's `vary` headers, and in
+    /// `freshness = "origin"` mode every end-to-end header cacheguard does not own
+    /// (see [`origin::end_to_end`]).
+    pub(crate) headers: HeaderMap,
     pub(crate) client: SocketAddr,
     /// A refresh nobody waits on (stale-while-revalidate, early refresh).
     pub(crate) background: bool,
 }
 
 impl FillJob {
-    /// The fill of `derived`'s key for a request with `headers`: only the values of the
-    /// route's `vary` headers travel with it.
+    /// The fill of `derived`'s key for a request with `headers`: the values of the route's
+    /// `vary` headers travel with it, and in origin mode the other end-to-end headers too.
     pub(crate) fn new(
         route: &Arc<Route>,
         derived: &Derived,
         headers: &HeaderMap,
         client: SocketAddr,
     ) -> Self {
-        let mut vary = HeaderMap::new();
-        for name in &route.config.vary {
+        let keyed = &route.config.vary;
+        let mut forwarded = match route.config.freshness {
+            FreshnessSource::Route => HeaderMap::new(),
+            FreshnessSource::Origin => origin::end_to_end(headers, keyed),
+        };
+        for name in keyed {
+            forwarded.remove(name);
             for value in headers.get_all(name) {
-                vary.append(name.clone(), value.clone());
+                forwarded.append(name.clone(), value.clone());
             }
         }
         FillJob {
             route: Arc::clone(route),
             key: derived.key.clone(),
             forward: derived.forward_path_and_query.clone(),
-            vary,
+            headers: forwarded,
             client,
             background: false,
         }
@@ -201,6 +213,9 @@ pub(crate) async fn from_origin(origin: &Origin, job: &FillJob) -> Classified {
         filter.metrics.false_positives.inc();
     }
 
+    // An origin error is a failure: waiters may try again, nothing is stored (even with a
+    // lifetime of its own: a stored error would replace the copy that stale-if-error
+    // answers with while the origin fails).
     if head.status.is_server_error() {
         return Classified::Failed(Failure::new(
             origin_response(head, body.into_body(), Outcome::Bypass),
@@ -219,19 +234,32 @@ pub(crate) async fn from_origin(origin: &Origin, job: &FillJob) -> Classified {
             ));
         }
     };
-    if let Err(why) = storable(head.status, &head.headers, &route.config.vary) {
-        route.metrics.uncacheable.inc();
-        if why == NotShared::Vary {
-            route.metrics.refused_vary.inc();
-        }
-        return Classified::Uncacheable(origin_response(
-            head,
-            Body::full(complete),
-            Outcome::Bypass,
-        ));
-    }
     let fetch_ms = u32::try_from(elapsed.as_millis()).unwrap_or(u32::MAX);
-    Classified::Storable(new_entry(job, head, complete, fetch_ms))
+    let control = ResponseControl::parse(&head.headers);
+    let shared = storable(&route.config, head.status, &head.headers, &control).and_then(|()| {
+        lifetime(
+            &route.config,
+            head.status,
+            &head.headers,
+            &control,
+            now_ms(),
+            fetch_ms,
+        )
+    });
+    match shared {
+        Ok(life) => Classified::Storable(new_entry(job, head, complete, fetch_ms, life)),
+        Err(why) => {
+            route.metrics.uncacheable.inc();
+            if why == NotShared::Vary {
+                route.metrics.refused_vary.inc();
+            }
+            let mut response = origin_response(head, Body::full(complete), Outcome::Bypass);
+            if route.config.freshness == FreshnessSource::Origin {
+                strip_targeted(response.headers_mut());
+            }
+            Classified::Uncacheable(response)
+        }
+    }
 }
 
 /// The request sent to the origin for a cached fetch. Only what is keyed goes out: the
@@ -249,25 +277,118 @@ fn cached_fetch_request(
     *request.uri_mut() = uri;
     let headers = request.headers_mut();
     headers.insert(header::HOST, upstream.authority().clone());
-    for (name, value) in &job.vary {
+    for (name, value) in &job.headers {
         headers.append(name.clone(), value.clone());
+    }
+    if job.route.config.freshness == FreshnessSource::Origin {
+        // Edge Architecture: tells the origin it may aim Surrogate-Control at this cache.
+        headers.append(
+            SURROGATE_CAPABILITY.clone(),
+            http::HeaderValue::from_static(SURROGATE_CAPABILITY_VALUE),
+        );
     }
     super::origin::set_forwarded(headers, job.client);
     Ok(request)
 }
 
-fn new_entry(job: &FillJob, head: Head, body: Bytes, fetch_ms: u32) -> Entry {
-    let route = &job.route.config;
-    let negative = matches!(head.status.as_u16(), 404 | 410);
-    let nominal = if negative {
+static SURROGATE_CAPABILITY: HeaderName = HeaderName::from_static("surrogate-capability");
+
+/// How long a storable answer is kept.
+#[derive(Debug, PartialEq, Eq)]
+struct Lifetime {
+    stored_at_ms: u64,
+    /// The age it arrived with (RFC 9111 §4.2.3).
+    initial_age_secs: u64,
+    ttl: Duration,
+    /// Served stale at once while refreshed (stale-while-revalidate).
+    grace: Duration,
+    /// Served stale only when the origin fails (stale-if-error).
+    error_grace: Duration,
+}
+
+/// The lifetime of an answer stored at `stored_at_ms` after a fetch of `fetch_ms`: the
+/// route's `ttl` (`negative_ttl` for 404/410) and `grace` in `freshness = "route"` mode; in
+/// `"origin"` mode what the origin allows from now on (its lifetime minus the answer's
+/// age), capped by the route's, with `stale-while-revalidate` as the grace and
+/// `stale-if-error` (the route's `grace` without one) as the error grace, both capped by the
+/// route's `grace` (RFC 9111 §4.2.4 lets a cache answer with a stale copy when the origin
+/// cannot be reached, unless the answer forbids it). In route mode the two windows are the
+/// route's `grace`. Jitter spreads a route lifetime both ways, but only ever shortens an
+/// origin one. No grace for a negative entry (a stale "does not exist" after the item was
+/// created is worse than one more origin request), nor for an answer that forbids stale use.
+///
+/// `Err(NotShared::NoFreshness)`: in origin mode, an answer that says nothing of its
+/// freshness, or is stale on arrival and may never be used stale.
+fn lifetime(
+    route: &RouteConfig,
+    status: StatusCode,
+    headers: &HeaderMap,
+    control: &ResponseControl,
+    stored_at_ms: u64,
+    fetch_ms: u32,
+) -> Result<Lifetime, NotShared> {
+    let negative = matches!(status.as_u16(), 404 | 410);
+    let cap = if negative {
         route.negative_ttl
     } else {
         route.ttl
     };
-    let ttl = ttl::jittered(nominal, route.jitter, &mut rand::rng());
-    let control = ResponseControl::parse(&head.headers);
-    let stored_at_ms = now_ms();
-    let initial_age_secs = initial_age_secs(&head.headers, stored_at_ms, u64::from(fetch_ms));
+    let age = initial_age_secs(headers, stored_at_ms, u64::from(fetch_ms));
+    let rng = &mut rand::rng();
+    let (initial_age_secs, ttl, grace, error_grace) = match route.freshness {
+        // An invalid `Age` is ignored: the route's lifetime does not depend on it.
+        FreshnessSource::Route => (
+            age.unwrap_or(0),
+            ttl::jittered(cap, route.jitter, rng),
+            route.grace,
+            route.grace,
+        ),
+        FreshnessSource::Origin => {
+            // An answer whose age is unknown is stale.
+            let initial_age_secs = age.unwrap_or(MAX_DELTA_SECONDS);
+            let lifetime = origin_lifetime_secs(headers, control, stored_at_ms)
+                .or_else(|| {
+                    (route.heuristic > 0.0)
+                        .then(|| heuristic_lifetime_secs(headers, route.heuristic, stored_at_ms))
+                        .flatten()
+                })
+                .ok_or(NotShared::NoFreshness)?;
+            let left = Duration::from_secs(lifetime.saturating_sub(initial_age_secs)).min(cap);
+            let grace = control
+                .stale_while_revalidate
+                .map_or(Duration::ZERO, Duration::from_secs)
+                .min(route.grace);
+            let error_grace = control
+                .stale_if_error
+                .map_or(route.grace, Duration::from_secs)
+                .min(route.grace);
+            (
+                initial_age_secs,
+                ttl::shortened(left, route.jitter, rng),
+                grace,
+                error_grace,
+            )
+        }
+    };
+    let (grace, error_grace) = if negative || control.forbids_stale() {
+        (Duration::ZERO, Duration::ZERO)
+    } else {
+        (grace, error_grace.max(grace))
+    };
+    if ttl.is_zero() && error_grace.is_zero() {
+        return Err(NotShared::NoFreshness);
+    }
+    Ok(Lifetime {
+        stored_at_ms,
+        initial_age_secs,
+        ttl,
+        grace,
+        error_grace,
+    })
+}
+
+fn new_entry(job: &FillJob, head: Head, body: Bytes, fetch_ms: u32, life: Lifetime) -> Entry {
+    let route = &job.route.config;
     let mut origin_headers = head.headers;
     strip_hop_by_hop(&mut origin_headers);
     let tags = tags::take(&mut origin_headers);
@@ -282,6 +403,10 @@ fn new_entry(job: &FillJob, head: Head, body: Bytes, fetch_ms: u32) -> Entry {
     ] {
         origin_headers.remove(name);
     }
+    if route.freshness == FreshnessSource::Origin {
+        // Aimed at this cache, not at the clients (nor at caches after it).
+        strip_targeted(&mut origin_headers);
+    }
     // hyper's header values are slices of the connection's read buffer (8 KiB and more):
     // keeping them would pin a whole buffer per cached entry. Copy what is kept.
     let mut headers = HeaderMap::with_capacity(origin_headers.len());
@@ -291,23 +416,17 @@ fn new_entry(job: &FillJob, head: Head, body: Bytes, fetch_ms: u32) -> Entry {
         owned.set_sensitive(value.is_sensitive());
         headers.append(name.clone(), owned);
     }
+    let millis = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
     Entry {
         key: job.key.full.clone(),
         status: head.status,
         headers,
         body,
-        stored_at_ms,
-        initial_age_secs,
-        ttl_ms: u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX),
-        // A negative entry gets no grace: serving a stale "does not exist" after the item was
-        // created is worse than one more origin request. Nor does an answer whose origin
-        // forbids serving it stale (`must-revalidate` and the like): past its lifetime it is
-        // fetched again, and an origin failure is answered as one.
-        grace_ms: if negative || control.forbids_stale() {
-            0
-        } else {
-            u64::try_from(route.grace.as_millis()).unwrap_or(u64::MAX)
-        },
+        stored_at_ms: life.stored_at_ms,
+        initial_age_secs: life.initial_age_secs,
+        ttl_ms: millis(life.ttl),
+        grace_ms: millis(life.grace),
+        error_grace_ms: millis(life.error_grace),
         fetch_ms,
         tags: tags.tags,
     }
@@ -382,6 +501,20 @@ fn storable_status(status: StatusCode) -> bool {
     )
 }
 
+/// A final status a cache may store with an explicit lifetime (RFC 9111 §3): not a partial
+/// answer (`206`: only part of the body) nor `304` (no body at all). 5xx answers are
+/// failures and never reach this.
+fn final_status(status: StatusCode) -> bool {
+    (200..500).contains(&status.as_u16()) && !matches!(status.as_u16(), 206 | 304)
+}
+
+/// Whether, on an origin-mode route, the answer gives its own lifetime (a targeted
+/// `max-age`, `s-maxage`, `max-age` or `Expires`): then any final status may be stored.
+fn explicitly_fresh(route: &RouteConfig, headers: &HeaderMap) -> bool {
+    route.freshness == FreshnessSource::Origin
+        && origin_lifetime_secs(headers, &ResponseControl::parse(headers), 0).is_some()
+}
+
 /// Why an origin answer is not stored.
 #[derive(Debug, PartialEq, Eq)]
 enum NotShared {
@@ -390,10 +523,19 @@ enum NotShared {
     Policy,
     /// Its `Vary` names a request header the route does not key (or is `*`).
     Vary,
+    /// In origin mode: it says nothing of its freshness, or is stale on arrival.
+    NoFreshness,
 }
 
-/// Whether an origin answer may be stored and shared by a route that keys the request
-/// headers `keyed`.
+/// Removes the fields aimed at this cache (`Surrogate-Control`, `CDN-Cache-Control`) from an
+/// answer passed on.
+fn strip_targeted(headers: &mut HeaderMap) {
+    headers.remove(&SURROGATE_CONTROL);
+    headers.remove(&CDN_CACHE_CONTROL);
+}
+
+/// Whether an origin answer may be stored and shared by `route` (whose keyed request
+/// headers are its `vary`).
 ///
 /// A stored answer is only ever served to requests with the same key, so it may be shared
 /// only if every request header its `Vary` names is in the key (RFC 9111 §4.1): a header
@@ -403,17 +545,34 @@ enum NotShared {
 /// cacheguard forwards no `Accept-Encoding` it does not key, so the origin chose the
 /// identity encoding, which every client accepts (RFC 9110 §12.5.3).
 fn storable(
+    route: &RouteConfig,
     status: StatusCode,
     headers: &HeaderMap,
-    keyed: &[HeaderName],
+    control: &ResponseControl,
 ) -> Result<(), NotShared> {
-    if !storable_status(status) || headers.contains_key(header::SET_COOKIE) {
+    let origin_mode = route.freshness == FreshnessSource::Origin;
+    // `must-understand`: only a status cacheguard knows the caching rules of.
+    let status_ok = storable_status(status)
+        || (origin_mode
+            && !control.must_understand
+            && final_status(status)
+            && explicitly_fresh(route, headers));
+    if !status_ok || headers.contains_key(header::SET_COOKIE) {
         return Err(NotShared::Policy);
     }
-    let control = ResponseControl::parse(headers);
-    if control.private || control.no_store || control.no_cache {
+    if origin_mode && targeted_no_store(headers) {
         return Err(NotShared::Policy);
     }
+    // In origin mode a `max-age` aimed at this cache (Surrogate-Control, CDN-Cache-Control)
+    // overrides what `Cache-Control` says to caches in general; `private` still holds.
+    let targeted = origin_mode && targeted_max_age(headers).is_some();
+    // `no-cache` would need a revalidation on every use: not stored. `must-understand` on a
+    // status cacheguard understands overrides `no-store`.
+    let no_store = control.no_store && !control.must_understand;
+    if control.private || (!targeted && (no_store || control.no_cache)) {
+        return Err(NotShared::Policy);
+    }
+    let keyed = route.vary.as_slice();
     match Vary::of(headers) {
         Vary::None => Ok(()),
         Vary::Any => Err(NotShared::Vary),
@@ -448,40 +607,175 @@ mod tests {
 
     use crate::cache::control::tests::headers;
 
+    /// A route `r` with `settings` (TOML lines) on top of the defaults.
+    fn route(settings: &str) -> RouteConfig {
+        let toml = format!(
+            "[upstream]\nurl = \"http://127.0.0.1:9\"\n\
+             [[routes]]\nname = \"r\"\nmatch = \"/r/{{id}}\"\n{settings}\n"
+        );
+        let vars = std::collections::HashMap::<String, String>::new();
+        let config = crate::config::Config::from_toml(&toml, "test.toml", &vars).expect("config");
+        config.routes.into_iter().next().expect("one route")
+    }
+
+    fn check(route: &RouteConfig, h: &HeaderMap) -> Result<(), NotShared> {
+        storable(route, StatusCode::OK, h, &ResponseControl::parse(h))
+    }
+
     fn shareable(status: StatusCode, h: &HeaderMap) -> bool {
-        storable(status, h, &[]).is_ok()
+        storable(&route(""), status, h, &ResponseControl::parse(h)).is_ok()
     }
 
     #[test]
     fn vary_is_shared_only_on_keyed_headers() {
-        let foo = HeaderName::from_static("foo");
         let vary = |v: &'static str| headers(&[("vary", v)]);
+        let plain = route("");
+        let keyed = route("vary = [\"foo\"]");
+        assert_eq!(check(&plain, &vary("Foo")), Err(NotShared::Vary));
+        assert_eq!(check(&keyed, &vary("Foo")), Ok(()));
         assert_eq!(
-            storable(StatusCode::OK, &vary("Foo"), &[]),
+            check(&keyed, &vary("x-forwarded-for")),
             Err(NotShared::Vary)
         );
-        assert_eq!(
-            storable(StatusCode::OK, &vary("Foo"), std::slice::from_ref(&foo)),
-            Ok(())
-        );
-        assert_eq!(
-            storable(
-                StatusCode::OK,
-                &vary("x-forwarded-for"),
-                std::slice::from_ref(&foo)
-            ),
-            Err(NotShared::Vary)
-        );
-        assert_eq!(
-            storable(StatusCode::OK, &vary("foo, *"), std::slice::from_ref(&foo)),
-            Err(NotShared::Vary)
-        );
-        assert_eq!(
-            storable(StatusCode::OK, &vary("Accept-Encoding"), &[]),
-            Ok(())
-        );
+        assert_eq!(check(&keyed, &vary("foo, *")), Err(NotShared::Vary));
+        assert_eq!(check(&plain, &vary("Accept-Encoding")), Ok(()));
         let gzip = headers(&[("vary", "accept-encoding"), ("content-encoding", "gzip")]);
-        assert_eq!(storable(StatusCode::OK, &gzip, &[]), Err(NotShared::Vary));
+        assert_eq!(check(&plain, &gzip), Err(NotShared::Vary));
+        // In origin mode every Vary-named header is forwarded, so it must be keyed too.
+        let origin = route("freshness = \"origin\"");
+        assert_eq!(check(&origin, &vary("Foo")), Err(NotShared::Vary));
+        assert_eq!(
+            check(&origin, &headers(&[("surrogate-control", "no-store")])),
+            Err(NotShared::Policy)
+        );
+    }
+
+    fn life(
+        route: &RouteConfig,
+        pairs: &[(&'static str, &'static str)],
+    ) -> Result<Lifetime, NotShared> {
+        let h = headers(pairs);
+        lifetime(
+            route,
+            StatusCode::OK,
+            &h,
+            &ResponseControl::parse(&h),
+            1_000_000,
+            0,
+        )
+    }
+
+    #[test]
+    fn route_lifetimes_ignore_the_origin() {
+        let r = route("ttl = \"60s\"\njitter = 0.0\ngrace = \"30s\"");
+        let got = life(&r, &[("cache-control", "max-age=5")]).expect("stored");
+        assert_eq!(
+            (got.ttl, got.grace),
+            (Duration::from_secs(60), Duration::from_secs(30))
+        );
+        let got = life(&r, &[("cache-control", "max-age=5, must-revalidate")]).expect("stored");
+        assert_eq!(got.grace, Duration::ZERO);
+        assert!(
+            life(&r, &[]).is_ok(),
+            "no freshness information: the route's"
+        );
+    }
+
+    #[test]
+    fn origin_lifetimes_are_the_origins_capped_by_the_route() {
+        let r = route("freshness = \"origin\"\nttl = \"60s\"\njitter = 0.0\ngrace = \"30s\"");
+        let secs = Duration::from_secs;
+        let got = life(&r, &[("cache-control", "max-age=10")]).expect("stored");
+        assert_eq!((got.ttl, got.grace), (secs(10), Duration::ZERO));
+        assert_eq!(
+            got.error_grace,
+            secs(30),
+            "stale-if-error by default, the route's grace"
+        );
+        let got = life(&r, &[("cache-control", "max-age=10, stale-if-error=5")]).expect("stored");
+        assert_eq!(got.error_grace, secs(5));
+        let got = life(&r, &[("cache-control", "max-age=10, must-revalidate")]).expect("stored");
+        assert_eq!(
+            (got.grace, got.error_grace),
+            (Duration::ZERO, Duration::ZERO)
+        );
+        let got = life(&r, &[("cache-control", "max-age=10"), ("age", "4")]).expect("stored");
+        assert_eq!(got.ttl, secs(6), "minus the age it arrived with");
+        let got = life(
+            &r,
+            &[("cache-control", "max-age=3600, stale-while-revalidate=99")],
+        )
+        .expect("stored");
+        assert_eq!(
+            (got.ttl, got.grace),
+            (secs(60), secs(30)),
+            "capped by ttl and grace"
+        );
+        let got = life(
+            &r,
+            &[("cache-control", "max-age=0, stale-while-revalidate=5")],
+        )
+        .expect("stored: servable stale while refreshed");
+        assert_eq!((got.ttl, got.grace), (Duration::ZERO, secs(5)));
+        assert_eq!(life(&r, &[]), Err(NotShared::NoFreshness));
+        assert_eq!(
+            life(&r, &[("cache-control", "max-age=0, must-revalidate")]),
+            Err(NotShared::NoFreshness)
+        );
+        let modified = [
+            ("date", "Thu, 01 Jan 1970 00:16:40 GMT"),
+            ("last-modified", "Thu, 01 Jan 1970 00:00:00 GMT"),
+        ];
+        assert_eq!(
+            life(&r, &modified),
+            Err(NotShared::NoFreshness),
+            "no heuristic"
+        );
+        let heuristic = route("freshness = \"origin\"\nheuristic = 0.01\njitter = 0.0");
+        let got = life(&heuristic, &modified).expect("stored");
+        assert_eq!(got.ttl, secs(10), "1% of 1000 s");
+        assert_eq!(
+            life(
+                &r,
+                &[
+                    ("cache-control", "max-age=10, stale-if-error=0"),
+                    ("age", "20")
+                ]
+            ),
+            Err(NotShared::NoFreshness)
+        );
+        let jittered = route("freshness = \"origin\"\njitter = 0.5");
+        for _ in 0..100 {
+            let got = life(&jittered, &[("cache-control", "max-age=10")]).expect("stored");
+            assert!(got.ttl <= secs(10) && got.ttl >= secs(5), "{got:?}");
+        }
+    }
+
+    #[test]
+    fn origin_mode_stores_any_final_status_it_is_given_a_lifetime_for() {
+        let origin = route("freshness = \"origin\"");
+        let fresh = headers(&[("cache-control", "max-age=60")]);
+        let store = |status: u16, h: &HeaderMap, r: &RouteConfig| {
+            let status = StatusCode::from_u16(status).expect("status");
+            storable(r, status, h, &ResponseControl::parse(h)).is_ok()
+        };
+        for status in [302, 303, 307, 400, 499] {
+            assert!(store(status, &fresh, &origin), "{status} with max-age");
+            assert!(
+                !store(status, &HeaderMap::new(), &origin),
+                "{status} without"
+            );
+            assert!(!store(status, &fresh, &route("")), "{status} in route mode");
+        }
+        for status in [206, 304] {
+            assert!(!store(status, &fresh, &origin), "{status}");
+        }
+        let understand = headers(&[("cache-control", "max-age=60, must-understand, no-store")]);
+        assert!(
+            !store(599, &understand, &origin),
+            "an unknown status is not understood"
+        );
+        assert!(store(200, &understand, &origin), "no-store is overridden");
     }
 
     #[test]

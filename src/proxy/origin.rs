@@ -32,6 +32,56 @@ pub(crate) fn set_forwarded(headers: &mut HeaderMap, client: SocketAddr) {
     headers.insert(X_FORWARDED_PROTO.clone(), HeaderValue::from_static("http"));
 }
 
+/// Request headers a cached fetch never passes on from the client, even in
+/// `freshness = "origin"` mode: what cacheguard sets itself (`Host`, the forwarding
+/// headers), what would let one client's request rewrite what is fetched for everybody
+/// (method and path overrides), what is per user (such requests are never cached), what
+/// the cache answers itself (conditionals, ranges), and a body's framing (a GET body is
+/// never forwarded).
+const NOT_FORWARDED_ON_FETCH: [&str; 23] = [
+    "host",
+    "surrogate-capability",
+    "content-length",
+    "content-type",
+    "expect",
+    "x-http-method-override",
+    "x-http-method",
+    "x-method-override",
+    "x-original-url",
+    "x-rewrite-url",
+    "x-forwarded-for",
+    "x-forwarded-host",
+    "x-forwarded-proto",
+    "x-forwarded-port",
+    "forwarded",
+    "x-real-ip",
+    "authorization",
+    "cookie",
+    "range",
+    "if-range",
+    "if-match",
+    "if-none-match",
+    "if-modified-since",
+];
+
+/// The client headers a `freshness = "origin"` fetch passes on: the end-to-end headers of
+/// `headers` (hop-by-hop ones removed) but for those cacheguard owns
+/// ([`NOT_FORWARDED_ON_FETCH`], `If-Unmodified-Since`) and `Accept-Encoding` unless the
+/// route keys it: an answer made for one encoding must not be stored for every client, so
+/// unkeyed, the origin is asked for the identity encoding every client accepts.
+pub(crate) fn end_to_end(headers: &HeaderMap, keyed: &[HeaderName]) -> HeaderMap {
+    let mut out = headers.clone();
+    strip_hop_by_hop(&mut out);
+    for name in NOT_FORWARDED_ON_FETCH {
+        out.remove(name);
+    }
+    out.remove(header::IF_UNMODIFIED_SINCE);
+    if !keyed.contains(&header::ACCEPT_ENCODING) {
+        out.remove(header::ACCEPT_ENCODING);
+    }
+    out
+}
+
 /// The upstream client and the origin guard every origin request goes through.
 #[derive(Debug)]
 pub(crate) struct Origin {

@@ -8,8 +8,11 @@
 //! a fill of the key runs here? ─▶ join it without looking                fill.rs
 //! L1, then L2 ─▶ fresh: HIT-L1 / HIT-L2 / NEGATIVE (maybe an early refresh)
 //!             ─▶ stale: STALE at once, one refresh in the background    cache/tiers.rs
+//!             ─▶ a miss, but a copy within its error grace: it answers if the fill fails
 //! miss ─▶ single-flight here, the fleet lock across instances, the origin guard, the
 //!         origin, then the store (generation-checked)                    fill.rs, fetch.rs
+//! the client's If-None-Match / If-Modified-Since / Range on the 200 ─▶ 304 / 206 / 416
+//!                                                                        conditional.rs
 //! ```
 //!
 //! The Bloom check runs before this, in the router (`proxy.rs`): an id the filter knows
@@ -26,6 +29,7 @@ use http_body_util::{BodyExt, Empty};
 use hyper::body::Incoming;
 
 use super::body::Body;
+use super::conditional;
 use super::fetch::FillJob;
 use super::fill::Filler;
 use super::hot::{Gate, HotGate};
@@ -58,7 +62,12 @@ impl ReadPath {
         let (parts, body) = request.into_parts();
         // GET/HEAD bodies are never forwarded on cached routes: they are not in the key.
         drop(body);
-        let (response, outcome) = self.read(route, parts, client).await;
+        let asked = conditional::Asked::of(&parts.headers);
+        let head = parts.method == Method::HEAD;
+        let (mut response, outcome) = self.read(route, parts, client).await;
+        if let Some(asked) = &asked {
+            response = conditional::apply(asked, response, head);
+        }
         route
             .metrics
             .answered(outcome, started.elapsed().as_secs_f64());
@@ -107,9 +116,25 @@ impl ReadPath {
                 route.metrics.stale_served.inc();
                 respond::hit(&entry, Outcome::Stale, head)
             }
-            Cached::Miss => self.filler.fill(job(), head).await,
+            Cached::Miss(if_error) => {
+                let (response, outcome) = self.filler.fill(job(), head).await;
+                match if_error {
+                    // Stale-if-error: the origin failed, a copy within its error grace
+                    // answers instead.
+                    Some(entry) if failed(&response, outcome) => {
+                        route.metrics.stale_served.inc();
+                        respond::hit(&entry, Outcome::Stale, head)
+                    }
+                    _ => (response, outcome),
+                }
+            }
         }
     }
+}
+
+/// Whether a fill's answer is a failure: cacheguard's own error or an origin 5xx.
+fn failed(response: &Response<Body>, outcome: Outcome) -> bool {
+    outcome == Outcome::Error || (outcome == Outcome::Bypass && response.status().is_server_error())
 }
 
 /// Per-user requests are never answered from, or stored into, a shared cache.

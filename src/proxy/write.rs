@@ -28,7 +28,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
-use http::{Method, Request, Response};
+use http::{HeaderValue, Method, Request, Response, header};
 use hyper::body::Incoming;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -40,6 +40,7 @@ use super::route::{Route, RouteTable};
 use crate::cache::key;
 use crate::consistency::invalidate::{Invalidation, Invalidator, Source};
 use crate::consistency::tags;
+use crate::metrics::RouteMetrics;
 use crate::protect::bloom::Filters;
 
 /// The third delete is issued this much (at most a quarter of the delay) before
@@ -83,6 +84,7 @@ impl WritePath {
         } else {
             delay + lead
         };
+        let host = request.headers().get(header::HOST).cloned();
         let mut targets = self.invalidation_targets(route, params);
         if !targets.is_empty() {
             self.invalidator
@@ -103,6 +105,7 @@ impl WritePath {
                 .into_iter()
                 .map(Invalidation::Tag),
         );
+        targets.extend(self.named_by_answer(&response, host.as_ref()));
         if targets.is_empty() {
             return response;
         }
@@ -126,6 +129,57 @@ impl WritePath {
             );
         }
         response
+    }
+
+    /// An unsafe method no write route takes, on a path a read route caches: forwarded, and
+    /// after a non-error answer the path is invalidated (RFC 9111 §4.4: a cache must, for
+    /// any method not known to be safe), with the URIs the answer's `Location` and
+    /// `Content-Location` name. Once, without the delayed deletes of a write route.
+    pub(crate) async fn serve_unrouted(
+        &self,
+        target: Invalidation,
+        metrics: &RouteMetrics,
+        request: Request<Incoming>,
+        client: SocketAddr,
+    ) -> Response<Body> {
+        let host = request.headers().get(header::HOST).cloned();
+        let response = self.passthrough.serve(metrics, request, client).await;
+        if !is_error(&response) {
+            let mut targets = vec![target];
+            targets.extend(self.named_by_answer(&response, host.as_ref()));
+            self.invalidator
+                .invalidate(&targets, Source::Write, Duration::ZERO)
+                .await;
+        }
+        response
+    }
+
+    /// The paths a non-error answer to an unsafe method names in `Location` and
+    /// `Content-Location` (RFC 9111 §4.4), if a read route caches them. Only URIs on this
+    /// origin count — a path, or an absolute URL whose authority is the request's `Host` or
+    /// the origin's — so an answer cannot make the cache drop another site's entries.
+    fn named_by_answer(
+        &self,
+        response: &Response<Body>,
+        host: Option<&HeaderValue>,
+    ) -> Vec<Invalidation> {
+        if is_error(response) {
+            return Vec::new();
+        }
+        let upstream = self.passthrough.origin.upstream.load();
+        let ours = |authority: &str| {
+            host.is_some_and(|h| h.as_bytes().eq_ignore_ascii_case(authority.as_bytes()))
+                || upstream
+                    .authority()
+                    .as_bytes()
+                    .eq_ignore_ascii_case(authority.as_bytes())
+        };
+        [header::LOCATION, header::CONTENT_LOCATION]
+            .iter()
+            .filter_map(|name| response.headers().get(name)?.to_str().ok())
+            .filter_map(|value| same_origin_path(value, ours))
+            .filter_map(|path| self.path_target(&path))
+            .collect()
     }
 
     /// The base keys a write on `route` with `params` invalidates: its `invalidate`
@@ -159,6 +213,29 @@ impl WritePath {
     }
 }
 
+/// Whether an answer is an error (4xx, 5xx): after one, nothing is invalidated by what it
+/// names.
+fn is_error(response: &Response<Body>) -> bool {
+    response.status().is_client_error() || response.status().is_server_error()
+}
+
+/// The path of a `Location`/`Content-Location` value on this origin: a path-absolute
+/// reference, or an absolute http(s) URL whose authority `ours` accepts. `None` otherwise
+/// (another origin, a relative path, garbage).
+fn same_origin_path(value: &str, ours: impl Fn(&str) -> bool) -> Option<String> {
+    let value = value.trim();
+    if value.starts_with('/') && !value.starts_with("//") {
+        let end = value.find(['?', '#']).unwrap_or(value.len());
+        return Some(value[..end].to_owned());
+    }
+    let uri: http::Uri = value.parse().ok()?;
+    let scheme = uri.scheme_str()?;
+    if !scheme.eq_ignore_ascii_case("http") && !scheme.eq_ignore_ascii_case("https") {
+        return None;
+    }
+    ours(uri.authority()?.as_str()).then(|| uri.path().to_owned())
+}
+
 /// `/api/items/{id}` with `id = 7` → `/api/items/7` (`{*rest}` too).
 fn fill_pattern(pattern: &str, params: &[(String, String)]) -> String {
     let mut path = pattern.to_owned();
@@ -173,6 +250,19 @@ fn fill_pattern(pattern: &str, params: &[(String, String)]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_same_origin_locations_name_a_path() {
+        let ours = |a: &str| a == "api.test" || a == "127.0.0.1:9000";
+        let path = |v: &str| same_origin_path(v, ours);
+        assert_eq!(path("/items/7?x=1#f").as_deref(), Some("/items/7"));
+        assert_eq!(path("http://api.test/items/7").as_deref(), Some("/items/7"));
+        assert_eq!(path("http://127.0.0.1:9000/a").as_deref(), Some("/a"));
+        assert_eq!(path("https://evil.test/items/7"), None);
+        assert_eq!(path("//evil.test/items/7"), None);
+        assert_eq!(path("items/7"), None);
+        assert_eq!(path("ftp://api.test/items/7"), None);
+    }
 
     #[test]
     fn patterns_are_filled_from_the_write_params() {
