@@ -29,10 +29,40 @@ pub enum Outcome {
     Error,
     /// A definite miss of the route's Bloom filter, answered without Redis or the origin.
     Reject,
+    /// A stored copy the origin confirmed with a `304` (a conditional fetch), served with
+    /// its updated headers.
+    Revalidated,
+}
+
+/// The `result` label of revalidations: conditional fetches of a stored copy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Revalidation {
+    /// `304`: the stored copy was refreshed without a new body.
+    NotModified,
+    /// A new answer replaced it.
+    Modified,
+    /// The origin failed.
+    Failed,
+}
+
+impl Revalidation {
+    pub const ALL: [Revalidation; 3] = [
+        Revalidation::NotModified,
+        Revalidation::Modified,
+        Revalidation::Failed,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Revalidation::NotModified => "not_modified",
+            Revalidation::Modified => "modified",
+            Revalidation::Failed => "failed",
+        }
+    }
 }
 
 impl Outcome {
-    pub const ALL: [Outcome; 8] = [
+    pub const ALL: [Outcome; 9] = [
         Outcome::HitL1,
         Outcome::HitL2,
         Outcome::Miss,
@@ -41,6 +71,7 @@ impl Outcome {
         Outcome::Bypass,
         Outcome::Error,
         Outcome::Reject,
+        Outcome::Revalidated,
     ];
 
     /// The metric label value.
@@ -54,6 +85,7 @@ impl Outcome {
             Outcome::Bypass => "bypass",
             Outcome::Error => "error",
             Outcome::Reject => "reject",
+            Outcome::Revalidated => "revalidated",
         }
     }
 
@@ -67,6 +99,7 @@ impl Outcome {
             Outcome::Stale => "STALE",
             Outcome::Bypass | Outcome::Error => "BYPASS",
             Outcome::Reject => "REJECT",
+            Outcome::Revalidated => "REVALIDATED",
         }
     }
 
@@ -239,6 +272,7 @@ pub struct Metrics {
     origin_duration: HistogramVec,
     shed: IntCounterVec,
     uncacheable: IntCounterVec,
+    revalidations: IntCounterVec,
     oversized: IntCounterVec,
     coalesced: IntCounterVec,
     pub l1_entries: IntGauge,
@@ -425,6 +459,14 @@ impl Metrics {
                 "Requests answered 503 by the origin guard (no slot within queue_timeout).",
             ),
             &["route"],
+        )?;
+        let revalidations = IntCounterVec::new(
+            Opts::new(
+                "cacheguard_revalidations_total",
+                "Conditional fetches of a stored copy (If-None-Match / If-Modified-Since), by \
+                 result: not_modified (refreshed by a 304), modified (replaced), failed.",
+            ),
+            &["route", "result"],
         )?;
         let uncacheable = IntCounterVec::new(
             Opts::new(
@@ -919,6 +961,7 @@ impl Metrics {
         registry.register(Box::new(origin_duration.clone()))?;
         registry.register(Box::new(shed.clone()))?;
         registry.register(Box::new(uncacheable.clone()))?;
+        registry.register(Box::new(revalidations.clone()))?;
         registry.register(Box::new(oversized.clone()))?;
         registry.register(Box::new(coalesced.clone()))?;
         registry.register(Box::new(l1_entries.clone()))?;
@@ -958,6 +1001,7 @@ impl Metrics {
             origin_duration,
             shed,
             uncacheable,
+            revalidations,
             oversized,
             coalesced,
             l1_entries,
@@ -1066,6 +1110,8 @@ impl Metrics {
             origin_duration: self.origin_duration.with_label_values(&[route]),
             shed: self.shed.with_label_values(&[route]),
             uncacheable: self.uncacheable.with_label_values(&[route]),
+            revalidations: Revalidation::ALL
+                .map(|r| self.revalidations.with_label_values(&[route, r.as_str()])),
             refused_vary: self
                 .fill_refused
                 .with_label_values(&[FillRefusal::Vary.as_str()]),
@@ -1198,12 +1244,13 @@ impl FilterMetrics {
 /// Handles for one route (or for the pass-through pseudo-route `_passthrough`).
 #[derive(Debug)]
 pub struct RouteMetrics {
-    outcomes: [IntCounter; 8],
+    outcomes: [IntCounter; 9],
     duration: Histogram,
     origin: [IntCounter; 7],
     origin_duration: Histogram,
     pub shed: IntCounter,
     pub uncacheable: IntCounter,
+    revalidations: [IntCounter; 3],
     /// `fill_refused{reason="vary"}` (not per route: the counter has no route label).
     pub refused_vary: IntCounter,
     pub oversized: IntCounter,
@@ -1218,6 +1265,11 @@ impl RouteMetrics {
     pub fn answered(&self, outcome: Outcome, seconds: f64) {
         self.outcomes[outcome.index()].inc();
         self.duration.observe(seconds);
+    }
+
+    /// Records one revalidation.
+    pub fn revalidated(&self, result: Revalidation) {
+        self.revalidations[result as usize].inc();
     }
 
     /// Records one origin request.

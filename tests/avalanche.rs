@@ -411,8 +411,8 @@ fn check_origin_rate(profile: &RateProfile, max_rps: u64, what: &str) -> String 
 
 // === L2 entries ===
 
-/// The L2 entry format (`src/cache/entry.rs`): `b"CG"`, version 4, then postcard of this
-/// struct followed by what later versions added (tags, initial age, error grace). postcard
+/// The L2 entry format (`src/cache/entry.rs`): `b"CG"`, version 6, then postcard of this
+/// struct followed by what later versions added (tags, initial age, error grace, keep, Vary selection). postcard
 /// is positional and ignores what follows, so only the field order and types must match.
 #[derive(Debug, Deserialize)]
 #[allow(dead_code)]
@@ -429,7 +429,9 @@ struct StoredV1 {
 
 fn decode_entry(raw: &[u8]) -> StoredV1 {
     let payload = raw
-        .strip_prefix(b"CG\x04")
+        .strip_prefix(b"CG\x06")
+        .or_else(|| raw.strip_prefix(b"CG\x05"))
+        .or_else(|| raw.strip_prefix(b"CG\x04"))
         .or_else(|| raw.strip_prefix(b"CG\x03"))
         .or_else(|| raw.strip_prefix(b"CG\x02"))
         .or_else(|| raw.strip_prefix(b"CG\x01"))

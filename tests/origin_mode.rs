@@ -8,6 +8,9 @@
 //!   aimed at the cache wins over `Cache-Control` and is not passed on.
 //! - Stale-if-error: past its lifetime a copy answers when the origin fails, unless the
 //!   answer forbids it.
+//! - Revalidation: a stale copy with a validator is fetched conditionally, and a `304`
+//!   refreshes it.
+//! - `Vary` on a forwarded, unkeyed header selects which requests a copy answers.
 //! - Forwarding: end-to-end headers reach the origin; what cacheguard owns (forwarding,
 //!   method and path overrides, conditionals, ranges, unkeyed `Accept-Encoding`) does not.
 //! - Invalidation: an unsafe method no write route takes still invalidates the cached path,
@@ -261,6 +264,130 @@ async fn a_stale_copy_answers_when_the_origin_fails() {
                     "{mode}: {cache_control}, origin 503: stale copy expected {stale_ok}: {resp}"
                 ));
             }
+        }
+        cg.shutdown().await;
+        wrong
+    })
+    .await;
+}
+
+/// Revalidation: past its lifetime a copy with an `ETag` is fetched conditionally; the
+/// origin's `304` refreshes it (`REVALIDATED`, the stored body, the 304's new headers, a
+/// fresh lifetime) and the next request is a hit. Also for `must-revalidate`, whose copy is
+/// never served stale but is kept to be revalidated. Counted by result.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stale_copy_is_revalidated_with_a_conditional_fetch() {
+    every_mode(async |mode, origin, cg| {
+        let mut wrong = Vec::new();
+        for (name, cache_control) in [
+            ("plain", "max-age=1"),
+            ("must", "max-age=1, must-revalidate"),
+        ] {
+            let path = format!("/api/items/{mode}-reval-{name}");
+            origin.set_headers(
+                &path,
+                [
+                    ("Cache-Control", cache_control),
+                    ("ETag", "\"v1\""),
+                    ("X-Version", "a"),
+                ],
+            );
+            let first = get(cg.addr(), &path, &[]).await;
+            tokio::time::sleep(Duration::from_millis(1_300)).await;
+            origin.set_headers(
+                &path,
+                [
+                    ("Cache-Control", cache_control),
+                    ("ETag", "\"v1\""),
+                    ("X-Version", "b"),
+                ],
+            );
+            let revalidated = get(cg.addr(), &path, &[]).await;
+            let seen = origin
+                .last_request(&path)
+                .and_then(|r| r.header("if-none-match"));
+            let again = get(cg.addr(), &path, &[]).await;
+            let ok = revalidated.x_cache() == "REVALIDATED"
+                && revalidated.status == 200
+                && revalidated.body == first.body
+                && revalidated.header("x-version").as_deref() == Some("b")
+                && seen.as_deref() == Some("\"v1\"")
+                && again.is_hit()
+                && origin.count(&path) == 2;
+            if !ok {
+                wrong.push(format!(
+                    "{mode}: {cache_control}: first {first}; then {revalidated} (origin saw \
+                     If-None-Match {seen:?}); then {again}; {} origin requests",
+                    origin.count(&path)
+                ));
+            }
+        }
+        let client = HttpClient::new();
+        let counted = metric(
+            &client,
+            cg.admin_addr(),
+            "cacheguard_revalidations_total",
+            &[("result", "not_modified")],
+        )
+        .await;
+        if counted < 2.0 {
+            wrong.push(format!(
+                "{mode}: revalidations{{result=not_modified}} = {counted}"
+            ));
+        }
+        cg.shutdown().await;
+        wrong
+    })
+    .await;
+}
+
+/// `Vary` on a forwarded header the route does not key: the copy is served only to
+/// requests with the same value of it (the latest variant is kept); `Vary` on a header
+/// cacheguard sets itself is never stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vary_selects_which_requests_a_copy_answers() {
+    every_mode(async |mode, origin, cg| {
+        let path = format!("/api/items/{mode}-vary");
+        origin.set_headers(
+            &path,
+            [("Cache-Control", "max-age=60"), ("Vary", "Accept-Language")],
+        );
+        let lang = |l: &'static str| [("accept-language", l)];
+        let steps = [
+            ("fr", "MISS", 1),
+            ("fr", "HIT", 1),
+            ("fr ", "HIT", 1),
+            ("de", "MISS", 2),
+            ("de", "HIT", 2),
+        ];
+        let mut wrong = Vec::new();
+        let mut bodies = std::collections::HashMap::new();
+        for (value, expected, fetches) in steps {
+            let resp = get(cg.addr(), &path, &lang(value)).await;
+            let first_body = bodies
+                .entry(value.trim())
+                .or_insert_with(|| resp.body.clone());
+            let hit = resp.is_hit();
+            if hit != (expected == "HIT")
+                || origin.count(&path) != fetches
+                || *first_body != resp.body
+            {
+                wrong.push(format!(
+                    "{mode}: Accept-Language {value:?}: expected {expected} after {fetches} \
+                     fetches: {resp} ({} fetches)",
+                    origin.count(&path)
+                ));
+            }
+        }
+        let owned = format!("/api/items/{mode}-vary-xff");
+        origin.set_headers(
+            &owned,
+            [("Cache-Control", "max-age=60"), ("Vary", "X-Forwarded-For")],
+        );
+        get(cg.addr(), &owned, &[]).await;
+        let again = get(cg.addr(), &owned, &[]).await;
+        if again.is_hit() {
+            wrong.push(format!("{mode}: Vary: X-Forwarded-For was stored: {again}"));
         }
         cg.shutdown().await;
         wrong

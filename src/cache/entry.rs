@@ -1,8 +1,10 @@
 //! The stored entry: one origin answer plus what is needed to serve and age it.
 //!
 //! Wire format (L2): `b"CG"`, a format version byte, then the postcard encoding of
-//! [`StoredV4`] (version 2 added the surrogate keys, version 3 the age the answer arrived
-//! with, version 4 the stale-if-error window; older values still decode, with none). Decoding anything else (garbage, another program's value, a future version) is
+//! [`StoredV6`] (version 2 added the surrogate keys, version 3 the age the answer arrived
+//! with, version 4 the stale-if-error window, version 5 how long the copy is kept to be
+//! revalidated, version 6 the request headers its `Vary` selected it by; older values still
+//! decode, with none). Decoding anything else (garbage, another program's value, a future version) is
 //! an error the caller treats as a miss, never a crash.
 
 use bytes::Bytes;
@@ -16,6 +18,8 @@ const VERSION_1: u8 = 1;
 const VERSION_2: u8 = 2;
 const VERSION_3: u8 = 3;
 const VERSION_4: u8 = 4;
+const VERSION_5: u8 = 5;
+const VERSION_6: u8 = 6;
 
 /// A cached answer, ready to serve (headers already parsed).
 #[derive(Debug)]
@@ -37,13 +41,21 @@ pub(crate) struct Entry {
     /// (stale-while-revalidate).
     pub(crate) grace_ms: u64,
     /// How long past `ttl` a stale copy may still answer when the origin fails
-    /// (stale-if-error); the copy is kept for the longer of the two windows.
+    /// (stale-if-error).
     pub(crate) error_grace_ms: u64,
+    /// How long past `ttl` the copy is kept at all (at least both graces): past them, only
+    /// to be revalidated with the origin (its `ETag` / `Last-Modified` sent along), never
+    /// served as it is.
+    pub(crate) keep_ms: u64,
     /// How long the origin fetch took: the `delta` of probabilistic early expiration.
     pub(crate) fetch_ms: u32,
     /// The surrogate keys (`Surrogate-Key` / `Cache-Tag`) the origin tagged the answer with:
     /// invalidating one of them drops this entry.
     pub(crate) tags: Vec<String>,
+    /// The request headers the answer's `Vary` names that its key does not hold, with the
+    /// values (normalized; `None`: absent) of the request it was made for. It is only
+    /// served to requests with the same values (RFC 9111 §4.1): see [`Entry::selects`].
+    pub(crate) selecting: Vec<(HeaderName, Option<HeaderValue>)>,
 }
 
 /// Where an entry is in its life at a given moment.
@@ -54,6 +66,8 @@ pub(crate) enum Freshness {
     Stale,
     /// Past grace, within the error grace: answers only if the origin fails.
     IfError,
+    /// Past both graces, still kept: only a source of validators for a revalidation.
+    Kept,
     Expired,
 }
 
@@ -100,6 +114,18 @@ struct StoredV4 {
     error_grace_ms: u64,
 }
 
+#[derive(Serialize, Deserialize)]
+struct StoredV5 {
+    v4: StoredV4,
+    keep_ms: u64,
+}
+
+#[derive(Serialize, Deserialize)]
+struct StoredV6 {
+    v5: StoredV5,
+    selecting: Vec<(String, Option<Bytes>)>,
+}
+
 impl Entry {
     /// Is this a negative entry (a cached "does not exist")?
     pub(crate) fn is_negative(&self) -> bool {
@@ -110,6 +136,14 @@ impl Entry {
         self.key == key.full
     }
 
+    /// Whether this answer may be served to a request with `headers`: every header its
+    /// `Vary` selected it by has the same (normalized) value, or is absent from both.
+    pub(crate) fn selects(&self, headers: &HeaderMap) -> bool {
+        self.selecting
+            .iter()
+            .all(|(name, value)| selecting_value(headers, name) == *value)
+    }
+
     pub(crate) fn freshness(&self, now_ms: u64) -> Freshness {
         let fresh_until = self.stored_at_ms.saturating_add(self.ttl_ms);
         if now_ms < fresh_until {
@@ -118,6 +152,8 @@ impl Entry {
             Freshness::Stale
         } else if now_ms < fresh_until.saturating_add(self.error_grace_ms) {
             Freshness::IfError
+        } else if now_ms < fresh_until.saturating_add(self.keep_ms) {
+            Freshness::Kept
         } else {
             Freshness::Expired
         }
@@ -145,7 +181,7 @@ impl Entry {
     }
 
     pub(crate) fn remaining_life_ms(&self, now_ms: u64) -> u64 {
-        let kept = self.grace_ms.max(self.error_grace_ms);
+        let kept = self.keep_ms.max(self.grace_ms).max(self.error_grace_ms);
         (self.stored_at_ms + self.ttl_ms + kept).saturating_sub(now_ms)
     }
 
@@ -184,19 +220,32 @@ impl Entry {
             grace_ms: self.grace_ms,
             fetch_ms: self.fetch_ms,
         };
-        let stored = StoredV4 {
-            v3: StoredV3 {
-                v2: StoredV2 {
-                    v1,
-                    tags: self.tags.clone(),
+        let stored = StoredV6 {
+            v5: StoredV5 {
+                v4: StoredV4 {
+                    v3: StoredV3 {
+                        v2: StoredV2 {
+                            v1,
+                            tags: self.tags.clone(),
+                        },
+                        initial_age_secs: self.initial_age_secs,
+                    },
+                    error_grace_ms: self.error_grace_ms,
                 },
-                initial_age_secs: self.initial_age_secs,
+                keep_ms: self.keep_ms,
             },
-            error_grace_ms: self.error_grace_ms,
+            selecting: self
+                .selecting
+                .iter()
+                .map(|(n, v)| {
+                    let value = v.as_ref().map(|v| Bytes::copy_from_slice(v.as_bytes()));
+                    (n.as_str().to_owned(), value)
+                })
+                .collect(),
         };
         let mut out = Vec::with_capacity(self.body.len() + self.key.len() + 256);
         out.extend_from_slice(MAGIC);
-        out.push(VERSION_4);
+        out.push(VERSION_6);
         postcard::to_extend(&stored, out)
     }
 
@@ -205,27 +254,42 @@ impl Entry {
             return Err(DecodeEntryError::Magic);
         };
         let (&version, payload) = rest.split_first().ok_or(DecodeEntryError::Magic)?;
-        // Before version 4 the one grace window served both purposes.
-        let (stored, tags, initial_age_secs, error_grace_ms) = match version {
+        // Before version 4 the one grace window served both purposes; before version 5 a
+        // copy was kept for as long as a grace lasted.
+        let mut selecting_raw = Vec::new();
+        let (stored, tags, initial_age_secs, error_grace_ms, keep_ms) = match version {
             VERSION_1 => {
                 let v1: StoredV1 = postcard::from_bytes(payload)?;
                 let grace = v1.grace_ms;
-                (v1, Vec::new(), 0, grace)
+                (v1, Vec::new(), 0, grace, grace)
             }
             VERSION_2 => {
                 let v2: StoredV2 = postcard::from_bytes(payload)?;
                 let grace = v2.v1.grace_ms;
-                (v2.v1, v2.tags, 0, grace)
+                (v2.v1, v2.tags, 0, grace, grace)
             }
             VERSION_3 => {
                 let v3: StoredV3 = postcard::from_bytes(payload)?;
                 let grace = v3.v2.v1.grace_ms;
-                (v3.v2.v1, v3.v2.tags, v3.initial_age_secs, grace)
+                (v3.v2.v1, v3.v2.tags, v3.initial_age_secs, grace, grace)
             }
             VERSION_4 => {
                 let v4: StoredV4 = postcard::from_bytes(payload)?;
-                let v3 = v4.v3;
-                (v3.v2.v1, v3.v2.tags, v3.initial_age_secs, v4.error_grace_ms)
+                let (v3, error) = (v4.v3, v4.error_grace_ms);
+                let keep = error.max(v3.v2.v1.grace_ms);
+                (v3.v2.v1, v3.v2.tags, v3.initial_age_secs, error, keep)
+            }
+            VERSION_5 => {
+                let v5: StoredV5 = postcard::from_bytes(payload)?;
+                let (v3, error) = (v5.v4.v3, v5.v4.error_grace_ms);
+                (v3.v2.v1, v3.v2.tags, v3.initial_age_secs, error, v5.keep_ms)
+            }
+            VERSION_6 => {
+                let v6: StoredV6 = postcard::from_bytes(payload)?;
+                selecting_raw = v6.selecting;
+                let v5 = v6.v5;
+                let (v3, error) = (v5.v4.v3, v5.v4.error_grace_ms);
+                (v3.v2.v1, v3.v2.tags, v3.initial_age_secs, error, v5.keep_ms)
             }
             other => return Err(DecodeEntryError::Version(other)),
         };
@@ -238,6 +302,16 @@ impl Entry {
                 HeaderValue::from_maybe_shared(value).map_err(|_| DecodeEntryError::Invalid)?;
             headers.append(name, value);
         }
+        let mut selecting = Vec::with_capacity(selecting_raw.len());
+        for (name, value) in selecting_raw {
+            let name =
+                HeaderName::from_bytes(name.as_bytes()).map_err(|_| DecodeEntryError::Invalid)?;
+            let value = value
+                .map(HeaderValue::from_maybe_shared)
+                .transpose()
+                .map_err(|_| DecodeEntryError::Invalid)?;
+            selecting.push((name, value));
+        }
         Ok(Entry {
             key: stored.key,
             status,
@@ -248,10 +322,34 @@ impl Entry {
             ttl_ms: stored.ttl_ms,
             grace_ms: stored.grace_ms,
             error_grace_ms,
+            keep_ms,
             fetch_ms: stored.fetch_ms,
             tags,
+            selecting,
         })
     }
+}
+
+/// The value of `name` in `headers` as a `Vary` selection compares it: every field line,
+/// each comma-separated member trimmed, joined with `,` (so `a, b`, `a,b` and two lines `a`
+/// and `b` are one value). `None` when absent.
+pub(crate) fn selecting_value(headers: &HeaderMap, name: &HeaderName) -> Option<HeaderValue> {
+    let mut lines = headers.get_all(name).iter().peekable();
+    lines.peek()?;
+    let mut joined = Vec::new();
+    for line in lines {
+        for member in line.as_bytes().split(|b| *b == b',') {
+            let member = member.trim_ascii();
+            if member.is_empty() {
+                continue;
+            }
+            if !joined.is_empty() {
+                joined.push(b',');
+            }
+            joined.extend_from_slice(member);
+        }
+    }
+    HeaderValue::from_bytes(&joined).ok()
 }
 
 #[cfg(test)]
@@ -273,9 +371,37 @@ mod tests {
             ttl_ms: 60_000,
             grace_ms: 30_000,
             error_grace_ms: 50_000,
+            keep_ms: 70_000,
             fetch_ms: 20,
             tags: vec!["item-1".into(), "items".into()],
+            selecting: vec![
+                (
+                    HeaderName::from_static("accept-language"),
+                    Some(HeaderValue::from_static("fr,en")),
+                ),
+                (HeaderName::from_static("x-absent"), None),
+            ],
         }
+    }
+
+    #[test]
+    fn served_only_to_the_values_it_was_selected_by() {
+        let e = sample();
+        let request = |pairs: &[(&'static str, &'static str)]| {
+            let mut h = HeaderMap::new();
+            for (n, v) in pairs {
+                h.append(*n, HeaderValue::from_static(v));
+            }
+            h
+        };
+        assert!(e.selects(&request(&[("accept-language", "fr, en")])));
+        assert!(e.selects(&request(&[
+            ("accept-language", "fr"),
+            ("accept-language", "en")
+        ])));
+        assert!(!e.selects(&request(&[("accept-language", "en, fr")])));
+        assert!(!e.selects(&request(&[])));
+        assert!(!e.selects(&request(&[("accept-language", "fr,en"), ("x-absent", "1")])));
     }
 
     #[test]
@@ -289,6 +415,8 @@ mod tests {
         assert_eq!(d.tags, e.tags);
         assert_eq!(d.initial_age_secs, 7);
         assert_eq!(d.error_grace_ms, 50_000);
+        assert_eq!(d.keep_ms, 70_000);
+        assert_eq!(d.selecting, e.selecting);
         assert_eq!(
             (d.stored_at_ms, d.ttl_ms, d.grace_ms),
             (1_000, 60_000, 30_000)
@@ -360,11 +488,12 @@ mod tests {
         assert_eq!(e.freshness(60_999), Freshness::Fresh);
         assert_eq!(e.freshness(61_000), Freshness::Stale);
         assert_eq!(e.freshness(91_000), Freshness::IfError);
-        assert_eq!(e.freshness(111_000), Freshness::Expired);
+        assert_eq!(e.freshness(111_000), Freshness::Kept);
+        assert_eq!(e.freshness(131_000), Freshness::Expired);
         assert_eq!(
             e.remaining_life_ms(61_000),
-            50_000,
-            "kept for the longer window"
+            70_000,
+            "kept for the longest window"
         );
         assert_eq!(e.age_secs(11_500), 17, "arrived 7 s old, stored 10 s");
     }

@@ -9,7 +9,8 @@
 //!        ─▶ L2 (unless an invalidation of the key is owed to Redis)
 //!             fresh ─▶ copy into L1 when the route keeps it there ─▶ Fresh(HIT-L2)
 //!        ─▶ the newest stale copy within grace ─▶ Stale, else Miss (with the newest copy
-//!           still within its error grace, to answer if the origin fails)
+//!           still kept: to revalidate, and to answer if the origin fails while it is
+//!           within its error grace)
 //! keep   ─▶ into L1 only if no invalidation of the key or its tags was marked since the
 //!           copy was read or its fetch began (checked again after the insert)
 //! ```
@@ -19,6 +20,8 @@
 //! the route's policy) and whether an invalidation is owed to Redis ([`OwedSet`]).
 
 use std::sync::Arc;
+
+use http::HeaderMap;
 
 use super::l1::L1;
 use super::l2::{self, L2};
@@ -50,8 +53,9 @@ pub(crate) enum Cached {
     Fresh(Arc<Entry>, Outcome),
     /// Only a stale copy (within grace): answered at once, refreshed in the background.
     Stale(Arc<Entry>),
-    /// Nothing to answer with; maybe a copy past its grace that may still answer if the
-    /// origin fails (within its error grace: stale-if-error).
+    /// Nothing to answer with; maybe a copy past its grace that is still kept: its
+    /// validators make the fetch a revalidation, and within its error grace it answers if
+    /// the origin fails (stale-if-error).
     Miss(Option<Arc<Entry>>),
 }
 
@@ -126,12 +130,20 @@ impl Tiers {
     }
 
     /// L1, then L2: a fresh copy wins; otherwise the newest stale copy within grace;
-    /// otherwise a miss, with the newest copy within its error grace.
-    /// `skip_l1` goes past L1 (a hot key whose L1 copy is due a check against Redis).
-    pub(crate) async fn lookup(&self, key: &CacheKey, l1: L1Policy, skip_l1: bool) -> Cached {
+    /// otherwise a miss, with the newest copy still kept. A copy whose `Vary` selection
+    /// does not match `request` (the headers of the request it would answer) counts as
+    /// absent. `skip_l1` goes past L1 (a hot key whose L1 copy is due a check against
+    /// Redis).
+    pub(crate) async fn lookup(
+        &self,
+        key: &CacheKey,
+        l1: L1Policy,
+        skip_l1: bool,
+        request: &HeaderMap,
+    ) -> Cached {
         let now = now_ms();
         let mut stale = None;
-        let mut if_error = None;
+        let mut kept = None;
         // The newer of two copies.
         let newer = |held: &mut Option<Arc<Entry>>, entry: Arc<Entry>| {
             if held
@@ -144,16 +156,19 @@ impl Tiers {
         if l1 != L1Policy::Off
             && !skip_l1
             && let Some(entry) = self.l1.get(key).await
+            && entry.selects(request)
         {
             match entry.freshness(now) {
                 Freshness::Fresh => return Cached::Fresh(entry, Outcome::HitL1),
                 Freshness::Stale => stale = Some(entry),
-                Freshness::IfError => if_error = Some(entry),
+                Freshness::IfError | Freshness::Kept => kept = Some(entry),
                 Freshness::Expired => {}
             }
         }
         let since = self.since();
-        if let Some(entry) = self.l2_copy(key).await {
+        if let Some(entry) = self.l2_copy(key).await
+            && entry.selects(request)
+        {
             match entry.freshness(now) {
                 Freshness::Fresh => {
                     if self.keeps_in_l1(l1, key.hash) {
@@ -162,22 +177,27 @@ impl Tiers {
                     return Cached::Fresh(entry, Outcome::HitL2);
                 }
                 Freshness::Stale => newer(&mut stale, entry),
-                Freshness::IfError => newer(&mut if_error, entry),
+                Freshness::IfError | Freshness::Kept => newer(&mut kept, entry),
                 Freshness::Expired => {}
             }
         }
         match stale {
             Some(entry) => Cached::Stale(entry),
-            None => Cached::Miss(if_error),
+            None => Cached::Miss(kept),
         }
     }
 
-    /// A fresh L2 copy of `key` (a waiter on another instance's fill looks for its
-    /// answer), copied into L1 when the route keeps it there.
-    pub(crate) async fn fresh_in_l2(&self, key: &CacheKey, l1: L1Policy) -> Option<Arc<Entry>> {
+    /// A fresh L2 copy of `key` for a request with `request` headers (a waiter on another
+    /// instance's fill looks for its answer), copied into L1 when the route keeps it there.
+    pub(crate) async fn fresh_in_l2(
+        &self,
+        key: &CacheKey,
+        l1: L1Policy,
+        request: &HeaderMap,
+    ) -> Option<Arc<Entry>> {
         let since = self.since();
         let entry = self.l2_copy(key).await?;
-        if entry.freshness(now_ms()) != Freshness::Fresh {
+        if entry.freshness(now_ms()) != Freshness::Fresh || !entry.selects(request) {
             return None;
         }
         if self.keeps_in_l1(l1, key.hash) {

@@ -23,13 +23,14 @@ use crate::cache::control::{
     SURROGATE_CONTROL, Vary, heuristic_lifetime_secs, initial_age_secs, origin_lifetime_secs,
     targeted_max_age, targeted_no_store,
 };
+use crate::cache::entry::selecting_value;
 use crate::cache::key::Derived;
 use crate::cache::{CacheKey, Entry, ttl};
 use crate::clock::now_ms;
 use crate::config::{FreshnessSource, RouteConfig};
 use crate::consistency::tags;
 use crate::error::ProxyError;
-use crate::metrics::{OriginStatus, Outcome};
+use crate::metrics::{OriginStatus, Outcome, Revalidation};
 
 /// A miss to fill, detached from the client connection that asked for it: the fill runs in
 /// its own task, so a client that hangs up never cancels a fetch other requests wait on.
@@ -46,6 +47,9 @@ pub(crate) struct FillJob {
     pub(crate) client: SocketAddr,
     /// A refresh nobody waits on (stale-while-revalidate, early refresh).
     pub(crate) background: bool,
+    /// The stored copy this fetch revalidates: its `ETag` / `Last-Modified` go along as
+    /// `If-None-Match` / `If-Modified-Since`, and a `304` refreshes it.
+    pub(crate) stored: Option<Arc<Entry>>,
 }
 
 impl FillJob {
@@ -75,14 +79,25 @@ impl FillJob {
             headers: forwarded,
             client,
             background: false,
+            stored: None,
         }
+    }
+
+    /// This fill revalidates `stored`, when it has a validator (`ETag`, `Last-Modified`).
+    pub(crate) fn revalidating(mut self, stored: Option<Arc<Entry>>) -> Self {
+        self.stored = stored.filter(|entry| {
+            entry.headers.contains_key(header::ETAG)
+                || entry.headers.contains_key(header::LAST_MODIFIED)
+        });
+        self
     }
 }
 
 /// How an origin answer on a cached route was classified.
 pub(crate) enum Classified {
-    /// May be stored and shared.
-    Storable(Entry),
+    /// May be stored and shared; with the outcome to answer with: `Miss` for a new answer,
+    /// `Revalidated` for a stored copy the origin confirmed.
+    Storable(Entry, Outcome),
     /// A good answer that must not be shared (per-user, status outside the allowlist, too
     /// large): goes to one client only.
     Uncacheable(Response<Body>),
@@ -153,8 +168,21 @@ impl SharedFailure {
     }
 }
 
-/// Fetches `job` from the origin through the origin guard and classifies the answer.
+/// Fetches `job` from the origin through the origin guard and classifies the answer; a
+/// revalidation is counted by its result.
 pub(crate) async fn from_origin(origin: &Origin, job: &FillJob) -> Classified {
+    let classified = fetch(origin, job).await;
+    if job.stored.is_some() {
+        job.route.metrics.revalidated(match &classified {
+            Classified::Storable(_, Outcome::Revalidated) => Revalidation::NotModified,
+            Classified::Storable(..) | Classified::Uncacheable(_) => Revalidation::Modified,
+            Classified::Failed(_) => Revalidation::Failed,
+        });
+    }
+    classified
+}
+
+async fn fetch(origin: &Origin, job: &FillJob) -> Classified {
     let route = &job.route;
     let slot = match origin.guard.load_full().acquire().await {
         Ok(slot) => slot,
@@ -235,19 +263,48 @@ pub(crate) async fn from_origin(origin: &Origin, job: &FillJob) -> Classified {
         }
     };
     let fetch_ms = u32::try_from(elapsed.as_millis()).unwrap_or(u32::MAX);
+    // A revalidation the origin confirmed: the stored answer, its headers updated from the
+    // 304, then judged and stored as a new answer would be.
+    let (head, complete, outcome) = match &job.stored {
+        Some(stored) if head.status == StatusCode::NOT_MODIFIED => (
+            Head {
+                status: stored.status,
+                headers: updated_headers(&stored.headers, head.headers),
+            },
+            stored.body.clone(),
+            Outcome::Revalidated,
+        ),
+        _ => (head, complete, Outcome::Miss),
+    };
     let control = ResponseControl::parse(&head.headers);
-    let shared = storable(&route.config, head.status, &head.headers, &control).and_then(|()| {
-        lifetime(
+    let shared = storable(&route.config, head.status, &head.headers, &control).and_then(|sel| {
+        let life = lifetime(
             &route.config,
             head.status,
             &head.headers,
             &control,
             now_ms(),
             fetch_ms,
-        )
+        )?;
+        Ok((sel, life))
     });
     match shared {
-        Ok(life) => Classified::Storable(new_entry(job, head, complete, fetch_ms, life)),
+        Ok((selecting, life)) => {
+            let mut entry = new_entry(job, head, complete, fetch_ms, life);
+            // The values the origin saw: what was forwarded.
+            entry.selecting = selecting
+                .into_iter()
+                .map(|name| {
+                    let value = selecting_value(&job.headers, &name);
+                    (name, value)
+                })
+                .collect();
+            if let Some(stored) = job.stored.as_ref().filter(|_| entry.tags.is_empty()) {
+                // Surrogate keys left the stored headers when it was stored: keep them.
+                entry.tags.clone_from(&stored.tags);
+            }
+            Classified::Storable(entry, outcome)
+        }
         Err(why) => {
             route.metrics.uncacheable.inc();
             if why == NotShared::Vary {
@@ -280,6 +337,16 @@ fn cached_fetch_request(
     for (name, value) in &job.headers {
         headers.append(name.clone(), value.clone());
     }
+    if let Some(stored) = &job.stored {
+        for (validator, condition) in [
+            (header::ETAG, header::IF_NONE_MATCH),
+            (header::LAST_MODIFIED, header::IF_MODIFIED_SINCE),
+        ] {
+            if let Some(value) = stored.headers.get(validator) {
+                headers.insert(condition, value.clone());
+            }
+        }
+    }
     if job.route.config.freshness == FreshnessSource::Origin {
         // Edge Architecture: tells the origin it may aim Surrogate-Control at this cache.
         headers.append(
@@ -289,6 +356,44 @@ fn cached_fetch_request(
     }
     super::origin::set_forwarded(headers, job.client);
     Ok(request)
+}
+
+/// Headers a `304` never replaces in the stored copy (RFC 9111 §4.3.4 lets a cache keep
+/// what its stored body depends on): the body's length, coding and range, its digest, and
+/// the validator the revalidation matched.
+const NOT_UPDATED_BY_304: [HeaderName; 5] = [
+    header::CONTENT_LENGTH,
+    header::CONTENT_ENCODING,
+    header::CONTENT_RANGE,
+    HeaderName::from_static("content-md5"),
+    header::ETAG,
+];
+
+/// The stored headers updated from a `304` (RFC 9111 §4.3.4): each header the `304` has
+/// replaces the stored one of that name, but for [`NOT_UPDATED_BY_304`].
+fn updated_headers(stored: &HeaderMap, mut not_modified: HeaderMap) -> HeaderMap {
+    strip_hop_by_hop(&mut not_modified);
+    let mut headers = stored.clone();
+    let mut last = None;
+    for (name, value) in not_modified {
+        // `into_iter` names a header only at its first value.
+        let name = match name {
+            Some(name) => {
+                last = Some(name.clone());
+                if NOT_UPDATED_BY_304.contains(&name) {
+                    continue;
+                }
+                headers.remove(&name);
+                name
+            }
+            None => match &last {
+                Some(name) if !NOT_UPDATED_BY_304.contains(name) => name.clone(),
+                _ => continue,
+            },
+        };
+        headers.append(name, value);
+    }
+    headers
 }
 
 static SURROGATE_CAPABILITY: HeaderName = HeaderName::from_static("surrogate-capability");
@@ -304,6 +409,8 @@ struct Lifetime {
     grace: Duration,
     /// Served stale only when the origin fails (stale-if-error).
     error_grace: Duration,
+    /// Kept at all: past both graces only to be revalidated.
+    keep: Duration,
 }
 
 /// The lifetime of an answer stored at `stored_at_ms` after a fetch of `fetch_ms`: the
@@ -375,7 +482,16 @@ fn lifetime(
     } else {
         (grace, error_grace.max(grace))
     };
-    if ttl.is_zero() && error_grace.is_zero() {
+    // An answer with a validator is kept for the route's grace whatever the windows: past
+    // them it is not served, but a conditional fetch can bring it back with a 304.
+    let validator =
+        headers.contains_key(header::ETAG) || headers.contains_key(header::LAST_MODIFIED);
+    let keep = if validator && !negative {
+        error_grace.max(route.grace)
+    } else {
+        error_grace
+    };
+    if ttl.is_zero() && keep.is_zero() {
         return Err(NotShared::NoFreshness);
     }
     Ok(Lifetime {
@@ -384,6 +500,7 @@ fn lifetime(
         ttl,
         grace,
         error_grace,
+        keep,
     })
 }
 
@@ -427,8 +544,10 @@ fn new_entry(job: &FillJob, head: Head, body: Bytes, fetch_ms: u32, life: Lifeti
         ttl_ms: millis(life.ttl),
         grace_ms: millis(life.grace),
         error_grace_ms: millis(life.error_grace),
+        keep_ms: millis(life.keep),
         fetch_ms,
         tags: tags.tags,
+        selecting: Vec::new(),
     }
 }
 
@@ -544,12 +663,18 @@ fn strip_targeted(headers: &mut HeaderMap) {
 /// `Accept-Encoding` is the one exception, for an answer without `Content-Encoding`:
 /// cacheguard forwards no `Accept-Encoding` it does not key, so the origin chose the
 /// identity encoding, which every client accepts (RFC 9110 §12.5.3).
+///
+/// In origin mode, where the client's end-to-end headers reach the origin, a `Vary`-named
+/// header the route does not key but forwards is allowed too: it becomes the answer's
+/// selecting header (returned), and the stored copy is served only to requests with the
+/// same value (`Entry::selects`). A header cacheguard does not forward as the client sent
+/// it (`X-Forwarded-For`, `Cookie`, …) still makes the answer unshareable.
 fn storable(
     route: &RouteConfig,
     status: StatusCode,
     headers: &HeaderMap,
     control: &ResponseControl,
-) -> Result<(), NotShared> {
+) -> Result<Vec<HeaderName>, NotShared> {
     let origin_mode = route.freshness == FreshnessSource::Origin;
     // `must-understand`: only a status cacheguard knows the caching rules of.
     let status_ok = storable_status(status)
@@ -574,18 +699,22 @@ fn storable(
     }
     let keyed = route.vary.as_slice();
     match Vary::of(headers) {
-        Vary::None => Ok(()),
+        Vary::None => Ok(Vec::new()),
         Vary::Any => Err(NotShared::Vary),
         Vary::Headers(names) => {
             let identity = !headers.contains_key(header::CONTENT_ENCODING);
-            let keyed_or_identity = |name: &HeaderName| {
-                keyed.contains(name) || (*name == header::ACCEPT_ENCODING && identity)
-            };
-            if names.iter().all(keyed_or_identity) {
-                Ok(())
-            } else {
-                Err(NotShared::Vary)
+            let mut selecting = Vec::new();
+            for name in names {
+                if keyed.contains(&name) || (name == header::ACCEPT_ENCODING && identity) {
+                    continue;
+                }
+                if origin_mode && origin::forwarded_on_fetch(&name, keyed) {
+                    selecting.push(name);
+                } else {
+                    return Err(NotShared::Vary);
+                }
             }
+            Ok(selecting)
         }
     }
 }
@@ -619,7 +748,7 @@ mod tests {
     }
 
     fn check(route: &RouteConfig, h: &HeaderMap) -> Result<(), NotShared> {
-        storable(route, StatusCode::OK, h, &ResponseControl::parse(h))
+        storable(route, StatusCode::OK, h, &ResponseControl::parse(h)).map(|_| ())
     }
 
     fn shareable(status: StatusCode, h: &HeaderMap) -> bool {
@@ -641,9 +770,27 @@ mod tests {
         assert_eq!(check(&plain, &vary("Accept-Encoding")), Ok(()));
         let gzip = headers(&[("vary", "accept-encoding"), ("content-encoding", "gzip")]);
         assert_eq!(check(&plain, &gzip), Err(NotShared::Vary));
-        // In origin mode every Vary-named header is forwarded, so it must be keyed too.
+        // In origin mode a forwarded header the route does not key selects the copy.
         let origin = route("freshness = \"origin\"");
-        assert_eq!(check(&origin, &vary("Foo")), Err(NotShared::Vary));
+        let h = vary("Foo, Accept-Language");
+        let selecting = storable(&origin, StatusCode::OK, &h, &ResponseControl::parse(&h));
+        assert_eq!(
+            selecting,
+            Ok(vec![
+                HeaderName::from_static("foo"),
+                HeaderName::from_static("accept-language")
+            ])
+        );
+        for owned in [
+            "x-forwarded-for",
+            "cookie",
+            "authorization",
+            "host",
+            "range",
+        ] {
+            let h = headers(&[("vary", owned)]);
+            assert_eq!(check(&origin, &h), Err(NotShared::Vary), "Vary: {owned}");
+        }
         assert_eq!(
             check(&origin, &headers(&[("surrogate-control", "no-store")])),
             Err(NotShared::Policy)

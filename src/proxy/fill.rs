@@ -143,7 +143,12 @@ impl Filler {
                         counted = true;
                     }
                     match follower.wait(self.follower_wait_limit()).await {
-                        FlightResult::Filled(entry, tier) if entry.matches(&job.key) => {
+                        // The leader's answer, unless its `Vary` selected it for other
+                        // request headers than this one's: then this request goes round
+                        // again (and fills in turn).
+                        FlightResult::Filled(entry, tier)
+                            if entry.matches(&job.key) && entry.selects(&job.headers) =>
+                        {
                             return respond::hit(&entry, tier, head);
                         }
                         FlightResult::Uncacheable => {
@@ -228,7 +233,7 @@ impl Filler {
         if recheck
             && let Cached::Fresh(entry, tier) = self
                 .tiers
-                .lookup(&job.key, job.route.config.l1, false)
+                .lookup(&job.key, job.route.config.l1, false, &job.headers)
                 .await
         {
             leader.finish(FlightResult::Filled(Arc::clone(&entry), tier));
@@ -343,10 +348,10 @@ impl Filler {
             .hold_while(fetch::from_origin(&self.origin, job), &self.metrics)
             .await;
         match classified {
-            Classified::Storable(entry) => {
+            Classified::Storable(entry, outcome) => {
                 let entry = Arc::new(entry);
                 self.store(job, &entry, Some(permit), since).await;
-                Fetched::Ready(entry, Outcome::Miss)
+                Fetched::Ready(entry, outcome)
             }
             Classified::Uncacheable(response) => {
                 permit.release(EventKind::Uncacheable).await;
@@ -371,10 +376,10 @@ impl Filler {
         };
         let since = self.tiers.since();
         match fetch::from_origin(&self.origin, job).await {
-            Classified::Storable(entry) => {
+            Classified::Storable(entry, outcome) => {
                 let entry = Arc::new(entry);
                 self.store(job, &entry, unlocked, since).await;
-                Fetched::Ready(entry, Outcome::Miss)
+                Fetched::Ready(entry, outcome)
             }
             Classified::Uncacheable(response) => {
                 self.remember_uncacheable(&job.key);
@@ -388,7 +393,7 @@ impl Filler {
     /// timeout), or the key's answer is not shareable.
     async fn fetch_alone(&self, job: &FillJob) -> Fetched {
         match fetch::from_origin(&self.origin, job).await {
-            Classified::Storable(entry) => Fetched::Ready(Arc::new(entry), Outcome::Bypass),
+            Classified::Storable(entry, _) => Fetched::Ready(Arc::new(entry), Outcome::Bypass),
             Classified::Uncacheable(response) => Fetched::Uncacheable(response),
             Classified::Failed(failure) => Fetched::Failed(failure),
         }
@@ -445,7 +450,9 @@ impl Filler {
     }
 
     async fn fresh_in_l2(&self, job: &FillJob) -> Option<Arc<Entry>> {
-        self.tiers.fresh_in_l2(&job.key, job.route.config.l1).await
+        self.tiers
+            .fresh_in_l2(&job.key, job.route.config.l1, &job.headers)
+            .await
     }
 
     /// Hit-for-miss: remember for a while that this key's answer is not shareable, so

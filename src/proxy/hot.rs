@@ -7,7 +7,7 @@
 
 use std::sync::Arc;
 
-use http::Response;
+use http::{HeaderMap, Response};
 
 use super::body::Body;
 use super::fill::Flights;
@@ -54,7 +54,14 @@ pub(crate) struct HotGate {
 impl HotGate {
     /// Counts the request towards hot-key detection and, for a hot key, decides how it
     /// goes on.
-    pub(crate) async fn check(&self, route: &Route, key: &CacheKey, head: bool) -> Gate {
+    /// `request`: the request's headers, for the copy's `Vary` selection.
+    pub(crate) async fn check(
+        &self,
+        route: &Route,
+        key: &CacheKey,
+        head: bool,
+        request: &HeaderMap,
+    ) -> Gate {
         // A route without L1 has nothing to promote a hot key into: no detection either.
         if route.config.l1 == L1Policy::Off {
             return USUAL;
@@ -68,7 +75,8 @@ impl HotGate {
             return USUAL;
         }
         let now = now_ms();
-        let copy = self.tiers.l1_copy(key).await;
+        // A copy selected by other request headers is no copy for this request.
+        let copy = self.tiers.l1_copy(key).await.filter(|e| e.selects(request));
         let freshness = copy.as_ref().map(|e| e.freshness(now));
         if let Some(entry) = &copy
             && freshness == Some(Freshness::Fresh)

@@ -82,6 +82,14 @@ pub(crate) fn end_to_end(headers: &HeaderMap, keyed: &[HeaderName]) -> HeaderMap
     out
 }
 
+/// Whether a `freshness = "origin"` fetch passes `name` on as the client sent it (so an
+/// answer may vary on it): not for the headers [`end_to_end`] drops.
+pub(crate) fn forwarded_on_fetch(name: &HeaderName, keyed: &[HeaderName]) -> bool {
+    let mut probe = HeaderMap::new();
+    probe.insert(name.clone(), HeaderValue::from_static("x"));
+    end_to_end(&probe, keyed).contains_key(name)
+}
+
 /// The upstream client and the origin guard every origin request goes through.
 #[derive(Debug)]
 pub(crate) struct Origin {

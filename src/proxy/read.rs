@@ -37,8 +37,10 @@ use super::origin::Origin;
 use super::respond;
 use super::route::Route;
 use super::upstream::UpstreamBody;
+use crate::cache::Freshness;
 use crate::cache::key;
 use crate::cache::tiers::{Cached, Tiers};
+use crate::clock::now_ms;
 use crate::metrics::Outcome;
 
 /// Everything a read needs; built once by the app, shared by every connection.
@@ -91,7 +93,11 @@ impl ReadPath {
             &parts.headers,
         );
         let job = || FillJob::new(route, &derived, &parts.headers, client);
-        let (past_l1, refresh_early) = match self.gate.check(route, &derived.key, head).await {
+        let gate = self
+            .gate
+            .check(route, &derived.key, head, &parts.headers)
+            .await;
+        let (past_l1, refresh_early) = match gate {
             Gate::Answered(answer) => return answer,
             Gate::Join => return self.filler.fill(job(), head).await,
             Gate::Lookup {
@@ -104,7 +110,7 @@ impl ReadPath {
         }
         match self
             .tiers
-            .lookup(&derived.key, route.config.l1, past_l1)
+            .lookup(&derived.key, route.config.l1, past_l1, &parts.headers)
             .await
         {
             Cached::Fresh(entry, tier) => {
@@ -112,16 +118,23 @@ impl ReadPath {
                 respond::hit(&entry, tier, head)
             }
             Cached::Stale(entry) => {
-                self.filler.refresh_in_background(job(), false);
+                self.filler
+                    .refresh_in_background(job().revalidating(Some(Arc::clone(&entry))), false);
                 route.metrics.stale_served.inc();
                 respond::hit(&entry, Outcome::Stale, head)
             }
-            Cached::Miss(if_error) => {
-                let (response, outcome) = self.filler.fill(job(), head).await;
-                match if_error {
+            Cached::Miss(kept) => {
+                let (response, outcome) = self
+                    .filler
+                    .fill(job().revalidating(kept.clone()), head)
+                    .await;
+                match kept {
                     // Stale-if-error: the origin failed, a copy within its error grace
                     // answers instead.
-                    Some(entry) if failed(&response, outcome) => {
+                    Some(entry)
+                        if failed(&response, outcome)
+                            && entry.freshness(now_ms()) == Freshness::IfError =>
+                    {
                         route.metrics.stale_served.inc();
                         respond::hit(&entry, Outcome::Stale, head)
                     }

@@ -102,7 +102,12 @@ impl Proxy {
         if let Cached::Fresh(..) = self
             .read
             .tiers
-            .lookup(&derived.key, route.config.l1, false)
+            .lookup(
+                &derived.key,
+                route.config.l1,
+                false,
+                &http::HeaderMap::new(),
+            )
             .await
         {
             self.metrics.warmup(&route.config.name, "cached");

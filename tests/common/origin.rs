@@ -4,7 +4,7 @@
 //!
 //! Default answer to `GET /x`: `200` with body `{"path":"/x","n":N}` where `N` is the
 //! per-path serial number of the request (1 for the first), so tests can tell fresh fetches
-//! apart. `GET /internal/ids` answers the configured id list, one per line.
+//! apart. A request whose `If-None-Match` is the answer's `ETag` gets `304` without a body. `GET /internal/ids` answers the configured id list, one per line.
 //!
 //! The ids endpoint can be controlled at runtime (see [`IdsFault`], [`IdsFormat`],
 //! [`TestOrigin::set_ids_delay`], [`TestOrigin::set_ids_trickle`],
@@ -682,6 +682,17 @@ async fn handle(
         let name = HeaderName::from_bytes(k.as_bytes()).expect("header name");
         let value = HeaderValue::from_str(v).expect("header value");
         resp.headers_mut().append(name, value);
+    }
+    // A conditional GET whose If-None-Match names the answer's ETag: 304, headers only.
+    let etag = resp.headers().get(http::header::ETAG).cloned();
+    let matched = parts
+        .headers
+        .get(http::header::IF_NONE_MATCH)
+        .is_some_and(|inm| Some(inm) == etag.as_ref());
+    if matched && resp.status() == StatusCode::OK {
+        *resp.status_mut() = StatusCode::NOT_MODIFIED;
+        *resp.body_mut() = full(Bytes::new());
+        resp.headers_mut().remove(http::header::CONTENT_TYPE);
     }
     resp
 }
