@@ -53,27 +53,11 @@ const INSTALL_HINT: &str = "install it with `bash scripts/test.sh` (or `npm inst
 const CLIENT_DEADLINE: Duration = Duration::from_secs(150);
 
 /// Every GET is cached by the origin's freshness (`freshness = "origin"`; the route's
-/// lifetimes, as caps, are long enough not to cut the suite's); every write is forwarded and invalidates the path it wrote (the
-/// suite's setup `PUT /config/<uuid>` takes this route too). The suite's origin reads its
+/// lifetimes, as caps, are long enough not to cut the suite's); every write is forwarded
+/// and invalidates the path it wrote (the suite's setup `PUT /config/<uuid>` takes this
+/// route too). The suite's origin reads its
 /// own state, so there is no replica lag to wait out after a write.
-const ROUTES: &str = r#"
-[[routes]]
-name = "all"
-match = "/{*path}"
-methods = ["GET"]
-freshness = "origin"
-heuristic = 0.1
-ttl = "400days"
-grace = "1day"
-jitter = 0.0
-
-[[routes]]
-name = "all-write"
-match = "/{*path}"
-methods = ["POST", "PUT", "PATCH", "DELETE"]
-invalidate = ["/{*path}"]
-double_delete_delay = "0s"
-"#;
+const ROUTES: &str = include_str!("cache_tests/routes.toml");
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn embedded() {
