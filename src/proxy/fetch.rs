@@ -453,7 +453,10 @@ fn lifetime(
         FreshnessSource::Origin => {
             // An answer whose age is unknown is stale.
             let initial_age_secs = age.unwrap_or(MAX_DELTA_SECONDS);
-            let lifetime = origin_lifetime_secs(headers, control, stored_at_ms)
+            // `no-cache` needs no lifetime: it is revalidated on every use.
+            let no_cache = control.no_cache.then_some(0);
+            let lifetime = no_cache
+                .or_else(|| origin_lifetime_secs(headers, control, stored_at_ms))
                 .or_else(|| {
                     (route.heuristic > 0.0)
                         .then(|| heuristic_lifetime_secs(headers, route.heuristic, stored_at_ms))
@@ -477,16 +480,18 @@ fn lifetime(
             )
         }
     };
-    let (grace, error_grace) = if negative || control.forbids_stale() {
-        (Duration::ZERO, Duration::ZERO)
+    // `no-cache` (stored in origin mode only with a validator): never used without a
+    // successful revalidation, so stale on arrival and never served stale.
+    let (ttl, grace, error_grace) = if control.no_cache {
+        (Duration::ZERO, Duration::ZERO, Duration::ZERO)
+    } else if negative || control.forbids_stale() {
+        (ttl, Duration::ZERO, Duration::ZERO)
     } else {
-        (grace, error_grace.max(grace))
+        (ttl, grace, error_grace.max(grace))
     };
     // An answer with a validator is kept for the route's grace whatever the windows: past
     // them it is not served, but a conditional fetch can bring it back with a 304.
-    let validator =
-        headers.contains_key(header::ETAG) || headers.contains_key(header::LAST_MODIFIED);
-    let keep = if validator && !negative {
+    let keep = if has_validator(headers) && !negative {
         error_grace.max(route.grace)
     } else {
         error_grace
@@ -634,6 +639,11 @@ fn explicitly_fresh(route: &RouteConfig, headers: &HeaderMap) -> bool {
         && origin_lifetime_secs(headers, &ResponseControl::parse(headers), 0).is_some()
 }
 
+/// Whether an answer carries a validator a conditional fetch can send back.
+fn has_validator(headers: &HeaderMap) -> bool {
+    headers.contains_key(header::ETAG) || headers.contains_key(header::LAST_MODIFIED)
+}
+
 /// Why an origin answer is not stored.
 #[derive(Debug, PartialEq, Eq)]
 enum NotShared {
@@ -691,10 +701,12 @@ fn storable(
     // In origin mode a `max-age` aimed at this cache (Surrogate-Control, CDN-Cache-Control)
     // overrides what `Cache-Control` says to caches in general; `private` still holds.
     let targeted = origin_mode && targeted_max_age(headers).is_some();
-    // `no-cache` would need a revalidation on every use: not stored. `must-understand` on a
-    // status cacheguard understands overrides `no-store`.
+    // `no-cache` needs a revalidation on every use: in origin mode an answer with a
+    // validator is stored and revalidated each time (see `lifetime`); otherwise it is not
+    // stored. `must-understand` on a status cacheguard understands overrides `no-store`.
     let no_store = control.no_store && !control.must_understand;
-    if control.private || (!targeted && (no_store || control.no_cache)) {
+    let no_cache = control.no_cache && !(origin_mode && has_validator(headers));
+    if control.private || (!targeted && (no_store || no_cache)) {
         return Err(NotShared::Policy);
     }
     let keyed = route.vary.as_slice();
@@ -841,6 +853,17 @@ mod tests {
         );
         let got = life(&r, &[("cache-control", "max-age=10, stale-if-error=5")]).expect("stored");
         assert_eq!(got.error_grace, secs(5));
+        // no-cache with a validator: stored stale, kept only to be revalidated.
+        let got = life(&r, &[("cache-control", "no-cache"), ("etag", "\"a\"")]).expect("kept");
+        assert_eq!(
+            (got.ttl, got.grace, got.error_grace, got.keep),
+            (Duration::ZERO, Duration::ZERO, Duration::ZERO, secs(30))
+        );
+        assert_eq!(
+            check(&r, &headers(&[("cache-control", "no-cache")])),
+            Err(NotShared::Policy),
+            "no validator: nothing to revalidate with"
+        );
         let got = life(&r, &[("cache-control", "max-age=10, must-revalidate")]).expect("stored");
         assert_eq!(
             (got.grace, got.error_grace),
