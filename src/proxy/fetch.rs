@@ -625,18 +625,12 @@ fn storable_status(status: StatusCode) -> bool {
     )
 }
 
-/// A final status a cache may store with an explicit lifetime (RFC 9111 §3): not a partial
-/// answer (`206`: only part of the body) nor `304` (no body at all). 5xx answers are
-/// failures and never reach this.
+/// A final status a cache may store, on an origin-mode route, when the answer gives its
+/// own lifetime (RFC 9111 §3: a targeted `max-age`, `s-maxage`, `max-age`, `Expires`): not
+/// a partial answer (`206`: only part of the body) nor `304` (no body at all). 5xx
+/// answers are failures and never reach this.
 fn final_status(status: StatusCode) -> bool {
     (200..500).contains(&status.as_u16()) && !matches!(status.as_u16(), 206 | 304)
-}
-
-/// Whether, on an origin-mode route, the answer gives its own lifetime (a targeted
-/// `max-age`, `s-maxage`, `max-age` or `Expires`): then any final status may be stored.
-fn explicitly_fresh(route: &RouteConfig, headers: &HeaderMap) -> bool {
-    route.freshness == FreshnessSource::Origin
-        && origin_lifetime_secs(headers, &ResponseControl::parse(headers), 0).is_some()
 }
 
 /// Whether an answer carries a validator a conditional fetch can send back.
@@ -691,7 +685,7 @@ fn storable(
         || (origin_mode
             && !control.must_understand
             && final_status(status)
-            && explicitly_fresh(route, headers));
+            && origin_lifetime_secs(headers, control, 0).is_some());
     if !status_ok || headers.contains_key(header::SET_COOKIE) {
         return Err(NotShared::Policy);
     }

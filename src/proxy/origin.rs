@@ -10,7 +10,7 @@ use http::{Request, Response};
 
 use super::body::Body;
 use super::origin_guard::OriginGuard;
-use super::respond::{self, strip_hop_by_hop};
+use super::respond::{self, is_hop_by_hop, strip_hop_by_hop};
 use super::upstream::{Upstream, UpstreamBody};
 use crate::error::ProxyError;
 use crate::metrics::Outcome;
@@ -38,7 +38,7 @@ pub(crate) fn set_forwarded(headers: &mut HeaderMap, client: SocketAddr) {
 /// (method and path overrides), what is per user (such requests are never cached), what
 /// the cache answers itself (conditionals, ranges), and a body's framing (a GET body is
 /// never forwarded).
-const NOT_FORWARDED_ON_FETCH: [&str; 23] = [
+const NOT_FORWARDED_ON_FETCH: [&str; 24] = [
     "host",
     "surrogate-capability",
     "content-length",
@@ -62,32 +62,35 @@ const NOT_FORWARDED_ON_FETCH: [&str; 23] = [
     "if-match",
     "if-none-match",
     "if-modified-since",
+    "if-unmodified-since",
 ];
 
-/// The client headers a `freshness = "origin"` fetch passes on: the end-to-end headers of
-/// `headers` (hop-by-hop ones removed) but for those cacheguard owns
-/// ([`NOT_FORWARDED_ON_FETCH`], `If-Unmodified-Since`) and `Accept-Encoding` unless the
-/// route keys it: an answer made for one encoding must not be stored for every client, so
-/// unkeyed, the origin is asked for the identity encoding every client accepts.
+/// The client headers a `freshness = "origin"` fetch passes on: those of `headers` that
+/// [`forwarded_on_fetch`] admits, less any a `Connection` line names.
 pub(crate) fn end_to_end(headers: &HeaderMap, keyed: &[HeaderName]) -> HeaderMap {
-    let mut out = headers.clone();
-    strip_hop_by_hop(&mut out);
-    for name in NOT_FORWARDED_ON_FETCH {
-        out.remove(name);
+    let mut out = HeaderMap::with_capacity(headers.len());
+    for (name, value) in headers {
+        if forwarded_on_fetch(name, keyed) {
+            out.append(name.clone(), value.clone());
+        }
     }
-    out.remove(header::IF_UNMODIFIED_SINCE);
-    if !keyed.contains(&header::ACCEPT_ENCODING) {
-        out.remove(header::ACCEPT_ENCODING);
+    for named in headers.get_all(header::CONNECTION) {
+        for name in named.to_str().unwrap_or("").split(',') {
+            out.remove(name.trim());
+        }
     }
     out
 }
 
 /// Whether a `freshness = "origin"` fetch passes `name` on as the client sent it (so an
-/// answer may vary on it): not for the headers [`end_to_end`] drops.
+/// answer may vary on it): any end-to-end header but those cacheguard owns
+/// ([`NOT_FORWARDED_ON_FETCH`]) and `Accept-Encoding` unless the route keys it (an answer
+/// made for one encoding must not be stored for every client: unkeyed, the origin is asked
+/// for the identity encoding every client accepts).
 pub(crate) fn forwarded_on_fetch(name: &HeaderName, keyed: &[HeaderName]) -> bool {
-    let mut probe = HeaderMap::new();
-    probe.insert(name.clone(), HeaderValue::from_static("x"));
-    end_to_end(&probe, keyed).contains_key(name)
+    !is_hop_by_hop(name)
+        && !NOT_FORWARDED_ON_FETCH.contains(&name.as_str())
+        && (*name != header::ACCEPT_ENCODING || keyed.contains(name))
 }
 
 /// The upstream client and the origin guard every origin request goes through.

@@ -26,6 +26,11 @@ const HOP_BY_HOP: [HeaderName; 8] = [
     header::UPGRADE,
 ];
 
+/// Whether `name` is a hop-by-hop header by itself (those a `Connection` line names aside).
+pub(crate) fn is_hop_by_hop(name: &HeaderName) -> bool {
+    HOP_BY_HOP.contains(name) || name == "proxy-connection"
+}
+
 /// Removes hop-by-hop headers, including those named by `Connection`.
 pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap) {
     let named: Vec<HeaderName> = headers
