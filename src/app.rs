@@ -320,6 +320,11 @@ impl App {
                     .with_wait_replicas(
                         config.lock.wait_replicas,
                         config.lock.wait_replicas_timeout,
+                    )
+                    .with_longest_fetch(
+                        config.upstream.queue_timeout
+                            + config.upstream.connect_timeout
+                            + config.upstream.timeout,
                     ),
                 )
             }

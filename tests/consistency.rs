@@ -220,6 +220,57 @@ async fn a_fill_that_raced_a_write_is_not_stored_in_embedded_mode() {
     cg.shutdown().await;
 }
 
+/// The same race when the key had no generation when the fetch began, and the write's
+/// generation is gone by the time the fill lands (evicted by an `allkeys-*` Redis, here
+/// deleted): the fill must still be refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fill_that_raced_a_write_is_not_stored_when_the_generation_was_evicted() {
+    let redis = RedisServer::start().await;
+    let origin = TestOrigin::start_kv().await;
+    // No delayed delete: nothing after the write would bump the generation again.
+    let cfg = kv_config(&origin, &redis, "0s");
+    let (a, b) = (cfg.start().await, cfg.start().await);
+    let client = HttpClient::new();
+    origin.set_kv_read_delay(Duration::from_millis(800));
+    let slow = {
+        let client = client.clone();
+        let reader = a.addr();
+        tokio::spawn(async move { get_version(&client, reader, "/kv/evicted").await })
+    };
+    let begun = poll_until(
+        Duration::from_secs(5),
+        Duration::from_millis(10),
+        || async { (origin.kv_reads("evicted") == 1).then_some(()) },
+    )
+    .await;
+    assert!(begun.is_some(), "the slow read has begun");
+    let written = put(&client, b.addr(), "/kv/evicted").await;
+    assert_eq!(version(&written), 1);
+    // The write's generation is evicted before the slow fill lands.
+    let mut con = redis.client().await;
+    for key in redis.scan("cg:*:gen").await {
+        redis::cmd("DEL")
+            .arg(&key)
+            .query_async::<i64>(&mut con)
+            .await
+            .expect("DEL gen");
+    }
+    origin.set_kv_read_delay(Duration::ZERO);
+    assert_eq!(
+        slow.await.expect("slow read"),
+        0,
+        "it began before the write"
+    );
+    for addr in [a.addr(), b.addr()] {
+        for _ in 0..3 {
+            let resp = client.get(&url(addr, "/kv/evicted")).await;
+            assert_eq!(version(&resp), 1, "the old value was stored: {resp}");
+        }
+    }
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
 async fn race(
     origin: &TestOrigin,
     reader: std::net::SocketAddr,
@@ -966,6 +1017,14 @@ async fn shutdown_runs_pending_delayed_deletes_at_once() {
     let cg = kv_config(&origin, &redis, "10s").start().await;
     let client = HttpClient::new();
     assert_eq!(get_version(&client, cg.addr(), "/kv/bye").await, 0);
+    let gens = redis.scan("cg:*:gen").await;
+    assert_eq!(gens.len(), 1, "the fill created the key's generation");
+    let mut con = redis.client().await;
+    let first: i64 = redis::cmd("GET")
+        .arg(&gens[0])
+        .query_async(&mut con)
+        .await
+        .expect("GET gen");
     assert_eq!(put(&client, cg.addr(), "/kv/bye").await.status, 200);
     let started = Instant::now();
     cg.shutdown().await;
@@ -973,16 +1032,15 @@ async fn shutdown_runs_pending_delayed_deletes_at_once() {
         started.elapsed() < Duration::from_secs(5),
         "shutdown waited for the 10 s delay"
     );
-    let gens = redis.scan("cg:*:gen").await;
-    assert_eq!(gens.len(), 1, "one written key");
-    let mut con = redis.client().await;
+    assert_eq!(redis.scan("cg:*:gen").await, gens, "one written key");
     let generation: i64 = redis::cmd("GET")
         .arg(&gens[0])
         .query_async(&mut con)
         .await
         .expect("GET gen");
     assert_eq!(
-        generation, 3,
+        generation - first,
+        3,
         "before, after, and the delayed delete at shutdown"
     );
 }

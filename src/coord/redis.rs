@@ -771,7 +771,7 @@ impl RedisConn {
             && policy.starts_with("allkeys-")
         {
             warn!(
-                message = "Redis maxmemory-policy may evict generation keys; a fill racing a write could then store the old value. Prefer a volatile-* policy or noeviction, or size Redis so it never evicts.",
+                message = "Redis maxmemory-policy may evict cacheguard's bookkeeping keys: an evicted generation only refuses fills, but an evicted write quarantine or tag invalidation time can let a fill racing a write store the old value. Prefer a volatile-* policy or noeviction, or size Redis so it never evicts.",
                 maxmemory_policy = %policy,
             );
         }

@@ -2,12 +2,19 @@
 //! one script share a cache key's hash tag, so they stay single-slot on a Redis Cluster.
 //!
 //! Key names (prefix `cg:` by default; see [`super::keyspace`]): `cg:{<base>}:v` entry,
-//! `cg:{<base>}:lock` lock token, `cg:{<base>}:gen` generation (absent = "0"), and for a
+//! `cg:{<base>}:lock` lock token, `cg:{<base>}:gen` generation, and for a
 //! variant `cg:{<base>}:v:<hash>`, `cg:{<base>}:lock:<hash>`, indexed in `cg:{<base>}:vars`.
 //! Tags: `cg:tag:{<t>}:keys` and `cg:tag:{<t>}:at` (see [`super::keyspace`]).
 //!
 //! Times come from Redis (`TIME`), one clock for every instance: a fill compares the time
 //! its fetch began with the time a tag was last invalidated.
+//!
+//! A generation is a random integer, created by the first fill that finds none and moved
+//! on (`INCR`) by every invalidation. A fill reads it before its fetch and is refused when
+//! it differs afterwards — and when it is gone: a generation key evicted by a Redis under
+//! an `allkeys-*` policy (or expired) may have carried a write that happened since, so its
+//! absence never reads as "unchanged". There is no "absent = 0": after an eviction the
+//! next fill creates a fresh random value, which no earlier fill read.
 
 /// Lua: Redis's clock in ms since the Unix epoch.
 macro_rules! now_ms {
@@ -16,14 +23,33 @@ macro_rules! now_ms {
     };
 }
 
+/// Lua: the key's generation (`KEYS[2]`) in `gen`, created as `ARGV[3]` when absent, and
+/// kept for at least `ARGV[4]` ms: it must outlive the fetch that reads it now.
+macro_rules! generation {
+    () => {
+        r"
+local gen = redis.call('GET', KEYS[2])
+if not gen then
+  gen = ARGV[3]
+  redis.call('SET', KEYS[2], gen, 'PX', ARGV[4])
+elseif redis.call('PTTL', KEYS[2]) < tonumber(ARGV[4]) then
+  redis.call('PEXPIRE', KEYS[2], ARGV[4])
+end
+"
+    };
+}
+
 use std::sync::LazyLock;
 
 use redis::Script;
 
-/// Takes the fill lock for a key, and reads the key's generation in the same step.
+/// Takes the fill lock for a key, and reads the key's generation in the same step
+/// (creating it when there is none: see the module docs).
 ///
 /// - `KEYS[1]` lock, `KEYS[2]` generation
-/// - `ARGV[1]` token (random per acquisition), `ARGV[2]` lease in ms
+/// - `ARGV[1]` token (random per acquisition), `ARGV[2]` lease in ms, `ARGV[3]` a fresh
+///   random generation, `ARGV[4]` how long a generation must last at least, in ms (longer
+///   than any fetch)
 /// - returns `{1, generation, 0, now}` when acquired, `{0, generation, pttl, now}` when
 ///   another holder has it (`pttl` is its remaining lease in ms); `now` is Redis's clock.
 ///
@@ -36,8 +62,8 @@ pub(crate) static ACQUIRE: LazyLock<Script> = LazyLock::new(|| Script::new(ACQUI
 /// `RedisConn::run_script_replicated`).
 pub(crate) const ACQUIRE_SOURCE: &str = concat!(
     now_ms!(),
+    generation!(),
     r"
-local gen = redis.call('GET', KEYS[2]) or '0'
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
   return {1, gen, 0, now}
 end
@@ -45,14 +71,17 @@ return {0, gen, redis.call('PTTL', KEYS[1]), now}
 ",
 );
 
-/// Begins a fill without the lock: reads the generation and Redis's clock.
+/// Begins a fill without the lock: reads the generation (creating it when there is none)
+/// and Redis's clock.
 ///
-/// - `KEYS[1]` generation; returns `{generation, now}`.
+/// - `KEYS[1]` unused, `KEYS[2]` generation; `ARGV[3]`, `ARGV[4]` as for [`ACQUIRE`]
+/// - returns `{generation, now}`.
 pub(crate) static BEGIN: LazyLock<Script> = LazyLock::new(|| {
     Script::new(concat!(
         now_ms!(),
+        generation!(),
         r"
-return {redis.call('GET', KEYS[1]) or '0', now}
+return {gen, now}
 ",
     ))
 });
@@ -98,8 +127,8 @@ return 0
 /// - `ARGV[1]` token, `ARGV[2]` generation read at acquisition, `ARGV[3]` encoded entry,
 ///   `ARGV[4]` entry TTL in ms, `ARGV[5]` channel, `ARGV[6]` `fill` message, `ARGV[7]`
 ///   `released` message, `ARGV[8]` the variant's hash (empty for a base key)
-/// - returns 1 stored; 0 refused because the generation changed (an invalidation overtook
-///   the fetch); -1 refused because another holder took the lock (ours expired and someone
+/// - returns 1 stored; 0 refused because the generation changed or is gone (an
+///   invalidation overtook the fetch, or its trace was evicted); -1 refused because another holder took the lock (ours expired and someone
 ///   else is fetching a newer answer); -2 refused because a write quarantines the key (its
 ///   answer may come from a replica that has not caught up with the write yet).
 ///
@@ -114,7 +143,7 @@ pub(crate) static FILL: LazyLock<Script> = LazyLock::new(|| {
     Script::new(concat!(
         now_ms!(),
         r"
-local gen = redis.call('GET', KEYS[3]) or '0'
+local gen = redis.call('GET', KEYS[3]) or ''
 local holder = redis.call('GET', KEYS[2])
 local ours = holder == ARGV[1]
 local quarantined = redis.call('EXISTS', KEYS[5]) == 1

@@ -59,6 +59,15 @@ pub(crate) enum FillOutcome {
 /// after a tag invalidation on the skewed clock store its answer.
 const CLUSTER_CLOCK_MARGIN_MS: u64 = 50;
 
+/// Added to the longest fetch for the life of a generation read at a fetch's start.
+const GENERATION_SLACK: Duration = Duration::from_secs(60);
+
+/// A fresh generation: a random integer (so `INCR` works on it) far above the small
+/// numbers an `INCR` of an absent key starts from, and exact in Lua's doubles.
+fn fresh_generation() -> String {
+    (rand::random::<u64>() >> 12 | 1 << 40).to_string()
+}
+
 #[derive(Clone, Debug)]
 pub(crate) struct RedisStore {
     redis: RedisConn,
@@ -69,6 +78,9 @@ pub(crate) struct RedisStore {
     wait_replicas: u32,
     /// `lock.wait_replicas_timeout`: the bound of that `WAIT`.
     wait_replicas_timeout: Duration,
+    /// How long a generation read at the start of a fetch must last at least: longer than
+    /// any fetch (see the module docs of `scripts.rs`).
+    generation_life: Duration,
 }
 
 impl RedisStore {
@@ -85,7 +97,15 @@ impl RedisStore {
             bus,
             wait_replicas: 0,
             wait_replicas_timeout: Duration::ZERO,
+            generation_life: lease + GENERATION_SLACK,
         }
+    }
+
+    /// A fetch may run for up to `longest_fetch`: the generation it reads at its start is
+    /// kept at least that long (plus slack), so its fill can tell "unchanged" from "gone".
+    pub(crate) fn with_longest_fetch(mut self, longest_fetch: Duration) -> Self {
+        self.generation_life = longest_fetch.max(self.lease) + GENERATION_SLACK;
+        self
     }
 
     /// With `n > 0`, a won lock waits (`WAIT n`, up to `lock.wait_replicas_timeout`) until `n`
@@ -111,6 +131,14 @@ impl RedisStore {
         &self.bus.waiters
     }
 
+    /// `ARGV[3]` and `ARGV[4]` of the scripts that read a generation at a fetch's start.
+    fn generation_args(&self) -> (String, String) {
+        (
+            fresh_generation(),
+            self.generation_life.as_millis().to_string(),
+        )
+    }
+
     fn lease_ms(&self) -> Vec<u8> {
         self.lease.as_millis().to_string().into_bytes()
     }
@@ -130,7 +158,13 @@ impl RedisStore {
         let names = self.keys.key(base, hash);
         let token = format!("{:032x}", rand::random::<u128>());
         let keys = [names.lock.as_str(), names.generation.as_str()];
-        let args = [token.as_bytes(), &self.lease_ms()];
+        let (fresh, life) = self.generation_args();
+        let args = [
+            token.as_bytes(),
+            &self.lease_ms(),
+            fresh.as_bytes(),
+            life.as_bytes(),
+        ];
         let (won, generation, pttl, now): (i64, String, i64, u64) = if self.wait_replicas > 0 {
             let (answer, acked): ((i64, String, i64, u64), i64) = self
                 .redis
@@ -179,9 +213,15 @@ impl RedisStore {
         hash: u128,
     ) -> Result<Lease, Unavailable> {
         let names = self.keys.key(base, hash);
+        let (fresh, life) = self.generation_args();
         let (generation, now): (String, u64) = self
             .redis
-            .run_script(RedisOp::Lock, &scripts::BEGIN, &[&names.generation], &[])
+            .run_script(
+                RedisOp::Lock,
+                &scripts::BEGIN,
+                &[&names.lock, &names.generation],
+                &[b"".as_slice(), b"", fresh.as_bytes(), life.as_bytes()],
+            )
             .await?;
         Ok(Lease {
             token: "-".to_owned(),
