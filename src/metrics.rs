@@ -176,10 +176,12 @@ pub enum LockEvent {
     WaitTimeout,
     /// With `lock.wait_replicas`, fewer replicas than asked had the lock in time.
     Unreplicated,
+    /// A lock with no expiry (not written by cacheguard) was given a lease.
+    Repaired,
 }
 
 impl LockEvent {
-    pub const ALL: [LockEvent; 7] = [
+    pub const ALL: [LockEvent; 8] = [
         LockEvent::Acquired,
         LockEvent::Contended,
         LockEvent::Renewed,
@@ -187,6 +189,7 @@ impl LockEvent {
         LockEvent::Takeover,
         LockEvent::WaitTimeout,
         LockEvent::Unreplicated,
+        LockEvent::Repaired,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -198,6 +201,7 @@ impl LockEvent {
             LockEvent::Takeover => "takeover",
             LockEvent::WaitTimeout => "wait_timeout",
             LockEvent::Unreplicated => "unreplicated",
+            LockEvent::Repaired => "repaired",
         }
     }
 }
@@ -321,6 +325,7 @@ pub struct Metrics {
     pub bus_subscribed: IntGauge,
     pub bus_resubscriptions: IntCounter,
     pub bus_events: IntCounter,
+    pub marks_overflow: IntCounter,
     bloom_rejections: IntCounterVec,
     bloom_false_positives: IntCounterVec,
     bloom_items: IntGaugeVec,
@@ -811,6 +816,12 @@ impl Metrics {
             "cacheguard_event_bus_resubscriptions_total",
             "Times the event subscription was re-established after a loss.",
         )?;
+        let marks_overflow = IntCounter::new(
+            "cacheguard_invalidation_marks_overflow_total",
+            "Local invalidation marks dropped because their table was full: L1 copies known \
+             valid only from before them are checked against Redis again, and fills that \
+             began before them are not kept in L1.",
+        )?;
         let bus_events = IntCounter::new(
             "cacheguard_event_bus_messages_total",
             "Messages received on the event bus.",
@@ -955,6 +966,7 @@ impl Metrics {
         registry.register(Box::new(bus_subscribed.clone()))?;
         registry.register(Box::new(bus_resubscriptions.clone()))?;
         registry.register(Box::new(bus_events.clone()))?;
+        registry.register(Box::new(marks_overflow.clone()))?;
         registry.register(Box::new(requests.clone()))?;
         registry.register(Box::new(request_duration.clone()))?;
         registry.register(Box::new(origin_requests.clone()))?;
@@ -1045,6 +1057,7 @@ impl Metrics {
             bus_subscribed,
             bus_resubscriptions,
             bus_events,
+            marks_overflow,
             bloom_rejections,
             bloom_false_positives,
             bloom_items,

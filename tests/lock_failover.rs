@@ -392,3 +392,73 @@ async fn failing_origin_is_never_fetched_concurrently_for_one_key() {
     );
     shutdown_all([a, b]).await;
 }
+
+/// A lock key with no TTL (written by another client, or left by a bug) would stall its key
+/// for ever: every request waits, the lock is never taken, nothing is stored. The first
+/// attempt that finds it gives it a lease (counted as `repaired`); requests are answered
+/// once that lease ends, with one origin fetch, and nobody polls Redis in a tight loop
+/// meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lock_without_a_ttl_is_repaired_not_waited_on_for_ever() {
+    let path = "/api/items/no-ttl-lock";
+    let redis = RedisServer::start().await;
+    let origin = TestOrigin::start().await;
+    let cg = CgConfig::new(&origin)
+        .redis(&redis)
+        .set_str("lock", "lease", "1s")
+        .set_str("lock", "wait_timeout", "4s")
+        .start()
+        .await;
+    let client = HttpClient::new();
+    assert_eq!(client.get(&url(cg.addr(), path)).await.status, 200);
+    let entries = redis.scan("cg:*:v").await;
+    assert_eq!(entries.len(), 1, "one stored entry");
+    let entry = String::from_utf8(entries[0].clone()).expect("key name");
+    let lock = format!(
+        "{}lock",
+        entry.strip_suffix('v').expect("entry key ends in v")
+    );
+    let mut con = redis.client().await;
+    let _: () = redis::cmd("DEL")
+        .arg(&entry)
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let _: () = redis::cmd("SET")
+        .arg(&lock)
+        .arg("junk")
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    common::redis_server::reset_command_stats(&mut con).await;
+
+    let started = Instant::now();
+    let results = join_waiters(
+        spawn_waiters(&client, &[cg.addr()], path, 3),
+        Duration::from_secs(10),
+    )
+    .await;
+    let took = started.elapsed();
+    assert_all_got(&results, &default_body(path, 2), "request");
+    assert!(
+        took < Duration::from_millis(2_500),
+        "answered after {took:?}: the stuck lock was waited on until wait_timeout (4 s)"
+    );
+    let calls = common::redis_server::command_calls(&mut con).await;
+    let scripts =
+        calls.get("evalsha").copied().unwrap_or(0) + calls.get("eval").copied().unwrap_or(0);
+    assert!(
+        scripts <= 20,
+        "{scripts} script calls for 3 requests: {calls:?}"
+    );
+    let pttl: i64 = redis::cmd("PTTL")
+        .arg(&lock)
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    assert_ne!(pttl, -1, "the lock still has no TTL");
+    assert_eq!(origin.count(path), 2, "one fetch after the repair");
+    let m = metrics(&client, cg.admin_addr()).await;
+    assert_eq!(m.lock_events("repaired"), 1.0);
+    cg.shutdown().await;
+}

@@ -50,8 +50,10 @@ use redis::Script;
 /// - `ARGV[1]` token (random per acquisition), `ARGV[2]` lease in ms, `ARGV[3]` a fresh
 ///   random generation, `ARGV[4]` how long a generation must last at least, in ms (longer
 ///   than any fetch)
-/// - returns `{1, generation, 0, now}` when acquired, `{0, generation, pttl, now}` when
-///   another holder has it (`pttl` is its remaining lease in ms); `now` is Redis's clock.
+/// - returns `{1, generation, 0, now, 0}` when acquired, `{0, generation, pttl, now,
+///   repaired}` when another holder has it (`pttl` is its remaining lease in ms); `now` is
+///   Redis's clock. A lock with no expiry (never set by cacheguard: another client, or a
+///   bug) would stall the key for ever: it is given a lease here, and `repaired` is 1.
 ///
 /// Reading the generation here, before the fetch starts, is what lets [`FILL`] refuse an
 /// answer that an invalidation overtook while it was being fetched; `now` lets the filler
@@ -65,9 +67,14 @@ pub(crate) const ACQUIRE_SOURCE: &str = concat!(
     generation!(),
     r"
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
-  return {1, gen, 0, now}
+  return {1, gen, 0, now, 0}
 end
-return {0, gen, redis.call('PTTL', KEYS[1]), now}
+local pttl = redis.call('PTTL', KEYS[1])
+if pttl < 0 then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return {0, gen, tonumber(ARGV[2]), now, 1}
+end
+return {0, gen, pttl, now, 0}
 ",
 );
 

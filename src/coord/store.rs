@@ -11,6 +11,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use tracing::warn;
+
 use crate::config::RedisMode;
 use crate::coord::events::{Event, EventBus, EventKind, Waiters};
 use crate::coord::keyspace::TagKeys;
@@ -165,28 +167,29 @@ impl RedisStore {
             fresh.as_bytes(),
             life.as_bytes(),
         ];
-        let (won, generation, pttl, now): (i64, String, i64, u64) = if self.wait_replicas > 0 {
-            let (answer, acked): ((i64, String, i64, u64), i64) = self
-                .redis
-                .run_script_replicated(
-                    RedisOp::Lock,
-                    scripts::ACQUIRE_SOURCE,
-                    &keys,
-                    &args,
-                    self.wait_replicas,
-                    self.wait_replicas_timeout,
-                )
-                .await?;
-            let (won, ..) = answer;
-            if won == 1 && acked < i64::from(self.wait_replicas) {
-                self.redis.metrics().lock_event(LockEvent::Unreplicated);
-            }
-            answer
-        } else {
-            self.redis
-                .run_script(RedisOp::Lock, &scripts::ACQUIRE, &keys, &args)
-                .await?
-        };
+        let (won, generation, pttl, now, repaired): (i64, String, i64, u64, i64) =
+            if self.wait_replicas > 0 {
+                let (answer, acked): ((i64, String, i64, u64, i64), i64) = self
+                    .redis
+                    .run_script_replicated(
+                        RedisOp::Lock,
+                        scripts::ACQUIRE_SOURCE,
+                        &keys,
+                        &args,
+                        self.wait_replicas,
+                        self.wait_replicas_timeout,
+                    )
+                    .await?;
+                let (won, ..) = answer;
+                if won == 1 && acked < i64::from(self.wait_replicas) {
+                    self.redis.metrics().lock_event(LockEvent::Unreplicated);
+                }
+                answer
+            } else {
+                self.redis
+                    .run_script(RedisOp::Lock, &scripts::ACQUIRE, &keys, &args)
+                    .await?
+            };
         if won == 1 {
             Ok(Acquired::Won(Box::new(Lease {
                 token,
@@ -196,7 +199,14 @@ impl RedisStore {
                 names,
             })))
         } else {
-            // PTTL is -1 (no expiry: never set by us) or -2 (gone since): retry soon.
+            if repaired == 1 {
+                self.redis.metrics().lock_event(LockEvent::Repaired);
+                warn!(
+                    message = "A fill lock without an expiry was given one; another client may write cacheguard's keys.",
+                    key = %names.lock,
+                    lease_ms = self.lease.as_millis(),
+                );
+            }
             let remaining = u64::try_from(pttl).unwrap_or(0);
             Ok(Acquired::Held {
                 remaining: Duration::from_millis(remaining),
