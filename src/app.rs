@@ -260,7 +260,7 @@ impl App {
             None => None,
         };
         let horizon = invalidation_horizon(&config);
-        let marks = Arc::new(LocalMarks::new(horizon));
+        let marks = Arc::new(LocalMarks::new(horizon, metrics.marks_overflow.clone()));
         let l1 = L1::new(config.cache.l1_max_bytes, Arc::clone(&marks));
         tokio::spawn(sweep_l1_index(l1.clone(), stop_tasks.clone()));
         let l2 = match (&redis, &config.redis) {

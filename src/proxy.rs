@@ -111,9 +111,17 @@ impl BusListener for CacheEvents {
         }
     }
 
-    fn on_gap(&self, _unix_ms: u64) {}
+    /// Invalidations sent from now on may be missed: L1 copies are checked against Redis
+    /// before they are served again.
+    fn on_gap(&self, _unix_ms: u64) {
+        self.marks.mark_all();
+    }
 
-    fn on_subscribed(self: Arc<Self>) {}
+    /// Copies read from Redis during the gap may predate an invalidation sent during it:
+    /// checked again too.
+    fn on_subscribed(self: Arc<Self>) {
+        self.marks.mark_all();
+    }
 }
 
 impl Proxy {

@@ -310,6 +310,150 @@ async fn race(
     );
 }
 
+// === a gap in the event subscription ===
+
+/// B holds L1 copies of 100 keys; its event subscription is cut and kept down while A
+/// writes all of them; once B has re-subscribed, none of its old copies is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn l1_copies_from_before_a_bus_gap_are_not_served_after_it() {
+    let redis = RedisServer::start().await;
+    bus_gap(&redis, &[redis.url()], "all", 100).await;
+}
+
+/// The same for hot keys in the default `l1 = "hot"`: their L1 copies are checked too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hot_l1_copies_from_before_a_bus_gap_are_not_served_after_it() {
+    let redis = RedisServer::start().await;
+    bus_gap(&redis, &[redis.url()], "hot", 5).await;
+}
+
+/// The same on a Redis Cluster (every node's subscriptions are cut).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn l1_copies_from_before_a_bus_gap_are_not_served_after_it_on_cluster() {
+    let cluster = RedisCluster::start().await;
+    bus_gap(&cluster, &cluster.urls(), "all", 100).await;
+}
+
+async fn bus_gap(redis: &impl SharedRedis, nodes: &[String], l1: &str, keys: usize) {
+    let origin = TestOrigin::start_kv().await;
+    let cfg = redis
+        .configure(CgConfig::new(&origin))
+        .set("hot_keys", "threshold_rps", "20")
+        .routes(&common::kv_routes("0s", true, Some(l1)));
+    let (a, b) = (cfg.start().await, cfg.start().await);
+    let client = HttpClient::new();
+    let path = |i: usize| format!("/kv/gap{i}");
+    for i in 0..keys {
+        assert_eq!(get_version(&client, b.addr(), &path(i)).await, 0);
+    }
+    if l1 == "hot" {
+        // Hot on B: requested well above the threshold until B lists every one.
+        let all_hot = poll_until(Duration::from_secs(10), Duration::ZERO, || async {
+            for i in 0..keys {
+                for _ in 0..10 {
+                    get_version(&client, b.addr(), &path(i)).await;
+                }
+            }
+            let hot = common::hot::hot_list(&common::hot::hotkeys(&client, b.admin_addr()).await);
+            (hot.len() >= keys).then_some(())
+        })
+        .await;
+        assert!(all_hot.is_some(), "the keys did not turn hot on B");
+    }
+    for i in 0..keys {
+        let resp = client.get(&url(b.addr(), &path(i))).await;
+        // A hot key's copy is checked against Redis now and then (HIT-L2).
+        let held = resp.x_cache() == "HIT-L1" || (l1 == "hot" && resp.x_cache() == "HIT-L2");
+        assert!(held, "B holds {}: {resp}", path(i));
+    }
+    let resubscribed = || async {
+        metric(
+            &client,
+            b.admin_addr(),
+            "cacheguard_event_bus_resubscriptions_total",
+            &[],
+        )
+        .await
+    };
+    let before = resubscribed().await;
+    // Keep every subscription down (each reconnect is killed at once) while A writes.
+    let mut conns = Vec::new();
+    for node in nodes {
+        let client = redis::Client::open(node.as_str()).expect("node url");
+        conns.push(
+            client
+                .get_multiplexed_async_connection()
+                .await
+                .expect("connect"),
+        );
+    }
+    let cutting = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let cutter = {
+        let cutting = Arc::clone(&cutting);
+        tokio::spawn(async move {
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while cutting.load(std::sync::atomic::Ordering::Relaxed) && Instant::now() < deadline {
+                for con in &mut conns {
+                    let _: redis::RedisResult<i64> = redis::cmd("CLIENT")
+                        .arg("KILL")
+                        .arg("TYPE")
+                        .arg("pubsub")
+                        .query_async(con)
+                        .await;
+                }
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+        })
+    };
+    let down = wait_metric(
+        &client,
+        b.admin_addr(),
+        "cacheguard_event_bus_subscribed",
+        &[],
+        Duration::from_secs(5),
+        Duration::from_millis(5),
+        |v| v == 0.0,
+        no_poke,
+    )
+    .await;
+    assert_eq!(down, 0.0, "B's subscription was not cut");
+    for i in 0..keys {
+        assert_eq!(version(&put(&client, a.addr(), &path(i)).await), 1);
+    }
+    cutting.store(false, std::sync::atomic::Ordering::Relaxed);
+    cutter.await.expect("cutter");
+    let back = poll_until(
+        Duration::from_secs(10),
+        Duration::from_millis(20),
+        || async {
+            let live = metric(
+                &client,
+                b.admin_addr(),
+                "cacheguard_event_bus_subscribed",
+                &[],
+            )
+            .await;
+            (live == 1.0 && resubscribed().await > before).then_some(())
+        },
+    )
+    .await;
+    assert!(back.is_some(), "B did not re-subscribe");
+    let mut old = Vec::new();
+    for i in 0..keys {
+        let resp = client.get(&url(b.addr(), &path(i))).await;
+        if version(&resp) != 1 {
+            old.push(format!("{} {}", path(i), resp.x_cache()));
+        }
+    }
+    assert!(
+        old.is_empty(),
+        "{} of {keys} old copies served after the gap: {old:?}",
+        old.len()
+    );
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
 // === 3. stress: 8 writers, 32 readers, replica lag ===
 
 /// One stress run's observations.

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use moka::Expiry;
 use moka::future::Cache;
 
-use super::marks::LocalMarks;
+use super::marks::{LocalMarks, Standing};
 use super::{CacheKey, Entry, key};
 use crate::clock::now_ms;
 
@@ -29,6 +29,15 @@ use crate::clock::now_ms;
 struct Held {
     entry: Arc<Entry>,
     since: u64,
+}
+
+/// An L1 copy as a lookup gets it.
+#[derive(Debug)]
+pub(crate) struct L1Copy {
+    pub(crate) entry: Arc<Entry>,
+    /// False when an invalidation of it may have been missed: while Redis answers, it is
+    /// checked there before it is served.
+    pub(crate) verified: bool,
 }
 
 /// Per-entry expiry: an L1 copy lives as long as its entry is fresh or within grace.
@@ -96,21 +105,26 @@ impl L1 {
         self.index.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// The entry for `key`, if present and really for this key (the full key is compared).
-    /// Not returned: a copy an invalidation marked since it was stored.
-    pub(crate) async fn get(&self, key: &CacheKey) -> Option<Arc<Entry>> {
+    /// The copy of `key`, if present and really for this key (the full key is compared).
+    /// Not returned: a copy an invalidation marked since it was stored. A copy from before
+    /// a possible missed invalidation (see `marks.rs`) comes back unverified.
+    pub(crate) async fn get(&self, key: &CacheKey) -> Option<L1Copy> {
         let held = self.cache.get(&key.hash).await?;
         if !held.entry.matches(key) {
             return None;
         }
-        if !self
-            .marks
-            .unchanged_since(key.base, &held.entry.tags, held.since)
-        {
-            self.cache.invalidate(&key.hash).await;
-            return None;
-        }
-        Some(held.entry)
+        let verified = match self.marks.standing(key.base, &held.entry.tags, held.since) {
+            Standing::Valid => true,
+            Standing::Unverified => false,
+            Standing::Invalidated => {
+                self.cache.invalidate(&key.hash).await;
+                return None;
+            }
+        };
+        Some(L1Copy {
+            entry: held.entry,
+            verified,
+        })
     }
 
     /// Stores `entry`, known valid from the local marks' `since` (taken before it was

@@ -9,11 +9,37 @@
 //!
 //! A write also quarantines its keys here for its `double_delete_delay`, as it does in Redis:
 //! meanwhile nothing fetched for them is kept (the origin's replica may lag behind it).
+//!
+//! What the marks cannot know is covered by a floor, the one coarse fallback: a copy known
+//! valid only from before the floor is [`Standing::Unverified`] (checked against Redis
+//! before it is served, while Redis answers) and a fill that began before it is not kept.
+//! The floor rises when this process may have missed invalidations — a gap in the event
+//! subscription ([`LocalMarks::mark_all`]) — and when a mark is dropped because the tables
+//! are full. The tables are bounded (each mark costs about a kilobyte), so a flood of
+//! invalidation events costs a bounded amount of memory and some Redis reads, never a
+//! stale answer.
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
+use moka::notification::RemovalCause;
 use moka::sync::Cache;
+use prometheus::IntCounter;
+
+/// How many key marks, tag marks and quarantines are held at most, each.
+pub(crate) const MARKS_CAPACITY: u64 = 16_384;
+
+/// How a copy known valid from some position stands now.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Standing {
+    Valid,
+    /// Its key or a tag was invalidated since: never serve it.
+    Invalidated,
+    /// An invalidation since may have been missed: check it against Redis before serving
+    /// it (where there is no Redis to ask, it stands: the direct removal covered it).
+    Unverified,
+}
 
 #[derive(Debug)]
 pub(crate) struct LocalMarks {
@@ -22,16 +48,66 @@ pub(crate) struct LocalMarks {
     tags: Cache<String, u64>,
     /// Base key → end of its write quarantine.
     quarantine: Cache<u128, Instant>,
+    /// Copies and fills from before this position are not trusted (see the module docs).
+    floor: Arc<AtomicU64>,
+    /// A quarantine dropped for room is extended to every key until its end.
+    quarantine_all: Arc<Mutex<Option<Instant>>>,
 }
 
 impl LocalMarks {
-    /// `horizon`: how long a fill can run (upstream timeout, lease, slack).
-    pub(crate) fn new(horizon: Duration) -> Self {
+    /// `horizon`: how long a fill can run (upstream timeout, lease, slack). `overflow`
+    /// counts marks dropped for room.
+    pub(crate) fn new(horizon: Duration, overflow: IntCounter) -> Self {
+        Self::with_capacity(horizon, MARKS_CAPACITY, overflow)
+    }
+
+    pub(crate) fn with_capacity(horizon: Duration, capacity: u64, overflow: IntCounter) -> Self {
+        let floor = Arc::new(AtomicU64::new(0));
+        let quarantine_all = Arc::new(Mutex::new(None::<Instant>));
+        // A mark dropped for room (not expired) raises the floor to its own position:
+        // whatever it would have refused is still refused, coarsely.
+        let seq_table = |floor: &Arc<AtomicU64>, overflow: &IntCounter| {
+            let (floor, overflow) = (Arc::clone(floor), overflow.clone());
+            move |seq: u64, cause: RemovalCause| {
+                if cause == RemovalCause::Size {
+                    floor.fetch_max(seq, Ordering::AcqRel);
+                    overflow.inc();
+                }
+            }
+        };
+        let on_key = seq_table(&floor, &overflow);
+        let on_tag = seq_table(&floor, &overflow);
+        let on_quarantine = {
+            let all = Arc::clone(&quarantine_all);
+            move |_: Arc<u128>, until: Instant, cause: RemovalCause| {
+                if cause == RemovalCause::Size {
+                    let mut all = all.lock().unwrap_or_else(PoisonError::into_inner);
+                    if all.is_none_or(|current| current < until) {
+                        *all = Some(until);
+                    }
+                    overflow.inc();
+                }
+            }
+        };
         LocalMarks {
             seq: AtomicU64::new(0),
-            keys: Cache::builder().time_to_live(horizon).build(),
-            tags: Cache::builder().time_to_live(horizon).build(),
-            quarantine: Cache::builder().time_to_live(horizon).build(),
+            keys: Cache::builder()
+                .max_capacity(capacity)
+                .time_to_live(horizon)
+                .eviction_listener(move |_, seq, cause| on_key(seq, cause))
+                .build(),
+            tags: Cache::builder()
+                .max_capacity(capacity)
+                .time_to_live(horizon)
+                .eviction_listener(move |_, seq, cause| on_tag(seq, cause))
+                .build(),
+            quarantine: Cache::builder()
+                .max_capacity(capacity)
+                .time_to_live(horizon)
+                .eviction_listener(on_quarantine)
+                .build(),
+            floor,
+            quarantine_all,
         }
     }
 
@@ -55,33 +131,53 @@ impl LocalMarks {
         self.seq.load(Ordering::Acquire)
     }
 
+    fn next(&self) -> u64 {
+        self.seq.fetch_add(1, Ordering::AcqRel) + 1
+    }
+
     pub(crate) fn mark_key(&self, base: u128) {
-        let seq = self.seq.fetch_add(1, Ordering::AcqRel) + 1;
+        let seq = self.next();
         self.keys.insert(base, seq);
     }
 
     pub(crate) fn mark_tag(&self, tag: &str) {
-        let seq = self.seq.fetch_add(1, Ordering::AcqRel) + 1;
+        let seq = self.next();
         self.tags.insert(tag.to_owned(), seq);
     }
 
-    /// Whether a copy known valid from `since` is still valid: the fast path (nothing was
-    /// marked since) is one atomic load, for every L1 hit.
-    pub(crate) fn unchanged_since(&self, base: u128, tags: &[String], since: u64) -> bool {
+    /// Invalidations may have been missed (the event subscription had a gap): every copy
+    /// known valid from before now is unverified, every fill begun before now is not kept.
+    pub(crate) fn mark_all(&self) {
+        let seq = self.next();
+        self.floor.fetch_max(seq, Ordering::AcqRel);
+    }
+
+    /// How a copy known valid from `since` stands: the fast path (nothing was marked
+    /// since) is one atomic load, for every L1 hit.
+    pub(crate) fn standing(&self, base: u128, tags: &[String], since: u64) -> Standing {
         if self.seq.load(Ordering::Acquire) <= since {
-            return true;
+            return Standing::Valid;
         }
         let after = |seq: Option<u64>| seq.is_some_and(|s| s > since);
-        !after(self.keys.get(&base)) && !tags.iter().any(|t| after(self.tags.get(t)))
+        if after(self.keys.get(&base)) || tags.iter().any(|t| after(self.tags.get(t))) {
+            Standing::Invalidated
+        } else if since < self.floor.load(Ordering::Acquire) {
+            Standing::Unverified
+        } else {
+            Standing::Valid
+        }
     }
 
     /// Whether an answer whose fetch began at `snapshot` may still be kept.
     pub(crate) fn allows(&self, base: u128, tags: &[String], snapshot: u64) -> bool {
-        let quarantined = self
-            .quarantine
-            .get(&base)
-            .is_some_and(|until| Instant::now() < until);
-        !quarantined && self.unchanged_since(base, tags, snapshot)
+        let now = Instant::now();
+        let quarantined = self.quarantine.get(&base).is_some_and(|until| now < until)
+            || self
+                .quarantine_all
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .is_some_and(|until| now < until);
+        !quarantined && self.standing(base, tags, snapshot) == Standing::Valid
     }
 }
 
@@ -91,7 +187,7 @@ mod tests {
 
     #[test]
     fn a_mark_after_the_snapshot_refuses() {
-        let marks = LocalMarks::new(Duration::from_secs(60));
+        let marks = LocalMarks::new(Duration::from_secs(60), counter());
         marks.mark_key(1);
         let snap = marks.snapshot();
         assert!(marks.allows(1, &[], snap), "marked before the fetch began");
@@ -105,12 +201,66 @@ mod tests {
 
     #[test]
     fn a_quarantine_refuses_until_it_ends() {
-        let marks = LocalMarks::new(Duration::from_secs(60));
+        let marks = LocalMarks::new(Duration::from_secs(60), counter());
         marks.quarantine(3, Duration::from_millis(50));
         marks.quarantine(3, Duration::from_millis(1));
         let snap = marks.snapshot();
         assert!(!marks.allows(3, &[], snap), "the longer quarantine is kept");
         std::thread::sleep(Duration::from_millis(60));
         assert!(marks.allows(3, &[], snap));
+    }
+
+    fn counter() -> IntCounter {
+        IntCounter::new("overflow", "overflow").expect("counter")
+    }
+
+    #[test]
+    fn a_gap_leaves_earlier_copies_unverified_and_refuses_earlier_fills() {
+        let marks = LocalMarks::new(Duration::from_secs(60), counter());
+        let before = marks.snapshot();
+        marks.mark_all();
+        assert_eq!(marks.standing(1, &[], before), Standing::Unverified);
+        assert!(!marks.allows(1, &[], before), "a fill begun before the gap");
+        let after = marks.snapshot();
+        assert_eq!(marks.standing(1, &[], after), Standing::Valid);
+        assert!(marks.allows(1, &[], after));
+        marks.mark_key(1);
+        assert_eq!(marks.standing(1, &[], before), Standing::Invalidated);
+    }
+
+    /// A flood of marks keeps the tables at their capacity; what a dropped mark would have
+    /// refused is still refused.
+    #[test]
+    fn the_tables_are_bounded_and_an_overflow_never_lets_a_stale_copy_through() {
+        let overflow = counter();
+        let marks = LocalMarks::with_capacity(Duration::from_secs(60), 100, overflow.clone());
+        let before = marks.snapshot();
+        for base in 0..10_000u128 {
+            marks.mark_key(base);
+            marks.mark_tag(&format!("t{base}"));
+            marks.quarantine(base, Duration::from_secs(30));
+        }
+        marks.keys.run_pending_tasks();
+        marks.tags.run_pending_tasks();
+        marks.quarantine.run_pending_tasks();
+        assert!(
+            marks.keys.entry_count() <= 100,
+            "{}",
+            marks.keys.entry_count()
+        );
+        assert!(
+            marks.tags.entry_count() <= 100,
+            "{}",
+            marks.tags.entry_count()
+        );
+        assert!(marks.quarantine.entry_count() <= 100);
+        assert!(overflow.get() > 0, "overflows are counted");
+        for base in [0, 1, 5_000, 9_999] {
+            assert_ne!(marks.standing(base, &[], before), Standing::Valid, "{base}");
+            assert!(!marks.allows(base, &[format!("t{base}")], before), "{base}");
+        }
+        // A fill begun after the flood is still refused by the quarantines it overflowed.
+        let after = marks.snapshot();
+        assert!(!marks.allows(0, &[], after), "quarantine of a dropped key");
     }
 }

@@ -4,7 +4,8 @@
 //! and every copy into L1 through [`Tiers::keep`], so the rules live here once:
 //!
 //! ```text
-//! lookup ─▶ L1 (unless the route says off, or a hot key's copy is due a check)
+//! lookup ─▶ L1 (unless the route says off, a hot key's copy is due a check, or the copy
+//!             may have missed an invalidation and Redis answers)
 //!             fresh ─▶ Fresh(HIT-L1)
 //!        ─▶ L2 (unless an invalidation of the key is owed to Redis)
 //!             fresh ─▶ copy into L1 when the route keeps it there ─▶ Fresh(HIT-L2)
@@ -124,16 +125,25 @@ impl Tiers {
         self.uses_l1(l1) || (l1 != L1Policy::Off && self.hot.is_hot(hash))
     }
 
-    /// The L1 copy of `key`, whatever its freshness (the hot-key gate decides on it).
+    /// The L1 copy of `key`, whatever its freshness (the hot-key gate decides on it), if it
+    /// may be served without asking Redis.
     pub(crate) async fn l1_copy(&self, key: &CacheKey) -> Option<Arc<Entry>> {
-        self.l1.get(key).await
+        self.trusted_l1(key).await
+    }
+
+    /// The L1 copy of `key` unless it is unverified while Redis answers (then it is
+    /// checked there: L2 has the current copy or none).
+    async fn trusted_l1(&self, key: &CacheKey) -> Option<Arc<Entry>> {
+        let copy = self.l1.get(key).await?;
+        (copy.verified || !self.redis_up()).then_some(copy.entry)
     }
 
     /// L1, then L2: a fresh copy wins; otherwise the newest stale copy within grace;
     /// otherwise a miss, with the newest copy still kept. A copy whose `Vary` selection
     /// does not match `request` (the headers of the request it would answer) counts as
     /// absent. `skip_l1` goes past L1 (a hot key whose L1 copy is due a check against
-    /// Redis).
+    /// Redis). An unverified L1 copy (an invalidation may have been missed) is checked in
+    /// L2: it answers only if Redis cannot (the outage fallback).
     pub(crate) async fn lookup(
         &self,
         key: &CacheKey,
@@ -142,49 +152,42 @@ impl Tiers {
         request: &HeaderMap,
     ) -> Cached {
         let now = now_ms();
-        let mut stale = None;
-        let mut kept = None;
-        // The newer of two copies.
-        let newer = |held: &mut Option<Arc<Entry>>, entry: Arc<Entry>| {
-            if held
-                .as_ref()
-                .is_none_or(|h| h.stored_at_ms < entry.stored_at_ms)
-            {
-                *held = Some(entry);
-            }
-        };
+        let mut found = Found::default();
+        let mut unverified = None;
         if l1 != L1Policy::Off
             && !skip_l1
-            && let Some(entry) = self.l1.get(key).await
-            && entry.selects(request)
+            && let Some(copy) = self.l1.get(key).await
+            && copy.entry.selects(request)
         {
-            match entry.freshness(now) {
-                Freshness::Fresh => return Cached::Fresh(entry, Outcome::HitL1),
-                Freshness::Stale => stale = Some(entry),
-                Freshness::IfError | Freshness::Kept => kept = Some(entry),
-                Freshness::Expired => {}
+            if copy.verified || !self.redis_up() {
+                if let Some(fresh) = found.add(copy.entry, now, Outcome::HitL1) {
+                    return fresh;
+                }
+            } else {
+                unverified = Some(copy.entry);
             }
         }
         let since = self.since();
-        if let Some(entry) = self.l2_copy(key).await
-            && entry.selects(request)
-        {
-            match entry.freshness(now) {
-                Freshness::Fresh => {
-                    if self.keeps_in_l1(l1, key.hash) {
-                        self.keep(key, Arc::clone(&entry), since).await;
-                    }
-                    return Cached::Fresh(entry, Outcome::HitL2);
+        match self.l2_read(key).await {
+            L2Read::Hit(entry) if entry.selects(request) => {
+                if entry.freshness(now) == Freshness::Fresh && self.keeps_in_l1(l1, key.hash) {
+                    self.keep(key, Arc::clone(&entry), since).await;
                 }
-                Freshness::Stale => newer(&mut stale, entry),
-                Freshness::IfError | Freshness::Kept => newer(&mut kept, entry),
-                Freshness::Expired => {}
+                if let Some(fresh) = found.add(entry, now, Outcome::HitL2) {
+                    return fresh;
+                }
             }
+            // Redis cannot say: the unverified copy is what the outage fallback has.
+            L2Read::Unavailable => {
+                if let Some(entry) = unverified
+                    && let Some(fresh) = found.add(entry, now, Outcome::HitL1)
+                {
+                    return fresh;
+                }
+            }
+            L2Read::Hit(_) | L2Read::Miss => {}
         }
-        match stale {
-            Some(entry) => Cached::Stale(entry),
-            None => Cached::Miss(kept),
-        }
+        found.into_cached()
     }
 
     /// A fresh L2 copy of `key` for a request with `request` headers (a waiter on another
@@ -208,13 +211,25 @@ impl Tiers {
 
     /// L2's copy of `key`, unless an invalidation of it is owed to Redis.
     async fn l2_copy(&self, key: &CacheKey) -> Option<Arc<Entry>> {
-        let l2 = self.l2.as_ref()?;
+        match self.l2_read(key).await {
+            L2Read::Hit(entry) => Some(entry),
+            L2Read::Miss | L2Read::Unavailable => None,
+        }
+    }
+
+    /// What L2 says of `key`. An owed invalidation makes it a miss: Redis may still hold a
+    /// copy it concerns. Embedded mode: unavailable.
+    async fn l2_read(&self, key: &CacheKey) -> L2Read {
+        let Some(l2) = self.l2.as_ref() else {
+            return L2Read::Unavailable;
+        };
         if self.owed.owes(key.base) {
-            return None;
+            return L2Read::Miss;
         }
         match l2.get(key).await {
-            l2::Lookup::Hit(entry) => Some(entry),
-            l2::Lookup::Miss | l2::Lookup::Unavailable => None,
+            l2::Lookup::Hit(entry) => L2Read::Hit(entry),
+            l2::Lookup::Miss => L2Read::Miss,
+            l2::Lookup::Unavailable => L2Read::Unavailable,
         }
     }
 
@@ -235,5 +250,48 @@ impl Tiers {
         }
         self.hot.kept(key);
         true
+    }
+}
+
+/// What L2 said of a key.
+enum L2Read {
+    Hit(Arc<Entry>),
+    Miss,
+    /// Redis did not answer (or there is none).
+    Unavailable,
+}
+
+/// The copies a lookup has seen that are not fresh: the newest stale one within grace, and
+/// the newest one past it that is still kept.
+#[derive(Default)]
+struct Found {
+    stale: Option<Arc<Entry>>,
+    kept: Option<Arc<Entry>>,
+}
+
+impl Found {
+    /// Takes a copy in: a fresh one is the answer (`Some`, with `outcome`); any other is
+    /// remembered when it is newer than the one of its kind seen before.
+    fn add(&mut self, entry: Arc<Entry>, now: u64, outcome: Outcome) -> Option<Cached> {
+        let slot = match entry.freshness(now) {
+            Freshness::Fresh => return Some(Cached::Fresh(entry, outcome)),
+            Freshness::Stale => &mut self.stale,
+            Freshness::IfError | Freshness::Kept => &mut self.kept,
+            Freshness::Expired => return None,
+        };
+        if slot
+            .as_ref()
+            .is_none_or(|held| held.stored_at_ms < entry.stored_at_ms)
+        {
+            *slot = Some(entry);
+        }
+        None
+    }
+
+    fn into_cached(self) -> Cached {
+        match self.stale {
+            Some(entry) => Cached::Stale(entry),
+            None => Cached::Miss(self.kept),
+        }
     }
 }
