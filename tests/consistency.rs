@@ -1188,3 +1188,70 @@ async fn shutdown_runs_pending_delayed_deletes_at_once() {
         "before, after, and the delayed delete at shutdown"
     );
 }
+
+// === what a write's answer names ===
+
+/// A create's `Location` names a path whose 404 is cached (negative caching), and an update's
+/// `Content-Location` names a cached entry: both are invalidated by the write (RFC 9111
+/// §4.4), in embedded mode and in shared mode with every `l1` policy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_a_writes_answer_names_is_invalidated() {
+    let redis = RedisServer::start().await;
+    let mut wrong = Vec::new();
+    for mode in ["embedded", "off", "hot", "all"] {
+        let origin = TestOrigin::start().await;
+        let routes = format!(
+            "{}{}{}",
+            route("item", "/api/items/{id}", "GET", ""),
+            route("create", "/api/items", "POST", ""),
+            route("update", "/api/edit/{id}", "PUT", ""),
+        );
+        let mut cfg = CgConfig::new(&origin).routes(&routes);
+        if mode != "embedded" {
+            cfg = cfg
+                .redis(&redis)
+                .l1(mode)
+                .set_str("redis", "key_prefix", &format!("{mode}:"));
+        }
+        let cg = cfg.start().await;
+        let client = HttpClient::new();
+        let (created, edited) = ("/api/items/created", "/api/items/edited");
+        origin.set_status(created, 404);
+        for _ in 0..2 {
+            client.get(&url(cg.addr(), created)).await;
+            client.get(&url(cg.addr(), edited)).await;
+        }
+        let cached = client.get(&url(cg.addr(), created)).await;
+        assert_eq!(
+            (cached.status.as_u16(), cached.x_cache().as_str()),
+            (404, "NEGATIVE"),
+            "{mode}: the 404 is cached: {cached}"
+        );
+        origin.set_status(created, 200);
+        origin.set_status("/api/items", 201);
+        origin.set_headers("/api/items", [("Location", created)]);
+        let answer = post(&client, &url(cg.addr(), "/api/items"), &[], "{}").await;
+        assert_eq!(answer.status, 201, "{mode}: {answer}");
+        origin.set_headers("/api/edit/1", [("Content-Location", edited)]);
+        let answer = client
+            .request(
+                http::Method::PUT,
+                &url(cg.addr(), "/api/edit/1"),
+                &[],
+                common::client::full_body("{}"),
+            )
+            .await
+            .unwrap_or_else(|e| panic!("{mode}: PUT: {e}"));
+        assert_eq!(answer.status, 200, "{mode}: {answer}");
+        let after = client.get(&url(cg.addr(), created)).await;
+        if after.status != 200 {
+            wrong.push(format!("{mode}: the created path still answers {after}"));
+        }
+        let after = client.get(&url(cg.addr(), edited)).await;
+        if after.is_hit() {
+            wrong.push(format!("{mode}: the edited path is still cached: {after}"));
+        }
+        cg.shutdown().await;
+    }
+    assert!(wrong.is_empty(), "{wrong:#?}");
+}
