@@ -1066,3 +1066,62 @@ async fn a_flood_of_peer_hot_events_promotes_at_most_max_hot_keys() {
     );
     shutdown(cg).await;
 }
+
+// === Redis restart ===
+
+/// A hot key's copy on A lives on in L1 when Redis restarts empty; A must put the key back
+/// into Redis (its copy is unverified after the restart's bus gap, so the next request
+/// refills it once, under the lock), and B then reads it from L2 instead of fetching it
+/// from the origin itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hot_key_is_written_back_to_redis_after_a_redis_restart() {
+    let mut redis = RedisServer::start().await;
+    let origin = TestOrigin::start().await;
+    let cfg = hot_config(&origin, &redis)
+        .set("hot_keys", "threshold_rps", "50")
+        .set_str("hot_keys", "l1_ttl", "200ms");
+    let (a, b) = (cfg.start().await, cfg.start().await);
+    let client = HttpClient::new();
+    assert_eq!(client.get(&url(a.addr(), HOT_PATH)).await.x_cache(), "MISS");
+    let hot = Load::new(a.addr(), |_| HOT_PATH.to_owned())
+        .conns(2, 8)
+        .duration(Duration::from_secs(15))
+        .start();
+    assert!(
+        wait_hot(&client, a.admin_addr(), Duration::from_secs(5))
+            .await
+            .is_some(),
+        "the key did not turn hot on A"
+    );
+    redis.restart().await;
+    // Redis is back and empty; A keeps serving the key from L1 and re-checks it.
+    let back = common::poll_until(
+        Duration::from_secs(10),
+        Duration::from_millis(50),
+        || async {
+            let entries = redis.scan("cg:*:v").await;
+            (!entries.is_empty()).then_some(())
+        },
+    )
+    .await;
+    hot.stop();
+    let tally = hot.finish().await;
+    assert!(tally.answers > 0, "A answered nothing: {tally:?}");
+    assert!(
+        back.is_some(),
+        "the hot key was not written back to Redis within 10 s"
+    );
+    // The copy A held may predate an invalidation Redis lost: it is fetched once more,
+    // under the fleet lock, rather than trusted.
+    let fetched = origin.count(HOT_PATH);
+    assert!(fetched <= 2, "{fetched} origin fetches: one refill at most");
+    let from_b = client.get(&url(b.addr(), HOT_PATH)).await;
+    assert_eq!(from_b.x_cache(), "HIT-L2", "B: {from_b}");
+    assert_eq!(
+        origin.count(HOT_PATH),
+        fetched,
+        "B fetched it from the origin"
+    );
+    a.shutdown().await;
+    b.shutdown().await;
+}
