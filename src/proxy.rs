@@ -107,7 +107,7 @@ impl BusListener for CacheEvents {
                 tokio::spawn(async move { invalidate::drop_base(&l1, &hot, event.hash).await });
             }
             EventKind::Hot => self.hot.peer_hot(event.instance, event.hash),
-            EventKind::Fill | EventKind::Released | EventKind::Uncacheable => {}
+            EventKind::Fill | EventKind::Released | EventKind::Uncacheable | EventKind::Failed => {}
         }
     }
 

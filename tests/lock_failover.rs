@@ -1,6 +1,6 @@
 //! The distributed fill lock under failure (Stampede): a holder that dies is replaced by
 //! exactly one waiter once its lease ends; a slow fetch keeps its lease by renewing it; a
-//! failed fetch hands the key to exactly one waiter; `on_timeout = "error"` answers 503.
+//! failed fetch's answer is shared with every waiter, on every instance; `on_timeout = "error"` answers 503.
 
 #![allow(clippy::unwrap_used)]
 
@@ -238,10 +238,12 @@ async fn slow_fetch_renews_its_lease_and_stays_the_only_fetch() {
     shutdown_all([a, b]).await;
 }
 
-/// (c) The holder's fetch answers 500: it releases the lock, exactly one waiting instance
-/// re-fetches (origin count 2), and the waiters' clients get 200.
+/// (c) The holder's fetch answers 500: it releases the lock and leaves a copy of the 500
+/// for the waiters, so the waiting instances answer with it instead of asking the failing
+/// origin again (origin count 1, no takeover). The failure is not cached: the next request
+/// fetches again and gets the origin's new answer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn failed_fetch_hands_the_key_to_exactly_one_waiter() {
+async fn failed_fetch_is_shared_with_the_waiting_instances() {
     const DELAY: Duration = Duration::from_millis(500);
     let path = "/api/items/owner-500";
     let (redis, origin) = redis_and_slow_origin(path, DELAY).await;
@@ -275,15 +277,21 @@ async fn failed_fetch_hands_the_key_to_exactly_one_waiter() {
     );
 
     let results = join_waiters(waiters, Duration::from_secs(10)).await;
-    assert_all_got(&results, &default_body(path, 2), "waiter");
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    for (i, (r, _)) in results.iter().enumerate() {
+        let r = r.as_ref().unwrap_or_else(|e| panic!("waiter {i}: {e}"));
+        assert_eq!(r.status, 500, "waiter {i} gets the holder's failure: {r}");
+        assert_eq!(r.body, default_body(path, 1), "waiter {i}: {r}");
+    }
     assert_eq!(
         origin.count(path),
-        2,
-        "after the holder's 500 exactly one waiter instance re-fetches"
+        1,
+        "the waiters did not ask the origin again"
     );
     let bc = [b.admin_addr(), c.admin_addr()];
-    assert_eq!(lock_events_sum(&client, &bc, "takeover").await, 1.0);
+    assert_eq!(lock_events_sum(&client, &bc, "takeover").await, 0.0);
+    let next = client.get(&url(b.addr(), path)).await;
+    assert_eq!(next.status, 200, "the failure is not cached: {next}");
+    assert_eq!(next.body, default_body(path, 2), "{next}");
 
     shutdown_all([a, b, c]).await;
 }
@@ -461,4 +469,38 @@ async fn a_lock_without_a_ttl_is_repaired_not_waited_on_for_ever() {
     let m = metrics(&client, cg.admin_addr()).await;
     assert_eq!(m.lock_events("repaired"), 1.0);
     cg.shutdown().await;
+}
+
+/// An origin answering 503 after 300 ms, 100 concurrent GETs over two instances: the one
+/// fetch's failure is shared with every waiter, in its instance and on the other (through
+/// Redis), so the origin is asked once, and every client gets the origin's 503.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failure_is_shared_with_every_waiter_not_retried_by_each() {
+    let path = "/api/items/failing-503";
+    let (redis, origin) = redis_and_slow_origin(path, Duration::from_millis(300)).await;
+    origin.set_status(path, 503);
+    let cfg = CgConfig::new(&origin)
+        .redis(&redis)
+        .set_str("lock", "wait_timeout", "5s");
+    let client = HttpClient::new();
+    let [a, b] = start_coordinated(&cfg, &client).await;
+    let handles = spawn_waiters(&client, &[a.addr(), b.addr()], path, 50);
+    let results = join_waiters(handles, Duration::from_secs(15)).await;
+    let mut statuses = std::collections::BTreeMap::<u16, usize>::new();
+    for (i, (r, _)) in results.iter().enumerate() {
+        let r = r.as_ref().unwrap_or_else(|e| panic!("client {i}: {e}"));
+        *statuses.entry(r.status.as_u16()).or_default() += 1;
+    }
+    assert_eq!(
+        origin.count(path),
+        1,
+        "the failing origin was asked {} times (client statuses {statuses:?})",
+        origin.count(path)
+    );
+    assert_eq!(
+        statuses,
+        [(503, 100)].into_iter().collect(),
+        "every client gets the origin's answer"
+    );
+    shutdown_all([a, b]).await;
 }

@@ -3,7 +3,8 @@
 //! Messages are short text lines, `<type> <instance id> <key hash>`, so they can be read
 //! with `redis-cli SUBSCRIBE` when debugging. Types: `fill` (an entry was stored:
 //! waiters read L2), `released` (a lock was dropped without a fill: one waiter takes over),
-//! `uncacheable` (the answer must not be shared: waiters fetch for themselves),
+//! `uncacheable` (the answer must not be shared: waiters fetch for themselves), `failed`
+//! (the fetch failed: waiters answer with the copy of the failure left in Redis),
 //! `invalidate` (a base key was invalidated: every instance drops its L1 copies), `hot` (a
 //! key is hot on the sender: promote it here too), and
 //! `bloom_add <instance> <filter> <id as hex>` (an id was created: every instance adds it to
@@ -37,6 +38,8 @@ pub(crate) enum EventKind {
     Fill,
     Released,
     Uncacheable,
+    /// The fetch failed; a copy of the failure is in Redis for a moment: answer with it.
+    Failed,
     /// The key was invalidated by a write: drop every L1 copy.
     Invalidate,
     /// The key is hot on the sender: promote it here too.
@@ -49,6 +52,7 @@ impl EventKind {
             EventKind::Fill => "fill",
             EventKind::Released => "released",
             EventKind::Uncacheable => "uncacheable",
+            EventKind::Failed => "failed",
             EventKind::Invalidate => "invalidate",
             EventKind::Hot => "hot",
         }
@@ -59,6 +63,7 @@ impl EventKind {
             "fill" => Some(EventKind::Fill),
             "released" => Some(EventKind::Released),
             "uncacheable" => Some(EventKind::Uncacheable),
+            "failed" => Some(EventKind::Failed),
             "invalidate" => Some(EventKind::Invalidate),
             "hot" => Some(EventKind::Hot),
             _ => None,
@@ -470,7 +475,10 @@ impl EventBus {
                     };
                     if let Some(event) = Event::decode(text) {
                         match event.kind {
-                            EventKind::Fill | EventKind::Released | EventKind::Uncacheable => {
+                            EventKind::Fill
+                            | EventKind::Released
+                            | EventKind::Uncacheable
+                            | EventKind::Failed => {
                                 self.waiters.notify(event.hash, event.kind);
                             }
                             EventKind::Invalidate | EventKind::Hot => {

@@ -7,6 +7,7 @@
 //! <p>{<base>}:gen          generation, shared by the base and all its variants
 //! <p>{<base>}:vars         sorted set of the variants' hashes (score: entry expiry)
 //! <p>{<base>}:q            a write's quarantine (fills store nothing while it lives)
+//! <p>{<base>}:fail[:<hash>] a failed fetch's answer, for the lock's waiters (seconds)
 //! <p>tag:{<t>}:keys        sorted set of the base keys a surrogate key (tag) covers
 //! <p>tag:{<t>}:at          Redis time (ms) of the tag's last invalidation
 //! <p>bloom:<filter>        a Bloom filter's snapshot; `:adds` its recent creates
@@ -35,6 +36,8 @@ pub(crate) struct KeyNames {
     pub(crate) vars: String,
     /// Set by a write for its `double_delete_delay`: fills store nothing meanwhile.
     pub(crate) quarantine: String,
+    /// A failed fetch's answer, for a moment: the waiters answer with it.
+    pub(crate) failure: String,
     /// The variant's hash in hex, `None` for a base key.
     pub(crate) variant: Option<String>,
 }
@@ -76,6 +79,7 @@ impl Keyspace {
         if hash != base {
             names.entry = self.entry(base, hash);
             names.lock = self.tagged(base, &format!("lock:{hash:032x}"));
+            names.failure = self.tagged(base, &format!("fail:{hash:032x}"));
             names.variant = Some(format!("{hash:032x}"));
         }
         names
@@ -89,6 +93,7 @@ impl Keyspace {
             generation: self.tagged(base, "gen"),
             vars: self.tagged(base, "vars"),
             quarantine: self.tagged(base, "q"),
+            failure: self.tagged(base, "fail"),
             variant: None,
         }
     }

@@ -109,9 +109,11 @@ return 0
 });
 
 /// Releases the lock without a fill (the fetch failed or the answer is not shareable), and
-/// tells the waiters why.
+/// tells the waiters why; a failed fetch may leave a copy of its answer for them.
 ///
-/// - `KEYS[1]` lock; `ARGV[1]` token, `ARGV[2]` channel, `ARGV[3]` event message
+/// - `KEYS[1]` lock, `KEYS[2]` the failure's key
+/// - `ARGV[1]` token, `ARGV[2]` channel, `ARGV[3]` event message, `ARGV[4]` the encoded
+///   failure (empty: none), `ARGV[5]` how long it is kept, in ms
 /// - returns 1 when released (and published), 0 when the lock was no longer ours: a late
 ///   release never deletes a newer holder's lock, and never wakes its waiters.
 pub(crate) static RELEASE: LazyLock<Script> = LazyLock::new(|| {
@@ -119,6 +121,9 @@ pub(crate) static RELEASE: LazyLock<Script> = LazyLock::new(|| {
         r"
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('DEL', KEYS[1])
+  if ARGV[4] ~= '' then
+    redis.call('SET', KEYS[2], ARGV[4], 'PX', ARGV[5])
+  end
   redis.call('PUBLISH', ARGV[2], ARGV[3])
   return 1
 end

@@ -61,6 +61,10 @@ pub(crate) enum FillOutcome {
 /// after a tag invalidation on the skewed clock store its answer.
 const CLUSTER_CLOCK_MARGIN_MS: u64 = 50;
 
+/// How long a failed fetch's answer is kept for the waiters woken by its `failed` event:
+/// they read it at once; this only has to outlast the event's delivery.
+const FAILURE_KEPT: Duration = Duration::from_secs(2);
+
 /// Added to the longest fetch for the life of a generation read at a fetch's start.
 const GENERATION_SLACK: Duration = Duration::from_secs(60);
 
@@ -474,20 +478,40 @@ impl RedisStore {
 
     /// Releases the lock without a fill, telling waiters `why` (`Released`: one of them
     /// takes over; `Uncacheable`: each fetches for itself).
-    pub(crate) async fn release(&self, lease: &Lease, why: EventKind) -> Result<bool, Unavailable> {
+    pub(crate) async fn release(
+        &self,
+        lease: &Lease,
+        why: EventKind,
+        failure: Option<&[u8]>,
+    ) -> Result<bool, Unavailable> {
+        let keep_ms = FAILURE_KEPT.as_millis().to_string();
         let released: i64 = self
             .redis
             .run_script(
                 RedisOp::Release,
                 &scripts::RELEASE,
-                &[&lease.names.lock],
+                &[&lease.names.lock, &lease.names.failure],
                 &[
                     lease.token.as_bytes(),
                     self.bus.channel.as_bytes(),
                     &self.message(why, lease.hash),
+                    failure.unwrap_or_default(),
+                    keep_ms.as_bytes(),
                 ],
             )
             .await?;
         Ok(released == 1)
+    }
+
+    /// The copy of a failed fetch's answer left for the waiters of `hash`, if still there.
+    pub(crate) async fn failure(
+        &self,
+        base: u128,
+        hash: u128,
+    ) -> Result<Option<Vec<u8>>, Unavailable> {
+        let names = self.keys.key(base, hash);
+        let mut cmd = redis::cmd("GET");
+        cmd.arg(&names.failure);
+        self.redis.query(RedisOp::Lock, &cmd).await
     }
 }

@@ -122,23 +122,30 @@ pub(crate) struct SharedFailure {
     headers: HeaderMap,
     body: Bytes,
     pub(crate) outcome: Outcome,
-    /// Whether a waiter should try the origin once more itself (an origin 5xx may be
-    /// transient), rather than answer with this copy at once (cacheguard's own errors:
-    /// shed, timeouts, lock wait — retrying inside the same request would hit them again).
-    pub(crate) retry: bool,
     /// Set when cacheguard made the answer itself: each copy is logged as its own.
     own: Option<OwnAnswer>,
 }
 
+/// The largest failure answer (headers and body) left in Redis for other instances'
+/// waiters; a larger one is not shared there (one of them fetches again).
+const MAX_SHARED_FAILURE: usize = 64 * 1024;
+
+/// A failure answer as it travels through Redis to other instances' waiters.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct StoredFailure {
+    status: u16,
+    headers: Vec<(String, Vec<u8>)>,
+    body: Vec<u8>,
+}
+
 impl Failure {
-    pub(crate) fn new(response: Response<Body>, outcome: Outcome, retry: bool) -> Self {
+    pub(crate) fn new(response: Response<Body>, outcome: Outcome) -> Self {
         let shared = match response.body() {
             Body::Full(bytes) => Some(Arc::new(SharedFailure {
                 status: response.status(),
                 headers: response.headers().clone(),
                 body: bytes.clone().unwrap_or_default(),
                 outcome,
-                retry,
                 own: response.extensions().get::<OwnAnswer>().cloned(),
             })),
             Body::Stream(_) | Body::Prefixed(..) => None,
@@ -152,11 +159,50 @@ impl Failure {
 
     /// cacheguard's own error answer.
     pub(crate) fn own(error: &ProxyError) -> Self {
-        Failure::new(respond::error(error), Outcome::Error, false)
+        Failure::new(respond::error(error), Outcome::Error)
     }
 }
 
 impl SharedFailure {
+    /// The copy other instances' waiters may answer with: only the origin's own answers
+    /// (cacheguard's errors are each instance's to make and log), and only small ones.
+    pub(crate) fn encode_for_fleet(&self) -> Option<Vec<u8>> {
+        if self.own.is_some() {
+            return None;
+        }
+        let stored = StoredFailure {
+            status: self.status.as_u16(),
+            headers: self
+                .headers
+                .iter()
+                .map(|(name, value)| (name.as_str().to_owned(), value.as_bytes().to_vec()))
+                .collect(),
+            body: self.body.to_vec(),
+        };
+        postcard::to_allocvec(&stored)
+            .ok()
+            .filter(|encoded| encoded.len() <= MAX_SHARED_FAILURE)
+    }
+
+    /// A copy another instance left in Redis; `None` if it does not decode.
+    pub(crate) fn decode_from_fleet(bytes: &[u8]) -> Option<SharedFailure> {
+        let stored: StoredFailure = postcard::from_bytes(bytes).ok()?;
+        let mut headers = HeaderMap::with_capacity(stored.headers.len());
+        for (name, value) in stored.headers {
+            headers.append(
+                HeaderName::from_bytes(name.as_bytes()).ok()?,
+                http::HeaderValue::from_bytes(&value).ok()?,
+            );
+        }
+        Some(SharedFailure {
+            status: StatusCode::from_u16(stored.status).ok()?,
+            headers,
+            body: Bytes::from(stored.body),
+            outcome: Outcome::Bypass,
+            own: None,
+        })
+    }
+
     pub(crate) fn response(&self) -> Response<Body> {
         let mut response = Response::new(Body::full(self.body.clone()));
         *response.status_mut() = self.status;
@@ -248,7 +294,6 @@ async fn fetch(origin: &Origin, job: &FillJob) -> Classified {
         return Classified::Failed(Failure::new(
             origin_response(head, body.into_body(), Outcome::Bypass),
             Outcome::Bypass,
-            true,
         ));
     }
     let complete = match body {

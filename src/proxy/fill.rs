@@ -123,7 +123,6 @@ impl Filler {
             return self.fetch_and_store(&job).await.respond(head);
         }
         let mut counted = false;
-        let mut last_failure: Option<Arc<SharedFailure>> = None;
         for _ in 0..MAX_FLIGHT_ATTEMPTS {
             match self.flights.join(job.key.hash, FlightKind::Foreground) {
                 Role::Leader(leader) => {
@@ -155,23 +154,21 @@ impl Filler {
                             // Not shareable: each request fetches for itself, lock-free.
                             return self.fetch_and_store(&job).await.respond(head);
                         }
-                        FlightResult::Failed(Some(failure)) if !failure.retry => {
+                        // The leader's failure is every follower's answer: a failing origin
+                        // is asked once per failure, not once more per waiter.
+                        FlightResult::Failed(Some(failure)) => {
                             return (failure.response(), failure.outcome);
                         }
-                        // An origin failure: one of the followers becomes the new leader and
-                        // tries once more (pingora's lock does the same).
-                        FlightResult::Failed(failure) => last_failure = failure.or(last_failure),
+                        // A failure with no copy to share (a streamed body): one of the
+                        // followers becomes the new leader and tries once more.
+                        FlightResult::Failed(None) => {}
                         FlightResult::Filled(..) | FlightResult::Abandoned => {}
                     }
                 }
             }
         }
-        // Out of attempts. After repeated origin failures, answer with the last one rather
-        // than send every waiter to a failing origin; otherwise fill without the in-process
-        // flight, but still under the fleet lock.
-        if let Some(failure) = last_failure {
-            return (failure.response(), failure.outcome);
-        }
+        // Out of attempts: fill without the in-process flight, but still under the fleet
+        // lock.
         self.fill_unflighted(&job).await.respond(head)
     }
 
@@ -316,6 +313,22 @@ impl Filler {
                         return Fetched::Ready(entry, Outcome::Miss);
                     }
                 }
+                Wake::Failed => {
+                    if let Some(failure) = fleet
+                        .failure(job.key.base, job.key.hash)
+                        .await
+                        .and_then(|bytes| SharedFailure::decode_from_fleet(&bytes))
+                    {
+                        self.metrics
+                            .lock_wait
+                            .observe(started.elapsed().as_secs_f64());
+                        return Fetched::Failed(Failure {
+                            response: failure.response(),
+                            outcome: failure.outcome,
+                            shared: Some(Arc::new(failure)),
+                        });
+                    }
+                }
                 Wake::Contend => {}
             }
         }
@@ -359,8 +372,12 @@ impl Filler {
                 Fetched::Uncacheable(response)
             }
             Classified::Failed(failure) => {
-                // One waiter takes over; the others keep waiting on it.
-                permit.release(EventKind::Released).await;
+                // The waiters answer with a copy of the failure; without one, one of them
+                // takes over and the others keep waiting on it.
+                match failure.shared.as_ref().and_then(|f| f.encode_for_fleet()) {
+                    Some(encoded) => permit.release_failed(&encoded).await,
+                    None => permit.release(EventKind::Released).await,
+                }
                 Fetched::Failed(failure)
             }
         }

@@ -84,6 +84,9 @@ pub(crate) enum Wake {
     Filled,
     /// The holder's answer cannot be shared: fetch alone.
     Uncacheable,
+    /// The holder's fetch failed: answer with the copy it left in Redis (or contend when
+    /// it is gone).
+    Failed,
     /// The holder released the lock without an answer, or its lease ended, or the key
     /// was invalidated: contend for the lock again.
     Contend,
@@ -132,6 +135,12 @@ impl FleetLock {
             locked: false,
             done: false,
         })
+    }
+
+    /// The copy of a failed fetch's answer its holder left for the waiters of `hash` (see
+    /// [`FillPermit::release_failed`]), if still there.
+    pub(crate) async fn failure(&self, base: u128, hash: u128) -> Option<Vec<u8>> {
+        self.store.failure(base, hash).await.ok().flatten()
     }
 
     /// Counts a lock event.
@@ -193,11 +202,21 @@ impl FillPermit {
 
     /// Releases the lock without a fill, telling the waiters `why` (`Released`: one of
     /// them takes over; `Uncacheable`: each fetches for itself).
-    pub(crate) async fn release(mut self, why: EventKind) {
+    pub(crate) async fn release(self, why: EventKind) {
+        self.release_with(why, None).await;
+    }
+
+    /// Releases the lock after a failed fetch, leaving `encoded` (the failure's answer) in
+    /// Redis for a moment: the waiters answer with it instead of asking the origin again.
+    pub(crate) async fn release_failed(self, encoded: &[u8]) {
+        self.release_with(EventKind::Failed, Some(encoded)).await;
+    }
+
+    async fn release_with(mut self, why: EventKind, failure: Option<&[u8]>) {
         self.done = true;
         if self.locked {
             // A failure leaves the lock to expire at its lease's end: waiters take over.
-            let _ = self.store.release(&self.lease, why).await;
+            let _ = self.store.release(&self.lease, why, failure).await;
         }
     }
 }
@@ -216,7 +235,7 @@ impl Drop for FillPermit {
         let store = self.store.clone();
         let lease = self.lease.clone();
         runtime.spawn(async move {
-            let _ = store.release(&lease, EventKind::Released).await;
+            let _ = store.release(&lease, EventKind::Released, None).await;
         });
     }
 }
@@ -238,6 +257,7 @@ impl Follower {
         tokio::select! {
             signal = self.waiter.changed() => match signal.kind {
                 Some(EventKind::Uncacheable) => Wake::Uncacheable,
+                Some(EventKind::Failed) => Wake::Failed,
                 // A fill, or a reconnect after which events may have been missed.
                 Some(EventKind::Fill) | None => Wake::Filled,
                 // Released without a fill (or an invalidation, which voids the lease).
@@ -306,6 +326,7 @@ mod tests {
         for (kind, expected) in [
             (EventKind::Fill, Wake::Filled),
             (EventKind::Uncacheable, Wake::Uncacheable),
+            (EventKind::Failed, Wake::Failed),
             (EventKind::Released, Wake::Contend),
             (EventKind::Invalidate, Wake::Contend),
         ] {
