@@ -282,3 +282,58 @@ async fn stampede_in_lock_metrics(redis: &impl SharedRedis) {
 
     shutdown_all([a, b]).await;
 }
+
+/// 300 concurrent GETs of one cold key over 3 instances, with Redis 30 ms away (through a
+/// delaying proxy) so that every request's first lookup happens before its instance's fill
+/// exists: the lookups of one instance share one Redis read. Counted at redis-server: the
+/// first lookup, the leader's re-check, its look before waiting and its read after the
+/// `fill` event, per instance (6 allowed), and 2 in the fill script.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_first_lookups_of_a_stampede_cost_one_redis_read_per_instance() {
+    const PER_INSTANCE: usize = 100;
+    let redis = RedisServer::start().await;
+    let proxy = common::TcpProxy::start(redis.addr()).await;
+    let origin = TestOrigin::start().await;
+    let path = "/api/items/first-lookups";
+    origin.set_delay(path, Duration::from_millis(300));
+    let cfg = CgConfig::new(&origin)
+        .redis(&redis)
+        .set_str("redis", "url", &proxy.redis_url())
+        .set_str("redis", "command_timeout", "2s")
+        .set_str("lock", "wait_timeout", "5s");
+    let client = HttpClient::new();
+    let fleet: [cacheguard::Running; 3] = common::fleet::start_coordinated(&cfg, &client).await;
+    proxy.set_delay(Duration::from_millis(30));
+    let mut con = redis.client().await;
+    reset_command_stats(&mut con).await;
+    let urls: Vec<String> = fleet
+        .iter()
+        .flat_map(|cg| (0..PER_INSTANCE).map(move |_| url(cg.addr(), path)))
+        .collect();
+    let answers = common::join_within(
+        urls.into_iter()
+            .map(|u| {
+                let client = client.clone();
+                tokio::spawn(async move { client.try_get(&u).await })
+            })
+            .collect(),
+        Duration::from_secs(20),
+        "stampede",
+    )
+    .await;
+    let calls = command_calls(&mut con).await;
+    for (i, answer) in answers.iter().enumerate() {
+        let r = answer
+            .as_ref()
+            .unwrap_or_else(|e| panic!("request {i}: {e}"));
+        assert_eq!(r.status, 200, "request {i}: {r}");
+    }
+    assert_eq!(origin.count(path), 1);
+    let gets = calls.get("get").copied().unwrap_or(0);
+    assert!(
+        gets <= 3 * 6 + 2,
+        "{gets} Redis GETs for {} requests over 3 instances: {calls:?}",
+        3 * PER_INSTANCE
+    );
+    common::fleet::shutdown_all(fleet).await;
+}

@@ -2,9 +2,23 @@
 //! [`Keyspace::entry`] (`<prefix>{<base>}:v` for a base key, `<prefix>{<base>}:v:<hash>`
 //! for a variant): the same name the fill writes, so lookup and fill cannot disagree. A value that fails to decode is counted and treated
 //! as a miss; the next fill overwrites it.
+//!
+//! Concurrent reads of one key in this process share one `GET` when it finds nothing: a
+//! burst of misses on a cold key costs Redis one read per instance before the key's fill
+//! starts, not one per request. The first reader reads; the others wait for its answer on
+//! a `watch` channel. A miss is as true when it arrives as when the read was sent (the
+//! fill that follows re-checks); a copy is not shared, since a write whose answer a
+//! waiting client already saw may have invalidated it after the read was sent, so each
+//! waiter then reads for itself (read-after-write holds on every instance).
+//! Hand-written rather than `futures::Shared`: a reader that is cancelled must not leave
+//! a half-done read behind for later readers (its answer could predate an invalidation by
+//! any length of time), so the entry is removed by the reader's `Drop`, and waiters whose
+//! reader went away read for themselves.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
 
+use tokio::sync::watch;
 use tracing::debug;
 
 use super::{CacheKey, Entry};
@@ -12,7 +26,7 @@ use crate::coord::{Keyspace, RedisConn};
 use crate::metrics::Metrics;
 
 /// What an L2 read found.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub(crate) enum Lookup {
     Hit(Arc<Entry>),
     Miss,
@@ -20,11 +34,38 @@ pub(crate) enum Lookup {
     Unavailable,
 }
 
+/// Reads in progress, by key hash: their answer, once there.
+type Reads = Mutex<HashMap<u128, watch::Receiver<Option<Lookup>>>>;
+
 #[derive(Clone, Debug)]
 pub(crate) struct L2 {
     redis: RedisConn,
     keys: Keyspace,
     metrics: Metrics,
+    reads: Arc<Reads>,
+}
+
+/// The read of one key in progress: removed from the table when its reader is done or
+/// dropped (cancelled), so no later reader waits on a read nobody drives.
+struct Reading<'a> {
+    reads: &'a Reads,
+    hash: u128,
+    answer: watch::Sender<Option<Lookup>>,
+}
+
+impl Drop for Reading<'_> {
+    fn drop(&mut self) {
+        self.reads
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&self.hash);
+    }
+}
+
+/// Whether this request reads the key itself or waits for another's read.
+enum Role<'a> {
+    Reader(Reading<'a>),
+    Waiter(watch::Receiver<Option<Lookup>>),
 }
 
 impl L2 {
@@ -33,6 +74,7 @@ impl L2 {
             redis,
             keys,
             metrics,
+            reads: Arc::default(),
         }
     }
 
@@ -40,7 +82,49 @@ impl L2 {
         &self.redis
     }
 
+    /// The entry for `key`, sharing a read of the same key already in progress here.
+    ///
+    /// # Cancel safety
+    /// Cancel-safe: a cancelled reader's waiters read for themselves.
     pub(crate) async fn get(&self, key: &CacheKey) -> Lookup {
+        match self.role(key.hash) {
+            Role::Reader(reading) => {
+                let answer = self.read(key).await;
+                reading.answer.send_replace(Some(answer.clone()));
+                answer
+            }
+            Role::Waiter(mut answer) => {
+                let shared = match answer.wait_for(Option::is_some).await {
+                    Ok(found) => found.clone(),
+                    // The reader went away without an answer.
+                    Err(_) => None,
+                };
+                match shared {
+                    // Nothing there, or Redis down: as true now as when the read was sent.
+                    Some(found @ (Lookup::Miss | Lookup::Unavailable)) => found,
+                    // A copy read before this request came may since have been invalidated
+                    // by a write this request's client already saw answered: read again.
+                    Some(Lookup::Hit(_)) | None => self.read(key).await,
+                }
+            }
+        }
+    }
+
+    fn role(&self, hash: u128) -> Role<'_> {
+        let mut reads = self.reads.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(answer) = reads.get(&hash) {
+            return Role::Waiter(answer.clone());
+        }
+        let (answer, waiters) = watch::channel(None);
+        reads.insert(hash, waiters);
+        Role::Reader(Reading {
+            reads: &self.reads,
+            hash,
+            answer,
+        })
+    }
+
+    async fn read(&self, key: &CacheKey) -> Lookup {
         let bytes = match self.redis.get(&self.keys.entry(key.base, key.hash)).await {
             Ok(Some(bytes)) => bytes,
             Ok(None) => return Lookup::Miss,
