@@ -291,6 +291,9 @@ pub struct LockConfig {
     /// replication lag on a busy primary is counted as `unreplicated`, never as a Redis
     /// failure that could open the breaker.
     pub wait_replicas_timeout: Duration,
+    /// How many keys this instance waits on another instance's fetch of at once; a miss
+    /// beyond is answered per `on_timeout` without waiting.
+    pub max_waiters: usize,
 }
 
 /// One `[[routes]]` entry with the `[cache]` defaults already applied.

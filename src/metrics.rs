@@ -178,10 +178,13 @@ pub enum LockEvent {
     Unreplicated,
     /// A lock with no expiry (not written by cacheguard) was given a lease.
     Repaired,
+    /// Another instance held the lock, and `lock.max_waiters` keys were waited on already:
+    /// answered per `lock.on_timeout` without waiting.
+    WaitersFull,
 }
 
 impl LockEvent {
-    pub const ALL: [LockEvent; 8] = [
+    pub const ALL: [LockEvent; 9] = [
         LockEvent::Acquired,
         LockEvent::Contended,
         LockEvent::Renewed,
@@ -190,6 +193,7 @@ impl LockEvent {
         LockEvent::WaitTimeout,
         LockEvent::Unreplicated,
         LockEvent::Repaired,
+        LockEvent::WaitersFull,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -202,6 +206,7 @@ impl LockEvent {
             LockEvent::WaitTimeout => "wait_timeout",
             LockEvent::Unreplicated => "unreplicated",
             LockEvent::Repaired => "repaired",
+            LockEvent::WaitersFull => "waiters_full",
         }
     }
 }

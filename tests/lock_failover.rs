@@ -504,3 +504,64 @@ async fn a_failure_is_shared_with_every_waiter_not_retried_by_each() {
     );
     shutdown_all([a, b]).await;
 }
+
+/// Waiters are capped: with `lock.max_waiters = 16`, B waits on at most 16 keys that A
+/// holds; the misses beyond are answered per `lock.on_timeout` at once (here `error`: 503
+/// with `Retry-After`), counted as `waiters_full`, and never reach the origin.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiters_beyond_max_waiters_are_answered_per_on_timeout() {
+    const KEYS: usize = 60;
+    let redis = RedisServer::start().await;
+    let origin = TestOrigin::start().await;
+    origin.set_default_delay(Duration::from_millis(1_500));
+    let cfg = CgConfig::new(&origin)
+        .redis(&redis)
+        .set("upstream", "max_concurrency", "256")
+        .set_str("lock", "wait_timeout", "5s")
+        .set_str("lock", "on_timeout", "error")
+        .set("lock", "max_waiters", "16");
+    let client = HttpClient::new();
+    let [a, b] = start_coordinated(&cfg, &client).await;
+    let path = |i: usize| format!("/api/items/held-{i}");
+    // A holds every key's lock for the length of its slow fetch.
+    let held: Vec<_> = (0..KEYS)
+        .map(|i| client.spawn_get(&url(a.addr(), &path(i))))
+        .collect();
+    wait_origin_count(&origin, &path(KEYS - 1), 1, Duration::from_secs(5)).await;
+    let started = Instant::now();
+    let on_b: Vec<_> = (0..KEYS)
+        .map(|i| client.spawn_get(&url(b.addr(), &path(i))))
+        .collect();
+    let mut waited = 0;
+    let mut refused = 0;
+    for (i, answer) in join_within(on_b, Duration::from_secs(10), "B")
+        .await
+        .into_iter()
+        .enumerate()
+    {
+        let r = answer.unwrap_or_else(|e| panic!("B {i}: {e}"));
+        match r.status.as_u16() {
+            200 => waited += 1,
+            503 => {
+                assert!(r.header("retry-after").is_some(), "B {i}: {r}");
+                refused += 1;
+            }
+            _ => panic!("B {i}: {r}"),
+        }
+    }
+    let took = started.elapsed();
+    assert!(
+        (1..=16).contains(&waited),
+        "{waited} waited, {refused} refused"
+    );
+    assert_eq!(waited + refused, KEYS);
+    let m = metrics(&client, b.admin_addr()).await;
+    assert_eq!(m.lock_events("waiters_full"), refused as f64);
+    let fetched: u64 = (0..KEYS).map(|i| origin.count(&path(i))).sum();
+    assert_eq!(
+        fetched, KEYS as u64,
+        "B sent nothing to the origin (took {took:?})"
+    );
+    join_within(held, Duration::from_secs(10), "A").await;
+    shutdown_all([a, b]).await;
+}

@@ -271,6 +271,7 @@ pub(super) struct RawLock {
     pub(super) uncacheable_ttl: HumanDuration,
     pub(super) wait_replicas: u32,
     pub(super) wait_replicas_timeout: HumanDuration,
+    pub(super) max_waiters: Spanned<u32>,
 }
 
 impl Default for RawLock {
@@ -282,6 +283,7 @@ impl Default for RawLock {
             uncacheable_ttl: HumanDuration::secs(10),
             wait_replicas: 0,
             wait_replicas_timeout: HumanDuration::secs(1),
+            max_waiters: unspanned(1024),
         }
     }
 }

@@ -614,6 +614,10 @@ fn out_of_range_numbers() {
          got -0.1"
     );
     assert_eq!(
+        problem("[upstream]\nurl = \"http://127.0.0.1:9000\"\n[lock]\nmax_waiters = 0\n"),
+        "test.toml:4: lock.max_waiters: expected an integer of at least 1, got 0"
+    );
+    assert_eq!(
         problem("[upstream]\nurl = \"http://127.0.0.1:9000\"\nmax_concurrency = 0\n"),
         "test.toml:3: upstream.max_concurrency: expected an integer of at least 1, got 0"
     );

@@ -452,7 +452,15 @@ impl Checker<'_> {
         let redis = raw.redis.as_ref().map(|section| self.redis(section));
         let admin = self.admin(&raw.admin, &server);
         let cache = self.cache(&raw.cache);
+        if *raw.lock.max_waiters.get_ref() == 0 {
+            self.report(
+                raw.lock.max_waiters.span(),
+                "lock.max_waiters",
+                "expected an integer of at least 1, got 0",
+            );
+        }
         let lock = LockConfig {
+            max_waiters: usize::try_from(*raw.lock.max_waiters.get_ref()).unwrap_or(usize::MAX),
             lease: raw.lock.lease.0,
             wait_timeout: raw.lock.wait_timeout.0,
             on_timeout: raw.lock.on_timeout.0,

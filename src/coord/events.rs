@@ -19,7 +19,7 @@
 //! while disconnected must not leave it waiting until its timeout).
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -172,6 +172,8 @@ pub(crate) struct Signal {
 pub(crate) struct Waiters {
     // A std mutex: held only to find, insert or remove a map entry, never across an await.
     by_key: Mutex<HashMap<u128, watch::Sender<Signal>>>,
+    /// Registered handles (the gauge shows the same number; this one is read to cap it).
+    handles: AtomicUsize,
     gauge: IntGauge,
 }
 
@@ -188,17 +190,35 @@ impl Waiters {
     pub(crate) fn new(gauge: IntGauge) -> Arc<Self> {
         Arc::new(Waiters {
             by_key: Mutex::new(HashMap::new()),
+            handles: AtomicUsize::new(0),
             gauge,
         })
     }
 
+    #[cfg(test)]
     pub(crate) fn register(self: &Arc<Self>, hash: u128) -> WaitHandle {
         let mut map = self.by_key.lock().unwrap_or_else(PoisonError::into_inner);
+        self.insert(&mut map, hash)
+    }
+
+    /// Registers a waiter on `hash` unless `max` are registered already.
+    pub(crate) fn try_register(self: &Arc<Self>, hash: u128, max: usize) -> Option<WaitHandle> {
+        let mut map = self.by_key.lock().unwrap_or_else(PoisonError::into_inner);
+        // Under the map's lock: registrations do not race past the cap.
+        (self.handles.load(Ordering::Relaxed) < max).then(|| self.insert(&mut map, hash))
+    }
+
+    fn insert(
+        self: &Arc<Self>,
+        map: &mut HashMap<u128, watch::Sender<Signal>>,
+        hash: u128,
+    ) -> WaitHandle {
+        self.handles.fetch_add(1, Ordering::Relaxed);
+        self.gauge.inc();
         let rx = map
             .entry(hash)
             .or_insert_with(|| watch::Sender::new(Signal::default()))
             .subscribe();
-        self.gauge.inc();
         WaitHandle {
             waiters: Arc::clone(self),
             hash,
@@ -258,6 +278,7 @@ impl WaitHandle {
 impl Drop for WaitHandle {
     fn drop(&mut self) {
         self.waiters.gauge.dec();
+        self.waiters.handles.fetch_sub(1, Ordering::Relaxed);
         // Drop our receiver first, then remove the key's sender if nobody else waits on it.
         drop(self.rx.take());
         let mut map = self

@@ -261,7 +261,8 @@ impl Filler {
         let deadline = started + self.lock.load().wait_timeout;
         let mut contended = false;
         loop {
-            let mut follower = match fleet.claim(job.key.base, job.key.hash).await {
+            let max_waiters = self.lock.load().max_waiters;
+            let mut follower = match fleet.claim(job.key.base, job.key.hash, max_waiters).await {
                 // Redis went away under us: degrade to this process's single-flight.
                 Err(_) => return self.fetch_and_store(job).await,
                 Ok(Claim::Leader(permit)) => {
@@ -277,6 +278,11 @@ impl Filler {
                     return self.fetch_as_owner(job, *permit).await;
                 }
                 Ok(Claim::Follower(follower)) => follower,
+                Ok(Claim::Full) if job.background => return Fetched::Skipped,
+                Ok(Claim::Full) => {
+                    self.metrics.lock_event(LockEvent::WaitersFull);
+                    return self.unwaited(job).await;
+                }
             };
             if job.background {
                 // Another instance is refreshing this key already.
@@ -345,6 +351,13 @@ impl Filler {
             route = %job.route.config.name,
             on_timeout = ?lock.on_timeout,
         );
+        self.unwaited(job).await
+    }
+
+    /// A miss whose holder is another instance, that this one does not wait for (the wait
+    /// timed out, or too many keys are waited on): `lock.on_timeout` says what to do.
+    async fn unwaited(&self, job: &FillJob) -> Fetched {
+        let lock = self.lock.load_full();
         match lock.on_timeout {
             OnTimeout::Origin => self.fetch_alone(job).await,
             OnTimeout::Error => {

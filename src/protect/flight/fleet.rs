@@ -52,6 +52,9 @@ pub(crate) enum Claim {
     Leader(Box<FillPermit>),
     /// Another instance holds it: wait for its answer.
     Follower(Follower),
+    /// Another instance holds it, and this instance already waits on `max_waiters` keys:
+    /// no wait (the caller answers per `lock.on_timeout`).
+    Full,
 }
 
 /// The right to store one fetched answer in Redis: a lock holder's, or an unlocked one
@@ -111,7 +114,13 @@ impl FleetLock {
     /// Not cancel-safe in one respect: cancelled after Redis granted the lock, the lock
     /// stays taken until its lease ends, when a waiter takes over. Fills run in their own
     /// task, so this only happens at shutdown.
-    pub(crate) async fn claim(&self, base: u128, hash: u128) -> Result<Claim, Unavailable> {
+    /// At most `max_waiters` keys are waited on at once in this process.
+    pub(crate) async fn claim(
+        &self,
+        base: u128,
+        hash: u128,
+        max_waiters: usize,
+    ) -> Result<Claim, Unavailable> {
         match self.store.acquire(base, hash).await? {
             Acquired::Won(lease) => Ok(Claim::Leader(Box::new(FillPermit {
                 store: self.store.clone(),
@@ -119,10 +128,12 @@ impl FleetLock {
                 locked: true,
                 done: false,
             }))),
-            Acquired::Held { remaining } => Ok(Claim::Follower(Follower::new(
-                self.store.waiters().register(hash),
-                remaining,
-            ))),
+            Acquired::Held { remaining } => {
+                Ok(match self.store.waiters().try_register(hash, max_waiters) {
+                    Some(waiter) => Claim::Follower(Follower::new(waiter, remaining)),
+                    None => Claim::Full,
+                })
+            }
         }
     }
 
@@ -423,7 +434,7 @@ mod tests {
     async fn lead(fleet: &FleetLock, hash: u128, within: Duration) -> Box<FillPermit> {
         let deadline = Instant::now() + within;
         loop {
-            if let Ok(Claim::Leader(permit)) = fleet.claim(hash, hash).await {
+            if let Ok(Claim::Leader(permit)) = fleet.claim(hash, hash, usize::MAX).await {
                 return permit;
             }
             assert!(
@@ -442,7 +453,7 @@ mod tests {
         let fleet = fleet_on(&redis).await;
         let permit = lead(&fleet, 1, Duration::ZERO).await;
         assert!(
-            matches!(fleet.claim(1, 1).await, Ok(Claim::Follower(_))),
+            matches!(fleet.claim(1, 1, usize::MAX).await, Ok(Claim::Follower(_))),
             "a second claim follows while the permit lives"
         );
         drop(permit);
@@ -470,7 +481,7 @@ mod tests {
         assert_eq!(entry.as_deref(), Some(&b"entry"[..]));
         let next = lead(&fleet, 2, Duration::ZERO).await;
         assert!(
-            matches!(fleet.claim(2, 2).await, Ok(Claim::Follower(_))),
+            matches!(fleet.claim(2, 2, usize::MAX).await, Ok(Claim::Follower(_))),
             "the next holder's lock was released by the filled permit"
         );
         next.release(EventKind::Released).await;
