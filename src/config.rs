@@ -275,6 +275,9 @@ pub struct CacheDefaults {
     pub l1: L1Policy,
     pub freshness: FreshnessSource,
     pub heuristic: f64,
+    /// Distinct query or `vary` variants of one path fetched per `ttl`, per instance; 0 =
+    /// no limit.
+    pub max_variants: usize,
 }
 
 #[derive(Clone, Debug)]
@@ -317,6 +320,9 @@ pub struct RouteConfig {
     /// that it is fresh for when it says nothing of its freshness (RFC 9111 §4.2.2);
     /// 0 = such answers are not stored.
     pub heuristic: f64,
+    /// Distinct query or `vary` variants of one path fetched per `ttl`, per instance; a
+    /// miss on one more is refused (429). 0 = no limit.
+    pub max_variants: usize,
     pub query: QueryPolicy,
     /// Request headers whose values are part of the key (and the only client headers,
     /// besides a fixed safe set, forwarded to the origin on a cached fetch). Sorted and

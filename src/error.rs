@@ -24,6 +24,10 @@ pub(crate) enum ProxyError {
     BadRequest(&'static str),
     #[error("too many requests for this key")]
     HotKeyLimited,
+    /// A miss on one more query variant of a path whose budget is spent (the seconds
+    /// until its window ends, at most).
+    #[error("too many distinct query variants of this path")]
+    TooManyVariants(u64),
     #[error("internal error")]
     Internal,
 }
@@ -37,7 +41,9 @@ impl ProxyError {
             ProxyError::OriginTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
             ProxyError::OriginConnect(_) => StatusCode::BAD_GATEWAY,
             ProxyError::BadRequest(_) => StatusCode::BAD_REQUEST,
-            ProxyError::HotKeyLimited => StatusCode::TOO_MANY_REQUESTS,
+            ProxyError::HotKeyLimited | ProxyError::TooManyVariants(_) => {
+                StatusCode::TOO_MANY_REQUESTS
+            }
             ProxyError::Internal => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -53,6 +59,7 @@ impl ProxyError {
             ProxyError::LockWait(_) => "lock_wait",
             ProxyError::BadRequest(_) => "bad_request",
             ProxyError::HotKeyLimited => "hot_key_limited",
+            ProxyError::TooManyVariants(_) => "too_many_variants",
             ProxyError::Internal => "internal",
         }
     }
@@ -69,6 +76,7 @@ impl ProxyError {
     pub(crate) fn retry_after(&self) -> Option<u64> {
         match self {
             ProxyError::Shed(_) | ProxyError::LockWait(_) | ProxyError::HotKeyLimited => Some(1),
+            ProxyError::TooManyVariants(seconds) => Some(*seconds),
             _ => None,
         }
     }

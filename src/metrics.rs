@@ -283,6 +283,7 @@ pub struct Metrics {
     uncacheable: IntCounterVec,
     revalidations: IntCounterVec,
     oversized: IntCounterVec,
+    variants_refused: IntCounterVec,
     coalesced: IntCounterVec,
     pub l1_entries: IntGauge,
     pub l1_bytes: IntGauge,
@@ -482,6 +483,14 @@ impl Metrics {
             Opts::new(
                 "cacheguard_uncacheable_responses_total",
                 "Origin answers on cached routes that were not stored (status, private, cookie).",
+            ),
+            &["route"],
+        )?;
+        let variants_refused = IntCounterVec::new(
+            Opts::new(
+                "cacheguard_variants_refused_total",
+                "Misses refused (429) because their path had max_variants query or vary \
+                 variants fetched in the current window already.",
             ),
             &["route"],
         )?;
@@ -980,6 +989,7 @@ impl Metrics {
         registry.register(Box::new(uncacheable.clone()))?;
         registry.register(Box::new(revalidations.clone()))?;
         registry.register(Box::new(oversized.clone()))?;
+        registry.register(Box::new(variants_refused.clone()))?;
         registry.register(Box::new(coalesced.clone()))?;
         registry.register(Box::new(l1_entries.clone()))?;
         registry.register(Box::new(l1_bytes.clone()))?;
@@ -1020,6 +1030,7 @@ impl Metrics {
             uncacheable,
             revalidations,
             oversized,
+            variants_refused,
             coalesced,
             l1_entries,
             l1_bytes,
@@ -1134,6 +1145,7 @@ impl Metrics {
                 .fill_refused
                 .with_label_values(&[FillRefusal::Vary.as_str()]),
             oversized: self.oversized.with_label_values(&[route]),
+            variants_refused: self.variants_refused.with_label_values(&[route]),
             coalesced: self.coalesced.with_label_values(&[route]),
             stale_served: self.stale_served.with_label_values(&[route]),
             early_refreshes: self.early_refreshes.with_label_values(&[route]),
@@ -1272,6 +1284,7 @@ pub struct RouteMetrics {
     /// `fill_refused{reason="vary"}` (not per route: the counter has no route label).
     pub refused_vary: IntCounter,
     pub oversized: IntCounter,
+    pub variants_refused: IntCounter,
     pub coalesced: IntCounter,
     pub stale_served: IntCounter,
     pub early_refreshes: IntCounter,

@@ -107,3 +107,69 @@ async fn variants_hit_l2_across_instances_on_a_cluster() {
     let cluster = RedisCluster::start().await;
     every_case_is_an_l2_hit_through_another_instance(&cluster).await;
 }
+
+/// `GET /api/items/7001?x=<random>` with the default `query = "sorted"`: each request is a
+/// new key, so without a bound every one is an origin fetch and an entry. With the default
+/// `max_variants = 64` a path costs at most 64 fetches per `ttl` (per instance); the misses
+/// beyond are refused with 429 and `Retry-After` and counted, admitted variants are still
+/// served (from the cache), and the path itself is untouched. Embedded, and shared with
+/// `l1` off and all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn random_query_parameters_cost_a_bounded_number_of_fetches() {
+    const SENT: usize = 200;
+    const BUDGET: usize = 64;
+    let redis = RedisServer::start().await;
+    let mut wrong = Vec::new();
+    for mode in ["embedded", "off", "all"] {
+        let origin = TestOrigin::start().await;
+        let mut cfg = CgConfig::new(&origin);
+        if mode != "embedded" {
+            cfg = cfg
+                .redis(&redis)
+                .l1(mode)
+                .set_str("redis", "key_prefix", &format!("{mode}:"));
+        }
+        let cg = cfg.start().await;
+        let client = HttpClient::new();
+        let path = "/api/items/7001";
+        let mut refused = 0;
+        for i in 0..SENT {
+            let r = client
+                .get(&url(cg.addr(), &format!("{path}?x={i:08x}")))
+                .await;
+            match r.status.as_u16() {
+                200 => {}
+                429 if r.header("retry-after").is_some() => refused += 1,
+                _ => wrong.push(format!("{mode}: ?x={i}: {r}")),
+            }
+        }
+        let fetched = origin.count(path);
+        if fetched as usize > BUDGET || refused != SENT - BUDGET {
+            wrong.push(format!(
+                "{mode}: {fetched} origin fetches, {refused} refused"
+            ));
+        }
+        let again = client
+            .get(&url(cg.addr(), &format!("{path}?x={:08x}", 3)))
+            .await;
+        if again.status != 200 || !again.is_hit() {
+            wrong.push(format!("{mode}: an admitted variant again: {again}"));
+        }
+        let base = client.get(&url(cg.addr(), path)).await;
+        if base.status != 200 {
+            wrong.push(format!("{mode}: the path itself: {base}"));
+        }
+        let counted = common::metric(
+            &client,
+            cg.admin_addr(),
+            "cacheguard_variants_refused_total",
+            &[("route", "item")],
+        )
+        .await;
+        if counted != refused as f64 {
+            wrong.push(format!("{mode}: {counted} counted, {refused} refused"));
+        }
+        cg.shutdown().await;
+    }
+    assert!(wrong.is_empty(), "{wrong:#?}");
+}

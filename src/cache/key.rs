@@ -225,6 +225,7 @@ mod tests {
             l1: L1Policy::Hot,
             freshness: crate::config::FreshnessSource::Route,
             heuristic: 0.0,
+            max_variants: 64,
             query,
             vary: vary.iter().map(|v| HeaderName::from_static(v)).collect(),
             invalidate: vec![],

@@ -243,6 +243,7 @@ pub(super) struct RawCache {
     pub(super) l1: RawL1,
     pub(super) freshness: RawFreshness,
     pub(super) heuristic: Spanned<f64>,
+    pub(super) max_variants: usize,
 }
 
 impl Default for RawCache {
@@ -257,6 +258,7 @@ impl Default for RawCache {
             l1: RawL1(L1Policy::Hot),
             freshness: RawFreshness(FreshnessSource::Route),
             heuristic: unspanned(0.0),
+            max_variants: 64,
         }
     }
 }
@@ -305,6 +307,7 @@ pub(super) struct RawRoute {
     pub(super) l1: Option<RawL1>,
     pub(super) freshness: Option<RawFreshness>,
     pub(super) heuristic: Option<Spanned<f64>>,
+    pub(super) max_variants: Option<usize>,
     /// `None` = `"sorted"`.
     pub(super) query: Option<Spanned<RawQuery>>,
     #[serde(default)]

@@ -328,7 +328,7 @@ fn unknown_key_lists_the_known_ones() {
     assert_eq!(
         problem(&with_minimal("[cache]\ntll = \"5s\"\n")),
         "test.toml:4: cache.tll: unknown key, expected one of ttl, jitter, grace, negative_ttl, \
-         max_entry_bytes, l1_max_bytes, l1, freshness, heuristic"
+         max_entry_bytes, l1_max_bytes, l1, freshness, heuristic, max_variants"
     );
 }
 
@@ -339,7 +339,8 @@ fn unknown_key_in_a_route() {
             "[[routes]]\nname = \"r\"\nmatch = \"/r\"\ncache_ttl = \"5s\"\n"
         )),
         "test.toml:6: routes[0].cache_ttl: unknown key, expected one of name, match, methods, \
-         ttl, jitter, grace, negative_ttl, max_entry_bytes, l1, freshness, heuristic, query, vary, invalidate, \
+         ttl, jitter, grace, negative_ttl, max_entry_bytes, l1, freshness, heuristic, max_variants, \
+         query, vary, invalidate, \
          double_delete_delay, early_refresh_beta, bloom, bloom_add, warmup"
     );
 }

@@ -896,6 +896,7 @@ impl Checker<'_> {
             l1: raw.l1.0,
             freshness: raw.freshness.0,
             heuristic: self.heuristic(&raw.heuristic, "cache.heuristic"),
+            max_variants: raw.max_variants,
         }
     }
 
@@ -971,6 +972,7 @@ impl Checker<'_> {
                 Some(h) => self.heuristic(h, &key("heuristic")),
                 None => cache.heuristic,
             },
+            max_variants: raw.max_variants.unwrap_or(cache.max_variants),
             query,
             vary,
             invalidate,

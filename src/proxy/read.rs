@@ -37,10 +37,11 @@ use super::origin::Origin;
 use super::respond;
 use super::route::Route;
 use super::upstream::UpstreamBody;
-use crate::cache::Freshness;
 use crate::cache::key;
 use crate::cache::tiers::{Cached, Tiers};
+use crate::cache::{CacheKey, Freshness};
 use crate::clock::now_ms;
+use crate::error::ProxyError;
 use crate::metrics::Outcome;
 
 /// Everything a read needs; built once by the app, shared by every connection.
@@ -99,7 +100,12 @@ impl ReadPath {
             .await;
         let (past_l1, refresh_early) = match gate {
             Gate::Answered(answer) => return answer,
-            Gate::Join => return self.filler.fill(job(), head).await,
+            Gate::Join => {
+                if let Some(refused) = over_budget(route, &derived.key) {
+                    return refused;
+                }
+                return self.filler.fill(job(), head).await;
+            }
             Gate::Lookup {
                 past_l1,
                 refresh_early,
@@ -124,6 +130,11 @@ impl ReadPath {
                 respond::hit(&entry, Outcome::Stale, head)
             }
             Cached::Miss(kept) => {
+                if kept.is_none()
+                    && let Some(refused) = over_budget(route, &derived.key)
+                {
+                    return refused;
+                }
                 let (response, outcome) = self
                     .filler
                     .fill(job().revalidating(kept.clone()), head)
@@ -143,6 +154,20 @@ impl ReadPath {
             }
         }
     }
+}
+
+/// A miss on a variant of a path whose variant budget is spent: refused (429), counted.
+fn over_budget(route: &Route, key: &CacheKey) -> Option<(Response<Body>, Outcome)> {
+    let budget = route.variants.as_ref()?;
+    if budget.admit(key.base, key.hash) {
+        return None;
+    }
+    route.metrics.variants_refused.inc();
+    let seconds = route.config.ttl.as_secs().max(1);
+    Some((
+        respond::error(&ProxyError::TooManyVariants(seconds)),
+        Outcome::Error,
+    ))
 }
 
 /// Whether a fill's answer is a failure: cacheguard's own error or an origin 5xx.

@@ -12,6 +12,7 @@ use http::Method;
 use crate::config::RouteConfig;
 use crate::metrics::{Metrics, RouteMetrics};
 use crate::protect::bloom::{Filter, Filters};
+use crate::protect::variants::VariantBudget;
 
 /// One configured route with its metric handles and filters resolved.
 #[derive(Debug)]
@@ -24,6 +25,8 @@ pub(crate) struct Route {
     pub(crate) adds_to: Option<Arc<Filter>>,
     /// The body of a Bloom rejection, shared by every answer (no copy per request).
     pub(crate) reject_body: Bytes,
+    /// Read routes with `max_variants`: how many variants of a path may be fetched.
+    pub(crate) variants: Option<VariantBudget>,
 }
 
 /// A matched route, with the raw (still percent-encoded) value of its Bloom id parameter.
@@ -64,6 +67,8 @@ impl RouteTable {
                     .bloom
                     .as_ref()
                     .map_or_else(Bytes::new, |b| Bytes::from(b.body.clone())),
+                variants: (config.is_read() && config.max_variants > 0)
+                    .then(|| VariantBudget::new(config.max_variants, config.ttl)),
             });
             if let Some(i) = patterns.iter().position(|p| *p == config.pattern) {
                 by_pattern[i].push(route);
