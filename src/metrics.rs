@@ -235,7 +235,7 @@ impl FillRefusal {
 }
 
 /// The `op` label of Redis errors.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum RedisOp {
     Get,
     Set,

@@ -148,3 +148,68 @@ async fn own_errors_are_logged_with_their_cause_and_rate_limited() {
     cg.terminate();
     assert!(cg.wait_exit(Duration::from_secs(10)).await.is_some());
 }
+
+/// A Redis ACL user that may not run scripts: every lock attempt is refused with NOPERM.
+/// Requests are still answered (from the origin), the refusal is logged and says which
+/// command lacks permission — once, not once per request — and, since Redis itself
+/// answers, it does not open the breaker (which the next probe would close again: a flap
+/// per few requests).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_acl_permission_is_logged_once_and_does_not_open_the_breaker() {
+    let redis = RedisServer::start().await;
+    let mut con = redis.client().await;
+    redis::cmd("ACL")
+        .arg("SETUSER")
+        .arg("cg")
+        .arg("on")
+        .arg(">cg-secret")
+        .arg("~*")
+        .arg("&*")
+        .arg("+@all")
+        .arg("-evalsha")
+        .arg("-eval")
+        .query_async::<()>(&mut con)
+        .await
+        .expect("ACL SETUSER");
+    let origin = TestOrigin::start().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = CgConfig::new(&origin)
+        .redis(&redis)
+        .set_str("redis", "username", "cg")
+        .set_str("redis", "password", "cg-secret")
+        .on_free_ports()
+        .write_to(&dir.path().join("cacheguard.toml"));
+    let cg = spawn_cacheguard_process_with_args(&path, &["--log-format", "json"]).await;
+    let client = HttpClient::new();
+    let transitions = || async {
+        metric(
+            &client,
+            cg.admin_addr(),
+            "cacheguard_redis_breaker_transitions_total",
+            &[],
+        )
+        .await
+    };
+    // The breaker starts open and closes at the first probe: one transition.
+    let at_start = transitions().await;
+    for i in 0..30 {
+        let r = client
+            .get(&url(cg.addr(), &format!("/api/items/acl-{i}")))
+            .await;
+        assert_eq!(r.status, 200, "#{i}: {r}");
+    }
+    let after = transitions().await;
+    let output = cg.output();
+    let refused: Vec<&str> = output.lines().filter(|l| l.contains("NOPERM")).collect();
+    assert!(
+        !refused.is_empty() && refused.len() <= 2,
+        "{} lines name the refusal (one expected):\n{output}",
+        refused.len()
+    );
+    assert!(
+        refused[0].to_lowercase().contains("evalsha"),
+        "the line does not say which command: {}",
+        refused[0]
+    );
+    assert_eq!(after, at_start, "the breaker moved:\n{output}");
+}

@@ -24,9 +24,10 @@
 //! At start the topology found is logged (mode, primaries, replicas) and exported
 //! (`cacheguard_redis_nodes`); a cluster that does not cover every slot is refused.
 
+use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use anyhow::bail;
@@ -34,7 +35,7 @@ use arc_swap::ArcSwapOption;
 use redis::{FromRedisValue, RedisError, Script};
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
-use tracing::{info, warn};
+use tracing::{error, info, warn};
 
 use super::backend::{self, Backend, CLUSTER_SLOTS, DataConn};
 use crate::config::{RedisConfig, RedisMode};
@@ -84,7 +85,73 @@ struct Inner {
     run_id: Mutex<Option<String>>,
     /// Notified each time the breaker closes (Redis is back): owed work retries at once.
     back: Arc<tokio::sync::Notify>,
+    /// Commands Redis refused, for the rate-limited log.
+    refusals: Refusals,
     metrics: Metrics,
+}
+
+/// Commands Redis answered with a refusal that no retry or failover will change (an ACL
+/// permission missing, a wrong type, out of memory, a script error): Redis is up, so they
+/// do not count toward the breaker, and they are logged at most once a minute per command
+/// and error code, with how many there were meanwhile.
+#[derive(Default)]
+struct Refusals {
+    last: Mutex<HashMap<(RedisOp, String), (tokio::time::Instant, u64)>>,
+}
+
+/// How often one kind of refusal is logged at most.
+const REFUSAL_LOG_EVERY: Duration = Duration::from_secs(60);
+
+impl Refusals {
+    /// Whether `error` is a refusal (see [`Refusals`]) rather than Redis failing.
+    fn is_refusal(error: &RedisError) -> bool {
+        use redis::{ErrorKind, ServerErrorKind};
+        match error.kind() {
+            ErrorKind::Server(kind) => matches!(
+                kind,
+                ServerErrorKind::NoPerm
+                    | ServerErrorKind::ResponseError
+                    | ServerErrorKind::NoScript
+                    | ServerErrorKind::ExecAbort
+                    | ServerErrorKind::CrossSlot
+            ),
+            // Codes redis-rs does not name: WRONGTYPE, OOM, BUSY... all answers.
+            ErrorKind::Extension => true,
+            _ => false,
+        }
+    }
+
+    fn log(&self, op: RedisOp, error: &RedisError) {
+        let code = error.code().unwrap_or("ERR").to_owned();
+        let now = tokio::time::Instant::now();
+        let mut last = self.last.lock().unwrap_or_else(PoisonError::into_inner);
+        let (at, suppressed) = last.entry((op, code.clone())).or_insert((now, u64::MAX));
+        if *suppressed != u64::MAX && now.duration_since(*at) < REFUSAL_LOG_EVERY {
+            *suppressed += 1;
+            return;
+        }
+        let since = if *suppressed == u64::MAX {
+            0
+        } else {
+            *suppressed
+        };
+        *at = now;
+        *suppressed = 0;
+        drop(last);
+        let hint = if code == "NOPERM" {
+            "grant cacheguard's ACL user this command (see README, Redis topologies)"
+        } else {
+            "Redis refused the command; cacheguard carries on without it"
+        };
+        error!(
+            message = "Redis refused a command.",
+            op = ?op,
+            code = %code,
+            error = %error,
+            refused_since_last_line = since,
+            hint,
+        );
+    }
 }
 
 impl std::fmt::Debug for RedisConn {
@@ -158,6 +225,7 @@ impl RedisConn {
             breaker_failures: config.breaker_failures.max(1),
             run_id: Mutex::new(None),
             back: Arc::new(tokio::sync::Notify::new()),
+            refusals: Refusals::default(),
             metrics,
         });
         inner.metrics.redis_up.set(0);
@@ -625,6 +693,11 @@ impl RedisConn {
             Ok(Ok(value)) => {
                 self.inner.failures.store(0, Ordering::Relaxed);
                 Ok(value)
+            }
+            Ok(Err(error)) if Refusals::is_refusal(&error) => {
+                self.inner.metrics.redis_error(op);
+                self.inner.refusals.log(op, &error);
+                Err(Unavailable)
             }
             Ok(Err(error)) => {
                 self.inner.metrics.redis_error(op);
