@@ -213,3 +213,47 @@ async fn a_missing_acl_permission_is_logged_once_and_does_not_open_the_breaker()
     );
     assert_eq!(after, at_start, "the breaker moved:\n{output}");
 }
+
+/// While Redis is down the event bus retries every 500 ms; its log says so once, then at
+/// most once a minute with a count, not once per attempt; and once when it is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_bus_that_cannot_subscribe_logs_its_state_not_each_attempt() {
+    let mut redis = RedisServer::start().await;
+    let origin = TestOrigin::start().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = CgConfig::new(&origin)
+        .redis(&redis)
+        .on_free_ports()
+        .write_to(&dir.path().join("cacheguard.toml"));
+    let cg = spawn_cacheguard_process(&path).await;
+    let client = HttpClient::new();
+    redis.kill();
+    // About ten attempts at the 500 ms backoff.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    redis.restart().await;
+    let back = poll_until(
+        Duration::from_secs(10),
+        Duration::from_millis(50),
+        || async {
+            let live = metric(
+                &client,
+                cg.admin_addr(),
+                "cacheguard_event_bus_subscribed",
+                &[],
+            )
+            .await;
+            (live == 1.0).then_some(())
+        },
+    )
+    .await;
+    assert!(back.is_some(), "the bus did not come back");
+    let output = cg.output();
+    let failing = output
+        .lines()
+        .filter(|l| l.contains("cannot subscribe"))
+        .count();
+    assert!(
+        (1..=2).contains(&failing),
+        "{failing} lines about failing to subscribe in 5 s:\n{output}"
+    );
+}

@@ -313,6 +313,59 @@ pub(crate) struct BusMetrics {
     pub(crate) events: IntCounter,
 }
 
+/// How often a subscription that keeps failing is logged again.
+const FAILING_LOG_EVERY: Duration = Duration::from_secs(60);
+
+/// Failed subscription attempts in a row, for a log that says when it starts failing, then
+/// once a minute how many attempts failed, and when it works again — not one line per
+/// attempt (two a second while Redis is down).
+#[derive(Debug, Default)]
+struct Failing {
+    /// Since when, the attempts so far, and when the last line was written.
+    run: Option<(tokio::time::Instant, u64, tokio::time::Instant)>,
+}
+
+impl Failing {
+    /// One more failed attempt; returns whether it was logged.
+    fn failed(&mut self, error: &impl std::fmt::Display) -> bool {
+        let now = tokio::time::Instant::now();
+        match &mut self.run {
+            None => {
+                self.run = Some((now, 1, now));
+                warn!(
+                    message = "Event bus cannot subscribe; retrying (logged again once a minute while it fails).",
+                    error = %error,
+                );
+                true
+            }
+            Some((since, attempts, logged)) => {
+                *attempts += 1;
+                if now.duration_since(*logged) < FAILING_LOG_EVERY {
+                    return false;
+                }
+                *logged = now;
+                warn!(
+                    message = "Event bus still cannot subscribe.",
+                    error = %error,
+                    attempts = *attempts,
+                    failing_for_s = now.duration_since(*since).as_secs(),
+                );
+                true
+            }
+        }
+    }
+
+    fn ended(&mut self) {
+        if let Some((since, attempts, _)) = self.run.take() {
+            info!(
+                message = "Event bus can subscribe again.",
+                failed_attempts = attempts,
+                failed_for_ms = u64::try_from(since.elapsed().as_millis()).unwrap_or(u64::MAX),
+            );
+        }
+    }
+}
+
 const BACKOFF_MIN: Duration = Duration::from_millis(25);
 const BACKOFF_MAX: Duration = Duration::from_millis(500);
 /// How often a cluster subscription checks that it is on the channel's primary.
@@ -353,6 +406,7 @@ impl EventBus {
         stop: CancellationToken,
     ) {
         let mut backoff = BACKOFF_MIN;
+        let mut failing = Failing::default();
         let mut first = true;
         let mut primary_changes = redis.backend().sentinel().map(|s| s.changes());
         loop {
@@ -363,6 +417,7 @@ impl EventBus {
             match subscribed {
                 Ok((pubsub, node)) => {
                     backoff = BACKOFF_MIN;
+                    failing.ended();
                     self.connected.store(true, Ordering::Relaxed);
                     metrics.subscribed.set(1);
                     if !first {
@@ -409,7 +464,9 @@ impl EventBus {
                         }
                     }
                 }
-                Err(error) => warn!(message = "Event bus cannot subscribe.", error = %error),
+                Err(error) => {
+                    failing.failed(&error);
+                }
             }
             tokio::select! {
                 () = stop.cancelled() => return,
@@ -591,5 +648,24 @@ mod tests {
         drop(b);
         assert_eq!(waiters.keys(), 1);
         assert_eq!(gauge.get(), 1);
+    }
+
+    /// Two attempts a second for three minutes: logged at the start and once a minute.
+    #[tokio::test(start_paused = true)]
+    async fn a_failing_subscription_is_logged_once_a_minute() {
+        let mut failing = Failing::default();
+        let mut logged = 0;
+        for _ in 0..360 {
+            if failing.failed(&"refused") {
+                logged += 1;
+            }
+            tokio::time::advance(Duration::from_millis(500)).await;
+        }
+        assert_eq!(logged, 3, "at 0 s, 60 s and 120 s");
+        failing.ended();
+        assert!(
+            failing.failed(&"refused"),
+            "a new run of failures is logged at once"
+        );
     }
 }
