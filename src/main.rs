@@ -133,9 +133,16 @@ async fn next_hangup(_: &mut Option<()>) {
     std::future::pending().await
 }
 
+/// The default log filter: cacheguard's own lines from INFO up. The Redis client's own
+/// lines only from ERROR: it logs every failed reconnect and slot refresh (dozens a
+/// second while a cluster node is down), and cacheguard already says what happens to
+/// Redis, once per change (the breaker, the topology, the event bus). `RUST_LOG`
+/// replaces this, e.g. `RUST_LOG=info,redis=debug` to see the client's side too.
+const DEFAULT_LOG_FILTER: &str = "info,redis=error";
+
 fn init_logging(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(DEFAULT_LOG_FILTER));
     let builder = tracing_subscriber::fmt().with_env_filter(filter);
     match format {
         LogFormat::Human => builder.init(),

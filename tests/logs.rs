@@ -257,3 +257,88 @@ async fn an_event_bus_that_cannot_subscribe_logs_its_state_not_each_attempt() {
         "{failing} lines about failing to subscribe in 5 s:\n{output}"
     );
 }
+
+/// A Redis Cluster primary dies under load and its replica is promoted: the log tells the
+/// story in a few lines (the breaker opening and closing, a topology change), not dozens a
+/// second, and the breaker does not flap.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_failover_is_logged_in_a_few_lines() {
+    let mut cluster = RedisCluster::start().await;
+    let origin = TestOrigin::start().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = CgConfig::new(&origin)
+        .redis_cluster(&cluster)
+        .on_free_ports()
+        .write_to(&dir.path().join("cacheguard.toml"));
+    let cg = spawn_cacheguard_process(&path).await;
+    let client = HttpClient::new();
+    let transitions = || async {
+        metric(
+            &client,
+            cg.admin_addr(),
+            "cacheguard_redis_breaker_transitions_total",
+            &[],
+        )
+        .await
+    };
+    // Redis in use (the breaker starts open and closes at the first probe).
+    let closed = poll_until(
+        Duration::from_secs(10),
+        Duration::from_millis(20),
+        || async {
+            let open = metric(
+                &client,
+                cg.admin_addr(),
+                "cacheguard_redis_breaker_open",
+                &[],
+            )
+            .await;
+            (open == 0.0).then_some(())
+        },
+    )
+    .await;
+    assert!(closed.is_some(), "the breaker never closed");
+    let paths: Vec<String> = (0..60)
+        .map(|i| format!("/api/items/failover-{i}"))
+        .collect();
+    let load_paths = paths.clone();
+    let load = common::load::Load::new(&[cg.addr()], move |n| {
+        load_paths[n as usize % load_paths.len()].clone()
+    })
+    .conns(4)
+    .pause(Duration::from_millis(2))
+    .duration(Duration::from_secs(40))
+    .start();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let before = cg.output().lines().count();
+    let at_kill = transitions().await;
+    let victim = cluster.primaries().await[0];
+    cluster.kill(victim);
+    let promoted = cluster
+        .wait_failed_over(victim, Duration::from_secs(30))
+        .await;
+    assert!(promoted.is_some(), "the replica was never promoted");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let tally = load.finish().await;
+    let output = cg.output();
+    let lines: Vec<&str> = output.lines().skip(before).collect();
+    let flaps = transitions().await - at_kill;
+    eprintln!(
+        "{} lines, {flaps} breaker transitions, promoted after {promoted:?}; load {:?}",
+        lines.len(),
+        tally.by_x_cache
+    );
+    assert!(
+        lines.len() <= 20,
+        "{} log lines for one failover:\n{}",
+        lines.len(),
+        lines.join("\n")
+    );
+    // Open while the slots are down, closed once the replica serves them; a second open
+    // is allowed for the moment the promoted node's slot map settles. Not a flap per probe.
+    assert!(
+        flaps <= 4.0,
+        "the breaker moved {flaps} times:\n{}",
+        lines.join("\n")
+    );
+}

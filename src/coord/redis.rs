@@ -17,6 +17,10 @@
 //!   restarted (its cache, locks and generations are gone: L1 and stale copies keep serving
 //!   while single-flight refills it, under the origin caps). On a cluster the probe asks
 //!   `CLUSTER INFO` of any node instead (node run ids differ);
+//! - a breaker that opens again soon after it closed (a flapping Redis: a cluster whose
+//!   slots come and go during a failover) stays open longer each time before the probe may
+//!   close it (see [`Hysteresis`]), so it settles instead of moving at every probe; on a
+//!   cluster the probe also wants `cluster_state:ok`;
 //! - with Sentinel, a command that hits a demoted primary (`READONLY`) re-resolves the
 //!   primary and is retried once; a failing primary makes the follower ask the sentinels
 //!   at once, and the connection moves to each new primary they name.
@@ -87,6 +91,8 @@ struct Inner {
     back: Arc<tokio::sync::Notify>,
     /// Commands Redis refused, for the rate-limited log.
     refusals: Refusals,
+    /// How long an open breaker stays open at least.
+    hysteresis: Mutex<Hysteresis>,
     metrics: Metrics,
 }
 
@@ -97,6 +103,48 @@ struct Inner {
 #[derive(Default)]
 struct Refusals {
     last: Mutex<HashMap<(RedisOp, String), (tokio::time::Instant, u64)>>,
+}
+
+/// How long an open breaker stays open at least: nothing the first time; when it opens
+/// again within [`FLAP_WINDOW`] of closing, twice as long as the time before (from
+/// [`HOLD_MIN`] up to [`HOLD_MAX`]); back to nothing after a quiet [`FLAP_WINDOW`].
+/// Hand-written: a few lines of state on tokio's clock, which no breaker crate exposes in a
+/// form the probe loop could use.
+#[derive(Debug, Default)]
+struct Hysteresis {
+    opened: Option<tokio::time::Instant>,
+    closed: Option<tokio::time::Instant>,
+    hold: Duration,
+}
+
+/// A re-open this soon after a close counts as a flap.
+const FLAP_WINDOW: Duration = Duration::from_secs(10);
+const HOLD_MIN: Duration = Duration::from_millis(500);
+const HOLD_MAX: Duration = Duration::from_secs(10);
+
+impl Hysteresis {
+    fn opened(&mut self) {
+        let now = tokio::time::Instant::now();
+        let flapping = self
+            .closed
+            .is_some_and(|closed| now.duration_since(closed) < FLAP_WINDOW);
+        self.hold = if flapping {
+            (self.hold * 2).clamp(HOLD_MIN, HOLD_MAX)
+        } else {
+            Duration::ZERO
+        };
+        self.opened = Some(now);
+    }
+
+    /// Whether the breaker may close now.
+    fn may_close(&self) -> bool {
+        self.opened
+            .is_none_or(|opened| opened.elapsed() >= self.hold)
+    }
+
+    fn closed(&mut self) {
+        self.closed = Some(tokio::time::Instant::now());
+    }
 }
 
 /// How often one kind of refusal is logged at most.
@@ -226,6 +274,7 @@ impl RedisConn {
             run_id: Mutex::new(None),
             back: Arc::new(tokio::sync::Notify::new()),
             refusals: Refusals::default(),
+            hysteresis: Mutex::new(Hysteresis::default()),
             metrics,
         });
         inner.metrics.redis_up.set(0);
@@ -723,8 +772,16 @@ impl RedisConn {
         }
     }
 
+    fn hysteresis(&self) -> std::sync::MutexGuard<'_, Hysteresis> {
+        self.inner
+            .hysteresis
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
     fn mark_down(&self, why: &str) {
         if self.inner.up.swap(false, Ordering::AcqRel) {
+            self.hysteresis().opened();
             self.inner.metrics.redis_up.set(0);
             self.inner.metrics.redis_transitions.inc();
             self.inner.metrics.breaker_transition(true);
@@ -738,6 +795,13 @@ impl RedisConn {
 
     fn mark_up(&self) {
         self.inner.failures.store(0, Ordering::Relaxed);
+        if !self.inner.up.load(Ordering::Acquire) {
+            let mut hysteresis = self.hysteresis();
+            if !hysteresis.may_close() {
+                return;
+            }
+            hysteresis.closed();
+        }
         if !self.inner.up.swap(true, Ordering::AcqRel) {
             self.inner.metrics.redis_up.set(1);
             self.inner.metrics.redis_transitions.inc();
@@ -799,6 +863,12 @@ impl RedisConn {
             .metrics
             .redis_latency(RedisOp::Ping, took.as_secs_f64());
         match info {
+            // A cluster that answers but has lost a primary (until its replica is promoted)
+            // refuses the keys of that primary's slots: still down, or the breaker would
+            // close on this answer and open again on the next command, a flap per probe.
+            Ok(Ok(info)) if cluster && !info.contains("cluster_state:ok") => {
+                self.mark_down("the cluster's state is not ok (a primary lost, failover pending)");
+            }
             Ok(Ok(info)) if took <= self.inner.command_timeout => {
                 if !cluster && self.note_run_id(&info) {
                     self.check_eviction_policy().await;
@@ -823,9 +893,8 @@ impl RedisConn {
         }
     }
 
-    /// Warns when Redis may evict any key under memory pressure: an evicted generation key
-    /// lets a fill that raced a write store its old value (see `docs/architecture.md`, write
-    /// path).
+    /// Warns when Redis may evict any key under memory pressure: an evicted quarantine or
+    /// tag time weakens what it guards (see `docs/architecture.md`, write path).
     /// `CONFIG` may be refused (managed Redis, ACLs): then nothing is said.
     async fn check_eviction_policy(&self) {
         let Some(mut conn) = self.shared() else {
@@ -898,4 +967,50 @@ fn refuse_partial_cluster(covered: u32) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn a_breaker_that_flaps_stays_open_longer_each_time() {
+        let mut h = Hysteresis::default();
+        h.opened();
+        assert!(
+            h.may_close(),
+            "a first open may close at the next good probe"
+        );
+        h.closed();
+        // Open again 1 s later: a flap.
+        tokio::time::advance(Duration::from_secs(1)).await;
+        h.opened();
+        assert!(!h.may_close());
+        tokio::time::advance(HOLD_MIN).await;
+        assert!(h.may_close());
+        h.closed();
+        tokio::time::advance(Duration::from_millis(100)).await;
+        h.opened();
+        tokio::time::advance(HOLD_MIN).await;
+        assert!(!h.may_close(), "the hold doubled");
+        tokio::time::advance(HOLD_MIN).await;
+        assert!(h.may_close());
+        h.closed();
+        // Quiet for a while: back to no hold.
+        tokio::time::advance(FLAP_WINDOW).await;
+        h.opened();
+        assert!(h.may_close());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_hold_is_capped() {
+        let mut h = Hysteresis::default();
+        for _ in 0..20 {
+            h.opened();
+            tokio::time::advance(h.hold).await;
+            assert!(h.may_close());
+            h.closed();
+        }
+        assert_eq!(h.hold, HOLD_MAX);
+    }
 }
