@@ -41,7 +41,7 @@ use crate::proxy::own_answer::OwnAnswerLog;
 use crate::proxy::passthrough::Passthrough;
 use crate::proxy::read::ReadPath;
 use crate::proxy::route::RouteTable;
-use crate::proxy::server::{self, ConnLimits};
+use crate::proxy::server::{self, Admission, ConnLimits};
 use crate::proxy::upstream::Upstream;
 use crate::proxy::write::WritePath;
 use crate::proxy::{CacheEvents, Proxy};
@@ -50,6 +50,10 @@ use crate::reload::{self, Live, Reloaded, Source};
 /// How long generations, tag invalidation times and local marks are kept: longer than any
 /// fill can run (the longest entry life — a refresh may begin just before it ends —, the
 /// upstream timeout, a lease) plus a margin.
+/// Connections the admin listener keeps open at once: its own bound, apart from the
+/// proxy's, so `/healthz` and `/metrics` answer while the proxy listener is flooded.
+const ADMIN_MAX_CONNECTIONS: usize = 256;
+
 fn invalidation_horizon(config: &Config) -> Duration {
     let longest_entry = config
         .routes
@@ -423,6 +427,12 @@ impl App {
         let token = Arc::new(ArcSwap::from_pointee(config.admin.token.clone()));
         let (shared, route_count) = (config.redis.is_some(), config.routes.len());
         let listen = (config.server.listen, config.admin.listen);
+        let admissions = {
+            let (refused, open) = metrics.connections("proxy");
+            let proxy = Admission::new(config.server.max_connections, refused, open);
+            let (refused, open) = metrics.connections("admin");
+            (proxy, Admission::new(ADMIN_MAX_CONNECTIONS, refused, open))
+        };
         let limits = ConnLimits {
             max_header_bytes: config.server.max_header_bytes,
             header_read_timeout: config.server.header_read_timeout,
@@ -471,6 +481,7 @@ impl App {
                     "proxy",
                     listener,
                     limits,
+                    admissions.0,
                     stop_proxy,
                     proxy_handler,
                     workers,
@@ -484,6 +495,7 @@ impl App {
                 "admin",
                 admin_listener,
                 limits,
+                admissions.1,
                 stop_listeners.clone(),
                 admin_handler,
             )),

@@ -111,6 +111,8 @@ pub struct ServerConfig {
     /// Proxy worker threads, each with its own event loop; 0 = the CPUs available to the
     /// process (which respects a container's CPU quota).
     pub worker_threads: usize,
+    /// Connections the proxy listener keeps open at once; one more is closed at accept.
+    pub max_connections: usize,
 }
 
 #[derive(Clone, Debug)]

@@ -332,6 +332,8 @@ pub struct Metrics {
     pub bus_resubscriptions: IntCounter,
     pub bus_events: IntCounter,
     pub marks_overflow: IntCounter,
+    connections_refused: IntCounterVec,
+    connections_open: IntGaugeVec,
     bloom_rejections: IntCounterVec,
     bloom_false_positives: IntCounterVec,
     bloom_items: IntGaugeVec,
@@ -830,6 +832,21 @@ impl Metrics {
             "cacheguard_event_bus_resubscriptions_total",
             "Times the event subscription was re-established after a loss.",
         )?;
+        let connections_refused = IntCounterVec::new(
+            Opts::new(
+                "cacheguard_connections_refused_total",
+                "Connections closed as soon as they were accepted because the listener had \
+                 its maximum open (server.max_connections for the proxy).",
+            ),
+            &["listener"],
+        )?;
+        let connections_open = IntGaugeVec::new(
+            Opts::new(
+                "cacheguard_connections_open",
+                "Connections open on the listener.",
+            ),
+            &["listener"],
+        )?;
         let marks_overflow = IntCounter::new(
             "cacheguard_invalidation_marks_overflow_total",
             "Local invalidation marks dropped because their table was full: L1 copies known \
@@ -981,6 +998,8 @@ impl Metrics {
         registry.register(Box::new(bus_resubscriptions.clone()))?;
         registry.register(Box::new(bus_events.clone()))?;
         registry.register(Box::new(marks_overflow.clone()))?;
+        registry.register(Box::new(connections_refused.clone()))?;
+        registry.register(Box::new(connections_open.clone()))?;
         registry.register(Box::new(requests.clone()))?;
         registry.register(Box::new(request_duration.clone()))?;
         registry.register(Box::new(origin_requests.clone()))?;
@@ -1074,6 +1093,8 @@ impl Metrics {
             bus_resubscriptions,
             bus_events,
             marks_overflow,
+            connections_refused,
+            connections_open,
             bloom_rejections,
             bloom_false_positives,
             bloom_items,
@@ -1289,6 +1310,16 @@ pub struct RouteMetrics {
     pub stale_served: IntCounter,
     pub early_refreshes: IntCounter,
     pub background_refreshes: IntCounter,
+}
+
+impl Metrics {
+    /// The refusal counter and the open gauge of `listener` (`proxy`, `admin`).
+    pub fn connections(&self, listener: &str) -> (IntCounter, IntGauge) {
+        (
+            self.connections_refused.with_label_values(&[listener]),
+            self.connections_open.with_label_values(&[listener]),
+        )
+    }
 }
 
 impl RouteMetrics {

@@ -1092,14 +1092,15 @@ async fn every_panel_and_alert_expression_returns_data() {
     );
     step("both instances scraped");
 
-    // --- lock takeovers: A holds each key's lock and its fetch fails (500), B's waiter
-    // takes over ---
+    // --- lock takeovers: A holds each key's lock and its fetch fails (a 500 too large to
+    // leave in Redis for the waiters), so B's waiter takes over ---
     let takeover: Vec<String> = (0..A_MAX_CONCURRENCY)
         .map(|i| format!("/api/things/takeover-{i}"))
         .collect();
     for path in &takeover {
         origin.set_delay(path, Duration::from_millis(400));
         origin.set_status(path, 500);
+        origin.set_body(path, vec![b'e'; 100 * 1024]);
     }
     let holders = {
         let (client, paths) = (client.clone(), takeover.clone());

@@ -39,6 +39,8 @@ async fn distinct_keys_leave_detector_and_limiter_memory_bounded() {
     let cg = CgConfig::new(&origin)
         .set("server", "worker_threads", "2")
         .set("hot_keys", "threshold_rps", "100")
+        // Every key is a query variant of one path: no variant budget here.
+        .set("cache", "max_variants", "0")
         .l1("off")
         .start()
         .await;

@@ -271,3 +271,99 @@ async fn body_over_max_entry_bytes_is_passed_through_uncached() {
     }
     cg.shutdown().await;
 }
+
+/// Opens `n` connections to `addr` that never send a byte.
+async fn idle_connections(addr: SocketAddr, n: usize) -> Vec<tokio::net::TcpStream> {
+    let mut conns = Vec::with_capacity(n);
+    for _ in 0..n {
+        conns.push(tokio::net::TcpStream::connect(addr).await.expect("connect"));
+    }
+    conns
+}
+
+/// How many of `conns` the server has closed: a read that ends (EOF or reset) within
+/// `within`, rather than waiting.
+async fn closed_by_server(conns: &mut [tokio::net::TcpStream], within: Duration) -> usize {
+    use tokio::io::AsyncReadExt;
+    let deadline = Instant::now() + within;
+    let mut closed = 0;
+    for conn in conns.iter_mut() {
+        let mut byte = [0u8; 1];
+        let left = deadline.saturating_duration_since(Instant::now());
+        let wait = left.max(Duration::from_millis(1));
+        if let Ok(read) = tokio::time::timeout(wait, conn.read(&mut byte)).await
+            && matches!(read, Ok(0) | Err(_))
+        {
+            closed += 1;
+        }
+    }
+    closed
+}
+
+/// Connections that never send a byte are closed after `header_read_timeout`, counted from
+/// accept: 300 of them hold no descriptor past it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_that_send_nothing_are_closed_after_the_header_timeout() {
+    let origin = TestOrigin::start().await;
+    let cg = CgConfig::new(&origin)
+        .set_str("server", "header_read_timeout", "1s")
+        .start()
+        .await;
+    let mut conns = idle_connections(cg.addr(), 300).await;
+    let closed = closed_by_server(&mut conns, Duration::from_secs(4)).await;
+    assert_eq!(
+        closed, 300,
+        "idle connections still open after the header timeout"
+    );
+    cg.shutdown().await;
+}
+
+/// `server.max_connections`: beyond it a new connection is closed at once and counted;
+/// those within it are served, and the admin listener answers throughout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_beyond_max_connections_are_closed_and_counted() {
+    let origin = TestOrigin::start().await;
+    let cg = CgConfig::new(&origin)
+        .set("server", "max_connections", "50")
+        .set_str("server", "header_read_timeout", "30s")
+        .start()
+        .await;
+    let client = HttpClient::new();
+    let mut held = idle_connections(cg.addr(), 50).await;
+    // Let the accept loop count them.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let mut beyond = idle_connections(cg.addr(), 30).await;
+    let closed = closed_by_server(&mut beyond, Duration::from_secs(2)).await;
+    assert_eq!(closed, 30, "connections beyond the cap were kept");
+    let health = client.get(&url(cg.admin_addr(), "/healthz")).await;
+    assert_eq!(health.status, 200, "admin during the flood: {health}");
+    let refused = common::metric(
+        &client,
+        cg.admin_addr(),
+        "cacheguard_connections_refused_total",
+        &[("listener", "proxy")],
+    )
+    .await;
+    assert!(refused >= 30.0, "{refused} refusals counted");
+    assert_eq!(
+        closed_by_server(&mut held, Duration::from_millis(200)).await,
+        0,
+        "connections within the cap were closed"
+    );
+    drop(held);
+    // Room again: a request is served.
+    let ok = common::poll_until(
+        Duration::from_secs(5),
+        Duration::from_millis(50),
+        || async {
+            let r = client.try_get(&url(cg.addr(), "/api/items/1")).await.ok()?;
+            (r.status == 200).then_some(())
+        },
+    )
+    .await;
+    assert!(
+        ok.is_some(),
+        "no request served once the connections were closed"
+    );
+    cg.shutdown().await;
+}

@@ -122,6 +122,7 @@ pub(super) struct RawServer {
     pub(super) header_read_timeout: HumanDuration,
     pub(super) shutdown_grace: HumanDuration,
     pub(super) worker_threads: usize,
+    pub(super) max_connections: Spanned<usize>,
 }
 
 impl Default for RawServer {
@@ -133,6 +134,7 @@ impl Default for RawServer {
             header_read_timeout: HumanDuration::secs(10),
             shutdown_grace: HumanDuration::secs(10),
             worker_threads: 0,
+            max_connections: unspanned(10_000),
         }
     }
 }

@@ -615,6 +615,10 @@ fn out_of_range_numbers() {
          got -0.1"
     );
     assert_eq!(
+        problem("[server]\nmax_connections = 0\n[upstream]\nurl = \"http://127.0.0.1:9000\"\n"),
+        "test.toml:2: server.max_connections: expected an integer of at least 1, got 0"
+    );
+    assert_eq!(
         problem("[upstream]\nurl = \"http://127.0.0.1:9000\"\n[lock]\nmax_waiters = 0\n"),
         "test.toml:4: lock.max_waiters: expected an integer of at least 1, got 0"
     );

@@ -440,7 +440,15 @@ impl Checker<'_> {
     }
 
     fn config(&mut self, raw: &RawConfig) -> Config {
+        if *raw.server.max_connections.get_ref() == 0 {
+            self.report(
+                raw.server.max_connections.span(),
+                "server.max_connections",
+                "expected an integer of at least 1, got 0",
+            );
+        }
         let server = ServerConfig {
+            max_connections: *raw.server.max_connections.get_ref(),
             listen: self.listen(&raw.server.listen, defaults::SERVER_LISTEN, "server.listen"),
             max_header_bytes: raw.server.max_header_bytes,
             max_body_bytes: raw.server.max_body_bytes,

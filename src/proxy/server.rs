@@ -13,6 +13,7 @@
 use std::convert::Infallible;
 use std::future::Future;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use http::{Request, Response};
@@ -21,10 +22,11 @@ use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
+use prometheus::{IntCounter, IntGauge};
 use std::net::SocketAddr;
 
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
@@ -34,8 +36,59 @@ use super::body::Body;
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct ConnLimits {
     pub(crate) max_header_bytes: usize,
+    /// Also from accept to the first request: a connection that sends no complete request
+    /// head in this time is closed, so idle connections cannot pile up.
     pub(crate) header_read_timeout: Duration,
     pub(crate) shutdown_grace: Duration,
+}
+
+/// How many connections a listener keeps open at once; one more is closed as soon as it is
+/// accepted (so it does not wait in the kernel's backlog either) and counted.
+#[derive(Clone, Debug)]
+pub(crate) struct Admission {
+    slots: Arc<Semaphore>,
+    refused: IntCounter,
+    open: IntGauge,
+}
+
+impl Admission {
+    pub(crate) fn new(max_connections: usize, refused: IntCounter, open: IntGauge) -> Self {
+        Admission {
+            slots: Arc::new(Semaphore::new(max_connections.max(1))),
+            refused,
+            open,
+        }
+    }
+
+    /// A place for one more connection, or `None` (counted) when the listener is full.
+    fn admit(&self) -> Option<Admitted> {
+        match Arc::clone(&self.slots).try_acquire_owned() {
+            Ok(permit) => {
+                self.open.inc();
+                Some(Admitted {
+                    _permit: permit,
+                    open: self.open.clone(),
+                })
+            }
+            Err(_) => {
+                self.refused.inc();
+                None
+            }
+        }
+    }
+}
+
+/// One admitted connection's place: freed when the connection's task ends.
+#[derive(Debug)]
+struct Admitted {
+    _permit: OwnedSemaphorePermit,
+    open: IntGauge,
+}
+
+impl Drop for Admitted {
+    fn drop(&mut self) {
+        self.open.dec();
+    }
 }
 
 fn connection_builder(limits: ConnLimits) -> auto::Builder<TokioExecutor> {
@@ -55,12 +108,15 @@ fn connection_builder(limits: ConnLimits) -> auto::Builder<TokioExecutor> {
     builder
 }
 
-/// Serves one accepted connection on the current runtime, watched by `graceful`.
+/// Serves one accepted connection on the current runtime, watched by `graceful`, holding
+/// its admission place until it ends. A connection whose first request has not begun
+/// within `first_request` of accept is closed: hyper's header timeout starts with the
+/// first byte of a head, and the protocol detection before it waits for ever.
 fn spawn_connection<H, F>(
     builder: &auto::Builder<TokioExecutor>,
     graceful: &GracefulShutdown,
-    stream: TcpStream,
-    peer: SocketAddr,
+    (stream, peer, admitted): (TcpStream, SocketAddr, Admitted),
+    first_request: Duration,
     handler: &Arc<H>,
 ) where
     H: Fn(Request<Incoming>, SocketAddr) -> F + Send + Sync + 'static,
@@ -68,16 +124,33 @@ fn spawn_connection<H, F>(
 {
     let _ = stream.set_nodelay(true);
     let handler = Arc::clone(handler);
-    let service = service_fn(move |request| {
-        let response = handler(request, peer);
-        async move { Ok::<_, Infallible>(response.await) }
-    });
+    let asked = Arc::new(AtomicBool::new(false));
+    let service = {
+        let asked = Arc::clone(&asked);
+        service_fn(move |request| {
+            asked.store(true, Ordering::Relaxed);
+            let response = handler(request, peer);
+            async move { Ok::<_, Infallible>(response.await) }
+        })
+    };
     let connection = builder
         .serve_connection(TokioIo::new(stream), service)
         .into_owned();
     let connection = graceful.watch(connection);
     tokio::spawn(async move {
-        if let Err(error) = connection.await {
+        let _admitted = admitted;
+        tokio::pin!(connection);
+        let ended = tokio::select! {
+            ended = &mut connection => ended,
+            () = tokio::time::sleep(first_request) => {
+                if !asked.load(Ordering::Relaxed) {
+                    debug!(message = "Connection closed: no request within header_read_timeout.", %peer);
+                    return;
+                }
+                connection.await
+            }
+        };
+        if let Err(error) = ended {
             debug!(message = "Connection ended with an error.", %error);
         }
     });
@@ -105,6 +178,7 @@ pub(crate) async fn serve_sharded<H, F>(
     name: &'static str,
     listener: TcpListener,
     limits: ConnLimits,
+    admission: Admission,
     stop: CancellationToken,
     handler: Arc<H>,
     workers: usize,
@@ -118,7 +192,8 @@ where
     for index in 0..workers.max(1) {
         // Unbounded is fine: the accept loop is the only sender and a worker takes a
         // connection as fast as it can register it; the kernel backlog bounds the rest.
-        let (queue, mut incoming) = mpsc::unbounded_channel::<(std::net::TcpStream, SocketAddr)>();
+        let (queue, mut incoming) =
+            mpsc::unbounded_channel::<(std::net::TcpStream, SocketAddr, Admitted)>();
         let (done, finished_rx) = oneshot::channel::<()>();
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -131,11 +206,15 @@ where
                 runtime.block_on(async move {
                     let builder = connection_builder(limits);
                     let graceful = GracefulShutdown::new();
-                    while let Some((stream, peer)) = incoming.recv().await {
+                    while let Some((stream, peer, admitted)) = incoming.recv().await {
                         match TcpStream::from_std(stream) {
-                            Ok(stream) => {
-                                spawn_connection(&builder, &graceful, stream, peer, &handler);
-                            }
+                            Ok(stream) => spawn_connection(
+                                &builder,
+                                &graceful,
+                                (stream, peer, admitted),
+                                limits.header_read_timeout,
+                                &handler,
+                            ),
                             Err(error) => debug!(message = "Cannot adopt a connection.", %error),
                         }
                     }
@@ -164,10 +243,17 @@ where
                 continue;
             }
         };
+        // Full: closed at once (dropped), counted.
+        let Some(admitted) = admission.admit() else {
+            continue;
+        };
         let Ok(stream) = stream.into_std() else {
             continue;
         };
-        if queues[next % queues.len()].send((stream, peer)).is_err() {
+        if queues[next % queues.len()]
+            .send((stream, peer, admitted))
+            .is_err()
+        {
             warn!(
                 message = "A proxy worker stopped unexpectedly.",
                 listener = name
@@ -192,6 +278,7 @@ pub(crate) async fn serve<H, F>(
     name: &'static str,
     listener: TcpListener,
     limits: ConnLimits,
+    admission: Admission,
     stop: CancellationToken,
     handler: Arc<H>,
 ) where
@@ -206,7 +293,17 @@ pub(crate) async fn serve<H, F>(
             accepted = listener.accept() => accepted,
         };
         match accepted {
-            Ok((stream, peer)) => spawn_connection(&builder, &graceful, stream, peer, &handler),
+            Ok((stream, peer)) => {
+                if let Some(admitted) = admission.admit() {
+                    spawn_connection(
+                        &builder,
+                        &graceful,
+                        (stream, peer, admitted),
+                        limits.header_read_timeout,
+                        &handler,
+                    );
+                }
+            }
             Err(error) => {
                 warn!(message = "Accept failed.", listener = name, %error);
                 tokio::time::sleep(Duration::from_millis(50)).await;
