@@ -372,6 +372,8 @@ pub(crate) struct JournalMetrics {
     pub(crate) retries: prometheus::IntCounter,
     /// Owed invalidations abandoned (could not be journaled; unreadable record).
     pub(crate) give_ups: prometheus::IntCounter,
+    /// Records whose checksum did not match (skipped).
+    pub(crate) corrupt: prometheus::IntCounter,
     pub(crate) fsync_seconds: prometheus::Histogram,
 }
 
@@ -656,6 +658,11 @@ impl Metrics {
                 "cacheguard_journal_give_ups_total",
                 "Owed invalidations abandoned: the journal could not be written, or a record was unreadable. Should stay 0.",
             )?,
+            corrupt: IntCounter::new(
+                "cacheguard_journal_corrupt_records_total",
+                "Journal records skipped on open because their checksum did not match (a \
+                 damaged file); each is also a give-up. Should stay 0.",
+            )?,
             fsync_seconds: Histogram::with_opts(
                 HistogramOpts::new(
                     "cacheguard_journal_fsync_seconds",
@@ -672,6 +679,7 @@ impl Metrics {
         registry.register(Box::new(journal.applied.clone()))?;
         registry.register(Box::new(journal.retries.clone()))?;
         registry.register(Box::new(journal.give_ups.clone()))?;
+        registry.register(Box::new(journal.corrupt.clone()))?;
         registry.register(Box::new(journal.fsync_seconds.clone()))?;
         let stream = StreamMetrics {
             entries: IntCounterVec::new(

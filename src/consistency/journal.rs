@@ -8,19 +8,26 @@
 //!
 //! # Format
 //!
-//! JSON lines, one record each. Ids increase monotonically; a reopened journal continues
-//! after the highest id it finds.
+//! Lines, one record each: the CRC-32 of the JSON record in 8 hex digits, a space, and the
+//! record (`cut -c10- journal | jq` reads it). Ids increase monotonically; a reopened
+//! journal continues after the highest id it finds.
 //!
 //! ```text
-//! {"op":"owe","id":7,"at_ms":1763790000000,"owed":{"kind":"key","base":"<32 hex digits>","generation_ttl_ms":180000}}
-//! {"op":"owe","id":8,"at_ms":1763790000004,"owed":{"kind":"tag","tag":"user:42"}}
-//! {"op":"done","id":7}
+//! 5e0c83d1 {"op":"owe","id":7,"at_ms":1763790000000,"owed":{"kind":"key","base":"<32 hex digits>","generation_ttl_ms":180000}}
+//! 0b6f2a9e {"op":"owe","id":8,"at_ms":1763790000004,"owed":{"kind":"tag","tag":"user:42"}}
+//! 9a41c0f2 {"op":"done","id":7}
 //! ```
 //!
-//! Pending is every `owe` without its `done`. On open, a last line that does not parse is
-//! dropped silently: it is a write torn by a crash (no newline, or the zeros a file system
-//! leaves after a power loss), and the `append` it belonged to never returned. Any other
-//! line that does not parse is skipped, logged and counted as a give-up. An exclusive lock
+//! The checksum is what makes a damaged record visible: one flipped hex digit in a key is
+//! still valid JSON, and would replay against a key nobody uses while the real entry stayed
+//! stale. A line that starts with `{` is a record from before checksums and is read as it
+//! is (an older journal replays after an upgrade).
+//!
+//! Pending is every `owe` without its `done`. On open, a last line that does not check or
+//! parse is a write torn by a crash (no newline, or the zeros a file system leaves after a
+//! power loss), whose `append` never returned: dropped, with a log line. Any other line
+//! whose checksum does not match is skipped, logged and counted as corrupt and as a
+//! give-up; one that does not parse is skipped, logged and counted as a give-up. An exclusive lock
 //! on `<path>.lock` keeps a second process off the journal; it is a file of its own so
 //! that compaction's rename cannot drop it.
 //!
@@ -153,12 +160,43 @@ enum LineIn {
     Done { id: u64 },
 }
 
-/// Appends one line and its newline to `buf` (all or nothing).
+/// Appends one line and its newline to `buf` (all or nothing): checksum, space, record.
 fn push_line(buf: &mut Vec<u8>, line: &LineOut<'_>) -> io::Result<()> {
-    let mut bytes = serde_json::to_vec(line).map_err(io::Error::other)?;
-    bytes.push(b'\n');
-    buf.extend_from_slice(&bytes);
+    let json = serde_json::to_vec(line).map_err(io::Error::other)?;
+    let crc = crc32fast::hash(&json);
+    buf.extend_from_slice(format!("{crc:08x} ").as_bytes());
+    buf.extend_from_slice(&json);
+    buf.push(b'\n');
     Ok(())
+}
+
+/// Why a line could not be read.
+enum BadLine {
+    /// Its checksum does not match its record: the file was damaged.
+    Corrupt,
+    /// It does not parse as a record.
+    Unreadable(String),
+}
+
+/// Reads one line: checked against its checksum, or as it is when it predates them.
+fn parse_line(line: &[u8]) -> Result<LineIn, BadLine> {
+    let json = if line.first() == Some(&b'{') {
+        line
+    } else {
+        let (crc, json) = match line.split_at_checked(9) {
+            Some((head, json)) if head.last() == Some(&b' ') => (&head[..8], json),
+            _ => return Err(BadLine::Unreadable("no checksum".to_owned())),
+        };
+        let expected = std::str::from_utf8(crc)
+            .ok()
+            .and_then(|hex| u32::from_str_radix(hex, 16).ok())
+            .ok_or_else(|| BadLine::Unreadable("no checksum".to_owned()))?;
+        if crc32fast::hash(json) != expected {
+            return Err(BadLine::Corrupt);
+        }
+        json
+    };
+    serde_json::from_slice::<LineIn>(json).map_err(|e| BadLine::Unreadable(e.to_string()))
 }
 
 /// `<path><suffix>`, next to the journal.
@@ -639,7 +677,7 @@ fn load(path: &Path, metrics: &JournalMetrics) -> Result<Loaded, JournalError> {
             continue;
         }
         loaded.lines += 1;
-        match serde_json::from_slice::<LineIn>(segment) {
+        match parse_line(segment) {
             Ok(LineIn::Owe { id, at_ms, owed }) => {
                 loaded.max_id = loaded.max_id.max(id);
                 loaded.records.entry(id).or_insert((owed, at_ms));
@@ -649,8 +687,25 @@ fn load(path: &Path, metrics: &JournalMetrics) -> Result<Loaded, JournalError> {
                 loaded.records.remove(&id);
             }
             // A torn last write: its append never returned.
-            Err(_) if Some(index) == last => loaded.tidy = false,
-            Err(error) => {
+            Err(_) if Some(index) == last => {
+                loaded.tidy = false;
+                warn!(
+                    message = "Retry journal: a torn last record (a write cut by a crash) was dropped; its append never returned.",
+                    path = %path.display(),
+                    line = index + 1,
+                );
+            }
+            Err(BadLine::Corrupt) => {
+                loaded.tidy = false;
+                metrics.corrupt.inc();
+                metrics.give_ups.inc();
+                warn!(
+                    message = "Retry journal: a record's checksum does not match (a damaged file); skipped, its invalidation is given up.",
+                    path = %path.display(),
+                    line = index + 1,
+                );
+            }
+            Err(BadLine::Unreadable(error)) => {
                 loaded.tidy = false;
                 metrics.give_ups.inc();
                 warn!(
@@ -1346,6 +1401,56 @@ mod tests {
         let journal = Journal::open(&path, FsyncPolicy::Always, metrics.clone()).unwrap();
         assert_eq!(journal.depth(), 3);
         assert_eq!(metrics.give_ups.get(), 0);
+    }
+
+    /// One flipped hex digit in a record's key still makes valid JSON: without a checksum
+    /// it would replay against a key nobody uses while the real entry stays stale. With
+    /// one, the record is skipped and counted; the others load; lines from before checksums
+    /// (no prefix) still load.
+    #[tokio::test]
+    async fn a_corrupt_record_is_skipped_and_counted_not_replayed() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("journal");
+        let line = |id: u64, n: u32| {
+            let mut line = Vec::new();
+            push_line(
+                &mut line,
+                &LineOut::Owe {
+                    id,
+                    at_ms: 1_000 + id,
+                    owed: &key(n),
+                },
+            )
+            .unwrap();
+            String::from_utf8(line).unwrap()
+        };
+        let corrupt = {
+            let good = line(2, 2);
+            let at = good.find(r#""base":""#).unwrap() + r#""base":""#.len() + 5;
+            let mut bytes = good.into_bytes();
+            bytes[at] = if bytes[at] == b'a' { b'b' } else { b'a' };
+            String::from_utf8(bytes).unwrap()
+        };
+        let legacy = serde_json::to_string(&LineOut::Owe {
+            id: 4,
+            at_ms: 1_004,
+            owed: &key(4),
+        })
+        .unwrap();
+        fs::write(
+            &path,
+            format!("{}{corrupt}{}{legacy}\n", line(1, 1), line(3, 3)),
+        )
+        .unwrap();
+        let metrics = crate::metrics::Metrics::unregistered().journal;
+        let journal = Journal::open(&path, FsyncPolicy::Always, metrics.clone()).unwrap();
+        assert_eq!(values(&journal), vec![key(1), key(3), key(4)]);
+        assert_eq!(metrics.corrupt.get(), 1);
+        assert_eq!(
+            metrics.give_ups.get(),
+            1,
+            "its invalidation is given up, counted"
+        );
     }
 
     #[tokio::test]
