@@ -13,8 +13,9 @@
 //! wrong one (or when no token is configured: mutating calls are then disabled). Every
 //! mutating call is logged with the caller's address and the result.
 //!
-//! `/readyz` answers 200 `ready`, or 200 `degraded: …` when Redis is configured but down or
-//! a Bloom filter is not loaded (it then rejects nothing).
+//! `/readyz` answers 200 `ready`, or 200 `degraded: …` when Redis is configured but down, a
+//! Bloom filter is not loaded (it then rejects nothing), or the retry journal cannot be
+//! written (owed invalidations are then held in memory).
 //! It stays 200 on purpose: Redis is an accelerator, and a readiness probe that failed with
 //! Redis would pull every instance out of service at once — the outage cacheguard exists to
 //! prevent. The body and `cacheguard_redis_up` say what is degraded.
@@ -179,6 +180,11 @@ impl Admin {
             && !redis.is_up()
         {
             problems.push("redis unreachable".to_owned());
+        }
+        if self.proxy.invalidator.journal_failing() {
+            problems.push(
+                "retry journal cannot be written (owed invalidations held in memory)".to_owned(),
+            );
         }
         for filter in self.filters.all() {
             if !filter.is_ready() {

@@ -50,6 +50,9 @@ use crate::reload::{self, Live, Reloaded, Source};
 /// How long generations, tag invalidation times and local marks are kept: longer than any
 /// fill can run (the longest entry life — a refresh may begin just before it ends —, the
 /// upstream timeout, a lease) plus a margin.
+/// How often invalidations held in memory (the journal could not be written) are retried.
+const HELD_RETRY: Duration = Duration::from_millis(500);
+
 /// Connections the admin listener keeps open at once: its own bound, apart from the
 /// proxy's, so `/healthz` and `/metrics` answer while the proxy listener is flooded.
 const ADMIN_MAX_CONNECTIONS: usize = 256;
@@ -89,6 +92,21 @@ fn spawn_retries(
             tokio::select! {
                 () = stop_forward.cancelled() => return,
                 () = back.notified() => forward.notify_one(),
+            }
+        }
+    });
+    // Owed invalidations the journal could not take (a full disk) are held in memory:
+    // retried every half second until Redis or the journal takes them.
+    let held = Arc::clone(invalidator);
+    let stop_held = stop.clone();
+    tokio::spawn(async move {
+        loop {
+            tokio::select! {
+                () = stop_held.cancelled() => return,
+                () = tokio::time::sleep(HELD_RETRY) => {}
+            }
+            if held.journal_failing() {
+                held.retry_held().await;
             }
         }
     });

@@ -332,6 +332,8 @@ pub struct Metrics {
     pub bus_resubscriptions: IntCounter,
     pub bus_events: IntCounter,
     pub marks_overflow: IntCounter,
+    pub journal_failing: IntGauge,
+    pub invalidations_held: IntGauge,
     connections_refused: IntCounterVec,
     connections_open: IntGaugeVec,
     bloom_rejections: IntCounterVec,
@@ -612,7 +614,7 @@ impl Metrics {
         let invalidations = IntCounterVec::new(
             Opts::new(
                 "cacheguard_invalidations_total",
-                "Invalidations (base keys and tags), by source (write, purge, stream, retry) and result (done; journaled: Redis unavailable, retried from the journal; lost: not even journaled).",
+                "Invalidations (base keys and tags), by source (write, purge, stream, retry) and result (done; journaled: Redis unavailable, retried from the journal; held: the journal could not be written, held in memory and retried; lost: neither).",
             ),
             &["source", "result"],
         )?;
@@ -623,7 +625,7 @@ impl Metrics {
             hot_requests.with_label_values(&[tier]);
         }
         for source in ["write", "purge", "stream", "retry"] {
-            for result in ["done", "journaled", "lost"] {
+            for result in ["done", "journaled", "held", "lost"] {
                 invalidations.with_label_values(&[source, result]);
             }
         }
@@ -855,6 +857,15 @@ impl Metrics {
             ),
             &["listener"],
         )?;
+        let journal_failing = IntGauge::new(
+            "cacheguard_journal_failing",
+            "1 while the retry journal cannot be written and owed invalidations are held in \
+             memory instead (retried until Redis or the journal takes them).",
+        )?;
+        let invalidations_held = IntGauge::new(
+            "cacheguard_invalidations_held",
+            "Owed invalidations held in memory because the journal could not be written.",
+        )?;
         let marks_overflow = IntCounter::new(
             "cacheguard_invalidation_marks_overflow_total",
             "Local invalidation marks dropped because their table was full: L1 copies known \
@@ -1006,6 +1017,8 @@ impl Metrics {
         registry.register(Box::new(bus_resubscriptions.clone()))?;
         registry.register(Box::new(bus_events.clone()))?;
         registry.register(Box::new(marks_overflow.clone()))?;
+        registry.register(Box::new(journal_failing.clone()))?;
+        registry.register(Box::new(invalidations_held.clone()))?;
         registry.register(Box::new(connections_refused.clone()))?;
         registry.register(Box::new(connections_open.clone()))?;
         registry.register(Box::new(requests.clone()))?;
@@ -1101,6 +1114,8 @@ impl Metrics {
             bus_resubscriptions,
             bus_events,
             marks_overflow,
+            journal_failing,
+            invalidations_held,
             connections_refused,
             connections_open,
             bloom_rejections,

@@ -1255,3 +1255,137 @@ async fn what_a_writes_answer_names_is_invalidated() {
     }
     assert!(wrong.is_empty(), "{wrong:#?}");
 }
+
+// === a full journal disk ===
+
+/// A small tmpfs, mounted for one test and unmounted when dropped.
+struct SmallDisk {
+    dir: tempfile::TempDir,
+}
+
+impl SmallDisk {
+    /// Needs root (the machine the suite runs on); says so if mounting is refused.
+    fn mount(size: &str) -> SmallDisk {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let status = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(dir.path())
+            .status()
+            .expect("run mount");
+        assert!(
+            status.success(),
+            "mounting a tmpfs failed ({status}): this test needs root to make a small disk"
+        );
+        SmallDisk { dir }
+    }
+
+    fn path(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// Writes a filler file until the disk is full.
+    fn fill(&self) {
+        use std::io::Write;
+        let mut file = std::fs::File::create(self.path().join("filler")).expect("filler");
+        let chunk = vec![0u8; 4096];
+        while file.write_all(&chunk).is_ok() && file.flush().is_ok() {}
+        let _ = file.sync_all();
+    }
+
+    fn free(&self) {
+        std::fs::remove_file(self.path().join("filler")).expect("remove filler");
+    }
+}
+
+impl Drop for SmallDisk {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg(self.dir.path())
+            .status();
+    }
+}
+
+/// The journal's disk is full and Redis unreachable: 20 writes are forwarded, and none of
+/// their invalidations is lost. They are held in memory (`/readyz` and
+/// `cacheguard_journal_failing` say the journal is failing), and once Redis and the disk
+/// are back every key reads the new version from Redis, not the old entry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_journal_disk_loses_no_invalidation() {
+    let disk = SmallDisk::mount("256k");
+    let redis = RedisServer::start().await;
+    let link = TcpProxy::start(redis.addr()).await;
+    let origin = TestOrigin::start_kv().await;
+    let cg = kv_config(&origin, &redis, "0s")
+        .set_str("redis", "url", &link.redis_url())
+        .set_str(
+            "journal",
+            "path",
+            &disk.path().join("j.journal").display().to_string(),
+        )
+        .start()
+        .await;
+    let client = HttpClient::new();
+    let path = |i: usize| format!("/kv/full-{i}");
+    for i in 0..20 {
+        assert_eq!(get_version(&client, cg.addr(), &path(i)).await, 0);
+    }
+    disk.fill();
+    link.cut();
+    let down = poll_until(
+        Duration::from_secs(10),
+        Duration::from_millis(20),
+        || async {
+            let up = metric(&client, cg.admin_addr(), "cacheguard_redis_up", &[]).await;
+            (up == 0.0).then_some(())
+        },
+    )
+    .await;
+    assert!(down.is_some(), "Redis still seen up");
+    for i in 0..20 {
+        let r = put(&client, cg.addr(), &path(i)).await;
+        assert_eq!(r.status, 200, "{r}");
+    }
+    let lost = metric(
+        &client,
+        cg.admin_addr(),
+        "cacheguard_invalidations_total",
+        &[("result", "lost")],
+    )
+    .await;
+    assert_eq!(lost, 0.0, "invalidations lost on a full journal disk");
+    let failing = metric(&client, cg.admin_addr(), "cacheguard_journal_failing", &[]).await;
+    assert_eq!(failing, 1.0);
+    let ready = client.get(&url(cg.admin_addr(), "/readyz")).await;
+    assert!(
+        String::from_utf8_lossy(&ready.body).contains("journal"),
+        "/readyz is silent about the journal: {ready}"
+    );
+    disk.free();
+    link.restore();
+    let drained = poll_until(
+        Duration::from_secs(15),
+        Duration::from_millis(50),
+        || async {
+            let held = metric(
+                &client,
+                cg.admin_addr(),
+                "cacheguard_invalidations_held",
+                &[],
+            )
+            .await;
+            let depth = metric(&client, cg.admin_addr(), "cacheguard_journal_depth", &[]).await;
+            (held == 0.0 && depth == 0.0).then_some(())
+        },
+    )
+    .await;
+    assert!(drained.is_some(), "owed invalidations never drained");
+    for i in 0..20 {
+        assert_eq!(
+            get_version(&client, cg.addr(), &path(i)).await,
+            1,
+            "{} still stale after Redis and the disk came back",
+            path(i)
+        );
+    }
+    cg.shutdown().await;
+}

@@ -53,7 +53,8 @@ pub(crate) use crate::metrics::InvalidationSource as Source;
 pub(crate) struct Report {
     /// Applied everywhere (or locally, in embedded mode).
     pub(crate) done: usize,
-    /// Applied here; owed to Redis, kept in the journal.
+    /// Applied here; owed to Redis, kept in the journal (or, while it cannot be written,
+    /// held in memory), retried until done.
     pub(crate) journaled: usize,
     /// Applied here; owed to Redis but the journal could not take it (logged as an error).
     pub(crate) lost: usize,
@@ -83,8 +84,16 @@ pub(crate) struct Invalidator {
     owed_keys: Mutex<HashSet<u128>>,
     owed_tags: AtomicBool,
     owing: AtomicBool,
+    /// Owed invalidations the journal could not take (a full or failing disk): kept here
+    /// and retried ([`Invalidator::retry_held`]) until Redis takes them or the journal
+    /// does. Bounded by [`MAX_HELD`].
+    held: Mutex<Vec<Invalidation>>,
     metrics: Metrics,
 }
+
+/// Owed invalidations kept in memory at most while the journal cannot be written (about
+/// 100 bytes each). Beyond it they are lost, logged and counted, as with no journal.
+const MAX_HELD: usize = 100_000;
 
 impl Invalidator {
     pub(crate) fn new(
@@ -107,6 +116,7 @@ impl Invalidator {
             owed_keys: Mutex::default(),
             owed_tags: AtomicBool::new(false),
             owing: AtomicBool::new(false),
+            held: Mutex::default(),
             metrics,
         };
         if let Some(journal) = &this.journal {
@@ -165,28 +175,116 @@ impl Invalidator {
         for item in &owed {
             self.note_owed(item);
         }
+        let first = journal.depth() == 0;
         match journal.append(owed.iter().map(to_owed).collect()).await {
             Ok(()) => {
                 report.journaled = owed.len();
                 self.metrics.invalidation(source, "journaled", owed.len());
-                warn!(
-                    message = "Invalidation journaled: Redis unavailable; retried until done.",
-                    count = owed.len(),
-                    journal = %journal.path().display(),
-                );
+                // Once when the journal starts filling, not once per write of an outage:
+                // the depth and age gauges tell the rest.
+                if first {
+                    warn!(
+                        message = "Invalidations are being journaled: Redis unavailable; retried until done (cacheguard_journal_depth counts them).",
+                        journal = %journal.path().display(),
+                    );
+                }
                 self.wake.notify_one();
             }
             Err(e) => {
-                report.lost = owed.len();
-                self.metrics.invalidation(source, "lost", owed.len());
-                error!(
-                    message = "Invalidation could not be journaled; stale copies may stay in Redis until they expire.",
-                    count = owed.len(),
-                    error = %e,
-                );
+                let count = owed.len();
+                let kept = self.hold(owed);
+                report.journaled = kept;
+                report.lost = count - kept;
+                self.metrics.invalidation(source, "held", kept);
+                if report.lost > 0 {
+                    self.metrics.invalidation(source, "lost", report.lost);
+                    error!(
+                        message = "Invalidation could not be journaled nor held; stale copies may stay in Redis until they expire.",
+                        count = report.lost,
+                        error = %e,
+                    );
+                }
+                self.wake.notify_one();
             }
         }
         report
+    }
+
+    /// Keeps owed invalidations the journal could not take, up to [`MAX_HELD`]; returns
+    /// how many were kept. Says so once when the journal starts failing.
+    fn hold(&self, owed: Vec<Invalidation>) -> usize {
+        let mut held = self.held();
+        let was_empty = held.is_empty();
+        let room = MAX_HELD.saturating_sub(held.len());
+        let kept = owed.len().min(room);
+        held.extend(owed.into_iter().take(kept));
+        self.metrics.journal_failing.set(1);
+        self.metrics
+            .invalidations_held
+            .set(i64::try_from(held.len()).unwrap_or(i64::MAX));
+        if was_empty {
+            error!(
+                message = "Retry journal cannot be written: owed invalidations are held in memory and retried until Redis or the journal takes them.",
+                journal = %self.journal.as_ref().map(|j| j.path().display().to_string()).unwrap_or_default(),
+            );
+        }
+        kept
+    }
+
+    fn held(&self) -> std::sync::MutexGuard<'_, Vec<Invalidation>> {
+        self.held.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Whether owed invalidations wait in memory because the journal could not be written.
+    pub(crate) fn journal_failing(&self) -> bool {
+        !self.held().is_empty()
+    }
+
+    /// One retry of the invalidations held in memory: each goes to Redis if it answers;
+    /// what is left goes to the journal if it can be written now; what neither took is
+    /// held again. Returns whether nothing is held any more.
+    pub(crate) async fn retry_held(&self) -> bool {
+        let items = std::mem::take(&mut *self.held());
+        if items.is_empty() {
+            return true;
+        }
+        let mut left = Vec::new();
+        for item in items {
+            let applied = match &self.dist {
+                Some(dist) => self.apply_remote(dist, &item, Duration::ZERO).await.is_ok(),
+                None => true,
+            };
+            if applied {
+                self.metrics.invalidation(Source::Retry, "done", 1);
+                self.settle_owed(&item);
+            } else {
+                left.push(item);
+            }
+        }
+        if !left.is_empty()
+            && let Some(journal) = &self.journal
+            && journal
+                .append(left.iter().map(to_owed).collect())
+                .await
+                .is_ok()
+        {
+            left.clear();
+        }
+        let mut held = self.held();
+        // Put back what is left, before anything held meanwhile.
+        left.append(&mut held);
+        *held = left;
+        let empty = held.is_empty();
+        self.metrics
+            .invalidations_held
+            .set(i64::try_from(held.len()).unwrap_or(i64::MAX));
+        if empty {
+            self.metrics.journal_failing.set(0);
+            warn!(
+                message = "Owed invalidations are no longer held in memory: Redis or the journal took them."
+            );
+        }
+        empty
     }
 
     /// Whether this instance must not read `base` from Redis now: an invalidation of it
@@ -195,7 +293,7 @@ impl Invalidator {
         if !self.owing.load(Ordering::Acquire) {
             return false;
         }
-        if self.journal.as_ref().is_none_or(|j| j.depth() == 0) {
+        if self.journal.as_ref().is_none_or(|j| j.depth() == 0) && self.held().is_empty() {
             // Everything owed was applied: back to the fast path.
             self.owing.store(false, Ordering::Release);
             self.owed_tags.store(false, Ordering::Release);
