@@ -284,6 +284,7 @@ pub struct Metrics {
     revalidations: IntCounterVec,
     oversized: IntCounterVec,
     variants_refused: IntCounterVec,
+    origin_retries: IntCounterVec,
     coalesced: IntCounterVec,
     pub l1_entries: IntGauge,
     pub l1_bytes: IntGauge,
@@ -497,6 +498,14 @@ impl Metrics {
                 "cacheguard_variants_refused_total",
                 "Misses refused (429) because their path had max_variants query or vary \
                  variants fetched in the current window already.",
+            ),
+            &["route"],
+        )?;
+        let origin_retries = IntCounterVec::new(
+            Opts::new(
+                "cacheguard_origin_retries_total",
+                "Cached fetches sent a second time on a new connection because their pooled \
+                 connection failed after the request was written, before any answer.",
             ),
             &["route"],
         )?;
@@ -1030,6 +1039,7 @@ impl Metrics {
         registry.register(Box::new(revalidations.clone()))?;
         registry.register(Box::new(oversized.clone()))?;
         registry.register(Box::new(variants_refused.clone()))?;
+        registry.register(Box::new(origin_retries.clone()))?;
         registry.register(Box::new(coalesced.clone()))?;
         registry.register(Box::new(l1_entries.clone()))?;
         registry.register(Box::new(l1_bytes.clone()))?;
@@ -1071,6 +1081,7 @@ impl Metrics {
             revalidations,
             oversized,
             variants_refused,
+            origin_retries,
             coalesced,
             l1_entries,
             l1_bytes,
@@ -1190,6 +1201,7 @@ impl Metrics {
                 .with_label_values(&[FillRefusal::Vary.as_str()]),
             oversized: self.oversized.with_label_values(&[route]),
             variants_refused: self.variants_refused.with_label_values(&[route]),
+            origin_retries: self.origin_retries.with_label_values(&[route]),
             coalesced: self.coalesced.with_label_values(&[route]),
             stale_served: self.stale_served.with_label_values(&[route]),
             early_refreshes: self.early_refreshes.with_label_values(&[route]),
@@ -1329,6 +1341,7 @@ pub struct RouteMetrics {
     pub refused_vary: IntCounter,
     pub oversized: IntCounter,
     pub variants_refused: IntCounter,
+    pub origin_retries: IntCounter,
     pub coalesced: IntCounter,
     pub stale_served: IntCounter,
     pub early_refreshes: IntCounter,

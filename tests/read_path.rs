@@ -366,3 +366,53 @@ async fn idle_origin_connections_are_dropped_after_pool_idle_timeout() {
     );
     cg.shutdown().await;
 }
+
+/// Eight warm keep-alive connections to the origin are forgotten by a middlebox in
+/// between: each fails on its next request, after the request was written. A cached GET
+/// is idempotent and nothing of an answer was read, so it is retried once on a new
+/// connection: every client gets 200, and the retries are counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_get_whose_pooled_connection_was_dropped_is_retried_once() {
+    let origin = TestOrigin::start().await;
+    origin.set_default_delay(Duration::from_millis(100));
+    let middlebox = common::TcpProxy::start(origin.addr()).await;
+    let cg = CgConfig::with_upstream(&format!("http://{}", middlebox.addr()))
+        .set("cache", "max_variants", "0")
+        .start()
+        .await;
+    let client = HttpClient::new();
+    // Eight concurrent misses: eight pooled connections.
+    let warm = concurrently(8, Duration::from_secs(10), |i| {
+        let client = client.clone();
+        let addr = cg.addr();
+        async move {
+            client
+                .get(&url(addr, &format!("/api/items/warm-{i}")))
+                .await
+        }
+    })
+    .await;
+    assert!(warm.iter().all(|r| r.status == 200), "{warm:?}");
+    middlebox.drop_open_on_next_request();
+    let burst = concurrently(8, Duration::from_secs(10), |i| {
+        let client = client.clone();
+        let addr = cg.addr();
+        async move {
+            client
+                .get(&url(addr, &format!("/api/items/burst-{i}")))
+                .await
+        }
+    })
+    .await;
+    let statuses: Vec<u16> = burst.iter().map(|r| r.status.as_u16()).collect();
+    assert_eq!(statuses, vec![200; 8], "{burst:?}");
+    let retries = common::metric(
+        &client,
+        cg.admin_addr(),
+        "cacheguard_origin_retries_total",
+        &[("route", "item")],
+    )
+    .await;
+    assert!(retries >= 1.0, "{retries} retries counted");
+    cg.shutdown().await;
+}

@@ -238,17 +238,18 @@ async fn fetch(origin: &Origin, job: &FillJob) -> Classified {
             return Classified::Failed(Failure::own(&error));
         }
     };
-    let request = match cached_fetch_request(origin, job) {
-        Ok(request) => request,
-        Err(error) => return Classified::Failed(Failure::own(&error)),
-    };
 
     let started = Instant::now();
     let limit = route.config.max_entry_bytes;
     let upstream = origin.upstream.load_full();
     let timeout = upstream.timeout;
     let read = tokio::time::timeout(timeout, async {
-        let response = upstream.send(request).await?;
+        let (response, retried) = upstream
+            .send_idempotent(|| cached_fetch_request(origin, job))
+            .await?;
+        if retried {
+            route.metrics.origin_retries.inc();
+        }
         Ok::<_, ProxyError>(read_bounded(response, limit).await)
     })
     .await;
@@ -269,10 +270,14 @@ async fn fetch(origin: &Origin, job: &FillJob) -> Classified {
         }
         Err(error) => {
             let status = match error {
-                ProxyError::OriginTimeout(_) => OriginStatus::Timeout,
-                _ => OriginStatus::Error,
+                ProxyError::OriginTimeout(_) => Some(OriginStatus::Timeout),
+                // The request could not be built: nothing reached the origin.
+                ProxyError::BadRequest(_) => None,
+                _ => Some(OriginStatus::Error),
             };
-            route.metrics.origin(status, seconds);
+            if let Some(status) = status {
+                route.metrics.origin(status, seconds);
+            }
             return Classified::Failed(Failure::own(&error));
         }
     };

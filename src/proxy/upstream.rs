@@ -24,6 +24,9 @@ pub(crate) type UpstreamBody = BoxBody<Bytes, BoxError>;
 #[derive(Clone, Debug)]
 pub(crate) struct Upstream {
     client: Client<HttpConnector, UpstreamBody>,
+    /// Without a pool: a retry after a pooled connection failed must not take another
+    /// pooled connection, which may be just as dead.
+    fresh: Client<HttpConnector, UpstreamBody>,
     scheme_authority: String,
     /// Path prefix of `upstream.url`, without a trailing slash ("" for none).
     prefix: String,
@@ -45,9 +48,13 @@ impl Upstream {
             .pool_max_idle_per_host(config.pool_max_idle)
             .pool_idle_timeout(config.pool_idle_timeout)
             .pool_timer(TokioTimer::new())
+            .build(connector.clone());
+        let fresh = Client::builder(TokioExecutor::new())
+            .pool_max_idle_per_host(0)
             .build(connector);
         Ok(Upstream {
             client,
+            fresh,
             scheme_authority: format!("http://{authority}"),
             prefix: config.url.path().trim_end_matches('/').to_owned(),
             authority: HeaderValue::from_str(authority.as_str())?,
@@ -67,6 +74,34 @@ impl Upstream {
         &self.authority
     }
 
+    /// Sends the request `make` builds, an idempotent one without a body, waiting at most
+    /// `upstream.timeout` in all for the response head. When the connection fails after the
+    /// request was written but before any byte of an answer (a pooled keep-alive connection
+    /// the origin or a middlebox dropped), it is sent once more on a new connection, as
+    /// RFC 9110 §9.2.2 allows for idempotent methods. Returns whether it was retried.
+    ///
+    /// # Errors
+    /// As [`Upstream::send`].
+    pub(crate) async fn send_idempotent(
+        &self,
+        make: impl Fn() -> Result<Request<UpstreamBody>, ProxyError>,
+    ) -> Result<(Response<Incoming>, bool), ProxyError> {
+        let deadline = tokio::time::Instant::now() + self.timeout;
+        let first = tokio::time::timeout_at(deadline, self.client.request(make()?)).await;
+        match first {
+            Err(_) => Err(ProxyError::OriginTimeout(self.timeout)),
+            Ok(Ok(response)) => Ok((response, false)),
+            Ok(Err(error)) if unanswered(&error) => {
+                match tokio::time::timeout_at(deadline, self.fresh.request(make()?)).await {
+                    Err(_) => Err(ProxyError::OriginTimeout(self.timeout)),
+                    Ok(Ok(response)) => Ok((response, true)),
+                    Ok(Err(error)) => Err(classify(&error)),
+                }
+            }
+            Ok(Err(error)) => Err(classify(&error)),
+        }
+    }
+
     /// Sends `request`, waiting at most `upstream.timeout` for the response head.
     ///
     /// # Errors
@@ -81,6 +116,36 @@ impl Upstream {
             Ok(Err(error)) => Err(classify(&error)),
         }
     }
+}
+
+/// Whether a request failed on an established connection before any byte of an answer:
+/// the connection was closed or reset under it (not a refused or timed-out connect, which
+/// a new attempt would meet again at once).
+fn unanswered(error: &hyper_util::client::legacy::Error) -> bool {
+    if error.is_connect() {
+        return false;
+    }
+    let mut source: Option<&(dyn StdError + 'static)> = error.source();
+    while let Some(cause) = source {
+        if let Some(hyper) = cause.downcast_ref::<hyper::Error>()
+            && (hyper.is_incomplete_message() || hyper.is_canceled())
+        {
+            return true;
+        }
+        if let Some(io) = cause.downcast_ref::<std::io::Error>()
+            && matches!(
+                io.kind(),
+                std::io::ErrorKind::ConnectionReset
+                    | std::io::ErrorKind::ConnectionAborted
+                    | std::io::ErrorKind::BrokenPipe
+                    | std::io::ErrorKind::UnexpectedEof
+            )
+        {
+            return true;
+        }
+        source = cause.source();
+    }
+    false
 }
 
 fn classify(error: &hyper_util::client::legacy::Error) -> ProxyError {

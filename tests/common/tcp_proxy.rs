@@ -6,6 +6,8 @@
 //!   as connections that end at once).
 //! - [`TcpProxy::set_delay`]: each chunk read from either side waits this long before it is
 //!   forwarded (added latency, both directions; applies to connections already open too).
+//! - [`TcpProxy::drop_open_on_next_request`]: connections open now end, unanswered, at the
+//!   next bytes their client sends (a pooled connection a middlebox forgot).
 //!
 //! Every task the proxy spawns is owned by it and stopped on `Drop`.
 
@@ -30,6 +32,9 @@ struct Link {
     cut: bool,
     /// Cancelled by `cut()`: ends every connection opened before it.
     epoch: CancellationToken,
+    /// Cancelled by `drop_open_on_next_request()`: connections opened before it end at
+    /// their next client bytes, which are not forwarded.
+    stale: CancellationToken,
 }
 
 #[derive(Debug)]
@@ -67,6 +72,7 @@ impl TcpProxy {
             link: Mutex::new(Link {
                 cut: false,
                 epoch: CancellationToken::new(),
+                stale: CancellationToken::new(),
             }),
             delay: Mutex::new(Duration::ZERO),
             accepted: AtomicU64::new(0),
@@ -108,6 +114,16 @@ impl TcpProxy {
         }
     }
 
+    /// Every connection open now is dropped, silently, at the next bytes its client sends
+    /// (which never reach the target): a middlebox that forgot the connection, so a pooled
+    /// keep-alive connection fails on its next request, after the request was written.
+    /// Connections opened later are not affected.
+    pub fn drop_open_on_next_request(&self) {
+        let mut link = lock(&self.shared.link);
+        link.stale.cancel();
+        link.stale = CancellationToken::new();
+    }
+
     /// Whether the proxy is cut.
     pub fn is_cut(&self) -> bool {
         lock(&self.shared.link).cut
@@ -147,17 +163,17 @@ async fn accept_loop(listener: TcpListener, shared: Arc<Shared>, stop: Cancellat
                 let Ok((client, _peer)) = accepted else { continue };
                 // Decide under the lock, so a connection accepted while `cut()` runs is
                 // either refused here or owned by the epoch `cut()` cancels.
-                let epoch = {
+                let tokens = {
                     let link = lock(&shared.link);
-                    (!link.cut).then(|| link.epoch.clone())
+                    (!link.cut).then(|| (link.epoch.clone(), link.stale.clone()))
                 };
-                let Some(epoch) = epoch else {
+                let Some((epoch, stale)) = tokens else {
                     shared.refused.fetch_add(1, Ordering::SeqCst);
                     drop(client);
                     continue;
                 };
                 shared.accepted.fetch_add(1, Ordering::SeqCst);
-                connections.spawn(proxy_connection(client, shared.clone(), epoch));
+                connections.spawn(proxy_connection(client, shared.clone(), epoch, stale));
             }
             Some(_) = connections.join_next(), if !connections.is_empty() => {}
         }
@@ -165,7 +181,12 @@ async fn accept_loop(listener: TcpListener, shared: Arc<Shared>, stop: Cancellat
     connections.shutdown().await;
 }
 
-async fn proxy_connection(client: TcpStream, shared: Arc<Shared>, epoch: CancellationToken) {
+async fn proxy_connection(
+    client: TcpStream,
+    shared: Arc<Shared>,
+    epoch: CancellationToken,
+    stale: CancellationToken,
+) {
     let upstream = tokio::select! {
         () = epoch.cancelled() => return,
         c = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(shared.target)) => c,
@@ -180,8 +201,8 @@ async fn proxy_connection(client: TcpStream, shared: Arc<Shared>, epoch: Cancell
     tokio::select! {
         biased;
         () = epoch.cancelled() => {}
-        () = pump(client_read, upstream_write, &shared, &epoch) => {}
-        () = pump(upstream_read, client_write, &shared, &epoch) => {}
+        () = pump(client_read, upstream_write, &shared, &epoch, Some(&stale)) => {}
+        () = pump(upstream_read, client_write, &shared, &epoch, None) => {}
     }
 }
 
@@ -192,6 +213,7 @@ async fn pump(
     mut to: OwnedWriteHalf,
     shared: &Shared,
     epoch: &CancellationToken,
+    stale: Option<&CancellationToken>,
 ) {
     let mut buf = vec![0u8; CHUNK];
     loop {
@@ -202,6 +224,9 @@ async fn pump(
         let delay = *lock(&shared.delay);
         if !delay.is_zero() {
             tokio::time::sleep(delay).await;
+        }
+        if stale.is_some_and(CancellationToken::is_cancelled) {
+            return;
         }
         if epoch.is_cancelled() || to.write_all(&buf[..n]).await.is_err() {
             return;
