@@ -381,29 +381,23 @@ async fn a_get_whose_pooled_connection_was_dropped_is_retried_once() {
         .start()
         .await;
     let client = HttpClient::new();
-    // Eight concurrent misses: eight pooled connections.
-    let warm = concurrently(8, Duration::from_secs(10), |i| {
+    let addr = cg.addr();
+    let eight = |name: &'static str| {
         let client = client.clone();
-        let addr = cg.addr();
-        async move {
-            client
-                .get(&url(addr, &format!("/api/items/warm-{i}")))
-                .await
-        }
-    })
-    .await;
+        concurrently(8, Duration::from_secs(10), move |i| {
+            let client = client.clone();
+            async move {
+                client
+                    .get(&url(addr, &format!("/api/items/{name}-{i}")))
+                    .await
+            }
+        })
+    };
+    // Eight concurrent misses: eight pooled connections.
+    let warm = eight("warm").await;
     assert!(warm.iter().all(|r| r.status == 200), "{warm:?}");
     middlebox.drop_open_on_next_request();
-    let burst = concurrently(8, Duration::from_secs(10), |i| {
-        let client = client.clone();
-        let addr = cg.addr();
-        async move {
-            client
-                .get(&url(addr, &format!("/api/items/burst-{i}")))
-                .await
-        }
-    })
-    .await;
+    let burst = eight("burst").await;
     let statuses: Vec<u16> = burst.iter().map(|r| r.status.as_u16()).collect();
     assert_eq!(statuses, vec![200; 8], "{burst:?}");
     let retries = common::metric(
