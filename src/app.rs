@@ -36,7 +36,7 @@ use crate::protect::hotkeys::HotKeys;
 use crate::proxy::fill::{Filler, Flights};
 use crate::proxy::hot::HotGate;
 use crate::proxy::origin::Origin;
-use crate::proxy::origin_guard::OriginGuard;
+use crate::proxy::origin_guard::{GuardMetrics, Limits, OriginGuard};
 use crate::proxy::own_answer::OwnAnswerLog;
 use crate::proxy::passthrough::Passthrough;
 use crate::proxy::read::ReadPath;
@@ -358,14 +358,8 @@ impl App {
         let routes =
             RouteTable::build(&config.routes, &metrics, &filters).context("building routes")?;
         let upstream = Upstream::new(&config.upstream).context("building the upstream client")?;
-        metrics.origin_caps(config.upstream.max_concurrency, config.upstream.max_rps);
-        let guard = OriginGuard::new(
-            config.upstream.max_concurrency,
-            config.upstream.max_rps,
-            config.upstream.queue_timeout,
-            metrics.origin_in_flight.clone(),
-            metrics.origin_queue_wait.clone(),
-        );
+        metrics.origin_caps(&config.upstream);
+        let guard = OriginGuard::new(Limits::of(&config.upstream), GuardMetrics::of(&metrics));
         // Owed invalidations: the journal (shared mode only: in embedded mode nothing is
         // owed to anyone), its retry loop, and the invalidation stream's consumer.
         let journal = match &redis {

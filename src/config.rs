@@ -119,8 +119,12 @@ pub struct ServerConfig {
 pub struct UpstreamConfig {
     /// Origin base URL, `http://host:port` (a path prefix is allowed).
     pub url: Uri,
-    /// Whole-response timeout for one origin request (head and body); exceeded → 504.
+    /// Whole-response timeout for one origin request (head and body); exceeded → 504. For
+    /// a request with a body, it starts once the body has been sent.
     pub timeout: Duration,
+    /// How long a client's request body forwarded to the origin may pause between two
+    /// reads; exceeded → 408.
+    pub upload_timeout: Duration,
     pub connect_timeout: Duration,
     /// Origin guard: at most this many origin requests in flight.
     pub max_concurrency: usize,
@@ -128,6 +132,10 @@ pub struct UpstreamConfig {
     pub max_rps: u32,
     /// Origin guard: how long a request may wait for a slot before it is shed (503).
     pub queue_timeout: Duration,
+    /// Origin guard: bytes of origin answers buffered in memory at once (read for storage,
+    /// until every client they go to has been sent them). A fetch reserves its route's
+    /// `max_entry_bytes` before it starts; none free within `queue_timeout` → 503.
+    pub max_buffered_bytes: u64,
     /// Idle keep-alive connections kept per origin host.
     pub pool_max_idle: usize,
     /// How long an idle keep-alive connection is kept: below the origin's own keep-alive

@@ -15,6 +15,9 @@ pub(crate) enum ProxyError {
     Shed(Duration),
     #[error("origin timed out after {0:?}")]
     OriginTimeout(Duration),
+    /// The client's request body paused longer than `upstream.upload_timeout`.
+    #[error("request body stalled for {0:?}")]
+    UploadTimeout(Duration),
     /// The text is the upstream error, for the log line: the client is told less.
     #[error("origin unreachable")]
     OriginConnect(String),
@@ -39,6 +42,7 @@ impl ProxyError {
             ProxyError::BodyTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ProxyError::Shed(_) | ProxyError::LockWait(_) => StatusCode::SERVICE_UNAVAILABLE,
             ProxyError::OriginTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
+            ProxyError::UploadTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             ProxyError::OriginConnect(_) => StatusCode::BAD_GATEWAY,
             ProxyError::BadRequest(_) => StatusCode::BAD_REQUEST,
             ProxyError::HotKeyLimited | ProxyError::TooManyVariants(_) => {
@@ -55,6 +59,7 @@ impl ProxyError {
             ProxyError::BodyTooLarge(_) => "body_too_large",
             ProxyError::Shed(_) => "shed",
             ProxyError::OriginTimeout(_) => "origin_timeout",
+            ProxyError::UploadTimeout(_) => "upload_timeout",
             ProxyError::OriginConnect(_) => "origin_unreachable",
             ProxyError::LockWait(_) => "lock_wait",
             ProxyError::BadRequest(_) => "bad_request",

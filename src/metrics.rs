@@ -320,6 +320,8 @@ pub struct Metrics {
     pub origin_queue_wait: Histogram,
     origin_max_concurrency: IntGauge,
     origin_max_rps: IntGauge,
+    pub origin_buffered: IntGauge,
+    origin_max_buffered: IntGauge,
     pub entry_decode_errors: IntCounter,
     pub rejected_requests: IntCounterVec,
     lock_events: IntCounterVec,
@@ -777,6 +779,17 @@ impl Metrics {
         )?;
         registry.register(Box::new(origin_max_concurrency.clone()))?;
         registry.register(Box::new(origin_max_rps.clone()))?;
+        let origin_buffered = IntGauge::new(
+            "cacheguard_origin_buffered_bytes",
+            "Bytes reserved for origin answers held in memory: fetches in progress \
+             (max_entry_bytes each) and answers not yet sent to every client.",
+        )?;
+        let origin_max_buffered = IntGauge::new(
+            "cacheguard_origin_max_buffered_bytes",
+            "The origin guard's configured upstream.max_buffered_bytes.",
+        )?;
+        registry.register(Box::new(origin_buffered.clone()))?;
+        registry.register(Box::new(origin_max_buffered.clone()))?;
         let origin_queue_wait = Histogram::with_opts(
             HistogramOpts::new(
                 "cacheguard_origin_queue_wait_seconds",
@@ -1112,6 +1125,8 @@ impl Metrics {
             origin_queue_wait,
             origin_max_concurrency,
             origin_max_rps,
+            origin_buffered,
+            origin_max_buffered,
             entry_decode_errors,
             rejected_requests,
             lock_events,
@@ -1246,10 +1261,12 @@ impl Metrics {
     }
 
     /// The origin guard's configured caps (at start and after each reload).
-    pub fn origin_caps(&self, max_concurrency: usize, max_rps: u32) {
+    pub fn origin_caps(&self, upstream: &crate::config::UpstreamConfig) {
         self.origin_max_concurrency
-            .set(i64::try_from(max_concurrency).unwrap_or(i64::MAX));
-        self.origin_max_rps.set(i64::from(max_rps));
+            .set(i64::try_from(upstream.max_concurrency).unwrap_or(i64::MAX));
+        self.origin_max_rps.set(i64::from(upstream.max_rps));
+        self.origin_max_buffered
+            .set(i64::try_from(upstream.max_buffered_bytes).unwrap_or(i64::MAX));
     }
 
     pub fn config_reload(&self, result: &str) {

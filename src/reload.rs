@@ -39,7 +39,7 @@ use crate::metrics::Metrics;
 use crate::protect::bloom::Filters;
 use crate::protect::hotkeys::HotKeys;
 use crate::proxy::Proxy;
-use crate::proxy::origin_guard::OriginGuard;
+use crate::proxy::origin_guard::{GuardMetrics, Limits, OriginGuard};
 use crate::proxy::route::RouteTable;
 use crate::proxy::upstream::Upstream;
 
@@ -103,21 +103,14 @@ impl Live {
             proxy.origin.upstream.store(Arc::new(upstream));
         }
         let up = &new.upstream;
-        if !proxy
-            .origin
-            .guard
-            .load()
-            .same_limits(up.max_concurrency, up.max_rps, up.queue_timeout)
-        {
+        let limits = Limits::of(up);
+        if !proxy.origin.guard.load().same_limits(&limits) {
             proxy.origin.guard.store(Arc::new(OriginGuard::new(
-                up.max_concurrency,
-                up.max_rps,
-                up.queue_timeout,
-                self.metrics.origin_in_flight.clone(),
-                self.metrics.origin_queue_wait.clone(),
+                limits,
+                GuardMetrics::of(&self.metrics),
             )));
         }
-        self.metrics.origin_caps(up.max_concurrency, up.max_rps);
+        self.metrics.origin_caps(up);
         proxy.routes.store(Arc::new(routes));
         proxy.read.filler.lock.store(Arc::new(new.lock.clone()));
         self.hot.reconfigure(&new.hot_keys);

@@ -205,3 +205,75 @@ async fn unmatched_error_statuses_pass_through() {
     }
     cg.shutdown().await;
 }
+
+/// An upload is bounded by its pauses (`upstream.upload_timeout`), not by
+/// `upstream.timeout`, which counts from the end of the body: a 2.4 MiB PUT that keeps
+/// moving for 2.4 s goes through whole with `upstream.timeout` at 1 s, and one that stalls
+/// gets 408 about `upload_timeout` after its last piece. On an unrouted path and on a write
+/// route. Before, `upstream.timeout` bounded the whole exchange: the slow PUT got 504.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_upload_is_bounded_by_its_pauses_not_by_the_origin_timeout() {
+    const CHUNK: usize = 100 * 1024;
+    const CHUNKS: usize = 24;
+    let origin = TestOrigin::start().await;
+    let routes = format!(
+        "{}{}",
+        common::ITEM_ROUTE,
+        common::route(
+            "item-write",
+            "/api/items/{id}",
+            "PUT",
+            "invalidate = [\"/api/items/{id}\"]"
+        )
+    );
+    let cg = CgConfig::new(&origin)
+        .set("upstream", "timeout", "\"1s\"")
+        .set("upstream", "upload_timeout", "\"800ms\"")
+        .routes(&routes)
+        .start()
+        .await;
+    let client = HttpClient::new();
+    for path in ["/upload/slow", "/api/items/slow"] {
+        let (tx, body) = channel_body();
+        let feeder = tokio::spawn(async move {
+            for _ in 0..CHUNKS {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                if tx.send(Bytes::from(vec![b'u'; CHUNK])).await.is_err() {
+                    return;
+                }
+            }
+        });
+        let answer = client
+            .request(Method::PUT, &url(cg.addr(), path), &[], body)
+            .await
+            .expect("an answer");
+        feeder.await.expect("feeder");
+        assert_eq!(answer.status, 200, "{path}: {answer}");
+        assert_eq!(
+            origin.body_bytes_received(path),
+            (CHUNK * CHUNKS) as u64,
+            "{path}: the origin did not get the whole body"
+        );
+
+        let (tx, body) = channel_body();
+        let stalled_path = format!("{path}-stalled");
+        let started = tokio::time::Instant::now();
+        let answer = {
+            let target = url(cg.addr(), &stalled_path);
+            let request = client.request(Method::PUT, &target, &[], body);
+            tx.send(Bytes::from(vec![b'u'; CHUNK]))
+                .await
+                .expect("first piece");
+            // The client keeps its connection and sends nothing more.
+            let answer = request.await.expect("an answer");
+            drop(tx);
+            answer
+        };
+        let took = started.elapsed();
+        assert_eq!(answer.status, 408, "{stalled_path}: {answer}");
+        assert!(
+            took >= Duration::from_millis(700) && took < Duration::from_secs(5),
+            "{stalled_path}: answered after {took:?}"
+        );
+    }
+}

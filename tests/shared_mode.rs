@@ -230,3 +230,62 @@ async fn concurrent_misses_across_two_instances_make_one_origin_request() {
     a.shutdown().await;
     b.shutdown().await;
 }
+
+/// A 10 MiB entry read by 30 clients at once, twice, on the instance that filled it and on
+/// another, in every `l1` mode: one origin fetch, every answer the whole body from a cache
+/// tier, Redis never marked down. The fill's write goes on the bulk connection, and
+/// concurrent reads of the key share `GET`s (a burst costs about two transfers per
+/// instance): before, the write or the 30 reads timed out, so requests were MISSes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_entry_is_stored_once_and_read_by_many_from_the_cache() {
+    const BODY: usize = 10 * 1024 * 1024;
+    let redis = RedisServer::start().await;
+    let origin = TestOrigin::start().await;
+    let body = bytes::Bytes::from(vec![b'y'; BODY]);
+    let client = HttpClient::new();
+    for l1 in ["off", "hot", "all"] {
+        let path = format!("/api/items/big-{l1}");
+        origin.set_body(&path, body.clone());
+        let cfg = CgConfig::new(&origin)
+            .redis(&redis)
+            .l1(l1)
+            .routes(&common::item_route("max_entry_bytes = 16777216"));
+        let a = cfg.start().await;
+        let b = cfg.start().await;
+        let first = client.get(&url(a.addr(), &path)).await;
+        assert_eq!(first.status, 200, "l1 = {l1}: {first}");
+        assert_eq!(first.body.len(), BODY, "l1 = {l1}");
+        for (name, instance) in [("A", &a), ("B", &b)] {
+            for round in 0..2 {
+                let target = url(instance.addr(), &path);
+                let answers = concurrently(30, Duration::from_secs(60), |_| {
+                    let (client, target) = (client.clone(), target.clone());
+                    async move { client.get(&target).await }
+                })
+                .await;
+                for answer in answers {
+                    assert_eq!(answer.status, 200, "l1 = {l1}, {name}, round {round}");
+                    assert_eq!(answer.body.len(), BODY, "l1 = {l1}, {name}, round {round}");
+                    assert!(
+                        answer.is_hit(),
+                        "l1 = {l1}, {name}, round {round}: {}",
+                        answer.x_cache()
+                    );
+                }
+            }
+        }
+        assert_eq!(origin.count(&path), 1, "l1 = {l1}: fetched more than once");
+        for instance in [&a, &b] {
+            let opened = common::metric(
+                &client,
+                instance.admin_addr(),
+                "cacheguard_redis_breaker_transitions_total",
+                &[("to", "open")],
+            )
+            .await;
+            assert_eq!(opened, 0.0, "l1 = {l1}: the breaker opened");
+        }
+        a.shutdown().await;
+        b.shutdown().await;
+    }
+}

@@ -22,7 +22,7 @@ const VERSION_5: u8 = 5;
 const VERSION_6: u8 = 6;
 
 /// A cached answer, ready to serve (headers already parsed).
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub(crate) struct Entry {
     /// The full cache key; compared on read so a hash collision is a miss.
     pub(crate) key: String,

@@ -3,19 +3,22 @@
 //! for a variant): the same name the fill writes, so lookup and fill cannot disagree. A value that fails to decode is counted and treated
 //! as a miss; the next fill overwrites it.
 //!
-//! Concurrent reads of one key in this process share one `GET` when it finds nothing: a
-//! burst of misses on a cold key costs Redis one read per instance before the key's fill
-//! starts, not one per request. The first reader reads; the others wait for its answer on
-//! a `watch` channel. A miss is as true when it arrives as when the read was sent (the
-//! fill that follows re-checks); a copy is not shared, since a write whose answer a
-//! waiting client already saw may have invalidated it after the read was sent, so each
-//! waiter then reads for itself (read-after-write holds on every instance).
+//! Concurrent reads of one key in this process share `GET`s: a burst of requests for one
+//! key costs Redis about two reads per instance, not one per request (nor, for a large
+//! entry, one transfer of it per request). The first reader reads; the others wait for its
+//! answer on a `watch` channel. A miss is as true when it arrives as when the read was sent
+//! (the fill that follows re-checks), so every waiter takes it. A copy is taken only by the
+//! requests that arrived before its read was sent: for a request that came later, a write
+//! whose answer its client already saw may have invalidated the copy after the read was
+//! sent. Those wait for the next read, which they all share (read-after-write holds on
+//! every instance). Arrivals and reads are ordered by one counter.
 //! Hand-written rather than `futures::Shared`: a reader that is cancelled must not leave
 //! a half-done read behind for later readers (its answer could predate an invalidation by
 //! any length of time), so the entry is removed by the reader's `Drop`, and waiters whose
 //! reader went away read for themselves.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use tokio::sync::watch;
@@ -34,8 +37,19 @@ pub(crate) enum Lookup {
     Unavailable,
 }
 
-/// Reads in progress, by key hash: their answer, once there.
-type Reads = Mutex<HashMap<u128, watch::Receiver<Option<Lookup>>>>;
+/// Reads in progress, by key hash.
+type Reads = Mutex<HashMap<u128, Read>>;
+
+/// A read in progress: when it was sent (on the arrival counter) and its answer, once there.
+#[derive(Clone, Debug)]
+struct Read {
+    sent: u64,
+    answer: watch::Receiver<Option<Lookup>>,
+}
+
+/// How many reads a request waits for before it reads alone (each wait normally ends with
+/// an answer it may take by the second).
+const MAX_SHARED_ROUNDS: usize = 3;
 
 #[derive(Clone, Debug)]
 pub(crate) struct L2 {
@@ -43,6 +57,8 @@ pub(crate) struct L2 {
     keys: Keyspace,
     metrics: Metrics,
     reads: Arc<Reads>,
+    /// Orders arrivals and reads (see the module docs).
+    order: Arc<AtomicU64>,
 }
 
 /// The read of one key in progress: removed from the table when its reader is done or
@@ -65,7 +81,7 @@ impl Drop for Reading<'_> {
 /// Whether this request reads the key itself or waits for another's read.
 enum Role<'a> {
     Reader(Reading<'a>),
-    Waiter(watch::Receiver<Option<Lookup>>),
+    Waiter(Read),
 }
 
 impl L2 {
@@ -75,6 +91,7 @@ impl L2 {
             keys,
             metrics,
             reads: Arc::default(),
+            order: Arc::default(),
         }
     }
 
@@ -82,41 +99,55 @@ impl L2 {
         &self.redis
     }
 
-    /// The entry for `key`, sharing a read of the same key already in progress here.
+    /// The entry for `key`, sharing a read of the same key in progress here when its
+    /// answer is as good as a read of this request's own.
     ///
     /// # Cancel safety
-    /// Cancel-safe: a cancelled reader's waiters read for themselves.
+    /// Cancel-safe: a cancelled reader's waiters read again.
     pub(crate) async fn get(&self, key: &CacheKey) -> Lookup {
-        match self.role(key.hash) {
-            Role::Reader(reading) => {
-                let answer = self.read(key).await;
-                reading.answer.send_replace(Some(answer.clone()));
-                answer
-            }
-            Role::Waiter(mut answer) => {
-                let shared = match answer.wait_for(Option::is_some).await {
-                    Ok(found) => found.clone(),
-                    // The reader went away without an answer.
-                    Err(_) => None,
-                };
-                match shared {
-                    // Nothing there, or Redis down: as true now as when the read was sent.
-                    Some(found @ (Lookup::Miss | Lookup::Unavailable)) => found,
-                    // A copy read before this request came may since have been invalidated
-                    // by a write this request's client already saw answered: read again.
-                    Some(Lookup::Hit(_)) | None => self.read(key).await,
+        let arrived = self.order.fetch_add(1, Ordering::AcqRel);
+        for _ in 0..MAX_SHARED_ROUNDS {
+            match self.role(key.hash) {
+                Role::Reader(reading) => {
+                    let answer = self.read(key).await;
+                    reading.answer.send_replace(Some(answer.clone()));
+                    return answer;
+                }
+                Role::Waiter(Read { sent, mut answer }) => {
+                    let shared = match answer.wait_for(Option::is_some).await {
+                        Ok(found) => found.clone(),
+                        // The reader went away without an answer.
+                        Err(_) => None,
+                    };
+                    match shared {
+                        // Nothing there, or Redis down: as true now as when the read was sent.
+                        Some(found @ (Lookup::Miss | Lookup::Unavailable)) => return found,
+                        // Read after this request came: nothing it must see can be missing.
+                        Some(Lookup::Hit(entry)) if sent > arrived => return Lookup::Hit(entry),
+                        // Read before: a write this request's client already saw answered may
+                        // have invalidated it since. Share the next read.
+                        Some(Lookup::Hit(_)) | None => {}
+                    }
                 }
             }
         }
+        self.read(key).await
     }
 
     fn role(&self, hash: u128) -> Role<'_> {
         let mut reads = self.reads.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(answer) = reads.get(&hash) {
-            return Role::Waiter(answer.clone());
+        if let Some(read) = reads.get(&hash) {
+            return Role::Waiter(read.clone());
         }
         let (answer, waiters) = watch::channel(None);
-        reads.insert(hash, waiters);
+        let sent = self.order.fetch_add(1, Ordering::AcqRel);
+        reads.insert(
+            hash,
+            Read {
+                sent,
+                answer: waiters,
+            },
+        );
         Role::Reader(Reading {
             reads: &self.reads,
             hash,

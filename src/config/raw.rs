@@ -150,6 +150,8 @@ pub(super) struct RawUpstream {
     pub(super) max_concurrency: Spanned<usize>,
     pub(super) max_rps: u32,
     pub(super) queue_timeout: HumanDuration,
+    pub(super) max_buffered_bytes: Spanned<u64>,
+    pub(super) upload_timeout: Spanned<HumanDuration>,
     pub(super) pool_max_idle: usize,
     pub(super) pool_idle_timeout: Spanned<HumanDuration>,
 }
@@ -163,6 +165,8 @@ impl Default for RawUpstream {
             max_concurrency: unspanned(256),
             max_rps: 0,
             queue_timeout: HumanDuration::millis(100),
+            max_buffered_bytes: unspanned(256 << 20),
+            upload_timeout: unspanned(HumanDuration::secs(10)),
             pool_max_idle: 64,
             pool_idle_timeout: unspanned(HumanDuration::secs(4)),
         }

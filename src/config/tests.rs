@@ -161,6 +161,8 @@ fn example_file_documents_every_key() {
         "max_concurrency",
         "max_rps",
         "queue_timeout",
+        "max_buffered_bytes",
+        "upload_timeout",
         "pool_max_idle",
         "pool_idle_timeout",
         "freshness",
@@ -621,6 +623,21 @@ fn out_of_range_numbers() {
     assert_eq!(
         problem("[upstream]\nurl = \"http://127.0.0.1:9000\"\n[lock]\nmax_waiters = 0\n"),
         "test.toml:4: lock.max_waiters: expected an integer of at least 1, got 0"
+    );
+    // A fetch reserves its route's max_entry_bytes in max_buffered_bytes before it starts:
+    // an answer that cannot fit could never be fetched.
+    assert_eq!(
+        problem("[upstream]\nurl = \"http://127.0.0.1:9000\"\nmax_buffered_bytes = 1048575\n"),
+        "test.toml:3: upstream.max_buffered_bytes: 1048575 is below cache.max_entry_bytes \
+         (1048576): no answer of that size could ever be fetched"
+    );
+    assert_eq!(
+        problem(&with_minimal(
+            "max_buffered_bytes = 2097152\n[[routes]]\nname = \"r\"\nmatch = \"/r\"\n\
+             max_entry_bytes = 4194304\n"
+        )),
+        "test.toml:4: routes[0].max_entry_bytes: 4194304 is above upstream.max_buffered_bytes \
+         (2097152): no answer of that size could ever be fetched"
     );
     assert_eq!(
         problem("[upstream]\nurl = \"http://127.0.0.1:9000\"\nmax_concurrency = 0\n"),

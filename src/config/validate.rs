@@ -479,6 +479,7 @@ impl Checker<'_> {
         let bloom = self.blooms(&raw.bloom, &upstream);
         let hot_keys = self.hot_keys(&raw.hot_keys);
         let routes = self.routes(&raw.routes, &cache, &bloom);
+        self.buffered_fits(raw, &upstream, &cache, &routes);
         let journal = self.journal(&raw.journal);
         let prefix = redis.as_ref().map_or("cg:", |r| r.key_prefix.as_str());
         let stream = self.stream(&raw.invalidation_stream, prefix);
@@ -648,13 +649,23 @@ impl Checker<'_> {
                  connection)",
             );
         }
+        let upload_timeout = up.upload_timeout.get_ref().0;
+        if upload_timeout.is_zero() {
+            self.report(
+                up.upload_timeout.span(),
+                "upstream.upload_timeout",
+                "expected a duration above zero like \"10s\"",
+            );
+        }
         UpstreamConfig {
             url: url.unwrap_or_default(),
             timeout: up.timeout.0,
+            upload_timeout,
             connect_timeout: up.connect_timeout.0,
             max_concurrency,
             max_rps: up.max_rps,
             queue_timeout: up.queue_timeout.0,
+            max_buffered_bytes: *up.max_buffered_bytes.get_ref(),
             pool_max_idle: up.pool_max_idle,
             pool_idle_timeout,
         }
@@ -891,6 +902,56 @@ impl Checker<'_> {
             None => None,
         };
         AdminConfig { listen, token }
+    }
+
+    /// Every route's largest answer must fit in `upstream.max_buffered_bytes`: a fetch
+    /// reserves its `max_entry_bytes` there before it starts.
+    fn buffered_fits(
+        &mut self,
+        raw: &RawConfig,
+        upstream: &UpstreamConfig,
+        cache: &CacheDefaults,
+        routes: &[RouteConfig],
+    ) {
+        let budget = upstream.max_buffered_bytes;
+        let span = raw
+            .upstream
+            .as_ref()
+            .map_or(NO_SPAN, |up| up.get_ref().max_buffered_bytes.span());
+        if budget < 1024 {
+            self.report(
+                span,
+                "upstream.max_buffered_bytes",
+                format!("expected at least 1024 bytes, got {budget}"),
+            );
+            return;
+        }
+        if cache.max_entry_bytes as u64 > budget {
+            self.report(
+                span,
+                "upstream.max_buffered_bytes",
+                format!(
+                    "{budget} is below cache.max_entry_bytes ({}): no answer of that size \
+                     could ever be fetched",
+                    cache.max_entry_bytes
+                ),
+            );
+        }
+        for (i, (route, raw_route)) in routes.iter().zip(&raw.routes).enumerate() {
+            if route.max_entry_bytes as u64 > budget
+                && route.max_entry_bytes != cache.max_entry_bytes
+            {
+                self.report(
+                    raw_route.span(),
+                    format!("routes[{i}].max_entry_bytes"),
+                    format!(
+                        "{} is above upstream.max_buffered_bytes ({budget}): no answer of that \
+                         size could ever be fetched",
+                        route.max_entry_bytes
+                    ),
+                );
+            }
+        }
     }
 
     fn cache(&mut self, raw: &RawCache) -> CacheDefaults {

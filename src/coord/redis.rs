@@ -57,6 +57,37 @@ const UP_CHECK_EVERY: u32 = 4;
 pub(crate) struct Unavailable;
 
 /// A cheap-to-clone handle to the shared connection.
+/// `script` invoked with `keys` and `args`.
+fn invocation<'a>(
+    script: &'a Script,
+    keys: &[&str],
+    args: &[&[u8]],
+) -> redis::ScriptInvocation<'a> {
+    let mut invocation = script.prepare_invoke();
+    for key in keys {
+        invocation.key(*key);
+    }
+    for arg in args {
+        invocation.arg(*arg);
+    }
+    invocation
+}
+
+/// What a bulk transfer runs (see [`RedisConn::bulk`]).
+enum Bulk<'a> {
+    Cmd(&'a redis::Cmd),
+    Script(&'a redis::ScriptInvocation<'a>),
+}
+
+impl Bulk<'_> {
+    async fn run<T: FromRedisValue>(&self, conn: &mut DataConn) -> Result<T, RedisError> {
+        match self {
+            Bulk::Cmd(cmd) => cmd.query_async(conn).await,
+            Bulk::Script(invocation) => invocation.invoke_async(conn).await,
+        }
+    }
+}
+
 #[derive(Clone)]
 pub(crate) struct RedisConn {
     inner: Arc<Inner>,
@@ -558,14 +589,7 @@ impl RedisConn {
         keys: &[&str],
         args: &[&[u8]],
     ) -> Result<T, Unavailable> {
-        let mut invocation = script.prepare_invoke();
-        for key in keys {
-            invocation.key(*key);
-        }
-        for arg in args {
-            invocation.arg(*arg);
-        }
-        let invocation = &invocation;
+        let invocation = &invocation(script, keys, args);
         self.run(op, |mut conn| async move {
             invocation.invoke_async(&mut conn).await
         })
@@ -684,16 +708,46 @@ impl RedisConn {
         cmd: &redis::Cmd,
         timeout: Duration,
     ) -> Result<T, Unavailable> {
+        self.bulk_run(RedisOp::Bloom, timeout, &Bulk::Cmd(cmd))
+            .await
+    }
+
+    /// Runs a script on the bulk connection (see [`RedisConn::bulk`]): for a script that
+    /// carries a large value, such as the fill of a large entry.
+    pub(crate) async fn bulk_script<T: FromRedisValue>(
+        &self,
+        op: RedisOp,
+        script: &Script,
+        keys: &[&str],
+        args: &[&[u8]],
+        timeout: Duration,
+    ) -> Result<T, Unavailable> {
+        let invocation = invocation(script, keys, args);
+        self.bulk_run(op, timeout, &Bulk::Script(&invocation)).await
+    }
+
+    /// One attempt on the bulk connection, then one more on a fresh connection if the kept
+    /// one had died; transfers take turns on it, and waiting for the turn counts toward
+    /// `timeout`.
+    async fn bulk_run<T: FromRedisValue>(
+        &self,
+        op: RedisOp,
+        timeout: Duration,
+        bulk: &Bulk<'_>,
+    ) -> Result<T, Unavailable> {
         if !self.is_up() {
             return Err(Unavailable);
         }
-        let mut slot = self.inner.bulk.lock().await;
-        let attempt = tokio::time::timeout(timeout, async {
+        let result = tokio::time::timeout(timeout, async {
+            let mut slot = self.inner.bulk.lock().await;
             // A kept connection may have died since its last use (Redis restarted, a
             // network cut): then try once more on a fresh one.
             if let Some(mut conn) = slot.take() {
-                match cmd.query_async::<T>(&mut conn).await {
-                    Ok(value) => return Ok((conn, value)),
+                match bulk.run(&mut conn).await {
+                    Ok(value) => {
+                        *slot = Some(conn);
+                        return Ok(value);
+                    }
                     Err(error) if !error.is_io_error() && !error.is_connection_dropped() => {
                         return Err(error);
                     }
@@ -705,22 +759,20 @@ impl RedisConn {
                 .backend
                 .dedicated(self.inner.probe_timeout, Some(timeout))
                 .await?;
-            let value = cmd.query_async::<T>(&mut conn).await?;
-            Ok::<_, RedisError>((conn, value))
+            let value = bulk.run(&mut conn).await?;
+            *slot = Some(conn);
+            Ok::<_, RedisError>(value)
         })
         .await;
-        match attempt {
-            Ok(Ok((conn, value))) => {
-                *slot = Some(conn);
-                Ok(value)
-            }
+        match result {
+            Ok(Ok(value)) => Ok(value),
             Ok(Err(error)) => {
-                self.inner.metrics.redis_error(RedisOp::Bloom);
+                self.inner.metrics.redis_error(op);
                 warn!(message = "Redis bulk command failed.", %error);
                 Err(Unavailable)
             }
             Err(_) => {
-                self.inner.metrics.redis_error(RedisOp::Bloom);
+                self.inner.metrics.redis_error(op);
                 warn!(message = "Redis bulk command timed out.", timeout = ?timeout);
                 Err(Unavailable)
             }

@@ -68,6 +68,13 @@ const FAILURE_KEPT: Duration = Duration::from_secs(2);
 /// Added to the longest fetch for the life of a generation read at a fetch's start.
 const GENERATION_SLACK: Duration = Duration::from_secs(60);
 
+/// A stored value above this size is written on the bulk connection (see
+/// [`RedisConn::bulk`]).
+pub(crate) const LARGE_VALUE: usize = 256 * 1024;
+
+/// How long the write of a large value may take, waiting for its turn included.
+const LARGE_VALUE_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// A fresh generation: a random integer (so `INCR` works on it) far above the small
 /// numbers an `INCR` of an absent key starts from, and exact in Lua's doubles.
 fn fresh_generation() -> String {
@@ -87,6 +94,9 @@ pub(crate) struct RedisStore {
     /// How long a generation read at the start of a fetch must last at least: longer than
     /// any fetch (see the module docs of `scripts.rs`).
     generation_life: Duration,
+    /// Large values are written one at a time per process (see
+    /// [`RedisStore::large_value_turn`]).
+    large_turn: Arc<tokio::sync::Semaphore>,
 }
 
 impl RedisStore {
@@ -104,6 +114,28 @@ impl RedisStore {
             wait_replicas: 0,
             wait_replicas_timeout: Duration::ZERO,
             generation_life: lease + GENERATION_SLACK,
+            large_turn: Arc::new(tokio::sync::Semaphore::new(1)),
+        }
+    }
+
+    /// The turn to encode and write a value of `size` bytes, when it is large: one at a
+    /// time per process, so the copies of a large value (encoded, then in the command) exist
+    /// for one fill at a time instead of one per fill waiting on the bulk connection.
+    /// `None` for a small value (no turn needed).
+    ///
+    /// # Errors
+    /// `Unavailable` when the turn did not come within the large-value timeout.
+    pub(crate) async fn large_value_turn(
+        &self,
+        size: usize,
+    ) -> Result<Option<tokio::sync::OwnedSemaphorePermit>, Unavailable> {
+        if size <= LARGE_VALUE {
+            return Ok(None);
+        }
+        let turn = Arc::clone(&self.large_turn).acquire_owned();
+        match tokio::time::timeout(LARGE_VALUE_TIMEOUT, turn).await {
+            Ok(Ok(turn)) => Ok(Some(turn)),
+            _ => Err(Unavailable),
         }
     }
 
@@ -444,30 +476,44 @@ impl RedisStore {
     ) -> Result<FillOutcome, Unavailable> {
         let names = &lease.names;
         let ttl_ms = ttl.as_millis().max(1).to_string();
-        let stored: i64 = self
-            .redis
-            .run_script(
-                RedisOp::Fill,
-                &scripts::FILL,
-                &[
-                    &names.entry,
-                    &names.lock,
-                    &names.generation,
-                    &names.vars,
-                    &names.quarantine,
-                ],
-                &[
-                    lease.token.as_bytes(),
-                    lease.generation.as_bytes(),
-                    encoded,
-                    ttl_ms.as_bytes(),
-                    self.bus.channel.as_bytes(),
-                    &self.message(EventKind::Fill, lease.hash),
-                    &self.message(EventKind::Released, lease.hash),
-                    names.variant.as_deref().unwrap_or("").as_bytes(),
-                ],
-            )
-            .await?;
+        let keys = [
+            names.entry.as_str(),
+            &names.lock,
+            &names.generation,
+            &names.vars,
+            &names.quarantine,
+        ];
+        let fill = self.message(EventKind::Fill, lease.hash);
+        let released = self.message(EventKind::Released, lease.hash);
+        let args = [
+            lease.token.as_bytes(),
+            lease.generation.as_bytes(),
+            encoded,
+            ttl_ms.as_bytes(),
+            self.bus.channel.as_bytes(),
+            &fill,
+            &released,
+            names.variant.as_deref().unwrap_or("").as_bytes(),
+        ];
+        // A large entry goes on the bulk connection: its transfer must not time out at
+        // command_timeout (nor count toward the breaker when slow), nor hold up the small
+        // commands behind it; and large fills take turns there, so the copies a command
+        // makes of its value are there for one of them at a time.
+        let stored: i64 = if encoded.len() > LARGE_VALUE {
+            self.redis
+                .bulk_script(
+                    RedisOp::Fill,
+                    &scripts::FILL,
+                    &keys,
+                    &args,
+                    LARGE_VALUE_TIMEOUT,
+                )
+                .await?
+        } else {
+            self.redis
+                .run_script(RedisOp::Fill, &scripts::FILL, &keys, &args)
+                .await?
+        };
         Ok(match stored {
             1 => FillOutcome::Stored,
             0 => FillOutcome::GenerationChanged,

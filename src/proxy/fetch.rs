@@ -14,6 +14,7 @@ use hyper::body::Incoming;
 
 use super::body::Body;
 use super::origin::{self, Origin};
+use super::origin_guard::Reservation;
 use super::own_answer::OwnAnswer;
 use super::respond::{self, strip_hop_by_hop};
 use super::route::Route;
@@ -96,8 +97,9 @@ impl FillJob {
 /// How an origin answer on a cached route was classified.
 pub(crate) enum Classified {
     /// May be stored and shared; with the outcome to answer with: `Miss` for a new answer,
-    /// `Revalidated` for a stored copy the origin confirmed.
-    Storable(Entry, Outcome),
+    /// `Revalidated` for a stored copy the origin confirmed; and the room its body holds
+    /// until every client it goes to has been sent it (see [`served`]).
+    Storable(Entry, Outcome, Reservation),
     /// A good answer that must not be shared (per-user, status outside the allowlist, too
     /// large): goes to one client only.
     Uncacheable(Response<Body>),
@@ -220,7 +222,7 @@ pub(crate) async fn from_origin(origin: &Origin, job: &FillJob) -> Classified {
     let classified = fetch(origin, job).await;
     if job.stored.is_some() {
         job.route.metrics.revalidated(match &classified {
-            Classified::Storable(_, Outcome::Revalidated) => Revalidation::NotModified,
+            Classified::Storable(_, Outcome::Revalidated, _) => Revalidation::NotModified,
             Classified::Storable(..) | Classified::Uncacheable(_) => Revalidation::Modified,
             Classified::Failed(_) => Revalidation::Failed,
         });
@@ -230,8 +232,9 @@ pub(crate) async fn from_origin(origin: &Origin, job: &FillJob) -> Classified {
 
 async fn fetch(origin: &Origin, job: &FillJob) -> Classified {
     let route = &job.route;
-    let slot = match origin.guard.load_full().acquire().await {
-        Ok(slot) => slot,
+    let limit = route.config.max_entry_bytes;
+    let (slot, reservation) = match origin.guard.load_full().acquire_buffered(limit).await {
+        Ok(acquired) => acquired,
         Err(error) => {
             route.metrics.shed.inc();
             tracing::debug!(message = "Origin guard shed a request.", route = %route.config.name);
@@ -240,7 +243,6 @@ async fn fetch(origin: &Origin, job: &FillJob) -> Classified {
     };
 
     let started = Instant::now();
-    let limit = route.config.max_entry_bytes;
     let upstream = origin.upstream.load_full();
     let timeout = upstream.timeout;
     let read = tokio::time::timeout(timeout, async {
@@ -297,7 +299,7 @@ async fn fetch(origin: &Origin, job: &FillJob) -> Classified {
     // answers with while the origin fails).
     if head.status.is_server_error() {
         return Classified::Failed(Failure::new(
-            origin_response(head, body.into_body(), Outcome::Bypass),
+            origin_response(head, body.into_body(reservation), Outcome::Bypass),
             Outcome::Bypass,
         ));
     }
@@ -307,7 +309,7 @@ async fn fetch(origin: &Origin, job: &FillJob) -> Classified {
             route.metrics.oversized.inc();
             return Classified::Uncacheable(origin_response(
                 head,
-                oversized.into_body(),
+                oversized.into_body(reservation),
                 Outcome::Bypass,
             ));
         }
@@ -353,14 +355,15 @@ async fn fetch(origin: &Origin, job: &FillJob) -> Classified {
                 // Surrogate keys left the stored headers when it was stored: keep them.
                 entry.tags.clone_from(&stored.tags);
             }
-            Classified::Storable(entry, outcome)
+            Classified::Storable(entry, outcome, reservation)
         }
         Err(why) => {
             route.metrics.uncacheable.inc();
             if why == NotShared::Vary {
                 route.metrics.refused_vary.inc();
             }
-            let mut response = origin_response(head, Body::full(complete), Outcome::Bypass);
+            let body = Body::full(reservation.hold(complete));
+            let mut response = origin_response(head, body, Outcome::Bypass);
             if route.config.freshness == FreshnessSource::Origin {
                 strip_targeted(response.headers_mut());
             }
@@ -620,12 +623,27 @@ enum ReadBody {
 }
 
 impl ReadBody {
-    fn into_body(self) -> Body {
+    /// The body for one client; what was buffered holds `reservation` until it is sent.
+    fn into_body(self, reservation: Reservation) -> Body {
         match self {
-            ReadBody::Complete(bytes) => Body::full(bytes),
-            ReadBody::Oversized(prefix, rest) => Body::Prefixed(Some(prefix), rest),
+            ReadBody::Complete(bytes) => Body::full(reservation.hold(bytes)),
+            ReadBody::Oversized(prefix, rest) => {
+                Body::Prefixed(Some(reservation.hold(prefix)), rest)
+            }
         }
     }
+}
+
+/// The entry to answer this fill's clients with: `entry` (as stored) with a body that holds
+/// `reservation` until the last of them has been sent it. The stored copies (L1, Redis)
+/// never hold it: their memory is `l1_max_bytes`'s to bound.
+pub(crate) fn served(entry: Arc<Entry>, reservation: Reservation) -> Arc<Entry> {
+    if entry.body.is_empty() {
+        return entry;
+    }
+    let mut served = Arc::unwrap_or_clone(entry);
+    served.body = reservation.hold(served.body);
+    Arc::new(served)
 }
 
 /// Reads an origin body into memory up to `limit` bytes.

@@ -374,10 +374,10 @@ impl Filler {
             .hold_while(fetch::from_origin(&self.origin, job), &self.metrics)
             .await;
         match classified {
-            Classified::Storable(entry, outcome) => {
+            Classified::Storable(entry, outcome, reservation) => {
                 let entry = Arc::new(entry);
                 self.store(job, &entry, Some(permit), since).await;
-                Fetched::Ready(entry, outcome)
+                Fetched::Ready(fetch::served(entry, reservation), outcome)
             }
             Classified::Uncacheable(response) => {
                 permit.release(EventKind::Uncacheable).await;
@@ -406,10 +406,10 @@ impl Filler {
         };
         let since = self.tiers.since();
         match fetch::from_origin(&self.origin, job).await {
-            Classified::Storable(entry, outcome) => {
+            Classified::Storable(entry, outcome, reservation) => {
                 let entry = Arc::new(entry);
                 self.store(job, &entry, unlocked, since).await;
-                Fetched::Ready(entry, outcome)
+                Fetched::Ready(fetch::served(entry, reservation), outcome)
             }
             Classified::Uncacheable(response) => {
                 self.remember_uncacheable(&job.key);
@@ -423,7 +423,9 @@ impl Filler {
     /// timeout), or the key's answer is not shareable.
     async fn fetch_alone(&self, job: &FillJob) -> Fetched {
         match fetch::from_origin(&self.origin, job).await {
-            Classified::Storable(entry, _) => Fetched::Ready(Arc::new(entry), Outcome::Bypass),
+            Classified::Storable(entry, _, reservation) => {
+                Fetched::Ready(fetch::served(Arc::new(entry), reservation), Outcome::Bypass)
+            }
             Classified::Uncacheable(response) => Fetched::Uncacheable(response),
             Classified::Failed(failure) => Fetched::Failed(failure),
         }
@@ -454,9 +456,12 @@ impl Filler {
                     Ok(FillOutcome::GenerationChanged)
                 }
                 Err(e) => Err(e),
-                Ok(false) => match entry.encode() {
-                    Ok(bytes) => permit.fill(&bytes, life).await,
-                    Err(_) => Ok(FillOutcome::Stored),
+                Ok(false) => match permit.large_value_turn(entry.body.len()).await {
+                    Ok(_turn) => match entry.encode() {
+                        Ok(bytes) => permit.fill(&bytes, life).await,
+                        Err(_) => Ok(FillOutcome::Stored),
+                    },
+                    Err(e) => Err(e),
                 },
             };
             match outcome {

@@ -4,11 +4,18 @@
 //! permit (`upstream.max_concurrency`) and, when `upstream.max_rps` is set, a token from a
 //! governor rate limiter. A request that cannot get both within `upstream.queue_timeout`
 //! is shed with 503 + `Retry-After` — the queue is bounded in time, never unbounded.
+//!
+//! A cached fetch also reserves room for the answer it buffers (`upstream.max_buffered_bytes`):
+//! `max_entry_bytes` before it starts, cut to the answer's size once it is read, and held
+//! until the last client it is sent to has been written all of it. The slot frees when the
+//! origin has answered; the bytes only when nobody holds them any more, so a burst of large
+//! misses to slow clients waits (or is shed) instead of buffering without bound.
 
 use std::num::NonZeroU32;
 use std::sync::Arc;
 use std::time::Duration;
 
+use bytes::Bytes;
 use tokio::time::Instant;
 
 use governor::{Quota, RateLimiter};
@@ -32,6 +39,111 @@ pub(crate) struct OriginGuard {
     max_rps: u32,
     in_flight: IntGauge,
     queue_wait: Histogram,
+    /// Room for buffered answers, in KiB (a semaphore counts permits in `u32` per
+    /// acquisition: KiB keeps a large entry within one).
+    buffer: Arc<Semaphore>,
+    buffer_kib: u32,
+    buffered: IntGauge,
+}
+
+/// The origin guard's limits, as configured.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Limits {
+    pub(crate) max_concurrency: usize,
+    pub(crate) max_rps: u32,
+    pub(crate) queue_timeout: Duration,
+    pub(crate) max_buffered_bytes: u64,
+}
+
+impl Limits {
+    pub(crate) fn of(upstream: &crate::config::UpstreamConfig) -> Self {
+        Limits {
+            max_concurrency: upstream.max_concurrency,
+            max_rps: upstream.max_rps,
+            queue_timeout: upstream.queue_timeout,
+            max_buffered_bytes: upstream.max_buffered_bytes,
+        }
+    }
+}
+
+/// The guard's gauges and histogram (kept across reloads: a new guard reports into them).
+#[derive(Clone, Debug)]
+pub(crate) struct GuardMetrics {
+    pub(crate) in_flight: IntGauge,
+    pub(crate) queue_wait: Histogram,
+    /// Bytes reserved for buffered answers.
+    pub(crate) buffered: IntGauge,
+}
+
+impl GuardMetrics {
+    pub(crate) fn of(metrics: &crate::metrics::Metrics) -> Self {
+        GuardMetrics {
+            in_flight: metrics.origin_in_flight.clone(),
+            queue_wait: metrics.origin_queue_wait.clone(),
+            buffered: metrics.origin_buffered.clone(),
+        }
+    }
+}
+
+/// Room reserved for one buffered origin answer; dropping it frees the room. See
+/// [`Reservation::hold`] for how it outlives the fetch.
+#[derive(Debug)]
+pub(crate) struct Reservation {
+    permit: OwnedSemaphorePermit,
+    buffered: IntGauge,
+}
+
+impl Reservation {
+    /// Keeps only the room `bytes` need and frees the rest.
+    fn shrink_to(&mut self, bytes: usize) {
+        let keep = kib(bytes).max(1) as usize;
+        let held = self.permit.num_permits();
+        if held > keep
+            && let Some(extra) = self.permit.split(held - keep)
+        {
+            self.buffered.sub(kib_to_bytes(extra.num_permits()));
+        }
+    }
+
+    /// `body`, holding this reservation (cut to its size) for as long as any copy of it
+    /// lives: the copies hyper queues for a slow client included, which outlive the
+    /// response body that handed them over.
+    pub(crate) fn hold(mut self, body: Bytes) -> Bytes {
+        if body.is_empty() {
+            return body;
+        }
+        self.shrink_to(body.len());
+        Bytes::from_owner(Held {
+            body,
+            _reservation: self,
+        })
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        self.buffered.sub(kib_to_bytes(self.permit.num_permits()));
+    }
+}
+
+/// A buffered answer and the room reserved for it.
+struct Held {
+    body: Bytes,
+    _reservation: Reservation,
+}
+
+impl AsRef<[u8]> for Held {
+    fn as_ref(&self) -> &[u8] {
+        &self.body
+    }
+}
+
+fn kib(bytes: usize) -> u32 {
+    u32::try_from(bytes.div_ceil(1024)).unwrap_or(u32::MAX)
+}
+
+fn kib_to_bytes(kib: usize) -> i64 {
+    i64::try_from(kib).unwrap_or(i64::MAX / 1024) * 1024
 }
 
 /// A held origin slot; dropping it frees the slot.
@@ -48,13 +160,16 @@ impl Drop for Slot {
 }
 
 impl OriginGuard {
-    pub(crate) fn new(
-        max_concurrency: usize,
-        max_rps: u32,
-        queue_timeout: Duration,
-        in_flight: IntGauge,
-        queue_wait: Histogram,
-    ) -> Self {
+    pub(crate) fn new(limits: Limits, metrics: GuardMetrics) -> Self {
+        let Limits {
+            max_concurrency,
+            max_rps,
+            queue_timeout,
+            max_buffered_bytes,
+        } = limits;
+        let buffer_kib = u32::try_from(max_buffered_bytes / 1024)
+            .unwrap_or(u32::MAX)
+            .max(1);
         OriginGuard {
             slots: Arc::new(Semaphore::new(max_concurrency.max(1))),
             // A burst of one: requests are spaced 1/max_rps apart, so no 1 s window ever sees
@@ -70,8 +185,11 @@ impl OriginGuard {
             queue_timeout,
             max_concurrency: max_concurrency.max(1),
             max_rps,
-            in_flight,
-            queue_wait,
+            in_flight: metrics.in_flight,
+            queue_wait: metrics.queue_wait,
+            buffer: Arc::new(Semaphore::new(buffer_kib as usize)),
+            buffer_kib,
+            buffered: metrics.buffered,
         }
     }
 
@@ -80,16 +198,15 @@ impl OriginGuard {
         self.queue_timeout
     }
 
-    /// Whether this guard enforces the same limits as `other` would.
-    pub(crate) fn same_limits(
-        &self,
-        max_concurrency: usize,
-        max_rps: u32,
-        queue_timeout: Duration,
-    ) -> bool {
-        self.max_concurrency == max_concurrency.max(1)
-            && self.max_rps == max_rps
-            && self.queue_timeout == queue_timeout
+    /// Whether this guard enforces the same limits as a new one made of `limits` would.
+    pub(crate) fn same_limits(&self, limits: &Limits) -> bool {
+        self.max_concurrency == limits.max_concurrency.max(1)
+            && self.max_rps == limits.max_rps
+            && self.queue_timeout == limits.queue_timeout
+            && self.buffer_kib
+                == u32::try_from(limits.max_buffered_bytes / 1024)
+                    .unwrap_or(u32::MAX)
+                    .max(1)
     }
 
     /// Waits for a slot, at most `queue_timeout`.
@@ -103,27 +220,61 @@ impl OriginGuard {
     /// permit is held).
     pub(crate) async fn acquire(&self) -> Result<Slot, ProxyError> {
         let started = Instant::now();
-        let wait = async {
-            let permit = Arc::clone(&self.slots).acquire_owned().await.ok()?;
-            if let Some(rate) = &self.rate {
-                // tokio's Mutex is fair (FIFO): the oldest waiter takes the next token.
-                let _turn = self.turn.lock().await;
-                clock::until_ready(rate).await;
-            }
-            Some(permit)
-        };
-        let permit = tokio::time::timeout(self.queue_timeout, wait).await;
+        let slot = tokio::time::timeout(self.queue_timeout, self.slot()).await;
         self.queue_wait.observe(started.elapsed().as_secs_f64());
-        match permit {
-            Ok(Some(permit)) => {
-                self.in_flight.inc();
-                Ok(Slot {
-                    _permit: permit,
-                    in_flight: self.in_flight.clone(),
-                })
-            }
-            _ => Err(ProxyError::Shed(self.queue_timeout)),
+        slot.ok()
+            .flatten()
+            .ok_or(ProxyError::Shed(self.queue_timeout))
+    }
+
+    /// Waits for room to buffer an answer of up to `bytes` (a route's `max_entry_bytes`),
+    /// then for a slot: both within one `queue_timeout`.
+    ///
+    /// # Errors
+    /// [`ProxyError::Shed`] when either did not come in time.
+    ///
+    /// # Cancel safety
+    /// Cancel-safe, as [`OriginGuard::acquire`]: a dropped wait frees what it took.
+    pub(crate) async fn acquire_buffered(
+        &self,
+        bytes: usize,
+    ) -> Result<(Slot, Reservation), ProxyError> {
+        let started = Instant::now();
+        let wait = async {
+            // Never more than the whole budget (configuration refuses a route whose
+            // max_entry_bytes exceeds it; this keeps a wait from being endless regardless).
+            let kib = kib(bytes).clamp(1, self.buffer_kib);
+            let permit = Arc::clone(&self.buffer)
+                .acquire_many_owned(kib)
+                .await
+                .ok()?;
+            self.buffered.add(kib_to_bytes(kib as usize));
+            let reservation = Reservation {
+                permit,
+                buffered: self.buffered.clone(),
+            };
+            Some((self.slot().await?, reservation))
+        };
+        let acquired = tokio::time::timeout(self.queue_timeout, wait).await;
+        self.queue_wait.observe(started.elapsed().as_secs_f64());
+        acquired
+            .ok()
+            .flatten()
+            .ok_or(ProxyError::Shed(self.queue_timeout))
+    }
+
+    async fn slot(&self) -> Option<Slot> {
+        let permit = Arc::clone(&self.slots).acquire_owned().await.ok()?;
+        if let Some(rate) = &self.rate {
+            // tokio's Mutex is fair (FIFO): the oldest waiter takes the next token.
+            let _turn = self.turn.lock().await;
+            clock::until_ready(rate).await;
         }
+        self.in_flight.inc();
+        Some(Slot {
+            _permit: permit,
+            in_flight: self.in_flight.clone(),
+        })
     }
 }
 
@@ -136,10 +287,59 @@ mod tests {
     use super::*;
 
     fn guard(max: usize, rps: u32, queue: Duration) -> OriginGuard {
-        let in_flight = IntGauge::new("t_in_flight", "t").expect("gauge");
-        let wait =
-            Histogram::with_opts(prometheus::HistogramOpts::new("t_wait", "t")).expect("histogram");
-        OriginGuard::new(max, rps, queue, in_flight, wait)
+        buffered_guard(max, rps, queue, 256 << 20)
+    }
+
+    fn buffered_guard(max: usize, rps: u32, queue: Duration, bytes: u64) -> OriginGuard {
+        let metrics = GuardMetrics {
+            in_flight: IntGauge::new("t_in_flight", "t").expect("gauge"),
+            queue_wait: Histogram::with_opts(prometheus::HistogramOpts::new("t_wait", "t"))
+                .expect("histogram"),
+            buffered: IntGauge::new("t_buffered", "t").expect("gauge"),
+        };
+        let limits = Limits {
+            max_concurrency: max,
+            max_rps: rps,
+            queue_timeout: queue,
+            max_buffered_bytes: bytes,
+        };
+        OriginGuard::new(limits, metrics)
+    }
+
+    /// A buffered answer holds its room until its last copy is gone (a slice in a slow
+    /// client's write queue included), cut to its size once read; a fetch that finds no
+    /// room in time is shed.
+    #[tokio::test(start_paused = true)]
+    async fn buffered_answers_hold_their_room_until_the_last_copy_is_gone() {
+        const MIB: usize = 1 << 20;
+        let g = buffered_guard(100, 0, Duration::from_millis(30), 4 << 20);
+        let (slot, reservation) = g.acquire_buffered(3 * MIB).await.expect("room");
+        drop(slot);
+        assert_eq!(g.buffered.get(), 3 << 20);
+        let started = Instant::now();
+        assert!(matches!(
+            g.acquire_buffered(3 * MIB).await,
+            Err(ProxyError::Shed(_))
+        ));
+        assert_eq!(started.elapsed(), Duration::from_millis(30));
+        assert_eq!(g.buffered.get(), 3 << 20, "a shed wait holds nothing");
+
+        // The answer was 2 MiB: the third MiB is free again, the rest lives with the body.
+        let body = reservation.hold(Bytes::from(vec![7u8; 2 * MIB]));
+        let queued = body.slice(10..20);
+        drop(body);
+        assert_eq!(g.buffered.get(), 2 << 20);
+        assert!(matches!(
+            g.acquire_buffered(3 * MIB).await,
+            Err(ProxyError::Shed(_))
+        ));
+        let (_slot, second) = g.acquire_buffered(2 * MIB).await.expect("2 MiB fit");
+        assert_eq!(g.buffered.get(), 4 << 20);
+        drop(queued);
+        assert_eq!(g.buffered.get(), 2 << 20);
+        drop(second);
+        assert_eq!(g.buffered.get(), 0);
+        assert_eq!(g.in_flight.get(), 1);
     }
 
     #[tokio::test(start_paused = true)]

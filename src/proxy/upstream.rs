@@ -1,17 +1,27 @@
 //! The pooled HTTP client to the origin.
+//!
+//! `upstream.timeout` bounds the wait for an answer. A request with a body (a write, a
+//! pass-through upload) is bounded while it uploads by `upstream.upload_timeout` instead:
+//! the longest the client's body may pause. A slow upload that keeps moving is never cut,
+//! and `upstream.timeout` starts once the body has been sent.
 
 use std::error::Error as StdError;
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
 use http::header::HeaderValue;
 use http::{Request, Response, Uri};
+use http_body::{Body as HttpBody, Frame, SizeHint};
 use http_body_util::LengthLimitError;
 use http_body_util::combinators::BoxBody;
 use hyper::body::Incoming;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
+use tokio::sync::oneshot;
 
 use crate::config::UpstreamConfig;
 use crate::error::ProxyError;
@@ -32,6 +42,7 @@ pub(crate) struct Upstream {
     prefix: String,
     authority: HeaderValue,
     pub(crate) timeout: Duration,
+    upload_timeout: Duration,
 }
 
 impl Upstream {
@@ -59,6 +70,7 @@ impl Upstream {
             prefix: config.url.path().trim_end_matches('/').to_owned(),
             authority: HeaderValue::from_str(authority.as_str())?,
             timeout: config.timeout,
+            upload_timeout: config.upload_timeout,
         })
     }
 
@@ -102,18 +114,108 @@ impl Upstream {
         }
     }
 
-    /// Sends `request`, waiting at most `upstream.timeout` for the response head.
+    /// Sends `request`, waiting at most `upstream.timeout` for the response head once its
+    /// body (if any) is sent, and while it is sent, at most `upstream.upload_timeout` for
+    /// each piece of the body.
     ///
     /// # Errors
-    /// Timeout → 504, connection failures → 502, a client body over the limit → 413.
+    /// Timeout → 504, a stalled upload → 408, connection failures → 502, a client body over
+    /// the limit → 413.
     pub(crate) async fn send(
         &self,
-        request: Request<UpstreamBody>,
+        mut request: Request<UpstreamBody>,
     ) -> Result<Response<Incoming>, ProxyError> {
-        match tokio::time::timeout(self.timeout, self.client.request(request)).await {
-            Err(_) => Err(ProxyError::OriginTimeout(self.timeout)),
-            Ok(Ok(response)) => Ok(response),
-            Ok(Err(error)) => Err(classify(&error)),
+        if request.body().is_end_stream() {
+            return match tokio::time::timeout(self.timeout, self.client.request(request)).await {
+                Err(_) => Err(ProxyError::OriginTimeout(self.timeout)),
+                Ok(result) => result.map_err(|error| classify(&error)),
+            };
+        }
+        let (sent, uploaded) = oneshot::channel();
+        let body = std::mem::take(request.body_mut());
+        *request.body_mut() = BoxBody::new(Upload {
+            inner: body,
+            idle: self.upload_timeout,
+            stall: Box::pin(tokio::time::sleep(self.upload_timeout)),
+            sent: Some(sent),
+        });
+        let response = self.client.request(request);
+        tokio::pin!(response);
+        let answered = tokio::select! {
+            result = &mut response => Some(result),
+            // Sent whole (or dropped by the client after an error it reports itself).
+            _ = uploaded => None,
+        };
+        let result = match answered {
+            Some(result) => result,
+            None => match tokio::time::timeout(self.timeout, response).await {
+                Err(_) => return Err(ProxyError::OriginTimeout(self.timeout)),
+                Ok(result) => result,
+            },
+        };
+        result.map_err(|error| classify(&error))
+    }
+}
+
+/// A client's body on its way to the origin: fails when it pauses longer than `idle`, and
+/// says when it has been sent whole.
+struct Upload {
+    inner: UpstreamBody,
+    idle: Duration,
+    /// Fires `idle` after the last piece of the body arrived.
+    stall: Pin<Box<tokio::time::Sleep>>,
+    sent: Option<oneshot::Sender<()>>,
+}
+
+/// The error an [`Upload`] ends with when its client stalled.
+#[derive(Debug, thiserror::Error)]
+#[error("request body stalled for {0:?}")]
+struct UploadStalled(Duration);
+
+impl HttpBody for Upload {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = self.get_mut();
+        match Pin::new(&mut this.inner).poll_frame(cx) {
+            Poll::Ready(Some(Ok(frame))) => {
+                let deadline = tokio::time::Instant::now() + this.idle;
+                this.stall.as_mut().reset(deadline);
+                if this.inner.is_end_stream() {
+                    this.done();
+                }
+                Poll::Ready(Some(Ok(frame)))
+            }
+            Poll::Ready(None) => {
+                this.done();
+                Poll::Ready(None)
+            }
+            Poll::Ready(Some(Err(error))) => Poll::Ready(Some(Err(error))),
+            // Nothing from the client: only a stall past `idle` ends the body.
+            Poll::Pending => match this.stall.as_mut().poll(cx) {
+                Poll::Ready(()) => Poll::Ready(Some(Err(Box::new(UploadStalled(this.idle))))),
+                Poll::Pending => Poll::Pending,
+            },
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+impl Upload {
+    fn done(&mut self) {
+        if let Some(sent) = self.sent.take() {
+            let _ = sent.send(());
         }
     }
 }
@@ -154,6 +256,9 @@ fn classify(error: &hyper_util::client::legacy::Error) -> ProxyError {
         if let Some(limit) = cause.downcast_ref::<LengthLimitError>() {
             let _ = limit;
             return ProxyError::BodyTooLarge(0);
+        }
+        if let Some(UploadStalled(idle)) = cause.downcast_ref::<UploadStalled>() {
+            return ProxyError::UploadTimeout(*idle);
         }
         source = cause.source();
     }

@@ -34,14 +34,25 @@ pub fn hot_list(v: &Value) -> Vec<Value> {
 
 /// `VmRSS` of this process (the cacheguard instances run in it), in bytes.
 pub fn rss_bytes() -> u64 {
+    status_bytes("VmRSS:")
+}
+
+/// The process's peak resident memory (`VmHWM`) since start or the last reset (write `5`
+/// to `/proc/self/clear_refs`).
+pub fn peak_rss_bytes() -> u64 {
+    status_bytes("VmHWM:")
+}
+
+/// A `kB` field of `/proc/self/status`, in bytes.
+fn status_bytes(field: &str) -> u64 {
     let status = std::fs::read_to_string("/proc/self/status").expect("read /proc/self/status");
     status
         .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .find_map(|l| l.strip_prefix(field))
         .and_then(|v| v.trim().strip_suffix("kB"))
         .and_then(|v| v.trim().parse::<u64>().ok())
         .map(|kb| kb * 1024)
-        .expect("VmRSS in /proc/self/status")
+        .unwrap_or_else(|| panic!("{field} in /proc/self/status"))
 }
 
 pub fn as_u64(v: &Value, field: &str) -> u64 {

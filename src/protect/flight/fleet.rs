@@ -200,6 +200,18 @@ impl FillPermit {
             .await
     }
 
+    /// The turn to encode and store a value of `size` bytes (see
+    /// [`RedisStore::large_value_turn`]); hold it until [`FillPermit::fill`] returns.
+    ///
+    /// # Errors
+    /// `Unavailable` when it did not come in time: store nothing.
+    pub(crate) async fn large_value_turn(
+        &self,
+        size: usize,
+    ) -> Result<Option<tokio::sync::OwnedSemaphorePermit>, Unavailable> {
+        self.store.large_value_turn(size).await
+    }
+
     /// Stores `encoded` for `ttl` if the generation is unchanged and nobody else holds the
     /// lock, releases the lock and wakes the waiters (one script).
     pub(crate) async fn fill(
