@@ -89,12 +89,33 @@
 //!    `stale_reads_after_delay` (the same, started more than D ms after that return: with a
 //!    working delayed double delete of `double_delete_delay = D`, this must be 0), the latter
 //!    broken down by instance and X-Cache, with samples.
+//!
+//! `loadgen soak --url http://IP:PORT [--url URL2 ...] [--path-template /kv/{key}]
+//!  [--writers 8] [--readers 32] [--keys 200] [--write-rate 40] [--read-rate 400]
+//!  [--duration-s 180] --delay-ms D [--bucket-ms 1000]`
+//!
+//! Paced writers and readers of a versioned KV origin for minutes, with a timeline
+//! (bench/soak.sh: faults are injected while it runs):
+//! 1. Opens one keep-alive connection per loop and URL (all must connect, or it fails); a
+//!    connection that breaks later is re-opened on the loop's next request.
+//! 2. W writer loops share `--write-rate` PUTs per second and R reader loops share
+//!    `--read-rate` GETs per second: each loop sends its j-th request at start + phase +
+//!    j × period (a loop over a second behind drops the slots it missed, counted in
+//!    `dropped_slots`), to a random key and a random URL, each bounded by `--timeout-s`.
+//! 3. A read is stale when it started more than D ms after some write to its key returned
+//!    version v and it read a version < v (as `stale_reads_after_delay` of `stale`).
+//! 4. Prints one JSON object: counts, statuses (`status_5xx`), errors by kind, stale reads
+//!    by instance and X-Cache with samples, the start of each (`stale_read_times_s`, seconds
+//!    from the start, sorted) and of the last one (`last_stale_read_s`), latencies, and `timeline`: per `--bucket-ms` bucket of send
+//!    time, reads and writes answered 2xx, other statuses, errors, stale reads and X-Cache.
+//!    `start_unix_ms` is the wall-clock time of the start, to line it up with a fault log.
 
 mod cycle;
 mod http;
 mod list;
 mod open_loop;
 mod rate;
+mod soak;
 mod stale;
 mod stampede;
 mod stats;
@@ -120,6 +141,8 @@ enum Cmd {
     Cycle(CycleArgs),
     /// Closed-loop writers and readers of a versioned KV origin: stale reads after writes.
     Stale(StaleArgs),
+    /// Paced writers and readers of a versioned KV origin for minutes, with a timeline.
+    Soak(SoakArgs),
 }
 
 #[derive(Parser, Debug)]
@@ -165,6 +188,57 @@ struct StaleArgs {
     seed: Option<u64>,
     /// Tokio worker threads.
     #[arg(long, default_value_t = 2)]
+    threads: usize,
+}
+
+#[derive(Parser, Debug)]
+struct SoakArgs {
+    /// Base URL of one instance (http://IP:PORT); repeat for several. Each request goes to a
+    /// random one.
+    #[arg(long = "url", required = true)]
+    urls: Vec<String>,
+    /// Path of one key; `{key}` is replaced by the key.
+    #[arg(long, default_value = "/kv/{key}")]
+    path_template: String,
+    /// Writer loops (PUT).
+    #[arg(long, default_value_t = 8)]
+    writers: usize,
+    /// Reader loops (GET).
+    #[arg(long, default_value_t = 32)]
+    readers: usize,
+    /// Number of keys, `<key-prefix>0` .. `<key-prefix><keys - 1>`.
+    #[arg(long, default_value_t = 200)]
+    keys: u64,
+    /// Prefix of the key names.
+    #[arg(long, default_value = "k")]
+    key_prefix: String,
+    /// PUTs per second, over all writer loops.
+    #[arg(long, default_value_t = 40.0)]
+    write_rate: f64,
+    /// GETs per second, over all reader loops.
+    #[arg(long, default_value_t = 400.0)]
+    read_rate: f64,
+    /// Run time in seconds.
+    #[arg(long, default_value_t = 180.0)]
+    duration_s: f64,
+    /// A read that starts more than this many ms after a write returned must not see an
+    /// older version.
+    #[arg(long)]
+    delay_ms: f64,
+    /// Per-request timeout (ready, send, whole answer), in seconds.
+    #[arg(long, default_value_t = 5.0)]
+    timeout_s: f64,
+    /// Timeline bucket, in milliseconds.
+    #[arg(long, default_value_t = 1000)]
+    bucket_ms: u64,
+    /// Stale reads listed in the report.
+    #[arg(long, default_value_t = 20)]
+    samples: usize,
+    /// Seed of the key and instance choices (default: from the clock; reported).
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Tokio worker threads.
+    #[arg(long, default_value_t = 1)]
     threads: usize,
 }
 
@@ -308,6 +382,7 @@ fn main() {
         Cmd::List(a) => a.threads,
         Cmd::Cycle(a) => a.threads,
         Cmd::Stale(a) => a.threads,
+        Cmd::Soak(a) => a.threads,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(threads.max(1))
@@ -320,6 +395,7 @@ fn main() {
         Cmd::List(args) => rt.block_on(list::list(args)),
         Cmd::Cycle(args) => rt.block_on(cycle::cycle(args)),
         Cmd::Stale(args) => rt.block_on(stale::stale(args)),
+        Cmd::Soak(args) => rt.block_on(soak::soak(args)),
     };
     // do not wait for abandoned tasks (requests still in flight after the drain deadline)
     rt.shutdown_background();
