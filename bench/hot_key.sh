@@ -254,7 +254,9 @@ run_tp() {
     fi
     if [[ $t == cg ]]; then
         r_cmds=$(($(redis_total "$OUT/runs/$tag-redis-after.txt") - $(redis_total "$OUT/runs/$tag-redis-before.txt") - 1))
-        r_get=$(($(redis_calls "$OUT/runs/$tag-redis-after.txt" get) - $(redis_calls "$OUT/runs/$tag-redis-before.txt" get)))
+        # Entry reads are GETRANGEs; GETs are the other reads (scripts, large values).
+        r_get=$(($(redis_calls "$OUT/runs/$tag-redis-after.txt" get) - $(redis_calls "$OUT/runs/$tag-redis-before.txt" get)
+            + $(redis_calls "$OUT/runs/$tag-redis-after.txt" getrange) - $(redis_calls "$OUT/runs/$tag-redis-before.txt" getrange)))
     fi
     local parsed rps p50 p99 max reqs errs non2xx
     parsed=$(wrk_parse "$file") || die "cannot parse wrk output $file"

@@ -277,3 +277,41 @@ async fn a_slow_upload_is_bounded_by_its_pauses_not_by_the_origin_timeout() {
         );
     }
 }
+
+/// A pass-through GET whose pooled connection a middlebox dropped (it ends, unanswered, at
+/// the request's first bytes) is sent once more on a new connection, as for cached fetches:
+/// eight warm keep-alive connections dropped before a burst of eight GETs on an unrouted
+/// path, and all eight answer 200; the retries are counted. Before, 8 of 8 got 502.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_passthrough_get_whose_pooled_connection_was_dropped_is_retried_once() {
+    let origin = TestOrigin::start().await;
+    origin.set_default_delay(Duration::from_millis(100));
+    let middlebox = common::TcpProxy::start(origin.addr()).await;
+    let cg = CgConfig::with_upstream(&format!("http://{}", middlebox.addr()))
+        .start()
+        .await;
+    let client = HttpClient::new();
+    let addr = cg.addr();
+    let eight = |name: &'static str| {
+        let client = client.clone();
+        common::concurrently(8, Duration::from_secs(10), move |i| {
+            let client = client.clone();
+            async move { client.get(&url(addr, &format!("/other/{name}-{i}"))).await }
+        })
+    };
+    let warm = eight("warm").await;
+    assert!(warm.iter().all(|r| r.status == 200), "{warm:?}");
+    middlebox.drop_open_on_next_request();
+    let burst = eight("burst").await;
+    let statuses: Vec<u16> = burst.iter().map(|r| r.status.as_u16()).collect();
+    assert_eq!(statuses, vec![200; 8], "{burst:?}");
+    let retries = common::metric(
+        &client,
+        cg.admin_addr(),
+        "cacheguard_origin_retries_total",
+        &[("route", "_passthrough")],
+    )
+    .await;
+    assert!(retries >= 1.0, "{retries} retries counted");
+    cg.shutdown().await;
+}

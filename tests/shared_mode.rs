@@ -233,9 +233,11 @@ async fn concurrent_misses_across_two_instances_make_one_origin_request() {
 
 /// A 10 MiB entry read by 30 clients at once, twice, on the instance that filled it and on
 /// another, in every `l1` mode: one origin fetch, every answer the whole body from a cache
-/// tier, Redis never marked down. The fill's write goes on the bulk connection, and
-/// concurrent reads of the key share `GET`s (a burst costs about two transfers per
-/// instance): before, the write or the 30 reads timed out, so requests were MISSes.
+/// tier, Redis never marked down. A large value is written and read on the bulk connection
+/// (the shared one only carries its first 256 KiB), and concurrent reads of the key share
+/// them: before, the 10 MiB write or the 30 reads timed out at `command_timeout` (the
+/// harness's 200 ms here; the default 50 ms is too tight for any command of a debug build on
+/// a loaded box), so requests were MISSes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_large_entry_is_stored_once_and_read_by_many_from_the_cache() {
     const BODY: usize = 10 * 1024 * 1024;

@@ -1,7 +1,12 @@
 //! L2: entries in the shared Redis, one key per cache key, named by
 //! [`Keyspace::entry`] (`<prefix>{<base>}:v` for a base key, `<prefix>{<base>}:v:<hash>`
-//! for a variant): the same name the fill writes, so lookup and fill cannot disagree. A value that fails to decode is counted and treated
-//! as a miss; the next fill overwrites it.
+//! for a variant): the same name the fill writes, so lookup and fill cannot disagree. A
+//! value that fails to decode is counted and treated as a miss; the next fill overwrites it.
+//!
+//! An entry is read with `GETRANGE` up to 256 KiB: all of a small value in one command; a
+//! larger one is then read whole on the bulk connection (its own timeout, not counted
+//! toward the breaker), so a large value never holds up the shared connection nor times
+//! out at `command_timeout` (as the fill writes it, `coord/store.rs`).
 //!
 //! Concurrent reads of one key in this process share `GET`s: a burst of requests for one
 //! key costs Redis about two reads per instance, not one per request (nor, for a large
@@ -25,6 +30,7 @@ use tokio::sync::watch;
 use tracing::debug;
 
 use super::{CacheKey, Entry};
+use crate::coord::store::{LARGE_VALUE, LARGE_VALUE_TIMEOUT};
 use crate::coord::{Keyspace, RedisConn};
 use crate::metrics::Metrics;
 
@@ -156,9 +162,20 @@ impl L2 {
     }
 
     async fn read(&self, key: &CacheKey) -> Lookup {
-        let bytes = match self.redis.get(&self.keys.entry(key.base, key.hash)).await {
-            Ok(Some(bytes)) => bytes,
-            Ok(None) => return Lookup::Miss,
+        let name = self.keys.entry(key.base, key.hash);
+        // The first LARGE_VALUE + 1 bytes: all of a small value, in one command. A larger
+        // one is then read whole on the bulk connection, with a timeout of its own.
+        let bytes = match self.redis.get_up_to(&name, LARGE_VALUE + 1).await {
+            // No value (an entry is never empty).
+            Ok(bytes) if bytes.is_empty() => return Lookup::Miss,
+            Ok(bytes) if bytes.len() > LARGE_VALUE => {
+                match self.redis.bulk_get(&name, LARGE_VALUE_TIMEOUT).await {
+                    Ok(Some(bytes)) => bytes,
+                    Ok(None) => return Lookup::Miss,
+                    Err(_) => return Lookup::Unavailable,
+                }
+            }
+            Ok(bytes) => bytes,
             Err(_) => return Lookup::Unavailable,
         };
         match Entry::decode(&bytes) {

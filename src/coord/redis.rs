@@ -603,11 +603,26 @@ impl RedisConn {
         self.query::<i64>(RedisOp::Publish, &cmd).await.map(|_| ())
     }
 
-    /// `GET key`, or `Unavailable` at once while Redis is down.
-    pub(crate) async fn get(&self, key: &str) -> Result<Option<Vec<u8>>, Unavailable> {
+    /// At most the first `max` bytes of `key`'s value (`GETRANGE key 0 max-1`): empty when
+    /// there is none. A reply is never larger than `max`, so a large value cannot hold up
+    /// the shared connection (nor time out on it); read it whole with
+    /// [`RedisConn::bulk_get`].
+    pub(crate) async fn get_up_to(&self, key: &str, max: usize) -> Result<Vec<u8>, Unavailable> {
+        let mut cmd = redis::cmd("GETRANGE");
+        cmd.arg(key).arg(0).arg(max.saturating_sub(1));
+        self.query(RedisOp::Get, &cmd).await
+    }
+
+    /// `GET key` on the bulk connection (see [`RedisConn::bulk`]): for a value known to be
+    /// large.
+    pub(crate) async fn bulk_get(
+        &self,
+        key: &str,
+        timeout: Duration,
+    ) -> Result<Option<Vec<u8>>, Unavailable> {
         let mut cmd = redis::cmd("GET");
         cmd.arg(key);
-        self.query(RedisOp::Get, &cmd).await
+        self.bulk_run(RedisOp::Get, timeout, &Bulk::Cmd(&cmd)).await
     }
 
     /// One command on the shared connection: refused at once while the breaker is open,

@@ -68,12 +68,12 @@ const FAILURE_KEPT: Duration = Duration::from_secs(2);
 /// Added to the longest fetch for the life of a generation read at a fetch's start.
 const GENERATION_SLACK: Duration = Duration::from_secs(60);
 
-/// A stored value above this size is written on the bulk connection (see
+/// A stored value above this size is written and read on the bulk connection (see
 /// [`RedisConn::bulk`]).
 pub(crate) const LARGE_VALUE: usize = 256 * 1024;
 
-/// How long the write of a large value may take, waiting for its turn included.
-const LARGE_VALUE_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long the transfer of a large value may take, waiting for its turn included.
+pub(crate) const LARGE_VALUE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// A fresh generation: a random integer (so `INCR` works on it) far above the small
 /// numbers an `INCR` of an absent key starts from, and exact in Lua's doubles.

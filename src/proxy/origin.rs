@@ -7,13 +7,14 @@ use arc_swap::ArcSwap;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::request::Parts;
 use http::{Request, Response};
+use http_body::Body as _;
 
 use super::body::Body;
 use super::origin_guard::OriginGuard;
 use super::respond::{self, is_hop_by_hop, strip_hop_by_hop};
 use super::upstream::{Upstream, UpstreamBody};
 use crate::error::ProxyError;
-use crate::metrics::Outcome;
+use crate::metrics::{Outcome, RouteMetrics};
 
 static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
@@ -106,11 +107,14 @@ pub(crate) struct Origin {
 
 impl Origin {
     /// Sends one request to the origin through the origin guard and streams the answer back.
+    /// An idempotent request without a body whose pooled connection failed before any byte
+    /// of an answer is sent once more on a new connection (counted under `metrics`).
     pub(crate) async fn forward(
         &self,
         mut parts: Parts,
         body: UpstreamBody,
         client: SocketAddr,
+        metrics: &RouteMetrics,
     ) -> (Response<Body>, Outcome) {
         let upstream = self.upstream.load_full();
         let uri = match parts
@@ -127,16 +131,12 @@ impl Origin {
         };
         strip_hop_by_hop(&mut parts.headers);
         set_forwarded(&mut parts.headers, client);
-        let mut request = Request::new(body);
-        *request.method_mut() = parts.method;
-        *request.uri_mut() = uri;
-        *request.headers_mut() = parts.headers;
         // HTTP/2 clients send :authority instead of Host; keep what they addressed.
         if let Some(host) = parts.uri.authority()
-            && !request.headers().contains_key(header::HOST)
+            && !parts.headers.contains_key(header::HOST)
             && let Ok(value) = HeaderValue::from_str(host.as_str())
         {
-            request.headers_mut().insert(header::HOST, value);
+            parts.headers.insert(header::HOST, value);
         }
 
         // The slot is held until the origin's response head arrives; streaming the body
@@ -145,7 +145,30 @@ impl Origin {
             Ok(slot) => slot,
             Err(error) => return (respond::error(&error), Outcome::Error),
         };
-        let sent = upstream.send(request).await;
+        let sent = if parts.method.is_idempotent() && body.is_end_stream() {
+            let make = || {
+                let mut request = Request::new(UpstreamBody::default());
+                *request.method_mut() = parts.method.clone();
+                *request.uri_mut() = uri.clone();
+                *request.headers_mut() = parts.headers.clone();
+                Ok(request)
+            };
+            upstream
+                .send_idempotent(make)
+                .await
+                .map(|(response, retried)| {
+                    if retried {
+                        metrics.origin_retries.inc();
+                    }
+                    response
+                })
+        } else {
+            let mut request = Request::new(body);
+            *request.method_mut() = parts.method;
+            *request.uri_mut() = uri;
+            *request.headers_mut() = parts.headers;
+            upstream.send(request).await
+        };
         drop(slot);
         match sent {
             Ok(response) => {

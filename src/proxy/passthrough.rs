@@ -37,7 +37,7 @@ impl Passthrough {
             .map_err(Into::into)
             .boxed();
         let origin_started = Instant::now();
-        let (response, outcome) = self.origin.forward(parts, body, client).await;
+        let (response, outcome) = self.origin.forward(parts, body, client, metrics).await;
         let origin_status = match outcome {
             Outcome::Error => match response.status().as_u16() {
                 504 => Some(OriginStatus::Timeout),

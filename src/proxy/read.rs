@@ -84,7 +84,10 @@ impl ReadPath {
         client: SocketAddr,
     ) -> (Response<Body>, Outcome) {
         if per_user(&parts.headers) {
-            return self.origin.forward(parts, no_body(), client).await;
+            return self
+                .origin
+                .forward(parts, no_body(), client, &route.metrics)
+                .await;
         }
         let head = parts.method == Method::HEAD;
         let derived = key::derive(
