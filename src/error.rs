@@ -25,6 +25,15 @@ pub(crate) enum ProxyError {
     LockWait(Duration),
     #[error("bad request: {0}")]
     BadRequest(&'static str),
+    /// The client's request body broke its framing (a bad chunk, cut short).
+    #[error("bad request: malformed request body")]
+    BadRequestBody,
+    /// A method cacheguard never forwards (`TRACE`, `CONNECT`), or one no route takes that
+    /// only makes sense to a cache (`PURGE`, `BAN`: the purge API is on the admin listener).
+    #[error("method not allowed")]
+    MethodNotAllowed,
+    #[error("request target too long (limit {0} bytes)")]
+    UriTooLong(usize),
     #[error("too many requests for this key")]
     HotKeyLimited,
     /// A miss on one more query variant of a path whose budget is spent (the seconds
@@ -44,7 +53,9 @@ impl ProxyError {
             ProxyError::OriginTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
             ProxyError::UploadTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             ProxyError::OriginConnect(_) => StatusCode::BAD_GATEWAY,
-            ProxyError::BadRequest(_) => StatusCode::BAD_REQUEST,
+            ProxyError::BadRequest(_) | ProxyError::BadRequestBody => StatusCode::BAD_REQUEST,
+            ProxyError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
+            ProxyError::UriTooLong(_) => StatusCode::URI_TOO_LONG,
             ProxyError::HotKeyLimited | ProxyError::TooManyVariants(_) => {
                 StatusCode::TOO_MANY_REQUESTS
             }
@@ -63,6 +74,9 @@ impl ProxyError {
             ProxyError::OriginConnect(_) => "origin_unreachable",
             ProxyError::LockWait(_) => "lock_wait",
             ProxyError::BadRequest(_) => "bad_request",
+            ProxyError::BadRequestBody => "bad_request_body",
+            ProxyError::MethodNotAllowed => "method_not_allowed",
+            ProxyError::UriTooLong(_) => "uri_too_long",
             ProxyError::HotKeyLimited => "hot_key_limited",
             ProxyError::TooManyVariants(_) => "too_many_variants",
             ProxyError::Internal => "internal",

@@ -3,6 +3,7 @@
 //! [`create`]) and pass-through ([`passthrough`]) — over the origin ([`origin`], the
 //! upstream client and the origin guard).
 
+pub(crate) mod admit;
 pub(crate) mod body;
 pub(crate) mod conditional;
 pub(crate) mod create;
@@ -32,7 +33,7 @@ use hyper::body::Incoming;
 
 use self::body::Body;
 use self::origin::Origin;
-use self::own_answer::OwnAnswerLog;
+use self::own_answer::{OwnAnswer, OwnAnswerLog};
 use self::passthrough::Passthrough;
 use self::read::ReadPath;
 use self::route::{Route, RouteTable};
@@ -145,6 +146,19 @@ impl Proxy {
         // Cheap clones (no allocation for a standard method; the URI shares its bytes).
         let (method, uri) = (request.method().clone(), request.uri().clone());
         let (route, response) = self.route(request, client).await;
+        // Requests refused on their way (a broken or stalled body, a cache-only method) are
+        // counted with those refused up front.
+        if let Some(own) = response.extensions().get::<OwnAnswer>()
+            && matches!(
+                own.reason,
+                "bad_request_body" | "upload_timeout" | "method_not_allowed"
+            )
+        {
+            self.metrics
+                .rejected_requests
+                .with_label_values(&[own.reason])
+                .inc();
+        }
         let name = route
             .as_ref()
             .map_or(PASSTHROUGH, |r| r.config.name.as_str());
@@ -186,6 +200,9 @@ impl Proxy {
                 let response = self.write.serve(&route, &params, request, client).await;
                 (Some(route), response)
             }
+            None if admit::is_cache_method(method) => {
+                (None, respond::error(&ProxyError::MethodNotAllowed))
+            }
             None => {
                 let metrics = Arc::clone(&self.passthrough_metrics);
                 // An unsafe method on a cached path still invalidates it.
@@ -209,6 +226,7 @@ impl Proxy {
     /// Request head over `max_header_bytes` → 431; declared body over `max_body_bytes` → 413
     /// (undeclared bodies are cut at the limit while streaming).
     fn check_limits(&self, request: &Request<Incoming>) -> Result<(), ProxyError> {
+        admit::check(request, self.max_header_bytes)?;
         let head_bytes: usize = request
             .uri()
             .path_and_query()

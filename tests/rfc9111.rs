@@ -362,3 +362,58 @@ async fn conditionals_in_one_mode(
 async fn conditionals_and_ranges_are_answered_from_the_cache() {
     in_every_mode("60s", &[], conditionals_in_one_mode).await;
 }
+
+/// In one mode: an answer whose `Surrogate-Control` (or `CDN-Cache-Control`) says
+/// `no-store` to this cache is passed on and never stored, though the route's own rules
+/// would keep it; one aimed at another cache (`no-store;other`) does not stop the store.
+async fn targeted_no_store_in_one_mode(
+    origin: &TestOrigin,
+    mode: &str,
+    cfg: &CgConfig,
+    shared: bool,
+) -> Vec<String> {
+    let tag = mode.replace([',', ' ', '='], "");
+    let instances = Instances::start(cfg, shared).await;
+    let mut wrong = Vec::new();
+    for (field, value, stored) in [
+        ("Surrogate-Control", "no-store", false),
+        ("CDN-Cache-Control", "no-store", false),
+        (
+            "Surrogate-Control",
+            "no-store;other-cache, max-age=60",
+            true,
+        ),
+    ] {
+        let path = format!("/api/items/{tag}-{}-{stored}", field.to_lowercase());
+        origin.set_headers(&path, [(field, value)]);
+        let mut seen = Vec::new();
+        for running in &instances.all {
+            for _ in 0..2 {
+                seen.push(get(running.addr(), &path, &[]).await);
+            }
+        }
+        let fetched = origin.count(&path);
+        let hits = seen.iter().filter(|r| r.is_hit()).count();
+        let ok = if stored {
+            fetched == 1 && hits == seen.len() - 1
+        } else {
+            fetched == seen.len() as u64 && hits == 0
+        };
+        if !ok {
+            let outcomes: Vec<_> = seen.iter().map(Resp::x_cache).collect();
+            wrong.push(format!(
+                "{mode}: {field}: {value}: fetched {fetched} times for {} requests: {outcomes:?}",
+                seen.len()
+            ));
+        }
+    }
+    instances.shutdown().await;
+    wrong
+}
+
+/// Regression: `Surrogate-Control: no-store` was obeyed only on `freshness = "origin"`
+/// routes; on a route with its own lifetime the answer was stored and served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_no_store_aimed_at_this_cache_is_never_stored() {
+    in_every_mode("60s", &[], targeted_no_store_in_one_mode).await;
+}

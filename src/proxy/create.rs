@@ -9,10 +9,10 @@ use std::sync::Arc;
 use bytes::{Bytes, BytesMut};
 use http::{Request, Response, StatusCode, header};
 use http_body_util::BodyExt;
-use hyper::body::Incoming;
 use tracing::warn;
 
 use super::body::Body;
+use super::passthrough::Buffered;
 use super::respond;
 use super::route::Route;
 use super::write::WritePath;
@@ -23,7 +23,7 @@ impl WritePath {
     pub(crate) async fn serve_create(
         &self,
         route: &Arc<Route>,
-        request: Request<Incoming>,
+        request: Request<Buffered>,
         client: SocketAddr,
     ) -> Response<Body> {
         let response = self

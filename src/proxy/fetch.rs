@@ -757,7 +757,10 @@ fn storable(
     if !status_ok || headers.contains_key(header::SET_COOKIE) {
         return Err(NotShared::Policy);
     }
-    if origin_mode && targeted_no_store(headers) {
+    // A `no-store` aimed at this cache (`Surrogate-Control`, `CDN-Cache-Control`) is
+    // obeyed whatever the route's freshness source: the origin said this cache must not
+    // keep it.
+    if targeted_no_store(headers) {
         return Err(NotShared::Policy);
     }
     // In origin mode a `max-age` aimed at this cache (Surrogate-Control, CDN-Cache-Control)

@@ -18,15 +18,37 @@ use crate::metrics::{Outcome, RouteMetrics};
 
 static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
-static X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
-static FORWARDED: HeaderName = HeaderName::from_static("forwarded");
+
+/// Client headers that tell an origin (or a framework in front of it) who the client is,
+/// where it came from or what it really asked for. A client must not choose them: they
+/// are dropped from every forwarded request, and cacheguard sets `X-Forwarded-For` and
+/// `X-Forwarded-Proto` itself.
+const CLIENT_CLAIMS: [&str; 16] = [
+    "forwarded",
+    "x-forwarded-host",
+    "x-forwarded-port",
+    "x-forwarded-server",
+    "x-forwarded-scheme",
+    "x-forwarded-ssl",
+    "x-forwarded-prefix",
+    "x-real-ip",
+    "x-client-ip",
+    "x-host",
+    "x-original-url",
+    "x-rewrite-url",
+    "x-original-host",
+    "x-http-method-override",
+    "x-http-method",
+    "x-method-override",
+];
 
 /// Replaces every client-supplied forwarding header with cacheguard's own: the client's
-/// address is what cacheguard saw on the socket, never what the client claims.
+/// address is what cacheguard saw on the socket, never what the client claims; headers that
+/// would rewrite the target or the method for the origin ([`CLIENT_CLAIMS`]) are dropped.
 pub(crate) fn set_forwarded(headers: &mut HeaderMap, client: SocketAddr) {
-    headers.remove(&X_FORWARDED_HOST);
-    headers.remove(&FORWARDED);
-    headers.remove("x-real-ip");
+    for name in CLIENT_CLAIMS {
+        headers.remove(name);
+    }
     let ip = HeaderValue::from_str(&client.ip().to_string())
         .unwrap_or_else(|_| HeaderValue::from_static("unknown"));
     headers.insert(X_FORWARDED_FOR.clone(), ip);

@@ -263,6 +263,26 @@ impl OriginGuard {
             .ok_or(ProxyError::Shed(self.queue_timeout))
     }
 
+    /// Waits (at most `queue_timeout`) for room to buffer `bytes` of a request body, without
+    /// a slot: the slot is taken when the request is sent.
+    ///
+    /// # Errors
+    /// [`ProxyError::Shed`] when no room came in time.
+    pub(crate) async fn reserve(&self, bytes: usize) -> Result<Reservation, ProxyError> {
+        let kib = kib(bytes).clamp(1, self.buffer_kib);
+        let room = Arc::clone(&self.buffer).acquire_many_owned(kib);
+        match tokio::time::timeout(self.queue_timeout, room).await {
+            Ok(Ok(permit)) => {
+                self.buffered.add(kib_to_bytes(kib as usize));
+                Ok(Reservation {
+                    permit,
+                    buffered: self.buffered.clone(),
+                })
+            }
+            _ => Err(ProxyError::Shed(self.queue_timeout)),
+        }
+    }
+
     async fn slot(&self) -> Option<Slot> {
         let permit = Arc::clone(&self.slots).acquire_owned().await.ok()?;
         if let Some(rate) = &self.rate {

@@ -5,16 +5,23 @@
 use std::net::SocketAddr;
 use std::time::Instant;
 
-use http::{Request, Response};
-use http_body_util::{BodyExt, Limited};
+use bytes::{Bytes, BytesMut};
+use http::{Request, Response, header};
+use http_body::Body as HttpBody;
+use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 
 use std::sync::Arc;
 
 use super::body::Body;
 use super::origin::Origin;
-use super::upstream::UpstreamBody;
+use super::origin_guard::Reservation;
+use super::upstream::{BoxError, ClientBodyError, UpstreamBody};
+use crate::error::ProxyError;
 use crate::metrics::{OriginStatus, Outcome, RouteMetrics};
+
+/// A request body read whole before it is forwarded.
+pub(crate) type Buffered = Full<Bytes>;
 
 /// Forwards requests untouched, through the origin guard.
 #[derive(Debug)]
@@ -23,16 +30,22 @@ pub(crate) struct Passthrough {
 }
 
 impl Passthrough {
-    /// Proxies `request` untouched and records it under `metrics`.
-    pub(crate) async fn serve(
+    /// Proxies `request` untouched and records it under `metrics`. An error of the
+    /// client's body ends the origin request at once and is answered 400.
+    pub(crate) async fn serve<B>(
         &self,
         metrics: &RouteMetrics,
-        request: Request<Incoming>,
+        request: Request<B>,
         client: SocketAddr,
-    ) -> Response<Body> {
+    ) -> Response<Body>
+    where
+        B: HttpBody<Data = Bytes> + Send + Sync + 'static,
+        B::Error: Into<BoxError>,
+    {
         let started = Instant::now();
         let (parts, body) = request.into_parts();
         let limit = self.origin.max_body_bytes;
+        let body = body.map_err(|error| BoxError::from(ClientBodyError(error.into())));
         let body: UpstreamBody = Limited::new(body, usize::try_from(limit).unwrap_or(usize::MAX))
             .map_err(Into::into)
             .boxed();
@@ -54,5 +67,51 @@ impl Passthrough {
         }
         metrics.answered(outcome, started.elapsed().as_secs_f64());
         response
+    }
+}
+
+impl Passthrough {
+    /// Reads `request`'s body whole, before anything of the request reaches the origin or
+    /// any invalidation runs: a body that breaks its framing gets 400, one over
+    /// `server.max_body_bytes` 413, one that pauses longer than `upstream.upload_timeout`
+    /// 408. Its room is reserved in `upstream.max_buffered_bytes` first (its
+    /// `Content-Length`, or `max_body_bytes` when it has none) and held by the returned
+    /// reservation: no room within `queue_timeout` gets 503.
+    ///
+    /// # Errors
+    /// The answer to give instead.
+    pub(crate) async fn buffer(
+        &self,
+        request: Request<Incoming>,
+    ) -> Result<(Request<Buffered>, Reservation), ProxyError> {
+        let (parts, mut body) = request.into_parts();
+        let limit = self.origin.max_body_bytes;
+        let declared = parts
+            .headers
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok());
+        let room = usize::try_from(declared.unwrap_or(limit).min(limit)).unwrap_or(usize::MAX);
+        let reservation = self.origin.guard.load_full().reserve(room).await?;
+        let idle = self.origin.upstream.load().upload_timeout();
+        let mut buf = BytesMut::with_capacity(room.min(64 * 1024));
+        loop {
+            let frame = match tokio::time::timeout(idle, body.frame()).await {
+                Err(_) => return Err(ProxyError::UploadTimeout(idle)),
+                Ok(None) => break,
+                Ok(Some(Err(_))) => return Err(ProxyError::BadRequestBody),
+                Ok(Some(Ok(frame))) => frame,
+            };
+            if let Ok(data) = frame.into_data() {
+                if (buf.len() + data.len()) as u64 > limit {
+                    return Err(ProxyError::BodyTooLarge(limit));
+                }
+                buf.extend_from_slice(&data);
+            }
+        }
+        Ok((
+            Request::from_parts(parts, Full::new(buf.freeze())),
+            reservation,
+        ))
     }
 }

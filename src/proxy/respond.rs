@@ -100,6 +100,9 @@ pub(crate) fn from_entry(
 /// cacheguard's own answer for `error`: the right status, a short text body, and
 /// `Retry-After` where the client should come back later. Tagged as an [`OwnAnswer`], so
 /// the router logs it.
+/// The methods cacheguard forwards or answers, for a 405's `Allow`.
+const ALLOWED_METHODS: &str = "GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS";
+
 pub(crate) fn error(error: &ProxyError) -> Response<Body> {
     let mut response = Response::new(Body::full(format!("cacheguard: {error}\n")));
     *response.status_mut() = error.status();
@@ -110,6 +113,10 @@ pub(crate) fn error(error: &ProxyError) -> Response<Body> {
     );
     if let Some(seconds) = error.retry_after() {
         headers.insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+    }
+    if matches!(error, ProxyError::MethodNotAllowed) {
+        // RFC 9110 §15.5.6: a 405 says which methods the target takes.
+        headers.insert(header::ALLOW, HeaderValue::from_static(ALLOWED_METHODS));
     }
     headers.insert(X_CACHE.clone(), x_cache_value(Outcome::Error));
     response.extensions_mut().insert(OwnAnswer::of(error));

@@ -8,11 +8,13 @@
 use std::error::Error as StdError;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::header::HeaderValue;
+use http::header::{self, HeaderValue};
 use http::{Request, Response, Uri};
 use http_body::{Body as HttpBody, Frame, SizeHint};
 use http_body_util::LengthLimitError;
@@ -81,6 +83,11 @@ impl Upstream {
             .map_err(|_| ProxyError::BadRequest("request target cannot be forwarded"))
     }
 
+    /// `upstream.upload_timeout`: the longest a client's request body may pause.
+    pub(crate) fn upload_timeout(&self) -> Duration {
+        self.upload_timeout
+    }
+
     /// The origin's `host:port`, used as `Host` on cached fetches.
     pub(crate) fn authority(&self) -> &HeaderValue {
         &self.authority
@@ -99,18 +106,18 @@ impl Upstream {
         make: impl Fn() -> Result<Request<UpstreamBody>, ProxyError>,
     ) -> Result<(Response<Incoming>, bool), ProxyError> {
         let deadline = tokio::time::Instant::now() + self.timeout;
-        let first = tokio::time::timeout_at(deadline, self.client.request(make()?)).await;
+        let first = tokio::time::timeout_at(deadline, exchange(&self.client, make()?)).await;
         match first {
             Err(_) => Err(ProxyError::OriginTimeout(self.timeout)),
             Ok(Ok(response)) => Ok((response, false)),
-            Ok(Err(error)) if unanswered(&error) => {
-                match tokio::time::timeout_at(deadline, self.fresh.request(make()?)).await {
+            Ok(Err(Failed::Client(error))) if unanswered(&error) => {
+                match tokio::time::timeout_at(deadline, exchange(&self.fresh, make()?)).await {
                     Err(_) => Err(ProxyError::OriginTimeout(self.timeout)),
                     Ok(Ok(response)) => Ok((response, true)),
-                    Ok(Err(error)) => Err(classify(&error)),
+                    Ok(Err(failed)) => Err(failed.into()),
                 }
             }
-            Ok(Err(error)) => Err(classify(&error)),
+            Ok(Err(failed)) => Err(failed.into()),
         }
     }
 
@@ -119,16 +126,16 @@ impl Upstream {
     /// each piece of the body.
     ///
     /// # Errors
-    /// Timeout → 504, a stalled upload → 408, connection failures → 502, a client body over
-    /// the limit → 413.
+    /// Timeout → 504, a stalled upload → 408, connection failures and answers refused for
+    /// their framing → 502, a client body over the limit → 413.
     pub(crate) async fn send(
         &self,
         mut request: Request<UpstreamBody>,
     ) -> Result<Response<Incoming>, ProxyError> {
         if request.body().is_end_stream() {
-            return match tokio::time::timeout(self.timeout, self.client.request(request)).await {
+            return match tokio::time::timeout(self.timeout, exchange(&self.client, request)).await {
                 Err(_) => Err(ProxyError::OriginTimeout(self.timeout)),
-                Ok(result) => result.map_err(|error| classify(&error)),
+                Ok(result) => result.map_err(Into::into),
             };
         }
         let (sent, uploaded) = oneshot::channel();
@@ -139,7 +146,7 @@ impl Upstream {
             stall: Box::pin(tokio::time::sleep(self.upload_timeout)),
             sent: Some(sent),
         });
-        let response = self.client.request(request);
+        let response = exchange(&self.client, request);
         tokio::pin!(response);
         let answered = tokio::select! {
             result = &mut response => Some(result),
@@ -153,8 +160,72 @@ impl Upstream {
                 Ok(result) => result,
             },
         };
-        result.map_err(|error| classify(&error))
+        result.map_err(Into::into)
     }
+}
+
+/// The most informational (1xx) answers taken before the final one: a few `100 Continue`
+/// and `103 Early Hints` are normal; an origin that keeps sending them is not answering.
+const MAX_INFORMATIONAL: usize = 16;
+
+/// Why an exchange with the origin failed.
+enum Failed {
+    /// The client failed: connection, protocol, the request body.
+    Client(hyper_util::client::legacy::Error),
+    /// The origin's answer was refused.
+    Refused(&'static str),
+}
+
+impl From<Failed> for ProxyError {
+    fn from(failed: Failed) -> Self {
+        match failed {
+            Failed::Client(error) => classify(&error),
+            Failed::Refused(why) => ProxyError::OriginConnect(why.to_owned()),
+        }
+    }
+}
+
+/// One request on `client`, its answer checked: more than [`MAX_INFORMATIONAL`] 1xx answers
+/// before the final one, or a final one with both `Content-Length` and `Transfer-Encoding`
+/// (RFC 9112 §6.3: a sign of request smuggling or a broken origin), are refused. The
+/// refused answer is dropped unread, so its connection is closed rather than reused.
+async fn exchange(
+    client: &Client<HttpConnector, UpstreamBody>,
+    mut request: Request<UpstreamBody>,
+) -> Result<Response<Incoming>, Failed> {
+    let flood = Arc::new(Informational::default());
+    let seen = Arc::clone(&flood);
+    hyper::ext::on_informational(&mut request, move |_| {
+        if seen.count.fetch_add(1, Ordering::Relaxed) + 1 > MAX_INFORMATIONAL {
+            seen.too_many.notify_one();
+        }
+    });
+    let too_many = Failed::Refused("more than 16 informational (1xx) answers");
+    let response = tokio::select! {
+        biased;
+        () = flood.too_many.notified() => return Err(too_many),
+        response = client.request(request) => response.map_err(Failed::Client)?,
+    };
+    // The flood and the final answer may have come in one read.
+    if flood.count.load(Ordering::Relaxed) > MAX_INFORMATIONAL {
+        return Err(too_many);
+    }
+    let headers = response.headers();
+    if headers.contains_key(header::CONTENT_LENGTH)
+        && headers.contains_key(header::TRANSFER_ENCODING)
+    {
+        return Err(Failed::Refused(
+            "an answer with both Content-Length and Transfer-Encoding",
+        ));
+    }
+    Ok(response)
+}
+
+/// The informational answers of one exchange so far.
+#[derive(Default)]
+struct Informational {
+    count: AtomicUsize,
+    too_many: tokio::sync::Notify,
 }
 
 /// A client's body on its way to the origin: fails when it pauses longer than `idle`, and
@@ -166,6 +237,12 @@ struct Upload {
     stall: Pin<Box<tokio::time::Sleep>>,
     sent: Option<oneshot::Sender<()>>,
 }
+
+/// An error of the client's request body itself (a broken chunk, a connection cut): the
+/// client's fault, answered 400, not the origin's.
+#[derive(Debug, thiserror::Error)]
+#[error("client request body: {0}")]
+pub(crate) struct ClientBodyError(pub(crate) BoxError);
 
 /// The error an [`Upload`] ends with when its client stalled.
 #[derive(Debug, thiserror::Error)]
@@ -259,6 +336,9 @@ fn classify(error: &hyper_util::client::legacy::Error) -> ProxyError {
         }
         if let Some(UploadStalled(idle)) = cause.downcast_ref::<UploadStalled>() {
             return ProxyError::UploadTimeout(*idle);
+        }
+        if cause.downcast_ref::<ClientBodyError>().is_some() {
+            return ProxyError::BadRequestBody;
         }
         source = cause.source();
     }

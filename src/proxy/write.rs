@@ -36,6 +36,7 @@ use tokio_util::task::TaskTracker;
 
 use super::body::Body;
 use super::passthrough::Passthrough;
+use super::respond;
 use super::route::{Route, RouteTable};
 use crate::cache::key;
 use crate::consistency::invalidate::{Invalidation, Invalidator, Source};
@@ -83,6 +84,12 @@ impl WritePath {
             Duration::ZERO
         } else {
             delay + lead
+        };
+        // The body is read whole first: a malformed, oversized or stalled one is answered
+        // here, before any invalidation runs and before anything reaches the origin.
+        let (request, _room) = match self.passthrough.buffer(request).await {
+            Ok(buffered) => buffered,
+            Err(error) => return respond::error(&error),
         };
         let host = request.headers().get(header::HOST).cloned();
         let mut targets = self.invalidation_targets(route, params);

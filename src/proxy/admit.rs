@@ -1,0 +1,182 @@
+//! What a request must be before it is routed at all, whatever its route: one it fails is
+//! answered here and never reaches the origin.
+//!
+//! - `Host` (RFC 9112 §3.2): an HTTP/1.1 request without one, any request with more than
+//!   one, or one whose value is not `host[:port]` (empty, with whitespace, with userinfo
+//!   such as `good@evil`) gets 400. HTTP/2 names its target in `:authority`, which hyper
+//!   puts in the URI; HTTP/1.0 may omit `Host`.
+//! - `Connection` may not name `Host`, `Content-Length` or `Transfer-Encoding`: a proxy drops
+//!   what `Connection` names before forwarding, so such a request would reach the origin
+//!   with other framing or another target than cacheguard saw (400).
+//! - Methods: `TRACE` (it would reflect the request, cookies and all) and `CONNECT`
+//!   (cacheguard is no tunnel) get 405 on any path. `PURGE` and `BAN` get 405 unless a route
+//!   takes them (checked by the router): purges belong to the admin listener.
+//! - A request target longer than `server.max_header_bytes` gets 414.
+
+use http::header::{self, HeaderMap};
+use http::{Method, Request, Version};
+
+use crate::error::ProxyError;
+
+/// Checks `request`'s target, `Host`, `Connection` and method.
+///
+/// # Errors
+/// The answer to give instead: 400, 405 or 414.
+pub(crate) fn check<B>(request: &Request<B>, max_header_bytes: usize) -> Result<(), ProxyError> {
+    let target = request
+        .uri()
+        .path_and_query()
+        .map_or(0, |pq| pq.as_str().len());
+    if target > max_header_bytes {
+        return Err(ProxyError::UriTooLong(max_header_bytes));
+    }
+    check_host(request)?;
+    check_connection(request.headers())?;
+    if request.method() == Method::TRACE || request.method() == Method::CONNECT {
+        return Err(ProxyError::MethodNotAllowed);
+    }
+    Ok(())
+}
+
+/// Whether `method` is one only a cache understands (`PURGE`, `BAN`): refused with 405 when
+/// no route takes it.
+pub(crate) fn is_cache_method(method: &Method) -> bool {
+    matches!(method.as_str(), "PURGE" | "BAN")
+}
+
+fn check_host<B>(request: &Request<B>) -> Result<(), ProxyError> {
+    let mut hosts = request.headers().get_all(header::HOST).iter();
+    let Some(host) = hosts.next() else {
+        return if request.version() == Version::HTTP_11 && request.uri().authority().is_none() {
+            Err(ProxyError::BadRequest("no Host header"))
+        } else {
+            Ok(())
+        };
+    };
+    if hosts.next().is_some() {
+        return Err(ProxyError::BadRequest("more than one Host header"));
+    }
+    if !valid_host(host.as_bytes()) {
+        return Err(ProxyError::BadRequest("invalid Host header"));
+    }
+    Ok(())
+}
+
+/// `uri-host [ ":" port ]` (RFC 9110 §7.2): a registered name (unreserved, sub-delims and
+/// percent-encoded bytes), an IPv4 address or a bracketed IP literal, then digits after a
+/// colon. Not empty, no userinfo.
+fn valid_host(value: &[u8]) -> bool {
+    if value.is_empty() || value.contains(&b'@') {
+        return false;
+    }
+    let Ok(text) = std::str::from_utf8(value) else {
+        return false;
+    };
+    // http's authority parser knows the grammar; the userinfo it would accept is out above.
+    let Ok(authority) = text.parse::<http::uri::Authority>() else {
+        return false;
+    };
+    let host = authority.host();
+    !host.is_empty()
+        && authority.as_str().len() == text.len()
+        && (text.len() == host.len() || authority.port().is_some())
+}
+
+fn check_connection(headers: &HeaderMap) -> Result<(), ProxyError> {
+    for value in headers.get_all(header::CONNECTION) {
+        let names = value.to_str().unwrap_or("");
+        for name in names.split(',') {
+            let name = name.trim();
+            if name.eq_ignore_ascii_case("host")
+                || name.eq_ignore_ascii_case("content-length")
+                || name.eq_ignore_ascii_case("transfer-encoding")
+            {
+                return Err(ProxyError::BadRequest(
+                    "Connection names Host, Content-Length or Transfer-Encoding",
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request(version: Version, headers: &[(&str, &str)]) -> Request<()> {
+        let mut builder = Request::builder().uri("/a").version(version);
+        for (name, value) in headers {
+            builder = builder.header(*name, *value);
+        }
+        builder.body(()).expect("request")
+    }
+
+    fn status(version: Version, headers: &[(&str, &str)]) -> u16 {
+        match check(&request(version, headers), 1024) {
+            Ok(()) => 200,
+            Err(error) => error.status().as_u16(),
+        }
+    }
+
+    #[test]
+    fn host_rules() {
+        let v11 = Version::HTTP_11;
+        assert_eq!(status(v11, &[("host", "example.com")]), 200);
+        assert_eq!(status(v11, &[("host", "example.com:8080")]), 200);
+        assert_eq!(status(v11, &[("host", "127.0.0.1:80")]), 200);
+        assert_eq!(status(v11, &[("host", "[::1]:80")]), 200);
+        assert_eq!(status(v11, &[]), 400, "HTTP/1.1 without Host");
+        assert_eq!(status(Version::HTTP_10, &[]), 200, "HTTP/1.0 may omit it");
+        assert_eq!(status(v11, &[("host", "a"), ("host", "a")]), 400);
+        assert_eq!(status(v11, &[("host", "")]), 400);
+        assert_eq!(status(v11, &[("host", "a b")]), 400);
+        assert_eq!(status(v11, &[("host", "good@evil")]), 400);
+        assert_eq!(status(v11, &[("host", "a:b")]), 400);
+        assert_eq!(status(v11, &[("host", "a:")]), 400);
+        assert_eq!(status(v11, &[("host", "a/b")]), 400);
+    }
+
+    #[test]
+    fn connection_may_not_name_framing_or_host() {
+        let ok = [("host", "a")];
+        assert_eq!(status(Version::HTTP_11, &ok), 200);
+        for named in ["Content-Length", "close, Host", "transfer-encoding"] {
+            let headers = [("host", "a"), ("connection", named)];
+            assert_eq!(status(Version::HTTP_11, &headers), 400, "{named}");
+        }
+        let keep = [("host", "a"), ("connection", "keep-alive, x-trace")];
+        assert_eq!(status(Version::HTTP_11, &keep), 200);
+    }
+
+    #[test]
+    fn methods_and_target_length() {
+        for (method, expected) in [("TRACE", 405), ("CONNECT", 405), ("GET", 200)] {
+            let request = Request::builder()
+                .method(method)
+                .uri(if method == "CONNECT" {
+                    "evil.example:443"
+                } else {
+                    "/a"
+                })
+                .header("host", "a")
+                .body(())
+                .expect("request");
+            let got = check(&request, 1024).map_or_else(|e| e.status().as_u16(), |()| 200);
+            assert_eq!(got, expected, "{method}");
+        }
+        let long = Request::builder()
+            .uri(format!("/{}", "a".repeat(2000)))
+            .header("host", "a")
+            .body(())
+            .expect("request");
+        assert_eq!(
+            check(&long, 1024).map_err(|e| e.status().as_u16()),
+            Err(414)
+        );
+        assert!(is_cache_method(
+            &Method::from_bytes(b"PURGE").expect("method")
+        ));
+        assert!(!is_cache_method(&Method::DELETE));
+    }
+}

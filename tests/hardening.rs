@@ -1,0 +1,416 @@
+//! What cacheguard refuses instead of forwarding or storing: requests whose `Host`, method,
+//! target or framing a hardened proxy rejects (RFC 9112 §3.2, §6; RFC 9110 §7.6.1), client
+//! headers that would rewrite who or what the origin sees, and origin answers whose framing
+//! cannot be trusted. Requests are raw bytes over a `TcpStream` where a client library would
+//! not send them; origin answers come from a raw TCP origin where hyper would not write
+//! them.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+use common::{CgConfig, HttpClient, RedisServer, TestOrigin, item_route, route, url};
+
+/// Sends `bytes` on a new connection and returns what came back within `wait` (the status
+/// line first), or what there was when the connection closed.
+async fn raw(addr: SocketAddr, bytes: &[u8], wait: Duration) -> String {
+    raw_then(addr, bytes, wait, false).await
+}
+
+/// [`raw`], then, with `close`, the end of what this client sends (a half-close).
+async fn raw_then(addr: SocketAddr, bytes: &[u8], wait: Duration, close: bool) -> String {
+    let mut stream = TcpStream::connect(addr).await.expect("connect");
+    // The server may answer and close before all is written (a refused head).
+    let _ = stream.write_all(bytes).await;
+    if close {
+        let _ = stream.shutdown().await;
+    }
+    let mut out = Vec::new();
+    let mut buf = [0u8; 4096];
+    let _ = tokio::time::timeout(wait, async {
+        loop {
+            match stream.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    out.extend_from_slice(&buf[..n]);
+                    if out.windows(4).any(|w| w == b"\r\n\r\n") {
+                        break;
+                    }
+                }
+            }
+        }
+    })
+    .await;
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+fn status_of(answer: &str) -> u16 {
+    answer
+        .split(' ')
+        .nth(1)
+        .and_then(|code| code.parse().ok())
+        .unwrap_or(0)
+}
+
+const WAIT: Duration = Duration::from_secs(5);
+
+/// `Host` (RFC 9112 §3.2): no `Host` on HTTP/1.1, two `Host` lines, `Host: a b`,
+/// `Host: good@evil` and an empty one each get 400 and reach the origin neither on a cached
+/// route nor on pass-through; a valid one, and HTTP/1.0 without one, still work. Before,
+/// each was answered 200, and on pass-through both `Host` lines reached the origin.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_with_a_missing_repeated_or_invalid_host_are_refused() {
+    let origin = TestOrigin::start().await;
+    let cg = CgConfig::new(&origin).start().await;
+    let bad = [
+        ("none", ""),
+        ("two", "Host: a.example\r\nHost: b.example\r\n"),
+        ("space", "Host: a b\r\n"),
+        ("userinfo", "Host: good@evil\r\n"),
+        ("empty", "Host: \r\n"),
+    ];
+    for prefix in ["/api/items/host", "/other/host"] {
+        for (name, host) in bad {
+            let path = format!("{prefix}-{name}");
+            let request = format!("GET {path} HTTP/1.1\r\n{host}Connection: close\r\n\r\n");
+            let answer = raw(cg.addr(), request.as_bytes(), WAIT).await;
+            assert_eq!(status_of(&answer), 400, "{path}: {answer:?}");
+            assert_eq!(origin.count(&path), 0, "{path} reached the origin");
+        }
+        let good = format!(
+            "GET {prefix}-good HTTP/1.1\r\nHost: a.example:8080\r\nConnection: close\r\n\r\n"
+        );
+        assert_eq!(status_of(&raw(cg.addr(), good.as_bytes(), WAIT).await), 200);
+        let old = format!("GET {prefix}-http10 HTTP/1.0\r\n\r\n");
+        assert_eq!(status_of(&raw(cg.addr(), old.as_bytes(), WAIT).await), 200);
+    }
+    cg.shutdown().await;
+}
+
+/// `TRACE` and `CONNECT` get 405 with `Allow` on any path, cached route or not; `PURGE`
+/// and `BAN` get 405 unless a route takes them. None reaches the origin. Before, all four
+/// were proxied (`TRACE` reflecting what it was sent).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn trace_connect_and_cache_methods_are_not_forwarded() {
+    let origin = TestOrigin::start().await;
+    let routes = format!(
+        "{}{}",
+        item_route(""),
+        route("purge-taker", "/purgeable/{id}", "PURGE", "")
+    );
+    let cg = CgConfig::new(&origin).routes(&routes).start().await;
+    for (method, target) in [
+        ("TRACE", "/api/items/t1"),
+        ("TRACE", "/other/t2"),
+        ("CONNECT", "evil.example:443"),
+        ("PURGE", "/api/items/p1"),
+        ("BAN", "/other/b1"),
+    ] {
+        let request = format!(
+            "{method} {target} HTTP/1.1\r\nHost: a.example\r\nX-Reflect: secret\r\nConnection: close\r\n\r\n"
+        );
+        let answer = raw(cg.addr(), request.as_bytes(), WAIT).await;
+        assert_eq!(status_of(&answer), 405, "{method} {target}: {answer:?}");
+        assert!(
+            answer.to_ascii_lowercase().contains("\r\nallow: get, head"),
+            "{method} {target}: no Allow: {answer:?}"
+        );
+    }
+    assert_eq!(origin.total(), 0, "a refused method reached the origin");
+    // A route that takes PURGE gets it.
+    let request = "PURGE /purgeable/1 HTTP/1.1\r\nHost: a.example\r\nConnection: close\r\n\r\n";
+    let answer = raw(cg.addr(), request.as_bytes(), WAIT).await;
+    assert_eq!(status_of(&answer), 200, "{answer:?}");
+    assert_eq!(origin.count("/purgeable/1"), 1);
+    cg.shutdown().await;
+}
+
+/// `Connection` naming `Content-Length`, `Host` or `Transfer-Encoding` gets 400 (forwarded,
+/// the proxy would drop the very header that frames or addresses the request); a target
+/// longer than `max_header_bytes` gets 414 (it was 431). (A head beyond the connection's
+/// read buffer, twice `max_header_bytes`, is refused by hyper with 431 before it is parsed.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn framing_headers_named_by_connection_and_huge_targets_are_refused() {
+    let origin = TestOrigin::start().await;
+    let cg = CgConfig::new(&origin)
+        .set("server", "max_header_bytes", "200000")
+        .start()
+        .await;
+    for named in ["Content-Length", "Host", "Transfer-Encoding"] {
+        let path = format!("/other/conn-{named}");
+        let request = format!(
+            "POST {path} HTTP/1.1\r\nHost: a.example\r\nConnection: {named}\r\nContent-Length: 2\r\n\r\nhi"
+        );
+        let answer = raw(cg.addr(), request.as_bytes(), WAIT).await;
+        assert_eq!(status_of(&answer), 400, "Connection: {named}: {answer:?}");
+        assert_eq!(
+            origin.count(&path),
+            0,
+            "Connection: {named} reached the origin"
+        );
+    }
+    let cg_small = CgConfig::new(&origin).start().await;
+    let long = format!(
+        "GET /other/{} HTTP/1.1\r\nHost: a.example\r\nConnection: close\r\n\r\n",
+        "a".repeat(20 * 1024)
+    );
+    let answer = raw(cg_small.addr(), long.as_bytes(), WAIT).await;
+    assert_eq!(
+        status_of(&answer),
+        414,
+        "{}",
+        &answer[..answer.len().min(200)]
+    );
+    assert_eq!(origin.total(), 0);
+    cg.shutdown().await;
+    cg_small.shutdown().await;
+}
+
+/// On a write route the body is read whole before anything is forwarded or invalidated: a
+/// malformed chunked body (a non-hex size, LF-only lines, a chunk cut short by the end of
+/// the connection) gets 400, one over `max_body_bytes` 413, one that stalls (a chunk size of
+/// `FFFFFFFFFFFFFFED` and nothing after) 408 after `upload_timeout`; the origin
+/// sees none of them and the cached entry is not invalidated. On pass-through (streamed) a
+/// malformed body gets 400 and is counted. Before, the head (and for the large one 10 MiB
+/// of body, and the write's first invalidation) reached the origin, and the answer was 502
+/// or came only at `upstream.timeout`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_whose_body_is_malformed_reaches_nothing() {
+    let origin = TestOrigin::start().await;
+    let redis = RedisServer::start().await;
+    let routes = format!(
+        "{}{}",
+        item_route(""),
+        route(
+            "item-write",
+            "/api/items/{id}",
+            "PUT",
+            "invalidate = [\"/api/items/{id}\"]"
+        )
+    );
+    for (mode, cfg) in [
+        ("embedded", CgConfig::new(&origin)),
+        ("shared", CgConfig::new(&origin).redis(&redis)),
+    ] {
+        let cg = cfg
+            .routes(&routes)
+            .set("server", "max_body_bytes", "65536")
+            .set("upstream", "upload_timeout", "\"1s\"")
+            .start()
+            .await;
+        let client = HttpClient::new();
+        let cases: [(&str, String, bool, u16); 5] = [
+            ("nonhex", "zz\r\nhello\r\n0\r\n\r\n".to_owned(), false, 400),
+            ("short", "10\r\nhi\r\n".to_owned(), true, 400),
+            ("lf-only", "5\nhello\n0\n\n".to_owned(), false, 400),
+            (
+                "huge-size",
+                "FFFFFFFFFFFFFFED\r\nabc".to_owned(),
+                false,
+                408,
+            ),
+            (
+                "too-large",
+                format!("{:x}\r\n{}\r\n0\r\n\r\n", 70_000, "b".repeat(70_000)),
+                false,
+                413,
+            ),
+        ];
+        for (name, body, close, expected) in cases {
+            let path = format!("/api/items/{mode}-{name}");
+            let cached = client.get(&url(cg.addr(), &path)).await;
+            assert_eq!(cached.status, 200);
+            let request = format!(
+                "PUT {path} HTTP/1.1\r\nHost: a.example\r\nTransfer-Encoding: chunked\r\n\r\n{body}"
+            );
+            let started = tokio::time::Instant::now();
+            let answer = raw_then(cg.addr(), request.as_bytes(), WAIT, close).await;
+            assert_eq!(status_of(&answer), expected, "{mode} {name}: {answer:?}");
+            if expected == 408 {
+                assert!(started.elapsed() < Duration::from_secs(4), "{mode} {name}");
+            }
+            assert_eq!(
+                origin.count(&path),
+                1,
+                "{mode} {name}: the PUT reached the origin"
+            );
+            let again = client.get(&url(cg.addr(), &path)).await;
+            assert!(
+                again.is_hit(),
+                "{mode} {name}: the entry was invalidated: {again}"
+            );
+        }
+        // Streamed pass-through: refused as it is read, counted.
+        let request = "POST /other/bad-chunk HTTP/1.1\r\nHost: a.example\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nhello\r\n0\r\n\r\n";
+        let answer = raw(cg.addr(), request.as_bytes(), WAIT).await;
+        assert_eq!(status_of(&answer), 400, "{mode} pass-through: {answer:?}");
+        let counted = common::metric(
+            &client,
+            cg.admin_addr(),
+            "cacheguard_rejected_requests_total",
+            &[("reason", "bad_request_body")],
+        )
+        .await;
+        assert!(counted >= 1.0, "{mode}: {counted} counted");
+        cg.shutdown().await;
+    }
+}
+
+/// Client headers that name another host, port, scheme, target or method for the origin
+/// are dropped on pass-through and per-user (bypassed) requests, as on cached fetches.
+/// Before, only `Forwarded`, `X-Forwarded-Host` and `X-Real-IP` were.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_claims_about_target_and_method_never_reach_the_origin() {
+    let origin = TestOrigin::start().await;
+    let cg = CgConfig::new(&origin).start().await;
+    let claims = [
+        ("X-Forwarded-Port", "1"),
+        ("X-Forwarded-Server", "evil"),
+        ("X-Forwarded-Scheme", "https"),
+        ("X-Host", "evil.example"),
+        ("X-Original-URL", "/admin"),
+        ("X-Rewrite-URL", "/admin"),
+        ("X-HTTP-Method-Override", "DELETE"),
+        ("X-HTTP-Method", "DELETE"),
+        ("X-Method-Override", "DELETE"),
+    ];
+    let client = HttpClient::new();
+    for (path, extra) in [
+        ("/other/claims", None),
+        ("/api/items/claims", Some(("Cookie", "session=1"))),
+    ] {
+        let mut headers: Vec<(&str, &str)> = claims.to_vec();
+        headers.extend(extra);
+        let answer = client
+            .request(
+                http::Method::GET,
+                &url(cg.addr(), path),
+                &headers,
+                common::client::empty_body(),
+            )
+            .await
+            .expect("answer");
+        assert_eq!(answer.status, 200, "{path}");
+        let seen = origin.last_request(path).expect("forwarded");
+        for (name, _) in claims {
+            assert_eq!(seen.header(name), None, "{path}: {name} reached the origin");
+        }
+    }
+    cg.shutdown().await;
+}
+
+/// A TCP origin that answers every request with `answer`, counting requests.
+struct RawOrigin {
+    addr: SocketAddr,
+    requests: Arc<AtomicU64>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl RawOrigin {
+    async fn start(answer: Vec<u8>) -> RawOrigin {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let requests = Arc::new(AtomicU64::new(0));
+        let counted = Arc::clone(&requests);
+        let answer = Arc::new(answer);
+        let task = tokio::spawn(async move {
+            while let Ok((mut stream, _)) = listener.accept().await {
+                let (counted, answer) = (Arc::clone(&counted), Arc::clone(&answer));
+                tokio::spawn(async move {
+                    let mut head = Vec::new();
+                    let mut buf = [0u8; 4096];
+                    loop {
+                        match stream.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => head.extend_from_slice(&buf[..n]),
+                        }
+                        while let Some(end) = head.windows(4).position(|w| w == b"\r\n\r\n") {
+                            head.drain(..end + 4);
+                            counted.fetch_add(1, Ordering::SeqCst);
+                            if stream.write_all(&answer).await.is_err() {
+                                return;
+                            }
+                        }
+                    }
+                });
+            }
+        });
+        RawOrigin {
+            addr,
+            requests,
+            task,
+        }
+    }
+
+    fn requests(&self) -> u64 {
+        self.requests.load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for RawOrigin {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// An origin answer with both `Content-Length` and `Transfer-Encoding` (RFC 9112 §6.3), or
+/// with more than 16 informational answers before its final one, gets 502 and is never
+/// stored (each request asks the origin again), on a cached route (embedded and shared)
+/// and on pass-through; a few `103 Early Hints` are fine. Before, both were accepted and
+/// the first was stored with both headers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn origin_answers_with_untrustworthy_framing_are_refused() {
+    let both = b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\nCache-Control: max-age=60\r\n\r\n5\r\nhello\r\n0\r\n\r\n".to_vec();
+    let hints = |n: usize| {
+        let mut answer =
+            b"HTTP/1.1 103 Early Hints\r\nLink: </a.css>; rel=preload\r\n\r\n".repeat(n);
+        answer.extend_from_slice(
+            b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nCache-Control: max-age=60\r\n\r\nok",
+        );
+        answer
+    };
+    let redis = RedisServer::start().await;
+    let client = HttpClient::new();
+    for (name, answer, refused) in [
+        ("cl+te", both, true),
+        ("1000 hints", hints(1000), true),
+        ("3 hints", hints(3), false),
+    ] {
+        let origin = RawOrigin::start(answer).await;
+        let upstream = format!("http://{}", origin.addr);
+        for (mode, cfg) in [
+            ("embedded", CgConfig::with_upstream(&upstream)),
+            ("shared", CgConfig::with_upstream(&upstream).redis(&redis)),
+        ] {
+            let cg = cfg.start().await;
+            let before = origin.requests();
+            let path = format!("/api/items/{}-{mode}", name.replace(' ', "-"));
+            let mut statuses = Vec::new();
+            for _ in 0..2 {
+                statuses.push(client.get(&url(cg.addr(), &path)).await.status.as_u16());
+            }
+            statuses.push(
+                client
+                    .get(&url(cg.addr(), "/other/x"))
+                    .await
+                    .status
+                    .as_u16(),
+            );
+            let asked = origin.requests() - before;
+            if refused {
+                assert_eq!(statuses, [502, 502, 502], "{name}, {mode}");
+                assert_eq!(asked, 3, "{name}, {mode}: a refused answer was stored");
+            } else {
+                assert_eq!(statuses, [200, 200, 200], "{name}, {mode}");
+                assert_eq!(asked, 2, "{name}, {mode}: the good answer was not stored");
+            }
+            cg.shutdown().await;
+        }
+    }
+}
