@@ -268,6 +268,10 @@ impl App {
     /// # Errors
     /// When a listener cannot be bound or a component cannot be built.
     pub async fn start(config: Config) -> anyhow::Result<Running> {
+        // Risky but workable settings, each with its file, line and key.
+        for warning in config.warnings() {
+            tracing::warn!(message = "Risky configuration.", problem = %warning);
+        }
         let registry = Registry::new();
         let metrics = Metrics::register(&registry).context("registering metrics")?;
         let stop_listeners = CancellationToken::new();

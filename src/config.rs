@@ -43,6 +43,9 @@ pub struct Config {
     pub journal: JournalConfig,
     /// External invalidations from a Redis Stream (shared mode).
     pub stream: StreamConfig,
+    /// What the file allows but is likely wrong, `file:line: key: message` like an error;
+    /// see [`Config::warnings`].
+    warnings: Vec<ConfigProblem>,
 }
 
 /// `[journal]`: the local append-only file of invalidations Redis could not take yet.
@@ -454,5 +457,11 @@ impl Config {
     /// As [`Config::load`].
     pub fn from_toml(text: &str, source: &str, vars: &dyn Vars) -> Result<Config, ConfigError> {
         validate::from_toml(text, source, vars)
+    }
+
+    /// What the config allows but is likely wrong, in line order, each displayed as
+    /// `file:line: key: message`. They do not stop a start or a reload: log them.
+    pub fn warnings(&self) -> &[ConfigProblem] {
+        &self.warnings
     }
 }

@@ -698,6 +698,8 @@ fn capped(cfg: CgConfig) -> CgConfig {
         .set("upstream", "max_concurrency", &MAX_CONCURRENCY.to_string())
         .set_str("upstream", "queue_timeout", "200ms")
         .set_str("upstream", "timeout", "1s")
+        // A waiter gives up no later than the holder's fetch does.
+        .set_str("lock", "wait_timeout", "1s")
 }
 
 /// A filler instance and a [`capped`] instance on `redis`, both with `routes`, started in

@@ -186,7 +186,7 @@ async fn five_hundred_cold_gets_over_two_instances_make_one_origin_request() {
     let cfg = CgConfig::new(&origin)
         .redis_cluster(&cluster)
         .set_str("redis", "command_timeout", "2s")
-        .set_str("lock", "lease", "5s")
+        .set_str("lock", "lease", "6s")
         .set_str("lock", "wait_timeout", "5s")
         .set("upstream", "max_concurrency", "1024");
     let fleet = spawn_fleet(&cfg, 2).await;

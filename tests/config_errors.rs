@@ -115,6 +115,29 @@ fn every_route_problem_is_reported() {
 }
 
 #[test]
+fn a_public_admin_listener_without_a_token() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = format!("{UPSTREAM}\n[admin]\nlisten = \"0.0.0.0:9091\"\n");
+    assert_refused(&dir, "admin.toml", &text, 5, "admin.listen");
+    let path = write(&dir, "admin.toml", &text);
+    let stderr = String::from_utf8_lossy(&check_config(&path).stderr).into_owned();
+    assert!(
+        stderr.contains("admin.token is not set"),
+        "the refusal says why: {stderr}"
+    );
+}
+
+#[test]
+fn a_lease_that_cannot_be_renewed_in_time() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = format!(
+        "{UPSTREAM}\n[redis]\nurl = \"redis://127.0.0.1:6379\"\ncommand_timeout = \"50ms\"\n\n\
+         [lock]\nlease = \"100ms\"\n"
+    );
+    assert_refused(&dir, "lease.toml", &text, 9, "lock.lease");
+}
+
+#[test]
 fn missing_file() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("absent.toml");

@@ -174,8 +174,10 @@ async fn holder_killed_mid_fetch_one_waiter_takes_over_after_the_lease() {
 async fn slow_fetch_renews_its_lease_and_stays_the_only_fetch() {
     let path = "/api/items/slow-renew";
     let (redis, origin) = redis_and_slow_origin(path, Duration::from_millis(1500)).await;
+    // A lease of 500 ms is renewable with commands bounded at 150 ms (lease >= 3 ×).
     let cfg = CgConfig::new(&origin)
         .redis(&redis)
+        .set_str("redis", "command_timeout", "150ms")
         .set_str("lock", "lease", "500ms")
         .set_str("lock", "wait_timeout", "5s");
     let client = HttpClient::new();

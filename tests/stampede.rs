@@ -42,7 +42,7 @@ async fn cold_key_stampede_over_three_processes_makes_one_origin_request() {
     let cfg = CgConfig::new(&origin)
         .redis(&redis)
         .set_str("redis", "command_timeout", "2s")
-        .set_str("lock", "lease", "5s")
+        .set_str("lock", "lease", "6s")
         .set_str("lock", "wait_timeout", "5s")
         .set("upstream", "max_concurrency", "1024");
     let fleet = spawn_fleet(&cfg, 3).await;

@@ -13,8 +13,12 @@
 //! value means "no override". Each value is checked here, with the same check as the file's
 //! key, and a bad one is reported as `environment: CACHEGUARD_LISTEN: …` (and the file's
 //! value is kept); a good one replaces the file's value.
+//!
+//! The memory the process may use (for `cache.l1_max_bytes`) is read through [`Memory`] for
+//! the same reason: tests pass a fixed figure instead of this machine's.
 
 use std::collections::HashMap;
+use std::path::Path;
 
 use toml::Spanned;
 
@@ -101,5 +105,83 @@ fn lookup(
             });
             None
         }
+    }
+}
+
+/// The memory this process may use, and where that figure was read.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) struct MemoryLimit {
+    pub(super) bytes: u64,
+    /// Shown in messages, e.g. `MemTotal in /proc/meminfo`.
+    pub(super) source: String,
+}
+
+/// A source of the memory limit.
+pub(super) trait Memory {
+    /// `None` when nothing could be read: then no limit is checked.
+    fn limit(&self) -> Option<MemoryLimit>;
+}
+
+/// The real machine: the container's cgroup limit and the machine's memory, whichever is
+/// smaller.
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct SystemMemory;
+
+impl Memory for SystemMemory {
+    fn limit(&self) -> Option<MemoryLimit> {
+        memory_limit_under(Path::new("/"))
+    }
+}
+
+/// A fixed figure (tests).
+impl Memory for Option<MemoryLimit> {
+    fn limit(&self) -> Option<MemoryLimit> {
+        self.clone()
+    }
+}
+
+const CGROUP_V2: &str = "sys/fs/cgroup/memory.max";
+const CGROUP_V1: &str = "sys/fs/cgroup/memory/memory.limit_in_bytes";
+const MEMINFO: &str = "proc/meminfo";
+
+/// The smaller of the cgroup's memory limit (v2 `memory.max`, where `max` means none; else
+/// v1 `memory.limit_in_bytes`) and the machine's `MemTotal`, read under `root`.
+pub(super) fn memory_limit_under(root: &Path) -> Option<MemoryLimit> {
+    let read = |file: &str| std::fs::read_to_string(root.join(file)).ok();
+    let shown = |file: &str| format!("/{file}");
+    let cgroup = match read(CGROUP_V2) {
+        Some(text) => text.trim().parse::<u64>().ok().map(|bytes| MemoryLimit {
+            bytes,
+            source: format!("the cgroup limit in {}", shown(CGROUP_V2)),
+        }),
+        None => read(CGROUP_V1)
+            .and_then(|text| text.trim().parse::<u64>().ok())
+            .map(|bytes| MemoryLimit {
+                bytes,
+                source: format!("the cgroup limit in {}", shown(CGROUP_V1)),
+            }),
+    };
+    let total = read(MEMINFO)
+        .and_then(|text| mem_total(&text))
+        .map(|bytes| MemoryLimit {
+            bytes,
+            source: format!("MemTotal in {}", shown(MEMINFO)),
+        });
+    match (cgroup, total) {
+        (Some(cgroup), Some(total)) if total.bytes < cgroup.bytes => Some(total),
+        (Some(cgroup), _) => Some(cgroup),
+        (None, total) => total,
+    }
+}
+
+/// `MemTotal:  24576000 kB` in bytes.
+fn mem_total(meminfo: &str) -> Option<u64> {
+    let line = meminfo.lines().find_map(|l| l.strip_prefix("MemTotal:"))?;
+    let mut words = line.split_whitespace();
+    let value: u64 = words.next()?.parse().ok()?;
+    match words.next() {
+        Some("kB") => value.checked_mul(1024),
+        None => Some(value),
+        Some(_) => None,
     }
 }

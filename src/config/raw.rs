@@ -145,7 +145,7 @@ impl Default for RawServer {
 pub(super) struct RawUpstream {
     /// Required (by the file or `CACHEGUARD_UPSTREAM`); checked in `validate.rs`.
     pub(super) url: Option<Spanned<String>>,
-    pub(super) timeout: HumanDuration,
+    pub(super) timeout: Spanned<HumanDuration>,
     pub(super) connect_timeout: HumanDuration,
     pub(super) max_concurrency: Spanned<usize>,
     pub(super) max_rps: u32,
@@ -160,7 +160,7 @@ impl Default for RawUpstream {
     fn default() -> Self {
         Self {
             url: None,
-            timeout: HumanDuration::secs(10),
+            timeout: unspanned(HumanDuration::secs(10)),
             connect_timeout: HumanDuration::secs(2),
             max_concurrency: unspanned(256),
             max_rps: 0,
@@ -194,7 +194,7 @@ pub(super) struct RawRedis {
     pub(super) password_file: Option<Spanned<String>>,
     /// PEM file of the CA that signed the servers' certificates (`rediss://`).
     pub(super) tls_ca_file: Option<Spanned<String>>,
-    pub(super) command_timeout: HumanDuration,
+    pub(super) command_timeout: Spanned<HumanDuration>,
     pub(super) connect_timeout: HumanDuration,
     pub(super) key_prefix: String,
     pub(super) breaker_failures: Spanned<u32>,
@@ -211,7 +211,7 @@ impl Default for RawRedis {
             password: None,
             password_file: None,
             tls_ca_file: None,
-            command_timeout: HumanDuration::millis(50),
+            command_timeout: unspanned(HumanDuration::millis(50)),
             connect_timeout: HumanDuration::secs(1),
             key_prefix: "cg:".to_owned(),
             breaker_failures: unspanned(3),
@@ -240,12 +240,12 @@ impl Default for RawAdmin {
 #[derive(Debug, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub(super) struct RawCache {
-    pub(super) ttl: HumanDuration,
+    pub(super) ttl: Spanned<HumanDuration>,
     pub(super) jitter: Spanned<f64>,
     pub(super) grace: HumanDuration,
     pub(super) negative_ttl: HumanDuration,
     pub(super) max_entry_bytes: usize,
-    pub(super) l1_max_bytes: u64,
+    pub(super) l1_max_bytes: Spanned<u64>,
     pub(super) l1: RawL1,
     pub(super) freshness: RawFreshness,
     pub(super) heuristic: Spanned<f64>,
@@ -255,12 +255,12 @@ pub(super) struct RawCache {
 impl Default for RawCache {
     fn default() -> Self {
         Self {
-            ttl: HumanDuration::secs(60),
+            ttl: unspanned(HumanDuration::secs(60)),
             jitter: unspanned(0.2),
             grace: HumanDuration::secs(30),
             negative_ttl: HumanDuration::secs(10),
             max_entry_bytes: 1024 * 1024,
-            l1_max_bytes: 256 * 1024 * 1024,
+            l1_max_bytes: unspanned(256 * 1024 * 1024),
             l1: RawL1(L1Policy::Hot),
             freshness: RawFreshness(FreshnessSource::Route),
             heuristic: unspanned(0.0),
@@ -273,24 +273,24 @@ impl Default for RawCache {
 #[derive(Debug, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub(super) struct RawLock {
-    pub(super) lease: HumanDuration,
-    pub(super) wait_timeout: HumanDuration,
-    pub(super) on_timeout: RawOnTimeout,
+    pub(super) lease: Spanned<HumanDuration>,
+    pub(super) wait_timeout: Spanned<HumanDuration>,
+    pub(super) on_timeout: Spanned<RawOnTimeout>,
     pub(super) uncacheable_ttl: HumanDuration,
-    pub(super) wait_replicas: u32,
-    pub(super) wait_replicas_timeout: HumanDuration,
+    pub(super) wait_replicas: Spanned<u32>,
+    pub(super) wait_replicas_timeout: Spanned<HumanDuration>,
     pub(super) max_waiters: Spanned<u32>,
 }
 
 impl Default for RawLock {
     fn default() -> Self {
         Self {
-            lease: HumanDuration::secs(5),
-            wait_timeout: HumanDuration::secs(3),
-            on_timeout: RawOnTimeout(OnTimeout::Origin),
+            lease: unspanned(HumanDuration::secs(5)),
+            wait_timeout: unspanned(HumanDuration::secs(3)),
+            on_timeout: unspanned(RawOnTimeout(OnTimeout::Origin)),
             uncacheable_ttl: HumanDuration::secs(10),
-            wait_replicas: 0,
-            wait_replicas_timeout: HumanDuration::secs(1),
+            wait_replicas: unspanned(0),
+            wait_replicas_timeout: unspanned(HumanDuration::secs(1)),
             max_waiters: unspanned(1024),
         }
     }
@@ -305,7 +305,7 @@ pub(super) struct RawRoute {
     pub(super) pattern: Spanned<String>,
     /// `None` = `["GET"]`.
     pub(super) methods: Option<Vec<Spanned<String>>>,
-    pub(super) ttl: Option<HumanDuration>,
+    pub(super) ttl: Option<Spanned<HumanDuration>>,
     pub(super) jitter: Option<Spanned<f64>>,
     pub(super) grace: Option<HumanDuration>,
     pub(super) negative_ttl: Option<HumanDuration>,

@@ -1265,3 +1265,280 @@ fn sentinel_and_cluster_example_files_parse() {
         crate::config::RedisMode::Cluster
     );
 }
+
+// === promises the config could not keep ===
+
+/// `[redis]` at `redis://h:1` (lines 3–4) with `rest` from line 5.
+fn shared(rest: &str) -> String {
+    with_minimal(&format!("[redis]\nurl = \"redis://h:1\"\n{rest}"))
+}
+
+#[test]
+fn a_public_admin_listener_needs_a_token() {
+    let message = |addr: &str| {
+        format!(
+            "\"{addr}\" is reachable from other hosts and admin.token is not set: /metrics, \
+             /admin/config and /admin/hotkeys would be open to the network; set admin.token \
+             (or CACHEGUARD_ADMIN_TOKEN) and keep the port private, or listen on a loopback \
+             address like \"127.0.0.1:9091\""
+        )
+    };
+    assert_eq!(
+        problem(&with_minimal("[admin]\nlisten = \"0.0.0.0:9091\"\n")),
+        format!("test.toml:4: admin.listen: {}", message("0.0.0.0:9091"))
+    );
+    assert_eq!(
+        problem(&with_minimal("[admin]\nlisten = \"[::]:9091\"\n")),
+        format!("test.toml:4: admin.listen: {}", message("[::]:9091"))
+    );
+    assert_eq!(
+        problem(&with_minimal("[admin]\nlisten = \"10.1.2.3:9091\"\n")),
+        format!("test.toml:4: admin.listen: {}", message("10.1.2.3:9091"))
+    );
+    for private in [
+        "127.0.0.1:9091",
+        "127.3.2.1:9091",
+        "[::1]:9091",
+        "[::ffff:127.0.0.1]:9091",
+    ] {
+        load(&with_minimal(&format!("[admin]\nlisten = \"{private}\"\n")))
+            .unwrap_or_else(|e| panic!("{private}: {e}"));
+    }
+    // A token in the file or from the environment counts.
+    load(&with_minimal(
+        "[admin]\nlisten = \"0.0.0.0:9091\"\ntoken = \"s3cret\"\n",
+    ))
+    .unwrap();
+    Config::from_toml(
+        &with_minimal("[admin]\nlisten = \"0.0.0.0:9091\"\n"),
+        "test.toml",
+        &env(&[("CACHEGUARD_ADMIN_TOKEN", "s3cret")]),
+    )
+    .unwrap();
+    // An address that does not parse is reported once, as such.
+    assert_eq!(
+        problem(&with_minimal("[admin]\nlisten = \"nowhere\"\n")),
+        "test.toml:4: admin.listen: expected a socket address like \"127.0.0.1:9091\", got \
+         \"nowhere\""
+    );
+}
+
+#[test]
+fn the_lock_lease_must_outlast_two_renewals() {
+    assert_eq!(
+        problem(&shared(
+            "command_timeout = \"50ms\"\n[lock]\nlease = \"100ms\"\n"
+        )),
+        "test.toml:7: lock.lease: lock.lease (\"100ms\") is below 3 × redis.command_timeout \
+         (\"50ms\"): the lease is renewed every lease/3 and a renewal may take command_timeout, \
+         so one renewal that times out would leave no time for the next before the lease runs \
+         out and another instance fetches the same key; set lock.lease to at least \"150ms\" \
+         or lower redis.command_timeout"
+    );
+    // With the lease left at its default, the line of command_timeout.
+    assert_eq!(
+        problem(&shared("command_timeout = \"2s\"\n")),
+        "test.toml:5: redis.command_timeout: lock.lease (\"5s\") is below 3 × \
+         redis.command_timeout (\"2s\"): the lease is renewed every lease/3 and a renewal may \
+         take command_timeout, so one renewal that times out would leave no time for the next \
+         before the lease runs out and another instance fetches the same key; set lock.lease \
+         to at least \"6s\" or lower redis.command_timeout"
+    );
+    load(&shared(
+        "command_timeout = \"50ms\"\n[lock]\nlease = \"150ms\"\n",
+    ))
+    .unwrap();
+    // Embedded mode has no lease to renew.
+    load(&with_minimal("[lock]\nlease = \"100ms\"\n")).unwrap();
+}
+
+#[test]
+fn a_waiter_must_not_outwait_the_whole_fetch() {
+    let message = |wait: &str, upstream: &str| {
+        format!(
+            "lock.wait_timeout (\"{wait}\") is longer than upstream.timeout (\"{upstream}\") with \
+             lock.on_timeout = \"origin\": a waiter would outwait the holder's whole fetch (which \
+             has answered or timed out by then) and then fetch from the origin itself; set \
+             lock.wait_timeout to at most upstream.timeout, or on_timeout = \"error\""
+        )
+    };
+    assert_eq!(
+        problem(&shared("[lock]\nwait_timeout = \"15s\"\n")),
+        format!("test.toml:6: lock.wait_timeout: {}", message("15s", "10s"))
+    );
+    // The default wait (3 s) against a short origin timeout: the line of upstream.timeout.
+    assert_eq!(
+        problem(
+            "[upstream]\nurl = \"http://127.0.0.1:9000\"\ntimeout = \"1s\"\n\
+             [redis]\nurl = \"redis://h:1\"\n"
+        ),
+        format!("test.toml:3: upstream.timeout: {}", message("3s", "1s"))
+    );
+    load(&shared("[lock]\nwait_timeout = \"10s\"\n")).unwrap();
+    load(&shared(
+        "[lock]\nwait_timeout = \"15s\"\non_timeout = \"error\"\n",
+    ))
+    .unwrap();
+    // Embedded mode: no other instance to wait for.
+    load(&with_minimal("[lock]\nwait_timeout = \"15s\"\n")).unwrap();
+}
+
+fn with_memory(text: &str, bytes: u64) -> Result<Config, ConfigError> {
+    let limit = Some(super::env::MemoryLimit {
+        bytes,
+        source: "the cgroup limit in /sys/fs/cgroup/memory.max".to_owned(),
+    });
+    super::validate::from_toml_with(text, "test.toml", &no_env(), &limit)
+}
+
+#[test]
+fn l1_must_fit_in_the_memory_the_process_may_use() {
+    const GIB: u64 = 1 << 30;
+    let text = with_minimal("[cache]\nl1_max_bytes = 2147483648\n");
+    let error = with_memory(&text, GIB).unwrap_err();
+    assert_eq!(
+        error.to_string(),
+        "test.toml:4: cache.l1_max_bytes: 2147483648 is above the memory this process may use, \
+         1073741824 bytes (the cgroup limit in /sys/fs/cgroup/memory.max): a full L1 would get \
+         the process killed for lack of memory; set it well below that"
+    );
+    // The default (256 MiB) in a 128 MiB container.
+    assert_eq!(
+        with_memory(MINIMAL, 128 << 20).unwrap_err().to_string(),
+        "test.toml:1: cache.l1_max_bytes: 268435456 (the default) is above the memory this \
+         process may use, 134217728 bytes (the cgroup limit in \
+         /sys/fs/cgroup/memory.max): a full L1 would get the process killed for lack of \
+         memory; set it well below that"
+    );
+    with_memory(&text, 4 * GIB).unwrap();
+    // Nothing could be read: nothing is checked.
+    super::validate::from_toml_with(&text, "test.toml", &no_env(), &None).unwrap();
+}
+
+#[test]
+fn the_memory_limit_is_the_smaller_of_the_cgroup_and_the_machine() {
+    use super::env::memory_limit_under;
+
+    let root = tempfile::tempdir().unwrap();
+    let put = |file: &str, text: &str| {
+        let path = root.path().join(file);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(path, text).unwrap();
+    };
+    assert_eq!(memory_limit_under(root.path()), None);
+    put(
+        "proc/meminfo",
+        "MemTotal:        4194304 kB\nMemFree:  1 kB\n",
+    );
+    let limit = |bytes: u64, source: &str| {
+        Some(super::env::MemoryLimit {
+            bytes,
+            source: source.to_owned(),
+        })
+    };
+    let machine = limit(4 << 30, "MemTotal in /proc/meminfo");
+    assert_eq!(memory_limit_under(root.path()), machine);
+    // cgroup v1: a limit, or its "no limit" (a huge number).
+    put("sys/fs/cgroup/memory/memory.limit_in_bytes", "536870912\n");
+    assert_eq!(
+        memory_limit_under(root.path()),
+        limit(
+            512 << 20,
+            "the cgroup limit in /sys/fs/cgroup/memory/memory.limit_in_bytes"
+        )
+    );
+    put(
+        "sys/fs/cgroup/memory/memory.limit_in_bytes",
+        "9223372036854771712\n",
+    );
+    assert_eq!(memory_limit_under(root.path()), machine);
+    // cgroup v2 wins over v1; "max" is no limit.
+    put("sys/fs/cgroup/memory.max", "max\n");
+    assert_eq!(memory_limit_under(root.path()), machine);
+    put("sys/fs/cgroup/memory.max", "268435456\n");
+    assert_eq!(
+        memory_limit_under(root.path()),
+        limit(256 << 20, "the cgroup limit in /sys/fs/cgroup/memory.max")
+    );
+}
+
+#[test]
+fn a_ttl_of_zero_is_refused() {
+    let message = "expected a duration above zero like \"60s\", got \"0s\": an entry that is \
+                   never fresh is stored only to be fetched again; to not cache a path, do not \
+                   route it";
+    assert_eq!(
+        problem(&with_minimal("[cache]\nttl = \"0s\"\n")),
+        format!("test.toml:4: cache.ttl: {message}")
+    );
+    assert_eq!(
+        problem(&with_minimal(
+            "[[routes]]\nname = \"r\"\nmatch = \"/r\"\nttl = \"0ms\"\n"
+        )),
+        format!("test.toml:6: routes[0].ttl: {message}")
+    );
+}
+
+#[test]
+fn the_replica_wait_must_fit_in_the_lease() {
+    assert_eq!(
+        problem(&shared(
+            "[lock]\nwait_replicas = 1\nwait_replicas_timeout = \"4s\"\nwait_timeout = \"5s\"\n"
+        )),
+        "test.toml:7: lock.wait_replicas_timeout: lock.wait_replicas_timeout (\"4s\") does not \
+         fit in lock.lease (\"5s\"): a won lock waits that long for its replicas (its answer up \
+         to redis.command_timeout more) before the fetch starts, and is first renewed lease/3 \
+         later, within command_timeout; so wait_replicas_timeout + 2 × command_timeout must be \
+         at most 2/3 of the lease. Set wait_replicas_timeout to at most \"3s 233ms\", or raise \
+         lock.lease"
+    );
+    // The same wait is fine without replicas to wait for.
+    load(&shared(
+        "[lock]\nwait_replicas = 0\nwait_replicas_timeout = \"4s\"\nwait_timeout = \"5s\"\n",
+    ))
+    .unwrap();
+}
+
+#[test]
+fn a_replica_wait_as_long_as_the_lock_wait_is_a_warning() {
+    let config = load(&shared(
+        "[lock]\nwait_replicas = 1\nwait_replicas_timeout = \"3s\"\n",
+    ))
+    .unwrap();
+    let warnings: Vec<String> = config.warnings().iter().map(ToString::to_string).collect();
+    assert_eq!(
+        warnings,
+        [
+            "test.toml:7: lock.wait_replicas_timeout: lock.wait_replicas_timeout (\"3s\") is not \
+             below lock.wait_timeout (\"3s\"): while the replicas lag, a won lock waits for them \
+             that long before its fetch starts, so the other instances' waiters give up first \
+             and each fetch the key from the origin itself; set wait_replicas_timeout well below \
+             wait_timeout"
+        ]
+    );
+    let fine = load(&shared("[lock]\nwait_replicas = 1\n")).unwrap();
+    assert!(fine.warnings().is_empty(), "{:?}", fine.warnings());
+}
+
+#[test]
+fn the_examples_have_no_warnings() {
+    for (text, name) in [
+        (EXAMPLE, "config/cacheguard.toml"),
+        (EMBEDDED, "config/embedded.toml"),
+        (
+            include_str!("../../config/sentinel.toml"),
+            "config/sentinel.toml",
+        ),
+        (
+            include_str!("../../config/cluster.toml"),
+            "config/cluster.toml",
+        ),
+    ] {
+        let config = Config::from_toml(text, name, &no_env()).unwrap();
+        assert!(
+            config.warnings().is_empty(),
+            "{name}: {:?}",
+            config.warnings()
+        );
+    }
+}

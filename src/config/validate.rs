@@ -17,13 +17,15 @@
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::ops::Range;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use http::{HeaderName, Method, StatusCode, Uri};
 use toml::Spanned;
 
+use super::env::{Memory, SystemMemory};
 use super::raw::{
     NO_SPAN, RawAdmin, RawBloom, RawCache, RawConfig, RawHotKeys, RawJournal, RawQuery, RawRoute,
     RawSourceFormat, RawStream, defaults,
@@ -34,8 +36,9 @@ use super::values::{
 };
 use super::{
     AddFrom, AdminConfig, BloomAdd, BloomConfig, BloomSource, CacheDefaults, Config, HotKeysConfig,
-    JournalConfig, JournalFsync, LockConfig, QueryPolicy, RedisConfig, RedisMode, RouteBloom,
-    RouteConfig, ServerConfig, SourceFormat, StreamConfig, UpstreamConfig, Vars, WarmupConfig, env,
+    JournalConfig, JournalFsync, LockConfig, OnTimeout, QueryPolicy, RedisConfig, RedisMode,
+    RouteBloom, RouteConfig, ServerConfig, SourceFormat, StreamConfig, UpstreamConfig, Vars,
+    WarmupConfig, env,
 };
 
 impl std::error::Error for ConfigError {}
@@ -66,15 +69,30 @@ pub(super) fn load_file(path: &Path, vars: &dyn Vars) -> Result<Config, ConfigEr
 }
 
 pub(super) fn from_toml(text: &str, source: &str, vars: &dyn Vars) -> Result<Config, ConfigError> {
+    from_toml_with(text, source, vars, &SystemMemory)
+}
+
+/// [`from_toml`] with the memory limit read from `memory` (tests pass a fixed one).
+pub(super) fn from_toml_with(
+    text: &str,
+    source: &str,
+    vars: &dyn Vars,
+    memory: &dyn Memory,
+) -> Result<Config, ConfigError> {
     let mut raw = parse(text, source)?;
     let mut checker = Checker {
         file: source,
         text,
+        memory,
         problems: Vec::new(),
+        warnings: Vec::new(),
     };
     env::apply(&mut raw, vars, &mut checker.problems);
-    let config = checker.config(&raw);
+    let mut config = checker.config(&raw);
     if checker.problems.is_empty() {
+        let mut warnings = checker.warnings;
+        warnings.sort_by_key(|warning| warning.line);
+        config.warnings = warnings;
         return Ok(config);
     }
     // Environment problems (no line) first, then the file's in line order; the sort is
@@ -100,9 +118,15 @@ fn parse(text: &str, file: &str) -> Result<RawConfig, ConfigProblem> {
         {
             message.push_str(&format!(" {key:?}"));
         }
+        // Some errors come without a position (the parser's nesting limit): point at the
+        // start, and say so, so every problem still reads `file:line: key: message`.
+        let line = line_at(text, error.span()).or_else(|| {
+            message.push_str(" (the parser gave no position)");
+            Some(1)
+        });
         ConfigProblem {
             file: file.to_owned(),
-            line: line_at(text, error.span()),
+            line,
             key: "syntax".to_owned(),
             message,
         }
@@ -388,6 +412,35 @@ fn effective_methods(methods: &[Method]) -> Vec<Method> {
     all
 }
 
+/// 127.0.0.0/8 and ::1 (also as `::ffff:127.x.y.z`); `0.0.0.0` and `::` are every address.
+fn is_loopback(ip: IpAddr) -> bool {
+    match ip {
+        IpAddr::V4(v4) => v4.is_loopback(),
+        IpAddr::V6(v6) => {
+            v6.is_loopback() || v6.to_ipv4_mapped().is_some_and(|v4| v4.is_loopback())
+        }
+    }
+}
+
+/// The first of `candidates` (key, span) the file sets, so a problem between two keys is
+/// reported on a line the user wrote; the first candidate when none is written.
+fn first_written<'k>(candidates: &[(&'k str, Range<usize>)]) -> (&'k str, Range<usize>) {
+    candidates
+        .iter()
+        .find(|(_, span)| *span != NO_SPAN)
+        .or(candidates.first())
+        .map_or(("config", NO_SPAN), |(key, span)| (*key, span.clone()))
+}
+
+/// A duration as the file writes it (`"150ms"`, `"3s 233ms"`), to the millisecond.
+fn show(duration: Duration) -> String {
+    let millis = u64::try_from(duration.as_millis()).unwrap_or(u64::MAX);
+    format!(
+        "\"{}\"",
+        humantime::format_duration(Duration::from_millis(millis))
+    )
+}
+
 /// Request headers that carry a user's identity: keying on them would store one cache entry
 /// per user, and cacheguard never shares per-user responses.
 const PER_USER_HEADERS: [&str; 3] = ["authorization", "cookie", "proxy-authorization"];
@@ -399,17 +452,32 @@ const PER_USER_HEADERS: [&str; 3] = ["authorization", "cookie", "proxy-authoriza
 struct Checker<'a> {
     file: &'a str,
     text: &'a str,
+    /// The memory the process may use (`cache.l1_max_bytes` must fit).
+    memory: &'a dyn Memory,
     problems: Vec<ConfigProblem>,
+    /// Kept only when there is no problem (see [`Config::warnings`]).
+    warnings: Vec<ConfigProblem>,
 }
 
 impl Checker<'_> {
-    fn report(&mut self, span: Range<usize>, key: impl Into<String>, message: impl Into<String>) {
-        self.problems.push(ConfigProblem {
+    fn problem(&self, span: Range<usize>, key: String, message: String) -> ConfigProblem {
+        ConfigProblem {
             file: self.file.to_owned(),
             line: line_at(self.text, Some(span)),
-            key: key.into(),
-            message: message.into(),
-        });
+            key,
+            message,
+        }
+    }
+
+    fn report(&mut self, span: Range<usize>, key: impl Into<String>, message: impl Into<String>) {
+        let problem = self.problem(span, key.into(), message.into());
+        self.problems.push(problem);
+    }
+
+    /// Records a warning: the file is accepted, and the warning is logged at start.
+    fn warn(&mut self, span: Range<usize>, key: impl Into<String>, message: impl Into<String>) {
+        let warning = self.problem(span, key.into(), message.into());
+        self.warnings.push(warning);
     }
 
     /// Keeps the `Ok` value, or records the message at `span` and returns `None`.
@@ -469,13 +537,16 @@ impl Checker<'_> {
         }
         let lock = LockConfig {
             max_waiters: usize::try_from(*raw.lock.max_waiters.get_ref()).unwrap_or(usize::MAX),
-            lease: raw.lock.lease.0,
-            wait_timeout: raw.lock.wait_timeout.0,
-            on_timeout: raw.lock.on_timeout.0,
+            lease: raw.lock.lease.get_ref().0,
+            wait_timeout: raw.lock.wait_timeout.get_ref().0,
+            on_timeout: raw.lock.on_timeout.get_ref().0,
             uncacheable_ttl: raw.lock.uncacheable_ttl.0,
-            wait_replicas: raw.lock.wait_replicas,
-            wait_replicas_timeout: raw.lock.wait_replicas_timeout.0,
+            wait_replicas: *raw.lock.wait_replicas.get_ref(),
+            wait_replicas_timeout: raw.lock.wait_replicas_timeout.get_ref().0,
         };
+        if let Some(redis) = &redis {
+            self.lock_fits(raw, &lock, redis, &upstream);
+        }
         let bloom = self.blooms(&raw.bloom, &upstream);
         let hot_keys = self.hot_keys(&raw.hot_keys);
         let routes = self.routes(&raw.routes, &cache, &bloom);
@@ -496,6 +567,7 @@ impl Checker<'_> {
             hot_keys,
             journal,
             stream,
+            warnings: Vec::new(),
         }
     }
 
@@ -659,7 +731,7 @@ impl Checker<'_> {
         }
         UpstreamConfig {
             url: url.unwrap_or_default(),
-            timeout: up.timeout.0,
+            timeout: up.timeout.get_ref().0,
             upload_timeout,
             connect_timeout: up.connect_timeout.0,
             max_concurrency,
@@ -842,7 +914,7 @@ impl Checker<'_> {
             username: redis.username.as_ref().map(|u| u.get_ref().clone()),
             password,
             tls_ca,
-            command_timeout: redis.command_timeout.0,
+            command_timeout: redis.command_timeout.get_ref().0,
             connect_timeout: redis.connect_timeout.0,
             key_prefix: redis.key_prefix.clone(),
             breaker_failures,
@@ -901,7 +973,152 @@ impl Checker<'_> {
             }
             None => None,
         };
+        // Only a parsed address (a bad one is reported above, as `listen` is a placeholder).
+        let parsed = parse_listen(raw.listen.get_ref(), defaults::ADMIN_LISTEN).is_ok();
+        if parsed && token.is_none() && !is_loopback(listen.ip()) {
+            self.report(
+                raw.listen.span(),
+                "admin.listen",
+                format!(
+                    "\"{listen}\" is reachable from other hosts and admin.token is not set: \
+                     /metrics, /admin/config and /admin/hotkeys would be open to the network; \
+                     set admin.token (or CACHEGUARD_ADMIN_TOKEN) and keep the port private, or \
+                     listen on a loopback address like \"{}\"",
+                    defaults::ADMIN_LISTEN
+                ),
+            );
+        }
         AdminConfig { listen, token }
+    }
+
+    /// The lock's timings against Redis's and the origin's (shared mode only).
+    fn lock_fits(
+        &mut self,
+        raw: &RawConfig,
+        lock: &LockConfig,
+        redis: &RedisConfig,
+        upstream: &UpstreamConfig,
+    ) {
+        let lease = lock.lease;
+        let command_timeout = redis.command_timeout;
+        let command_timeout_span = raw
+            .redis
+            .as_ref()
+            .map_or(NO_SPAN, |r| r.get_ref().command_timeout.span());
+        let lease_at = ("lock.lease", raw.lock.lease.span());
+        let command_timeout_at = ("redis.command_timeout", command_timeout_span);
+
+        // The holder renews its lease every lease/3, each renewal bounded by
+        // command_timeout: one that times out must leave time for another before the lease
+        // runs out (2/3 of the lease + one command_timeout), so lease >= 3 × command_timeout.
+        let renewable = lease >= command_timeout.saturating_mul(3);
+        if !renewable {
+            let (key, span) = first_written(&[lease_at.clone(), command_timeout_at.clone()]);
+            self.report(
+                span,
+                key,
+                format!(
+                    "lock.lease ({}) is below 3 × redis.command_timeout ({}): the lease is \
+                     renewed every lease/3 and a renewal may take command_timeout, so one \
+                     renewal that times out would leave no time for the next before the lease \
+                     runs out and another instance fetches the same key; set lock.lease to at \
+                     least {} or lower redis.command_timeout",
+                    show(lease),
+                    show(command_timeout),
+                    show(command_timeout.saturating_mul(3))
+                ),
+            );
+        }
+
+        // A waiter that gives up after more than the holder's whole fetch, then fetches
+        // itself, has waited for nothing.
+        if lock.on_timeout == OnTimeout::Origin && lock.wait_timeout > upstream.timeout {
+            let upstream_timeout_span = raw
+                .upstream
+                .as_ref()
+                .map_or(NO_SPAN, |up| up.get_ref().timeout.span());
+            let (key, span) = first_written(&[
+                ("lock.wait_timeout", raw.lock.wait_timeout.span()),
+                ("upstream.timeout", upstream_timeout_span),
+                ("lock.on_timeout", raw.lock.on_timeout.span()),
+            ]);
+            self.report(
+                span,
+                key,
+                format!(
+                    "lock.wait_timeout ({}) is longer than upstream.timeout ({}) with \
+                     lock.on_timeout = \"origin\": a waiter would outwait the holder's whole \
+                     fetch (which has answered or timed out by then) and then fetch from the \
+                     origin itself; set lock.wait_timeout to at most upstream.timeout, or \
+                     on_timeout = \"error\"",
+                    show(lock.wait_timeout),
+                    show(upstream.timeout)
+                ),
+            );
+        }
+
+        if lock.wait_replicas == 0 {
+            return;
+        }
+        let replicas_timeout_at = (
+            "lock.wait_replicas_timeout",
+            raw.lock.wait_replicas_timeout.span(),
+        );
+        let replicas_at = ("lock.wait_replicas", raw.lock.wait_replicas.span());
+        // A won lock WAITs for its replicas (up to wait_replicas_timeout, its answer up to
+        // one more command_timeout: that WAIT is never counted as a Redis failure) before
+        // the fetch starts, and the first renewal comes lease/3 later and may take
+        // command_timeout: all of it within the lease, or the lock is gone before it is
+        // first renewed.
+        let room = (lease.saturating_mul(2) / 3).saturating_sub(command_timeout.saturating_mul(2));
+        if renewable && lock.wait_replicas_timeout > room {
+            let (key, span) = first_written(&[
+                replicas_timeout_at.clone(),
+                lease_at,
+                command_timeout_at,
+                replicas_at.clone(),
+            ]);
+            self.report(
+                span,
+                key,
+                format!(
+                    "lock.wait_replicas_timeout ({}) does not fit in lock.lease ({}): a won \
+                     lock waits that long for its replicas (its answer up to \
+                     redis.command_timeout more) before the fetch starts, and is first renewed \
+                     lease/3 later, within command_timeout; so wait_replicas_timeout + 2 × \
+                     command_timeout must be at most 2/3 of the lease. Set \
+                     wait_replicas_timeout to at most {}, or raise lock.lease",
+                    show(lock.wait_replicas_timeout),
+                    show(lease),
+                    show(room)
+                ),
+            );
+        }
+        // Waiters on other instances give up after wait_timeout; a WAIT as long makes them
+        // all give up whenever the replicas lag, before the holder has even started.
+        if lock.wait_replicas_timeout >= lock.wait_timeout {
+            let (key, span) = first_written(&[
+                replicas_timeout_at,
+                ("lock.wait_timeout", raw.lock.wait_timeout.span()),
+                replicas_at,
+            ]);
+            let what = match lock.on_timeout {
+                OnTimeout::Origin => "each fetch the key from the origin itself",
+                OnTimeout::Error => "each answer 503",
+            };
+            self.warn(
+                span,
+                key,
+                format!(
+                    "lock.wait_replicas_timeout ({}) is not below lock.wait_timeout ({}): \
+                     while the replicas lag, a won lock waits for them that long before its \
+                     fetch starts, so the other instances' waiters give up first and {what}; \
+                     set wait_replicas_timeout well below wait_timeout",
+                    show(lock.wait_replicas_timeout),
+                    show(lock.wait_timeout)
+                ),
+            );
+        }
     }
 
     /// Every route's largest answer must fit in `upstream.max_buffered_bytes`: a fetch
@@ -955,18 +1172,60 @@ impl Checker<'_> {
     }
 
     fn cache(&mut self, raw: &RawCache) -> CacheDefaults {
+        let ttl = raw.ttl.get_ref().0;
+        self.ttl_above_zero(ttl, raw.ttl.span(), "cache.ttl");
+        self.l1_fits(&raw.l1_max_bytes);
         CacheDefaults {
-            ttl: raw.ttl.0,
+            ttl,
             jitter: self.jitter(&raw.jitter, "cache.jitter"),
             grace: raw.grace.0,
             negative_ttl: raw.negative_ttl.0,
             max_entry_bytes: raw.max_entry_bytes,
-            l1_max_bytes: raw.l1_max_bytes,
+            l1_max_bytes: *raw.l1_max_bytes.get_ref(),
             l1: raw.l1.0,
             freshness: raw.freshness.0,
             heuristic: self.heuristic(&raw.heuristic, "cache.heuristic"),
             max_variants: raw.max_variants,
         }
+    }
+
+    fn ttl_above_zero(&mut self, ttl: Duration, span: Range<usize>, key: &str) {
+        if ttl.is_zero() {
+            self.report(
+                span,
+                key,
+                "expected a duration above zero like \"60s\", got \"0s\": an entry that is \
+                 never fresh is stored only to be fetched again; to not cache a path, do not \
+                 route it",
+            );
+        }
+    }
+
+    /// L1 must fit in the memory the process may use (the container's limit, or the
+    /// machine's memory).
+    fn l1_fits(&mut self, value: &Spanned<u64>) {
+        let wanted = *value.get_ref();
+        let Some(limit) = self.memory.limit() else {
+            return;
+        };
+        if wanted <= limit.bytes {
+            return;
+        }
+        let default = if value.span() == NO_SPAN {
+            " (the default)"
+        } else {
+            ""
+        };
+        self.report(
+            value.span(),
+            "cache.l1_max_bytes",
+            format!(
+                "{wanted}{default} is above the memory this process may use, {} bytes ({}): a \
+                 full L1 would get the process killed for lack of memory; set it well below \
+                 that",
+                limit.bytes, limit.source
+            ),
+        );
     }
 
     fn routes(
@@ -1019,6 +1278,9 @@ impl Checker<'_> {
             }
             None => 0.0,
         };
+        if let Some(ttl) = &raw.ttl {
+            self.ttl_above_zero(ttl.get_ref().0, ttl.span(), &key("ttl"));
+        }
         let query = self.query(i, raw);
         let vary = self.vary(i, raw);
         let invalidate = self.invalidate(i, raw, is_read);
@@ -1030,7 +1292,7 @@ impl Checker<'_> {
             name: name.clone(),
             pattern: pattern.clone(),
             methods,
-            ttl: raw.ttl.map_or(cache.ttl, |d| d.0),
+            ttl: raw.ttl.as_ref().map_or(cache.ttl, |d| d.get_ref().0),
             jitter,
             grace: raw.grace.map_or(cache.grace, |d| d.0),
             negative_ttl: raw.negative_ttl.map_or(cache.negative_ttl, |d| d.0),

@@ -3,7 +3,7 @@
 //!
 //! - `Host` (RFC 9112 §3.2): an HTTP/1.1 request without one, any request with more than
 //!   one, or one whose value is not `host[:port]` (empty, with whitespace, with userinfo
-//!   such as `good@evil`) gets 400. HTTP/2 names its target in `:authority`, which hyper
+//!   such as `good@evil`, a bracketed literal that is not IPv6) gets 400. HTTP/2 names its target in `:authority`, which hyper
 //!   puts in the URI; HTTP/1.0 may omit `Host`.
 //! - `Connection` may not name `Host`, `Content-Length` or `Transfer-Encoding`: a proxy drops
 //!   what `Connection` names before forwarding, so such a request would reach the origin
@@ -11,7 +11,8 @@
 //! - Methods: `TRACE` (it would reflect the request, cookies and all) and `CONNECT`
 //!   (cacheguard is no tunnel) get 405 on any path. `PURGE` and `BAN` get 405 unless a route
 //!   takes them (checked by the router): purges belong to the admin listener.
-//! - A request target longer than `server.max_header_bytes` gets 414.
+//! - A request target longer than `server.max_header_bytes` gets 414; one with bytes that
+//!   are not ASCII (they must be percent-encoded) 400.
 
 use http::header::{self, HeaderMap};
 use http::{Method, Request, Version};
@@ -23,12 +24,14 @@ use crate::error::ProxyError;
 /// # Errors
 /// The answer to give instead: 400, 405 or 414.
 pub(crate) fn check<B>(request: &Request<B>, max_header_bytes: usize) -> Result<(), ProxyError> {
-    let target = request
-        .uri()
-        .path_and_query()
-        .map_or(0, |pq| pq.as_str().len());
-    if target > max_header_bytes {
+    let target = request.uri().path_and_query().map_or("", |pq| pq.as_str());
+    if target.len() > max_header_bytes {
         return Err(ProxyError::UriTooLong(max_header_bytes));
+    }
+    // RFC 3986 allows only ASCII in a URI; other bytes are to be percent-encoded (RFC 9112
+    // §3.2: a server should answer 400 to an invalid request-line).
+    if !target.is_ascii() {
+        return Err(ProxyError::BadRequest("request target is not ASCII"));
     }
     check_host(request)?;
     check_connection(request.headers())?;
@@ -77,6 +80,13 @@ fn valid_host(value: &[u8]) -> bool {
         return false;
     };
     let host = authority.host();
+    // An IP literal in brackets is an IPv6 address (IPvFuture is not in use).
+    if let Some(literal) = host.strip_prefix('[') {
+        let inner = literal.strip_suffix(']').unwrap_or(literal);
+        if inner.parse::<std::net::Ipv6Addr>().is_err() {
+            return false;
+        }
+    }
     !host.is_empty()
         && authority.as_str().len() == text.len()
         && (text.len() == host.len() || authority.port().is_some())
@@ -135,6 +145,8 @@ mod tests {
         assert_eq!(status(v11, &[("host", "a:b")]), 400);
         assert_eq!(status(v11, &[("host", "a:")]), 400);
         assert_eq!(status(v11, &[("host", "a/b")]), 400);
+        assert_eq!(status(v11, &[("host", "[127.0.0.1]")]), 400);
+        assert_eq!(status(v11, &[("host", "[::1")]), 400);
     }
 
     #[test]
@@ -174,6 +186,12 @@ mod tests {
             check(&long, 1024).map_err(|e| e.status().as_u16()),
             Err(414)
         );
+        let encoded = Request::builder()
+            .uri("/caf%C3%A9")
+            .header("host", "a")
+            .body(())
+            .expect("request");
+        assert!(check(&encoded, 1024).is_ok(), "percent-encoded is fine");
         assert!(is_cache_method(
             &Method::from_bytes(b"PURGE").expect("method")
         ));

@@ -229,7 +229,34 @@ impl CgConfig {
     }
 
     /// Sets `key = value` in `[section]`; `value` is TOML (quote strings: `"\"10s\""`).
+    /// A `redis.command_timeout` raises `lock.lease` to 3 times it when the lease is shorter
+    /// (configuration refuses a lease the holder cannot renew in time).
     pub fn set(mut self, section: &str, key: &str, value: &str) -> CgConfig {
+        if section == "redis"
+            && key == "command_timeout"
+            && let Some(timeout) = toml_millis(value)
+        {
+            let lease = self
+                .get("lock", "lease")
+                .and_then(|lease| toml_millis(&lease))
+                .unwrap_or(5_000);
+            if lease < 3 * timeout {
+                self = self.set("lock", "lease", &q(&format!("{}ms", 3 * timeout)));
+            }
+        }
+        self.set_raw(section, key, value)
+    }
+
+    /// The TOML value of `key` in `[section]`, if set.
+    fn get(&self, section: &str, key: &str) -> Option<String> {
+        let (_, entries) = self.sections.iter().find(|(name, _)| name == section)?;
+        entries
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.clone())
+    }
+
+    fn set_raw(mut self, section: &str, key: &str, value: &str) -> CgConfig {
         let idx = match self.sections.iter().position(|(name, _)| name == section) {
             Some(i) => i,
             None => {
@@ -357,6 +384,18 @@ pub async fn start_cacheguard(toml: &str) -> cacheguard::Running {
         .await
         .unwrap_or_else(|_| panic!("App::start did not return within 15s"))
         .unwrap_or_else(|e| panic!("App::start failed: {e:#}\n--- config ---\n{toml}"))
+}
+
+/// A quoted TOML duration (`"500ms"`, `"2s"`) in milliseconds.
+fn toml_millis(value: &str) -> Option<u64> {
+    let text = value.trim().trim_matches('"');
+    if let Some(ms) = text.strip_suffix("ms") {
+        return ms.parse().ok();
+    }
+    text.strip_suffix('s')?
+        .parse::<u64>()
+        .ok()
+        .map(|s| s * 1000)
 }
 
 /// `http://ADDR{path}`
