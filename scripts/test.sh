@@ -74,7 +74,13 @@ echo "== cargo test"
 cargo test --all-targets --locked
 
 echo "== container config check (config/docker.toml, the image's default config)"
-cargo run --locked --quiet --bin cacheguard -- --check-config config/docker.toml
+# The image listens for admin on 0.0.0.0, so it is run with CACHEGUARD_ADMIN_TOKEN (the
+# compose file always sets one); without a token the config is refused, by design.
+CACHEGUARD_ADMIN_TOKEN=check-only-token cargo run --locked --quiet --bin cacheguard -- --check-config config/docker.toml
+if env -u CACHEGUARD_ADMIN_TOKEN cargo run --locked --quiet --bin cacheguard -- --check-config config/docker.toml 2>/dev/null; then
+    echo "config/docker.toml was accepted without an admin token" >&2
+    exit 1
+fi
 
 echo "== demo smoke run"
 cargo run --locked --example demo -- --exit
