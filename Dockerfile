@@ -57,8 +57,9 @@ COPY --from=build /out/cacheguard /out/cacheguard-demo /usr/local/bin/
 COPY config/docker.toml /etc/cacheguard/cacheguard.toml
 # Every key, documented.
 COPY config/cacheguard.toml /usr/share/doc/cacheguard/cacheguard.example.toml
-# Fails the build if a binary does not run on this base or the shipped config does not load.
-RUN cacheguard --check-config /etc/cacheguard/cacheguard.toml \
+# Fails the build if a binary does not run on this base or the shipped config does not load
+# (checked as it is run: with an admin token, which its 0.0.0.0 admin listener requires).
+RUN CACHEGUARD_ADMIN_TOKEN=build-check cacheguard --check-config /etc/cacheguard/cacheguard.toml \
     && cacheguard --version \
     && cacheguard-demo --help > /dev/null
 
