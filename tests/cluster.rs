@@ -498,3 +498,38 @@ async fn event_bus_follows_the_channels_primary_through_a_failover() {
         "B served stale values after A's write returned: {stale:#?}"
     );
 }
+
+/// A standalone `redis.url` that points at a cluster node is refused at start, naming
+/// `redis.url` and what it found: commands for the other nodes' slots would be redirected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standalone_url_at_a_cluster_node_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = common::free_port();
+    let mut node = common::redis_cluster::spawn_node(port, dir.path(), &[])
+        .await
+        .unwrap();
+    let origin = TestOrigin::start().await;
+    let toml = CgConfig::new(&origin)
+        .set_str("redis", "url", &redis_url(port))
+        .set_str("redis", "command_timeout", "200ms")
+        .toml();
+    let config =
+        cacheguard::Config::from_toml(&toml, "test.toml", &std::collections::HashMap::new())
+            .unwrap();
+    let started = tokio::time::timeout(Duration::from_secs(15), cacheguard::App::start(config))
+        .await
+        .expect("start did not return");
+    let _ = node.kill();
+    let _ = node.wait();
+    let error = match started {
+        Ok(_) => panic!("a cluster node was accepted as a standalone Redis"),
+        Err(error) => format!("{error:#}"),
+    };
+    assert!(
+        error.contains(&format!(
+            "redis.url ({}) points at a Redis Cluster node",
+            redis_url(port)
+        )) && error.contains("mode = \"cluster\""),
+        "unclear refusal: {error}"
+    );
+}

@@ -470,3 +470,67 @@ async fn readonly_from_a_demoted_primary_is_retried_on_the_new_one() {
         assert_eq!((r.status.as_u16(), version(&r)), (200, 1), "{r}");
     }
 }
+
+/// A standalone `redis.url` that points at a sentinel is refused at start, naming
+/// `redis.url` and what it found: a sentinel holds no data, every command would fail.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standalone_url_at_a_sentinel_is_refused() {
+    let sentinel = RedisSentinel::start().await;
+    let origin = TestOrigin::start().await;
+    let at = sentinel.sentinel_urls()[0].clone();
+    let toml = CgConfig::new(&origin)
+        .set_str("redis", "url", &at)
+        .set_str("redis", "command_timeout", "200ms")
+        .toml();
+    let config =
+        cacheguard::Config::from_toml(&toml, "test.toml", &std::collections::HashMap::new())
+            .unwrap();
+    let started = tokio::time::timeout(Duration::from_secs(15), cacheguard::App::start(config))
+        .await
+        .expect("start did not return");
+    let error = match started {
+        Ok(_) => panic!("a sentinel was accepted as a standalone Redis"),
+        Err(error) => format!("{error:#}"),
+    };
+    assert!(
+        error.contains(&format!("redis.url ({at}) points at a Redis Sentinel"))
+            && error.contains("mode = \"sentinel\""),
+        "unclear refusal: {error}"
+    );
+}
+
+/// A primary that closes idle clients (`timeout` not 0) is warned about at start: the
+/// connections kept for `lock.wait_replicas` can sit idle longer than that.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_that_closes_idle_clients_is_warned_about() {
+    let sentinel = RedisSentinel::start().await;
+    let primary = sentinel.primary_port().await.unwrap();
+    let mut con = common::redis_server::connect(primary).await.unwrap();
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("timeout")
+        .arg(5)
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let origin = TestOrigin::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = CgConfig::new(&origin)
+        .redis_sentinel(&sentinel)
+        .set("lock", "wait_replicas", "1")
+        .on_free_ports()
+        .write_to(&dir.path().join("cacheguard.toml"));
+    let mut cg = common::spawn_cacheguard_process_with_args(&path, &["--log-format", "json"]).await;
+    let warned = common::poll_until(Duration::from_secs(5), Duration::from_millis(50), || {
+        let output = cg.output();
+        async move {
+            (output.contains("Redis closes client connections idle")
+                && output.contains("\"redis_timeout_s\":5"))
+            .then_some(())
+        }
+    })
+    .await;
+    let output = cg.output();
+    cg.kill();
+    assert!(warned.is_some(), "no warning at start:\n{output}");
+}

@@ -15,6 +15,11 @@
 //! Pub/sub (the event bus) needs a plain node connection: [`Backend::pubsub_clients`] lists
 //! the nodes to try, in order. On a cluster `PUBLISH` reaches every node, so any node will
 //! do; with Sentinel it is the current primary.
+//!
+//! At start ([`Backend::shared`]) a standalone `redis.url` that answers is asked what it is:
+//! a Sentinel or a cluster node there is refused (every command would fail or be redirected,
+//! behind a health probe that still sees an answering Redis). In every mode a server that
+//! closes idle clients (`timeout` not 0) is warned about.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -26,9 +31,11 @@ use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, ConnectionInfo, Pipeline, RedisFuture, RedisResult, Value};
 
+use tracing::warn;
+
 use super::addr::{node_addr, node_info};
 use super::sentinel::Sentinel;
-use crate::config::{RedisConfig, RedisMode};
+use crate::config::{RedisConfig, RedisMode, redact_url};
 
 /// The number of hash slots of a Redis Cluster.
 pub(crate) const CLUSTER_SLOTS: u32 = 16_384;
@@ -181,13 +188,25 @@ impl Backend {
     }
 
     /// The connection every request shares. Standalone: made lazily (a Redis down at start
-    /// is not an error). Sentinel: to the current primary, `None` while none is known.
-    /// Cluster: connects now (bounded by `connect_timeout`); `None` when no seed answers.
+    /// is not an error), after asking a Redis that answers what it is (see the module
+    /// docs). Sentinel: to the current primary, `None` while none is known. Cluster:
+    /// connects now (bounded by `connect_timeout`); `None` when no seed answers.
+    ///
+    /// # Errors
+    /// Standalone: `redis.url` answers as a Sentinel or a cluster node.
     pub(crate) async fn shared(&self, config: &RedisConfig) -> RedisResult<Option<DataConn>> {
         match self {
-            Backend::Standalone(client) => Ok(Some(DataConn::Managed(managed(client, config)?))),
+            Backend::Standalone(client) => {
+                check_standalone(client, config).await?;
+                Ok(Some(DataConn::Managed(managed(client, config)?)))
+            }
             Backend::Sentinel(sentinel) => match sentinel.primary_client() {
-                Some(client) => Ok(Some(DataConn::Managed(managed(&client, config)?))),
+                Some(client) => {
+                    if let Some(mut conn) = plain(&client, config).await {
+                        warn_idle_timeout(&mut conn, config).await;
+                    }
+                    Ok(Some(DataConn::Managed(managed(&client, config)?)))
+                }
                 None => Ok(None),
             },
             Backend::Cluster { client, .. } => {
@@ -197,7 +216,11 @@ impl Backend {
                 )
                 .await
                 {
-                    Ok(Ok(conn)) => Ok(Some(DataConn::Cluster(conn))),
+                    Ok(Ok(conn)) => {
+                        let mut conn = DataConn::Cluster(conn);
+                        warn_idle_timeout(&mut conn, config).await;
+                        Ok(Some(conn))
+                    }
                     Ok(Err(_)) | Err(_) => Ok(None),
                 }
             }
@@ -344,6 +367,119 @@ impl Backend {
     }
 }
 
+/// How long one start-up question may take: as long as the health probe's.
+fn ask_timeout(config: &RedisConfig) -> Duration {
+    config.connect_timeout.max(config.command_timeout)
+}
+
+/// A one-off plain connection, or `None` when the server does not answer in time.
+async fn plain(client: &redis::Client, config: &RedisConfig) -> Option<MultiplexedConnection> {
+    let limit = ask_timeout(config);
+    let settings = redis::AsyncConnectionConfig::new()
+        .set_connection_timeout(Some(limit))
+        .set_response_timeout(Some(limit));
+    match tokio::time::timeout(
+        limit,
+        client.get_multiplexed_async_connection_with_config(&settings),
+    )
+    .await
+    {
+        Ok(Ok(conn)) => Some(conn),
+        Ok(Err(_)) | Err(_) => None,
+    }
+}
+
+/// One `INFO section`, `None` when it is not answered in time.
+async fn info(conn: &mut impl ConnectionLike, section: &str, limit: Duration) -> Option<String> {
+    let mut cmd = redis::cmd("INFO");
+    cmd.arg(section);
+    match tokio::time::timeout(limit, cmd.query_async::<String>(conn)).await {
+        Ok(Ok(text)) => Some(text),
+        Ok(Err(_)) | Err(_) => None,
+    }
+}
+
+/// The value of `field:value` in an `INFO` answer.
+fn info_field<'a>(text: &'a str, field: &str) -> Option<&'a str> {
+    text.lines()
+        .find_map(|line| line.strip_prefix(field)?.strip_prefix(':'))
+        .map(str::trim)
+}
+
+/// What a standalone `redis.url` turns out to be when it is not a data server: the
+/// refusal's detail, `None` for a data server. `server` and `cluster` are its `INFO server`
+/// and `INFO cluster` answers.
+fn not_standalone(url: &str, server: &str, cluster: &str) -> Option<String> {
+    let url = redact_url(url);
+    if info_field(server, "redis_mode") == Some("sentinel") {
+        return Some(format!(
+            "redis.url ({url}) points at a Redis Sentinel (INFO server: redis_mode:sentinel), \
+             not at a Redis that holds data: every command would fail. Set mode = \"sentinel\" \
+             with the sentinels in redis.urls and the primary's name in redis.master_name, or \
+             point redis.url at the primary"
+        ));
+    }
+    if info_field(cluster, "cluster_enabled") == Some("1")
+        || info_field(server, "redis_mode") == Some("cluster")
+    {
+        return Some(format!(
+            "redis.url ({url}) points at a Redis Cluster node (INFO cluster: \
+             cluster_enabled:1): commands for the other nodes' hash slots would be refused \
+             (MOVED). Set mode = \"cluster\" with the nodes in redis.urls"
+        ));
+    }
+    None
+}
+
+/// Standalone: refuses a `redis.url` that answers as a Sentinel or a cluster node; one that
+/// does not answer (yet) is not an error.
+async fn check_standalone(client: &redis::Client, config: &RedisConfig) -> RedisResult<()> {
+    let Some(mut conn) = plain(client, config).await else {
+        return Ok(());
+    };
+    let limit = ask_timeout(config);
+    let Some(server) = info(&mut conn, "server", limit).await else {
+        return Ok(());
+    };
+    let cluster = info(&mut conn, "cluster", limit).await.unwrap_or_default();
+    if let Some(detail) = not_standalone(&config.url, &server, &cluster) {
+        return Err(redis::RedisError::from((
+            redis::ErrorKind::InvalidClientConfig,
+            "redis.url is not a standalone Redis",
+            detail,
+        )));
+    }
+    warn_idle_timeout(&mut conn, config).await;
+    Ok(())
+}
+
+/// Warns when Redis closes idle clients (`timeout`, in seconds; 0 = never). The shared
+/// connection is probed more often than every second, but the connections kept for
+/// `lock.wait_replicas` can sit idle for as long as no key is missed: one Redis closed
+/// fails its next lock, counted toward the breaker. `CONFIG` may be refused (managed Redis,
+/// ACLs): then nothing is said.
+async fn warn_idle_timeout(conn: &mut impl ConnectionLike, config: &RedisConfig) {
+    let mut cmd = redis::cmd("CONFIG");
+    cmd.arg("GET").arg("timeout");
+    let answer = tokio::time::timeout(ask_timeout(config), cmd.query_async::<Vec<String>>(conn));
+    if let Ok(Ok(pair)) = answer.await
+        && let Some(seconds) = idle_timeout(&pair)
+    {
+        warn!(
+            message = "Redis closes client connections idle for `timeout` seconds, and cacheguard keeps some idle for longer: with lock.wait_replicas, a lock taken on a connection Redis closed fails and counts toward the circuit breaker. Set `timeout 0` (Redis's default) in the Redis config.",
+            redis_timeout_s = seconds,
+        );
+    }
+}
+
+/// The idle timeout of a `CONFIG GET timeout` answer, when Redis closes idle clients.
+fn idle_timeout(pair: &[String]) -> Option<u64> {
+    match pair {
+        [name, value] if name == "timeout" => value.trim().parse().ok().filter(|&s| s > 0),
+        _ => None,
+    }
+}
+
 fn no_primary() -> redis::RedisError {
     redis::RedisError::from((
         redis::ErrorKind::Io,
@@ -438,6 +574,42 @@ mod tests {
         assert_eq!(slot_of(b"foo{}{bar}"), slot_of(b"foo{}{bar}"));
         assert_eq!(slot_of(b"123456789"), 12739);
         assert_eq!(slot_of(b"cg:{abc}:v"), slot_of(b"cg:{abc}:lock"));
+    }
+
+    #[test]
+    fn a_sentinel_or_a_cluster_node_is_not_a_standalone_redis() {
+        let url = "redis://app:s3cret@10.0.0.5:26379";
+        let sentinel = not_standalone(
+            url,
+            "# Server\r\nredis_version:7.0.15\r\nredis_mode:sentinel\r\n",
+            "",
+        )
+        .unwrap();
+        assert!(
+            sentinel.starts_with(
+                "redis.url (redis://app:***@10.0.0.5:26379) points at a Redis Sentinel"
+            ),
+            "{sentinel}"
+        );
+        let node = not_standalone(
+            url,
+            "redis_mode:cluster\r\n",
+            "# Cluster\r\ncluster_enabled:1\r\n",
+        )
+        .unwrap();
+        assert!(node.contains("points at a Redis Cluster node"), "{node}");
+        assert_eq!(
+            not_standalone(url, "redis_mode:standalone\r\n", "cluster_enabled:0\r\n"),
+            None
+        );
+    }
+
+    #[test]
+    fn only_a_nonzero_idle_timeout_is_reported() {
+        let pair = |v: &str| vec!["timeout".to_owned(), v.to_owned()];
+        assert_eq!(idle_timeout(&pair("300")), Some(300));
+        assert_eq!(idle_timeout(&pair("0")), None);
+        assert_eq!(idle_timeout(&[]), None);
     }
 
     #[test]
