@@ -459,6 +459,7 @@ impl App {
             hot: Arc::clone(&hot),
             filters: Arc::clone(&filters),
             token: Arc::clone(&token),
+            redis: redis.clone(),
             metrics: metrics.clone(),
             current: tokio::sync::Mutex::new(config),
             generation: std::sync::atomic::AtomicU64::new(0),

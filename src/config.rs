@@ -162,6 +162,8 @@ pub struct RedisConfig {
     /// Password for the data nodes (from `password`, `password_file` or
     /// `CACHEGUARD_REDIS_PASSWORD`); never shown.
     pub password: Option<String>,
+    /// Where `password` was read from, when from `password_file` (watched for rotation).
+    pub password_file: Option<PathBuf>,
     /// `tls_ca_file` and its PEM contents: the CA to verify `rediss://` servers with
     /// (instead of the system's roots).
     pub tls_ca: Option<(PathBuf, Vec<u8>)>,
@@ -213,6 +215,7 @@ impl std::fmt::Debug for RedisConfig {
             .field("master_name", &self.master_name)
             .field("username", &self.username)
             .field("password", &self.password.as_ref().map(|_| "***"))
+            .field("password_file", &self.password_file)
             .field("tls_ca_file", &self.tls_ca.as_ref().map(|(path, _)| path))
             .field("command_timeout", &self.command_timeout)
             .field("connect_timeout", &self.connect_timeout)

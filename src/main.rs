@@ -39,7 +39,11 @@ fn main() -> ExitCode {
     let args = Args::parse();
     if let Some(path) = &args.check_config {
         return match Config::load(path, &ProcessEnv) {
-            Ok(_) => {
+            Ok(config) => {
+                // Risky but workable settings: named, and not a failure.
+                for warning in config.warnings() {
+                    eprintln!("warning: {warning}");
+                }
                 println!("config OK: {}", path.display());
                 ExitCode::SUCCESS
             }

@@ -13,9 +13,14 @@
 //!   count) — and the upstream client, when `[upstream]` changed;
 //! - `[lock]`, `[hot_keys]` thresholds and the per-key limit, the admin token;
 //! - Bloom filter definitions (sizing, source, refresh; a changed sizing or source rebuilds
-//!   the filter now).
+//!   the filter now);
+//! - Redis credentials (`redis.username`, `redis.password`, the content of
+//!   `redis.password_file`): connections made from then on log in with the new ones, and
+//!   the shared connection is replaced at once (see `RedisConn::rotate_credentials`). A
+//!   rotation is: allow the new password in Redis, reload, then revoke the old one.
 //!
-//! What cannot change while running — listeners, `[server]` limits and threads, `[redis]`,
+//! What cannot change while running — listeners, `[server]` limits and threads, the rest of
+//! `[redis]`,
 //! `[journal]`, `[invalidation_stream]`, adding or removing a `[[bloom]]` filter — is kept
 //! as it was; the reload is applied for everything else and a warning names what needs a
 //! restart (`result="partial"`). Adding or removing a filter refuses the whole reload
@@ -23,7 +28,9 @@
 //!
 //! The file is polled (content hash, every 500 ms) rather than watched with inotify: editors
 //! and Kubernetes ConfigMaps replace the file through renames and symlink swaps, which
-//! inotify watches lose; a hash compare is cheap and sees every one of them.
+//! inotify watches lose; a hash compare is cheap and sees every one of them. The hash
+//! covers the `redis.password_file` in use too, so a rotated mounted secret is picked up
+//! without touching the config file.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -34,7 +41,8 @@ use arc_swap::ArcSwap;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
-use crate::config::{Config, Vars};
+use crate::config::{Config, RedisConfig, Vars};
+use crate::coord::redis::RedisConn;
 use crate::metrics::Metrics;
 use crate::protect::bloom::Filters;
 use crate::protect::hotkeys::HotKeys;
@@ -53,6 +61,8 @@ pub(crate) struct Live {
     pub(crate) hot: Arc<HotKeys>,
     pub(crate) filters: Arc<Filters>,
     pub(crate) token: Arc<ArcSwap<Option<String>>>,
+    /// The shared Redis, in shared mode: its credentials change on a reload.
+    pub(crate) redis: Option<RedisConn>,
     pub(crate) metrics: Metrics,
     /// The config in effect; the lock also serializes reloads.
     pub(crate) current: tokio::sync::Mutex<Config>,
@@ -93,6 +103,15 @@ impl Live {
             self.metrics.config_reload("refused");
             format!("routes: {e:#}; nothing was reloaded")
         })?;
+        if let (Some(redis), Some(old), Some(new)) = (&self.redis, &current.redis, &new.redis)
+            && credentials(old) != credentials(new)
+            && !redis_moved(old, new)
+        {
+            redis.rotate_credentials(new).await.map_err(|e| {
+                self.metrics.config_reload("refused");
+                format!("redis credentials: {e:#}; nothing was reloaded")
+            })?;
+        }
         let proxy = &self.proxy;
         let upstream_changed = format!("{:?}", current.upstream) != format!("{:?}", new.upstream);
         if upstream_changed {
@@ -146,9 +165,10 @@ fn needs_restart(old: &Config, new: &Config) -> Vec<&'static str> {
     if old.admin.listen != new.admin.listen {
         keys.push("admin.listen");
     }
-    let redis_url = |c: &Config| c.redis.as_ref().map(|r| r.url.clone());
-    if redis_url(old) != redis_url(new) || differs(&old.redis, &new.redis) {
-        keys.push("redis");
+    match (&old.redis, &new.redis) {
+        (Some(old), Some(new)) if !redis_moved(old, new) => {}
+        (None, None) => {}
+        _ => keys.push("redis"),
     }
     if differs(&old.journal, &new.journal) {
         keys.push("journal");
@@ -162,10 +182,30 @@ fn needs_restart(old: &Config, new: &Config) -> Vec<&'static str> {
     keys
 }
 
+/// The credentials of `redis`, the part of it a reload changes.
+fn credentials(redis: &RedisConfig) -> (Option<&str>, Option<&str>) {
+    (redis.username.as_deref(), redis.password.as_deref())
+}
+
+/// Whether `new` differs from `old` in more than its credentials (which need a restart).
+fn redis_moved(old: &RedisConfig, new: &RedisConfig) -> bool {
+    let mut same_credentials = new.clone();
+    same_credentials.username.clone_from(&old.username);
+    same_credentials.password.clone_from(&old.password);
+    same_credentials
+        .password_file
+        .clone_from(&old.password_file);
+    old.url != new.url || format!("{old:?}") != format!("{same_credentials:?}")
+}
+
 fn keep_restart_only(new: &mut Config, old: &Config) {
     new.server = old.server.clone();
     new.admin.listen = old.admin.listen;
-    new.redis = old.redis.clone();
+    let rotated = match (&old.redis, &new.redis) {
+        (Some(old), Some(new)) if !redis_moved(old, new) => Some(new.clone()),
+        _ => None,
+    };
+    new.redis = rotated.or_else(|| old.redis.clone());
     new.journal = old.journal.clone();
     new.stream = old.stream.clone();
     new.cache.l1_max_bytes = old.cache.l1_max_bytes;
@@ -209,7 +249,12 @@ pub(crate) async fn reload_file(live: &Live, source: &Source) -> Result<Reloaded
     let hash = text_hash(&text);
     let label = source.path.display().to_string();
     let config = match Config::from_toml(&text, &label, source.vars.as_ref()) {
-        Ok(config) => config,
+        Ok(config) => {
+            for warning in config.warnings() {
+                warn!(message = "Risky configuration.", problem = %warning);
+            }
+            config
+        }
         Err(e) => {
             live.metrics.config_reload("invalid");
             let message = e.to_string();
@@ -224,27 +269,45 @@ pub(crate) async fn reload_file(live: &Live, source: &Source) -> Result<Reloaded
     applied
 }
 
-/// Polls the config file and reloads it when its content changes, until `stop`.
+/// Polls the config file (and the password file in use) and reloads when either content
+/// changes, until `stop`.
 pub(crate) async fn watch(live: Arc<Live>, source: Arc<Source>, stop: CancellationToken) {
-    let mut last = tokio::fs::read_to_string(&source.path)
-        .await
-        .map(|t| text_hash(&t))
-        .ok();
+    let mut last = fingerprint(&live, &source).await;
     loop {
         tokio::select! {
             () = stop.cancelled() => return,
             () = tokio::time::sleep(POLL_EVERY) => {}
         }
-        let Ok(text) = tokio::fs::read_to_string(&source.path).await else {
+        let Some(now) = fingerprint(&live, &source).await else {
             // Mid-replace, or removed: the next poll sees what is there then.
             continue;
         };
-        let hash = text_hash(&text);
-        if last == Some(hash) {
+        if last == Some(now) {
             continue;
         }
-        last = Some(hash);
+        last = Some(now);
         info!(message = "Config file changed; reloading.", path = %source.path.display());
         let _ = reload_file(&live, &source).await;
     }
+}
+
+/// What the watcher compares: the config text and the content of the running config's
+/// `redis.password_file`. `None` while the config file cannot be read.
+async fn fingerprint(live: &Live, source: &Source) -> Option<u64> {
+    let text = tokio::fs::read(&source.path).await.ok()?;
+    let secret_file = live
+        .current
+        .lock()
+        .await
+        .redis
+        .as_ref()
+        .and_then(|redis| redis.password_file.clone());
+    let secret = match secret_file {
+        Some(path) => tokio::fs::read(&path).await.unwrap_or_default(),
+        None => Vec::new(),
+    };
+    let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+    hasher.update(&text);
+    hasher.update(&secret);
+    Some(hasher.digest())
 }

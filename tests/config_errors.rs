@@ -57,6 +57,32 @@ fn documented_example_is_valid() {
     assert_eq!(stdout.trim_end(), format!("config OK: {}", path.display()));
 }
 
+/// A risky but workable setting passes the check, and the check names it with file, line
+/// and key on stderr.
+#[test]
+fn a_risky_setting_is_named_but_not_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("risky.toml");
+    std::fs::write(
+        &path,
+        "[upstream]\nurl = \"http://127.0.0.1:9000\"\n\
+         [redis]\nurl = \"redis://127.0.0.1:6379\"\n\
+         [lock]\nwait_replicas = 1\nwait_replicas_timeout = \"3s\"\n",
+    )
+    .unwrap();
+    let output = check_config(&path);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(0), "stderr:\n{stderr}");
+    let expected = format!(
+        "warning: {}:7: lock.wait_replicas_timeout: ",
+        path.display()
+    );
+    assert!(
+        stderr.lines().any(|l| l.starts_with(&expected)),
+        "expected a line starting with {expected:?}, got:\n{stderr}"
+    );
+}
+
 #[test]
 fn embedded_example_is_valid() {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("config/embedded.toml");

@@ -885,6 +885,11 @@ impl Checker<'_> {
             }
             (None, None) => None,
         };
+        let password_file = redis
+            .password_file
+            .as_ref()
+            .filter(|_| password.is_some())
+            .map(|file| self.relative_to_config(file.get_ref()));
         let tls_ca = redis.tls_ca_file.as_ref().and_then(|file| {
             let path = self.relative_to_config(file.get_ref());
             let read = std::fs::read(&path)
@@ -913,6 +918,7 @@ impl Checker<'_> {
             master_name,
             username: redis.username.as_ref().map(|u| u.get_ref().clone()),
             password,
+            password_file,
             tls_ca,
             command_timeout: redis.command_timeout.get_ref().0,
             connect_timeout: redis.connect_timeout.0,

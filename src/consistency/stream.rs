@@ -1029,7 +1029,7 @@ mod tests {
     {
         let stop = CancellationToken::new();
         let task = tokio::spawn(run(
-            Backend::Standalone(Box::new(redis.client())),
+            Backend::standalone(redis.client()),
             settings,
             apply,
             metrics.clone(),
@@ -1429,7 +1429,7 @@ mod tests {
             let stop = CancellationToken::new();
             let client = redis::Client::open(url.as_str()).unwrap();
             let task = tokio::spawn(run(
-                Backend::Standalone(Box::new(client)),
+                Backend::standalone(client),
                 s,
                 apply,
                 metrics.clone(),

@@ -24,6 +24,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use arc_swap::ArcSwap;
+
 use redis::aio::{
     ConnectionLike, ConnectionManager, ConnectionManagerConfig, MultiplexedConnection,
 };
@@ -98,9 +100,16 @@ pub(crate) fn slot_of(key: &[u8]) -> u16 {
     slot
 }
 
-/// How to reach the shared Redis; cheap to clone.
+/// How to reach the shared Redis. Cheap to clone: clones share the current clients, which
+/// [`Backend::rotate`] replaces when the credentials change (a reload), so every
+/// connection made afterwards — the shared one, the event bus's, the stream's, the bulk
+/// and lock connections — logs in with the new ones. Connections already open stay as
+/// they are: Redis keeps a logged-in connection when its password changes.
 #[derive(Clone)]
-pub(crate) enum Backend {
+pub(crate) struct Backend(Arc<ArcSwap<Nodes>>);
+
+/// The clients of one set of credentials.
+enum Nodes {
     Standalone(Box<redis::Client>),
     Sentinel(Arc<Sentinel>),
     Cluster {
@@ -116,10 +125,10 @@ pub(crate) enum Backend {
 
 impl std::fmt::Debug for Backend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Backend::Standalone(_) => "Backend::Standalone",
-            Backend::Sentinel(_) => "Backend::Sentinel",
-            Backend::Cluster { .. } => "Backend::Cluster",
+        f.write_str(match &*self.nodes() {
+            Nodes::Standalone(_) => "Backend::Standalone",
+            Nodes::Sentinel(_) => "Backend::Sentinel",
+            Nodes::Cluster { .. } => "Backend::Cluster",
         })
     }
 }
@@ -128,11 +137,47 @@ impl Backend {
     /// # Errors
     /// A URL the client cannot use (validated at config load already).
     pub(crate) fn new(config: &RedisConfig) -> RedisResult<Backend> {
+        Ok(Backend(Arc::new(ArcSwap::from_pointee(Nodes::new(
+            config,
+        )?))))
+    }
+
+    /// A standalone Redis reached through `client`.
+    #[cfg(test)]
+    pub(crate) fn standalone(client: redis::Client) -> Backend {
+        Backend(Arc::new(ArcSwap::from_pointee(Nodes::Standalone(
+            Box::new(client),
+        ))))
+    }
+
+    fn nodes(&self) -> Arc<Nodes> {
+        self.0.load_full()
+    }
+
+    /// Makes every later connection log in with `config`'s credentials (`username`,
+    /// `password`); the addresses and the other settings are the ones already in use.
+    /// With Sentinel the follower keeps the primary it knows and reconnects to it.
+    ///
+    /// # Errors
+    /// A URL the client cannot use (validated at config load already); nothing changed.
+    pub(crate) async fn rotate(&self, config: &RedisConfig) -> RedisResult<()> {
+        match &*self.nodes() {
+            Nodes::Sentinel(sentinel) => sentinel.set_credentials(config).await,
+            Nodes::Standalone(_) | Nodes::Cluster { .. } => {
+                self.0.store(Arc::new(Nodes::new(config)?));
+                Ok(())
+            }
+        }
+    }
+}
+
+impl Nodes {
+    fn new(config: &RedisConfig) -> RedisResult<Nodes> {
         match config.mode {
-            RedisMode::Standalone => Ok(Backend::Standalone(Box::new(redis::Client::open(
+            RedisMode::Standalone => Ok(Nodes::Standalone(Box::new(redis::Client::open(
                 node_info(&config.url, config)?,
             )?))),
-            RedisMode::Sentinel => Ok(Backend::Sentinel(Arc::new(Sentinel::new(config)?))),
+            RedisMode::Sentinel => Ok(Nodes::Sentinel(Arc::new(Sentinel::new(config)?))),
             RedisMode::Cluster => {
                 let seeds = config
                     .urls
@@ -177,7 +222,7 @@ impl Backend {
                         "a cluster needs at least one seed node",
                     ))
                 })?;
-                Ok(Backend::Cluster {
+                Ok(Nodes::Cluster {
                     client: Arc::new(shared),
                     own: Arc::new(own),
                     seeds: Arc::new(seeds),
@@ -186,7 +231,9 @@ impl Backend {
             }
         }
     }
+}
 
+impl Backend {
     /// The connection every request shares. Standalone: made lazily (a Redis down at start
     /// is not an error), after asking a Redis that answers what it is (see the module
     /// docs). Sentinel: to the current primary, `None` while none is known. Cluster:
@@ -195,12 +242,12 @@ impl Backend {
     /// # Errors
     /// Standalone: `redis.url` answers as a Sentinel or a cluster node.
     pub(crate) async fn shared(&self, config: &RedisConfig) -> RedisResult<Option<DataConn>> {
-        match self {
-            Backend::Standalone(client) => {
+        match &*self.nodes() {
+            Nodes::Standalone(client) => {
                 check_standalone(client, config).await?;
                 Ok(Some(DataConn::Managed(managed(client, config)?)))
             }
-            Backend::Sentinel(sentinel) => match sentinel.primary_client() {
+            Nodes::Sentinel(sentinel) => match sentinel.primary_client() {
                 Some(client) => {
                     if let Some(mut conn) = plain(&client, config).await {
                         warn_idle_timeout(&mut conn, config).await;
@@ -209,7 +256,7 @@ impl Backend {
                 }
                 None => Ok(None),
             },
-            Backend::Cluster { client, .. } => {
+            Nodes::Cluster { client, .. } => {
                 match tokio::time::timeout(
                     config.connect_timeout.max(Duration::from_millis(100)) * 2,
                     client.get_async_connection(),
@@ -241,13 +288,13 @@ impl Backend {
         let config = redis::AsyncConnectionConfig::new()
             .set_connection_timeout(Some(connect_timeout))
             .set_response_timeout(response_timeout);
-        match self {
-            Backend::Standalone(client) => Ok(DataConn::Plain(
+        match &*self.nodes() {
+            Nodes::Standalone(client) => Ok(DataConn::Plain(
                 client
                     .get_multiplexed_async_connection_with_config(&config)
                     .await?,
             )),
-            Backend::Sentinel(sentinel) => {
+            Nodes::Sentinel(sentinel) => {
                 let client = match sentinel.primary_client() {
                     Some(client) => client,
                     None => sentinel.resolve_now().await.ok_or_else(no_primary)?,
@@ -258,7 +305,7 @@ impl Backend {
                         .await?,
                 ))
             }
-            Backend::Cluster { own, .. } => {
+            Nodes::Cluster { own, .. } => {
                 let config = redis::cluster::ClusterConfig::new()
                     .set_connection_timeout(connect_timeout)
                     .set_response_timeout(response_timeout.unwrap_or(Duration::from_secs(3600)));
@@ -279,10 +326,10 @@ impl Backend {
         timeout: Duration,
         channel: &str,
     ) -> Vec<redis::Client> {
-        match self {
-            Backend::Standalone(client) => vec![client.as_ref().clone()],
-            Backend::Sentinel(sentinel) => sentinel.primary_client().into_iter().collect(),
-            Backend::Cluster {
+        match &*self.nodes() {
+            Nodes::Standalone(client) => vec![client.as_ref().clone()],
+            Nodes::Sentinel(sentinel) => sentinel.primary_client().into_iter().collect(),
+            Nodes::Cluster {
                 seeds, template, ..
             } => {
                 let mut first = Vec::new();
@@ -331,7 +378,7 @@ impl Backend {
     /// client refuses to use is still measured). `None` when no seed answers, or not a
     /// cluster.
     pub(crate) async fn seed_coverage(&self, timeout: Duration) -> Option<u32> {
-        let Backend::Cluster { seeds, .. } = self else {
+        let Nodes::Cluster { seeds, .. } = &*self.nodes() else {
             return None;
         };
         for seed in seeds.iter() {
@@ -358,10 +405,18 @@ impl Backend {
         None
     }
 
+    /// Standalone: `host:port` of the server.
+    pub(crate) fn standalone_addr(&self) -> Option<String> {
+        match &*self.nodes() {
+            Nodes::Standalone(client) => Some(client.get_connection_info().addr().to_string()),
+            _ => None,
+        }
+    }
+
     /// The Sentinel follower, in sentinel mode.
-    pub(crate) fn sentinel(&self) -> Option<&Arc<Sentinel>> {
-        match self {
-            Backend::Sentinel(sentinel) => Some(sentinel),
+    pub(crate) fn sentinel(&self) -> Option<Arc<Sentinel>> {
+        match &*self.nodes() {
+            Nodes::Sentinel(sentinel) => Some(Arc::clone(sentinel)),
             _ => None,
         }
     }

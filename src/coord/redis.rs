@@ -284,7 +284,7 @@ impl RedisConn {
                     master_name = %sentinel.master_name(),
                 );
             }
-            tokio::spawn(Arc::clone(sentinel).follow(stop.clone()));
+            tokio::spawn(sentinel.follow(stop.clone()));
         }
         let conn = backend.shared(config).await?;
         let conn_primary = backend.sentinel().and_then(|s| s.primary_addr());
@@ -331,6 +331,29 @@ impl RedisConn {
         }
         tokio::spawn(this.clone().probe_loop(stop));
         Ok(this)
+    }
+
+    /// Logs in with `config`'s credentials from now on (a reload changed `username`,
+    /// `password` or the `password_file`'s content): every later connection uses them, and
+    /// the shared connection, the bulk one and the lock pool are replaced now, so a
+    /// reconnection after the old password is revoked does not fail. The event bus and the
+    /// stream consumer keep their open connections and log in anew when they reconnect.
+    ///
+    /// # Errors
+    /// Credentials the client cannot use; the old ones stay in use.
+    pub(crate) async fn rotate_credentials(&self, config: &RedisConfig) -> anyhow::Result<()> {
+        self.inner.backend.rotate(config).await?;
+        let conn = self.inner.backend.shared(config).await?;
+        self.inner.conn.store(conn.map(Arc::new));
+        self.inner
+            .wait_pool
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clear();
+        *self.inner.bulk.lock().await = None;
+        info!(message = "Redis credentials changed; new connections use them.");
+        self.probe().await;
+        Ok(())
     }
 
     /// How to reach Redis, for connections of their own (the event bus, the stream).
@@ -479,12 +502,11 @@ impl RedisConn {
                         topology.master_name = Some(sentinel.master_name().to_owned());
                         sentinel.primary_addr().unwrap_or_default()
                     }
-                    None => match &self.inner.backend {
-                        Backend::Standalone(client) => {
-                            client.get_connection_info().addr().to_string()
-                        }
-                        _ => crate::config::redact_url(&self.inner.config.url),
-                    },
+                    None => self
+                        .inner
+                        .backend
+                        .standalone_addr()
+                        .unwrap_or_else(|| crate::config::redact_url(&self.inner.config.url)),
                 };
                 if field("role") == Some("slave") {
                     warn!(

@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use arc_swap::ArcSwapOption;
+use arc_swap::{ArcSwap, ArcSwapOption};
 use futures_util::StreamExt;
 use redis::{ConnectionInfo, IntoConnectionInfo, RedisResult};
 use tokio::sync::{Notify, watch};
@@ -42,7 +42,8 @@ pub(crate) struct Sentinel {
     sentinels: Vec<ConnectionInfo>,
     master_name: String,
     /// The data nodes' settings (credentials, TLS); the address is the primary's.
-    template: ConnectionInfo,
+    /// Replaced when the credentials change ([`Sentinel::set_credentials`]).
+    template: ArcSwap<ConnectionInfo>,
     timeout: Duration,
     primary: ArcSwapOption<Primary>,
     /// Bumped on every change of primary.
@@ -63,6 +64,28 @@ impl std::fmt::Debug for Sentinel {
     }
 }
 
+/// The settings of the data nodes: they speak TLS when the sentinels do; their
+/// credentials are the configured ones (a sentinel's own password, if any, stays in its
+/// URL). The address is a placeholder, replaced by the primary's.
+fn data_template(
+    sentinels: &[ConnectionInfo],
+    config: &RedisConfig,
+) -> RedisResult<ConnectionInfo> {
+    let first = sentinels.first().ok_or_else(|| {
+        redis::RedisError::from((
+            redis::ErrorKind::InvalidClientConfig,
+            "sentinel mode needs at least one sentinel URL",
+        ))
+    })?;
+    let scheme = if matches!(first.addr(), redis::ConnectionAddr::TcpTls { .. }) {
+        "rediss"
+    } else {
+        "redis"
+    };
+    let template = super::addr::node_info(&format!("{scheme}://127.0.0.1:6379"), config)?;
+    Ok(template.set_addr(node_addr(first.addr(), "127.0.0.1", 6379)))
+}
+
 impl Sentinel {
     /// # Errors
     /// A sentinel URL the client cannot use (validated at config load already).
@@ -72,21 +95,7 @@ impl Sentinel {
             .iter()
             .map(|url| super::addr::with_tls(url.as_str().into_connection_info()?, config))
             .collect::<RedisResult<Vec<_>>>()?;
-        // Data nodes speak TLS when the sentinels do; their credentials are the
-        // configured ones (a sentinel's own password, if any, stays in its URL).
-        let first = sentinels.first().ok_or_else(|| {
-            redis::RedisError::from((
-                redis::ErrorKind::InvalidClientConfig,
-                "sentinel mode needs at least one sentinel URL",
-            ))
-        })?;
-        let scheme = if matches!(first.addr(), redis::ConnectionAddr::TcpTls { .. }) {
-            "rediss"
-        } else {
-            "redis"
-        };
-        let template = super::addr::node_info(&format!("{scheme}://127.0.0.1:6379"), config)?;
-        let template = template.set_addr(node_addr(first.addr(), "127.0.0.1", 6379));
+        let template = ArcSwap::from_pointee(data_template(&sentinels, config)?);
         Ok(Sentinel {
             sentinels,
             master_name: config.master_name.clone(),
@@ -127,6 +136,40 @@ impl Sentinel {
         self.poke.notify_one();
     }
 
+    /// The data node at `host:port`, with the current credentials and TLS settings.
+    fn node(&self, host: &str, port: u16) -> ConnectionInfo {
+        let template = self.template.load();
+        template
+            .as_ref()
+            .clone()
+            .set_addr(node_addr(template.addr(), host, port))
+    }
+
+    /// Makes later connections to the data nodes log in with `config`'s credentials: the
+    /// primary in use is kept (no failover is announced) with a client that has them.
+    ///
+    /// # Errors
+    /// Settings the client cannot use (validated at config load already); nothing changed.
+    pub(crate) async fn set_credentials(&self, config: &RedisConfig) -> RedisResult<()> {
+        let fresh = data_template(&self.sentinels, config)?;
+        // Not while a resolution installs a primary made with the old template.
+        let _one = self.resolving.lock().await;
+        if let Some(primary) = self.primary.load_full() {
+            let client = redis::Client::open(fresh.clone().set_addr(node_addr(
+                fresh.addr(),
+                &primary.host,
+                primary.port,
+            )))?;
+            self.primary.store(Some(Arc::new(Primary {
+                host: primary.host.clone(),
+                port: primary.port,
+                client,
+            })));
+        }
+        self.template.store(Arc::new(fresh));
+        Ok(())
+    }
+
     /// Resolves the primary now and installs it when it changed; the client of the
     /// primary in use afterwards.
     pub(crate) async fn resolve_now(&self) -> Option<redis::Client> {
@@ -137,10 +180,7 @@ impl Sentinel {
                 .as_ref()
                 .is_none_or(|p| p.host != host || p.port != port)
         {
-            let info = self
-                .template
-                .clone()
-                .set_addr(node_addr(self.template.addr(), &host, port));
+            let info = self.node(&host, port);
             match redis::Client::open(info) {
                 Ok(client) => {
                     match &current {
@@ -206,11 +246,7 @@ impl Sentinel {
     }
 
     async fn is_primary(&self, host: &str, port: u16) -> bool {
-        let info = self
-            .template
-            .clone()
-            .set_addr(node_addr(self.template.addr(), host, port));
-        let Ok(client) = redis::Client::open(info) else {
+        let Ok(client) = redis::Client::open(self.node(host, port)) else {
             return false;
         };
         let role = tokio::time::timeout(self.timeout, async {
