@@ -190,6 +190,21 @@ impl Tiers {
         found.into_cached()
     }
 
+    /// A fresh L1 copy of `key` for a request with `request` headers that may answer
+    /// without asking Redis (a verified one, or any while Redis is down).
+    pub(crate) async fn fresh_in_l1(
+        &self,
+        key: &CacheKey,
+        l1: L1Policy,
+        request: &HeaderMap,
+    ) -> Option<Arc<Entry>> {
+        if l1 == L1Policy::Off {
+            return None;
+        }
+        let entry = self.trusted_l1(key).await?;
+        (entry.freshness(now_ms()) == Freshness::Fresh && entry.selects(request)).then_some(entry)
+    }
+
     /// A fresh L2 copy of `key` for a request with `request` headers (a waiter on another
     /// instance's fill looks for its answer), copied into L1 when the route keeps it there.
     pub(crate) async fn fresh_in_l2(

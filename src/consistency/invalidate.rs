@@ -18,7 +18,7 @@
 //! owed it does not read Redis at all: the journal is retried the moment Redis is back.
 
 use std::collections::HashSet;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -88,6 +88,9 @@ pub(crate) struct Invalidator {
     /// and retried ([`Invalidator::retry_held`]) until Redis takes them or the journal
     /// does. Bounded by [`MAX_HELD`].
     held: Mutex<Vec<Invalidation>>,
+    /// How many held invalidations a retry has taken out of `held` and not yet settled;
+    /// changed only under `held`'s lock, so "nothing held" is never seen mid-retry.
+    retrying: AtomicUsize,
     metrics: Metrics,
 }
 
@@ -117,6 +120,7 @@ impl Invalidator {
             owed_tags: AtomicBool::new(false),
             owing: AtomicBool::new(false),
             held: Mutex::default(),
+            retrying: AtomicUsize::new(0),
             metrics,
         };
         if let Some(journal) = &this.journal {
@@ -214,8 +218,9 @@ impl Invalidator {
     /// how many were kept. Says so once when the journal starts failing.
     fn hold(&self, owed: Vec<Invalidation>) -> usize {
         let mut held = self.held();
-        let was_empty = held.is_empty();
-        let room = MAX_HELD.saturating_sub(held.len());
+        let retrying = self.retrying.load(Ordering::Acquire);
+        let was_empty = held.is_empty() && retrying == 0;
+        let room = MAX_HELD.saturating_sub(held.len() + retrying);
         let kept = owed.len().min(room);
         held.extend(owed.into_iter().take(kept));
         self.metrics.journal_failing.set(1);
@@ -237,14 +242,24 @@ impl Invalidator {
 
     /// Whether owed invalidations wait in memory because the journal could not be written.
     pub(crate) fn journal_failing(&self) -> bool {
-        !self.held().is_empty()
+        self.holds_any()
+    }
+
+    /// Whether invalidations are held in memory, counting those a retry is working on.
+    fn holds_any(&self) -> bool {
+        let held = self.held();
+        !held.is_empty() || self.retrying.load(Ordering::Acquire) > 0
     }
 
     /// One retry of the invalidations held in memory: each goes to Redis if it answers;
     /// what is left goes to the journal if it can be written now; what neither took is
     /// held again. Returns whether nothing is held any more.
     pub(crate) async fn retry_held(&self) -> bool {
-        let items = std::mem::take(&mut *self.held());
+        let items = {
+            let mut held = self.held();
+            self.retrying.store(held.len(), Ordering::Release);
+            std::mem::take(&mut *held)
+        };
         if items.is_empty() {
             return true;
         }
@@ -274,6 +289,7 @@ impl Invalidator {
         // Put back what is left, before anything held meanwhile.
         left.append(&mut held);
         *held = left;
+        self.retrying.store(0, Ordering::Release);
         let empty = held.is_empty();
         self.metrics
             .invalidations_held
@@ -293,7 +309,7 @@ impl Invalidator {
         if !self.owing.load(Ordering::Acquire) {
             return false;
         }
-        if self.journal.as_ref().is_none_or(|j| j.depth() == 0) && self.held().is_empty() {
+        if self.journal.as_ref().is_none_or(|j| j.depth() == 0) && !self.holds_any() {
             // Everything owed was applied: back to the fast path.
             self.owing.store(false, Ordering::Release);
             self.owed_tags.store(false, Ordering::Release);

@@ -10,6 +10,8 @@
 //! <p>{<base>}:fail[:<hash>] a failed fetch's answer, for the lock's waiters (seconds)
 //! <p>tag:{<t>}:keys        sorted set of the base keys a surrogate key (tag) covers
 //! <p>tag:{<t>}:at          Redis time (ms) of the tag's last invalidation
+//! <p>tag:{<t>.<s>}:keys    shard `<s>` of a route's index (see [`ROUTE_SHARDS`])
+//! <p>tag:{<t>.<s>}:at      Redis time (ms) of the last pattern purge, per shard
 //! <p>bloom:<filter>        a Bloom filter's snapshot; `:adds` its recent creates
 //! <p>events                the pub/sub channel of the event bus
 //! ```
@@ -20,6 +22,18 @@
 //! [`Keyspace::entry`], so they cannot disagree on where it lives.
 
 use std::sync::Arc;
+
+/// How many shards a route's index is split into. Every fill lists its base key in its
+/// route's index (what a pattern purge searches), so one index per route would grow with
+/// the route's keys — past 10k members and 1 MB at 100k keys, on one cluster slot: the big
+/// key this product protects its users from. 64 shards keep each under 10k members up to
+/// about 600k live keys per route; a pattern purge walks them all.
+pub(crate) const ROUTE_SHARDS: u16 = 64;
+
+/// The shard of a route's index that lists `base`.
+pub(crate) fn route_shard(base: u128) -> u16 {
+    u16::try_from(base % u128::from(ROUTE_SHARDS)).unwrap_or(0)
+}
 
 /// Builds the names under one key prefix.
 #[derive(Clone, Debug)]
@@ -102,6 +116,18 @@ impl Keyspace {
     /// (`v:<hash>`, `lock:<hash>`) inside Redis.
     pub(crate) fn variant_prefix(&self, base: u128) -> String {
         self.tagged(base, "")
+    }
+
+    /// The keys of one shard of a route's index (`tag` is the route's implicit tag): the
+    /// shard of a base key is [`route_shard`]. Each shard has its own hash tag, so on a
+    /// Redis Cluster the index spreads over the nodes, and its own invalidation time, so
+    /// the script that lists a key stays single-slot.
+    pub(crate) fn route_index(&self, tag: &str, shard: u16) -> TagKeys {
+        let hash = xxhash_rust::xxh3::xxh3_128(tag.as_bytes());
+        TagKeys {
+            index: format!("{}tag:{{{hash:032x}.{shard:02x}}}:keys", self.prefix),
+            at: format!("{}tag:{{{hash:032x}.{shard:02x}}}:at", self.prefix),
+        }
     }
 
     /// The keys of surrogate key `tag`, hashed so any text is a valid, bounded name.

@@ -15,7 +15,7 @@ use tracing::warn;
 
 use crate::config::RedisMode;
 use crate::coord::events::{Event, EventBus, EventKind, Waiters};
-use crate::coord::keyspace::TagKeys;
+use crate::coord::keyspace::{ROUTE_SHARDS, TagKeys, route_shard};
 use crate::coord::redis::Unavailable;
 use crate::coord::{KeyNames, Keyspace, RedisConn, scripts};
 use crate::metrics::{LockEvent, RedisOp};
@@ -37,6 +37,8 @@ pub(crate) struct Lease {
 #[derive(Debug)]
 pub(crate) enum Acquired {
     Won(Box<Lease>),
+    /// The entry is there already (asked for with `or_entry`); nothing was taken.
+    Present,
     /// Another holder fetches; its lease has about this long left.
     Held {
         remaining: Duration,
@@ -191,17 +193,28 @@ impl RedisStore {
         .into_bytes()
     }
 
-    /// `SET lock token NX PX lease`, reading the generation in the same round trip.
-    pub(crate) async fn acquire(&self, base: u128, hash: u128) -> Result<Acquired, Unavailable> {
+    /// `SET lock token NX PX lease`, reading the generation in the same round trip; with
+    /// `or_entry`, nothing is taken when the entry exists already ([`Acquired::Present`]).
+    pub(crate) async fn acquire(
+        &self,
+        base: u128,
+        hash: u128,
+        or_entry: bool,
+    ) -> Result<Acquired, Unavailable> {
         let names = self.keys.key(base, hash);
         let token = format!("{:032x}", rand::random::<u128>());
-        let keys = [names.lock.as_str(), names.generation.as_str()];
+        let keys = [
+            names.lock.as_str(),
+            names.generation.as_str(),
+            names.entry.as_str(),
+        ];
         let (fresh, life) = self.generation_args();
-        let args = [
+        let args: [&[u8]; 5] = [
             token.as_bytes(),
             &self.lease_ms(),
             fresh.as_bytes(),
             life.as_bytes(),
+            if or_entry { b"1" } else { b"0" },
         ];
         let (won, generation, pttl, now, repaired): (i64, String, i64, u64, i64) =
             if self.wait_replicas > 0 {
@@ -226,7 +239,9 @@ impl RedisStore {
                     .run_script(RedisOp::Lock, &scripts::ACQUIRE, &keys, &args)
                     .await?
             };
-        if won == 1 {
+        if won == 2 {
+            Ok(Acquired::Present)
+        } else if won == 1 {
             Ok(Acquired::Won(Box::new(Lease {
                 token,
                 generation,
@@ -347,16 +362,21 @@ impl RedisStore {
         Ok(())
     }
 
-    /// Lists `member` (`<base hex> <path>`) under `tag` for `life`, and tells whether the tag
-    /// was invalidated at or after `since_ms` (then the entry must not be stored).
+    /// Lists `member` (`<base hex> <path>`) under `tag` for `life` (in the shard `shard` of
+    /// a route's index, when given), and tells whether the tag (that shard) was invalidated
+    /// at or after `since_ms` (then the entry must not be stored).
     pub(crate) async fn tag_add(
         &self,
         tag: &str,
+        shard: Option<u16>,
         member: &str,
         life: Duration,
         since_ms: u64,
     ) -> Result<bool, Unavailable> {
-        let TagKeys { index, at } = self.keys.tag(tag);
+        let TagKeys { index, at } = match shard {
+            Some(shard) => self.keys.route_index(tag, shard),
+            None => self.keys.tag(tag),
+        };
         let life_ms = life.as_millis().max(1).to_string();
         let invalidated: u64 = self
             .redis
@@ -396,25 +416,27 @@ impl RedisStore {
             .await
     }
 
-    /// Records that `tag` is invalidated now (fills that began earlier and carry it are
-    /// refused), then lists the members of its index whose path matches `glob` (`*` any
-    /// run of characters), scanning it in chunks.
-    pub(crate) async fn tag_scan(
+    /// Records that the route of `tag` (its implicit tag) is purged now — fills that began
+    /// earlier are refused — then lists the members of its index whose path matches `glob`
+    /// (`*` any run of characters), scanning each shard in chunks.
+    pub(crate) async fn route_scan(
         &self,
         tag: &str,
         keep: Duration,
         glob: &str,
     ) -> Result<Vec<String>, Unavailable> {
-        let TagKeys { index, at } = self.keys.tag(tag);
         let keep_ms = keep.as_millis().max(1).to_string();
-        self.redis
-            .run_script::<i64>(
-                RedisOp::Tag,
-                &scripts::TAG_TOUCH,
-                &[&at],
-                &[keep_ms.as_bytes()],
-            )
-            .await?;
+        for shard in 0..ROUTE_SHARDS {
+            let at = self.keys.route_index(tag, shard).at;
+            self.redis
+                .run_script::<i64>(
+                    RedisOp::Tag,
+                    &scripts::TAG_TOUCH,
+                    &[&at],
+                    &[keep_ms.as_bytes()],
+                )
+                .await?;
+        }
         // Members are `<base hex> <path>`; a path has no raw space. Redis's MATCH knows
         // `*`, `?`, `[...]` and `\`: everything but `*` is escaped.
         let mut pattern = String::from("* ");
@@ -425,23 +447,27 @@ impl RedisStore {
             pattern.push(c);
         }
         let mut found = Vec::new();
-        let mut cursor = 0u64;
-        // Bounded: a cursor walk of even a huge index ends long before this.
-        for _ in 0..1_000_000 {
-            let mut cmd = redis::cmd("ZSCAN");
-            cmd.arg(&index)
-                .arg(cursor)
-                .arg("MATCH")
-                .arg(&pattern)
-                .arg("COUNT")
-                .arg(1000);
-            let (next, chunk): (u64, Vec<String>) = self.redis.query(RedisOp::Tag, &cmd).await?;
-            // ZSCAN answers member, score, member, score, …
-            found.extend(chunk.into_iter().step_by(2));
-            if next == 0 {
-                break;
+        for shard in 0..ROUTE_SHARDS {
+            let index = self.keys.route_index(tag, shard).index;
+            let mut cursor = 0u64;
+            // Bounded: a cursor walk of even a huge index ends long before this.
+            for _ in 0..1_000_000 {
+                let mut cmd = redis::cmd("ZSCAN");
+                cmd.arg(&index)
+                    .arg(cursor)
+                    .arg("MATCH")
+                    .arg(&pattern)
+                    .arg("COUNT")
+                    .arg(1000);
+                let (next, chunk): (u64, Vec<String>) =
+                    self.redis.query(RedisOp::Tag, &cmd).await?;
+                // ZSCAN answers member, score, member, score, …
+                found.extend(chunk.into_iter().step_by(2));
+                if next == 0 {
+                    break;
+                }
+                cursor = next;
             }
-            cursor = next;
         }
         found.sort_unstable();
         found.dedup();
@@ -464,6 +490,31 @@ impl RedisStore {
             .query::<i64>(RedisOp::Tag, &cmd)
             .await
             .map(|_| ())
+    }
+
+    /// Removes members (`<base hex> <path>`) from the shards of a route's index once their
+    /// keys were invalidated.
+    pub(crate) async fn route_forget(
+        &self,
+        tag: &str,
+        members: &[String],
+    ) -> Result<(), Unavailable> {
+        let mut by_shard: std::collections::BTreeMap<u16, Vec<&String>> = Default::default();
+        for member in members {
+            if let Some(base) = member
+                .get(..32)
+                .and_then(|hex| u128::from_str_radix(hex, 16).ok())
+            {
+                by_shard.entry(route_shard(base)).or_default().push(member);
+            }
+        }
+        for (shard, members) in by_shard {
+            let mut cmd = redis::cmd("ZREM");
+            cmd.arg(self.keys.route_index(tag, shard).index)
+                .arg(members);
+            self.redis.query::<i64>(RedisOp::Tag, &cmd).await?;
+        }
+        Ok(())
     }
 
     /// Stores `encoded` for `ttl` if the generation is unchanged and the lock is not

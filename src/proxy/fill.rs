@@ -39,6 +39,7 @@ use crate::cache::{CacheKey, Entry};
 use crate::clock::now_ms;
 use crate::config::{L1Policy, LockConfig, OnTimeout};
 use crate::coord::events::EventKind;
+use crate::coord::keyspace::route_shard;
 use crate::coord::redis::Unavailable;
 use crate::coord::store::FillOutcome;
 use crate::error::ProxyError;
@@ -169,7 +170,7 @@ impl Filler {
         }
         // Out of attempts: fill without the in-process flight, but still under the fleet
         // lock.
-        self.fill_unflighted(&job).await.respond(head)
+        self.fill_unflighted(&job, false).await.respond(head)
     }
 
     /// XFetch: a fresh entry is refreshed early, in the background, by one request when
@@ -226,17 +227,33 @@ impl Filler {
     /// Runs the fill for a key this process leads, and publishes the result to the local
     /// followers. `recheck` looks for a fresh entry first (off for early refreshes, whose
     /// entry is fresh by design).
+    ///
+    /// A cold miss (nothing stored) with Redis in use looks only in L1 here: the lock
+    /// script looks in Redis as it locks (`or_entry`), one command instead of two.
     pub(crate) async fn lead(&self, job: FillJob, leader: Leader, recheck: bool) -> Fetched {
-        if recheck
-            && let Cached::Fresh(entry, tier) = self
-                .tiers
-                .lookup(&job.key, job.route.config.l1, false, &job.headers)
-                .await
-        {
-            leader.finish(FlightResult::Filled(Arc::clone(&entry), tier));
-            return Fetched::Ready(entry, tier);
+        let locks_look = recheck
+            && job.stored.is_none()
+            && self.fleet.as_ref().is_some_and(|f| f.is_available());
+        if recheck {
+            let l1 = job.route.config.l1;
+            let found = if locks_look {
+                self.tiers
+                    .fresh_in_l1(&job.key, l1, &job.headers)
+                    .await
+                    .map(|entry| (entry, Outcome::HitL1))
+            } else if let Cached::Fresh(entry, tier) =
+                self.tiers.lookup(&job.key, l1, false, &job.headers).await
+            {
+                Some((entry, tier))
+            } else {
+                None
+            };
+            if let Some((entry, tier)) = found {
+                leader.finish(FlightResult::Filled(Arc::clone(&entry), tier));
+                return Fetched::Ready(entry, tier);
+            }
         }
-        let fetched = self.fill_unflighted(&job).await;
+        let fetched = self.fill_unflighted(&job, locks_look).await;
         leader.finish(match &fetched {
             Fetched::Ready(entry, _) => FlightResult::Filled(Arc::clone(entry), Outcome::Miss),
             Fetched::Uncacheable(_) => FlightResult::Uncacheable,
@@ -247,22 +264,36 @@ impl Filler {
     }
 
     /// Fills without the in-process flight: under the fleet lock while Redis answers,
-    /// otherwise on this process alone.
-    pub(crate) async fn fill_unflighted(&self, job: &FillJob) -> Fetched {
+    /// otherwise on this process alone. `or_entry`: a fill that landed in Redis since the
+    /// caller looked answers instead (see [`Filler::lead`]).
+    pub(crate) async fn fill_unflighted(&self, job: &FillJob, or_entry: bool) -> Fetched {
         match &self.fleet {
-            Some(fleet) if fleet.is_available() => self.fill_shared(job, fleet).await,
+            Some(fleet) if fleet.is_available() => self.fill_shared(job, fleet, or_entry).await,
             _ => self.fetch_and_store(job).await,
         }
     }
 
     /// The fleet-wide fill: claim the key's lock and fetch, or wait for whoever holds it.
-    async fn fill_shared(&self, job: &FillJob, fleet: &FleetLock) -> Fetched {
+    async fn fill_shared(&self, job: &FillJob, fleet: &FleetLock, or_entry: bool) -> Fetched {
         let started = Instant::now();
         let deadline = started + self.lock.load().wait_timeout;
         let mut contended = false;
+        let mut or_entry = or_entry;
         loop {
             let max_waiters = self.lock.load().max_waiters;
-            let mut follower = match fleet.claim(job.key.base, job.key.hash, max_waiters).await {
+            let claimed = fleet
+                .claim(job.key.base, job.key.hash, max_waiters, or_entry)
+                .await;
+            or_entry = false;
+            let mut follower = match claimed {
+                Ok(Claim::Present) => {
+                    // Filled since the caller looked; read it, or (a copy that does not
+                    // answer this request) claim the lock after all.
+                    if let Some(entry) = self.fresh_in_l2(job).await {
+                        return Fetched::Ready(entry, Outcome::HitL2);
+                    }
+                    continue;
+                }
                 // Redis went away under us: degrade to this process's single-flight.
                 Err(_) => return self.fetch_and_store(job).await,
                 Ok(Claim::Leader(permit)) => {
@@ -508,8 +539,10 @@ async fn index_tags(
 ) -> Result<bool, Unavailable> {
     let member = format!("{:032x} {}", job.key.base, job.key.path());
     let route_tag = route_tag(&job.route.config.name);
-    let tags = std::iter::once(route_tag.as_str()).chain(entry.tags.iter().map(String::as_str));
-    let checks = tags.map(|tag| permit.tag_add(tag, &member, life));
+    let shard = route_shard(job.key.base);
+    let tags = std::iter::once((route_tag.as_str(), Some(shard)))
+        .chain(entry.tags.iter().map(|tag| (tag.as_str(), None)));
+    let checks = tags.map(|(tag, shard)| permit.tag_add(tag, shard, &member, life));
     let mut overtaken = false;
     for check in futures_util::future::join_all(checks).await {
         overtaken |= check?;

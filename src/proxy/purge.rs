@@ -132,7 +132,7 @@ impl Proxy {
                     let mut matched = Vec::new();
                     for pattern in &request.patterns {
                         let members = dist
-                            .tag_scan(&tag, self.invalidator.horizon(), pattern)
+                            .route_scan(&tag, self.invalidator.horizon(), pattern)
                             .await
                             .map_err(|_| PurgeError::RedisUnavailable)?;
                         for member in members {
@@ -167,7 +167,7 @@ impl Proxy {
             && report.complete()
         {
             for (tag, members) in &forget {
-                let _ = dist.tag_forget(tag, members).await;
+                let _ = dist.route_forget(tag, members).await;
             }
         }
         outcome.done = report.done;

@@ -55,6 +55,9 @@ pub(crate) enum Claim {
     /// Another instance holds it, and this instance already waits on `max_waiters` keys:
     /// no wait (the caller answers per `lock.on_timeout`).
     Full,
+    /// The entry is in Redis already (asked for with `or_entry`): read it, and claim again
+    /// without `or_entry` if it does not answer the request.
+    Present,
 }
 
 /// The right to store one fetched answer in Redis: a lock holder's, or an unlocked one
@@ -120,8 +123,10 @@ impl FleetLock {
         base: u128,
         hash: u128,
         max_waiters: usize,
+        or_entry: bool,
     ) -> Result<Claim, Unavailable> {
-        match self.store.acquire(base, hash).await? {
+        match self.store.acquire(base, hash, or_entry).await? {
+            Acquired::Present => Ok(Claim::Present),
             Acquired::Won(lease) => Ok(Claim::Leader(Box::new(FillPermit {
                 store: self.store.clone(),
                 lease: *lease,
@@ -187,16 +192,18 @@ impl FillPermit {
         .await
     }
 
-    /// Lists `member` (`<base hex> <path>`) under `tag` for `life`; `Ok(true)` when the tag
-    /// was invalidated since the permit was taken (then the answer must not be stored).
+    /// Lists `member` (`<base hex> <path>`) under `tag` (in shard `shard` of a route's
+    /// index, when given) for `life`; `Ok(true)` when the tag was invalidated since the
+    /// permit was taken (then the answer must not be stored).
     pub(crate) async fn tag_add(
         &self,
         tag: &str,
+        shard: Option<u16>,
         member: &str,
         life: Duration,
     ) -> Result<bool, Unavailable> {
         self.store
-            .tag_add(tag, member, life, self.lease.started_ms)
+            .tag_add(tag, shard, member, life, self.lease.started_ms)
             .await
     }
 
@@ -446,7 +453,7 @@ mod tests {
     async fn lead(fleet: &FleetLock, hash: u128, within: Duration) -> Box<FillPermit> {
         let deadline = Instant::now() + within;
         loop {
-            if let Ok(Claim::Leader(permit)) = fleet.claim(hash, hash, usize::MAX).await {
+            if let Ok(Claim::Leader(permit)) = fleet.claim(hash, hash, usize::MAX, false).await {
                 return permit;
             }
             assert!(
@@ -465,7 +472,10 @@ mod tests {
         let fleet = fleet_on(&redis).await;
         let permit = lead(&fleet, 1, Duration::ZERO).await;
         assert!(
-            matches!(fleet.claim(1, 1, usize::MAX).await, Ok(Claim::Follower(_))),
+            matches!(
+                fleet.claim(1, 1, usize::MAX, false).await,
+                Ok(Claim::Follower(_))
+            ),
             "a second claim follows while the permit lives"
         );
         drop(permit);
@@ -493,7 +503,10 @@ mod tests {
         assert_eq!(entry.as_deref(), Some(&b"entry"[..]));
         let next = lead(&fleet, 2, Duration::ZERO).await;
         assert!(
-            matches!(fleet.claim(2, 2, usize::MAX).await, Ok(Claim::Follower(_))),
+            matches!(
+                fleet.claim(2, 2, usize::MAX, false).await,
+                Ok(Claim::Follower(_))
+            ),
             "the next holder's lock was released by the filled permit"
         );
         next.release(EventKind::Released).await;
