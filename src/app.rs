@@ -427,6 +427,7 @@ impl App {
             l1: l1.clone(),
             store: dist,
             max_header_bytes: config.server.max_header_bytes,
+            max_headers: config.server.max_headers,
             max_body_bytes: config.server.max_body_bytes,
             passthrough_metrics: metrics.for_route(crate::proxy::PASSTHROUGH),
             metrics: metrics.clone(),
@@ -451,6 +452,7 @@ impl App {
         };
         let limits = ConnLimits {
             max_header_bytes: config.server.max_header_bytes,
+            max_headers: config.server.max_headers,
             header_read_timeout: config.server.header_read_timeout,
             shutdown_grace: config.server.shutdown_grace,
         };

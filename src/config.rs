@@ -105,6 +105,8 @@ pub struct ServerConfig {
     pub listen: SocketAddr,
     /// Largest request head (request line + headers) accepted; larger → 431.
     pub max_header_bytes: usize,
+    /// Most header fields in one request head; more → 431.
+    pub max_headers: usize,
     /// Largest request body accepted; larger → 413.
     pub max_body_bytes: u64,
     /// Time a client has to send its request head.

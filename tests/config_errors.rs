@@ -97,6 +97,24 @@ fn bad_enum_value() {
 }
 
 #[test]
+fn header_field_count_out_of_range() {
+    let dir = tempfile::tempdir().unwrap();
+    for (name, value) in [("none.toml", "0"), ("absurd.toml", "50000")] {
+        let text = format!("[server]\nmax_headers = {value}\n\n{UPSTREAM}");
+        assert_refused(&dir, name, &text, 2, "server.max_headers");
+        let stderr =
+            String::from_utf8_lossy(&check_config(&dir.path().join(name)).stderr).into_owned();
+        assert!(
+            stderr.contains(&format!("expected an integer from 1 to 1000 (header fields in one request head), got {value}")),
+            "{name}: the refusal says why: {stderr}"
+        );
+    }
+    let text = format!("[server]\nmax_headers = 1000\n\n{UPSTREAM}");
+    let output = check_config(&write(&dir, "most.toml", &text));
+    assert_eq!(output.status.code(), Some(0), "1000 is allowed");
+}
+
+#[test]
 fn https_upstream() {
     let dir = tempfile::tempdir().unwrap();
     let text = "[server]\nlisten = \"0.0.0.0:8080\"\n\n[upstream]\nurl = \"https://origin:443\"\n";

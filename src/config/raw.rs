@@ -118,6 +118,7 @@ impl Default for RawHotKeys {
 pub(super) struct RawServer {
     pub(super) listen: Spanned<String>,
     pub(super) max_header_bytes: usize,
+    pub(super) max_headers: Spanned<usize>,
     pub(super) max_body_bytes: u64,
     pub(super) header_read_timeout: HumanDuration,
     pub(super) shutdown_grace: HumanDuration,
@@ -130,6 +131,7 @@ impl Default for RawServer {
         Self {
             listen: unspanned(defaults::SERVER_LISTEN.to_owned()),
             max_header_bytes: 16 * 1024,
+            max_headers: unspanned(defaults::MAX_HEADERS),
             max_body_bytes: 10 * 1024 * 1024,
             header_read_timeout: HumanDuration::secs(10),
             shutdown_grace: HumanDuration::secs(10),
@@ -412,6 +414,11 @@ pub(super) mod defaults {
     pub(in crate::config) const BLOOM_LOAD_TIMEOUT: Duration = Duration::from_secs(300);
     pub(in crate::config) const BLOOM_REJECT_BODY: &str = "not found\n";
     pub(in crate::config) const WARMUP_RATE: u32 = 10;
+    /// hyper's own default: the header fields it parses a request head into on the stack.
+    pub(in crate::config) const MAX_HEADERS: usize = 100;
+    /// Most header fields a request may be allowed: hyper parses every head into an array
+    /// of `max_headers` slots (64 bytes each, allocated per request above the default).
+    pub(in crate::config) const MAX_HEADERS_LIMIT: usize = 1000;
 }
 
 // === impl HumanDuration ===

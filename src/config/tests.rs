@@ -62,6 +62,7 @@ fn example_file_parses_with_the_documented_values() {
 
     assert_eq!(config.server.listen, "0.0.0.0:8080".parse().unwrap());
     assert_eq!(config.server.max_header_bytes, 16384);
+    assert_eq!(config.server.max_headers, 100);
     assert_eq!(config.server.max_body_bytes, 10_485_760);
     assert_eq!(config.server.header_read_timeout, Duration::from_secs(10));
     assert_eq!(config.server.shutdown_grace, Duration::from_secs(10));
@@ -152,6 +153,7 @@ fn example_file_documents_every_key() {
     let keys = [
         "listen",
         "max_header_bytes",
+        "max_headers",
         "max_body_bytes",
         "header_read_timeout",
         "shutdown_grace",
@@ -233,6 +235,7 @@ fn defaults_apply_to_a_minimal_file() {
     assert_eq!(config.source, "test.toml");
     assert_eq!(config.server.listen, "0.0.0.0:8080".parse().unwrap());
     assert_eq!(config.server.max_header_bytes, 16384);
+    assert_eq!(config.server.max_headers, 100, "hyper's default");
     assert_eq!(config.server.max_body_bytes, 10 * 1024 * 1024);
     assert_eq!(config.upstream.max_concurrency, 256);
     assert_eq!(config.upstream.queue_timeout, Duration::from_millis(100));
@@ -619,6 +622,26 @@ fn out_of_range_numbers() {
     assert_eq!(
         problem("[server]\nmax_connections = 0\n[upstream]\nurl = \"http://127.0.0.1:9000\"\n"),
         "test.toml:2: server.max_connections: expected an integer of at least 1, got 0"
+    );
+    for (value, shown) in [("0", "0"), ("1001", "1001"), ("100000000", "100000000")] {
+        assert_eq!(
+            problem(&format!(
+                "[server]\nmax_headers = {value}\n[upstream]\nurl = \"http://127.0.0.1:9000\"\n"
+            )),
+            format!(
+                "test.toml:2: server.max_headers: expected an integer from 1 to 1000 (header \
+                 fields in one request head), got {shown}"
+            )
+        );
+    }
+    let edges = "[server]\nmax_headers = 1\n[upstream]\nurl = \"http://127.0.0.1:9000\"\n";
+    assert_eq!(load(edges).unwrap().server.max_headers, 1);
+    assert_eq!(
+        load(&edges.replace("= 1\n", "= 1000\n"))
+            .unwrap()
+            .server
+            .max_headers,
+        1000
     );
     assert_eq!(
         problem("[upstream]\nurl = \"http://127.0.0.1:9000\"\n[lock]\nmax_waiters = 0\n"),

@@ -515,8 +515,21 @@ impl Checker<'_> {
                 "expected an integer of at least 1, got 0",
             );
         }
+        let max_headers = *raw.server.max_headers.get_ref();
+        if !(1..=defaults::MAX_HEADERS_LIMIT).contains(&max_headers) {
+            self.report(
+                raw.server.max_headers.span(),
+                "server.max_headers",
+                format!(
+                    "expected an integer from 1 to {} (header fields in one request head), \
+                     got {max_headers}",
+                    defaults::MAX_HEADERS_LIMIT
+                ),
+            );
+        }
         let server = ServerConfig {
             max_connections: *raw.server.max_connections.get_ref(),
+            max_headers,
             listen: self.listen(&raw.server.listen, defaults::SERVER_LISTEN, "server.listen"),
             max_header_bytes: raw.server.max_header_bytes,
             max_body_bytes: raw.server.max_body_bytes,

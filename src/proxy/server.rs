@@ -36,6 +36,8 @@ use super::body::Body;
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct ConnLimits {
     pub(crate) max_header_bytes: usize,
+    /// Header fields in one HTTP/1.1 request head; hyper answers 431 to more.
+    pub(crate) max_headers: usize,
     /// Also from accept to the first request: a connection that sends no complete request
     /// head in this time is closed, so idle connections cannot pile up.
     pub(crate) header_read_timeout: Duration,
@@ -91,16 +93,24 @@ impl Drop for Admitted {
     }
 }
 
+/// hyper's default number of header fields, parsed into an array on the stack.
+const HYPER_MAX_HEADERS: usize = 100;
+
 fn connection_builder(limits: ConnLimits) -> auto::Builder<TokioExecutor> {
     let mut builder = auto::Builder::new(TokioExecutor::new());
-    builder
-        .http1()
+    let mut http1 = builder.http1();
+    http1
         // hyper's own head limit is a backstop (it answers 431 without a body); the
         // configured limit is checked per request with a clear body. Twice the configured
         // size leaves room for request-line and framing overhead.
         .max_buf_size((limits.max_header_bytes * 2).max(8192) + 1024)
         .header_read_timeout(limits.header_read_timeout)
         .timer(TokioTimer::new());
+    // Any other count makes hyper allocate the array on the heap for every request: only
+    // then is it set.
+    if limits.max_headers != HYPER_MAX_HEADERS {
+        http1.max_headers(limits.max_headers);
+    }
     builder
         .http2()
         .max_header_list_size(u32::try_from(limits.max_header_bytes * 2).unwrap_or(u32::MAX))
