@@ -9,6 +9,7 @@ pub(crate) mod conditional;
 pub(crate) mod create;
 pub(crate) mod fetch;
 pub(crate) mod fill;
+pub(crate) mod head_guard;
 pub(crate) mod hot;
 pub(crate) mod origin;
 pub(crate) mod origin_guard;

@@ -133,8 +133,8 @@ async fn trace_connect_and_cache_methods_are_not_forwarded() {
 
 /// `Connection` naming `Content-Length`, `Host` or `Transfer-Encoding` gets 400 (forwarded,
 /// the proxy would drop the very header that frames or addresses the request); a target
-/// longer than `max_header_bytes` gets 414 (it was 431). (A head beyond the connection's
-/// read buffer, twice `max_header_bytes`, is refused by hyper with 431 before it is parsed.)
+/// longer than `max_header_bytes` gets 414 (it was 431). (Targets beyond the connection's
+/// read buffer: `a_target_too_long_for_the_read_buffer_gets_414_not_431`.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn framing_headers_named_by_connection_and_huge_targets_are_refused() {
     let origin = TestOrigin::start().await;
@@ -445,5 +445,120 @@ async fn more_header_fields_than_max_headers_get_431() {
         assert_eq!(status_of(&answer), 200, "{few}: {answer:?}");
         assert_eq!(origin.count(&few), 1, "{few}");
     }
+    cg.shutdown().await;
+}
+
+/// Sends `bytes` on a new connection and returns everything that came back until the
+/// server closed it (or `wait` passed).
+async fn raw_all(addr: SocketAddr, bytes: &[u8], wait: Duration) -> String {
+    let mut stream = TcpStream::connect(addr).await.expect("connect");
+    // The server may answer and close before all is written (a refused head).
+    let _ = stream.write_all(bytes).await;
+    let mut out = Vec::new();
+    let mut buf = [0u8; 4096];
+    let _ = tokio::time::timeout(wait, async {
+        loop {
+            match stream.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => out.extend_from_slice(&buf[..n]),
+            }
+        }
+    })
+    .await;
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// The body of a whole answer (after its head).
+fn body_of(answer: &str) -> &str {
+    answer.split_once("\r\n\r\n").map_or("", |(_, body)| body)
+}
+
+/// A request target longer than the connection's read buffer (twice `max_header_bytes`),
+/// 100 KiB or 1 MiB with the default 16 KiB, gets 414 with cacheguard's short body, as one
+/// that fits does, and reaches the origin neither on a cached route nor on pass-through.
+/// Heads too large for other reasons still get 431, now with a short body too: 8 KiB of
+/// header fields over `max_header_bytes` (refused by cacheguard), 100 KiB of them or one
+/// 100 KiB field (beyond the read buffer: refused by hyper), more fields than
+/// `max_headers`. Before, the long target got hyper's bare 431.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_target_too_long_for_the_read_buffer_gets_414_not_431() {
+    let origin = TestOrigin::start().await;
+    let cg = CgConfig::new(&origin)
+        .set("server", "max_headers", "50")
+        .start()
+        .await;
+    for prefix in ["/api/items/", "/other/"] {
+        for len in [100 * 1024, 1024 * 1024] {
+            let request = format!(
+                "GET {prefix}{} HTTP/1.1\r\nHost: a.example\r\nConnection: close\r\n\r\n",
+                "a".repeat(len)
+            );
+            let answer = raw_all(cg.addr(), request.as_bytes(), WAIT).await;
+            let shown = &answer[..answer.len().min(300)];
+            assert_eq!(status_of(&answer), 414, "{prefix}: {len}: {shown:?}");
+            assert_eq!(
+                body_of(&answer),
+                "cacheguard: request target too long (limit 16384 bytes)\n",
+                "{prefix}: {len}: {shown}"
+            );
+        }
+        // Also on a connection that served a request before.
+        let first = format!("GET {prefix}first HTTP/1.1\r\nHost: a.example\r\n\r\n");
+        let long = format!(
+            "{first}GET {prefix}{} HTTP/1.1\r\nHost: a.example\r\n\r\n",
+            "b".repeat(100 * 1024)
+        );
+        let answer = raw_all(cg.addr(), long.as_bytes(), WAIT).await;
+        assert!(
+            answer.starts_with("HTTP/1.1 200 ")
+                && answer.contains("}HTTP/1.1 414 URI Too Long\r\n")
+                && answer
+                    .ends_with("\r\n\r\ncacheguard: request target too long (limit 16384 bytes)\n"),
+            "{prefix}: {:?}",
+            &answer[..answer.len().min(600)]
+        );
+    }
+    assert_eq!(
+        origin.total(),
+        2,
+        "only the two requests before a long target reached the origin"
+    );
+
+    let field = |i: usize, len: usize| format!("X-Pad-{i}: {}\r\n", "p".repeat(len));
+    let over_by_8k: String = (0..24).map(|i| field(i, 1000)).collect();
+    let beyond_buffer: String = (0..40).map(|i| field(i, 2500)).collect();
+    let one_huge = field(0, 100 * 1024);
+    let too_many: String = (0..60).map(|i| field(i, 1)).collect();
+    for (name, fields, body) in [
+        (
+            "8 KiB over",
+            over_by_8k,
+            "cacheguard: request header fields too large (limit 16384 bytes)\n",
+        ),
+        (
+            "100 KiB of fields",
+            beyond_buffer,
+            "cacheguard: request header fields too large (limits 16384 bytes, 50 fields)\n",
+        ),
+        (
+            "one 100 KiB field",
+            one_huge,
+            "cacheguard: request header fields too large (limits 16384 bytes, 50 fields)\n",
+        ),
+        (
+            "60 fields",
+            too_many,
+            "cacheguard: request header fields too large (limits 16384 bytes, 50 fields)\n",
+        ),
+    ] {
+        let request = format!(
+            "GET /api/items/big-head HTTP/1.1\r\nHost: a.example\r\n{fields}Connection: close\r\n\r\n"
+        );
+        let answer = raw_all(cg.addr(), request.as_bytes(), WAIT).await;
+        let shown = &answer[..answer.len().min(300)];
+        assert_eq!(status_of(&answer), 431, "{name}: {shown}");
+        assert_eq!(body_of(&answer), body, "{name}: {shown}");
+    }
+    assert_eq!(origin.total(), 2, "a refused head reached the origin");
     cg.shutdown().await;
 }
