@@ -343,6 +343,11 @@ pub struct RouteConfig {
     /// besides a fixed safe set, forwarded to the origin on a cached fetch). Sorted and
     /// deduplicated; never `authorization`, `proxy-authorization` or `cookie`.
     pub vary: Vec<HeaderName>,
+    /// Client forwarding headers (of those cacheguard otherwise drops: `X-Forwarded-Host`,
+    /// `X-Forwarded-Prefix`, ...) passed on to the origin as the client sent them, for the
+    /// requests this route takes. On a read route each is also in `vary` (so every value is
+    /// stored apart) and none is a method override. Sorted and deduplicated.
+    pub forward_client_headers: Vec<HeaderName>,
     /// Write routes: path patterns to invalidate (used by the write path).
     pub invalidate: Vec<String>,
     pub double_delete_delay: Duration,

@@ -220,7 +220,7 @@ impl Proxy {
                 }
                 (
                     None,
-                    self.passthrough.serve(&metrics, request, client).await,
+                    self.passthrough.serve(&metrics, request, client, &[]).await,
                 )
             }
         }

@@ -562,3 +562,91 @@ async fn a_target_too_long_for_the_read_buffer_gets_414_not_431() {
     assert_eq!(origin.total(), 2, "a refused head reached the origin");
     cg.shutdown().await;
 }
+
+/// A route's `forward_client_headers` lets the client forwarding headers it names through
+/// to the origin as sent, for the requests that route takes: a cached fetch (where the
+/// header is keyed, so each value gets its own entry), a per-user bypass and a write. Other
+/// forwarding headers on the same requests, the same header on another route and on
+/// unrouted paths are still dropped. Before, every one of them was dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_route_forwards_the_client_headers_it_names_and_no_other() {
+    let origin = TestOrigin::start().await;
+    let routes = format!(
+        "{}{}{}",
+        item_route(
+            "vary = [\"x-forwarded-prefix\"]\nforward_client_headers = [\"X-Forwarded-Prefix\"]"
+        ),
+        route(
+            "item-write",
+            "/api/items/{id}",
+            "PUT",
+            "forward_client_headers = [\"x-forwarded-prefix\"]"
+        ),
+        route(
+            "plain",
+            "/plain/{id}",
+            "GET",
+            "vary = [\"x-forwarded-prefix\"]"
+        )
+    );
+    let cg = CgConfig::new(&origin).routes(&routes).start().await;
+    let client = HttpClient::new();
+    let send = |method: http::Method, path: &'static str, prefix: &'static str, extra| {
+        let client = client.clone();
+        let addr = cg.addr();
+        async move {
+            let mut headers = vec![
+                ("x-forwarded-prefix", prefix),
+                ("x-forwarded-host", "evil.example"),
+            ];
+            headers.extend(extra);
+            let body = if method == http::Method::PUT {
+                common::client::full_body("x")
+            } else {
+                common::client::empty_body()
+            };
+            let answer = client
+                .request(method, &url(addr, path), &headers, body)
+                .await
+                .expect("answer");
+            assert_eq!(answer.status, 200, "{path}: {answer}");
+            answer
+        }
+    };
+    let seen = |path: &str| {
+        let request = origin.last_request(path).expect("forwarded");
+        (
+            request.header("x-forwarded-prefix"),
+            request.header("x-forwarded-host"),
+        )
+    };
+    let shop = (Some("/shop".to_owned()), None);
+
+    // Cached: forwarded and keyed.
+    let first = send(http::Method::GET, "/api/items/1", "/shop", None).await;
+    assert_eq!(first.x_cache(), "MISS");
+    assert_eq!(seen("/api/items/1"), shop);
+    let again = send(http::Method::GET, "/api/items/1", "/shop", None).await;
+    assert!(again.is_hit(), "{again}");
+    let other = send(http::Method::GET, "/api/items/1", "/admin", None).await;
+    assert_eq!(other.x_cache(), "MISS", "another value, another entry");
+    assert_eq!(seen("/api/items/1"), (Some("/admin".to_owned()), None));
+    assert_eq!(origin.count("/api/items/1"), 2);
+    // Bypassed (per user) and written: forwarded.
+    send(
+        http::Method::GET,
+        "/api/items/2",
+        "/shop",
+        Some(("cookie", "session=1")),
+    )
+    .await;
+    assert_eq!(seen("/api/items/2"), shop);
+    send(http::Method::PUT, "/api/items/3", "/shop", None).await;
+    assert_eq!(seen("/api/items/3"), shop);
+    // Another route (which keys it but does not name it), and no route: dropped.
+    send(http::Method::GET, "/plain/1", "/shop", None).await;
+    assert_eq!(seen("/plain/1"), (None, None));
+    send(http::Method::GET, "/other/1", "/shop", None).await;
+    assert_eq!(seen("/other/1"), (None, None));
+    cg.shutdown().await;
+}

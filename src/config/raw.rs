@@ -320,6 +320,9 @@ pub(super) struct RawRoute {
     pub(super) query: Option<Spanned<RawQuery>>,
     #[serde(default)]
     pub(super) vary: Vec<Spanned<String>>,
+    /// Client forwarding headers passed on to the origin as sent, on this route only.
+    #[serde(default)]
+    pub(super) forward_client_headers: Vec<Spanned<String>>,
     #[serde(default)]
     pub(super) invalidate: Vec<Spanned<String>>,
     pub(super) double_delete_delay: Option<HumanDuration>,

@@ -188,6 +188,7 @@ fn example_file_documents_every_key() {
         "methods",
         "query",
         "vary",
+        "forward_client_headers",
         "invalidate",
         "double_delete_delay",
         "expected_items",
@@ -345,7 +346,7 @@ fn unknown_key_in_a_route() {
         )),
         "test.toml:6: routes[0].cache_ttl: unknown key, expected one of name, match, methods, \
          ttl, jitter, grace, negative_ttl, max_entry_bytes, l1, freshness, heuristic, max_variants, \
-         query, vary, invalidate, \
+         query, vary, forward_client_headers, invalidate, \
          double_delete_delay, early_refresh_beta, bloom, bloom_add, warmup"
     );
 }
@@ -866,6 +867,75 @@ fn vary_refuses_per_user_headers() {
             "test.toml:6: routes[0].vary[2]: expected a header name like \"accept-language\", \
              got \"bad header\"",
         ]
+    );
+}
+
+#[test]
+fn forward_client_headers_rules() {
+    let config = load(&with_minimal(
+        "[[routes]]\nname = \"r\"\nmatch = \"/r\"\nvary = [\"X-Forwarded-Prefix\"]\n\
+         forward_client_headers = [\"X-Forwarded-Prefix\", \"x-forwarded-prefix\"]\n\n\
+         [[routes]]\nname = \"w\"\nmatch = \"/r\"\nmethods = [\"PUT\"]\n\
+         forward_client_headers = [\"x-http-method-override\", \"X-Forwarded-Host\"]\n\n\
+         [[routes]]\nname = \"plain\"\nmatch = \"/p\"\n",
+    ))
+    .unwrap();
+    let [read, write, plain] = config.routes.as_slice() else {
+        panic!("three routes expected");
+    };
+    assert_eq!(
+        read.forward_client_headers,
+        ["x-forwarded-prefix"],
+        "lowercased, deduplicated"
+    );
+    assert_eq!(
+        write.forward_client_headers,
+        ["x-forwarded-host", "x-http-method-override"],
+        "a write route may take a method override; sorted"
+    );
+    assert!(plain.forward_client_headers.is_empty(), "default: none");
+
+    let refused = problems(&with_minimal(
+        "[[routes]]\nname = \"r\"\nmatch = \"/r\"\n\
+         forward_client_headers = [\"host\", \"x-forwarded-for\", \"X-Trace\", \"bad header\", \
+         \"x-forwarded-prefix\", \"x-http-method-override\"]\n",
+    ));
+    let unknown = |got: &str, j: usize| {
+        format!(
+            "test.toml:6: routes[0].forward_client_headers[{j}]: expected one of the client \
+             headers cacheguard drops before forwarding (forwarded, x-forwarded-host, \
+             x-forwarded-port, x-forwarded-server, x-forwarded-scheme, x-forwarded-ssl, \
+             x-forwarded-prefix, x-real-ip, x-client-ip, x-host, x-original-url, x-rewrite-url, \
+             x-original-host, x-http-method-override, x-http-method, x-method-override), got \
+             {got:?}"
+        )
+    };
+    assert_eq!(
+        refused,
+        [
+            unknown("host", 0),
+            unknown("x-forwarded-for", 1),
+            unknown("X-Trace", 2),
+            unknown("bad header", 3),
+            "test.toml:6: routes[0].forward_client_headers[4]: \"x-forwarded-prefix\" changes \
+             what the origin answers, and this route caches it for everybody: add it to this \
+             route's vary too (each value is then stored apart), or leave it off this route"
+                .to_owned(),
+            "test.toml:6: routes[0].forward_client_headers[5]: \"x-http-method-override\" \
+             cannot be forwarded on a read route: it would make the origin run another method \
+             than the GET the cache stores, and nothing invalidates what that changes; allow it \
+             on a write route"
+                .to_owned(),
+        ]
+    );
+    // Keyed or not, a method override stays off a read route.
+    assert_eq!(
+        problems(&with_minimal(
+            "[[routes]]\nname = \"r\"\nmatch = \"/r\"\nvary = [\"x-http-method\"]\n\
+             forward_client_headers = [\"x-http-method\"]\n",
+        ))
+        .len(),
+        1
     );
 }
 

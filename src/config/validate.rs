@@ -40,6 +40,7 @@ use super::{
     RouteBloom, RouteConfig, ServerConfig, SourceFormat, StreamConfig, UpstreamConfig, Vars,
     WarmupConfig, env,
 };
+use crate::proxy::origin::{CLIENT_CLAIMS, METHOD_OVERRIDES};
 
 impl std::error::Error for ConfigError {}
 
@@ -1296,6 +1297,7 @@ impl Checker<'_> {
         }
         let query = self.query(i, raw);
         let vary = self.vary(i, raw);
+        let forward_client_headers = self.forward_client_headers(i, raw, is_read, &vary);
         let invalidate = self.invalidate(i, raw, is_read);
         let bloom = self.route_bloom(i, raw, is_read, filters);
         let bloom_add = self.bloom_add(i, raw, is_read, filters);
@@ -1319,6 +1321,7 @@ impl Checker<'_> {
             max_variants: raw.max_variants.unwrap_or(cache.max_variants),
             query,
             vary,
+            forward_client_headers,
             invalidate,
             double_delete_delay: raw
                 .double_delete_delay
@@ -1749,6 +1752,70 @@ impl Checker<'_> {
         vary.sort_by(|a, b| a.as_str().cmp(b.as_str()));
         vary.dedup();
         vary
+    }
+
+    /// The client forwarding headers a route passes on: only names cacheguard otherwise
+    /// drops ([`CLIENT_CLAIMS`]). A read route stores what the origin answers for everybody,
+    /// so there each must be keyed (in `vary`), and a method override is refused outright:
+    /// it would turn a cached GET into a write at the origin that nothing invalidates.
+    fn forward_client_headers(
+        &mut self,
+        i: usize,
+        raw: &RawRoute,
+        is_read: bool,
+        vary: &[HeaderName],
+    ) -> Vec<HeaderName> {
+        let mut names = Vec::new();
+        for (j, value) in raw.forward_client_headers.iter().enumerate() {
+            let key = format!("routes[{i}].forward_client_headers[{j}]");
+            let text = value.get_ref();
+            let lower = text.to_ascii_lowercase();
+            let known = HeaderName::from_bytes(lower.as_bytes())
+                .ok()
+                .filter(|name| CLIENT_CLAIMS.contains(&name.as_str()));
+            let Some(name) = known else {
+                self.report(
+                    value.span(),
+                    key,
+                    format!(
+                        "expected one of the client headers cacheguard drops before forwarding \
+                         ({}), got {text:?}",
+                        CLIENT_CLAIMS.join(", ")
+                    ),
+                );
+                continue;
+            };
+            if is_read && METHOD_OVERRIDES.contains(&name.as_str()) {
+                self.report(
+                    value.span(),
+                    key,
+                    format!(
+                        "{:?} cannot be forwarded on a read route: it would make the origin \
+                         run another method than the GET the cache stores, and nothing \
+                         invalidates what that changes; allow it on a write route",
+                        name.as_str()
+                    ),
+                );
+                continue;
+            }
+            if is_read && !vary.contains(&name) {
+                self.report(
+                    value.span(),
+                    key,
+                    format!(
+                        "{:?} changes what the origin answers, and this route caches it for \
+                         everybody: add it to this route's vary too (each value is then \
+                         stored apart), or leave it off this route",
+                        name.as_str()
+                    ),
+                );
+                continue;
+            }
+            names.push(name);
+        }
+        names.sort_by(|a, b| a.as_str().cmp(b.as_str()));
+        names.dedup();
+        names
     }
 
     fn invalidate(&mut self, i: usize, raw: &RawRoute, is_read: bool) -> Vec<String> {

@@ -21,9 +21,10 @@ static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-prot
 
 /// Client headers that tell an origin (or a framework in front of it) who the client is,
 /// where it came from or what it really asked for. A client must not choose them: they
-/// are dropped from every forwarded request, and cacheguard sets `X-Forwarded-For` and
-/// `X-Forwarded-Proto` itself.
-const CLIENT_CLAIMS: [&str; 16] = [
+/// are dropped from every forwarded request, but for those a route's
+/// `forward_client_headers` names (a trusted front sets them), and cacheguard sets
+/// `X-Forwarded-For` and `X-Forwarded-Proto` itself.
+pub(crate) const CLIENT_CLAIMS: [&str; 16] = [
     "forwarded",
     "x-forwarded-host",
     "x-forwarded-port",
@@ -42,12 +43,22 @@ const CLIENT_CLAIMS: [&str; 16] = [
     "x-method-override",
 ];
 
+/// Those of [`CLIENT_CLAIMS`] that make the origin run another method than the request's.
+pub(crate) const METHOD_OVERRIDES: [&str; 3] = [
+    "x-http-method-override",
+    "x-http-method",
+    "x-method-override",
+];
+
 /// Replaces every client-supplied forwarding header with cacheguard's own: the client's
 /// address is what cacheguard saw on the socket, never what the client claims; headers that
-/// would rewrite the target or the method for the origin ([`CLIENT_CLAIMS`]) are dropped.
-pub(crate) fn set_forwarded(headers: &mut HeaderMap, client: SocketAddr) {
+/// would rewrite the target or the method for the origin ([`CLIENT_CLAIMS`]) are dropped,
+/// but for those in `keep` (the route's `forward_client_headers`), passed on as sent.
+pub(crate) fn set_forwarded(headers: &mut HeaderMap, client: SocketAddr, keep: &[HeaderName]) {
     for name in CLIENT_CLAIMS {
-        headers.remove(name);
+        if !keep.iter().any(|kept| kept == name) {
+            headers.remove(name);
+        }
     }
     let ip = HeaderValue::from_str(&client.ip().to_string())
         .unwrap_or_else(|_| HeaderValue::from_static("unknown"));
@@ -130,13 +141,16 @@ pub(crate) struct Origin {
 impl Origin {
     /// Sends one request to the origin through the origin guard and streams the answer back.
     /// An idempotent request without a body whose pooled connection failed before any byte
-    /// of an answer is sent once more on a new connection (counted under `metrics`).
+    /// of an answer is sent once more on a new connection (counted under `metrics`). The
+    /// client's forwarding headers are dropped but for those in `keep` (see
+    /// [`set_forwarded`]).
     pub(crate) async fn forward(
         &self,
         mut parts: Parts,
         body: UpstreamBody,
         client: SocketAddr,
         metrics: &RouteMetrics,
+        keep: &[HeaderName],
     ) -> (Response<Body>, Outcome) {
         let upstream = self.upstream.load_full();
         let uri = match parts
@@ -152,7 +166,7 @@ impl Origin {
             },
         };
         strip_hop_by_hop(&mut parts.headers);
-        set_forwarded(&mut parts.headers, client);
+        set_forwarded(&mut parts.headers, client, keep);
         // HTTP/2 clients send :authority instead of Host; keep what they addressed.
         if let Some(host) = parts.uri.authority()
             && !parts.headers.contains_key(header::HOST)
