@@ -17,7 +17,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::info;
 
-use crate::admin::Admin;
+use crate::admin::{Admin, PurgeLimits};
 use crate::cache::l1::L1;
 use crate::cache::l2::L2;
 use crate::cache::marks::LocalMarks;
@@ -442,6 +442,7 @@ impl App {
         }
         proxy.spawn_warmups(&stop_tasks);
         let token = Arc::new(ArcSwap::from_pointee(config.admin.token.clone()));
+        let purge_limits = Arc::new(PurgeLimits::new(&config.admin));
         let (shared, route_count) = (config.redis.is_some(), config.routes.len());
         let listen = (config.server.listen, config.admin.listen);
         let admissions = {
@@ -461,6 +462,7 @@ impl App {
             hot: Arc::clone(&hot),
             filters: Arc::clone(&filters),
             token: Arc::clone(&token),
+            purge_limits: Arc::clone(&purge_limits),
             metrics: metrics.clone(),
             current: tokio::sync::Mutex::new(config),
             generation: std::sync::atomic::AtomicU64::new(0),
@@ -474,6 +476,7 @@ impl App {
             filters,
             hot,
             token,
+            purge_limits,
             proxy: Arc::clone(&proxy),
             live: Arc::clone(&live),
         });

@@ -203,6 +203,11 @@ pub struct AdminConfig {
     pub listen: SocketAddr,
     /// Bearer token for mutating admin calls. `None` = mutating calls are refused.
     pub token: Option<String>,
+    /// Purge requests naming a pattern, per second and token; those naming only keys and
+    /// tags get ten times as many. 0 = no limit.
+    pub purge_rate: u32,
+    /// Purge requests naming a pattern at once, per token (ten times as many of the others).
+    pub purge_burst: u32,
 }
 
 impl std::fmt::Debug for RedisConfig {
@@ -229,6 +234,8 @@ impl std::fmt::Debug for AdminConfig {
         f.debug_struct("AdminConfig")
             .field("listen", &self.listen)
             .field("token", &self.token.as_ref().map(|_| "***"))
+            .field("purge_rate", &self.purge_rate)
+            .field("purge_burst", &self.purge_burst)
             .finish()
     }
 }

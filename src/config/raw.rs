@@ -227,6 +227,8 @@ impl Default for RawRedis {
 pub(super) struct RawAdmin {
     pub(super) listen: Spanned<String>,
     pub(super) token: Option<Spanned<String>>,
+    pub(super) purge_rate: u32,
+    pub(super) purge_burst: Spanned<u32>,
 }
 
 impl Default for RawAdmin {
@@ -234,6 +236,8 @@ impl Default for RawAdmin {
         Self {
             listen: unspanned(defaults::ADMIN_LISTEN.to_owned()),
             token: None,
+            purge_rate: 10,
+            purge_burst: unspanned(20),
         }
     }
 }

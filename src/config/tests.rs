@@ -92,6 +92,10 @@ fn example_file_parses_with_the_documented_values() {
 
     assert_eq!(config.admin.listen, "127.0.0.1:9091".parse().unwrap());
     assert_eq!(config.admin.token, None);
+    assert_eq!(
+        (config.admin.purge_rate, config.admin.purge_burst),
+        (10, 20)
+    );
 
     assert_eq!(config.cache.ttl, Duration::from_secs(60));
     assert_eq!(config.cache.jitter, 0.2);
@@ -173,6 +177,8 @@ fn example_file_documents_every_key() {
         "key_prefix",
         "breaker_failures",
         "token",
+        "purge_rate",
+        "purge_burst",
         "ttl",
         "jitter",
         "grace",
@@ -242,6 +248,10 @@ fn defaults_apply_to_a_minimal_file() {
     assert_eq!(config.upstream.queue_timeout, Duration::from_millis(100));
     assert!(config.redis.is_none(), "no [redis] = embedded mode");
     assert_eq!(config.admin.listen, "127.0.0.1:9091".parse().unwrap());
+    assert_eq!(
+        (config.admin.purge_rate, config.admin.purge_burst),
+        (10, 20)
+    );
     assert_eq!(config.cache.jitter, 0.2);
     assert_eq!(config.cache.l1, L1Policy::Hot);
     assert_eq!(config.lock.on_timeout, OnTimeout::Origin);
@@ -750,6 +760,25 @@ fn bad_redis_urls() {
     assert!(
         !message.contains("hunter2"),
         "the password leaked: {message}"
+    );
+}
+
+#[test]
+fn purge_limits() {
+    let config = load(&with_minimal("[admin]\npurge_rate = 0\npurge_burst = 0\n")).unwrap();
+    assert_eq!(
+        (config.admin.purge_rate, config.admin.purge_burst),
+        (0, 0),
+        "no limit"
+    );
+    assert_eq!(
+        problem(&with_minimal("[admin]\npurge_rate = 5\npurge_burst = 0\n")),
+        "test.toml:5: admin.purge_burst: expected an integer of at least 1 with \
+         admin.purge_rate above 0 (no purge could ever pass), got 0"
+    );
+    assert_eq!(
+        problem(&with_minimal("[admin]\npurge_rate = -1\n")),
+        "test.toml:4: admin.purge_rate: expected an integer from 0 to 4294967295, got -1"
     );
 }
 

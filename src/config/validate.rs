@@ -1002,7 +1002,21 @@ impl Checker<'_> {
                 ),
             );
         }
-        AdminConfig { listen, token }
+        let purge_burst = *raw.purge_burst.get_ref();
+        if raw.purge_rate > 0 && purge_burst == 0 {
+            self.report(
+                raw.purge_burst.span(),
+                "admin.purge_burst",
+                "expected an integer of at least 1 with admin.purge_rate above 0 (no purge \
+                 could ever pass), got 0",
+            );
+        }
+        AdminConfig {
+            listen,
+            token,
+            purge_rate: raw.purge_rate,
+            purge_burst,
+        }
     }
 
     /// The lock's timings against Redis's and the origin's (shared mode only).
