@@ -17,7 +17,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::info;
 
-use crate::admin::Admin;
+use crate::admin::{Admin, PurgeLimits};
 use crate::cache::l1::L1;
 use crate::cache::l2::L2;
 use crate::cache::marks::LocalMarks;
@@ -427,6 +427,7 @@ impl App {
             l1: l1.clone(),
             store: dist,
             max_header_bytes: config.server.max_header_bytes,
+            max_headers: config.server.max_headers,
             max_body_bytes: config.server.max_body_bytes,
             passthrough_metrics: metrics.for_route(crate::proxy::PASSTHROUGH),
             metrics: metrics.clone(),
@@ -441,6 +442,7 @@ impl App {
         }
         proxy.spawn_warmups(&stop_tasks);
         let token = Arc::new(ArcSwap::from_pointee(config.admin.token.clone()));
+        let purge_limits = Arc::new(PurgeLimits::new(&config.admin));
         let (shared, route_count) = (config.redis.is_some(), config.routes.len());
         let listen = (config.server.listen, config.admin.listen);
         let admissions = {
@@ -451,6 +453,7 @@ impl App {
         };
         let limits = ConnLimits {
             max_header_bytes: config.server.max_header_bytes,
+            max_headers: config.server.max_headers,
             header_read_timeout: config.server.header_read_timeout,
             shutdown_grace: config.server.shutdown_grace,
         };
@@ -460,6 +463,7 @@ impl App {
             filters: Arc::clone(&filters),
             token: Arc::clone(&token),
             redis: redis.clone(),
+            purge_limits: Arc::clone(&purge_limits),
             metrics: metrics.clone(),
             current: tokio::sync::Mutex::new(config),
             generation: std::sync::atomic::AtomicU64::new(0),
@@ -473,6 +477,7 @@ impl App {
             filters,
             hot,
             token,
+            purge_limits,
             proxy: Arc::clone(&proxy),
             live: Arc::clone(&live),
         });

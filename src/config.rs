@@ -16,6 +16,37 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+/// Client headers that tell an origin (or a framework in front of it) who the client is,
+/// where it came from or what it really asked for. A client must not choose them: they
+/// are dropped from every forwarded request, but for those a route's
+/// `forward_client_headers` names (a trusted front sets them), and cacheguard sets
+/// `X-Forwarded-For` and `X-Forwarded-Proto` itself.
+pub(crate) const CLIENT_CLAIMS: [&str; 16] = [
+    "forwarded",
+    "x-forwarded-host",
+    "x-forwarded-port",
+    "x-forwarded-server",
+    "x-forwarded-scheme",
+    "x-forwarded-ssl",
+    "x-forwarded-prefix",
+    "x-real-ip",
+    "x-client-ip",
+    "x-host",
+    "x-original-url",
+    "x-rewrite-url",
+    "x-original-host",
+    "x-http-method-override",
+    "x-http-method",
+    "x-method-override",
+];
+
+/// Those of [`CLIENT_CLAIMS`] that make the origin run another method than the request's.
+pub(crate) const METHOD_OVERRIDES: [&str; 3] = [
+    "x-http-method-override",
+    "x-http-method",
+    "x-method-override",
+];
+
 use http::{HeaderName, Method, StatusCode, Uri};
 
 pub use env::{ProcessEnv, Vars};
@@ -105,6 +136,8 @@ pub struct ServerConfig {
     pub listen: SocketAddr,
     /// Largest request head (request line + headers) accepted; larger → 431.
     pub max_header_bytes: usize,
+    /// Most header fields in one request head; more → 431.
+    pub max_headers: usize,
     /// Largest request body accepted; larger → 413.
     pub max_body_bytes: u64,
     /// Time a client has to send its request head.
@@ -203,6 +236,11 @@ pub struct AdminConfig {
     pub listen: SocketAddr,
     /// Bearer token for mutating admin calls. `None` = mutating calls are refused.
     pub token: Option<String>,
+    /// Purge requests naming a pattern, per second and token; those naming only keys and
+    /// tags get ten times as many. 0 = no limit.
+    pub purge_rate: u32,
+    /// Purge requests naming a pattern at once, per token (ten times as many of the others).
+    pub purge_burst: u32,
 }
 
 impl std::fmt::Debug for RedisConfig {
@@ -230,6 +268,8 @@ impl std::fmt::Debug for AdminConfig {
         f.debug_struct("AdminConfig")
             .field("listen", &self.listen)
             .field("token", &self.token.as_ref().map(|_| "***"))
+            .field("purge_rate", &self.purge_rate)
+            .field("purge_burst", &self.purge_burst)
             .finish()
     }
 }
@@ -344,6 +384,11 @@ pub struct RouteConfig {
     /// besides a fixed safe set, forwarded to the origin on a cached fetch). Sorted and
     /// deduplicated; never `authorization`, `proxy-authorization` or `cookie`.
     pub vary: Vec<HeaderName>,
+    /// Client forwarding headers (of those cacheguard otherwise drops: `X-Forwarded-Host`,
+    /// `X-Forwarded-Prefix`, ...) passed on to the origin as the client sent them, for the
+    /// requests this route takes. On a read route each is also in `vary` (so every value is
+    /// stored apart) and none is a method override. Sorted and deduplicated.
+    pub forward_client_headers: Vec<HeaderName>,
     /// Write routes: path patterns to invalidate (used by the write path).
     pub invalidate: Vec<String>,
     pub double_delete_delay: Duration,

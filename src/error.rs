@@ -9,6 +9,8 @@ use http::StatusCode;
 pub(crate) enum ProxyError {
     #[error("request header fields too large (limit {0} bytes)")]
     HeaderTooLarge(usize),
+    #[error("too many request header fields (limit {0})")]
+    TooManyHeaders(usize),
     #[error("request body too large (limit {0} bytes)")]
     BodyTooLarge(u64),
     #[error("origin busy: no slot within {0:?}")]
@@ -47,7 +49,9 @@ pub(crate) enum ProxyError {
 impl ProxyError {
     pub(crate) fn status(&self) -> StatusCode {
         match self {
-            ProxyError::HeaderTooLarge(_) => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+            ProxyError::HeaderTooLarge(_) | ProxyError::TooManyHeaders(_) => {
+                StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE
+            }
             ProxyError::BodyTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ProxyError::Shed(_) | ProxyError::LockWait(_) => StatusCode::SERVICE_UNAVAILABLE,
             ProxyError::OriginTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
@@ -67,6 +71,7 @@ impl ProxyError {
     pub(crate) fn reason(&self) -> &'static str {
         match self {
             ProxyError::HeaderTooLarge(_) => "header_too_large",
+            ProxyError::TooManyHeaders(_) => "too_many_headers",
             ProxyError::BodyTooLarge(_) => "body_too_large",
             ProxyError::Shed(_) => "shed",
             ProxyError::OriginTimeout(_) => "origin_timeout",

@@ -725,11 +725,17 @@ impl Metrics {
         let purges = IntCounterVec::new(
             Opts::new(
                 "cacheguard_purges_total",
-                "Purge API requests, by result (ok, unauthorized, forbidden, bad_request).",
+                "Purge API requests, by result (ok, unauthorized, forbidden, bad_request, rate_limited: over admin.purge_rate, answered 429).",
             ),
             &["result"],
         )?;
-        for result in ["ok", "unauthorized", "forbidden", "bad_request"] {
+        for result in [
+            "ok",
+            "unauthorized",
+            "forbidden",
+            "bad_request",
+            "rate_limited",
+        ] {
             purges.with_label_values(&[result]);
         }
         registry.register(Box::new(purges.clone()))?;

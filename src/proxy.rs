@@ -9,6 +9,7 @@ pub(crate) mod conditional;
 pub(crate) mod create;
 pub(crate) mod fetch;
 pub(crate) mod fill;
+pub(crate) mod head_guard;
 pub(crate) mod hot;
 pub(crate) mod origin;
 pub(crate) mod origin_guard;
@@ -77,6 +78,8 @@ pub(crate) struct Proxy {
     /// The Redis calls of invalidation and the tag index; `None` in embedded mode.
     pub(crate) store: Option<RedisStore>,
     pub(crate) max_header_bytes: usize,
+    /// `server.max_headers`: hyper refuses more on HTTP/1.1; checked here for HTTP/2.
+    pub(crate) max_headers: usize,
     pub(crate) max_body_bytes: u64,
     pub(crate) metrics: Metrics,
     /// Metric handles for requests that match no route ([`PASSTHROUGH`]).
@@ -217,16 +220,20 @@ impl Proxy {
                 }
                 (
                     None,
-                    self.passthrough.serve(&metrics, request, client).await,
+                    self.passthrough.serve(&metrics, request, client, &[]).await,
                 )
             }
         }
     }
 
-    /// Request head over `max_header_bytes` → 431; declared body over `max_body_bytes` → 413
-    /// (undeclared bodies are cut at the limit while streaming).
+    /// Request head over `max_header_bytes`, or with more than `max_headers` fields → 431;
+    /// declared body over `max_body_bytes` → 413 (undeclared bodies are cut at the limit
+    /// while streaming).
     fn check_limits(&self, request: &Request<Incoming>) -> Result<(), ProxyError> {
         admit::check(request, self.max_header_bytes)?;
+        if request.headers().len() > self.max_headers {
+            return Err(ProxyError::TooManyHeaders(self.max_headers));
+        }
         let head_bytes: usize = request
             .uri()
             .path_and_query()

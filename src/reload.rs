@@ -11,7 +11,8 @@
 //! - origin limits (`max_concurrency`, `max_rps`, `queue_timeout`): a new origin guard is
 //!   swapped in (requests holding a slot of the old one finish on it, so for a moment both
 //!   count) — and the upstream client, when `[upstream]` changed;
-//! - `[lock]`, `[hot_keys]` thresholds and the per-key limit, the admin token;
+//! - `[lock]`, `[hot_keys]` thresholds and the per-key limit, the admin token and the
+//!   purge limits;
 //! - Bloom filter definitions (sizing, source, refresh; a changed sizing or source rebuilds
 //!   the filter now);
 //! - Redis credentials (`redis.username`, `redis.password`, the content of
@@ -41,6 +42,7 @@ use arc_swap::ArcSwap;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
+use crate::admin::PurgeLimits;
 use crate::config::{Config, RedisConfig, Vars};
 use crate::coord::redis::RedisConn;
 use crate::metrics::Metrics;
@@ -63,6 +65,7 @@ pub(crate) struct Live {
     pub(crate) token: Arc<ArcSwap<Option<String>>>,
     /// The shared Redis, in shared mode: its credentials change on a reload.
     pub(crate) redis: Option<RedisConn>,
+    pub(crate) purge_limits: Arc<PurgeLimits>,
     pub(crate) metrics: Metrics,
     /// The config in effect; the lock also serializes reloads.
     pub(crate) current: tokio::sync::Mutex<Config>,
@@ -134,6 +137,7 @@ impl Live {
         proxy.read.filler.lock.store(Arc::new(new.lock.clone()));
         self.hot.reconfigure(&new.hot_keys);
         self.token.store(Arc::new(new.admin.token.clone()));
+        self.purge_limits.reconfigure(&new.admin);
 
         let restart = needs_restart(&current, &new);
         let generation = self.generation.fetch_add(1, Ordering::AcqRel) + 1;

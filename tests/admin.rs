@@ -1,14 +1,19 @@
 //! The admin listener: `/metrics` (well-formed Prometheus text with every documented
-//! metric), `/healthz`, and `/readyz` (degraded, still 200, while Redis is down).
+//! metric), `/healthz`, `/readyz` (degraded, still 200, while Redis is down), and the purge
+//! API's rate limit.
 
 mod common;
 
+use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use common::prom::{self, check_histogram};
 use common::{
-    CgConfig, HttpClient, RedisServer, TestOrigin, concurrently, poll_until, scrape, url,
+    CgConfig, HttpClient, RedisServer, Resp, TestOrigin, concurrently, metric, poll_until, post,
+    scrape, url,
 };
+use tokio::time::Instant;
 
 const METRICS: &[&str] = &[
     "cacheguard_requests_total",
@@ -318,5 +323,121 @@ async fn readyz_is_degraded_while_redis_is_down_and_ready_after() {
         "readyz not ready 5 s after Redis returned: {:?}",
         readyz(&client, admin).await
     );
+    cg.shutdown().await;
+}
+
+const TOKEN: &str = "purge-secret-0123456789abcdef";
+
+/// `POST /admin/purge` with `body` and the admin token.
+async fn purge(client: &HttpClient, admin: std::net::SocketAddr, body: &str) -> Resp {
+    let bearer = format!("Bearer {TOKEN}");
+    post(
+        client,
+        &url(admin, "/admin/purge"),
+        &[
+            ("authorization", bearer.as_str()),
+            ("content-type", "application/json"),
+        ],
+        body,
+    )
+    .await
+}
+
+/// Purges are rate-limited per token: of 100 pattern purges of `/*` sent at once with
+/// `purge_rate = 1` and `purge_burst = 10`, the burst (and what the rate adds while they
+/// run) succeed; every other gets 429 with `Retry-After: 1` and a short JSON body, and is
+/// counted in `cacheguard_purges_total{result="rate_limited"}`. A purge of keys has a
+/// budget of its own; after `Retry-After` a pattern purge succeeds again; a reload to
+/// `purge_rate = 0` lifts the limit. Before, all 100 succeeded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn purges_are_rate_limited_per_token_and_a_reload_changes_the_limit() {
+    let origin = TestOrigin::start().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("cacheguard.toml");
+    let text = |rate: u32, burst: u32| {
+        CgConfig::new(&origin)
+            .set_str("admin", "token", TOKEN)
+            .set("admin", "purge_rate", &rate.to_string())
+            .set("admin", "purge_burst", &burst.to_string())
+            .toml()
+    };
+    std::fs::write(&path, text(1, 10)).expect("write config");
+    let vars = HashMap::<String, String>::new();
+    let config = cacheguard::Config::load(&path, &vars).expect("config loads");
+    let mut cg = cacheguard::App::start(config).await.expect("starts");
+    cg.watch_config(path.clone(), Arc::new(vars));
+    let (client, admin) = (HttpClient::new(), cg.admin_addr());
+    for i in 0..3 {
+        let r = client
+            .get(&url(cg.addr(), &format!("/api/items/p{i}")))
+            .await;
+        assert_eq!(r.status, 200, "{r}");
+    }
+
+    let started = Instant::now();
+    let answers = concurrently(100, Duration::from_secs(20), |_| {
+        let client = client.clone();
+        async move { purge(&client, admin, r#"{"patterns": ["/*"]}"#).await }
+    })
+    .await;
+    let took = started.elapsed().as_secs_f64();
+    let ok = answers.iter().filter(|r| r.status == 200).count();
+    let limited: Vec<&Resp> = answers.iter().filter(|r| r.status == 429).collect();
+    assert_eq!(ok + limited.len(), 100, "only 200 and 429 expected");
+    assert!(
+        ok >= 10 && ok as f64 <= 10.0 + took + 1.0,
+        "{ok} of 100 pattern purges passed in {took:.2} s (burst 10, 1 per second)"
+    );
+    for r in &limited {
+        assert_eq!(r.header("retry-after").as_deref(), Some("1"), "{r}");
+        assert!(
+            r.text().contains("too many purge requests") && r.body.len() < 200,
+            "{r}"
+        );
+    }
+    let counted = metric(
+        &client,
+        admin,
+        "cacheguard_purges_total",
+        &[("result", "rate_limited")],
+    )
+    .await;
+    assert_eq!(counted, limited.len() as f64);
+
+    let keys = purge(&client, admin, r#"{"keys": ["/api/items/p1"]}"#).await;
+    assert_eq!(keys.status, 200, "keys have a budget of their own: {keys}");
+    let refused = purge(&client, admin, r#"{"patterns": ["/*"]}"#).await;
+    assert_eq!(refused.status, 429, "{refused}");
+    let wait: u64 = refused
+        .header("retry-after")
+        .and_then(|v| v.parse().ok())
+        .expect("Retry-After in seconds");
+    tokio::time::sleep(Duration::from_secs(wait)).await;
+    let again = purge(&client, admin, r#"{"patterns": ["/*"]}"#).await;
+    assert_eq!(again.status, 200, "after Retry-After: {again}");
+
+    // Reloaded without a limit.
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, text(0, 0)).expect("write config");
+    std::fs::rename(&tmp, &path).expect("rename config");
+    let reloaded = poll_until(Duration::from_secs(5), Duration::from_millis(100), || {
+        let client = client.clone();
+        async move {
+            let generation = metric(&client, admin, "cacheguard_config_generation", &[]).await;
+            (generation >= 2.0).then_some(())
+        }
+    })
+    .await;
+    assert!(reloaded.is_some(), "the config was not reloaded");
+    let answers = concurrently(30, Duration::from_secs(20), |_| {
+        let client = client.clone();
+        async move {
+            purge(&client, admin, r#"{"patterns": ["/*"]}"#)
+                .await
+                .status
+        }
+    })
+    .await;
+    assert!(answers.iter().all(|s| *s == 200), "{answers:?}");
     cg.shutdown().await;
 }

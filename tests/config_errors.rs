@@ -123,6 +123,50 @@ fn bad_enum_value() {
 }
 
 #[test]
+fn header_field_count_out_of_range() {
+    let dir = tempfile::tempdir().unwrap();
+    for (name, value) in [("none.toml", "0"), ("absurd.toml", "50000")] {
+        let text = format!("[server]\nmax_headers = {value}\n\n{UPSTREAM}");
+        assert_refused(&dir, name, &text, 2, "server.max_headers");
+        let stderr =
+            String::from_utf8_lossy(&check_config(&dir.path().join(name)).stderr).into_owned();
+        assert!(
+            stderr.contains(&format!("expected an integer from 1 to 1000 (header fields in one request head), got {value}")),
+            "{name}: the refusal says why: {stderr}"
+        );
+    }
+    let text = format!("[server]\nmax_headers = 1000\n\n{UPSTREAM}");
+    let output = check_config(&write(&dir, "most.toml", &text));
+    assert_eq!(output.status.code(), Some(0), "1000 is allowed");
+}
+
+#[test]
+fn forwarded_client_headers_must_be_forwarding_headers_and_keyed_on_a_read_route() {
+    let dir = tempfile::tempdir().unwrap();
+    for (name, headers) in [
+        ("host.toml", r#"["host"]"#),
+        ("unkeyed.toml", r#"["x-forwarded-prefix"]"#),
+        ("override.toml", r#"["x-http-method-override"]"#),
+    ] {
+        let text = format!(
+            "{UPSTREAM}\n[[routes]]\nname = \"a\"\nmatch = \"/a\"\nforward_client_headers = {headers}\n"
+        );
+        assert_refused(&dir, name, &text, 7, "routes[0].forward_client_headers[0]");
+    }
+    let text = format!(
+        "{UPSTREAM}\n[[routes]]\nname = \"a\"\nmatch = \"/a\"\nvary = [\"x-forwarded-prefix\"]\n\
+         forward_client_headers = [\"x-forwarded-prefix\"]\n"
+    );
+    let output = check_config(&write(&dir, "keyed.toml", &text));
+    assert_eq!(
+        output.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+#[test]
 fn https_upstream() {
     let dir = tempfile::tempdir().unwrap();
     let text = "[server]\nlisten = \"0.0.0.0:8080\"\n\n[upstream]\nurl = \"https://origin:443\"\n";

@@ -33,3 +33,33 @@ async fn h2c_prior_knowledge_is_served_and_cached() {
     assert_eq!(origin.count("/api/items/7"), 1);
     cg.shutdown().await;
 }
+
+/// `server.max_headers` holds on HTTP/2 too (hyper counts fields on HTTP/1.1 only): with
+/// 20, a request with 30 header fields gets 431 and never reaches the origin; 15 are fine.
+#[tokio::test]
+async fn h2c_requests_with_more_header_fields_than_max_headers_get_431() {
+    let origin = TestOrigin::start().await;
+    let cg = CgConfig::new(&origin)
+        .set("server", "max_headers", "20")
+        .start()
+        .await;
+    let client: Client<HttpConnector, Empty<Bytes>> = Client::builder(TokioExecutor::new())
+        .http2_only(true)
+        .build(HttpConnector::new());
+    for (fields, expected) in [(30, 431), (15, 200)] {
+        let path = format!("/api/items/h2-fields-{fields}");
+        let mut request = http::Request::get(format!("http://{}{path}", cg.addr()));
+        for i in 0..fields {
+            request = request.header(format!("x-field-{i}"), i);
+        }
+        let response = client
+            .request(request.body(Empty::new()).unwrap())
+            .await
+            .unwrap();
+        assert_eq!(response.version(), http::Version::HTTP_2);
+        assert_eq!(response.status(), expected, "{fields} fields");
+        let reached = if expected == 200 { 1 } else { 0 };
+        assert_eq!(origin.count(&path), reached, "{fields} fields");
+    }
+    cg.shutdown().await;
+}

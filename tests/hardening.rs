@@ -133,8 +133,8 @@ async fn trace_connect_and_cache_methods_are_not_forwarded() {
 
 /// `Connection` naming `Content-Length`, `Host` or `Transfer-Encoding` gets 400 (forwarded,
 /// the proxy would drop the very header that frames or addresses the request); a target
-/// longer than `max_header_bytes` gets 414 (it was 431). (A head beyond the connection's
-/// read buffer, twice `max_header_bytes`, is refused by hyper with 431 before it is parsed.)
+/// longer than `max_header_bytes` gets 414 (it was 431). (Targets beyond the connection's
+/// read buffer: `a_target_too_long_for_the_read_buffer_gets_414_not_431`.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn framing_headers_named_by_connection_and_huge_targets_are_refused() {
     let origin = TestOrigin::start().await;
@@ -413,4 +413,240 @@ async fn origin_answers_with_untrustworthy_framing_are_refused() {
             cg.shutdown().await;
         }
     }
+}
+
+/// `GET {path}` with `Host` and `fields - 1` more header fields: `fields` in all.
+fn request_with_fields(path: &str, fields: usize) -> String {
+    let mut request = format!("GET {path} HTTP/1.1\r\nHost: a.example\r\n");
+    for i in 1..fields {
+        request.push_str(&format!("X-Field-{i}: {i}\r\n"));
+    }
+    request.push_str("\r\n");
+    request
+}
+
+/// `server.max_headers` counts header fields: with 20, a head of 30 fields gets 431 (with a
+/// short body) and reaches the origin neither on a cached route nor on pass-through; one of
+/// 15 is served. Before, hyper's default of 100 applied whatever the file said.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn more_header_fields_than_max_headers_get_431() {
+    let origin = TestOrigin::start().await;
+    let cg = CgConfig::new(&origin)
+        .set("server", "max_headers", "20")
+        .start()
+        .await;
+    for prefix in ["/api/items/fields", "/other/fields"] {
+        let many = format!("{prefix}-30");
+        let answer = raw(cg.addr(), request_with_fields(&many, 30).as_bytes(), WAIT).await;
+        assert_eq!(status_of(&answer), 431, "{many}: {answer:?}");
+        assert_eq!(origin.count(&many), 0, "{many} reached the origin");
+        let few = format!("{prefix}-15");
+        let answer = raw(cg.addr(), request_with_fields(&few, 15).as_bytes(), WAIT).await;
+        assert_eq!(status_of(&answer), 200, "{few}: {answer:?}");
+        assert_eq!(origin.count(&few), 1, "{few}");
+    }
+    cg.shutdown().await;
+}
+
+/// Sends `bytes` on a new connection and returns everything that came back until the
+/// server closed it (or `wait` passed).
+async fn raw_all(addr: SocketAddr, bytes: &[u8], wait: Duration) -> String {
+    let mut stream = TcpStream::connect(addr).await.expect("connect");
+    // The server may answer and close before all is written (a refused head).
+    let _ = stream.write_all(bytes).await;
+    let mut out = Vec::new();
+    let mut buf = [0u8; 4096];
+    let _ = tokio::time::timeout(wait, async {
+        loop {
+            match stream.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => out.extend_from_slice(&buf[..n]),
+            }
+        }
+    })
+    .await;
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// The body of a whole answer (after its head).
+fn body_of(answer: &str) -> &str {
+    answer.split_once("\r\n\r\n").map_or("", |(_, body)| body)
+}
+
+/// A request target longer than the connection's read buffer (twice `max_header_bytes`),
+/// 100 KiB or 1 MiB with the default 16 KiB, gets 414 with cacheguard's short body, as one
+/// that fits does, and reaches the origin neither on a cached route nor on pass-through.
+/// Heads too large for other reasons still get 431, now with a short body too: 8 KiB of
+/// header fields over `max_header_bytes` (refused by cacheguard), 100 KiB of them or one
+/// 100 KiB field (beyond the read buffer: refused by hyper), more fields than
+/// `max_headers`. Before, the long target got hyper's bare 431.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_target_too_long_for_the_read_buffer_gets_414_not_431() {
+    let origin = TestOrigin::start().await;
+    let cg = CgConfig::new(&origin)
+        .set("server", "max_headers", "50")
+        .start()
+        .await;
+    for prefix in ["/api/items/", "/other/"] {
+        for len in [100 * 1024, 1024 * 1024] {
+            let request = format!(
+                "GET {prefix}{} HTTP/1.1\r\nHost: a.example\r\nConnection: close\r\n\r\n",
+                "a".repeat(len)
+            );
+            let answer = raw_all(cg.addr(), request.as_bytes(), WAIT).await;
+            let shown = &answer[..answer.len().min(300)];
+            assert_eq!(status_of(&answer), 414, "{prefix}: {len}: {shown:?}");
+            assert_eq!(
+                body_of(&answer),
+                "cacheguard: request target too long (limit 16384 bytes)\n",
+                "{prefix}: {len}: {shown}"
+            );
+        }
+        // Also on a connection that served a request before.
+        let first = format!("GET {prefix}first HTTP/1.1\r\nHost: a.example\r\n\r\n");
+        let long = format!(
+            "{first}GET {prefix}{} HTTP/1.1\r\nHost: a.example\r\n\r\n",
+            "b".repeat(100 * 1024)
+        );
+        let answer = raw_all(cg.addr(), long.as_bytes(), WAIT).await;
+        assert!(
+            answer.starts_with("HTTP/1.1 200 ")
+                && answer.contains("}HTTP/1.1 414 URI Too Long\r\n")
+                && answer
+                    .ends_with("\r\n\r\ncacheguard: request target too long (limit 16384 bytes)\n"),
+            "{prefix}: {:?}",
+            &answer[..answer.len().min(600)]
+        );
+    }
+    assert_eq!(
+        origin.total(),
+        2,
+        "only the two requests before a long target reached the origin"
+    );
+
+    let field = |i: usize, len: usize| format!("X-Pad-{i}: {}\r\n", "p".repeat(len));
+    let over_by_8k: String = (0..24).map(|i| field(i, 1000)).collect();
+    let beyond_buffer: String = (0..40).map(|i| field(i, 2500)).collect();
+    let one_huge = field(0, 100 * 1024);
+    let too_many: String = (0..60).map(|i| field(i, 1)).collect();
+    for (name, fields, body) in [
+        (
+            "8 KiB over",
+            over_by_8k,
+            "cacheguard: request header fields too large (limit 16384 bytes)\n",
+        ),
+        (
+            "100 KiB of fields",
+            beyond_buffer,
+            "cacheguard: request header fields too large (limits 16384 bytes, 50 fields)\n",
+        ),
+        (
+            "one 100 KiB field",
+            one_huge,
+            "cacheguard: request header fields too large (limits 16384 bytes, 50 fields)\n",
+        ),
+        (
+            "60 fields",
+            too_many,
+            "cacheguard: request header fields too large (limits 16384 bytes, 50 fields)\n",
+        ),
+    ] {
+        let request = format!(
+            "GET /api/items/big-head HTTP/1.1\r\nHost: a.example\r\n{fields}Connection: close\r\n\r\n"
+        );
+        let answer = raw_all(cg.addr(), request.as_bytes(), WAIT).await;
+        let shown = &answer[..answer.len().min(300)];
+        assert_eq!(status_of(&answer), 431, "{name}: {shown}");
+        assert_eq!(body_of(&answer), body, "{name}: {shown}");
+    }
+    assert_eq!(origin.total(), 2, "a refused head reached the origin");
+    cg.shutdown().await;
+}
+
+/// A route's `forward_client_headers` lets the client forwarding headers it names through
+/// to the origin as sent, for the requests that route takes: a cached fetch (where the
+/// header is keyed, so each value gets its own entry), a per-user bypass and a write. Other
+/// forwarding headers on the same requests, the same header on another route and on
+/// unrouted paths are still dropped. Before, every one of them was dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_route_forwards_the_client_headers_it_names_and_no_other() {
+    let origin = TestOrigin::start().await;
+    let routes = format!(
+        "{}{}{}",
+        item_route(
+            "vary = [\"x-forwarded-prefix\"]\nforward_client_headers = [\"X-Forwarded-Prefix\"]"
+        ),
+        route(
+            "item-write",
+            "/api/items/{id}",
+            "PUT",
+            "forward_client_headers = [\"x-forwarded-prefix\"]"
+        ),
+        route(
+            "plain",
+            "/plain/{id}",
+            "GET",
+            "vary = [\"x-forwarded-prefix\"]"
+        )
+    );
+    let cg = CgConfig::new(&origin).routes(&routes).start().await;
+    let client = HttpClient::new();
+    let send = |method: http::Method, path: &'static str, prefix: &'static str, extra| {
+        let client = client.clone();
+        let addr = cg.addr();
+        async move {
+            let mut headers = vec![
+                ("x-forwarded-prefix", prefix),
+                ("x-forwarded-host", "evil.example"),
+            ];
+            headers.extend(extra);
+            let body = if method == http::Method::PUT {
+                common::client::full_body("x")
+            } else {
+                common::client::empty_body()
+            };
+            let answer = client
+                .request(method, &url(addr, path), &headers, body)
+                .await
+                .expect("answer");
+            assert_eq!(answer.status, 200, "{path}: {answer}");
+            answer
+        }
+    };
+    let seen = |path: &str| {
+        let request = origin.last_request(path).expect("forwarded");
+        (
+            request.header("x-forwarded-prefix"),
+            request.header("x-forwarded-host"),
+        )
+    };
+    let shop = (Some("/shop".to_owned()), None);
+
+    // Cached: forwarded and keyed.
+    let first = send(http::Method::GET, "/api/items/1", "/shop", None).await;
+    assert_eq!(first.x_cache(), "MISS");
+    assert_eq!(seen("/api/items/1"), shop);
+    let again = send(http::Method::GET, "/api/items/1", "/shop", None).await;
+    assert!(again.is_hit(), "{again}");
+    let other = send(http::Method::GET, "/api/items/1", "/admin", None).await;
+    assert_eq!(other.x_cache(), "MISS", "another value, another entry");
+    assert_eq!(seen("/api/items/1"), (Some("/admin".to_owned()), None));
+    assert_eq!(origin.count("/api/items/1"), 2);
+    // Bypassed (per user) and written: forwarded.
+    send(
+        http::Method::GET,
+        "/api/items/2",
+        "/shop",
+        Some(("cookie", "session=1")),
+    )
+    .await;
+    assert_eq!(seen("/api/items/2"), shop);
+    send(http::Method::PUT, "/api/items/3", "/shop", None).await;
+    assert_eq!(seen("/api/items/3"), shop);
+    // Another route (which keys it but does not name it), and no route: dropped.
+    send(http::Method::GET, "/plain/1", "/shop", None).await;
+    assert_eq!(seen("/plain/1"), (None, None));
+    send(http::Method::GET, "/other/1", "/shop", None).await;
+    assert_eq!(seen("/other/1"), (None, None));
+    cg.shutdown().await;
 }

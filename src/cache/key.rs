@@ -228,6 +228,7 @@ mod tests {
             max_variants: 64,
             query,
             vary: vary.iter().map(|v| HeaderName::from_static(v)).collect(),
+            forward_client_headers: vec![],
             invalidate: vec![],
             double_delete_delay: Duration::from_secs(1),
             early_refresh_beta: 0.0,

@@ -118,6 +118,7 @@ impl Default for RawHotKeys {
 pub(super) struct RawServer {
     pub(super) listen: Spanned<String>,
     pub(super) max_header_bytes: usize,
+    pub(super) max_headers: Spanned<usize>,
     pub(super) max_body_bytes: u64,
     pub(super) header_read_timeout: HumanDuration,
     pub(super) shutdown_grace: HumanDuration,
@@ -130,6 +131,7 @@ impl Default for RawServer {
         Self {
             listen: unspanned(defaults::SERVER_LISTEN.to_owned()),
             max_header_bytes: 16 * 1024,
+            max_headers: unspanned(defaults::MAX_HEADERS),
             max_body_bytes: 10 * 1024 * 1024,
             header_read_timeout: HumanDuration::secs(10),
             shutdown_grace: HumanDuration::secs(10),
@@ -225,6 +227,8 @@ impl Default for RawRedis {
 pub(super) struct RawAdmin {
     pub(super) listen: Spanned<String>,
     pub(super) token: Option<Spanned<String>>,
+    pub(super) purge_rate: u32,
+    pub(super) purge_burst: Spanned<u32>,
 }
 
 impl Default for RawAdmin {
@@ -232,6 +236,8 @@ impl Default for RawAdmin {
         Self {
             listen: unspanned(defaults::ADMIN_LISTEN.to_owned()),
             token: None,
+            purge_rate: 10,
+            purge_burst: unspanned(20),
         }
     }
 }
@@ -318,6 +324,9 @@ pub(super) struct RawRoute {
     pub(super) query: Option<Spanned<RawQuery>>,
     #[serde(default)]
     pub(super) vary: Vec<Spanned<String>>,
+    /// Client forwarding headers passed on to the origin as sent, on this route only.
+    #[serde(default)]
+    pub(super) forward_client_headers: Vec<Spanned<String>>,
     #[serde(default)]
     pub(super) invalidate: Vec<Spanned<String>>,
     pub(super) double_delete_delay: Option<HumanDuration>,
@@ -412,6 +421,11 @@ pub(super) mod defaults {
     pub(in crate::config) const BLOOM_LOAD_TIMEOUT: Duration = Duration::from_secs(300);
     pub(in crate::config) const BLOOM_REJECT_BODY: &str = "not found\n";
     pub(in crate::config) const WARMUP_RATE: u32 = 10;
+    /// hyper's own default: the header fields it parses a request head into on the stack.
+    pub(in crate::config) const MAX_HEADERS: usize = 100;
+    /// Most header fields a request may be allowed: hyper parses every head into an array
+    /// of `max_headers` slots (64 bytes each, allocated per request above the default).
+    pub(in crate::config) const MAX_HEADERS_LIMIT: usize = 1000;
 }
 
 // === impl HumanDuration ===

@@ -62,6 +62,7 @@ fn example_file_parses_with_the_documented_values() {
 
     assert_eq!(config.server.listen, "0.0.0.0:8080".parse().unwrap());
     assert_eq!(config.server.max_header_bytes, 16384);
+    assert_eq!(config.server.max_headers, 100);
     assert_eq!(config.server.max_body_bytes, 10_485_760);
     assert_eq!(config.server.header_read_timeout, Duration::from_secs(10));
     assert_eq!(config.server.shutdown_grace, Duration::from_secs(10));
@@ -91,6 +92,10 @@ fn example_file_parses_with_the_documented_values() {
 
     assert_eq!(config.admin.listen, "127.0.0.1:9091".parse().unwrap());
     assert_eq!(config.admin.token, None);
+    assert_eq!(
+        (config.admin.purge_rate, config.admin.purge_burst),
+        (10, 20)
+    );
 
     assert_eq!(config.cache.ttl, Duration::from_secs(60));
     assert_eq!(config.cache.jitter, 0.2);
@@ -152,6 +157,7 @@ fn example_file_documents_every_key() {
     let keys = [
         "listen",
         "max_header_bytes",
+        "max_headers",
         "max_body_bytes",
         "header_read_timeout",
         "shutdown_grace",
@@ -171,6 +177,8 @@ fn example_file_documents_every_key() {
         "key_prefix",
         "breaker_failures",
         "token",
+        "purge_rate",
+        "purge_burst",
         "ttl",
         "jitter",
         "grace",
@@ -186,6 +194,7 @@ fn example_file_documents_every_key() {
         "methods",
         "query",
         "vary",
+        "forward_client_headers",
         "invalidate",
         "double_delete_delay",
         "expected_items",
@@ -233,11 +242,16 @@ fn defaults_apply_to_a_minimal_file() {
     assert_eq!(config.source, "test.toml");
     assert_eq!(config.server.listen, "0.0.0.0:8080".parse().unwrap());
     assert_eq!(config.server.max_header_bytes, 16384);
+    assert_eq!(config.server.max_headers, 100, "hyper's default");
     assert_eq!(config.server.max_body_bytes, 10 * 1024 * 1024);
     assert_eq!(config.upstream.max_concurrency, 256);
     assert_eq!(config.upstream.queue_timeout, Duration::from_millis(100));
     assert!(config.redis.is_none(), "no [redis] = embedded mode");
     assert_eq!(config.admin.listen, "127.0.0.1:9091".parse().unwrap());
+    assert_eq!(
+        (config.admin.purge_rate, config.admin.purge_burst),
+        (10, 20)
+    );
     assert_eq!(config.cache.jitter, 0.2);
     assert_eq!(config.cache.l1, L1Policy::Hot);
     assert_eq!(config.lock.on_timeout, OnTimeout::Origin);
@@ -342,7 +356,7 @@ fn unknown_key_in_a_route() {
         )),
         "test.toml:6: routes[0].cache_ttl: unknown key, expected one of name, match, methods, \
          ttl, jitter, grace, negative_ttl, max_entry_bytes, l1, freshness, heuristic, max_variants, \
-         query, vary, invalidate, \
+         query, vary, forward_client_headers, invalidate, \
          double_delete_delay, early_refresh_beta, bloom, bloom_add, warmup"
     );
 }
@@ -620,6 +634,26 @@ fn out_of_range_numbers() {
         problem("[server]\nmax_connections = 0\n[upstream]\nurl = \"http://127.0.0.1:9000\"\n"),
         "test.toml:2: server.max_connections: expected an integer of at least 1, got 0"
     );
+    for (value, shown) in [("0", "0"), ("1001", "1001"), ("100000000", "100000000")] {
+        assert_eq!(
+            problem(&format!(
+                "[server]\nmax_headers = {value}\n[upstream]\nurl = \"http://127.0.0.1:9000\"\n"
+            )),
+            format!(
+                "test.toml:2: server.max_headers: expected an integer from 1 to 1000 (header \
+                 fields in one request head), got {shown}"
+            )
+        );
+    }
+    let edges = "[server]\nmax_headers = 1\n[upstream]\nurl = \"http://127.0.0.1:9000\"\n";
+    assert_eq!(load(edges).unwrap().server.max_headers, 1);
+    assert_eq!(
+        load(&edges.replace("= 1\n", "= 1000\n"))
+            .unwrap()
+            .server
+            .max_headers,
+        1000
+    );
     assert_eq!(
         problem("[upstream]\nurl = \"http://127.0.0.1:9000\"\n[lock]\nmax_waiters = 0\n"),
         "test.toml:4: lock.max_waiters: expected an integer of at least 1, got 0"
@@ -726,6 +760,25 @@ fn bad_redis_urls() {
     assert!(
         !message.contains("hunter2"),
         "the password leaked: {message}"
+    );
+}
+
+#[test]
+fn purge_limits() {
+    let config = load(&with_minimal("[admin]\npurge_rate = 0\npurge_burst = 0\n")).unwrap();
+    assert_eq!(
+        (config.admin.purge_rate, config.admin.purge_burst),
+        (0, 0),
+        "no limit"
+    );
+    assert_eq!(
+        problem(&with_minimal("[admin]\npurge_rate = 5\npurge_burst = 0\n")),
+        "test.toml:5: admin.purge_burst: expected an integer of at least 1 with \
+         admin.purge_rate above 0 (no purge could ever pass), got 0"
+    );
+    assert_eq!(
+        problem(&with_minimal("[admin]\npurge_rate = -1\n")),
+        "test.toml:4: admin.purge_rate: expected an integer from 0 to 4294967295, got -1"
     );
 }
 
@@ -843,6 +896,75 @@ fn vary_refuses_per_user_headers() {
             "test.toml:6: routes[0].vary[2]: expected a header name like \"accept-language\", \
              got \"bad header\"",
         ]
+    );
+}
+
+#[test]
+fn forward_client_headers_rules() {
+    let config = load(&with_minimal(
+        "[[routes]]\nname = \"r\"\nmatch = \"/r\"\nvary = [\"X-Forwarded-Prefix\"]\n\
+         forward_client_headers = [\"X-Forwarded-Prefix\", \"x-forwarded-prefix\"]\n\n\
+         [[routes]]\nname = \"w\"\nmatch = \"/r\"\nmethods = [\"PUT\"]\n\
+         forward_client_headers = [\"x-http-method-override\", \"X-Forwarded-Host\"]\n\n\
+         [[routes]]\nname = \"plain\"\nmatch = \"/p\"\n",
+    ))
+    .unwrap();
+    let [read, write, plain] = config.routes.as_slice() else {
+        panic!("three routes expected");
+    };
+    assert_eq!(
+        read.forward_client_headers,
+        ["x-forwarded-prefix"],
+        "lowercased, deduplicated"
+    );
+    assert_eq!(
+        write.forward_client_headers,
+        ["x-forwarded-host", "x-http-method-override"],
+        "a write route may take a method override; sorted"
+    );
+    assert!(plain.forward_client_headers.is_empty(), "default: none");
+
+    let refused = problems(&with_minimal(
+        "[[routes]]\nname = \"r\"\nmatch = \"/r\"\n\
+         forward_client_headers = [\"host\", \"x-forwarded-for\", \"X-Trace\", \"bad header\", \
+         \"x-forwarded-prefix\", \"x-http-method-override\"]\n",
+    ));
+    let unknown = |got: &str, j: usize| {
+        format!(
+            "test.toml:6: routes[0].forward_client_headers[{j}]: expected one of the client \
+             headers cacheguard drops before forwarding (forwarded, x-forwarded-host, \
+             x-forwarded-port, x-forwarded-server, x-forwarded-scheme, x-forwarded-ssl, \
+             x-forwarded-prefix, x-real-ip, x-client-ip, x-host, x-original-url, x-rewrite-url, \
+             x-original-host, x-http-method-override, x-http-method, x-method-override), got \
+             {got:?}"
+        )
+    };
+    assert_eq!(
+        refused,
+        [
+            unknown("host", 0),
+            unknown("x-forwarded-for", 1),
+            unknown("X-Trace", 2),
+            unknown("bad header", 3),
+            "test.toml:6: routes[0].forward_client_headers[4]: \"x-forwarded-prefix\" changes \
+             what the origin answers, and this route caches it for everybody: add it to this \
+             route's vary too (each value is then stored apart), or leave it off this route"
+                .to_owned(),
+            "test.toml:6: routes[0].forward_client_headers[5]: \"x-http-method-override\" \
+             cannot be forwarded on a read route: it would make the origin run another method \
+             than the GET the cache stores, and nothing invalidates what that changes; allow it \
+             on a write route"
+                .to_owned(),
+        ]
+    );
+    // Keyed or not, a method override stays off a read route.
+    assert_eq!(
+        problems(&with_minimal(
+            "[[routes]]\nname = \"r\"\nmatch = \"/r\"\nvary = [\"x-http-method\"]\n\
+             forward_client_headers = [\"x-http-method\"]\n",
+        ))
+        .len(),
+        1
     );
 }
 

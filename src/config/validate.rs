@@ -40,6 +40,7 @@ use super::{
     RouteBloom, RouteConfig, ServerConfig, SourceFormat, StreamConfig, UpstreamConfig, Vars,
     WarmupConfig, env,
 };
+use super::{CLIENT_CLAIMS, METHOD_OVERRIDES};
 
 impl std::error::Error for ConfigError {}
 
@@ -515,8 +516,21 @@ impl Checker<'_> {
                 "expected an integer of at least 1, got 0",
             );
         }
+        let max_headers = *raw.server.max_headers.get_ref();
+        if !(1..=defaults::MAX_HEADERS_LIMIT).contains(&max_headers) {
+            self.report(
+                raw.server.max_headers.span(),
+                "server.max_headers",
+                format!(
+                    "expected an integer from 1 to {} (header fields in one request head), \
+                     got {max_headers}",
+                    defaults::MAX_HEADERS_LIMIT
+                ),
+            );
+        }
         let server = ServerConfig {
             max_connections: *raw.server.max_connections.get_ref(),
+            max_headers,
             listen: self.listen(&raw.server.listen, defaults::SERVER_LISTEN, "server.listen"),
             max_header_bytes: raw.server.max_header_bytes,
             max_body_bytes: raw.server.max_body_bytes,
@@ -994,7 +1008,21 @@ impl Checker<'_> {
                 ),
             );
         }
-        AdminConfig { listen, token }
+        let purge_burst = *raw.purge_burst.get_ref();
+        if raw.purge_rate > 0 && purge_burst == 0 {
+            self.report(
+                raw.purge_burst.span(),
+                "admin.purge_burst",
+                "expected an integer of at least 1 with admin.purge_rate above 0 (no purge \
+                 could ever pass), got 0",
+            );
+        }
+        AdminConfig {
+            listen,
+            token,
+            purge_rate: raw.purge_rate,
+            purge_burst,
+        }
     }
 
     /// The lock's timings against Redis's and the origin's (shared mode only).
@@ -1289,6 +1317,7 @@ impl Checker<'_> {
         }
         let query = self.query(i, raw);
         let vary = self.vary(i, raw);
+        let forward_client_headers = self.forward_client_headers(i, raw, is_read, &vary);
         let invalidate = self.invalidate(i, raw, is_read);
         let bloom = self.route_bloom(i, raw, is_read, filters);
         let bloom_add = self.bloom_add(i, raw, is_read, filters);
@@ -1312,6 +1341,7 @@ impl Checker<'_> {
             max_variants: raw.max_variants.unwrap_or(cache.max_variants),
             query,
             vary,
+            forward_client_headers,
             invalidate,
             double_delete_delay: raw
                 .double_delete_delay
@@ -1742,6 +1772,70 @@ impl Checker<'_> {
         vary.sort_by(|a, b| a.as_str().cmp(b.as_str()));
         vary.dedup();
         vary
+    }
+
+    /// The client forwarding headers a route passes on: only names cacheguard otherwise
+    /// drops ([`CLIENT_CLAIMS`]). A read route stores what the origin answers for everybody,
+    /// so there each must be keyed (in `vary`), and a method override is refused outright:
+    /// it would turn a cached GET into a write at the origin that nothing invalidates.
+    fn forward_client_headers(
+        &mut self,
+        i: usize,
+        raw: &RawRoute,
+        is_read: bool,
+        vary: &[HeaderName],
+    ) -> Vec<HeaderName> {
+        let mut names = Vec::new();
+        for (j, value) in raw.forward_client_headers.iter().enumerate() {
+            let key = format!("routes[{i}].forward_client_headers[{j}]");
+            let text = value.get_ref();
+            let lower = text.to_ascii_lowercase();
+            let known = HeaderName::from_bytes(lower.as_bytes())
+                .ok()
+                .filter(|name| CLIENT_CLAIMS.contains(&name.as_str()));
+            let Some(name) = known else {
+                self.report(
+                    value.span(),
+                    key,
+                    format!(
+                        "expected one of the client headers cacheguard drops before forwarding \
+                         ({}), got {text:?}",
+                        CLIENT_CLAIMS.join(", ")
+                    ),
+                );
+                continue;
+            };
+            if is_read && METHOD_OVERRIDES.contains(&name.as_str()) {
+                self.report(
+                    value.span(),
+                    key,
+                    format!(
+                        "{:?} cannot be forwarded on a read route: it would make the origin \
+                         run another method than the GET the cache stores, and nothing \
+                         invalidates what that changes; allow it on a write route",
+                        name.as_str()
+                    ),
+                );
+                continue;
+            }
+            if is_read && !vary.contains(&name) {
+                self.report(
+                    value.span(),
+                    key,
+                    format!(
+                        "{:?} changes what the origin answers, and this route caches it for \
+                         everybody: add it to this route's vary too (each value is then \
+                         stored apart), or leave it off this route",
+                        name.as_str()
+                    ),
+                );
+                continue;
+            }
+            names.push(name);
+        }
+        names.sort_by(|a, b| a.as_str().cmp(b.as_str()));
+        names.dedup();
+        names
     }
 
     fn invalidate(&mut self, i: usize, raw: &RawRoute, is_read: bool) -> Vec<String> {

@@ -28,7 +28,12 @@ impl WritePath {
     ) -> Response<Body> {
         let response = self
             .passthrough
-            .serve(&route.metrics, request, client)
+            .serve(
+                &route.metrics,
+                request,
+                client,
+                &route.config.forward_client_headers,
+            )
             .await;
         let (Some(filter), Some(add)) = (&route.adds_to, &route.config.bloom_add) else {
             return response;

@@ -374,8 +374,10 @@ async fn fetch(origin: &Origin, job: &FillJob) -> Classified {
 
 /// The request sent to the origin for a cached fetch. Only what is keyed goes out: the
 /// normalized path and keyed query, the route's `vary` headers, and headers cacheguard
-/// itself sets (`Host`, `X-Forwarded-For`, `X-Forwarded-Proto`). Method-override headers,
-/// cookies, unkeyed query parameters and bodies never reach the origin from here.
+/// itself sets (`Host`, `X-Forwarded-For`, `X-Forwarded-Proto`). Client forwarding headers
+/// go out only when the route keys them and names them in `forward_client_headers`.
+/// Method-override headers, cookies, unkeyed query parameters and bodies never reach the
+/// origin from here.
 fn cached_fetch_request(
     origin: &Origin,
     job: &FillJob,
@@ -407,7 +409,12 @@ fn cached_fetch_request(
             http::HeaderValue::from_static(SURROGATE_CAPABILITY_VALUE),
         );
     }
-    super::origin::set_forwarded(headers, job.client);
+    // A header the route forwards from the client is keyed too (config load checks it).
+    super::origin::set_forwarded(
+        headers,
+        job.client,
+        &job.route.config.forward_client_headers,
+    );
     Ok(request)
 }
 

@@ -13,41 +13,22 @@ use super::body::Body;
 use super::origin_guard::OriginGuard;
 use super::respond::{self, is_hop_by_hop, strip_hop_by_hop};
 use super::upstream::{Upstream, UpstreamBody};
+use crate::config::CLIENT_CLAIMS;
 use crate::error::ProxyError;
 use crate::metrics::{Outcome, RouteMetrics};
 
 static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 
-/// Client headers that tell an origin (or a framework in front of it) who the client is,
-/// where it came from or what it really asked for. A client must not choose them: they
-/// are dropped from every forwarded request, and cacheguard sets `X-Forwarded-For` and
-/// `X-Forwarded-Proto` itself.
-const CLIENT_CLAIMS: [&str; 16] = [
-    "forwarded",
-    "x-forwarded-host",
-    "x-forwarded-port",
-    "x-forwarded-server",
-    "x-forwarded-scheme",
-    "x-forwarded-ssl",
-    "x-forwarded-prefix",
-    "x-real-ip",
-    "x-client-ip",
-    "x-host",
-    "x-original-url",
-    "x-rewrite-url",
-    "x-original-host",
-    "x-http-method-override",
-    "x-http-method",
-    "x-method-override",
-];
-
 /// Replaces every client-supplied forwarding header with cacheguard's own: the client's
 /// address is what cacheguard saw on the socket, never what the client claims; headers that
-/// would rewrite the target or the method for the origin ([`CLIENT_CLAIMS`]) are dropped.
-pub(crate) fn set_forwarded(headers: &mut HeaderMap, client: SocketAddr) {
+/// would rewrite the target or the method for the origin ([`CLIENT_CLAIMS`]) are dropped,
+/// but for those in `keep` (the route's `forward_client_headers`), passed on as sent.
+pub(crate) fn set_forwarded(headers: &mut HeaderMap, client: SocketAddr, keep: &[HeaderName]) {
     for name in CLIENT_CLAIMS {
-        headers.remove(name);
+        if !keep.iter().any(|kept| kept == name) {
+            headers.remove(name);
+        }
     }
     let ip = HeaderValue::from_str(&client.ip().to_string())
         .unwrap_or_else(|_| HeaderValue::from_static("unknown"));
@@ -130,13 +111,16 @@ pub(crate) struct Origin {
 impl Origin {
     /// Sends one request to the origin through the origin guard and streams the answer back.
     /// An idempotent request without a body whose pooled connection failed before any byte
-    /// of an answer is sent once more on a new connection (counted under `metrics`).
+    /// of an answer is sent once more on a new connection (counted under `metrics`). The
+    /// client's forwarding headers are dropped but for those in `keep` (see
+    /// [`set_forwarded`]).
     pub(crate) async fn forward(
         &self,
         mut parts: Parts,
         body: UpstreamBody,
         client: SocketAddr,
         metrics: &RouteMetrics,
+        keep: &[HeaderName],
     ) -> (Response<Body>, Outcome) {
         let upstream = self.upstream.load_full();
         let uri = match parts
@@ -152,7 +136,7 @@ impl Origin {
             },
         };
         strip_hop_by_hop(&mut parts.headers);
-        set_forwarded(&mut parts.headers, client);
+        set_forwarded(&mut parts.headers, client, keep);
         // HTTP/2 clients send :authority instead of Host; keep what they addressed.
         if let Some(host) = parts.uri.authority()
             && !parts.headers.contains_key(header::HOST)

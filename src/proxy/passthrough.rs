@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 use std::time::Instant;
 
 use bytes::{Bytes, BytesMut};
-use http::{Request, Response, header};
+use http::{HeaderName, Request, Response, header};
 use http_body::Body as HttpBody;
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
@@ -30,13 +30,15 @@ pub(crate) struct Passthrough {
 }
 
 impl Passthrough {
-    /// Proxies `request` untouched and records it under `metrics`. An error of the
-    /// client's body ends the origin request at once and is answered 400.
+    /// Proxies `request` untouched and records it under `metrics`; of the client's
+    /// forwarding headers only those in `keep` (its route's `forward_client_headers`) pass.
+    /// An error of the client's body ends the origin request at once and is answered 400.
     pub(crate) async fn serve<B>(
         &self,
         metrics: &RouteMetrics,
         request: Request<B>,
         client: SocketAddr,
+        keep: &[HeaderName],
     ) -> Response<Body>
     where
         B: HttpBody<Data = Bytes> + Send + Sync + 'static,
@@ -50,7 +52,10 @@ impl Passthrough {
             .map_err(Into::into)
             .boxed();
         let origin_started = Instant::now();
-        let (response, outcome) = self.origin.forward(parts, body, client, metrics).await;
+        let (response, outcome) = self
+            .origin
+            .forward(parts, body, client, metrics, keep)
+            .await;
         let origin_status = match outcome {
             Outcome::Error => match response.status().as_u16() {
                 504 => Some(OriginStatus::Timeout),

@@ -86,7 +86,13 @@ impl ReadPath {
         if per_user(&parts.headers) {
             return self
                 .origin
-                .forward(parts, no_body(), client, &route.metrics)
+                .forward(
+                    parts,
+                    no_body(),
+                    client,
+                    &route.metrics,
+                    &route.config.forward_client_headers,
+                )
                 .await;
         }
         let head = parts.method == Method::HEAD;

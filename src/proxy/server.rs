@@ -31,11 +31,14 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use super::body::Body;
+use super::head_guard::HeadGuard;
 
 /// Limits applied by the HTTP layer itself.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct ConnLimits {
     pub(crate) max_header_bytes: usize,
+    /// Header fields in one HTTP/1.1 request head; hyper answers 431 to more.
+    pub(crate) max_headers: usize,
     /// Also from accept to the first request: a connection that sends no complete request
     /// head in this time is closed, so idle connections cannot pile up.
     pub(crate) header_read_timeout: Duration,
@@ -91,16 +94,25 @@ impl Drop for Admitted {
     }
 }
 
+/// hyper's default number of header fields, parsed into an array on the stack.
+const HYPER_MAX_HEADERS: usize = 100;
+
 fn connection_builder(limits: ConnLimits) -> auto::Builder<TokioExecutor> {
     let mut builder = auto::Builder::new(TokioExecutor::new());
-    builder
-        .http1()
-        // hyper's own head limit is a backstop (it answers 431 without a body); the
-        // configured limit is checked per request with a clear body. Twice the configured
-        // size leaves room for request-line and framing overhead.
+    let mut http1 = builder.http1();
+    http1
+        // hyper's own head limit is a backstop (a head that overflows it gets 431, or 414
+        // when the request line is what overflows: see `HeadGuard`); the configured limit
+        // is checked per request. Twice the configured size leaves room for request-line
+        // and framing overhead, and bounds what one connection buffers of a head.
         .max_buf_size((limits.max_header_bytes * 2).max(8192) + 1024)
         .header_read_timeout(limits.header_read_timeout)
         .timer(TokioTimer::new());
+    // Any other count makes hyper allocate the array on the heap for every request: only
+    // then is it set.
+    if limits.max_headers != HYPER_MAX_HEADERS {
+        http1.max_headers(limits.max_headers);
+    }
     builder
         .http2()
         .max_header_list_size(u32::try_from(limits.max_header_bytes * 2).unwrap_or(u32::MAX))
@@ -110,13 +122,14 @@ fn connection_builder(limits: ConnLimits) -> auto::Builder<TokioExecutor> {
 
 /// Serves one accepted connection on the current runtime, watched by `graceful`, holding
 /// its admission place until it ends. A connection whose first request has not begun
-/// within `first_request` of accept is closed: hyper's header timeout starts with the
-/// first byte of a head, and the protocol detection before it waits for ever.
+/// within `header_read_timeout` of accept is closed: hyper's header timeout starts with
+/// the first byte of a head, and the protocol detection before it waits for ever. hyper's
+/// own refusals of a head are replaced by cacheguard's ([`HeadGuard`]).
 fn spawn_connection<H, F>(
     builder: &auto::Builder<TokioExecutor>,
     graceful: &GracefulShutdown,
     (stream, peer, admitted): (TcpStream, SocketAddr, Admitted),
-    first_request: Duration,
+    limits: ConnLimits,
     handler: &Arc<H>,
 ) where
     H: Fn(Request<Incoming>, SocketAddr) -> F + Send + Sync + 'static,
@@ -133,6 +146,8 @@ fn spawn_connection<H, F>(
             async move { Ok::<_, Infallible>(response.await) }
         })
     };
+    let stream = HeadGuard::new(stream, limits.max_header_bytes, limits.max_headers);
+    let first_request = limits.header_read_timeout;
     let connection = builder
         .serve_connection(TokioIo::new(stream), service)
         .into_owned();
@@ -212,7 +227,7 @@ where
                                 &builder,
                                 &graceful,
                                 (stream, peer, admitted),
-                                limits.header_read_timeout,
+                                limits,
                                 &handler,
                             ),
                             Err(error) => debug!(message = "Cannot adopt a connection.", %error),
@@ -299,7 +314,7 @@ pub(crate) async fn serve<H, F>(
                         &builder,
                         &graceful,
                         (stream, peer, admitted),
-                        limits.header_read_timeout,
+                        limits,
                         &handler,
                     );
                 }

@@ -102,7 +102,12 @@ impl WritePath {
             self.serve_create(route, request, client).await
         } else {
             self.passthrough
-                .serve(&route.metrics, request, client)
+                .serve(
+                    &route.metrics,
+                    request,
+                    client,
+                    &route.config.forward_client_headers,
+                )
                 .await
         };
         let answered = Instant::now();
@@ -150,7 +155,7 @@ impl WritePath {
         client: SocketAddr,
     ) -> Response<Body> {
         let host = request.headers().get(header::HOST).cloned();
-        let response = self.passthrough.serve(metrics, request, client).await;
+        let response = self.passthrough.serve(metrics, request, client, &[]).await;
         if !is_error(&response) {
             let mut targets = vec![target];
             targets.extend(self.named_by_answer(&response, host.as_ref()));
