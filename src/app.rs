@@ -17,7 +17,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::info;
 
-use crate::admin::{Admin, PurgeLimits};
+use crate::admin::Admin;
 use crate::cache::l1::L1;
 use crate::cache::l2::L2;
 use crate::cache::marks::LocalMarks;
@@ -39,6 +39,7 @@ use crate::proxy::origin::Origin;
 use crate::proxy::origin_guard::{GuardMetrics, Limits, OriginGuard};
 use crate::proxy::own_answer::OwnAnswerLog;
 use crate::proxy::passthrough::Passthrough;
+use crate::proxy::purge_limits::PurgeLimits;
 use crate::proxy::read::ReadPath;
 use crate::proxy::route::RouteTable;
 use crate::proxy::server::{self, Admission, ConnLimits};

@@ -34,23 +34,52 @@ fn anchor() -> (u64, Instant) {
 }
 
 /// Milliseconds since the Unix epoch, on tokio's clock.
+///
+/// The anchor is read once per process, on whichever runtime asks first. A runtime whose
+/// clock is behind it (a paused test runtime made after another one had advanced) still
+/// sees its own time move: the offset is signed rather than saturated.
 pub(crate) fn now_ms() -> u64 {
     let (wall_ms, at) = anchor();
-    let elapsed = Instant::now().saturating_duration_since(at);
-    wall_ms.saturating_add(u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX))
+    let now = Instant::now();
+    let ms = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+    if now >= at {
+        wall_ms.saturating_add(ms(now - at))
+    } else {
+        wall_ms.saturating_sub(ms(at - now))
+    }
 }
 
-/// governor's clock on tokio's: an instant is the time since the anchor. governor ships
-/// clocks on `std` and on `quanta`, neither of which paused time moves; this adapter is
-/// the whole of what it takes (governor's `Reference` is implemented for `Duration`).
-#[derive(Clone, Copy, Debug, Default)]
-pub(crate) struct TokioClock;
+/// governor's clock on tokio's: an instant is the time since the clock was made. governor
+/// ships clocks on `std` and on `quanta`, neither of which paused time moves; this adapter
+/// is the whole of what it takes (governor's `Reference` is implemented for `Duration`).
+///
+/// Each clock has its own start, taken on the runtime that makes it: a start shared by the
+/// whole process would come from whichever runtime read it first, and a paused runtime
+/// whose clock is behind it would see its limiter's time stand still.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct TokioClock {
+    start: Instant,
+}
+
+impl TokioClock {
+    pub(crate) fn new() -> Self {
+        TokioClock {
+            start: Instant::now(),
+        }
+    }
+}
+
+impl Default for TokioClock {
+    fn default() -> Self {
+        Self::new()
+    }
+}
 
 impl governor::clock::Clock for TokioClock {
     type Instant = Duration;
 
     fn now(&self) -> Duration {
-        Instant::now().saturating_duration_since(anchor().1)
+        Instant::now().saturating_duration_since(self.start)
     }
 }
 
@@ -76,14 +105,38 @@ pub(crate) type KeyedLimiter<K> = governor::RateLimiter<
 /// Cancel-safe: a cell is only taken by the `check` that returns `Ok`.
 pub(crate) async fn until_ready(limiter: &DirectLimiter) {
     while let Err(not_until) = limiter.check() {
-        tokio::time::sleep(not_until.wait_time_from(governor::clock::Clock::now(&TokioClock)))
-            .await;
+        let now = governor::clock::Clock::now(limiter.clock());
+        tokio::time::sleep(not_until.wait_time_from(now)).await;
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn paused_runtime() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .start_paused(true)
+            .build()
+            .expect("a runtime")
+    }
+
+    /// A runtime whose paused clock is far ahead (a test that advanced an hour) does not
+    /// stop the clocks made on another runtime.
+    #[test]
+    fn a_clock_counts_from_its_own_start_on_its_own_runtime() {
+        use governor::clock::Clock as _;
+        paused_runtime().block_on(async {
+            tokio::time::advance(Duration::from_secs(3600)).await;
+            let _ = TokioClock::new().now();
+        });
+        paused_runtime().block_on(async {
+            let clock = TokioClock::new();
+            tokio::time::advance(Duration::from_secs(1)).await;
+            assert_eq!(clock.now(), Duration::from_secs(1));
+        });
+    }
 
     #[test]
     fn follows_the_wall_clock() {
@@ -98,7 +151,7 @@ mod tests {
         let limiter: DirectLimiter = governor::RateLimiter::direct_with_clock(
             governor::Quota::per_second(std::num::NonZeroU32::new(10).expect("10 > 0"))
                 .allow_burst(std::num::NonZeroU32::MIN),
-            TokioClock,
+            TokioClock::new(),
         );
         let started = Instant::now();
         for _ in 0..5 {

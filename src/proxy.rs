@@ -16,6 +16,7 @@ pub(crate) mod origin_guard;
 pub(crate) mod own_answer;
 pub(crate) mod passthrough;
 pub(crate) mod purge;
+pub(crate) mod purge_limits;
 pub(crate) mod read;
 pub(crate) mod reject;
 pub(crate) mod respond;

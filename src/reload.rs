@@ -42,7 +42,6 @@ use arc_swap::ArcSwap;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
-use crate::admin::PurgeLimits;
 use crate::config::{Config, RedisConfig, Vars};
 use crate::coord::redis::RedisConn;
 use crate::metrics::Metrics;
@@ -50,6 +49,7 @@ use crate::protect::bloom::Filters;
 use crate::protect::hotkeys::HotKeys;
 use crate::proxy::Proxy;
 use crate::proxy::origin_guard::{GuardMetrics, Limits, OriginGuard};
+use crate::proxy::purge_limits::PurgeLimits;
 use crate::proxy::route::RouteTable;
 use crate::proxy::upstream::Upstream;
 

@@ -151,8 +151,9 @@ impl HotKeys {
     ) -> Arc<Self> {
         let k = config.max_hot_keys.clamp(16, 1024);
         let shards = (0..=workers).map(|_| Mutex::new(Self::sketch(k))).collect();
-        let limiter = std::num::NonZeroU32::new(config.max_backend_rps_per_key)
-            .map(|rate| RateLimiter::dashmap_with_clock(Quota::per_second(rate), TokioClock));
+        let limiter = std::num::NonZeroU32::new(config.max_backend_rps_per_key).map(|rate| {
+            RateLimiter::dashmap_with_clock(Quota::per_second(rate), TokioClock::new())
+        });
         Arc::new(HotKeys {
             config: ArcSwap::from_pointee(config.clone()),
             shards,
@@ -173,7 +174,7 @@ impl HotKeys {
         if old.max_backend_rps_per_key != config.max_backend_rps_per_key {
             self.limiter.store(Arc::new(
                 std::num::NonZeroU32::new(config.max_backend_rps_per_key).map(|rate| {
-                    RateLimiter::dashmap_with_clock(Quota::per_second(rate), TokioClock)
+                    RateLimiter::dashmap_with_clock(Quota::per_second(rate), TokioClock::new())
                 }),
             ));
         }

@@ -255,6 +255,11 @@ impl Filler {
         }
         let fetched = self.fill_unflighted(&job, locks_look).await;
         leader.finish(match &fetched {
+            // A copy found in Redis as the lock was asked for is a hit for the followers
+            // too; anything fetched is their miss.
+            Fetched::Ready(entry, tier @ (Outcome::HitL1 | Outcome::HitL2)) => {
+                FlightResult::Filled(Arc::clone(entry), *tier)
+            }
             Fetched::Ready(entry, _) => FlightResult::Filled(Arc::clone(entry), Outcome::Miss),
             Fetched::Uncacheable(_) => FlightResult::Uncacheable,
             Fetched::Failed(failure) => FlightResult::Failed(failure.shared.clone()),

@@ -178,7 +178,7 @@ impl OriginGuard {
             rate: NonZeroU32::new(max_rps).map(|rps| {
                 RateLimiter::direct_with_clock(
                     Quota::per_second(rps).allow_burst(NonZeroU32::MIN),
-                    TokioClock,
+                    TokioClock::new(),
                 )
             }),
             turn: tokio::sync::Mutex::new(()),

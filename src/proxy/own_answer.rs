@@ -63,7 +63,7 @@ impl OwnAnswerLog {
         OwnAnswerLog {
             limiter: governor::RateLimiter::direct_with_clock(
                 governor::Quota::per_second(per_second).allow_burst(burst),
-                TokioClock,
+                TokioClock::new(),
             ),
             suppressed: AtomicU64::new(0),
         }
