@@ -144,7 +144,7 @@ fn spawn_stream(
     };
     let proxy = Arc::clone(proxy);
     let metrics = proxy.metrics.stream.clone();
-    tokio::spawn(stream::run(
+    conn.io().spawn(stream::run(
         conn.backend().clone(),
         settings,
         move |targets| {
@@ -176,7 +176,12 @@ async fn start_event_bus(
         resubscriptions: metrics.bus_resubscriptions.clone(),
         events: metrics.bus_events.clone(),
     };
-    tokio::spawn(Arc::clone(&bus).run(conn.clone(), rc.connect_timeout, bus_metrics, stop.clone()));
+    conn.io().spawn(Arc::clone(&bus).run(
+        conn.clone(),
+        rc.connect_timeout,
+        bus_metrics,
+        stop.clone(),
+    ));
     let ready = tokio::time::Instant::now() + rc.connect_timeout;
     while conn.is_up() && !bus.is_connected() && tokio::time::Instant::now() < ready {
         tokio::time::sleep(Duration::from_millis(5)).await;

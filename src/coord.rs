@@ -8,6 +8,7 @@
 pub(crate) mod addr;
 pub(crate) mod backend;
 pub(crate) mod events;
+pub(crate) mod io;
 pub(crate) mod keyspace;
 pub(crate) mod redis;
 pub(crate) mod scripts;

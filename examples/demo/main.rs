@@ -317,6 +317,10 @@ fn demo_config(api: SocketAddr) -> anyhow::Result<cacheguard::Config> {
             .map(|d| d.as_millis())
             .unwrap_or(0);
         redis.key_prefix = format!("{}demo-{}-{run_id}:", redis.key_prefix, std::process::id());
+        // The retry journal of owed invalidations: in the temp dir, not wherever the demo
+        // was started.
+        config.journal.path =
+            std::env::temp_dir().join(format!("cacheguard-demo-{}.journal", std::process::id()));
     }
     Ok(config)
 }

@@ -34,7 +34,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use anyhow::bail;
+use anyhow::{Context as _, bail};
 use arc_swap::ArcSwapOption;
 use redis::{FromRedisValue, RedisError, Script};
 use serde::Serialize;
@@ -42,6 +42,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
 use super::backend::{self, Backend, CLUSTER_SLOTS, DataConn};
+use super::io::IoThread;
 use crate::config::{RedisConfig, RedisMode};
 use crate::metrics::{Metrics, RedisOp};
 
@@ -94,6 +95,8 @@ pub(crate) struct RedisConn {
 }
 
 struct Inner {
+    /// The thread every connection to Redis lives on (see [`super::io`]).
+    io: IoThread,
     backend: Backend,
     config: RedisConfig,
     /// The shared connection; `None` while there is none to use (no primary known yet, a
@@ -270,6 +273,20 @@ impl RedisConn {
         metrics: Metrics,
         stop: CancellationToken,
     ) -> anyhow::Result<Self> {
+        let io = IoThread::start().context("starting the Redis thread")?;
+        let started = io.clone();
+        started
+            .enter(Self::start_on(io, config, metrics, stop))
+            .await
+    }
+
+    /// [`RedisConn::start`], polled in the Redis thread's context.
+    async fn start_on(
+        io: IoThread,
+        config: &RedisConfig,
+        metrics: Metrics,
+        stop: CancellationToken,
+    ) -> anyhow::Result<Self> {
         let backend = Backend::new(config)?;
         if let Some(covered) = backend
             .seed_coverage(config.connect_timeout.max(config.command_timeout))
@@ -284,11 +301,12 @@ impl RedisConn {
                     master_name = %sentinel.master_name(),
                 );
             }
-            tokio::spawn(sentinel.follow(stop.clone()));
+            io.spawn(sentinel.follow(stop.clone()));
         }
         let conn = backend.shared(config).await?;
         let conn_primary = backend.sentinel().and_then(|s| s.primary_addr());
         let inner = Arc::new(Inner {
+            io,
             backend,
             config: config.clone(),
             conn: ArcSwapOption::new(conn.map(Arc::new)),
@@ -324,12 +342,12 @@ impl RedisConn {
             );
         }
         if let Some(sentinel) = this.inner.backend.sentinel() {
-            tokio::spawn(
+            this.inner.io.spawn(
                 this.clone()
                     .follow_primary(sentinel.changes(), stop.clone()),
             );
         }
-        tokio::spawn(this.clone().probe_loop(stop));
+        this.inner.io.spawn(this.clone().probe_loop(stop));
         Ok(this)
     }
 
@@ -342,6 +360,10 @@ impl RedisConn {
     /// # Errors
     /// Credentials the client cannot use; the old ones stay in use.
     pub(crate) async fn rotate_credentials(&self, config: &RedisConfig) -> anyhow::Result<()> {
+        self.inner.io.enter(self.rotate_on(config)).await
+    }
+
+    async fn rotate_on(&self, config: &RedisConfig) -> anyhow::Result<()> {
         self.inner.backend.rotate(config).await?;
         let conn = self.inner.backend.shared(config).await?;
         self.inner.conn.store(conn.map(Arc::new));
@@ -354,6 +376,11 @@ impl RedisConn {
         info!(message = "Redis credentials changed; new connections use them.");
         self.probe().await;
         Ok(())
+    }
+
+    /// The Redis thread: tasks that talk to Redis on their own schedule run there.
+    pub(crate) fn io(&self) -> &IoThread {
+        &self.inner.io
     }
 
     /// How to reach Redis, for connections of their own (the event bus, the stream).
@@ -556,7 +583,8 @@ impl RedisConn {
         };
         let started = Instant::now();
         let timeout = self.inner.command_timeout;
-        let mut result = tokio::time::timeout(timeout, attempt(conn)).await;
+        let io = &self.inner.io;
+        let mut result = tokio::time::timeout(timeout, io.enter(attempt(conn))).await;
         if let Some(sentinel) = self.inner.backend.sentinel() {
             // A demoted primary refuses writes (`READONLY`) and, as it turns into a
             // replica, drops its clients: both mean the primary may have moved. Ask the
@@ -569,14 +597,15 @@ impl RedisConn {
                     self.inner.metrics.redis_readonly_retries.inc();
                 }
                 let before = sentinel.primary_addr();
-                let resolved = tokio::time::timeout(timeout, sentinel.resolve_now()).await;
+                let resolved =
+                    tokio::time::timeout(timeout, io.enter(sentinel.resolve_now())).await;
                 self.sync_primary();
                 let moved = sentinel.primary_addr() != before;
                 if matches!(resolved, Ok(Some(_)))
                     && (readonly || moved)
                     && let Some(conn) = self.shared()
                 {
-                    result = tokio::time::timeout(timeout, attempt(conn)).await;
+                    result = tokio::time::timeout(timeout, io.enter(attempt(conn))).await;
                 }
             } else if result.is_err() {
                 // Timed out: the primary may be gone; let the follower ask now.
@@ -691,10 +720,10 @@ impl RedisConn {
             Some(conn) => conn,
             None => match tokio::time::timeout(
                 self.inner.probe_timeout,
-                self.inner.backend.dedicated(
+                self.inner.io.enter(self.inner.backend.dedicated(
                     self.inner.probe_timeout,
                     Some(timeout + self.inner.command_timeout),
-                ),
+                )),
             )
             .await
             {
@@ -720,7 +749,7 @@ impl RedisConn {
         );
         let result = tokio::time::timeout(
             timeout + self.inner.command_timeout,
-            pipe.query_async::<(T, i64)>(&mut conn),
+            self.inner.io.enter(pipe.query_async::<(T, i64)>(&mut conn)),
         )
         .await;
         let (value, acked) = self.settle(op, started, result)?;
@@ -775,31 +804,34 @@ impl RedisConn {
         if !self.is_up() {
             return Err(Unavailable);
         }
-        let result = tokio::time::timeout(timeout, async {
-            let mut slot = self.inner.bulk.lock().await;
-            // A kept connection may have died since its last use (Redis restarted, a
-            // network cut): then try once more on a fresh one.
-            if let Some(mut conn) = slot.take() {
-                match bulk.run(&mut conn).await {
-                    Ok(value) => {
-                        *slot = Some(conn);
-                        return Ok(value);
+        let result = tokio::time::timeout(
+            timeout,
+            self.inner.io.enter(async {
+                let mut slot = self.inner.bulk.lock().await;
+                // A kept connection may have died since its last use (Redis restarted, a
+                // network cut): then try once more on a fresh one.
+                if let Some(mut conn) = slot.take() {
+                    match bulk.run(&mut conn).await {
+                        Ok(value) => {
+                            *slot = Some(conn);
+                            return Ok(value);
+                        }
+                        Err(error) if !error.is_io_error() && !error.is_connection_dropped() => {
+                            return Err(error);
+                        }
+                        Err(_) => {}
                     }
-                    Err(error) if !error.is_io_error() && !error.is_connection_dropped() => {
-                        return Err(error);
-                    }
-                    Err(_) => {}
                 }
-            }
-            let mut conn = self
-                .inner
-                .backend
-                .dedicated(self.inner.probe_timeout, Some(timeout))
-                .await?;
-            let value = bulk.run(&mut conn).await?;
-            *slot = Some(conn);
-            Ok::<_, RedisError>(value)
-        })
+                let mut conn = self
+                    .inner
+                    .backend
+                    .dedicated(self.inner.probe_timeout, Some(timeout))
+                    .await?;
+                let value = bulk.run(&mut conn).await?;
+                *slot = Some(conn);
+                Ok::<_, RedisError>(value)
+            }),
+        )
         .await;
         match result {
             Ok(Ok(value)) => Ok(value),
