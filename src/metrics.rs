@@ -276,6 +276,7 @@ impl RedisOp {
 #[derive(Clone, Debug)]
 pub struct Metrics {
     requests: IntCounterVec,
+    request_redis_commands: IntCounterVec,
     request_duration: HistogramVec,
     origin_requests: IntCounterVec,
     origin_duration: HistogramVec,
@@ -447,6 +448,13 @@ impl Metrics {
             Opts::new(
                 "cacheguard_requests_total",
                 "Requests answered, by route and outcome (the X-Cache value).",
+            ),
+            &["route", "outcome"],
+        )?;
+        let request_redis_commands = IntCounterVec::new(
+            Opts::new(
+                "cacheguard_request_redis_commands_total",
+                "Redis commands sent for requests, by route and outcome: a request's own, and for a request that led a fill, the fill's. Divided by cacheguard_requests_total: commands per request.",
             ),
             &["route", "outcome"],
         )?;
@@ -1050,6 +1058,7 @@ impl Metrics {
         registry.register(Box::new(connections_refused.clone()))?;
         registry.register(Box::new(connections_open.clone()))?;
         registry.register(Box::new(requests.clone()))?;
+        registry.register(Box::new(request_redis_commands.clone()))?;
         registry.register(Box::new(request_duration.clone()))?;
         registry.register(Box::new(origin_requests.clone()))?;
         registry.register(Box::new(origin_duration.clone()))?;
@@ -1092,6 +1101,7 @@ impl Metrics {
 
         Ok(Metrics {
             requests,
+            request_redis_commands,
             request_duration,
             origin_requests,
             origin_duration,
@@ -1209,6 +1219,10 @@ impl Metrics {
     pub fn for_route(&self, route: &str) -> Arc<RouteMetrics> {
         Arc::new(RouteMetrics {
             outcomes: Outcome::ALL.map(|o| self.requests.with_label_values(&[route, o.as_str()])),
+            redis_commands: Outcome::ALL.map(|o| {
+                self.request_redis_commands
+                    .with_label_values(&[route, o.as_str()])
+            }),
             duration: self.request_duration.with_label_values(&[route]),
             origin: OriginStatus::ALL
                 .map(|s| self.origin_requests.with_label_values(&[route, s.as_str()])),
@@ -1354,6 +1368,7 @@ impl FilterMetrics {
 #[derive(Debug)]
 pub struct RouteMetrics {
     outcomes: [IntCounter; 9],
+    redis_commands: [IntCounter; 9],
     duration: Histogram,
     origin: [IntCounter; 7],
     origin_duration: Histogram,
@@ -1386,6 +1401,11 @@ impl RouteMetrics {
     pub fn answered(&self, outcome: Outcome, seconds: f64) {
         self.outcomes[outcome.index()].inc();
         self.duration.observe(seconds);
+    }
+
+    /// Records the Redis commands one answered request cost.
+    pub fn redis_commands(&self, outcome: Outcome, commands: u32) {
+        self.redis_commands[outcome.index()].inc_by(u64::from(commands));
     }
 
     /// Records one revalidation.

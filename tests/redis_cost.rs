@@ -1,6 +1,7 @@
 //! What a request costs in Redis, counted (never timed): the commands cacheguard sends per
 //! cold miss and per L2 hit, read with `MONITOR` (which tells the commands a client sent
-//! from those its scripts ran) around a batch of requests.
+//! from those its scripts ran) around a batch of requests, and what
+//! `cacheguard_request_redis_commands_total{outcome}` says about the same batch.
 
 #![allow(clippy::unwrap_used)]
 
@@ -13,7 +14,7 @@ use std::time::Duration;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
-use common::{CgConfig, HttpClient, RedisCluster, RedisServer, TestOrigin, url};
+use common::{CgConfig, HttpClient, RedisCluster, RedisServer, TestOrigin, metric, url};
 
 /// Commands cacheguard sends on its own schedule, not for a request: the health probe, the
 /// event bus, the invalidation stream's consumer and the start-up questions.
@@ -143,6 +144,20 @@ async fn cost(config: CgConfig, ports: &[u16], l1: &str) {
         .await;
     assert_eq!(warm.x_cache(), "MISS", "{warm}");
 
+    let counted = |outcome: &'static str| {
+        let client = client.clone();
+        let admin = cg.admin_addr();
+        async move {
+            metric(
+                &client,
+                admin,
+                "cacheguard_request_redis_commands_total",
+                &[("outcome", outcome)],
+            )
+            .await
+        }
+    };
+    let before = counted("miss").await;
     let monitors = Monitors::start(ports).await;
     for i in 0..MISSES {
         let r = client
@@ -153,6 +168,12 @@ async fn cost(config: CgConfig, ports: &[u16], l1: &str) {
     let counts = monitors.stop().await;
     let total: u64 = counts.values().sum();
     eprintln!("l1 = {l1}: {MISSES} cold misses: {counts:?}");
+    // The metric tells what MONITOR saw.
+    assert_eq!(
+        counted("miss").await - before,
+        total as f64,
+        "l1 = {l1}: cacheguard_request_redis_commands_total{{outcome=\"miss\"}}"
+    );
     assert!(
         total <= 4 * MISSES,
         "l1 = {l1}: {:.1} commands per cold miss (at most 4): {counts:?}",
@@ -161,6 +182,7 @@ async fn cost(config: CgConfig, ports: &[u16], l1: &str) {
 
     if l1 != "all" {
         // An L2 hit (L1 is off, or only for hot keys): one command.
+        let before = counted("hit_l2").await;
         let monitors = Monitors::start(ports).await;
         for i in 0..MISSES {
             let r = client
@@ -171,6 +193,7 @@ async fn cost(config: CgConfig, ports: &[u16], l1: &str) {
         let counts = monitors.stop().await;
         let total: u64 = counts.values().sum();
         assert_eq!(total, MISSES, "l1 = {l1}: L2 hits: {counts:?}");
+        assert_eq!(counted("hit_l2").await - before, total as f64);
     }
     cg.shutdown().await;
 }

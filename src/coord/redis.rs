@@ -57,6 +57,28 @@ const UP_CHECK_EVERY: u32 = 4;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Unavailable;
 
+tokio::task_local! {
+    /// The Redis commands sent by the task running [`count_commands`]'s future.
+    static COMMANDS: std::cell::Cell<u32>;
+}
+
+/// Runs `future`, counting the Redis commands it sends (through [`RedisConn`], in this
+/// task); returns its output and the count.
+pub(crate) async fn count_commands<F: Future>(future: F) -> (F::Output, u32) {
+    COMMANDS
+        .scope(std::cell::Cell::new(0), async {
+            let output = future.await;
+            (output, COMMANDS.with(std::cell::Cell::get))
+        })
+        .await
+}
+
+/// Adds `n` commands to the count of the [`count_commands`] this task runs in, if any
+/// (commands another task sent on this one's behalf).
+pub(crate) fn add_commands(n: u32) {
+    let _ = COMMANDS.try_with(|count| count.set(count.get().saturating_add(n)));
+}
+
 /// A cheap-to-clone handle to the shared connection.
 /// `script` invoked with `keys` and `args`.
 fn invocation<'a>(
@@ -584,6 +606,7 @@ impl RedisConn {
         let started = Instant::now();
         let timeout = self.inner.command_timeout;
         let io = &self.inner.io;
+        add_commands(1);
         let mut result = tokio::time::timeout(timeout, io.enter(attempt(conn))).await;
         if let Some(sentinel) = self.inner.backend.sentinel() {
             // A demoted primary refuses writes (`READONLY`) and, as it turns into a
@@ -605,6 +628,7 @@ impl RedisConn {
                     && (readonly || moved)
                     && let Some(conn) = self.shared()
                 {
+                    add_commands(1);
                     result = tokio::time::timeout(timeout, io.enter(attempt(conn))).await;
                 }
             } else if result.is_err() {
@@ -747,6 +771,8 @@ impl RedisConn {
                 .unwrap_or(u64::MAX)
                 .max(1),
         );
+        // The script and its WAIT.
+        add_commands(2);
         let result = tokio::time::timeout(
             timeout + self.inner.command_timeout,
             self.inner.io.enter(pipe.query_async::<(T, i64)>(&mut conn)),

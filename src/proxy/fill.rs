@@ -40,7 +40,7 @@ use crate::clock::now_ms;
 use crate::config::{L1Policy, LockConfig, OnTimeout};
 use crate::coord::events::EventKind;
 use crate::coord::keyspace::route_shard;
-use crate::coord::redis::Unavailable;
+use crate::coord::redis::{Unavailable, add_commands, count_commands};
 use crate::coord::store::FillOutcome;
 use crate::error::ProxyError;
 use crate::metrics::{FillRefusal, LockEvent, Metrics, Outcome};
@@ -131,9 +131,15 @@ impl Filler {
                     // followers (here and on other instances) wait on still completes.
                     let this = Arc::clone(self);
                     let task_job = job.clone();
-                    let task = tokio::spawn(async move { this.lead(task_job, leader, true).await });
+                    let task = tokio::spawn(count_commands(async move {
+                        this.lead(task_job, leader, true).await
+                    }));
                     return match task.await {
-                        Ok(fetched) => fetched.respond(head),
+                        Ok((fetched, commands)) => {
+                            // The fill's commands are this request's.
+                            add_commands(commands);
+                            fetched.respond(head)
+                        }
                         Err(_) => (respond::error(&ProxyError::Internal), Outcome::Error),
                     };
                 }

@@ -41,6 +41,7 @@ use crate::cache::key;
 use crate::cache::tiers::{Cached, Tiers};
 use crate::cache::{CacheKey, Freshness};
 use crate::clock::now_ms;
+use crate::coord::redis::count_commands;
 use crate::error::ProxyError;
 use crate::metrics::Outcome;
 
@@ -67,13 +68,15 @@ impl ReadPath {
         drop(body);
         let asked = conditional::Asked::of(&parts.headers);
         let head = parts.method == Method::HEAD;
-        let (mut response, outcome) = self.read(route, parts, client).await;
+        let ((mut response, outcome), commands) =
+            count_commands(self.read(route, parts, client)).await;
         if let Some(asked) = &asked {
             response = conditional::apply(asked, response, head);
         }
         route
             .metrics
             .answered(outcome, started.elapsed().as_secs_f64());
+        route.metrics.redis_commands(outcome, commands);
         response
     }
 
