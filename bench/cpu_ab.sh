@@ -53,7 +53,6 @@ config() {
         cache.ttl=600s "${mode[@]}"
 }
 
-cpu_ticks() { awk '{ print $14 + $15 }' "/proc/$1/stat"; }
 redis_cpu() { redis-cli -p "$REDIS_PORT" info cpu | awk -F: '/used_cpu_(sys|user):/ { s += $2 } END { printf "%.4f", s }'; }
 redis_cmds() { redis-cli -p "$REDIS_PORT" info stats | awk -F: '/total_commands_processed/ { print $2 + 0 }'; }
 cycle() {

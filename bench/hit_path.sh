@@ -31,6 +31,7 @@
 # raw.tsv for section a, latency.tsv for section b, samples, summary.md) and prints
 # the markdown summary on stdout. Every process it starts is stopped on exit, by PID.
 
+# shellcheck disable=SC2046 # $(col ...) and friends: one value per line, split on purpose
 set -euo pipefail
 
 # shellcheck source=bench/lib.sh
@@ -65,8 +66,9 @@ LAT_DURATION_S=$(secs "$LAT_DURATION")
 # shellcheck disable=SC2153 # set by bench_defaults
 LAT_WARMUP_S=$(secs "$LAT_WARMUP")
 awk -v d="$LAT_DURATION_S" 'BEGIN { exit !(d > 0) }' || die "LAT_DURATION must be > 0"
-[[ $LAT_RATE =~ ^[0-9]+(\.[0-9]+)?$ ]] && awk -v r="$LAT_RATE" 'BEGIN { exit !(r > 0) }' ||
+if ! [[ $LAT_RATE =~ ^[0-9]+(\.[0-9]+)?$ ]] || ! awk -v r="$LAT_RATE" 'BEGIN { exit !(r > 0) }'; then
     die "LAT_RATE must be a positive number of req/s (got '$LAT_RATE')"
+fi
 
 bench_init
 
@@ -137,10 +139,7 @@ for t in static nginx cacheguard; do
     check_answer "$t" "${URL[$t]}" "$OUT/headers-$t.txt" "$BODY_BYTES"
 done
 
-origin_requests() {
-    curl -s --max-time 5 "http://127.0.0.1:$ORIGIN_PORT/nginx_status" |
-        awk 'NR == 3 { print $3 }'
-}
+origin_requests() { stub_requests "$ORIGIN_PORT"; }
 
 RAW=$OUT/raw.tsv
 printf 'section\ttarget\trep\trps\tp50_ms\tp99_ms\tmax_ms\trequests\tsocket_errors\tnon2xx\torigin_requests\tx_cache_after\n' >"$RAW"
@@ -194,11 +193,7 @@ run_rate() {
     local json="$OUT/loadgen-latency-$target-rep$rep.json" before after xc="" hits="-"
     before=$(origin_requests)
     log "latency rep $rep/$REPS: $target: loadgen rate ${LAT_ARGS[*]} --url ${URL[$target]}"
-    # bounded by the loadgen's own drain deadline and by `timeout` around it
-    run_bg "$json" timeout --signal=TERM "$LAT_BOUND_S" "$LOADGEN_BIN" rate --url "${URL[$target]}" "${LAT_ARGS[@]}" ||
-        die "loadgen rate failed ($?) for $target; see $json"
-    jq -e '.mode == "rate" and .latency_ms.n > 0' "$json" >/dev/null ||
-        die "loadgen rate for $target measured no response; see $json"
+    loadgen_rate "$json" "$target" "$LAT_BOUND_S" --url "${URL[$target]}" "${LAT_ARGS[@]}"
     after=$(origin_requests)
     if [[ -n ${HIT[$target]} ]]; then
         xc=$(x_cache "${URL[$target]}")
@@ -214,18 +209,9 @@ run_rate() {
         | @tsv' "$json")
     printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$target" "$rep" "$LAT_RATE" "$LAT_CONNECTIONS" \
         "$fields" "$origin" "$hits" "${xc:--}" >>"$LAT_RAW"
-    local scheduled sent ok non2xx errors unsent unfinished achieved p50 p90 p99 p999 mx _mean lag
-    read -r scheduled sent ok non2xx errors unsent unfinished achieved p50 p90 p99 p999 mx _mean lag _ <<<"$fields"
-    local problems=()
-    ((errors == 0)) || problems+=("$errors errors")
-    ((non2xx == 0)) || problems+=("$non2xx non-2xx")
-    ((unsent == 0)) || problems+=("$unsent unsent")
-    ((unfinished == 0)) || problems+=("$unfinished unfinished at the drain deadline")
-    awk -v a="$achieved" -v r="$LAT_RATE" 'BEGIN { exit !(a >= 0.98 * r) }' ||
-        problems+=("achieved $achieved req/s < 98% of $LAT_RATE")
-    if [[ $hits != - ]] && ((hits != ok)); then
-        problems+=("only $hits of $ok answers were ${HIT[$target]}")
-    fi
+    local achieved p50 p99 p999 mx lag problems
+    read -r _ _ _ _ _ _ _ achieved p50 _ p99 p999 mx _ lag _ <<<"$fields"
+    mapfile -t problems < <(rate_problems "$json" "$LAT_RATE" "${HIT[$target]}")
     note_problems LAT_WARNINGS "$target rep $rep" " (see $json)" "${problems[@]}"
     printf '  %-10s %9s req/s  p50 %7.3f  p99 %7.3f  p99.9 %7.3f  max %8.3f ms  (send lag p99 %.3f ms)\n' \
         "$target" "$achieved" "$p50" "$p99" "$p999" "$mx" "$lag" >&2
@@ -266,35 +252,17 @@ BENCH_PIDS+=("$SAMPLER_PID")
 origin_before=$(origin_requests)
 MEM_WRK=$OUT/wrk-memory-distinct.txt
 log "memory: $DISTINCT_KEYS distinct keys through cacheguard (l1_max_bytes=$MEM_L1_MAX_BYTES), at most $DISTINCT_MAX_DURATION"
-echo "# wrk -t2 -c64 -d$DISTINCT_MAX_DURATION --timeout $WRK_TIMEOUT --latency -s bench/distinct.lua ${URL[mem]} -- $DISTINCT_KEYS 2 <done_dir>" >"$MEM_WRK"
-DONE_DIR=$BENCH_TMP/distinct-done
-mkdir -p "$DONE_DIR"
 mem_t0=$SECONDS
-start_bg "$MEM_WRK.part" wrk -t2 -c64 -d"$DISTINCT_MAX_DURATION" --timeout "$WRK_TIMEOUT" --latency \
-    -s bench/distinct.lua "${URL[mem]}" -- "$DISTINCT_KEYS" 2 "$DONE_DIR"
-WRK_PID=$LAST_PID
-# wait until both wrk threads have their quota (or wrk ends by itself at -d), then SIGINT
-while kill -0 "$WRK_PID" 2>/dev/null; do
-    if [[ -e $DONE_DIR/thread-0.done && -e $DONE_DIR/thread-1.done ]]; then
-        kill -INT "$WRK_PID" 2>/dev/null || true
-        break
-    fi
-    sleep 0.2
-done
-wrk_rc=0
-reap "$WRK_PID" || wrk_rc=$?
-cat "$MEM_WRK.part" >>"$MEM_WRK" && rm -f "$MEM_WRK.part"
-((wrk_rc == 0)) || die "wrk (distinct keys) exited with $wrk_rc; see $MEM_WRK"
+wrk_distinct "$MEM_WRK" "${URL[mem]}" "$DISTINCT_KEYS" "$DISTINCT_MAX_DURATION" "$BENCH_TMP/distinct-done"
 mem_secs=$((SECONDS - mem_t0))
 origin_after=$(origin_requests)
 MEM_ORIGIN=$((origin_after - origin_before - 1))
 sleep 2 # let the sampler take a settled sample
 
-dline=$(grep '^distinct:' "$MEM_WRK") || die "no 'distinct:' line in $MEM_WRK"
-kv() { sed -n "s/.* $1=\([0-9.]*\).*/\1/p" <<<"$dline"; }
-MEM_SENT=$(kv sent)
-MEM_RECEIVED=$(kv received)
-MEM_NON200=$(kv non200)
+grep -q '^distinct:' "$MEM_WRK" || die "no 'distinct:' line in $MEM_WRK"
+MEM_SENT=$(distinct_field "$MEM_WRK" sent)
+MEM_RECEIVED=$(distinct_field "$MEM_WRK" received)
+MEM_NON200=$(distinct_field "$MEM_WRK" non200)
 MEM_RPS=$(awk '/^Requests\/sec:/ { printf "%.0f", $2 }' "$MEM_WRK")
 MEM_OK=yes
 ((MEM_RECEIVED >= DISTINCT_KEYS)) || {
@@ -324,13 +292,9 @@ col() { # col SECTION TARGET FIELD_NO: the values of one raw.tsv column
 }
 
 # throughput medians and ratios
-declare -A RPS_MED P99_MED P50_MED
-for s in throughput; do
-    for t in static nginx cacheguard; do
-        RPS_MED[$s.$t]=$(median $(col "$s" "$t" 4))
-        P50_MED[$s.$t]=$(median $(col "$s" "$t" 5))
-        P99_MED[$s.$t]=$(median $(col "$s" "$t" 6))
-    done
+declare -A RPS_MED
+for t in static nginx cacheguard; do
+    RPS_MED[throughput.$t]=$(median $(col throughput "$t" 4))
 done
 # per-rep paired ratios cacheguard / nginx (same rep)
 paired() { # paired SECTION FIELD OP(ratio|diff) A B

@@ -276,7 +276,8 @@ build_cacheguard() {
 # --- templates and configs ---------------------------------------------------------------
 
 # render_template TEMPLATE OUT KEY=VALUE...: replace @KEY@ with VALUE (no sed escaping games:
-# done in awk with plain string search, so VALUE may hold / & and quotes).
+# done in awk with plain string search, so VALUE may hold / & and quotes). When a KEY comes
+# twice, the first VALUE wins: a wrapper puts its defaults after its caller's pairs.
 render_template() {
     local tmpl=$1 out=$2
     shift 2
@@ -404,6 +405,12 @@ save_origin_stats() { curl -s --max-time 5 "$ORIGIN/stats" >"$1" || die "cannot 
 # origin_path_count STATS_FILE PATH: the requests for PATH in a saved /stats (0 when none).
 origin_path_count() { jq --arg p "$2" '.paths[$p] // 0' "$1"; }
 
+# stub_requests PORT: the request counter of the nginx stub_status at
+# 127.0.0.1:PORT/nginx_status (bench/origin.conf.tmpl); each read counts itself.
+stub_requests() {
+    curl -s --max-time 5 "http://127.0.0.1:$1/nginx_status" | awk 'NR == 3 { print $3 }'
+}
+
 # start_nginx NAME TEMPLATE KEY=VALUE...: render TEMPLATE into $BENCH_TMP/nginx-NAME and run
 # nginx in the foreground (daemon off) from that prefix. Sets LAST_PID.
 start_nginx() {
@@ -418,13 +425,15 @@ start_nginx() {
 }
 
 # start_nginx_cache NAME PORT LABEL CONF_COPY KEY=VALUE...: nginx proxy_cache from
-# bench/nginx.conf.tmpl (PORT, ORIGIN_PORT of the script, KEY=VALUE...), waited for at
+# bench/nginx.conf.tmpl (PORT, ORIGIN_PORT of the script, KEY=VALUE...; KEYS_ZONE, the size of
+# the keys_zone, is 32m and MAX_SIZE, the cache's max_size, 1g unless given), waited for at
 # /nginx-ready (LABEL in the error); the rendered config is copied to CONF_COPY. Sets LAST_PID,
-# PID_OF[NAME] and URL_OF[NAME].
+# PID_OF[NAME] and URL_OF[NAME]. The cache files are in $BENCH_TMP/nginx-NAME/cache.
 start_nginx_cache() {
     local name=$1 port=$2 label=$3 copy=$4
     shift 4
-    start_nginx "$name" bench/nginx.conf.tmpl PORT="$port" ORIGIN_PORT="$ORIGIN_PORT" "$@"
+    start_nginx "$name" bench/nginx.conf.tmpl PORT="$port" ORIGIN_PORT="$ORIGIN_PORT" "$@" \
+        KEYS_ZONE=32m MAX_SIZE=1g
     PID_OF[$name]=$LAST_PID
     URL_OF[$name]=http://127.0.0.1:$port
     wait_http "${URL_OF[$name]}/nginx-ready" "$LAST_PID" "$label"
@@ -433,7 +442,8 @@ start_nginx_cache() {
 
 # start_varnish NAME PORT TEMPLATE KEY=VALUE...: render the VCL TEMPLATE into
 # $BENCH_TMP/varnish-NAME and run varnishd in the foreground (-F) with its own working dir
-# (-n), no jail, no management port, malloc storage. Sets LAST_PID
+# (-n $BENCH_TMP/varnish-NAME/n), no jail, no management port, malloc storage of
+# VARNISH_MALLOC bytes (default 256m; e.g. `VARNISH_MALLOC=4g start_varnish ...`). Sets LAST_PID
 # (the manager; TERM to it stops the cache child too).
 start_varnish() {
     local name=$1 port=$2 tmpl=$3
@@ -442,7 +452,7 @@ start_varnish() {
     mkdir -p "$dir"
     render_template "$tmpl" "$dir/default.vcl" "$@"
     start_bg "$dir/varnishd.log" varnishd -F -j none -n "$dir/n" -a "127.0.0.1:$port" -T none \
-        -f "$dir/default.vcl" -s malloc,256m
+        -f "$dir/default.vcl" -s "malloc,${VARNISH_MALLOC:-256m}"
 }
 
 # start_varnish_cache NAME PORT LABEL CONF_COPY KEY=VALUE...: varnishd from
@@ -538,6 +548,11 @@ save_metrics() { curl -s --max-time 2 "$1/metrics" >"$2" || true; }
 # metric FILE NAME[{labels}]: the value of one sample in a /metrics dump (0 when absent).
 metric() { awk -v m="$2" '$1 == m { v = $2 } END { printf "%.0f", v + 0 }' "$1"; }
 
+# metric_sum FILE NAME: the sum of every sample of NAME, whatever its labels (0 when absent).
+metric_sum() {
+    awk -v m="$2" '$1 == m || index($1, m "{") == 1 { v += $2 } END { printf "%.0f", v + 0 }' "$1"
+}
+
 # mdelta BEFORE AFTER NAME[{labels}]: the change of one sample between two /metrics dumps.
 mdelta() { echo $(($(metric "$2" "$3") - $(metric "$1" "$3"))); }
 
@@ -606,6 +621,65 @@ wrk_parse() {
         }' "$1"
 }
 
+# wrk_distinct FILE URL TOTAL MAX_DURATION DONE_DIR: TOTAL requests, each for a new key
+# (bench/distinct.lua: /items/<n>, no id twice), through URL with `wrk -t2 -c64 --timeout 10s
+# --latency`, into FILE after a "# wrk ..." line; MAX_DURATION (wrk's -d) bounds it. wrk's main
+# thread sleeps for the whole -d after its threads stopped, so this waits until both threads
+# have their quota (DONE_DIR/thread-N.done), then sends wrk SIGINT (its done() still prints the
+# "distinct:" line: see distinct_field). Dies when wrk fails.
+wrk_distinct() {
+    local file=$1 url=$2 total=$3 max=$4 done_dir=$5 rc=0 pid
+    echo "# wrk -t2 -c64 -d$max --timeout 10s --latency -s bench/distinct.lua $url -- $total 2 <done_dir>" >"$file"
+    mkdir -p "$done_dir"
+    start_bg "$file.part" wrk -t2 -c64 -d"$max" --timeout 10s --latency \
+        -s bench/distinct.lua "$url" -- "$total" 2 "$done_dir"
+    pid=$LAST_PID
+    while kill -0 "$pid" 2>/dev/null; do
+        if [[ -e $done_dir/thread-0.done && -e $done_dir/thread-1.done ]]; then
+            kill -INT "$pid" 2>/dev/null || true
+            break
+        fi
+        sleep 0.2
+    done
+    reap "$pid" || rc=$?
+    cat "$file.part" >>"$file" && rm -f "$file.part"
+    ((rc == 0)) || die "wrk (distinct keys) exited with $rc; see $file"
+}
+
+# distinct_field FILE NAME: NAME=<n> of the "distinct:" line of a wrk_distinct output (sent,
+# received, non200, ...); empty when there is none.
+distinct_field() { sed -n "s/^distinct:.* $2=\([0-9.]*\).*/\1/p" "$1"; }
+
+# loadgen_rate JSON WHAT BOUND_S ARG...: one `loadgen rate ARG...` into JSON, bounded by its own
+# drain deadline and by `timeout BOUND_S` around it; dies when it fails or measured no response
+# (WHAT in the message).
+loadgen_rate() {
+    local json=$1 what=$2 bound=$3
+    shift 3
+    run_bg "$json" timeout --signal=TERM "$bound" "$LOADGEN_BIN" rate "$@" ||
+        die "loadgen rate failed ($?) for $what; see $json"
+    jq -e '.mode == "rate" and .latency_ms.n > 0' "$json" >/dev/null ||
+        die "loadgen rate for $what measured no response; see $json"
+}
+
+# rate_problems JSON RATE [HIT]: what was not clean in a `loadgen rate` run, one line each:
+# errors, non-2xx, unsent or unfinished requests, an achieved rate under 98% of RATE and, with
+# HIT, answers whose X-Cache was not HIT. Prints nothing for a clean run.
+rate_problems() {
+    local json=$1 wanted=$2 hit=${3:-} errors non2xx unsent unfinished achieved ok hits
+    read -r errors non2xx unsent unfinished achieved ok hits < <(jq -r --arg h "$hit" \
+        '[.errors, .non_2xx, .unsent, .unfinished, .achieved_rate_rps, .ok, (.x_cache[$h] // 0)] | @tsv' "$json")
+    ((errors == 0)) || echo "$errors errors"
+    ((non2xx == 0)) || echo "$non2xx non-2xx"
+    ((unsent == 0)) || echo "$unsent unsent"
+    ((unfinished == 0)) || echo "$unfinished unfinished at the drain deadline"
+    awk -v a="$achieved" -v r="$wanted" 'BEGIN { exit !(a >= 0.98 * r) }' ||
+        echo "achieved $achieved req/s < 98% of $wanted"
+    if [[ -n $hit ]] && ((hits != ok)); then
+        echo "only $hits of $ok answers were $hit"
+    fi
+}
+
 # loadgen_stampede JSON WHAT ARG...: one `loadgen stampede ARG...` into JSON, bounded twice (its
 # own timeouts, and `timeout` around it); dies when it fails.
 loadgen_stampede() {
@@ -620,12 +694,13 @@ json_counts() { jq -r ".${2:-x_cache} | to_entries | map(\"\\(.key)=\\(.value)\"
 
 # --- run environment -------------------------------------------------------------------
 
-# bench_results NAME SUBDIR...: this run's results dir, bench/results/NAME<UTC timestamp>, with
-# its SUBDIRs. Sets STAMP and OUT.
+# bench_results NAME SUBDIR...: this run's results dir, bench/results/NAME<UTC timestamp> (or
+# RESULTS_DIR when that is set: a caller that runs a script as a sub-step knows where its
+# results are), with its SUBDIRs. Sets STAMP and OUT.
 bench_results() {
     local d
     STAMP=$(date -u +%Y%m%dT%H%M%SZ)
-    OUT=$ROOT/bench/results/$1$STAMP
+    OUT=${RESULTS_DIR:-$ROOT/bench/results/$1$STAMP}
     shift
     mkdir -p "$OUT"
     for d in "$@"; do mkdir -p "$OUT/$d"; done
@@ -771,6 +846,33 @@ merge_counts() {
 
 # --- statistics --------------------------------------------------------------------------
 
+# tsv_col FILE COLUMN [NAME=VALUE...]: the values of COLUMN (named in the header line) of a TSV
+# file, one per line, from the rows whose NAME column holds VALUE for every NAME=VALUE; nothing
+# when FILE does not exist.
+tsv_col() {
+    local file=$1 col=$2
+    shift 2
+    [[ -f $file ]] || return 0
+    awk -F'\t' -v col="$col" -v conds="$(printf '%s\n' "$@")" '
+        NR == 1 {
+            for (i = 1; i <= NF; i++) idx[$i] = i
+            if (!(col in idx)) { print "tsv_col: no column " col > "/dev/stderr"; exit 1 }
+            n = split(conds, cl, "\n")
+            for (j = 1; j <= n; j++) {
+                if (cl[j] == "") continue
+                eq = index(cl[j], "=")
+                k++
+                cn[k] = idx[substr(cl[j], 1, eq - 1)]
+                cv[k] = substr(cl[j], eq + 1)
+            }
+            next
+        }
+        {
+            for (j = 1; j <= k; j++) if ($cn[j] != cv[j]) next
+            print $idx[col]
+        }' "$file"
+}
+
 # stats V...: prints "median min max" (median of an even count = mean of the middle two).
 stats() {
     printf '%s\n' "$@" | sort -g | awk '
@@ -823,10 +925,34 @@ cell_dec() {
     fi
 }
 
-# --- process memory --------------------------------------------------------------------
+# --- process memory and CPU ------------------------------------------------------------
 
 # proc_kb PID FIELD: a /proc/PID/status field (VmRSS, VmHWM) in kB.
 proc_kb() { awk -v f="$2:" '$1 == f { print $2 }' "/proc/$1/status" 2>/dev/null; }
+
+# proc_tree PID: PID and its child processes (an nginx master and its workers, cache manager
+# and loader; the varnishd manager and its cache child), one per line.
+proc_tree() {
+    echo "$1"
+    pgrep -P "$1" || true
+}
+
+# cpu_ticks PID...: user + system CPU time of the processes, in clock ticks (getconf CLK_TCK),
+# summed: utime + stime of /proc/PID/stat, every thread of each process included (not its
+# children: name them too, e.g. with proc_tree).
+cpu_ticks() {
+    local pid
+    for pid in "$@"; do cat "/proc/$pid/stat"; done |
+        awk '{ sub(/^.*\) /, ""); s += $12 + $13 } END { print s + 0 }'
+}
+
+# pss_kb PID...: the proportional set size of the processes, in kB, summed (Pss of
+# /proc/PID/smaps_rollup: pages shared between them, such as nginx's cache zone, count once).
+pss_kb() {
+    local pid
+    for pid in "$@"; do cat "/proc/$pid/smaps_rollup"; done |
+        awk '$1 == "Pss:" { s += $2 } END { print s + 0 }'
+}
 
 # vmhwm_lines NAME...: "NAME: VmHWM N kB (main process)" for each NAME of PID_OF.
 vmhwm_lines() {

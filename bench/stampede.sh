@@ -21,6 +21,8 @@
 #        itself, no cache: the floor of what this box, loadgen included, can do for C answers)
 #        CACHEGUARD_BIN=path (skip `cargo build --release` and use this binary)
 #        KEEP_TMP=1 (keep the scratch dir with the rendered nginx/varnish/redis dirs)
+#        RESULTS_DIR=dir (write the results there instead; bench/fleet_cost.sh runs this
+#        script as a sub-step and reads its raw.tsv)
 #
 # Writes bench/results/stampede-<UTC timestamp>/ (loadgen JSON per run, origin stats,
 # cacheguard logs and /metrics before/after each run, raw.tsv, summary.md) and prints the
@@ -334,7 +336,7 @@ P99_LIMIT=$(awk -v d="$DELAY_MS" 'BEGIN { printf "%.1f", d * 1.1 }')
         done
     done
     echo
-    echo "Raw data: \`bench/results/stampede-$STAMP/\` (raw.tsv, runs/*.json with every latency, origin stats, cacheguard logs and /metrics around each run, configs)."
+    echo "Raw data: \`${OUT#"$ROOT"/}/\` (raw.tsv, runs/*.json with every latency, origin stats, cacheguard logs and /metrics around each run, configs)."
 } >"$OUT/summary.md"
 
 show_summary
