@@ -201,7 +201,7 @@ impl Proxy {
             Some(matched) => {
                 let route = Arc::clone(matched.route);
                 let params = matched.params;
-                let response = self.write.serve(&route, &params, request, client).await;
+                let response = Box::pin(self.write.serve(&route, &params, request, client)).await;
                 (Some(route), response)
             }
             None if admit::is_cache_method(method) => {
@@ -213,15 +213,14 @@ impl Proxy {
                 if !is_safe(method)
                     && let Some(target) = self.write.path_target(request.uri().path())
                 {
-                    let response = self
-                        .write
-                        .serve_unrouted(target, &metrics, request, client)
-                        .await;
+                    let response =
+                        Box::pin(self.write.serve_unrouted(target, &metrics, request, client))
+                            .await;
                     return (None, response);
                 }
                 (
                     None,
-                    self.passthrough.serve(&metrics, request, client, &[]).await,
+                    Box::pin(self.passthrough.serve(&metrics, request, client, &[])).await,
                 )
             }
         }

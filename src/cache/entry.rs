@@ -1,11 +1,19 @@
 //! The stored entry: one origin answer plus what is needed to serve and age it.
 //!
-//! Wire format (L2): `b"CG"`, a format version byte, then the postcard encoding of
-//! [`StoredV6`] (version 2 added the surrogate keys, version 3 the age the answer arrived
-//! with, version 4 the stale-if-error window, version 5 how long the copy is kept to be
-//! revalidated, version 6 the request headers its `Vary` selected it by; older values still
-//! decode, with none). Decoding anything else (garbage, another program's value, a future version) is
-//! an error the caller treats as a miss, never a crash.
+//! An entry's key, header lines and body live in one buffer ([`Packed`]): an L1 copy is
+//! that buffer, the few numbers that age it and a small struct, nothing per header; an
+//! L2 value read from Redis becomes an entry without a copy (the buffer is a slice of the
+//! reply). A hit builds its response headers from the buffer's lines, each value a slice
+//! of it.
+//!
+//! Wire format (L2): `b"CG"`, a format version byte, then (version 7) the postcard
+//! encoding of [`MetaV7`] followed by the packed buffer as it is in memory. Versions 1–6
+//! were the postcard encoding of [`StoredV6`] and its ancestors (version 2 added the
+//! surrogate keys, version 3 the age the answer arrived with, version 4 the
+//! stale-if-error window, version 5 how long the copy is kept to be revalidated, version 6
+//! the request headers its `Vary` selected it by); they still decode, with a copy.
+//! Decoding anything else (garbage, another program's value, a future version) is an
+//! error the caller treats as a miss, never a crash.
 
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
@@ -20,17 +28,12 @@ const VERSION_3: u8 = 3;
 const VERSION_4: u8 = 4;
 const VERSION_5: u8 = 5;
 const VERSION_6: u8 = 6;
+const VERSION_7: u8 = 7;
 
-/// A cached answer, ready to serve (headers already parsed).
+/// A cached answer, ready to serve.
 #[derive(Clone, Debug)]
 pub(crate) struct Entry {
-    /// The full cache key; compared on read so a hash collision is a miss.
-    pub(crate) key: String,
     pub(crate) status: StatusCode,
-    /// End-to-end headers worth keeping (hop-by-hop, `Set-Cookie`, `Age` removed: the age
-    /// is `initial_age_secs` and grows while the entry is stored).
-    pub(crate) headers: HeaderMap,
-    pub(crate) body: Bytes,
     /// Wall-clock store time, ms since the Unix epoch.
     pub(crate) stored_at_ms: u64,
     /// The answer's age when it arrived (its upstream `Age`, corrected: RFC 9111 §4.2.3).
@@ -56,6 +59,147 @@ pub(crate) struct Entry {
     /// values (normalized; `None`: absent) of the request it was made for. It is only
     /// served to requests with the same values (RFC 9111 §4.1): see [`Entry::selects`].
     pub(crate) selecting: Vec<(HeaderName, Option<HeaderValue>)>,
+    /// The full cache key (compared on read so a hash collision is a miss), the end-to-end
+    /// header lines worth keeping (hop-by-hop, `Set-Cookie`, `Age` removed: the age is
+    /// `initial_age_secs` and grows while the entry is stored) and the body.
+    packed: Packed,
+}
+
+/// The key, header lines and body of an entry in one buffer:
+///
+/// ```text
+/// key (UTF-8) | per line: name length (u16 BE), name, value length (u32 BE), value | body
+/// 0           key_len                                                     body_at      end
+/// ```
+///
+/// Every name and value was checked when the buffer was made ([`Packed::new`],
+/// [`Packed::checked`]), so reading it back cannot fail. Hand-rolled rather than a
+/// serialized `HeaderMap`: the point is that a hit reads its header values as slices of
+/// this one allocation, with no decoding step and nothing allocated per line.
+#[derive(Clone, Debug)]
+struct Packed {
+    buf: Bytes,
+    key_len: u32,
+    body_at: u32,
+}
+
+/// Why a packed buffer was refused.
+#[derive(Debug)]
+struct BadPacking;
+
+impl Packed {
+    fn new(key: &str, headers: &HeaderMap, body: &[u8]) -> Packed {
+        let lines: usize = headers
+            .iter()
+            .map(|(n, v)| 6 + n.as_str().len() + v.len())
+            .sum();
+        let mut buf = Vec::with_capacity(key.len() + lines + body.len());
+        buf.extend_from_slice(key.as_bytes());
+        for (name, value) in headers {
+            // A HeaderName is at most 64 KiB; a value longer than 4 GiB cannot have come
+            // through the origin's head limits. Such a line is left out, never truncated.
+            let (Ok(name_len), Ok(value_len)) = (
+                u16::try_from(name.as_str().len()),
+                u32::try_from(value.len()),
+            ) else {
+                continue;
+            };
+            buf.extend_from_slice(&name_len.to_be_bytes());
+            buf.extend_from_slice(name.as_str().as_bytes());
+            buf.extend_from_slice(&value_len.to_be_bytes());
+            buf.extend_from_slice(value.as_bytes());
+        }
+        let body_at = buf.len();
+        buf.extend_from_slice(body);
+        let narrow = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
+        Packed {
+            buf: Bytes::from(buf),
+            key_len: narrow(key.len()),
+            body_at: narrow(body_at),
+        }
+    }
+
+    /// A buffer read back (from Redis): its key and every line checked.
+    fn checked(buf: Bytes, key_len: u32, body_at: u32) -> Result<Packed, BadPacking> {
+        let (key_end, body_start) = (key_len as usize, body_at as usize);
+        if key_end > body_start || body_start > buf.len() {
+            return Err(BadPacking);
+        }
+        std::str::from_utf8(&buf[..key_end]).map_err(|_| BadPacking)?;
+        let packed = Packed {
+            buf,
+            key_len,
+            body_at,
+        };
+        let mut lines = packed.line_ranges();
+        for (name, value) in lines.by_ref() {
+            HeaderName::from_bytes(&packed.buf[name]).map_err(|_| BadPacking)?;
+            HeaderValue::from_bytes(&packed.buf[value]).map_err(|_| BadPacking)?;
+        }
+        if lines.broken {
+            return Err(BadPacking);
+        }
+        Ok(packed)
+    }
+
+    fn key(&self) -> &str {
+        std::str::from_utf8(&self.buf[..self.key_len as usize]).unwrap_or_default()
+    }
+
+    fn body(&self) -> Bytes {
+        self.buf.slice(self.body_at as usize..)
+    }
+
+    fn line_ranges(&self) -> LineRanges<'_> {
+        LineRanges {
+            block: &self.buf[..self.body_at as usize],
+            at: self.key_len as usize,
+            broken: false,
+        }
+    }
+
+    fn lines(&self) -> impl Iterator<Item = (HeaderName, HeaderValue)> + '_ {
+        self.line_ranges().filter_map(|(name, value)| {
+            let name = HeaderName::from_bytes(&self.buf[name]).ok()?;
+            let value = HeaderValue::from_maybe_shared(self.buf.slice(value)).ok()?;
+            Some((name, value))
+        })
+    }
+}
+
+/// The byte ranges of the name and value of each header line of a packed buffer.
+struct LineRanges<'a> {
+    block: &'a [u8],
+    at: usize,
+    /// A line ran past the end of the block.
+    broken: bool,
+}
+
+impl Iterator for LineRanges<'_> {
+    type Item = (std::ops::Range<usize>, std::ops::Range<usize>);
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.at >= self.block.len() || self.broken {
+            return None;
+        }
+        let field = |at: usize, width: usize| -> Option<(usize, usize)> {
+            let bytes = self.block.get(at..at.checked_add(width)?)?;
+            let len = bytes.iter().fold(0usize, |n, b| (n << 8) | usize::from(*b));
+            let start = at + width;
+            let end = start.checked_add(len)?;
+            (end <= self.block.len()).then_some((start, end))
+        };
+        let Some((name_start, name_end)) = field(self.at, 2) else {
+            self.broken = true;
+            return None;
+        };
+        let Some((value_start, value_end)) = field(name_end, 4) else {
+            self.broken = true;
+            return None;
+        };
+        self.at = value_end;
+        Some((name_start..name_end, value_start..value_end))
+    }
 }
 
 /// Where an entry is in its life at a given moment.
@@ -126,14 +270,106 @@ struct StoredV6 {
     selecting: Vec<(String, Option<Bytes>)>,
 }
 
+/// What precedes the packed buffer in a version-7 value.
+#[derive(Serialize, Deserialize)]
+struct MetaV7 {
+    status: u16,
+    stored_at_ms: u64,
+    initial_age_secs: u64,
+    ttl_ms: u64,
+    grace_ms: u64,
+    error_grace_ms: u64,
+    keep_ms: u64,
+    fetch_ms: u32,
+    tags: Vec<String>,
+    selecting: Vec<(String, Option<Bytes>)>,
+    key_len: u32,
+    body_at: u32,
+}
+
 impl Entry {
+    /// An entry for `key` holding `status`, `headers` and `body` (copied into one buffer),
+    /// stored at time 0 with no lifetime, tags or selecting headers: the caller sets them.
+    pub(crate) fn new(key: &str, status: StatusCode, headers: &HeaderMap, body: &[u8]) -> Entry {
+        Entry {
+            status,
+            stored_at_ms: 0,
+            initial_age_secs: 0,
+            ttl_ms: 0,
+            grace_ms: 0,
+            error_grace_ms: 0,
+            keep_ms: 0,
+            fetch_ms: 0,
+            tags: Vec::new(),
+            selecting: Vec::new(),
+            packed: Packed::new(key, headers, body),
+        }
+    }
+
+    /// The full cache key.
+    pub(crate) fn key(&self) -> &str {
+        self.packed.key()
+    }
+
+    /// The body (a slice of the entry's buffer: no copy).
+    pub(crate) fn body(&self) -> Bytes {
+        self.packed.body()
+    }
+
+    pub(crate) fn body_len(&self) -> usize {
+        self.packed.buf.len() - self.packed.body_at as usize
+    }
+
+    /// The stored header lines, in order; each value is a slice of the entry's buffer.
+    pub(crate) fn header_lines(&self) -> impl Iterator<Item = (HeaderName, HeaderValue)> + '_ {
+        self.packed.lines()
+    }
+
+    /// How many header lines are stored.
+    pub(crate) fn header_count(&self) -> usize {
+        self.packed.line_ranges().count()
+    }
+
+    /// The stored header lines as a map (for the rare paths that edit them).
+    pub(crate) fn headers(&self) -> HeaderMap {
+        let mut map = HeaderMap::with_capacity(self.header_count());
+        for (name, value) in self.header_lines() {
+            map.append(name, value);
+        }
+        map
+    }
+
+    /// Whether a header line named `name` is stored.
+    pub(crate) fn has_header(&self, name: &HeaderName) -> bool {
+        self.header(name).is_some()
+    }
+
+    /// The value of the first header line named `name`.
+    pub(crate) fn header(&self, name: &HeaderName) -> Option<HeaderValue> {
+        let (_, value) = self
+            .packed
+            .line_ranges()
+            .find(|(n, _)| self.packed.buf[n.clone()] == *name.as_str().as_bytes())?;
+        HeaderValue::from_maybe_shared(self.packed.buf.slice(value)).ok()
+    }
+
+    /// The entry with its whole buffer replaced by `hold(buffer)`, which must hold the
+    /// same bytes (e.g. the same buffer tied to something that lives as long as it).
+    pub(crate) fn map_buffer(mut self, hold: impl FnOnce(Bytes) -> Bytes) -> Entry {
+        let len = self.packed.buf.len();
+        let held = hold(std::mem::take(&mut self.packed.buf));
+        debug_assert_eq!(held.len(), len);
+        self.packed.buf = held;
+        self
+    }
+
     /// Is this a negative entry (a cached "does not exist")?
     pub(crate) fn is_negative(&self) -> bool {
         matches!(self.status.as_u16(), 404 | 410)
     }
 
     pub(crate) fn matches(&self, key: &CacheKey) -> bool {
-        self.key == key.full
+        self.key() == key.full
     }
 
     /// Whether this answer may be served to a request with `headers`: every header its
@@ -187,53 +423,34 @@ impl Entry {
 
     /// Approximate memory held by this entry while it sits in L1, for L1's byte bound.
     ///
-    /// Counts the body and key, each header (name, value, and the `Bytes` and map slot
-    /// around it), and a fixed per-entry overhead: the `Entry` and its `Arc`, the header
-    /// map's index table, and moka's own bookkeeping (hash-table slot, access and expiry
-    /// order nodes, timer-wheel node), plus allocator rounding. The fixed part was sized
-    /// from RSS measured under a million distinct keys (see BENCHMARKS.md, memory); an
-    /// under-count lets RSS outgrow `l1_max_bytes`, which is a weight, not a memory bound.
+    /// Counts the buffer (key, header lines, body), the tags and selecting headers, and a
+    /// fixed per-entry overhead: the `Entry` and its `Arc`, allocator rounding, and moka's
+    /// own bookkeeping (hash-table slot, access and expiry order nodes, timer-wheel node:
+    /// about 400 bytes per entry, measured). The fixed part was sized from RSS measured
+    /// under a million distinct keys (see BENCHMARKS.md, memory); an under-count lets RSS
+    /// outgrow `l1_max_bytes`, which is a weight, not a memory bound.
     pub(crate) fn weight(&self) -> usize {
-        const PER_HEADER: usize = 96;
-        const PER_ENTRY: usize = 1024;
-        let headers: usize = self
-            .headers
-            .iter()
-            .map(|(n, v)| n.as_str().len() + v.len() + PER_HEADER)
-            .sum();
+        const PER_ENTRY: usize = 640;
         let tags: usize = self.tags.iter().map(|t| t.len() + 24).sum();
-        self.key.len() + self.body.len() + headers + tags + PER_ENTRY
+        let selecting: usize = self
+            .selecting
+            .iter()
+            .map(|(n, v)| n.as_str().len() + v.as_ref().map_or(0, HeaderValue::len) + 96)
+            .sum();
+        self.packed.buf.len() + tags + selecting + PER_ENTRY
     }
 
     pub(crate) fn encode(&self) -> Result<Vec<u8>, postcard::Error> {
-        let v1 = StoredV1 {
-            key: self.key.clone(),
+        let meta = MetaV7 {
             status: self.status.as_u16(),
-            headers: self
-                .headers
-                .iter()
-                .map(|(n, v)| (n.as_str().to_owned(), Bytes::copy_from_slice(v.as_bytes())))
-                .collect(),
-            body: self.body.clone(),
             stored_at_ms: self.stored_at_ms,
+            initial_age_secs: self.initial_age_secs,
             ttl_ms: self.ttl_ms,
             grace_ms: self.grace_ms,
+            error_grace_ms: self.error_grace_ms,
+            keep_ms: self.keep_ms,
             fetch_ms: self.fetch_ms,
-        };
-        let stored = StoredV6 {
-            v5: StoredV5 {
-                v4: StoredV4 {
-                    v3: StoredV3 {
-                        v2: StoredV2 {
-                            v1,
-                            tags: self.tags.clone(),
-                        },
-                        initial_age_secs: self.initial_age_secs,
-                    },
-                    error_grace_ms: self.error_grace_ms,
-                },
-                keep_ms: self.keep_ms,
-            },
+            tags: self.tags.clone(),
             selecting: self
                 .selecting
                 .iter()
@@ -242,18 +459,47 @@ impl Entry {
                     (n.as_str().to_owned(), value)
                 })
                 .collect(),
+            key_len: self.packed.key_len,
+            body_at: self.packed.body_at,
         };
-        let mut out = Vec::with_capacity(self.body.len() + self.key.len() + 256);
+        let mut out = Vec::with_capacity(self.packed.buf.len() + 64);
         out.extend_from_slice(MAGIC);
-        out.push(VERSION_6);
-        postcard::to_extend(&stored, out)
+        out.push(VERSION_7);
+        let mut out = postcard::to_extend(&meta, out)?;
+        out.extend_from_slice(&self.packed.buf);
+        Ok(out)
     }
 
-    pub(crate) fn decode(bytes: &[u8]) -> Result<Entry, DecodeEntryError> {
+    /// The entry a stored value holds. A version-7 value becomes an entry without a copy:
+    /// its buffer is a slice of `bytes`.
+    pub(crate) fn decode(bytes: Bytes) -> Result<Entry, DecodeEntryError> {
         let Some(rest) = bytes.strip_prefix(MAGIC) else {
             return Err(DecodeEntryError::Magic);
         };
         let (&version, payload) = rest.split_first().ok_or(DecodeEntryError::Magic)?;
+        if version == VERSION_7 {
+            let (meta, packed) = postcard::take_from_bytes::<MetaV7>(payload)?;
+            let packed = Packed::checked(bytes.slice_ref(packed), meta.key_len, meta.body_at)
+                .map_err(|_| DecodeEntryError::Invalid)?;
+            return Ok(Entry {
+                status: StatusCode::from_u16(meta.status).map_err(|_| DecodeEntryError::Invalid)?,
+                stored_at_ms: meta.stored_at_ms,
+                initial_age_secs: meta.initial_age_secs,
+                ttl_ms: meta.ttl_ms,
+                grace_ms: meta.grace_ms,
+                error_grace_ms: meta.error_grace_ms,
+                keep_ms: meta.keep_ms,
+                fetch_ms: meta.fetch_ms,
+                tags: meta.tags,
+                selecting: selecting_from(meta.selecting)?,
+                packed,
+            });
+        }
+        Self::decode_v1_to_v6(version, payload)
+    }
+
+    /// A value of an earlier format: decoded, then packed (a copy).
+    fn decode_v1_to_v6(version: u8, payload: &[u8]) -> Result<Entry, DecodeEntryError> {
         // Before version 4 the one grace window served both purposes; before version 5 a
         // copy was kept for as long as a grace lasted.
         let mut selecting_raw = Vec::new();
@@ -302,32 +548,35 @@ impl Entry {
                 HeaderValue::from_maybe_shared(value).map_err(|_| DecodeEntryError::Invalid)?;
             headers.append(name, value);
         }
-        let mut selecting = Vec::with_capacity(selecting_raw.len());
-        for (name, value) in selecting_raw {
-            let name =
-                HeaderName::from_bytes(name.as_bytes()).map_err(|_| DecodeEntryError::Invalid)?;
-            let value = value
-                .map(HeaderValue::from_maybe_shared)
-                .transpose()
-                .map_err(|_| DecodeEntryError::Invalid)?;
-            selecting.push((name, value));
-        }
-        Ok(Entry {
-            key: stored.key,
-            status,
-            headers,
-            body: stored.body,
-            stored_at_ms: stored.stored_at_ms,
-            initial_age_secs,
-            ttl_ms: stored.ttl_ms,
-            grace_ms: stored.grace_ms,
-            error_grace_ms,
-            keep_ms,
-            fetch_ms: stored.fetch_ms,
-            tags,
-            selecting,
-        })
+        let mut entry = Entry::new(&stored.key, status, &headers, &stored.body);
+        entry.stored_at_ms = stored.stored_at_ms;
+        entry.initial_age_secs = initial_age_secs;
+        entry.ttl_ms = stored.ttl_ms;
+        entry.grace_ms = stored.grace_ms;
+        entry.error_grace_ms = error_grace_ms;
+        entry.keep_ms = keep_ms;
+        entry.fetch_ms = stored.fetch_ms;
+        entry.tags = tags;
+        entry.selecting = selecting_from(selecting_raw)?;
+        Ok(entry)
     }
+}
+
+/// The selecting headers of a stored value, checked.
+fn selecting_from(
+    raw: Vec<(String, Option<Bytes>)>,
+) -> Result<Vec<(HeaderName, Option<HeaderValue>)>, DecodeEntryError> {
+    let mut selecting = Vec::with_capacity(raw.len());
+    for (name, value) in raw {
+        let name =
+            HeaderName::from_bytes(name.as_bytes()).map_err(|_| DecodeEntryError::Invalid)?;
+        let value = value
+            .map(HeaderValue::from_maybe_shared)
+            .transpose()
+            .map_err(|_| DecodeEntryError::Invalid)?;
+        selecting.push((name, value));
+    }
+    Ok(selecting)
 }
 
 /// The value of `name` in `headers` as a `Vary` selection compares it: every field line,
@@ -361,27 +610,28 @@ mod tests {
         headers.insert("content-type", HeaderValue::from_static("application/json"));
         headers.append("x-multi", HeaderValue::from_static("a"));
         headers.append("x-multi", HeaderValue::from_static("b"));
-        Entry {
-            key: "item\n/api/items/1\n".into(),
-            status: StatusCode::OK,
-            headers,
-            body: Bytes::from_static(b"{\"id\":1}"),
-            stored_at_ms: 1_000,
-            initial_age_secs: 7,
-            ttl_ms: 60_000,
-            grace_ms: 30_000,
-            error_grace_ms: 50_000,
-            keep_ms: 70_000,
-            fetch_ms: 20,
-            tags: vec!["item-1".into(), "items".into()],
-            selecting: vec![
-                (
-                    HeaderName::from_static("accept-language"),
-                    Some(HeaderValue::from_static("fr,en")),
-                ),
-                (HeaderName::from_static("x-absent"), None),
-            ],
-        }
+        let mut e = Entry::new(
+            "item\n/api/items/1\n",
+            StatusCode::OK,
+            &headers,
+            b"{\"id\":1}",
+        );
+        e.stored_at_ms = 1_000;
+        e.initial_age_secs = 7;
+        e.ttl_ms = 60_000;
+        e.grace_ms = 30_000;
+        e.error_grace_ms = 50_000;
+        e.keep_ms = 70_000;
+        e.fetch_ms = 20;
+        e.tags = vec!["item-1".into(), "items".into()];
+        e.selecting = vec![
+            (
+                HeaderName::from_static("accept-language"),
+                Some(HeaderValue::from_static("fr,en")),
+            ),
+            (HeaderName::from_static("x-absent"), None),
+        ];
+        e
     }
 
     #[test]
@@ -407,11 +657,14 @@ mod tests {
     #[test]
     fn round_trip() {
         let e = sample();
-        let d = Entry::decode(&e.encode().unwrap()).unwrap();
-        assert_eq!(d.key, e.key);
+        let d = Entry::decode(Bytes::from(e.encode().unwrap())).unwrap();
+        assert_eq!(d.key(), e.key());
         assert_eq!(d.status, e.status);
-        assert_eq!(d.headers, e.headers);
-        assert_eq!(d.body, e.body);
+        assert_eq!(d.headers(), e.headers());
+        assert_eq!(d.body(), e.body());
+        assert_eq!(d.header_count(), 3);
+        assert!(d.has_header(&HeaderName::from_static("x-multi")));
+        assert!(!d.has_header(&HeaderName::from_static("x-other")));
         assert_eq!(d.tags, e.tags);
         assert_eq!(d.initial_age_secs, 7);
         assert_eq!(d.error_grace_ms, 50_000);
@@ -427,10 +680,10 @@ mod tests {
     fn version_1_values_still_decode() {
         let e = sample();
         let v1 = StoredV1 {
-            key: e.key.clone(),
+            key: e.key().to_owned(),
             status: 200,
             headers: vec![],
-            body: e.body.clone(),
+            body: e.body(),
             stored_at_ms: 1,
             ttl_ms: 2,
             grace_ms: 3,
@@ -439,31 +692,116 @@ mod tests {
         let mut bytes = MAGIC.to_vec();
         bytes.push(VERSION_1);
         let bytes = postcard::to_extend(&v1, bytes).unwrap();
-        let d = Entry::decode(&bytes).unwrap();
-        assert_eq!((d.key, d.ttl_ms, d.tags.len()), (e.key, 2, 0));
+        let d = Entry::decode(Bytes::from(bytes)).unwrap();
+        assert_eq!((d.key(), d.ttl_ms, d.tags.len()), (e.key(), 2, 0));
+    }
+
+    #[test]
+    fn version_6_values_still_decode() {
+        let e = sample();
+        let headers = e
+            .header_lines()
+            .map(|(n, v)| (n.as_str().to_owned(), Bytes::copy_from_slice(v.as_bytes())))
+            .collect();
+        let v1 = StoredV1 {
+            key: e.key().to_owned(),
+            status: 200,
+            headers,
+            body: e.body(),
+            stored_at_ms: 1_000,
+            ttl_ms: 60_000,
+            grace_ms: 30_000,
+            fetch_ms: 20,
+        };
+        let v6 = StoredV6 {
+            v5: StoredV5 {
+                v4: StoredV4 {
+                    v3: StoredV3 {
+                        v2: StoredV2 {
+                            v1,
+                            tags: e.tags.clone(),
+                        },
+                        initial_age_secs: 7,
+                    },
+                    error_grace_ms: 50_000,
+                },
+                keep_ms: 70_000,
+            },
+            selecting: vec![("accept-language".into(), Some(Bytes::from_static(b"fr,en")))],
+        };
+        let mut bytes = MAGIC.to_vec();
+        bytes.push(VERSION_6);
+        let d = Entry::decode(Bytes::from(postcard::to_extend(&v6, bytes).unwrap())).unwrap();
+        assert_eq!(d.key(), e.key());
+        assert_eq!(d.headers(), e.headers());
+        assert_eq!(d.body(), e.body());
+        assert_eq!(
+            (d.keep_ms, d.error_grace_ms, d.initial_age_secs),
+            (70_000, 50_000, 7)
+        );
+        assert_eq!(d.tags, e.tags);
+        assert_eq!(d.selecting.len(), 1);
+    }
+
+    #[test]
+    fn a_decoded_entry_shares_the_value_it_was_read_from() {
+        let value = Bytes::from(sample().encode().unwrap());
+        let d = Entry::decode(value.clone()).unwrap();
+        let body = d.body();
+        let within = value.as_ptr_range();
+        assert!(
+            within.contains(&body.as_ptr()),
+            "the body is a slice of the value"
+        );
+        for (_, v) in d.header_lines() {
+            assert!(
+                within.contains(&v.as_bytes().as_ptr()),
+                "so is each header value"
+            );
+        }
+    }
+
+    #[test]
+    fn a_packed_buffer_that_lies_is_refused() {
+        let headers = HeaderMap::new();
+        let good = Packed::new("k", &headers, b"body");
+        for (key_len, body_at) in [(2, 1), (1, 99), (0, 1)] {
+            // (key past the body), (body past the end), (a header block of one byte)
+            assert!(Packed::checked(good.buf.clone(), key_len, body_at).is_err());
+        }
+        let mut bad_name = b"k".to_vec();
+        bad_name.extend_from_slice(&[0, 2, b'a', b' ', 0, 0, 0, 0]);
+        let at = u32::try_from(bad_name.len()).unwrap();
+        assert!(Packed::checked(Bytes::from(bad_name), 1, at).is_err());
+        let mut bad_value = b"k".to_vec();
+        bad_value.extend_from_slice(&[0, 1, b'a', 0, 0, 0, 1, b'\n']);
+        let at = u32::try_from(bad_value.len()).unwrap();
+        assert!(Packed::checked(Bytes::from(bad_value), 1, at).is_err());
+        assert!(Packed::checked(good.buf.clone(), 1, 1).is_ok());
     }
 
     #[test]
     fn garbage_is_an_error_not_a_panic() {
-        assert!(matches!(Entry::decode(b""), Err(DecodeEntryError::Magic)));
+        let decode = |b: &[u8]| Entry::decode(Bytes::copy_from_slice(b));
+        assert!(matches!(decode(b""), Err(DecodeEntryError::Magic)));
+        assert!(matches!(decode(b"hello"), Err(DecodeEntryError::Magic)));
         assert!(matches!(
-            Entry::decode(b"hello"),
-            Err(DecodeEntryError::Magic)
-        ));
-        assert!(matches!(
-            Entry::decode(b"CG\x09xx"),
+            decode(b"CG\x09xx"),
             Err(DecodeEntryError::Version(9))
         ));
         let mut bytes = sample().encode().unwrap();
         bytes.truncate(bytes.len() / 2);
-        assert!(Entry::decode(&bytes).is_err());
-        // Every prefix and a sweep of byte flips must decode to Ok or Err, never panic.
+        assert!(decode(&bytes).is_err());
+        // Every prefix and a sweep of byte flips must decode to Ok or Err, never panic;
+        // what decodes can be served (its lines read back) without a panic either.
         let full = sample().encode().unwrap();
         for i in 0..full.len() {
-            let _ = Entry::decode(&full[..i]);
+            let _ = decode(&full[..i]);
             let mut flipped = full.clone();
             flipped[i] ^= 0xff;
-            let _ = Entry::decode(&flipped);
+            if let Ok(e) = decode(&flipped) {
+                let _ = (e.headers(), e.body(), e.key());
+            }
         }
     }
 

@@ -180,9 +180,9 @@ impl L1 {
         self.cache
             .iter()
             .filter(|(_, held)| {
-                key::route_and_path(&held.entry.key).is_some_and(|(_, path)| matches(path))
+                key::route_and_path(held.entry.key()).is_some_and(|(_, path)| matches(path))
             })
-            .map(|(_, held)| held.entry.key.clone())
+            .map(|(_, held)| held.entry.key().to_owned())
             .collect()
     }
 

@@ -178,7 +178,7 @@ impl L2 {
             Ok(bytes) => bytes,
             Err(_) => return Lookup::Unavailable,
         };
-        match Entry::decode(&bytes) {
+        match Entry::decode(bytes::Bytes::from(bytes)) {
             Ok(entry) if entry.matches(key) => Lookup::Hit(Arc::new(entry)),
             // Another key with the same 128-bit hash: a miss, never a wrong answer.
             Ok(_) => Lookup::Miss,

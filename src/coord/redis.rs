@@ -64,13 +64,14 @@ tokio::task_local! {
 
 /// Runs `future`, counting the Redis commands it sends (through [`RedisConn`], in this
 /// task); returns its output and the count.
-pub(crate) async fn count_commands<F: Future>(future: F) -> (F::Output, u32) {
-    COMMANDS
-        .scope(std::cell::Cell::new(0), async {
-            let output = future.await;
-            (output, COMMANDS.with(std::cell::Cell::get))
-        })
-        .await
+///
+/// Not an `async fn`: one would hold `future` twice over (as its argument and inside the
+/// scope it awaits), and request futures are large.
+pub(crate) fn count_commands<F: Future>(future: F) -> impl Future<Output = (F::Output, u32)> {
+    COMMANDS.scope(std::cell::Cell::new(0), async move {
+        let output = future.await;
+        (output, COMMANDS.with(std::cell::Cell::get))
+    })
 }
 
 /// Adds `n` commands to the count of the [`count_commands`] this task runs in, if any

@@ -87,8 +87,7 @@ impl FillJob {
     /// This fill revalidates `stored`, when it has a validator (`ETag`, `Last-Modified`).
     pub(crate) fn revalidating(mut self, stored: Option<Arc<Entry>>) -> Self {
         self.stored = stored.filter(|entry| {
-            entry.headers.contains_key(header::ETAG)
-                || entry.headers.contains_key(header::LAST_MODIFIED)
+            entry.has_header(&header::ETAG) || entry.has_header(&header::LAST_MODIFIED)
         });
         self
     }
@@ -321,9 +320,9 @@ async fn fetch(origin: &Origin, job: &FillJob) -> Classified {
         Some(stored) if head.status == StatusCode::NOT_MODIFIED => (
             Head {
                 status: stored.status,
-                headers: updated_headers(&stored.headers, head.headers),
+                headers: updated_headers(stored.headers(), head.headers),
             },
-            stored.body.clone(),
+            stored.body(),
             Outcome::Revalidated,
         ),
         _ => (head, complete, Outcome::Miss),
@@ -397,8 +396,8 @@ fn cached_fetch_request(
             (header::ETAG, header::IF_NONE_MATCH),
             (header::LAST_MODIFIED, header::IF_MODIFIED_SINCE),
         ] {
-            if let Some(value) = stored.headers.get(validator) {
-                headers.insert(condition, value.clone());
+            if let Some(value) = stored.header(&validator) {
+                headers.insert(condition, value);
             }
         }
     }
@@ -431,9 +430,8 @@ const NOT_UPDATED_BY_304: [HeaderName; 5] = [
 
 /// The stored headers updated from a `304` (RFC 9111 §4.3.4): each header the `304` has
 /// replaces the stored one of that name, but for [`NOT_UPDATED_BY_304`].
-fn updated_headers(stored: &HeaderMap, mut not_modified: HeaderMap) -> HeaderMap {
+fn updated_headers(mut headers: HeaderMap, mut not_modified: HeaderMap) -> HeaderMap {
     strip_hop_by_hop(&mut not_modified);
-    let mut headers = stored.clone();
     let mut last = None;
     for (name, value) in not_modified {
         // `into_iter` names a header only at its first value.
@@ -589,31 +587,20 @@ fn new_entry(job: &FillJob, head: Head, body: Bytes, fetch_ms: u32, life: Lifeti
         // Aimed at this cache, not at the clients (nor at caches after it).
         strip_targeted(&mut origin_headers);
     }
-    // hyper's header values are slices of the connection's read buffer (8 KiB and more):
-    // keeping them would pin a whole buffer per cached entry. Copy what is kept.
-    let mut headers = HeaderMap::with_capacity(origin_headers.len());
-    for (name, value) in &origin_headers {
-        let mut owned =
-            http::HeaderValue::from_bytes(value.as_bytes()).unwrap_or_else(|_| value.clone());
-        owned.set_sensitive(value.is_sensitive());
-        headers.append(name.clone(), owned);
-    }
+    // The key, the kept lines and the body are copied into one buffer: hyper's header
+    // values are slices of the connection's read buffer (8 KiB and more), which an entry
+    // must not pin.
     let millis = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
-    Entry {
-        key: job.key.full.clone(),
-        status: head.status,
-        headers,
-        body,
-        stored_at_ms: life.stored_at_ms,
-        initial_age_secs: life.initial_age_secs,
-        ttl_ms: millis(life.ttl),
-        grace_ms: millis(life.grace),
-        error_grace_ms: millis(life.error_grace),
-        keep_ms: millis(life.keep),
-        fetch_ms,
-        tags: tags.tags,
-        selecting: Vec::new(),
-    }
+    let mut entry = Entry::new(&job.key.full, head.status, &origin_headers, &body);
+    entry.stored_at_ms = life.stored_at_ms;
+    entry.initial_age_secs = life.initial_age_secs;
+    entry.ttl_ms = millis(life.ttl);
+    entry.grace_ms = millis(life.grace);
+    entry.error_grace_ms = millis(life.error_grace);
+    entry.keep_ms = millis(life.keep);
+    entry.fetch_ms = fetch_ms;
+    entry.tags = tags.tags;
+    entry
 }
 
 /// The status and headers of an origin answer.
@@ -645,11 +632,10 @@ impl ReadBody {
 /// `reservation` until the last of them has been sent it. The stored copies (L1, Redis)
 /// never hold it: their memory is `l1_max_bytes`'s to bound.
 pub(crate) fn served(entry: Arc<Entry>, reservation: Reservation) -> Arc<Entry> {
-    if entry.body.is_empty() {
+    if entry.body_len() == 0 {
         return entry;
     }
-    let mut served = Arc::unwrap_or_clone(entry);
-    served.body = reservation.hold(served.body);
+    let served = Arc::unwrap_or_clone(entry).map_buffer(|buffer| reservation.hold(buffer));
     Arc::new(served)
 }
 

@@ -498,7 +498,7 @@ impl Filler {
                     Ok(FillOutcome::GenerationChanged)
                 }
                 Err(e) => Err(e),
-                Ok(false) => match permit.large_value_turn(entry.body.len()).await {
+                Ok(false) => match permit.large_value_turn(entry.body_len()).await {
                     Ok(_turn) => match entry.encode() {
                         Ok(bytes) => permit.fill(&bytes, life).await,
                         Err(_) => Ok(FillOutcome::Stored),

@@ -68,8 +68,10 @@ impl ReadPath {
         drop(body);
         let asked = conditional::Asked::of(&parts.headers);
         let head = parts.method == Method::HEAD;
+        // On the heap: every future that awaits this one (and hyper, which moves the
+        // request's future twice) then holds a pointer, not kilobytes to copy per request.
         let ((mut response, outcome), commands) =
-            count_commands(self.read(route, parts, client)).await;
+            count_commands(Box::pin(self.read(route, parts, client))).await;
         if let Some(asked) = &asked {
             response = conditional::apply(asked, response, head);
         }
@@ -87,16 +89,14 @@ impl ReadPath {
         client: SocketAddr,
     ) -> (Response<Body>, Outcome) {
         if per_user(&parts.headers) {
-            return self
-                .origin
-                .forward(
-                    parts,
-                    no_body(),
-                    client,
-                    &route.metrics,
-                    &route.config.forward_client_headers,
-                )
-                .await;
+            return Box::pin(self.origin.forward(
+                parts,
+                no_body(),
+                client,
+                &route.metrics,
+                &route.config.forward_client_headers,
+            ))
+            .await;
         }
         let head = parts.method == Method::HEAD;
         let derived = key::derive(
@@ -116,7 +116,7 @@ impl ReadPath {
                 if let Some(refused) = over_budget(route, &derived.key) {
                     return refused;
                 }
-                return self.filler.fill(job(), head).await;
+                return Box::pin(self.filler.fill(job(), head)).await;
             }
             Gate::Lookup {
                 past_l1,
@@ -124,7 +124,7 @@ impl ReadPath {
             } => (past_l1, refresh_early),
         };
         if self.filler.in_progress(derived.key.hash) {
-            return self.filler.fill(job(), head).await;
+            return Box::pin(self.filler.fill(job(), head)).await;
         }
         match self
             .tiers
@@ -147,10 +147,8 @@ impl ReadPath {
                 {
                     return refused;
                 }
-                let (response, outcome) = self
-                    .filler
-                    .fill(job().revalidating(kept.clone()), head)
-                    .await;
+                let (response, outcome) =
+                    Box::pin(self.filler.fill(job().revalidating(kept.clone()), head)).await;
                 match kept {
                     // Stale-if-error: the origin failed, a copy within its error grace
                     // answers instead.

@@ -80,17 +80,17 @@ pub(crate) fn from_entry(
     let body = if head {
         Body::empty()
     } else {
-        Body::Full(Some(entry.body.clone()).filter(|b| !b.is_empty()))
+        Body::Full(Some(entry.body()).filter(|b| !b.is_empty()))
     };
     let mut response = Response::new(body);
     *response.status_mut() = entry.status;
     let headers = response.headers_mut();
-    headers.reserve(entry.headers.len() + 3);
-    for (name, value) in &entry.headers {
-        headers.append(name.clone(), value.clone());
+    headers.reserve(entry.header_count() + 3);
+    for (name, value) in entry.header_lines() {
+        headers.append(name, value);
     }
     if head {
-        headers.insert(header::CONTENT_LENGTH, HeaderValue::from(entry.body.len()));
+        headers.insert(header::CONTENT_LENGTH, HeaderValue::from(entry.body_len()));
     }
     headers.insert(header::AGE, HeaderValue::from(entry.age_secs(now_ms)));
     headers.insert(X_CACHE.clone(), x_cache_value(outcome));
