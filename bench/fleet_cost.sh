@@ -40,8 +40,9 @@
 #            by the entries stored (cacheguard_l1_entries; the files in nginx's cache dir;
 #            varnishstat MAIN.n_object), in KiB and as a multiple of body + origin response
 #            head; nginx also: disk bytes (du -sb) per entry. One rep.
-#   e. stampede  bench/stampede.sh as a sub-step: CONCURRENCIES=STAMPEDE_C TARGETS="nginx2
-#            varnish2 cg2" (two instances of each; cg2 = two cacheguard sharing one Redis),
+#   e. stampede  bench/stampede.sh as a sub-step: CONCURRENCIES=STAMPEDE_C TARGETS="direct nginx2
+#            varnish2 cg2" (two instances of each; cg2 = two cacheguard sharing one Redis;
+#            direct = the origin itself, no proxy, the floor of this machine),
 #            origin delay STAMPEDE_DELAY_MS, REPS reps; its raw.tsv gives the origin requests
 #            and the waiters' p99 per run.
 #
@@ -443,9 +444,9 @@ if has a || has b || has c || has d; then stop_pid "${PID_OF[static]}"; fi
 
 STAMPEDE_DIR=$OUT/e/stampede
 if has e; then
-    log "e. bash bench/stampede.sh (CONCURRENCIES=$STAMPEDE_C TARGETS=\"nginx2 varnish2 cg2\" REPS=$REPS; log in $OUT/e/stampede.log)"
+    log "e. bash bench/stampede.sh (CONCURRENCIES=$STAMPEDE_C TARGETS=\"direct nginx2 varnish2 cg2\" REPS=$REPS; log in $OUT/e/stampede.log)"
     rc=0
-    run_bg "$OUT/e/stampede.log" env CONCURRENCIES="$STAMPEDE_C" TARGETS="nginx2 varnish2 cg2" REPS="$REPS" \
+    run_bg "$OUT/e/stampede.log" env CONCURRENCIES="$STAMPEDE_C" TARGETS="direct nginx2 varnish2 cg2" REPS="$REPS" \
         DELAY_MS="$STAMPEDE_DELAY_MS" CACHEGUARD_BIN="$CG_BIN" BASE_PORT="$STAMPEDE_BASE_PORT" \
         RESULTS_DIR="$STAMPEDE_DIR" TOOLS_TARGET="$TOOLS_TARGET" bash bench/stampede.sh || rc=$?
     if ((rc != 0)) || [[ ! -f $STAMPEDE_DIR/raw.tsv ]]; then
@@ -568,7 +569,7 @@ e_ratio_cell() {
     mapfile -t v < <(e_values p99_ms "$1" | awk -v d="$STAMPEDE_DELAY_MS" '{ printf "%.4f\n", $1 / d }')
     vals_cell 2 "${v[@]}"
 }
-declare -A E_OF=([nginx]=nginx2 [varnish]=varnish2 [cg-l2]=cg2)
+declare -A E_OF=([static]=direct [nginx]=nginx2 [varnish]=varnish2 [cg-l2]=cg2)
 
 # the targets' figures
 RPS_NGINX=$(med "$OUT/throughput.tsv" rps nginx)
@@ -621,24 +622,25 @@ P99_CG2=$(q "$(med "$OUT/stampede.tsv" p99_ms cg2 c="$STAMPEDE_C")" "$STAMPEDE_D
     row "d. KiB of memory (Pss) per cached 1 KiB entry, $(fmt_int "$MEM_KEYS") keys" "${cells[@]}" ""
     ratio_row "$OUT/memory.tsv" kib_per_entry "nginx varnish cg-l1"
     row "d. nginx: KiB of disk per entry (du -sb)" "" "$(vcell 3 "$OUT/memory.tsv" disk_kib_per_entry nginx)" "" "" ""
-    cells=("")
-    for t in nginx varnish cg-l1 cg-l2; do
+    cells=()
+    for t in static nginx varnish cg-l1 cg-l2; do
         if [[ -n ${E_OF[$t]:-} ]]; then cells+=("$(e_cell origin_cold "${E_OF[$t]}" 0)"); else cells+=(""); fi
     done
     row "e. stampede, 2 instances, C = $(fmt_int "$STAMPEDE_C"): origin requests" "${cells[@]}"
-    cells=("")
-    for t in nginx varnish cg-l1 cg-l2; do
+    cells=()
+    for t in static nginx varnish cg-l1 cg-l2; do
         if [[ -n ${E_OF[$t]:-} ]]; then cells+=("$(e_cell p99_ms "${E_OF[$t]}" 1)"); else cells+=(""); fi
     done
     row "e. waiter p99 ms (origin delay $STAMPEDE_DELAY_MS ms)" "${cells[@]}"
-    cells=("")
-    for t in nginx varnish cg-l1 cg-l2; do
+    cells=()
+    for t in static nginx varnish cg-l1 cg-l2; do
         if [[ -n ${E_OF[$t]:-} ]]; then cells+=("$(e_ratio_cell "${E_OF[$t]}")"); else cells+=(""); fi
     done
     row "e. waiter p99 / origin delay" "${cells[@]}"
     echo
     echo "- ↳ rows: the target's median over nginx proxy_cache's median. Section e's cacheguard is two shared-mode"
-    echo "  instances on one Redis (bench/stampede.sh \`cg2\`), shown in the L2 column."
+    echo "  instances on one Redis (bench/stampede.sh \`cg2\`), shown in the L2 column; in the static column, the"
+    echo "  origin answering the same C requests itself, with no proxy (\`direct\`): the floor of this machine."
     echo "- c: commands per request net of an idle window as long as the batch; \"its metric\" ="
     echo "  \`cacheguard_request_redis_commands_total\` / \`cacheguard_requests_total\` over the batch. Details below."
     echo

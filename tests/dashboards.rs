@@ -1104,10 +1104,14 @@ async fn every_panel_and_alert_expression_returns_data() {
     }
     // Each of A's origin slots must be free for one of these (its queue waits 50 ms): on a
     // busy machine an earlier step's fetch can still hold one.
-    let idle = poll_until(Duration::from_secs(10), Duration::from_millis(20), || async {
-        let busy = metric(&client, a_admin, "cacheguard_origin_in_flight", &[]).await;
-        (busy == 0.0).then_some(())
-    })
+    let idle = poll_until(
+        Duration::from_secs(10),
+        Duration::from_millis(20),
+        || async {
+            let busy = metric(&client, a_admin, "cacheguard_origin_in_flight", &[]).await;
+            (busy == 0.0).then_some(())
+        },
+    )
     .await;
     assert!(idle.is_some(), "A's origin slots never all came free");
     let holders = {

@@ -430,7 +430,7 @@ impl Entry {
     /// under a million distinct keys (see BENCHMARKS.md, memory); an under-count lets RSS
     /// outgrow `l1_max_bytes`, which is a weight, not a memory bound.
     pub(crate) fn weight(&self) -> usize {
-        const PER_ENTRY: usize = 640;
+        const PER_ENTRY: usize = 704;
         let tags: usize = self.tags.iter().map(|t| t.len() + 24).sum();
         let selecting: usize = self
             .selecting
