@@ -1,13 +1,13 @@
 //! The stored entry: one origin answer plus what is needed to serve and age it.
 //!
-//! An entry's key, header lines and body live in one buffer ([`Packed`]): an L1 copy is
-//! that buffer, the few numbers that age it and a small struct, nothing per header; an
-//! L2 value read from Redis becomes an entry without a copy (the buffer is a slice of the
+//! An entry's key and header lines live in one buffer beside its body ([`Packed`]): an L1
+//! copy is those two, the few numbers that age it and a small struct, nothing per header;
+//! an L2 value read from Redis becomes an entry without a copy (both are slices of the
 //! reply). A hit builds its response headers from the buffer's lines, each value a slice
 //! of it.
 //!
 //! Wire format (L2): `b"CG"`, a format version byte, then (version 7) the postcard
-//! encoding of [`MetaV7`] followed by the packed buffer as it is in memory. Versions 1–6
+//! encoding of [`MetaV7`] followed by the packed head and the body, as in memory. Versions 1–6
 //! were the postcard encoding of [`StoredV6`] and its ancestors (version 2 added the
 //! surrogate keys, version 3 the age the answer arrived with, version 4 the
 //! stale-if-error window, version 5 how long the copy is kept to be revalidated, version 6
@@ -65,36 +65,39 @@ pub(crate) struct Entry {
     packed: Packed,
 }
 
-/// The key, header lines and body of an entry in one buffer:
+/// The key and header lines of an entry in one buffer, and its body:
 ///
 /// ```text
-/// key (UTF-8) | per line: name length (u16 BE), name, value length (u32 BE), value | body
-/// 0           key_len                                                     body_at      end
+/// head: key (UTF-8) | per line: name length (u16 BE), name, value length (u32 BE), value
+///       0           key_len                                                          end
+/// body: as it was read (from the origin: no copy; from Redis: a slice of the same reply)
 /// ```
 ///
-/// Every name and value was checked when the buffer was made ([`Packed::new`],
+/// Every name and value was checked when the head was made ([`Packed::new`],
 /// [`Packed::checked`]), so reading it back cannot fail. Hand-rolled rather than a
 /// serialized `HeaderMap`: the point is that a hit reads its header values as slices of
-/// this one allocation, with no decoding step and nothing allocated per line.
+/// one allocation, with no decoding step and nothing allocated per line. The body is kept
+/// apart so that a fill never copies it (a large body buffered for slow clients would
+/// briefly be held twice).
 #[derive(Clone, Debug)]
 struct Packed {
-    buf: Bytes,
+    head: Bytes,
     key_len: u32,
-    body_at: u32,
+    body: Bytes,
 }
 
-/// Why a packed buffer was refused.
+/// Why a packed head was refused.
 #[derive(Debug)]
 struct BadPacking;
 
 impl Packed {
-    fn new(key: &str, headers: &HeaderMap, body: &[u8]) -> Packed {
+    fn new(key: &str, headers: &HeaderMap, body: Bytes) -> Packed {
         let lines: usize = headers
             .iter()
             .map(|(n, v)| 6 + n.as_str().len() + v.len())
             .sum();
-        let mut buf = Vec::with_capacity(key.len() + lines + body.len());
-        buf.extend_from_slice(key.as_bytes());
+        let mut head = Vec::with_capacity(key.len() + lines);
+        head.extend_from_slice(key.as_bytes());
         for (name, value) in headers {
             // A HeaderName is at most 64 KiB; a value longer than 4 GiB cannot have come
             // through the origin's head limits. Such a line is left out, never truncated.
@@ -104,37 +107,34 @@ impl Packed {
             ) else {
                 continue;
             };
-            buf.extend_from_slice(&name_len.to_be_bytes());
-            buf.extend_from_slice(name.as_str().as_bytes());
-            buf.extend_from_slice(&value_len.to_be_bytes());
-            buf.extend_from_slice(value.as_bytes());
+            head.extend_from_slice(&name_len.to_be_bytes());
+            head.extend_from_slice(name.as_str().as_bytes());
+            head.extend_from_slice(&value_len.to_be_bytes());
+            head.extend_from_slice(value.as_bytes());
         }
-        let body_at = buf.len();
-        buf.extend_from_slice(body);
-        let narrow = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
         Packed {
-            buf: Bytes::from(buf),
-            key_len: narrow(key.len()),
-            body_at: narrow(body_at),
+            head: Bytes::from(head),
+            key_len: u32::try_from(key.len()).unwrap_or(u32::MAX),
+            body,
         }
     }
 
-    /// A buffer read back (from Redis): its key and every line checked.
-    fn checked(buf: Bytes, key_len: u32, body_at: u32) -> Result<Packed, BadPacking> {
-        let (key_end, body_start) = (key_len as usize, body_at as usize);
-        if key_end > body_start || body_start > buf.len() {
+    /// A head and body read back (from Redis): the key and every line checked.
+    fn checked(head: Bytes, key_len: u32, body: Bytes) -> Result<Packed, BadPacking> {
+        let key_end = key_len as usize;
+        if key_end > head.len() {
             return Err(BadPacking);
         }
-        std::str::from_utf8(&buf[..key_end]).map_err(|_| BadPacking)?;
+        std::str::from_utf8(&head[..key_end]).map_err(|_| BadPacking)?;
         let packed = Packed {
-            buf,
+            head,
             key_len,
-            body_at,
+            body,
         };
         let mut lines = packed.line_ranges();
         for (name, value) in lines.by_ref() {
-            HeaderName::from_bytes(&packed.buf[name]).map_err(|_| BadPacking)?;
-            HeaderValue::from_bytes(&packed.buf[value]).map_err(|_| BadPacking)?;
+            HeaderName::from_bytes(&packed.head[name]).map_err(|_| BadPacking)?;
+            HeaderValue::from_bytes(&packed.head[value]).map_err(|_| BadPacking)?;
         }
         if lines.broken {
             return Err(BadPacking);
@@ -143,16 +143,12 @@ impl Packed {
     }
 
     fn key(&self) -> &str {
-        std::str::from_utf8(&self.buf[..self.key_len as usize]).unwrap_or_default()
-    }
-
-    fn body(&self) -> Bytes {
-        self.buf.slice(self.body_at as usize..)
+        std::str::from_utf8(&self.head[..self.key_len as usize]).unwrap_or_default()
     }
 
     fn line_ranges(&self) -> LineRanges<'_> {
         LineRanges {
-            block: &self.buf[..self.body_at as usize],
+            block: &self.head,
             at: self.key_len as usize,
             broken: false,
         }
@@ -160,8 +156,8 @@ impl Packed {
 
     fn lines(&self) -> impl Iterator<Item = (HeaderName, HeaderValue)> + '_ {
         self.line_ranges().filter_map(|(name, value)| {
-            let name = HeaderName::from_bytes(&self.buf[name]).ok()?;
-            let value = HeaderValue::from_maybe_shared(self.buf.slice(value)).ok()?;
+            let name = HeaderName::from_bytes(&self.head[name]).ok()?;
+            let value = HeaderValue::from_maybe_shared(self.head.slice(value)).ok()?;
             Some((name, value))
         })
     }
@@ -288,9 +284,9 @@ struct MetaV7 {
 }
 
 impl Entry {
-    /// An entry for `key` holding `status`, `headers` and `body` (copied into one buffer),
+    /// An entry for `key` holding `status`, `headers` (copied into one buffer) and `body`,
     /// stored at time 0 with no lifetime, tags or selecting headers: the caller sets them.
-    pub(crate) fn new(key: &str, status: StatusCode, headers: &HeaderMap, body: &[u8]) -> Entry {
+    pub(crate) fn new(key: &str, status: StatusCode, headers: &HeaderMap, body: Bytes) -> Entry {
         Entry {
             status,
             stored_at_ms: 0,
@@ -311,13 +307,13 @@ impl Entry {
         self.packed.key()
     }
 
-    /// The body (a slice of the entry's buffer: no copy).
+    /// The body (shared, not copied).
     pub(crate) fn body(&self) -> Bytes {
-        self.packed.body()
+        self.packed.body.clone()
     }
 
     pub(crate) fn body_len(&self) -> usize {
-        self.packed.buf.len() - self.packed.body_at as usize
+        self.packed.body.len()
     }
 
     /// The stored header lines, in order; each value is a slice of the entry's buffer.
@@ -349,17 +345,17 @@ impl Entry {
         let (_, value) = self
             .packed
             .line_ranges()
-            .find(|(n, _)| self.packed.buf[n.clone()] == *name.as_str().as_bytes())?;
-        HeaderValue::from_maybe_shared(self.packed.buf.slice(value)).ok()
+            .find(|(n, _)| self.packed.head[n.clone()] == *name.as_str().as_bytes())?;
+        HeaderValue::from_maybe_shared(self.packed.head.slice(value)).ok()
     }
 
-    /// The entry with its whole buffer replaced by `hold(buffer)`, which must hold the
-    /// same bytes (e.g. the same buffer tied to something that lives as long as it).
-    pub(crate) fn map_buffer(mut self, hold: impl FnOnce(Bytes) -> Bytes) -> Entry {
-        let len = self.packed.buf.len();
-        let held = hold(std::mem::take(&mut self.packed.buf));
+    /// The entry with its body replaced by `hold(body)`, which must hold the same bytes
+    /// (e.g. the same buffer tied to something that lives as long as it).
+    pub(crate) fn map_body(mut self, hold: impl FnOnce(Bytes) -> Bytes) -> Entry {
+        let len = self.packed.body.len();
+        let held = hold(std::mem::take(&mut self.packed.body));
         debug_assert_eq!(held.len(), len);
-        self.packed.buf = held;
+        self.packed.body = held;
         self
     }
 
@@ -437,7 +433,7 @@ impl Entry {
             .iter()
             .map(|(n, v)| n.as_str().len() + v.as_ref().map_or(0, HeaderValue::len) + 96)
             .sum();
-        self.packed.buf.len() + tags + selecting + PER_ENTRY
+        self.packed.head.len() + self.packed.body.len() + tags + selecting + PER_ENTRY
     }
 
     pub(crate) fn encode(&self) -> Result<Vec<u8>, postcard::Error> {
@@ -460,13 +456,14 @@ impl Entry {
                 })
                 .collect(),
             key_len: self.packed.key_len,
-            body_at: self.packed.body_at,
+            body_at: u32::try_from(self.packed.head.len()).unwrap_or(u32::MAX),
         };
-        let mut out = Vec::with_capacity(self.packed.buf.len() + 64);
+        let mut out = Vec::with_capacity(self.packed.head.len() + self.packed.body.len() + 64);
         out.extend_from_slice(MAGIC);
         out.push(VERSION_7);
         let mut out = postcard::to_extend(&meta, out)?;
-        out.extend_from_slice(&self.packed.buf);
+        out.extend_from_slice(&self.packed.head);
+        out.extend_from_slice(&self.packed.body);
         Ok(out)
     }
 
@@ -479,8 +476,12 @@ impl Entry {
         let (&version, payload) = rest.split_first().ok_or(DecodeEntryError::Magic)?;
         if version == VERSION_7 {
             let (meta, packed) = postcard::take_from_bytes::<MetaV7>(payload)?;
-            let packed = Packed::checked(bytes.slice_ref(packed), meta.key_len, meta.body_at)
-                .map_err(|_| DecodeEntryError::Invalid)?;
+            let (head, body) = packed
+                .split_at_checked(meta.body_at as usize)
+                .ok_or(DecodeEntryError::Invalid)?;
+            let packed =
+                Packed::checked(bytes.slice_ref(head), meta.key_len, bytes.slice_ref(body))
+                    .map_err(|_| DecodeEntryError::Invalid)?;
             return Ok(Entry {
                 status: StatusCode::from_u16(meta.status).map_err(|_| DecodeEntryError::Invalid)?,
                 stored_at_ms: meta.stored_at_ms,
@@ -548,7 +549,7 @@ impl Entry {
                 HeaderValue::from_maybe_shared(value).map_err(|_| DecodeEntryError::Invalid)?;
             headers.append(name, value);
         }
-        let mut entry = Entry::new(&stored.key, status, &headers, &stored.body);
+        let mut entry = Entry::new(&stored.key, status, &headers, stored.body);
         entry.stored_at_ms = stored.stored_at_ms;
         entry.initial_age_secs = initial_age_secs;
         entry.ttl_ms = stored.ttl_ms;
@@ -614,7 +615,7 @@ mod tests {
             "item\n/api/items/1\n",
             StatusCode::OK,
             &headers,
-            b"{\"id\":1}",
+            Bytes::from_static(b"{\"id\":1}"),
         );
         e.stored_at_ms = 1_000;
         e.initial_age_secs = 7;
@@ -762,22 +763,22 @@ mod tests {
     }
 
     #[test]
-    fn a_packed_buffer_that_lies_is_refused() {
-        let headers = HeaderMap::new();
-        let good = Packed::new("k", &headers, b"body");
-        for (key_len, body_at) in [(2, 1), (1, 99), (0, 1)] {
-            // (key past the body), (body past the end), (a header block of one byte)
-            assert!(Packed::checked(good.buf.clone(), key_len, body_at).is_err());
-        }
+    fn a_packed_head_that_lies_is_refused() {
+        let body = Bytes::from_static(b"body");
+        // the key longer than the head; a header block of one byte
+        assert!(Packed::checked(Bytes::from_static(b"k"), 2, body.clone()).is_err());
+        assert!(Packed::checked(Bytes::from_static(b"k"), 0, body.clone()).is_err());
         let mut bad_name = b"k".to_vec();
         bad_name.extend_from_slice(&[0, 2, b'a', b' ', 0, 0, 0, 0]);
-        let at = u32::try_from(bad_name.len()).unwrap();
-        assert!(Packed::checked(Bytes::from(bad_name), 1, at).is_err());
+        assert!(Packed::checked(Bytes::from(bad_name), 1, body.clone()).is_err());
         let mut bad_value = b"k".to_vec();
         bad_value.extend_from_slice(&[0, 1, b'a', 0, 0, 0, 1, b'\n']);
-        let at = u32::try_from(bad_value.len()).unwrap();
-        assert!(Packed::checked(Bytes::from(bad_value), 1, at).is_err());
-        assert!(Packed::checked(good.buf.clone(), 1, 1).is_ok());
+        assert!(Packed::checked(Bytes::from(bad_value), 1, body.clone()).is_err());
+        let mut cut = b"k".to_vec();
+        cut.extend_from_slice(&[0, 1, b'a', 0, 0, 0, 9, b'x']);
+        assert!(Packed::checked(Bytes::from(cut), 1, body.clone()).is_err());
+        let good = Packed::new("k", &HeaderMap::new(), body.clone());
+        assert!(Packed::checked(good.head, 1, body).is_ok());
     }
 
     #[test]

@@ -587,11 +587,11 @@ fn new_entry(job: &FillJob, head: Head, body: Bytes, fetch_ms: u32, life: Lifeti
         // Aimed at this cache, not at the clients (nor at caches after it).
         strip_targeted(&mut origin_headers);
     }
-    // The key, the kept lines and the body are copied into one buffer: hyper's header
-    // values are slices of the connection's read buffer (8 KiB and more), which an entry
-    // must not pin.
+    // The key and the kept lines are copied into one buffer: hyper's header values are
+    // slices of the connection's read buffer (8 KiB and more), which an entry must not
+    // pin. The body is kept as it was read.
     let millis = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
-    let mut entry = Entry::new(&job.key.full, head.status, &origin_headers, &body);
+    let mut entry = Entry::new(&job.key.full, head.status, &origin_headers, body);
     entry.stored_at_ms = life.stored_at_ms;
     entry.initial_age_secs = life.initial_age_secs;
     entry.ttl_ms = millis(life.ttl);
@@ -635,7 +635,7 @@ pub(crate) fn served(entry: Arc<Entry>, reservation: Reservation) -> Arc<Entry> 
     if entry.body_len() == 0 {
         return entry;
     }
-    let served = Arc::unwrap_or_clone(entry).map_buffer(|buffer| reservation.hold(buffer));
+    let served = Arc::unwrap_or_clone(entry).map_body(|body| reservation.hold(body));
     Arc::new(served)
 }
 
