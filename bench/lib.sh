@@ -942,7 +942,8 @@ proc_tree() {
 # children: name them too, e.g. with proc_tree).
 cpu_ticks() {
     local pid
-    for pid in "$@"; do cat "/proc/$pid/stat"; done |
+    # a process that has exited meanwhile (nginx's cache loader ends by itself) counts 0
+    for pid in "$@"; do cat "/proc/$pid/stat" 2>/dev/null || true; done |
         awk '{ sub(/^.*\) /, ""); s += $12 + $13 } END { print s + 0 }'
 }
 
