@@ -367,7 +367,10 @@ impl Admin {
         }
         let encoder = TextEncoder::new();
         let mut buf = Vec::with_capacity(16 * 1024);
-        if let Err(error) = encoder.encode(&self.registry.gather(), &mut buf) {
+        let families = self.registry.gather();
+        // Routes removed by a reload had their last values in this scrape.
+        self.metrics.forget_retired_routes();
+        if let Err(error) = encoder.encode(&families, &mut buf) {
             return respond::text(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 format!("cannot encode metrics: {error}\n"),

@@ -211,7 +211,6 @@ fn read_path(
             tiers: Arc::clone(&tiers),
             flights: Arc::clone(&flights),
             uncacheable: uncacheable.clone(),
-            metrics: metrics.clone(),
         },
         filler: Arc::new(Filler {
             tiers,

@@ -8,7 +8,8 @@
 //! Per-route handles ([`RouteMetrics`]) are resolved once when the routes are built, so the
 //! request path only touches atomics.
 
-use std::sync::Arc;
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use prometheus::{
     Gauge, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
@@ -272,6 +273,22 @@ impl RedisOp {
     }
 }
 
+/// The `result` label of `cacheguard_warmup_requests_total`.
+pub const WARMUP_RESULTS: [&str; 4] = ["filled", "failed", "cached", "skipped"];
+
+/// The `reason` label of `cacheguard_rejected_requests_total`: the refusals of a request
+/// before it reaches its path (the reasons of the errors `proxy.rs` counts there).
+const REJECTED_REASONS: [&str; 8] = [
+    "header_too_large",
+    "too_many_headers",
+    "body_too_large",
+    "bad_request",
+    "uri_too_long",
+    "bad_request_body",
+    "upload_timeout",
+    "method_not_allowed",
+];
+
 /// Process-wide metric families. Cheap to clone (every field is an `Arc` inside).
 #[derive(Clone, Debug)]
 pub struct Metrics {
@@ -325,6 +342,9 @@ pub struct Metrics {
     origin_max_buffered: IntGauge,
     pub entry_decode_errors: IntCounter,
     pub rejected_requests: IntCounterVec,
+    /// Routes a reload removed: their series are exported once more, then forgotten (see
+    /// [`Metrics::retire_routes`]).
+    retired_routes: Arc<Mutex<BTreeSet<String>>>,
     lock_events: IntCounterVec,
     pub lock_waiters: IntGauge,
     pub lock_wait: Histogram,
@@ -1095,7 +1115,7 @@ impl Metrics {
         ] {
             redis_errors.with_label_values(&[op.as_str()]);
         }
-        for reason in ["header_too_large", "body_too_large", "bad_request"] {
+        for reason in REJECTED_REASONS {
             rejected_requests.with_label_values(&[reason]);
         }
 
@@ -1145,6 +1165,7 @@ impl Metrics {
             origin_max_buffered,
             entry_decode_errors,
             rejected_requests,
+            retired_routes: Arc::default(),
             lock_events,
             lock_waiters,
             lock_wait,
@@ -1217,6 +1238,13 @@ impl Metrics {
 
     /// Resolves every per-route handle once (at config load), so requests only touch atomics.
     pub fn for_route(&self, route: &str) -> Arc<RouteMetrics> {
+        // Under the lock, so a scrape forgetting retired routes cannot remove a series this
+        // route's new handles were just resolved to.
+        let mut retired = self
+            .retired_routes
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        retired.remove(route);
         Arc::new(RouteMetrics {
             outcomes: Outcome::ALL.map(|o| self.requests.with_label_values(&[route, o.as_str()])),
             redis_commands: Outcome::ALL.map(|o| {
@@ -1241,7 +1269,74 @@ impl Metrics {
             stale_served: self.stale_served.with_label_values(&[route]),
             early_refreshes: self.early_refreshes.with_label_values(&[route]),
             background_refreshes: self.background_refreshes.with_label_values(&[route]),
+            hot_limited: self.hot_limited.with_label_values(&[route]),
         })
+    }
+
+    /// Creates the warm-up series of `route` at 0 (a route with `warmup` configured).
+    pub fn warmup_route(&self, route: &str) {
+        for result in WARMUP_RESULTS {
+            self.warmup.with_label_values(&[route, result]);
+        }
+    }
+
+    /// `routes` were removed by a reload: their series stay until the next scrape has
+    /// exported their last values ([`Metrics::forget_retired_routes`]), then go, so a
+    /// renamed route does not leave a frozen series behind for ever. A route added back
+    /// before that scrape keeps its series.
+    pub fn retire_routes<'a>(&self, routes: impl IntoIterator<Item = &'a str>) {
+        self.retired_routes
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .extend(routes.into_iter().map(str::to_owned));
+    }
+
+    /// Removes the series of the routes retired since the last call; called right after a
+    /// scrape was encoded.
+    pub fn forget_retired_routes(&self) {
+        let mut retired = self
+            .retired_routes
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        for route in std::mem::take(&mut *retired) {
+            let r = route.as_str();
+            // A series that never existed is no error: ignored.
+            for outcome in Outcome::ALL {
+                let _ = self.requests.remove_label_values(&[r, outcome.as_str()]);
+                let _ = self
+                    .request_redis_commands
+                    .remove_label_values(&[r, outcome.as_str()]);
+            }
+            for status in OriginStatus::ALL {
+                let _ = self
+                    .origin_requests
+                    .remove_label_values(&[r, status.as_str()]);
+            }
+            for result in Revalidation::ALL {
+                let _ = self
+                    .revalidations
+                    .remove_label_values(&[r, result.as_str()]);
+            }
+            for result in WARMUP_RESULTS {
+                let _ = self.warmup.remove_label_values(&[r, result]);
+            }
+            let _ = self.request_duration.remove_label_values(&[r]);
+            let _ = self.origin_duration.remove_label_values(&[r]);
+            for family in [
+                &self.shed,
+                &self.uncacheable,
+                &self.oversized,
+                &self.variants_refused,
+                &self.origin_retries,
+                &self.coalesced,
+                &self.stale_served,
+                &self.early_refreshes,
+                &self.background_refreshes,
+                &self.hot_limited,
+            ] {
+                let _ = family.remove_label_values(&[r]);
+            }
+        }
     }
 
     pub fn redis_latency(&self, op: RedisOp, seconds: f64) {
@@ -1266,10 +1361,6 @@ impl Metrics {
             served_l1: self.hot_requests.with_label_values(&["l1"]),
             served_backend: self.hot_requests.with_label_values(&["backend"]),
         }
-    }
-
-    pub fn hot_limited(&self, route: &str) {
-        self.hot_limited.with_label_values(&[route]).inc();
     }
 
     pub(crate) fn invalidation(&self, source: InvalidationSource, result: &str, count: usize) {
@@ -1384,6 +1475,8 @@ pub struct RouteMetrics {
     pub stale_served: IntCounter,
     pub early_refreshes: IntCounter,
     pub background_refreshes: IntCounter,
+    /// Requests refused by the per-key limit of a hot key.
+    pub hot_limited: IntCounter,
 }
 
 impl Metrics {

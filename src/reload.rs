@@ -7,7 +7,7 @@
 //!
 //! - routes (patterns, TTLs, query and vary policies, invalidation rules, Bloom bindings):
 //!   a new route table is swapped in; requests in flight finish on the one they started
-//!   with;
+//!   with; the series of a removed route are exported by one more scrape, then removed;
 //! - origin limits (`max_concurrency`, `max_rps`, `queue_timeout`): a new origin guard is
 //!   swapped in (requests holding a slot of the old one finish on it, so for a moment both
 //!   count) — and the upstream client, when `[upstream]` changed;
@@ -134,6 +134,13 @@ impl Live {
         }
         self.metrics.origin_caps(up);
         proxy.routes.store(Arc::new(routes));
+        self.metrics.retire_routes(
+            current
+                .routes
+                .iter()
+                .map(|r| r.name.as_str())
+                .filter(|name| new.routes.iter().all(|r| r.name != *name)),
+        );
         proxy.read.filler.lock.store(Arc::new(new.lock.clone()));
         self.hot.reconfigure(&new.hot_keys);
         self.token.store(Arc::new(new.admin.token.clone()));

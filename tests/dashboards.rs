@@ -1415,3 +1415,137 @@ async fn evaluate(
     }
     failures
 }
+
+// === series that exist before their first event ===
+
+/// Every `name{label="value", …}` selector in `expr`: the metric and its equality matchers
+/// whose value is a literal (not a dashboard variable). A bare name has no matchers.
+fn selectors(expr: &str) -> Vec<(String, Vec<(String, String)>)> {
+    let chars: Vec<char> = expr.chars().collect();
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < chars.len() {
+        let c = chars[i];
+        if !(c.is_ascii_alphabetic() || c == '_') {
+            i += 1;
+            continue;
+        }
+        let start = i;
+        while i < chars.len() && (chars[i].is_ascii_alphanumeric() || chars[i] == '_') {
+            i += 1;
+        }
+        let name: String = chars[start..i].iter().collect();
+        if !name.starts_with("cacheguard_") {
+            continue;
+        }
+        let mut matchers = Vec::new();
+        if chars.get(i) == Some(&'{') {
+            let end = chars[i..]
+                .iter()
+                .position(|&c| c == '}')
+                .map_or(chars.len(), |p| i + p);
+            let body: String = chars[i + 1..end].iter().collect();
+            for part in body.split(',') {
+                // Only `=`: `!=`, `=~` and `!~` select no one value.
+                let Some((label, value)) = part.split_once('=') else {
+                    continue;
+                };
+                let (label, value) = (label.trim(), value.trim());
+                if label.ends_with('!') || value.starts_with('~') || value.contains('$') {
+                    continue;
+                }
+                matchers.push((label.to_owned(), value.trim_matches('"').to_owned()));
+            }
+            i = end;
+        }
+        out.push((name, matchers));
+    }
+    out
+}
+
+#[test]
+fn selector_scanner_finds_equality_matchers() {
+    let found = selectors(
+        r#"sum(rate(cacheguard_requests_total{instance=~"$instance", outcome="miss"}[5m])) / cacheguard_l1_entries"#,
+    );
+    assert_eq!(
+        found,
+        vec![
+            (
+                "cacheguard_requests_total".to_owned(),
+                vec![("outcome".to_owned(), "miss".to_owned())]
+            ),
+            ("cacheguard_l1_entries".to_owned(), vec![]),
+        ]
+    );
+}
+
+/// The route-labelled families every configured route must have a series in.
+const PER_ROUTE: [&str; 5] = [
+    "cacheguard_requests_total",
+    "cacheguard_request_duration_seconds_count",
+    "cacheguard_origin_requests_total",
+    "cacheguard_shed_total",
+    "cacheguard_hot_key_limited_total",
+];
+
+/// Dashboards and alerts must show 0, not "no data", before anything happened: right after
+/// start (shared mode, no request made yet), every metric the dashboard's panels and the
+/// alerting rules read has a series — with each label value they select by — and every
+/// route has its series in the per-route families.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_dashboard_and_alert_series_exists_right_after_start() {
+    let redis = RedisServer::start().await;
+    let origin = TestOrigin::builder()
+        .ids((1..=ITEM_IDS).map(|i| i.to_string()))
+        .start()
+        .await;
+    origin.enable_items_api();
+    let cg = fleet_config(&origin, &redis.url()).start().await;
+    let client = HttpClient::new();
+    let exposition = common::metrics(&client, cg.admin_addr()).await;
+
+    let mut wanted = BTreeSet::new();
+    for target in targets(&load_dashboard()) {
+        wanted.extend(selectors(&target.raw));
+    }
+    wanted.extend(selectors(&read("dashboards/alerts.yml")));
+    let routes = ["item", "item-create", "thing", "kv", "kv-write"];
+    for family in PER_ROUTE {
+        for route in routes {
+            wanted.insert((
+                family.to_owned(),
+                vec![("route".to_owned(), route.to_owned())],
+            ));
+        }
+    }
+
+    let mut missing = Vec::new();
+    for (name, matchers) in &wanted {
+        let present = exposition
+            .samples
+            .iter()
+            .filter(|s| {
+                s.name == *name
+                    || ["_bucket", "_sum", "_count"]
+                        .iter()
+                        .any(|suffix| s.name.strip_suffix(suffix) == Some(name.as_str()))
+            })
+            .any(|s| {
+                matchers
+                    .iter()
+                    .all(|(k, v)| s.labels.get(k).map(String::as_str) == Some(v.as_str()))
+            });
+        if !present {
+            missing.push(format!("{name}{matchers:?}"));
+        }
+    }
+    shutdown(cg).await;
+    assert!(
+        missing.is_empty(),
+        "{} of {} series the dashboards and alerts read do not exist right after start:\n  {}",
+        missing.len(),
+        wanted.len(),
+        missing.join("\n  ")
+    );
+}

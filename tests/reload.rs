@@ -238,3 +238,82 @@ async fn sighup_reloads_the_config_file() {
         config.text()
     );
 }
+
+/// A route removed by a reload keeps its series for one more scrape (its last values reach
+/// Prometheus), then they are gone; a route added by a reload has its series at once, before
+/// its first request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removed_route_keeps_its_series_until_the_next_scrape() {
+    let origin = TestOrigin::start().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("cacheguard.toml");
+    let with_routes = |routes: &str| {
+        CgConfig::new(&origin)
+            .on_free_ports()
+            .l1("all")
+            .routes(routes)
+            .toml()
+    };
+    let old = item_route("") + &route("thing", "/api/things/{id}", "GET", "");
+    std::fs::write(&path, with_routes(&old)).expect("write config");
+    let cg = start_watching(&path).await;
+    let client = HttpClient::new();
+    assert_eq!(
+        client.get(&url(cg.addr(), "/api/things/1")).await.status,
+        200
+    );
+    let served = |exp: &prom::Exposition, route: &str| {
+        exp.samples_named("cacheguard_requests_total")
+            .filter(|s| s.labels.get("route").map(String::as_str) == Some(route))
+            .count()
+    };
+    let thing_series = served(&metrics(&client, cg.admin_addr()).await, "thing");
+    assert!(
+        thing_series > 0,
+        "no series for the route before the reload"
+    );
+
+    // `thing` removed, `widget` added.
+    let new = item_route("") + &route("widget", "/api/widgets/{id}", "GET", "");
+    replace_file(&path, &with_routes(&new));
+    let reloaded = poll_until(
+        Duration::from_secs(10),
+        Duration::from_millis(50),
+        || async {
+            let exp = metrics(&client, cg.admin_addr()).await;
+            (served(&exp, "widget") > 0).then_some(exp)
+        },
+    )
+    .await;
+    let first = reloaded.expect("the reload added no series for the new route");
+    // The scrape that saw the new route is the first after the reload: the removed route's
+    // series were still in it, with their last values.
+    assert_eq!(served(&first, "thing"), thing_series);
+    assert_eq!(
+        first.sum(
+            "cacheguard_requests_total",
+            &[("route", "thing"), ("outcome", "miss")]
+        ),
+        1.0
+    );
+    // The next scrape no longer has them (one more, should that first scrape have fallen
+    // between the new table's series and the old route's retirement: microseconds apart).
+    let mut second = metrics(&client, cg.admin_addr()).await;
+    if served(&second, "thing") > 0 {
+        second = metrics(&client, cg.admin_addr()).await;
+    }
+    assert_eq!(
+        served(&second, "thing"),
+        0,
+        "the removed route's series stayed"
+    );
+    assert!(
+        !second
+            .samples
+            .iter()
+            .any(|s| s.labels.get("route").map(String::as_str) == Some("thing")),
+        "a series of the removed route is left in some family"
+    );
+    assert!(served(&second, "item") > 0 && served(&second, "widget") > 0);
+    cg.shutdown().await;
+}

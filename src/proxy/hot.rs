@@ -18,7 +18,7 @@ use crate::cache::{CacheKey, Freshness};
 use crate::clock::now_ms;
 use crate::config::L1Policy;
 use crate::error::ProxyError;
-use crate::metrics::{Metrics, Outcome};
+use crate::metrics::Outcome;
 use crate::protect::hotkeys::HotKeys;
 
 /// What the gate decided.
@@ -48,7 +48,6 @@ pub(crate) struct HotGate {
     pub(crate) flights: Arc<Flights>,
     /// The read path's hit-for-miss keys: only their excess is refused.
     pub(crate) uncacheable: moka::sync::Cache<u128, ()>,
-    pub(crate) metrics: Metrics,
 }
 
 impl HotGate {
@@ -107,7 +106,7 @@ impl HotGate {
                 refresh_early: false,
             };
         }
-        self.metrics.hot_limited(&route.config.name);
+        route.metrics.hot_limited.inc();
         match (copy, freshness) {
             (Some(entry), Some(Freshness::Fresh)) => {
                 self.hot.served(key.hash, &key.full, true);

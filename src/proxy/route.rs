@@ -56,6 +56,9 @@ impl RouteTable {
         let mut patterns: Vec<&str> = Vec::new();
         let mut by_pattern: Vec<Vec<Arc<Route>>> = Vec::new();
         for config in routes {
+            if config.warmup.is_some() {
+                metrics.warmup_route(&config.name);
+            }
             // Filter names were checked against `[[bloom]]` at config load.
             let filter = |name: Option<&String>| name.and_then(|n| filters.get(n)).cloned();
             let route = Arc::new(Route {
