@@ -42,6 +42,14 @@ if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then
     DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq nodejs npm >/dev/null
 fi
 
+# Debian's chromium for tests/status_page.rs, which opens the admin listener's status page in
+# a headless browser (its script, its charts, JavaScript off, a screenshot).
+if ! command -v chromium >/dev/null 2>&1; then
+    echo "== installing chromium"
+    as_root apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq chromium >/dev/null
+fi
+
 # A one-shot build gains nothing from incremental compilation, which would add several GB of
 # state to the target directory. A developer who wants it back can export CARGO_INCREMENTAL=1.
 export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"

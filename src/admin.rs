@@ -1,6 +1,16 @@
-//! The admin listener (default `127.0.0.1:9091`): `/metrics`, `/healthz`, `/readyz`,
-//! `GET /admin/bloom`, `POST /admin/bloom/{name}/rebuild`, `GET /admin/hotkeys` and
-//! `POST /admin/purge`.
+//! The admin listener (default `127.0.0.1:9091`). Its endpoints:
+//!
+//! - `GET /` and `GET /status`: the status page, one self-contained HTML page (see
+//!   [`status`]); `GET /status.json`: its numbers and the sampled history, as JSON;
+//! - `GET /metrics`: Prometheus text;
+//! - `GET /healthz`: liveness; `GET /readyz`: readiness (below);
+//! - `GET /admin/bloom`: the Bloom filters; `POST /admin/bloom/{name}/rebuild`: reload one;
+//! - `GET /admin/hotkeys`: the hot set;
+//! - `GET /admin/redis`: the Redis topology and whether Redis is in the request path;
+//! - `GET /admin/config`: the config in effect, secrets redacted;
+//! - `POST /admin/purge`: invalidations (below).
+//!
+//! The `GET` endpoints are read-only and need no token; none of them shows a secret.
 //!
 //! `POST /admin/purge` takes `{"keys": ["/api/items/7"], "patterns": ["/api/items/*"],
 //! "tags": ["item-7"]}` (any of the three; see `proxy/purge.rs` for what each means) and
@@ -22,6 +32,8 @@
 //! It stays 200 on purpose: Redis is an accelerator, and a readiness probe that failed with
 //! Redis would pull every instance out of service at once — the outage cacheguard exists to
 //! prevent. The body and `cacheguard_redis_up` say what is degraded.
+
+mod status;
 
 use std::net::SocketAddr;
 use std::sync::{Arc, LazyLock};
@@ -46,6 +58,8 @@ use crate::proxy::purge_limits::PurgeLimits;
 use crate::proxy::respond;
 use crate::reload::Live;
 
+pub(crate) use self::status::Status;
+
 #[derive(Debug)]
 pub(crate) struct Admin {
     pub(crate) registry: Registry,
@@ -62,6 +76,8 @@ pub(crate) struct Admin {
     pub(crate) proxy: Arc<Proxy>,
     /// The config in effect, for `GET /admin/config`.
     pub(crate) live: Arc<Live>,
+    /// The status page and its sampled history.
+    pub(crate) status: Arc<Status>,
 }
 
 /// Largest purge request body.
@@ -79,6 +95,8 @@ enum Endpoint {
     Purge,
     Config,
     Redis,
+    StatusPage,
+    StatusJson,
 }
 
 static ENDPOINTS: LazyLock<matchit::Router<Endpoint>> = LazyLock::new(|| {
@@ -93,6 +111,9 @@ static ENDPOINTS: LazyLock<matchit::Router<Endpoint>> = LazyLock::new(|| {
         ("/admin/purge", Endpoint::Purge),
         ("/admin/config", Endpoint::Config),
         ("/admin/redis", Endpoint::Redis),
+        ("/", Endpoint::StatusPage),
+        ("/status", Endpoint::StatusPage),
+        ("/status.json", Endpoint::StatusJson),
     ] {
         // Fixed, distinct paths: an insert error is a bug caught by the tests.
         if let Err(error) = router.insert(path, endpoint) {
@@ -118,6 +139,15 @@ impl Admin {
             (Endpoint::Readyz, true) => self.readyz(),
             (Endpoint::Bloom, true) => self.bloom_status(),
             (Endpoint::Config, true) => self.config_text().await,
+            (Endpoint::StatusPage, true) => self.status_page(),
+            (Endpoint::StatusJson, true) => {
+                let since = since_ms(request.uri().query());
+                let mut response = json(StatusCode::OK, &self.status.json(since));
+                response
+                    .headers_mut()
+                    .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+                response
+            }
             (Endpoint::Redis, true) => match &self.redis {
                 // The topology found at start or after the last failover, and whether
                 // Redis is in the request path right now.
@@ -161,6 +191,34 @@ impl Admin {
             }
             _ => respond::text(StatusCode::METHOD_NOT_ALLOWED, "method not allowed\n"),
         }
+    }
+
+    /// The status page. Its inline style and script carry a fresh nonce, and the
+    /// `Content-Security-Policy` allows nothing else: should a client-chosen string ever
+    /// slip past the escaping, the browser still runs no script of it. It may fetch only
+    /// from this listener (`status.json`), and may not be framed.
+    fn status_page(&self) -> Response<Body> {
+        let nonce = format!("{:032x}", rand::random::<u128>());
+        let mut response = Response::new(Body::full(self.status.page(&nonce)));
+        let csp = format!(
+            "default-src 'none'; style-src 'nonce-{nonce}'; script-src 'nonce-{nonce}'; \
+             connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+        );
+        let headers = response.headers_mut();
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("text/html; charset=utf-8"),
+        );
+        headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+        headers.insert(
+            header::X_CONTENT_TYPE_OPTIONS,
+            HeaderValue::from_static("nosniff"),
+        );
+        // Hex digits and fixed text: always a valid header value.
+        if let Ok(csp) = HeaderValue::from_str(&csp) {
+            headers.insert(header::CONTENT_SECURITY_POLICY, csp);
+        }
+        response
     }
 
     /// The config in effect (what a reload applied; keys that need a restart show their
@@ -392,6 +450,17 @@ fn bearer(request: &Request<Incoming>) -> Option<&str> {
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
+}
+
+/// The `since` of `/status.json?since=<unix ms>`: the page asks only for the samples it has
+/// not seen. Absent or not a number: 0, every sample.
+fn since_ms(query: Option<&str>) -> u64 {
+    query
+        .into_iter()
+        .flat_map(|q| q.split('&'))
+        .find_map(|pair| pair.strip_prefix("since="))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
 }
 
 /// At most the first 20 items of a purge list, for the audit log.

@@ -1,7 +1,8 @@
 //! Builds every component once from a [`Config`] and runs the listeners.
 //!
 //! Shutdown order: stop accepting on both listeners, drain in-flight requests (bounded by
-//! `server.shutdown_grace`), then stop background tasks (the Redis probe).
+//! `server.shutdown_grace`), then stop background tasks (the Redis probe, the status
+//! page's sampler).
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -17,7 +18,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::info;
 
-use crate::admin::Admin;
+use crate::admin::{Admin, Status};
 use crate::cache::l1::L1;
 use crate::cache::l2::L2;
 use crate::cache::marks::LocalMarks;
@@ -474,6 +475,10 @@ impl App {
             generation: std::sync::atomic::AtomicU64::new(0),
         });
         live.started(0);
+        // The status page's sampler: a sample every two seconds, so a page opened later
+        // shows the minutes before it.
+        let status = Arc::new(Status::new(Arc::clone(&live)));
+        tokio::spawn(Arc::clone(&status).run(stop_tasks.clone()));
         let admin = Arc::new(Admin {
             registry,
             metrics,
@@ -485,6 +490,7 @@ impl App {
             purge_limits,
             proxy: Arc::clone(&proxy),
             live: Arc::clone(&live),
+            status,
         });
 
         let listener = TcpListener::bind(listen.0)

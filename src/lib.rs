@@ -17,7 +17,8 @@
 //! - `coord/`: the Redis connection with bounded command times and health tracking, the Lua
 //!   scripts and the event bus.
 //! - `admin.rs`: the admin listener (`/metrics`, `/healthz`, `/readyz`, `/admin/*`: Bloom,
-//!   hot keys, purge, the effective config).
+//!   hot keys, purge, the effective config), and `admin/status.rs`, the status page (`/`)
+//!   with its sampled history.
 //! - [`reload`]: config hot reload (file change or `SIGHUP`).
 //! - [`metrics`]: every metric, defined and registered in one place.
 //!

@@ -1405,6 +1405,26 @@ impl Metrics {
     pub fn redis_error(&self, op: RedisOp) {
         self.redis_errors.with_label_values(&[op.as_str()]).inc();
     }
+
+    /// Origin requests so far, every route and status class summed (routes a reload removed
+    /// included), for the status page's origin rate.
+    pub fn origin_requests_total(&self) -> u64 {
+        use prometheus::core::Collector as _;
+        let sum: f64 = self
+            .origin_requests
+            .collect()
+            .iter()
+            .flat_map(|family| family.get_metric())
+            .map(|metric| metric.get_counter().value())
+            .sum();
+        // A counter's value is a whole number kept in an f64.
+        sum as u64
+    }
+
+    /// Distributed lock events of one outcome so far, for the status page.
+    pub fn lock_event_count(&self, event: LockEvent) -> u64 {
+        self.lock_events.with_label_values(&[event.as_str()]).get()
+    }
 }
 
 /// How an id reached a Bloom filter after its load: the `via` label.
@@ -1510,6 +1530,11 @@ impl RouteMetrics {
     pub fn origin(&self, status: OriginStatus, seconds: f64) {
         self.origin[status.index()].inc();
         self.origin_duration.observe(seconds);
+    }
+
+    /// Answers so far, by outcome, in [`Outcome::ALL`] order (for the status page).
+    pub fn outcome_counts(&self) -> [u64; Outcome::ALL.len()] {
+        self.outcomes.each_ref().map(IntCounter::get)
     }
 }
 

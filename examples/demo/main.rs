@@ -17,9 +17,9 @@
 //!      once and are then answered from the negative cache;
 //! 4. prints a table of requests, DB queries and errors per path, the `X-Cache` breakdown
 //!    seen through cacheguard, and a read-after-write check;
-//! 5. keeps running (cacheguard URL, admin URL and curl lines are printed) until Ctrl-C, or
-//!    exits right away with `--exit` (as CI runs it). The exit status is non-zero when any
-//!    request failed (transport error, 5xx or a wrong answer).
+//! 5. keeps running (cacheguard URL, admin URL, status page and curl lines are printed)
+//!    until Ctrl-C, or exits right away with `--exit` (as CI runs it). The exit status is
+//!    non-zero when any request failed (transport error, 5xx or a wrong answer).
 //!
 //! Options: `--items N`, `--db-delay-ms MS`, `--concurrency N`, `--exit`. `RUST_LOG` sets
 //! cacheguard's log level (default `warn`).
@@ -518,6 +518,7 @@ fn print_try_it(api: SocketAddr, proxy: SocketAddr, admin: SocketAddr, items: u6
     println!("cacheguard is running (Ctrl-C to stop):");
     println!("  proxy:  http://{proxy}");
     println!("  admin:  http://{admin}  (/metrics, /healthz, /readyz, /admin/bloom)");
+    println!("  status: http://{admin}/  (the status page: open it in a browser)");
     println!("  origin: http://{api}  (the demo API itself, bypassing cacheguard)");
     println!();
     println!("try:");

@@ -198,6 +198,11 @@ impl OriginGuard {
         self.queue_timeout
     }
 
+    /// `upstream.max_concurrency` and `upstream.max_rps` (0: no rate cap), as enforced.
+    pub(crate) fn caps(&self) -> (usize, u32) {
+        (self.max_concurrency, self.max_rps)
+    }
+
     /// Whether this guard enforces the same limits as a new one made of `limits` would.
     pub(crate) fn same_limits(&self, limits: &Limits) -> bool {
         self.max_concurrency == limits.max_concurrency.max(1)

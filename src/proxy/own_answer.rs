@@ -7,23 +7,35 @@
 //! [`respond::error`](super::respond::error) tags every such answer with an [`OwnAnswer`]
 //! (a response extension, never sent); the router logs what it finds once the answer is
 //! made, whichever path made it.
+//!
+//! The last [`RECENT`] lines written are also kept in a small ring for the admin status
+//! page ([`OwnAnswerLog::recent`]): time, route, method, path (without its query, which may
+//! carry a token, and cut to [`MAX_PATH_CHARS`]), status and reason; not the error detail,
+//! which can name upstream addresses. Only what the log takes: under a flood the ring costs
+//! nothing more per answer than the log does, and the page lists what the log says.
 
+use std::collections::VecDeque;
 use std::num::NonZeroU32;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, PoisonError};
 
 use http::{Method, Response};
+use serde::Serialize;
 use tracing::warn;
 
 use super::body::Body;
-use crate::clock::{DirectLimiter, TokioClock};
+use crate::clock::{self, DirectLimiter, TokioClock};
 use crate::error::ProxyError;
 
 /// Log lines per second, sustained.
 const LINES_PER_SECOND: u32 = 10;
 /// Log lines at once after a quiet spell.
 const BURST: u32 = 20;
-/// The longest path written into a line (a 431's path can be as long as the header limit).
+/// The longest path written into a line or kept in the ring (a 431's path can be as long
+/// as the header limit).
 const MAX_PATH_CHARS: usize = 200;
+/// Own answers kept for the status page.
+pub(crate) const RECENT: usize = 20;
 
 /// Why cacheguard made an answer itself; carried in the answer's extensions.
 #[derive(Clone, Debug)]
@@ -42,12 +54,28 @@ impl OwnAnswer {
     }
 }
 
-/// The rate-limited log of own answers.
+/// One own answer, as the status page lists it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub(crate) struct RecentAnswer {
+    pub(crate) unix_ms: u64,
+    pub(crate) route: String,
+    pub(crate) method: String,
+    /// Without the query, at most [`MAX_PATH_CHARS`] characters. Chosen by the client:
+    /// whoever shows it must escape it.
+    pub(crate) path: String,
+    pub(crate) status: u16,
+    pub(crate) reason: &'static str,
+}
+
+/// The rate-limited log of own answers, and the ring of the last few.
 #[derive(Debug)]
 pub(crate) struct OwnAnswerLog {
     limiter: DirectLimiter,
     /// Lines held back since the last one written.
     suppressed: AtomicU64,
+    /// The last [`RECENT`] own answers, oldest first. A std `Mutex`: held for one push or
+    /// one copy, never across an `.await`.
+    recent: Mutex<VecDeque<RecentAnswer>>,
 }
 
 impl Default for OwnAnswerLog {
@@ -66,10 +94,27 @@ impl OwnAnswerLog {
                 TokioClock::new(),
             ),
             suppressed: AtomicU64::new(0),
+            recent: Mutex::new(VecDeque::with_capacity(RECENT)),
         }
     }
 
-    /// Logs `response` when cacheguard made it itself (it carries an [`OwnAnswer`]).
+    /// The last [`RECENT`] own answers, newest first.
+    pub(crate) fn recent(&self) -> Vec<RecentAnswer> {
+        let recent = self.recent.lock().unwrap_or_else(PoisonError::into_inner);
+        recent.iter().rev().cloned().collect()
+    }
+
+    fn remember(&self, answer: RecentAnswer) {
+        let mut recent = self.recent.lock().unwrap_or_else(PoisonError::into_inner);
+        let oldest = (recent.len() == RECENT).then(|| recent.pop_front());
+        recent.push_back(answer);
+        drop(recent);
+        // Freed after the lock is released.
+        drop(oldest);
+    }
+
+    /// Logs `response` when cacheguard made it itself (it carries an [`OwnAnswer`]), and
+    /// keeps the line in the ring. `path` is the request's path, without its query.
     pub(crate) fn record(
         &self,
         route: &str,
@@ -84,6 +129,14 @@ impl OwnAnswerLog {
             return;
         };
         let path: String = path.chars().take(MAX_PATH_CHARS).collect();
+        self.remember(RecentAnswer {
+            unix_ms: clock::now_ms(),
+            route: route.to_owned(),
+            method: method.as_str().to_owned(),
+            path: path.clone(),
+            status: response.status().as_u16(),
+            reason: own.reason,
+        });
         warn!(
             message = "Answered with cacheguard's own error.",
             route,
@@ -127,5 +180,59 @@ mod tests {
             "the first line reports what was held back"
         );
         assert!(next[1..].iter().all(|&n| n == 0));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_ring_keeps_the_last_answers_newest_first_with_capped_paths() {
+        let log = OwnAnswerLog::new();
+        let own = |status: http::StatusCode| {
+            let mut response = Response::new(Body::empty());
+            *response.status_mut() = status;
+            response.extensions_mut().insert(OwnAnswer {
+                reason: "shed",
+                detail: "origin 10.0.0.7:8080 refused".to_owned(),
+            });
+            response
+        };
+        // Not an own answer: not kept.
+        log.record("item", &Method::GET, "/x", &Response::new(Body::empty()));
+        assert!(log.recent().is_empty());
+        for i in 0..(RECENT + 5) {
+            log.record(
+                "item",
+                &Method::GET,
+                &format!("/api/items/{i}"),
+                &own(http::StatusCode::SERVICE_UNAVAILABLE),
+            );
+            // Within the log's rate.
+            tokio::time::advance(Duration::from_millis(100)).await;
+        }
+        // Held back from the log: not kept either.
+        for _ in 0..BURST {
+            let _ = log.admit();
+        }
+        log.record(
+            "item",
+            &Method::GET,
+            "/held",
+            &own(http::StatusCode::SERVICE_UNAVAILABLE),
+        );
+        assert!(log.recent().iter().all(|r| r.path != "/held"));
+        tokio::time::advance(Duration::from_secs(3)).await;
+        let long = format!("/api/items/{}", "x".repeat(1000));
+        log.record(
+            "-",
+            &Method::POST,
+            &long,
+            &own(http::StatusCode::PAYLOAD_TOO_LARGE),
+        );
+        let recent = log.recent();
+        assert_eq!(recent.len(), RECENT);
+        assert_eq!(recent[0].status, 413);
+        assert_eq!(recent[0].method, "POST");
+        assert_eq!(recent[0].path.chars().count(), MAX_PATH_CHARS);
+        assert_eq!(recent[1].path, format!("/api/items/{}", RECENT + 4));
+        assert_eq!(recent[RECENT - 1].path, "/api/items/6");
+        assert!(recent.iter().all(|r| r.reason == "shed"));
     }
 }
