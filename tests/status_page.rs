@@ -744,7 +744,7 @@ async fn the_page_in_a_real_browser() {
     let artifacts = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/test-artifacts");
     std::fs::create_dir_all(&artifacts).expect("target/test-artifacts");
     let png = artifacts.join("status-page.png");
-    chromium.screenshot(&page, &png, 1280, 1800).await;
+    chromium.screenshot(&page, &png, 1280, 1000).await;
 
     // JavaScript off: the numbers are there, no chart was drawn.
     let plain = chromium
