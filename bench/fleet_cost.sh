@@ -56,8 +56,10 @@
 #        MEM_KEYS_ZONE=<32m per 125,000 keys> MEM_NGINX_MAX_SIZE=<8 KiB per key, at least 1g>
 #        MEM_VARNISH_MALLOC=<4 KiB per key, at least 1g> (d, the peers' room for MEM_KEYS keys)
 #        STAMPEDE_C=1000 STAMPEDE_DELAY_MS=200 (e)
-#        BASE_PORT=32080 (uses BASE_PORT+1 .. +14) STAMPEDE_BASE_PORT=BASE_PORT+50 (e: +1 .. +12)
+#        BASE_PORT=32080 (uses BASE_PORT+1 .. +18) STAMPEDE_BASE_PORT=BASE_PORT+50 (e: +1 .. +12)
 #        CACHEGUARD_BIN=path (skip `cargo build --release` and use this binary)
+#        BASE_BIN=path (a and b: also measure this cacheguard build, targets base-l1 and base-l2,
+#        e.g. a build from before a change; its rows are in the section tables, not the summary's)
 #        KEEP_TMP=1 (keep the scratch dir with the rendered nginx/varnish/redis dirs)
 #
 # Writes bench/results/fleet-cost-<UTC timestamp>/: throughput.tsv (a), cpu.tsv (b),
@@ -89,11 +91,16 @@ KEY=/items/1
 LIST_CONNECTIONS=8
 SETTLE_S=0.5
 RATE_DRAIN_S=5
-TARGETS="static nginx varnish cg-l1 cg-l2"
+MAIN_TARGETS="static nginx varnish cg-l1 cg-l2"
+TARGETS=$MAIN_TARGETS
+# BASE_BIN: another cacheguard build, measured beside the rest in sections a and b.
+BASE_BIN=${BASE_BIN:-}
+[[ -z $BASE_BIN ]] || TARGETS+=" base-l1 base-l2"
 L1_MODES="off hot"
 
 bench_ports ORIGIN_PORT NGINX_PORT VARNISH_PORT REDIS_PORT CGL1_PORT CGL1_ADMIN CGL2_PORT CGL2_ADMIN \
-    CGC_PORT CGC_ADMIN MEM_NGINX_PORT MEM_VARNISH_PORT MEM_CG_PORT MEM_CG_ADMIN
+    CGC_PORT CGC_ADMIN MEM_NGINX_PORT MEM_VARNISH_PORT MEM_CG_PORT MEM_CG_ADMIN \
+    BASEL1_PORT BASEL1_ADMIN BASEL2_PORT BASEL2_ADMIN
 
 # has SECTION: true when SECTION is in SECTIONS.
 has() { [[ " $SECTIONS " == *" $1 "* ]]; }
@@ -168,8 +175,11 @@ declare -A URL=(
     [varnish]="http://127.0.0.1:$VARNISH_PORT$KEY"
     [cg-l1]="http://127.0.0.1:$CGL1_PORT$KEY"
     [cg-l2]="http://127.0.0.1:$CGL2_PORT$KEY"
+    [base-l1]="http://127.0.0.1:$BASEL1_PORT$KEY"
+    [base-l2]="http://127.0.0.1:$BASEL2_PORT$KEY"
 )
-declare -A HIT=([static]="" [nginx]=HIT [varnish]=HIT [cg-l1]=HIT-L1 [cg-l2]=HIT-L2)
+declare -A HIT=([static]="" [nginx]=HIT [varnish]=HIT [cg-l1]=HIT-L1 [cg-l2]=HIT-L2 [base-l1]=HIT-L1
+    [base-l2]=HIT-L2)
 
 # run_throughput TARGET REP: one section-a wrk run, into throughput.tsv.
 run_throughput() {
@@ -220,7 +230,7 @@ run_cpu() {
     read -r ok achieved < <(jq -r '[.ok, .achieved_rate_rps] | @tsv' "$json")
     ((ok > 0)) || die "b. $t: no request answered; see $json"
     us=$(awk -v d=$((c1 - c0)) -v tck="$TCK" -v n="$ok" 'BEGIN { printf "%.3f", d * 1e6 / tck / n }')
-    if [[ $t == cg-l2 ]]; then
+    if [[ $t == *-l2 ]]; then
         redis_us=$(awk -v d=$((r1 - r0)) -v tck="$TCK" -v n="$ok" 'BEGIN { printf "%.3f", d * 1e6 / tck / n }')
     fi
     mapfile -t problems < <(rate_problems "$json" "$RATE" "${HIT[$t]}")
@@ -236,6 +246,10 @@ if has a || has b; then
     start_varnish_cache varnish "$VARNISH_PORT" varnishd "$OUT/varnish.vcl" TTL=600s GRACE=10s
     start_cg cg-l1 "$CGL1_PORT" "$CGL1_ADMIN" embedded cache.l1=all
     start_cg cg-l2 "$CGL2_PORT" "$CGL2_ADMIN" shared cache.l1=off
+    if [[ -n $BASE_BIN ]]; then
+        CG_BIN=$BASE_BIN start_cg base-l1 "$BASEL1_PORT" "$BASEL1_ADMIN" embedded cache.l1=all
+        CG_BIN=$BASE_BIN start_cg base-l2 "$BASEL2_PORT" "$BASEL2_ADMIN" shared cache.l1=off
+    fi
     log "warming $KEY"
     for t in $TARGETS; do
         [[ -z ${HIT[$t]} ]] || warm "${URL[$t]}" "${HIT[$t]}"
@@ -253,7 +267,7 @@ if has a || has b; then
         each_rep "$TARGETS" run_cpu
     fi
     for t in cg-l1 cg-l2; do save_metrics "${ADMIN_OF[$t]}" "$OUT/metrics-$t-end.txt"; done
-    for t in nginx varnish cg-l1 cg-l2; do stop_pid "${PID_OF[$t]}"; done
+    for t in nginx varnish cg-l1 cg-l2 ${BASE_BIN:+base-l1 base-l2}; do stop_pid "${PID_OF[$t]}"; done
 fi
 
 # --- c. Redis commands per cold miss and per L2 hit ------------------------------------------
@@ -518,7 +532,7 @@ row() {
 ratio_row() {
     local file=$1 col=$2 which=$3 t base cells=()
     base=$(med "$file" "$col" nginx)
-    for t in $TARGETS; do
+    for t in $MAIN_TARGETS; do
         if [[ " $which " == *" $t "* ]]; then cells+=("$(r2 "$(q "$(med "$file" "$col" "$t")" "$base")")"); else cells+=(""); fi
     done
     row "↳ ratio to nginx proxy_cache" "${cells[@]}"
@@ -597,18 +611,18 @@ P99_CG2=$(q "$(med "$OUT/stampede.tsv" p99_ms cg2 c="$STAMPEDE_C")" "$STAMPEDE_D
     row measure "static nginx" "nginx proxy_cache" Varnish "cacheguard L1" "cacheguard L2"
     echo "|---|---|---|---|---|---|"
     cells=()
-    for t in $TARGETS; do cells+=("$(vcell int "$OUT/throughput.tsv" rps "$t")"); done
+    for t in $MAIN_TARGETS; do cells+=("$(vcell int "$OUT/throughput.tsv" rps "$t")"); done
     row "a. hit req/s (\`wrk -t2 -c64 -d$DURATION\`)" "${cells[@]}"
     ratio_row "$OUT/throughput.tsv" rps "$TARGETS"
     cells=()
-    for t in $TARGETS; do cells+=("$(vcell 3 "$OUT/throughput.tsv" p99_ms "$t")"); done
+    for t in $MAIN_TARGETS; do cells+=("$(vcell 3 "$OUT/throughput.tsv" p99_ms "$t")"); done
     row "a. hit p99 ms under that load" "${cells[@]}"
     cells=()
-    for t in $TARGETS; do cells+=("$(vcell 2 "$OUT/cpu.tsv" cpu_us_per_req "$t")"); done
+    for t in $MAIN_TARGETS; do cells+=("$(vcell 2 "$OUT/cpu.tsv" cpu_us_per_req "$t")"); done
     row "b. CPU µs per hit at $(fmt_int "$RATE") req/s, the target's processes" "${cells[@]}"
     row "b. redis-server CPU µs per hit" "" "" "" "" "$(vcell 2 "$OUT/cpu.tsv" redis_us_per_req cg-l2)"
     cells=()
-    for t in $TARGETS; do cells+=("$(vcell 2 "$OUT/cpu.tsv" total_us_per_req "$t")"); done
+    for t in $MAIN_TARGETS; do cells+=("$(vcell 2 "$OUT/cpu.tsv" total_us_per_req "$t")"); done
     row "**b. CPU µs per hit, all processes** (cacheguard L2: + redis-server)" "${cells[@]}"
     ratio_row "$OUT/cpu.tsv" total_us_per_req "$TARGETS"
     for mode in $L1_MODES; do
@@ -686,7 +700,7 @@ P99_CG2=$(q "$(med "$OUT/stampede.tsv" p99_ms cg2 c="$STAMPEDE_C")" "$STAMPEDE_D
         echo "| target | processes | achieved req/s | CPU µs/req | redis-server µs/req | total µs/req |"
         echo "|---|---|---|---|---|---|"
         for t in $TARGETS; do
-            echo "| $t | $(values "$OUT/cpu.tsv" processes "$t" | sort -u | paste -sd/) | $(vcell int "$OUT/cpu.tsv" achieved_rps "$t") | $(vcell 2 "$OUT/cpu.tsv" cpu_us_per_req "$t") | $([[ $t == cg-l2 ]] && vcell 2 "$OUT/cpu.tsv" redis_us_per_req "$t" || printf '–') | $(vcell 2 "$OUT/cpu.tsv" total_us_per_req "$t") |"
+            echo "| $t | $(values "$OUT/cpu.tsv" processes "$t" | sort -u | paste -sd/) | $(vcell int "$OUT/cpu.tsv" achieved_rps "$t") | $(vcell 2 "$OUT/cpu.tsv" cpu_us_per_req "$t") | $([[ $t == *-l2 ]] && vcell 2 "$OUT/cpu.tsv" redis_us_per_req "$t" || printf '–') | $(vcell 2 "$OUT/cpu.tsv" total_us_per_req "$t") |"
         done
     fi
     if has c; then
