@@ -4,7 +4,9 @@
 //!
 //! The suite fills 12,000 keys (more than one unsharded index may hold, so a single index
 //! fails the bound); `CG_BIG_KEYS_FILLS=100000` runs the full-size check (about 4 minutes
-//! on a debug build), as `bench/big_keys.sh` does.
+//! on a debug build), as `bench/big_keys.sh` does. The keys of a Bloom filter's snapshot
+//! are checked in `tests/bloom.rs`
+//! (`a_1m_item_filter_snapshot_is_in_parts_under_1_mb_and_a_restart_starts_from_it`).
 
 #![allow(clippy::unwrap_used)]
 

@@ -925,23 +925,33 @@ async fn source_that_dies_mid_body_is_a_failed_load_not_a_partial_filter() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restart_serves_from_the_redis_snapshot_while_the_source_is_slow() {
-    restart_from_snapshot(&RedisServer::start().await).await;
+    restart_from_snapshot(&RedisServer::start().await, 10_000, 1).await;
 }
 
-/// The same on a Redis Cluster (the snapshot is one key, on its slot's primary).
+/// The same on a Redis Cluster (the snapshot is a header and one part, each on its slot's
+/// primary).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restart_serves_from_the_redis_snapshot_while_the_source_is_slow_on_cluster() {
-    restart_from_snapshot(&RedisCluster::start().await).await;
+    restart_from_snapshot(&RedisCluster::start().await, 10_000, 1).await;
 }
 
-async fn restart_from_snapshot(redis: &impl SharedRedis) {
+/// The same with a filter sized for 1M ids (1.2 MB): its snapshot is 3 parts, on the
+/// slots of the cluster's nodes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restart_serves_from_a_snapshot_in_parts_on_cluster() {
+    restart_from_snapshot(&RedisCluster::start().await, 1_000_000, 3).await;
+}
+
+/// `expected_items` sizes the filter (10,000 ids are loaded whatever it is), whose snapshot
+/// must be in `parts` parts.
+async fn restart_from_snapshot(redis: &impl SharedRedis, expected_items: u64, parts: u64) {
     let origin = items_origin(seed_ids(10_000)).await;
     let cfg = redis
         .configure(CgConfig::new(&origin))
         .set_str("redis", "command_timeout", "2s")
         .routes(&routes(
             "location",
-            &bloom_table(10_000, 0.01, "10m", &url_source()),
+            &bloom_table(expected_items, 0.01, "10m", &url_source()),
         ));
     let client = HttpClient::new();
 
@@ -968,6 +978,15 @@ async fn restart_from_snapshot(redis: &impl SharedRedis) {
         snapshot.is_some(),
         "no snapshot at {snapshot_key} after the source load"
     );
+    for index in 0..=parts {
+        let key = format!("{snapshot_key}:part:{index}");
+        let exists: i64 = redis::cmd("EXISTS")
+            .arg(&key)
+            .query_async(&mut con.clone())
+            .await
+            .unwrap();
+        assert_eq!(exists == 1, index < parts, "{key} (expected {parts} parts)");
+    }
     let created = create(&client, first.addr()).await;
     shutdown(first).await;
 
@@ -1054,6 +1073,236 @@ async fn restart_from_snapshot(redis: &impl SharedRedis) {
     // Stop the slow answer first so the instance does not wait on it.
     drop(origin);
     shutdown(second).await;
+}
+
+// === 6b. a large filter's snapshot, in parts ===
+
+/// A filter sized for 1M ids at fp_rate 0.01: 1.2 MB serialized, whatever the source
+/// holds, so a small source loads it fast.
+const BIG_FILTER_ITEMS: u64 = 1_000_000;
+const HEADER_KEY: &str = "cg:bloom:items";
+/// A big key, by the bound cacheguard keeps every key under.
+const BIG_KEY_BYTES: u64 = 1_000_000;
+
+fn part_key(index: u64) -> String {
+    format!("{HEADER_KEY}:part:{index}")
+}
+
+/// An instance on `redis` with [`FILTER`] sized for [`BIG_FILTER_ITEMS`].
+fn big_filter_config(origin: &TestOrigin, redis: &RedisServer) -> CgConfig {
+    CgConfig::new(origin)
+        .redis(redis)
+        .set_str("redis", "command_timeout", "2s")
+        .routes(&routes(
+            "location",
+            &bloom_table(BIG_FILTER_ITEMS, 0.01, "10m", &url_source()),
+        ))
+}
+
+/// Waits until the snapshot header exists and differs from `old` (it is written last);
+/// returns it.
+async fn wait_header(con: &redis::aio::MultiplexedConnection, old: Option<&[u8]>) -> Vec<u8> {
+    let header = poll_until(Duration::from_secs(10), POLL_EVERY, || {
+        let mut con = con.clone();
+        async move {
+            let value: Option<Vec<u8>> = redis::cmd("GET")
+                .arg(HEADER_KEY)
+                .query_async(&mut con)
+                .await
+                .ok()?;
+            value.filter(|v| Some(v.as_slice()) != old)
+        }
+    })
+    .await;
+    header.unwrap_or_else(|| panic!("no new snapshot header at {HEADER_KEY} within 10s"))
+}
+
+/// `(MEMORY USAGE, STRLEN)` of every `cg:` key, largest first.
+async fn key_sizes(con: &mut redis::aio::MultiplexedConnection) -> Vec<(String, u64, u64)> {
+    let keys: Vec<String> = common::redis_server::scan_keys(con, "cg:*").await;
+    let mut sizes = Vec::new();
+    for key in keys {
+        let memory: u64 = redis::cmd("MEMORY")
+            .arg("USAGE")
+            .arg(&key)
+            .arg("SAMPLES")
+            .arg(0)
+            .query_async(con)
+            .await
+            .unwrap_or(0);
+        let kind: String = redis::cmd("TYPE").arg(&key).query_async(con).await.unwrap();
+        let len: u64 = if kind == "string" {
+            redis::cmd("STRLEN")
+                .arg(&key)
+                .query_async(con)
+                .await
+                .unwrap()
+        } else {
+            0
+        };
+        sizes.push((key, memory, len));
+    }
+    sizes.sort_by_key(|(_, memory, len)| std::cmp::Reverse((*memory).max(*len)));
+    sizes
+}
+
+/// A filter of 1M expected ids (1.2 MB) stores its snapshot as a small header and parts of
+/// at most 512 KiB: no `cg:` key reaches 1 MB, and the next instance starts from them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_1m_item_filter_snapshot_is_in_parts_under_1_mb_and_a_restart_starts_from_it() {
+    let redis = RedisServer::start().await;
+    let origin = items_origin(seed_ids(1_000)).await;
+    let cfg = big_filter_config(&origin, &redis);
+    let client = HttpClient::new();
+
+    let first = cfg.start().await;
+    let f = wait_ready(&client, first.admin_addr()).await;
+    assert_eq!(f["loaded_from"], "source", "{f}");
+    let mut con = redis.client().await;
+    wait_header(&con, None).await;
+    shutdown(first).await;
+
+    let sizes = key_sizes(&mut con).await;
+    eprintln!("cg: keys, largest first (key, MEMORY USAGE, STRLEN): {sizes:?}");
+    let (largest, memory, len) = &sizes[0];
+    assert!(
+        *memory < BIG_KEY_BYTES && *len < BIG_KEY_BYTES,
+        "{largest} takes {memory} bytes (STRLEN {len}), at most 1 MB: {sizes:?}"
+    );
+    let parts: Vec<&(String, u64, u64)> = sizes
+        .iter()
+        .filter(|(key, _, _)| key.starts_with(&format!("{HEADER_KEY}:part:")))
+        .collect();
+    let part_bytes: u64 = parts.iter().map(|(_, _, len)| len).sum();
+    assert!(
+        parts.len() >= 3 && part_bytes > 1_100_000,
+        "expected the 1.2 MB filter in 3 or more parts: {sizes:?}"
+    );
+    for index in 0..parts.len() as u64 {
+        assert!(
+            parts.iter().any(|(key, _, _)| *key == part_key(index)),
+            "no {} among {parts:?}",
+            part_key(index)
+        );
+    }
+    let header = sizes.iter().find(|(key, _, _)| key == HEADER_KEY);
+    assert!(
+        matches!(header, Some((_, _, len)) if *len < 1024),
+        "the header at {HEADER_KEY} should be small: {header:?}"
+    );
+
+    // The source becomes very slow; instance 2 starts from the parts.
+    origin.set_ids_delay(Duration::from_secs(10));
+    let second = cfg.start().await;
+    let f = wait_bloom(
+        &client,
+        second.admin_addr(),
+        Duration::from_secs(5),
+        "ready from the snapshot",
+        |f| is_ready(f) && f["loaded_from"] == "snapshot",
+    )
+    .await;
+    assert_eq!(f["items"], 1_000, "{f}");
+    for id in ["1", "500", "1000"] {
+        let s = get_one(&client, second.addr(), &item_path(id)).await;
+        assert!(
+            s.status == 200 && !s.is_reject(),
+            "id {id} from the snapshot was not served: {s}"
+        );
+    }
+    let mut absent = Vec::new();
+    for i in 0..20 {
+        absent.push(
+            get_one(
+                &client,
+                second.addr(),
+                &item_path(&(5_000_001 + i).to_string()),
+            )
+            .await,
+        );
+    }
+    assert!(
+        absent.iter().filter(|s| s.is_reject()).count() >= 18,
+        "non-existent ids not rejected with the snapshot loaded:{}",
+        first_few(absent.iter().filter(|s| !s.is_reject()))
+    );
+    let (_, exp) = scrape(&client, second.admin_addr()).await;
+    let from_snapshot = [("filter", FILTER), ("from", "snapshot")];
+    assert_eq!(
+        metric(&exp, "cacheguard_bloom_loads_total", &from_snapshot),
+        1.0
+    );
+    drop(origin);
+    shutdown(second).await;
+}
+
+/// Starts an instance of `cfg` while the source answers after a delay: it must ignore the
+/// snapshot in Redis (whose header is `header`) and become ready from its source. Returns
+/// the header of the snapshot it then writes.
+async fn assert_loads_from_the_source(
+    cfg: &CgConfig,
+    client: &HttpClient,
+    con: &redis::aio::MultiplexedConnection,
+    header: &[u8],
+    what: &str,
+) -> Vec<u8> {
+    let cg = cfg.start().await;
+    let f = wait_ready(client, cg.admin_addr()).await;
+    assert_eq!(f["loaded_from"], "source", "{what}: {f}");
+    let (_, exp) = scrape(client, cg.admin_addr()).await;
+    let from_snapshot = [("filter", FILTER), ("from", "snapshot")];
+    assert_eq!(
+        metric(&exp, "cacheguard_bloom_loads_total", &from_snapshot),
+        0.0,
+        "{what}"
+    );
+    let written = wait_header(con, Some(header)).await;
+    shutdown(cg).await;
+    written
+}
+
+/// A snapshot whose parts are not all its own is not used: with a part deleted, or with a
+/// part of an earlier snapshot written over one of the current one's (two instances
+/// writing at once), the next instance loads from its source rather than install a wrong
+/// filter.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshot_missing_a_part_or_mixing_two_snapshots_parts_is_not_used() {
+    let redis = RedisServer::start().await;
+    let origin = items_origin(seed_ids(1_000)).await;
+    let cfg = big_filter_config(&origin, &redis);
+    let client = HttpClient::new();
+    let mut con = redis.client().await;
+
+    let first = cfg.start().await;
+    wait_ready(&client, first.admin_addr()).await;
+    let header = wait_header(&con, None).await;
+    shutdown(first).await;
+    let earlier_part: Vec<u8> = redis::cmd("GET")
+        .arg(part_key(1))
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    // A short delay: a snapshot taken would make the instance ready before the source.
+    origin.set_ids_delay(Duration::from_millis(500));
+
+    let deleted: i64 = redis::cmd("DEL")
+        .arg(part_key(1))
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    assert_eq!(deleted, 1);
+    let header = assert_loads_from_the_source(&cfg, &client, &con, &header, "part 1 deleted").await;
+
+    // That instance wrote a new snapshot; an earlier one's part lands over its part 1.
+    let () = redis::cmd("SET")
+        .arg(part_key(1))
+        .arg(earlier_part)
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let what = "part 1 of an earlier snapshot";
+    assert_loads_from_the_source(&cfg, &client, &con, &header, what).await;
+    drop(origin);
 }
 
 // === 7. malformed source lines ===

@@ -12,7 +12,8 @@
 //! <p>tag:{<t>}:at          Redis time (ms) of the tag's last invalidation
 //! <p>tag:{<t>.<s>}:keys    shard `<s>` of a route's index (see [`ROUTE_SHARDS`])
 //! <p>tag:{<t>.<s>}:at      Redis time (ms) of the last pattern purge, per shard
-//! <p>bloom:<filter>        a Bloom filter's snapshot; `:adds` its recent creates
+//! <p>bloom:<filter>        a Bloom filter's snapshot header; `:adds` its recent creates
+//! <p>bloom:<filter>:part:<i> part `i` of the snapshot (≤ 512 KiB each, one slot each)
 //! <p>events                the pub/sub channel of the event bus
 //! ```
 //!
@@ -139,9 +140,16 @@ impl Keyspace {
         }
     }
 
-    /// A Bloom filter's snapshot.
+    /// A Bloom filter's snapshot: the header that names its parts.
     pub(crate) fn bloom_snapshot(&self, filter: &str) -> String {
         format!("{}bloom:{filter}", self.prefix)
+    }
+
+    /// Part `index` of a Bloom filter's snapshot. No hash tag: on a Redis Cluster the
+    /// parts spread over the slots instead of making one big slot. (A filter name has no
+    /// `:`, so this cannot be another filter's key.)
+    pub(crate) fn bloom_snapshot_part(&self, filter: &str, index: u64) -> String {
+        format!("{}bloom:{filter}:part:{index}", self.prefix)
     }
 
     /// A Bloom filter's recent creates (sorted set scored by unix ms).
