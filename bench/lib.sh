@@ -331,12 +331,12 @@ toml_kv() {
 # [server] listen 127.0.0.1:PORT, [upstream] url the origin on 127.0.0.1:ORIGIN_PORT, [admin]
 # listen 127.0.0.1:ADMIN_PORT and one route "item" on /items/{id}, plus a `KEY = VALUE` line
 # (toml_kv) per argument in its SECTION: server, upstream, redis, journal, admin, cache,
-# hot_keys, lock, bloom ([[bloom]]) or route (the route's own settings). Sections come in that
-# order; those without a setting are left out.
+# hot_keys, lock, access_log, bloom ([[bloom]]) or route (the route's own settings). Sections
+# come in that order; those without a setting are left out.
 cg_config() {
     local port=$1 admin=$2 upstream_port=$3 section spec lines
     shift 3
-    for section in server upstream redis journal admin cache hot_keys lock bloom route; do
+    for section in server upstream redis journal admin cache hot_keys lock access_log bloom route; do
         case $section in
         server) lines=$(toml_kv listen "127.0.0.1:$port") ;;
         upstream) lines=$(toml_kv url "http://127.0.0.1:$upstream_port") ;;

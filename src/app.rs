@@ -1,8 +1,8 @@
 //! Builds every component once from a [`Config`] and runs the listeners.
 //!
 //! Shutdown order: stop accepting on both listeners, drain in-flight requests (bounded by
-//! `server.shutdown_grace`), then stop background tasks (the Redis probe, the status
-//! page's sampler).
+//! `server.shutdown_grace`), wait for the access log's writer (bounded), then stop
+//! background tasks (the Redis probe, the status page's sampler).
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -34,6 +34,7 @@ use crate::metrics::Metrics;
 use crate::protect::bloom::Filters;
 use crate::protect::flight::fleet::FleetLock;
 use crate::protect::hotkeys::HotKeys;
+use crate::proxy::access_log::AccessLog;
 use crate::proxy::fill::{Filler, Flights};
 use crate::proxy::hot::HotGate;
 use crate::proxy::origin::Origin;
@@ -266,6 +267,9 @@ pub struct Running {
 /// How long shutdown waits for the delayed deletes it runs early.
 const DEFERRED_GRACE: Duration = Duration::from_secs(5);
 
+/// How long shutdown waits for the access log's writer to write what is queued.
+const ACCESS_LOG_GRACE: Duration = Duration::from_secs(2);
+
 impl App {
     /// Binds `server.listen` and `admin.listen` (port 0 picks a free port) and starts serving.
     /// A Redis that is down at start is not an error: the instance starts degraded and
@@ -280,6 +284,9 @@ impl App {
         }
         let registry = Registry::new();
         let metrics = Metrics::register(&registry).context("registering metrics")?;
+        // First, before anything runs: a file that cannot be opened stops the start.
+        let access_log = AccessLog::start(&config.access_log, metrics.access_log.clone())
+            .map_err(anyhow::Error::msg)?;
         let stop_listeners = CancellationToken::new();
         let stop_tasks = CancellationToken::new();
 
@@ -439,6 +446,7 @@ impl App {
             metrics: metrics.clone(),
             invalidator: Arc::clone(&invalidator),
             own_answers: OwnAnswerLog::new(),
+            access_log,
         });
         let deferred = proxy.write.deferred.clone();
         if let (Some(conn), Some(_)) = (&redis, &config.redis)
@@ -596,7 +604,8 @@ impl Running {
     }
 
     /// Graceful shutdown: stop accepting, drain in-flight requests (bounded by
-    /// `server.shutdown_grace`), stop background tasks.
+    /// `server.shutdown_grace`), let the access log write their lines, stop background
+    /// tasks.
     /// Delayed deletes still waiting are done at once (a write's owed invalidations are
     /// never dropped by a restart; what Redis cannot take goes to the journal).
     pub async fn shutdown(mut self) {
@@ -604,6 +613,7 @@ impl Running {
         for server in std::mem::take(&mut self.servers) {
             let _ = server.await;
         }
+        self.live.proxy.access_log.drain(ACCESS_LOG_GRACE).await;
         self.stop_tasks.cancel();
         self.deferred.close();
         let _ = tokio::time::timeout(DEFERRED_GRACE, self.deferred.wait()).await;

@@ -74,6 +74,8 @@ pub struct Config {
     pub journal: JournalConfig,
     /// External invalidations from a Redis Stream (shared mode).
     pub stream: StreamConfig,
+    /// One line per request (`[access_log]`).
+    pub access_log: AccessLogConfig,
     /// What the file allows but is likely wrong, `file:line: key: message` like an error;
     /// see [`Config::warnings`].
     warnings: Vec<ConfigProblem>,
@@ -96,6 +98,51 @@ pub enum JournalFsync {
     Interval(Duration),
     /// Left to the OS: survives a crash of cacheguard, not of the machine.
     Never,
+}
+
+/// `[access_log]`: one line per proxied request, written off the request path.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AccessLogConfig {
+    pub format: AccessLogFormat,
+    pub path: AccessLogPath,
+    /// The fraction of requests logged, in `(0, 1]`; cacheguard's own answers and every
+    /// 5xx are logged whatever it says.
+    pub sample: f64,
+    /// Whether the query string is written after the path.
+    pub query: bool,
+    /// Lines the channel to the writer holds; one more is dropped and counted.
+    pub buffer: usize,
+}
+
+/// `access_log.format`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AccessLogFormat {
+    /// Nothing is logged (the default).
+    Off,
+    /// One JSON object per line.
+    Json,
+    /// nginx's `combined` format followed by cacheguard's fields.
+    Combined,
+}
+
+/// `access_log.path`: where the lines go.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum AccessLogPath {
+    Stdout,
+    Stderr,
+    /// A file, opened for appending (created if missing); relative paths are resolved
+    /// against the config file's directory.
+    File(PathBuf),
+}
+
+impl std::fmt::Display for AccessLogPath {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            AccessLogPath::Stdout => f.write_str("stdout"),
+            AccessLogPath::Stderr => f.write_str("stderr"),
+            AccessLogPath::File(path) => write!(f, "{}", path.display()),
+        }
+    }
 }
 
 /// `[invalidation_stream]`: a Redis Stream CDC tools and batch jobs write invalidations to.

@@ -7,8 +7,8 @@
 //!
 //! - [`config`]: the TOML model, validated once; errors name file, line and key.
 //! - [`app`]: builds every component from a [`Config`] and runs the listeners.
-//! - `proxy/`: the HTTP server, routing, the read pipeline, the upstream client and the
-//!   origin guard.
+//! - `proxy/`: the HTTP server, routing, the read pipeline, the upstream client, the
+//!   origin guard and the access log.
 //! - `cache/`: cache keys, the entry format, TTL jitter, L1 (moka) and L2 (Redis).
 //! - `protect/`: Bloom filters, single-flight (local and the distributed lock), hot keys.
 //! - `consistency/`: invalidation (L1, Redis, the retry journal), local generation marks,

@@ -330,6 +330,8 @@ pub struct Metrics {
     pub(crate) journal: JournalMetrics,
     /// The invalidation stream's consumer.
     pub(crate) stream: StreamMetrics,
+    /// The access log's writer.
+    pub(crate) access_log: AccessLogMetrics,
     purges: IntCounterVec,
     config_reloads: IntCounterVec,
     config_generation: IntGauge,
@@ -414,6 +416,17 @@ pub(crate) struct StreamMetrics {
     pub(crate) pending: IntGauge,
     /// Redis errors (reconnects).
     pub(crate) errors: IntCounter,
+}
+
+/// The access log's metrics (see `proxy/access_log.rs`): lines by what became of them.
+#[derive(Clone, Debug)]
+pub(crate) struct AccessLogMetrics {
+    /// Written to the log's destination.
+    pub(crate) written: IntCounter,
+    /// Not queued: the channel to the writer was full.
+    pub(crate) dropped: IntCounter,
+    /// Queued, but the write failed (a full disk, a closed pipe).
+    pub(crate) failed: IntCounter,
 }
 
 /// Hot-key metrics.
@@ -750,6 +763,19 @@ impl Metrics {
         registry.register(Box::new(stream.claimed.clone()))?;
         registry.register(Box::new(stream.pending.clone()))?;
         registry.register(Box::new(stream.errors.clone()))?;
+        let access_log_lines = IntCounterVec::new(
+            Opts::new(
+                "cacheguard_access_log_lines_total",
+                "Access log lines, by result (written; dropped: the channel to the writer was full, the request did not wait; failed: the write failed).",
+            ),
+            &["result"],
+        )?;
+        let access_log = AccessLogMetrics {
+            written: access_log_lines.with_label_values(&["written"]),
+            dropped: access_log_lines.with_label_values(&["dropped"]),
+            failed: access_log_lines.with_label_values(&["failed"]),
+        };
+        registry.register(Box::new(access_log_lines))?;
         let purges = IntCounterVec::new(
             Opts::new(
                 "cacheguard_purges_total",
@@ -1153,6 +1179,7 @@ impl Metrics {
             invalidations,
             journal,
             stream,
+            access_log,
             purges,
             config_reloads,
             config_generation,

@@ -3,6 +3,7 @@
 //! [`create`]) and pass-through ([`passthrough`]) — over the origin ([`origin`], the
 //! upstream client and the origin guard).
 
+pub(crate) mod access_log;
 pub(crate) mod admit;
 pub(crate) mod body;
 pub(crate) mod conditional;
@@ -33,6 +34,7 @@ use arc_swap::ArcSwap;
 use http::{Method, Request, Response, header};
 use hyper::body::Incoming;
 
+use self::access_log::{AccessLog, Answered, RouteName};
 use self::body::Body;
 use self::origin::Origin;
 use self::own_answer::{OwnAnswer, OwnAnswerLog};
@@ -89,6 +91,8 @@ pub(crate) struct Proxy {
     pub(crate) invalidator: Arc<Invalidator>,
     /// One log line per answer cacheguard makes itself, rate-limited.
     pub(crate) own_answers: OwnAnswerLog,
+    /// One line per request, when `[access_log]` is on (reloadable).
+    pub(crate) access_log: AccessLog,
 }
 
 /// Applies other instances' key events to this instance's cache: an `invalidate` drops
@@ -131,12 +135,44 @@ impl BusListener for CacheEvents {
 
 impl Proxy {
     /// Entry point for every proxied request: limits, then route, then the read path or
-    /// pass-through.
+    /// pass-through; with the access log on, the answer's body is wrapped to write its line
+    /// when it ends.
     pub(crate) async fn handle(
         self: &Arc<Self>,
         request: Request<Incoming>,
         client: SocketAddr,
     ) -> Response<Body> {
+        // Off: one atomic load, and the answer as it is.
+        let Some(started) = self.access_log.begin(&request, client) else {
+            return self.answer(request, client).await.1;
+        };
+        let ((route, response), origin) =
+            access_log::timing_origin(self.answer(request, client)).await;
+        let answered = Answered {
+            route,
+            status: response.status(),
+            cache: response
+                .headers()
+                .get(&respond::X_CACHE)
+                .map(access_log::cache_word),
+            reason: response
+                .extensions()
+                .get::<OwnAnswer>()
+                .map(|own| own.reason),
+            origin,
+        };
+        match self.access_log.finish(started, answered) {
+            Some(line) => response.map(|body| body.logged(line)),
+            None => response,
+        }
+    }
+
+    /// The answer to a request, with the route it took (for the access log).
+    async fn answer(
+        self: &Arc<Self>,
+        request: Request<Incoming>,
+        client: SocketAddr,
+    ) -> (RouteName, Response<Body>) {
         if let Err(error) = self.check_limits(&request) {
             self.metrics
                 .rejected_requests
@@ -145,7 +181,7 @@ impl Proxy {
             let response = respond::error(&error);
             self.own_answers
                 .record("-", request.method(), request.uri().path(), &response);
-            return response;
+            return (RouteName::Static("-"), response);
         }
         // Cheap clones (no allocation for a standard method; the URI shares its bytes).
         let (method, uri) = (request.method().clone(), request.uri().clone());
@@ -168,7 +204,11 @@ impl Proxy {
             .map_or(PASSTHROUGH, |r| r.config.name.as_str());
         self.own_answers
             .record(name, &method, uri.path(), &response);
-        response
+        let route = match route {
+            Some(route) => RouteName::Route(route),
+            None => RouteName::Static(PASSTHROUGH),
+        };
+        (route, response)
     }
 
     /// Sends a request within the limits down its path; returns its route (`None` for

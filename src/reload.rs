@@ -18,14 +18,18 @@
 //! - Redis credentials (`redis.username`, `redis.password`, the content of
 //!   `redis.password_file`): connections made from then on log in with the new ones, and
 //!   the shared connection is replaced at once (see `RedisConn::rotate_credentials`). A
-//!   rotation is: allow the new password in Redis, reload, then revoke the old one.
+//!   rotation is: allow the new password in Redis, reload, then revoke the old one;
+//! - the access log (`[access_log]` `format`, `sample`, `query`, `path`): its file is opened
+//!   again on every reload, so `SIGHUP` after a rename rotates it (logrotate's
+//!   `postrotate`). A file that cannot be opened leaves the access log as it was, with an
+//!   error in the log; the rest of the reload is applied.
 //!
 //! What cannot change while running — listeners, `[server]` limits and threads, the rest of
 //! `[redis]`,
-//! `[journal]`, `[invalidation_stream]`, adding or removing a `[[bloom]]` filter — is kept
-//! as it was; the reload is applied for everything else and a warning names what needs a
-//! restart (`result="partial"`). Adding or removing a filter refuses the whole reload
-//! (`result="refused"`): routes may name it.
+//! `[journal]`, `[invalidation_stream]`, `access_log.buffer`, adding or removing a
+//! `[[bloom]]` filter — is kept as it was; the reload is applied for everything else and a
+//! warning names what needs a restart (`result="partial"`). Adding or removing a filter
+//! refuses the whole reload (`result="refused"`): routes may name it.
 //!
 //! The file is polled (content hash, every 500 ms) rather than watched with inotify: editors
 //! and Kubernetes ConfigMaps replace the file through renames and symlink swaps, which
@@ -145,6 +149,13 @@ impl Live {
         self.hot.reconfigure(&new.hot_keys);
         self.token.store(Arc::new(new.admin.token.clone()));
         self.purge_limits.reconfigure(&new.admin);
+        let access_log_kept = match proxy.access_log.reconfigure(&new.access_log).await {
+            Ok(()) => false,
+            Err(error) => {
+                error!(message = "Access log not reloaded; it keeps its old file and settings.", %error);
+                true
+            }
+        };
 
         let restart = needs_restart(&current, &new);
         let generation = self.generation.fetch_add(1, Ordering::AcqRel) + 1;
@@ -152,6 +163,9 @@ impl Live {
         // What runs now: the new config, except the parts that need a restart.
         let mut effective = new;
         keep_restart_only(&mut effective, &current);
+        if access_log_kept {
+            effective.access_log = current.access_log.clone();
+        }
         *current = effective;
         if restart.is_empty() {
             self.metrics.config_reload("ok");
@@ -190,6 +204,9 @@ fn needs_restart(old: &Config, new: &Config) -> Vec<&'static str> {
     if differs(&old.cache.l1_max_bytes, &new.cache.l1_max_bytes) {
         keys.push("cache.l1_max_bytes");
     }
+    if old.access_log.buffer != new.access_log.buffer {
+        keys.push("access_log.buffer");
+    }
     keys
 }
 
@@ -220,6 +237,7 @@ fn keep_restart_only(new: &mut Config, old: &Config) {
     new.journal = old.journal.clone();
     new.stream = old.stream.clone();
     new.cache.l1_max_bytes = old.cache.l1_max_bytes;
+    new.access_log.buffer = old.access_log.buffer;
 }
 
 /// Where the config comes from, for reloads.

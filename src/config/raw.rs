@@ -15,7 +15,7 @@ use serde::Deserialize;
 use serde::de::{self, Deserializer, SeqAccess, Visitor};
 use toml::Spanned;
 
-use super::{FreshnessSource, L1Policy, OnTimeout};
+use super::{AccessLogFormat, FreshnessSource, L1Policy, OnTimeout};
 
 /// Span used for values that did not come from the file (defaults, environment overrides).
 /// Such values are already valid, so no problem is ever reported at this span.
@@ -50,6 +50,32 @@ pub(super) struct RawConfig {
     pub(super) journal: RawJournal,
     #[serde(default)]
     pub(super) invalidation_stream: RawStream,
+    #[serde(default)]
+    pub(super) access_log: RawAccessLog,
+}
+
+/// `[access_log]`: one line per proxied request.
+#[derive(Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub(super) struct RawAccessLog {
+    pub(super) format: RawAccessLogFormat,
+    /// `"stdout"`, `"stderr"` or a file path.
+    pub(super) path: Spanned<String>,
+    pub(super) sample: Spanned<f64>,
+    pub(super) query: bool,
+    pub(super) buffer: Spanned<usize>,
+}
+
+impl Default for RawAccessLog {
+    fn default() -> Self {
+        Self {
+            format: RawAccessLogFormat(AccessLogFormat::Off),
+            path: unspanned("stdout".to_owned()),
+            sample: unspanned(1.0),
+            query: false,
+            buffer: unspanned(8192),
+        }
+    }
 }
 
 /// `[journal]`: where owed invalidations wait while Redis is unavailable.
@@ -426,6 +452,8 @@ pub(super) mod defaults {
     /// Most header fields a request may be allowed: hyper parses every head into an array
     /// of `max_headers` slots (64 bytes each, allocated per request above the default).
     pub(in crate::config) const MAX_HEADERS_LIMIT: usize = 1000;
+    /// Most lines `access_log.buffer` may hold (a queued line takes about 300 bytes).
+    pub(in crate::config) const ACCESS_LOG_MAX_BUFFER: usize = 1_000_000;
 }
 
 // === impl HumanDuration ===
@@ -466,7 +494,7 @@ impl<'de> Deserialize<'de> for HumanDuration {
     }
 }
 
-// === impl RawL1, RawOnTimeout ===
+// === impl RawL1, RawOnTimeout, RawAccessLogFormat ===
 
 /// `l1 = "hot" | "all" | "off"`.
 #[derive(Clone, Copy, Debug)]
@@ -505,6 +533,21 @@ impl<'de> Deserialize<'de> for RawOnTimeout {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
         const WORDS: &[(&str, OnTimeout)] =
             &[("origin", OnTimeout::Origin), ("error", OnTimeout::Error)];
+        deserializer.deserialize_str(Keyword(WORDS)).map(Self)
+    }
+}
+
+/// `format = "off" | "json" | "combined"` in `[access_log]`.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct RawAccessLogFormat(pub(super) AccessLogFormat);
+
+impl<'de> Deserialize<'de> for RawAccessLogFormat {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        const WORDS: &[(&str, AccessLogFormat)] = &[
+            ("off", AccessLogFormat::Off),
+            ("json", AccessLogFormat::Json),
+            ("combined", AccessLogFormat::Combined),
+        ];
         deserializer.deserialize_str(Keyword(WORDS)).map(Self)
     }
 }

@@ -7,7 +7,10 @@ use std::time::Duration;
 
 use http::Method;
 
-use super::{Config, ConfigError, L1Policy, OnTimeout, QueryPolicy};
+use super::{
+    AccessLogConfig, AccessLogFormat, AccessLogPath, Config, ConfigError, L1Policy, OnTimeout,
+    QueryPolicy,
+};
 
 const EXAMPLE: &str = include_str!("../../config/cacheguard.toml");
 const EMBEDDED: &str = include_str!("../../config/embedded.toml");
@@ -142,6 +145,16 @@ fn example_file_parses_with_the_documented_values() {
     );
     assert_eq!(items.refresh, Duration::from_secs(600));
     assert_eq!(item.bloom.as_ref().map(|b| b.param.as_str()), Some("id"));
+    assert_eq!(
+        config.access_log,
+        AccessLogConfig {
+            format: AccessLogFormat::Off,
+            path: AccessLogPath::Stdout,
+            sample: 1.0,
+            query: false,
+            buffer: 8192,
+        }
+    );
     let warmup = item.warmup.as_ref().expect("the item route warms up");
     assert_eq!((warmup.paths.len(), warmup.rate), (3, 10));
     assert_eq!(create.methods, [Method::POST]);
@@ -219,6 +232,9 @@ fn example_file_documents_every_key() {
         "l1_ttl",
         "max_backend_rps_per_key",
         "max_hot_keys",
+        "[access_log]",
+        "sample",
+        "buffer",
     ];
     for key in keys {
         assert!(
@@ -1203,6 +1219,106 @@ fn a_relative_journal_path_is_next_to_the_config_file() {
         config.journal.path,
         std::path::PathBuf::from("/etc/cacheguard/j/owed.journal")
     );
+}
+
+#[test]
+fn access_log_is_off_by_default_and_takes_its_defaults() {
+    let config = load(MINIMAL).unwrap();
+    assert_eq!(
+        config.access_log,
+        AccessLogConfig {
+            format: AccessLogFormat::Off,
+            path: AccessLogPath::Stdout,
+            sample: 1.0,
+            query: false,
+            buffer: 8192,
+        }
+    );
+    let set = load(&with_minimal(
+        "[access_log]\nformat = \"combined\"\npath = \"stderr\"\nsample = 0.25\nquery = true\n\
+         buffer = 1\n",
+    ))
+    .unwrap();
+    assert_eq!(
+        set.access_log,
+        AccessLogConfig {
+            format: AccessLogFormat::Combined,
+            path: AccessLogPath::Stderr,
+            sample: 0.25,
+            query: true,
+            buffer: 1,
+        }
+    );
+}
+
+#[test]
+fn a_relative_access_log_path_is_next_to_the_config_file() {
+    let vars = std::collections::HashMap::<String, String>::new();
+    let text = format!("{MINIMAL}\n[access_log]\nformat = \"json\"\npath = \"logs/access.log\"\n");
+    let config = crate::Config::from_toml(&text, "/etc/cacheguard/cacheguard.toml", &vars).unwrap();
+    assert_eq!(
+        config.access_log.path,
+        AccessLogPath::File(std::path::PathBuf::from("/etc/cacheguard/logs/access.log"))
+    );
+    let absolute = text.replace("logs/access.log", "/var/log/cg.log");
+    let config =
+        crate::Config::from_toml(&absolute, "/etc/cacheguard/cacheguard.toml", &vars).unwrap();
+    assert_eq!(
+        config.access_log.path,
+        AccessLogPath::File(std::path::PathBuf::from("/var/log/cg.log"))
+    );
+}
+
+#[test]
+fn access_log_errors_name_the_line_and_key() {
+    assert_eq!(
+        problem(&with_minimal("[access_log]\nformat = \"common\"\n")),
+        "test.toml:4: access_log.format: expected one of \"off\", \"json\", \"combined\", got \"common\""
+    );
+    for (value, shown) in [
+        ("0.0", "0.0"),
+        ("0", "0.0"),
+        ("1.5", "1.5"),
+        ("-0.1", "-0.1"),
+        ("nan", "NaN"),
+    ] {
+        assert_eq!(
+            problem(&with_minimal(&format!("[access_log]\nsample = {value}\n"))),
+            format!(
+                "test.toml:4: access_log.sample: expected a fraction of requests above 0.0 and \
+                 at most 1.0, like 0.1, got {shown}"
+            ),
+            "sample = {value}"
+        );
+    }
+    assert_eq!(
+        problem(&with_minimal("[access_log]\nbuffer = 0\n")),
+        "test.toml:4: access_log.buffer: expected a count of lines from 1 to 1000000, got 0"
+    );
+    assert_eq!(
+        problem(&with_minimal("[access_log]\nbuffer = 1000001\n")),
+        "test.toml:4: access_log.buffer: expected a count of lines from 1 to 1000000, got 1000001"
+    );
+    assert_eq!(
+        problem(&with_minimal("[access_log]\npath = \" \"\n")),
+        "test.toml:4: access_log.path: expected \"stdout\", \"stderr\" or a file path, got \" \""
+    );
+    assert_eq!(
+        problem(&with_minimal("[access_log]\nfile = \"a.log\"\n")),
+        "test.toml:4: access_log.file: unknown key, expected one of format, path, sample, query, \
+         buffer"
+    );
+    // The edges are accepted.
+    let edges = load(&with_minimal(
+        "[access_log]\nsample = 1.0\nbuffer = 1000000\n",
+    ))
+    .unwrap();
+    assert_eq!(
+        (edges.access_log.sample, edges.access_log.buffer),
+        (1.0, 1_000_000)
+    );
+    let tiny = load(&with_minimal("[access_log]\nsample = 0.0001\n")).unwrap();
+    assert!((tiny.access_log.sample - 0.0001).abs() < f64::EPSILON);
 }
 
 // === redis topologies and secrets (Scale-out) ===

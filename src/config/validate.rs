@@ -27,18 +27,18 @@ use toml::Spanned;
 
 use super::env::{Memory, SystemMemory};
 use super::raw::{
-    NO_SPAN, RawAdmin, RawBloom, RawCache, RawConfig, RawHotKeys, RawJournal, RawQuery, RawRoute,
-    RawSourceFormat, RawStream, defaults,
+    NO_SPAN, RawAccessLog, RawAdmin, RawBloom, RawCache, RawConfig, RawHotKeys, RawJournal,
+    RawQuery, RawRoute, RawSourceFormat, RawStream, defaults,
 };
 use super::values::{
     ConfigError, ConfigProblem, UPSTREAM_EXAMPLE, check_redis_url, check_token, parse_listen,
     parse_upstream_url,
 };
 use super::{
-    AddFrom, AdminConfig, BloomAdd, BloomConfig, BloomSource, CacheDefaults, Config, HotKeysConfig,
-    JournalConfig, JournalFsync, LockConfig, OnTimeout, QueryPolicy, RedisConfig, RedisMode,
-    RouteBloom, RouteConfig, ServerConfig, SourceFormat, StreamConfig, UpstreamConfig, Vars,
-    WarmupConfig, env,
+    AccessLogConfig, AccessLogPath, AddFrom, AdminConfig, BloomAdd, BloomConfig, BloomSource,
+    CacheDefaults, Config, HotKeysConfig, JournalConfig, JournalFsync, LockConfig, OnTimeout,
+    QueryPolicy, RedisConfig, RedisMode, RouteBloom, RouteConfig, ServerConfig, SourceFormat,
+    StreamConfig, UpstreamConfig, Vars, WarmupConfig, env,
 };
 use super::{CLIENT_CLAIMS, METHOD_OVERRIDES};
 
@@ -283,6 +283,16 @@ fn check_beta(value: f64) -> Result<f64, String> {
     } else {
         Err(format!(
             "expected a number from 0.0 (off) to 100.0, like 1.0, got {value:?}"
+        ))
+    }
+}
+
+fn check_sample(value: f64) -> Result<f64, String> {
+    if value > 0.0 && value <= 1.0 {
+        Ok(value)
+    } else {
+        Err(format!(
+            "expected a fraction of requests above 0.0 and at most 1.0, like 0.1, got {value:?}"
         ))
     }
 }
@@ -568,6 +578,7 @@ impl Checker<'_> {
         let journal = self.journal(&raw.journal);
         let prefix = redis.as_ref().map_or("cg:", |r| r.key_prefix.as_str());
         let stream = self.stream(&raw.invalidation_stream, prefix);
+        let access_log = self.access_log(&raw.access_log);
         Config {
             source: self.file.to_owned(),
             server,
@@ -581,7 +592,47 @@ impl Checker<'_> {
             hot_keys,
             journal,
             stream,
+            access_log,
             warnings: Vec::new(),
+        }
+    }
+
+    fn access_log(&mut self, raw: &RawAccessLog) -> AccessLogConfig {
+        let path = match raw.path.get_ref().as_str() {
+            "stdout" => AccessLogPath::Stdout,
+            "stderr" => AccessLogPath::Stderr,
+            blank if blank.trim().is_empty() => {
+                self.report(
+                    raw.path.span(),
+                    "access_log.path",
+                    format!("expected \"stdout\", \"stderr\" or a file path, got {blank:?}"),
+                );
+                AccessLogPath::Stdout
+            }
+            // Relative to the config file, like `[journal] path`.
+            file => AccessLogPath::File(self.relative_to_config(file)),
+        };
+        let checked = check_sample(*raw.sample.get_ref());
+        let sample = self
+            .check(checked, raw.sample.span(), "access_log.sample")
+            .unwrap_or(1.0);
+        let buffer = *raw.buffer.get_ref();
+        if !(1..=defaults::ACCESS_LOG_MAX_BUFFER).contains(&buffer) {
+            self.report(
+                raw.buffer.span(),
+                "access_log.buffer",
+                format!(
+                    "expected a count of lines from 1 to {}, got {buffer}",
+                    defaults::ACCESS_LOG_MAX_BUFFER
+                ),
+            );
+        }
+        AccessLogConfig {
+            format: raw.format.0,
+            path,
+            sample,
+            query: raw.query,
+            buffer: buffer.clamp(1, defaults::ACCESS_LOG_MAX_BUFFER),
         }
     }
 

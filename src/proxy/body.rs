@@ -1,9 +1,10 @@
 //! The response body type: a buffered body (cache hits, errors), a streamed origin body, or
 //! a buffered prefix followed by the rest of a streamed body (answers that outgrew
-//! `max_entry_bytes` while being read for storage).
+//! `max_entry_bytes` while being read for storage); and, with the access log on, any of
+//! these wrapped to count what is sent and write the request's line when it ends.
 //!
 //! An enum instead of a boxed trait object keeps the hit path free of a per-response
-//! allocation.
+//! allocation (the access log's wrapper is one, only while the log is on).
 
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -12,11 +13,40 @@ use bytes::Bytes;
 use http_body::{Body as HttpBody, Frame, SizeHint};
 use hyper::body::Incoming;
 
+use super::access_log::Pending;
+
 #[derive(Debug)]
 pub(crate) enum Body {
     Full(Option<Bytes>),
     Stream(Incoming),
     Prefixed(Option<Bytes>, Incoming),
+    /// Made by the router alone, last (see [`Body::logged`]).
+    Logged(Box<Logged>),
+}
+
+/// A body whose end writes its request's access-log line: sent whole, failed, or dropped
+/// unfinished (the client went away, the connection was cut). Exactly once: the line is
+/// taken when it is finished.
+#[derive(Debug)]
+pub(crate) struct Logged {
+    inner: Body,
+    /// Data bytes handed to the connection so far.
+    sent: u64,
+    line: Option<Pending>,
+}
+
+impl Logged {
+    fn end(&mut self) {
+        if let Some(line) = self.line.take() {
+            line.finish(self.sent);
+        }
+    }
+}
+
+impl Drop for Logged {
+    fn drop(&mut self) {
+        self.end();
+    }
 }
 
 impl Body {
@@ -31,6 +61,15 @@ impl Body {
 
     pub(crate) fn empty() -> Self {
         Body::Full(None)
+    }
+
+    /// This body, writing `line` to the access log when it ends or is dropped.
+    pub(crate) fn logged(self, line: Pending) -> Self {
+        Body::Logged(Box::new(Logged {
+            inner: self,
+            sent: 0,
+            line: Some(line),
+        }))
     }
 }
 
@@ -51,6 +90,24 @@ impl HttpBody for Body {
                 }
                 Pin::new(rest).poll_frame(cx)
             }
+            Body::Logged(logged) => {
+                let polled = Pin::new(&mut logged.inner).poll_frame(cx);
+                match &polled {
+                    Poll::Ready(Some(Ok(frame))) => {
+                        if let Some(data) = frame.data_ref() {
+                            logged.sent += data.len() as u64;
+                        }
+                        // hyper stops polling a body that says it ended (and drops it
+                        // later): the time is taken now.
+                        if logged.inner.is_end_stream() {
+                            logged.end();
+                        }
+                    }
+                    Poll::Ready(None | Some(Err(_))) => logged.end(),
+                    Poll::Pending => {}
+                }
+                polled
+            }
         }
     }
 
@@ -59,6 +116,7 @@ impl HttpBody for Body {
             Body::Full(bytes) => bytes.is_none(),
             Body::Stream(incoming) => incoming.is_end_stream(),
             Body::Prefixed(prefix, rest) => prefix.is_none() && rest.is_end_stream(),
+            Body::Logged(logged) => logged.inner.is_end_stream(),
         }
     }
 
@@ -76,6 +134,7 @@ impl HttpBody for Body {
                 }
                 hint
             }
+            Body::Logged(logged) => logged.inner.size_hint(),
         }
     }
 }

@@ -122,7 +122,8 @@ async fn read_whole(body: Body, limit: usize) -> Result<Read, hyper::Error> {
     let mut incoming = match body {
         Body::Stream(incoming) => incoming,
         Body::Full(bytes) => return Ok(Read::Whole(bytes.unwrap_or_default())),
-        prefixed @ Body::Prefixed(..) => return Ok(Read::TooLarge(prefixed)),
+        // A logged body is the router's last step: never seen here.
+        other @ (Body::Prefixed(..) | Body::Logged(_)) => return Ok(Read::TooLarge(other)),
     };
     let mut buf = BytesMut::new();
     while let Some(frame) = incoming.frame().await {

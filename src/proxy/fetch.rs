@@ -149,7 +149,7 @@ impl Failure {
                 outcome,
                 own: response.extensions().get::<OwnAnswer>().cloned(),
             })),
-            Body::Stream(_) | Body::Prefixed(..) => None,
+            Body::Stream(_) | Body::Prefixed(..) | Body::Logged(_) => None,
         };
         Failure {
             response,

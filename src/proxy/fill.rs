@@ -29,6 +29,7 @@ use http::Response;
 use tokio::time::Instant;
 use tracing::{debug, warn};
 
+use super::access_log::{origin_waited, timing_origin};
 use super::body::Body;
 use super::fetch::{self, Classified, Failure, FillJob, SharedFailure};
 use super::origin::Origin;
@@ -131,13 +132,16 @@ impl Filler {
                     // followers (here and on other instances) wait on still completes.
                     let this = Arc::clone(self);
                     let task_job = job.clone();
-                    let task = tokio::spawn(count_commands(async move {
+                    let task = tokio::spawn(count_commands(timing_origin(async move {
                         this.lead(task_job, leader, true).await
-                    }));
+                    })));
                     return match task.await {
-                        Ok((fetched, commands)) => {
-                            // The fill's commands are this request's.
+                        Ok(((fetched, origin), commands)) => {
+                            // The fill's commands and origin time are this request's.
                             add_commands(commands);
+                            if let Some(waited) = origin {
+                                origin_waited(waited);
+                            }
                             fetched.respond(head)
                         }
                         Err(_) => (respond::error(&ProxyError::Internal), Outcome::Error),

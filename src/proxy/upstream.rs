@@ -11,7 +11,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::{Context, Poll};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::header::{self, HeaderValue};
@@ -25,6 +25,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 use tokio::sync::oneshot;
 
+use super::access_log;
 use crate::config::UpstreamConfig;
 use crate::error::ProxyError;
 
@@ -97,11 +98,23 @@ impl Upstream {
     /// `upstream.timeout` in all for the response head. When the connection fails after the
     /// request was written but before any byte of an answer (a pooled keep-alive connection
     /// the origin or a middlebox dropped), it is sent once more on a new connection, as
-    /// RFC 9110 §9.2.2 allows for idempotent methods. Returns whether it was retried.
+    /// RFC 9110 §9.2.2 allows for idempotent methods. Returns whether it was retried. The
+    /// time waited goes to the request's access-log line ([`access_log::origin_waited`]).
     ///
     /// # Errors
     /// As [`Upstream::send`].
     pub(crate) async fn send_idempotent(
+        &self,
+        make: impl Fn() -> Result<Request<UpstreamBody>, ProxyError>,
+    ) -> Result<(Response<Incoming>, bool), ProxyError> {
+        let started = Instant::now();
+        let result = self.exchange_idempotent(make).await;
+        access_log::origin_waited(started.elapsed());
+        result
+    }
+
+    /// [`Upstream::send_idempotent`]'s exchange, retry included.
+    async fn exchange_idempotent(
         &self,
         make: impl Fn() -> Result<Request<UpstreamBody>, ProxyError>,
     ) -> Result<(Response<Incoming>, bool), ProxyError> {
@@ -123,7 +136,8 @@ impl Upstream {
 
     /// Sends `request`, waiting at most `upstream.timeout` for the response head once its
     /// body (if any) is sent, and while it is sent, at most `upstream.upload_timeout` for
-    /// each piece of the body.
+    /// each piece of the body. The time waited once the body was sent goes to the
+    /// request's access-log line ([`access_log::origin_waited`]).
     ///
     /// # Errors
     /// Timeout → 504, a stalled upload → 408, connection failures and answers refused for
@@ -132,35 +146,40 @@ impl Upstream {
         &self,
         mut request: Request<UpstreamBody>,
     ) -> Result<Response<Incoming>, ProxyError> {
-        if request.body().is_end_stream() {
-            return match tokio::time::timeout(self.timeout, exchange(&self.client, request)).await {
-                Err(_) => Err(ProxyError::OriginTimeout(self.timeout)),
-                Ok(result) => result.map_err(Into::into),
+        let mut started = Instant::now();
+        let result = if request.body().is_end_stream() {
+            tokio::time::timeout(self.timeout, exchange(&self.client, request)).await
+        } else {
+            let (sent, uploaded) = oneshot::channel();
+            let body = std::mem::take(request.body_mut());
+            *request.body_mut() = BoxBody::new(Upload {
+                inner: body,
+                idle: self.upload_timeout,
+                stall: Box::pin(tokio::time::sleep(self.upload_timeout)),
+                sent: Some(sent),
+            });
+            let response = exchange(&self.client, request);
+            tokio::pin!(response);
+            let answered = tokio::select! {
+                result = &mut response => Some(result),
+                // Sent whole (or dropped by the client after an error it reports itself).
+                _ = uploaded => None,
             };
+            match answered {
+                Some(result) => Ok(result),
+                None => {
+                    // The origin's time starts once the body is sent: until then the
+                    // client's upload is what is waited for.
+                    started = Instant::now();
+                    tokio::time::timeout(self.timeout, response).await
+                }
+            }
+        };
+        access_log::origin_waited(started.elapsed());
+        match result {
+            Err(_) => Err(ProxyError::OriginTimeout(self.timeout)),
+            Ok(result) => result.map_err(Into::into),
         }
-        let (sent, uploaded) = oneshot::channel();
-        let body = std::mem::take(request.body_mut());
-        *request.body_mut() = BoxBody::new(Upload {
-            inner: body,
-            idle: self.upload_timeout,
-            stall: Box::pin(tokio::time::sleep(self.upload_timeout)),
-            sent: Some(sent),
-        });
-        let response = exchange(&self.client, request);
-        tokio::pin!(response);
-        let answered = tokio::select! {
-            result = &mut response => Some(result),
-            // Sent whole (or dropped by the client after an error it reports itself).
-            _ = uploaded => None,
-        };
-        let result = match answered {
-            Some(result) => result,
-            None => match tokio::time::timeout(self.timeout, response).await {
-                Err(_) => return Err(ProxyError::OriginTimeout(self.timeout)),
-                Ok(result) => result,
-            },
-        };
-        result.map_err(Into::into)
     }
 }
 
