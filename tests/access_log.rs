@@ -20,13 +20,11 @@ mod common;
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::Duration;
 
 use http::Method;
 use serde_json::Value;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
+use tokio::io::AsyncReadExt;
 use tokio::time::Instant;
 
 use common::*;
@@ -152,26 +150,8 @@ fn is_clf_time(time: &str) -> bool {
 
 /// Sends `bytes` on a new connection; returns the status of the answer (0 for none).
 async fn raw(addr: SocketAddr, bytes: &[u8]) -> u16 {
-    let mut stream = TcpStream::connect(addr).await.expect("connect");
-    // The server may answer and close before all is written (a refused head).
-    let _ = stream.write_all(bytes).await;
-    let mut out = Vec::new();
-    let mut buf = [0u8; 4096];
-    let _ = tokio::time::timeout(Duration::from_secs(5), async {
-        loop {
-            match stream.read(&mut buf).await {
-                Ok(0) | Err(_) => break,
-                Ok(n) => {
-                    out.extend_from_slice(&buf[..n]);
-                    if out.windows(4).any(|w| w == b"\r\n\r\n") {
-                        break;
-                    }
-                }
-            }
-        }
-    })
-    .await;
-    String::from_utf8_lossy(&out)
+    common::raw_bytes(addr, bytes, Duration::from_secs(5), false)
+        .await
         .split(' ')
         .nth(1)
         .and_then(|code| code.parse().ok())
@@ -846,21 +826,6 @@ async fn a_blocked_writer_never_slows_requests() {
 }
 
 // === reload ===
-
-async fn start_watching(path: &Path) -> cacheguard::Running {
-    let vars = HashMap::<String, String>::new();
-    let config = cacheguard::Config::load(path, &vars).expect("config loads");
-    let mut running = cacheguard::App::start(config).await.expect("starts");
-    running.watch_config(path.to_path_buf(), Arc::new(vars));
-    running
-}
-
-/// Writes the file the way editors do: a new file renamed over the old one.
-fn replace_file(path: &Path, text: &str) {
-    let tmp = path.with_extension("tmp");
-    std::fs::write(&tmp, text).expect("write config");
-    std::fs::rename(&tmp, path).expect("rename config");
-}
 
 /// Format off → json → combined; the file renamed away and a reload (logrotate's
 /// `postrotate kill -HUP`) sends the next lines to a new file; off again writes nothing;

@@ -25,29 +25,7 @@ async fn raw(addr: SocketAddr, bytes: &[u8], wait: Duration) -> String {
 
 /// [`raw`], then, with `close`, the end of what this client sends (a half-close).
 async fn raw_then(addr: SocketAddr, bytes: &[u8], wait: Duration, close: bool) -> String {
-    let mut stream = TcpStream::connect(addr).await.expect("connect");
-    // The server may answer and close before all is written (a refused head).
-    let _ = stream.write_all(bytes).await;
-    if close {
-        let _ = stream.shutdown().await;
-    }
-    let mut out = Vec::new();
-    let mut buf = [0u8; 4096];
-    let _ = tokio::time::timeout(wait, async {
-        loop {
-            match stream.read(&mut buf).await {
-                Ok(0) | Err(_) => break,
-                Ok(n) => {
-                    out.extend_from_slice(&buf[..n]);
-                    if out.windows(4).any(|w| w == b"\r\n\r\n") {
-                        break;
-                    }
-                }
-            }
-        }
-    })
-    .await;
-    String::from_utf8_lossy(&out).into_owned()
+    common::raw_bytes(addr, bytes, wait, close).await
 }
 
 fn status_of(answer: &str) -> u16 {

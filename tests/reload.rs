@@ -4,8 +4,6 @@
 
 mod common;
 
-use std::collections::HashMap;
-use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -24,21 +22,6 @@ fn config_text(origin: &TestOrigin, ttl: &str, max_rps: u32) -> String {
         .l1("all")
         .routes(&item_route(&format!("ttl = {ttl:?}")))
         .toml()
-}
-
-async fn start_watching(path: &Path) -> cacheguard::Running {
-    let vars = HashMap::<String, String>::new();
-    let config = cacheguard::Config::load(path, &vars).expect("config loads");
-    let mut running = cacheguard::App::start(config).await.expect("starts");
-    running.watch_config(path.to_path_buf(), Arc::new(vars));
-    running
-}
-
-/// Writes the file the way editors do: a new file renamed over the old one.
-fn replace_file(path: &Path, text: &str) {
-    let tmp = path.with_extension("tmp");
-    std::fs::write(&tmp, text).expect("write config");
-    std::fs::rename(&tmp, path).expect("rename config");
 }
 
 /// Origin requests seen between `from` and `from + window`.

@@ -374,3 +374,33 @@ pub fn parse_response(buf: &mut BytesMut) -> Result<Option<RawResponse>, String>
     let _ = buf.split_to(body_start);
     Ok(Some(response))
 }
+
+/// Sends `bytes` exactly as given on a new connection and returns the answer's head as
+/// text — what came back up to the blank line within `wait`, or what there was when the
+/// connection closed. With `close`, the client half-closes after writing.
+pub async fn raw_bytes(addr: SocketAddr, bytes: &[u8], wait: Duration, close: bool) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = TcpStream::connect(addr).await.expect("connect");
+    // The server may answer and close before all is written (a refused head).
+    let _ = stream.write_all(bytes).await;
+    if close {
+        let _ = stream.shutdown().await;
+    }
+    let mut out = Vec::new();
+    let mut buf = [0u8; 4096];
+    let _ = tokio::time::timeout(wait, async {
+        loop {
+            match stream.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    out.extend_from_slice(&buf[..n]);
+                    if out.windows(4).any(|w| w == b"\r\n\r\n") {
+                        break;
+                    }
+                }
+            }
+        }
+    })
+    .await;
+    String::from_utf8_lossy(&out).into_owned()
+}

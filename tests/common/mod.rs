@@ -37,7 +37,7 @@ use std::time::Duration;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-pub use client::{HttpClient, Resp, empty_body, raw_request, raw_request_from};
+pub use client::{HttpClient, Resp, empty_body, raw_bytes, raw_request, raw_request_from};
 pub use origin::{IdsFault, IdsFormat, TestOrigin, default_body};
 pub use process::{
     CacheguardProcess, spawn_cacheguard_process, spawn_cacheguard_process_with_args,
@@ -645,4 +645,21 @@ pub async fn post_hop(addr: SocketAddr, extra: &[(&str, &str)]) -> Resp {
     )
     .await
     .expect("raw POST")
+}
+
+/// Starts cacheguard from the config file at `path` and watches the file for changes (a
+/// reload on each), as the binary does.
+pub async fn start_watching(path: &std::path::Path) -> cacheguard::Running {
+    let vars = HashMap::<String, String>::new();
+    let config = cacheguard::Config::load(path, &vars).expect("config loads");
+    let mut running = cacheguard::App::start(config).await.expect("starts");
+    running.watch_config(path.to_path_buf(), std::sync::Arc::new(vars));
+    running
+}
+
+/// Writes the file the way editors do: a new file renamed over the old one.
+pub fn replace_file(path: &std::path::Path, text: &str) {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, text).expect("write config");
+    std::fs::rename(&tmp, path).expect("rename config");
 }
