@@ -32,6 +32,7 @@ use crate::coord::store::RedisStore;
 use crate::coord::{Keyspace, RedisConn};
 use crate::metrics::Metrics;
 use crate::protect::bloom::Filters;
+use crate::protect::stock::Gates;
 use crate::protect::flight::fleet::FleetLock;
 use crate::protect::hotkeys::HotKeys;
 use crate::proxy::access_log::AccessLog;
@@ -335,12 +336,23 @@ impl App {
                 .map(|(conn, rc)| (conn.clone(), Keyspace::new(&rc.key_prefix))),
             instance,
         );
+        let gates = Gates::new(
+            &config.stock,
+            &config.upstream,
+            redis
+                .as_ref()
+                .zip(config.redis.as_ref())
+                .map(|(conn, rc)| (conn.clone(), Keyspace::new(&rc.key_prefix))),
+            instance,
+            &metrics,
+        );
         // The fleet-wide fill lock and the event bus that wakes its waiters (and carries
-        // Bloom adds).
+        // Bloom adds and the stock gates' sold-out marks).
         let dist = match (&redis, &config.redis) {
             (Some(conn), Some(rc)) => {
                 let listeners: Vec<Arc<dyn BusListener>> = vec![
                     Arc::clone(&filters) as _,
+                    Arc::clone(&gates) as _,
                     Arc::new(CacheEvents {
                         l1: l1.clone(),
                         hot: Arc::clone(&hot),
@@ -372,8 +384,9 @@ impl App {
         // After the first subscription, so no create's event falls between the snapshot
         // read and the subscription.
         filters.spawn(&stop_tasks);
-        let routes =
-            RouteTable::build(&config.routes, &metrics, &filters).context("building routes")?;
+        gates.spawn(&stop_tasks);
+        let routes = RouteTable::build(&config.routes, &metrics, &filters, &gates)
+            .context("building routes")?;
         let upstream = Upstream::new(&config.upstream).context("building the upstream client")?;
         metrics.origin_caps(&config.upstream);
         let guard = OriginGuard::new(Limits::of(&config.upstream), GuardMetrics::of(&metrics));
@@ -475,6 +488,7 @@ impl App {
             proxy: Arc::clone(&proxy),
             hot: Arc::clone(&hot),
             filters: Arc::clone(&filters),
+            gates,
             token: Arc::clone(&token),
             redis: redis.clone(),
             purge_limits: Arc::clone(&purge_limits),

@@ -23,6 +23,7 @@ pub(crate) mod reject;
 pub(crate) mod respond;
 pub(crate) mod route;
 pub(crate) mod server;
+pub(crate) mod stock;
 pub(crate) mod upstream;
 pub(crate) mod warmup;
 pub(crate) mod write;

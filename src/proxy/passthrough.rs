@@ -16,6 +16,7 @@ use std::sync::Arc;
 use super::body::Body;
 use super::origin::Origin;
 use super::origin_guard::Reservation;
+use super::stock::BodyFingerprint;
 use super::upstream::{BoxError, ClientBodyError, UpstreamBody};
 use crate::error::ProxyError;
 use crate::metrics::{OriginStatus, Outcome, RouteMetrics};
@@ -114,9 +115,11 @@ impl Passthrough {
                 buf.extend_from_slice(&data);
             }
         }
-        Ok((
-            Request::from_parts(parts, Full::new(buf.freeze())),
-            reservation,
-        ))
+        let body = buf.freeze();
+        let mut request = Request::from_parts(parts, Full::new(body.clone()));
+        request
+            .extensions_mut()
+            .insert(BodyFingerprint(xxhash_rust::xxh3::xxh3_64(&body)));
+        Ok((request, reservation))
     }
 }
