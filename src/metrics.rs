@@ -1786,7 +1786,8 @@ impl StockFamilies {
     /// Resolves one gate's handles (every series exists from then on).
     pub(crate) fn for_gate(&self, gate: &str) -> StockMetrics {
         StockMetrics {
-            requests: StockOutcome::ALL.map(|o| self.requests.with_label_values(&[gate, o.as_str()])),
+            requests: StockOutcome::ALL
+                .map(|o| self.requests.with_label_values(&[gate, o.as_str()])),
             settled: StockSettled::ALL.map(|r| self.settled.with_label_values(&[gate, r.as_str()])),
             reconciles_ok: self.reconciles.with_label_values(&[gate, "ok"]),
             reconciles_failed: self.reconciles.with_label_values(&[gate, "failed"]),

@@ -108,7 +108,8 @@ impl Live {
         if !self.gates.same_gates(&new.stock) {
             self.metrics.config_reload("refused");
             return Err(
-                "adding or removing [[stock]] gates needs a restart; nothing was reloaded".to_owned(),
+                "adding or removing [[stock]] gates needs a restart; nothing was reloaded"
+                    .to_owned(),
             );
         }
         if let Err(names) = self.filters.reconfigure(&new.bloom) {

@@ -112,8 +112,8 @@ fn example_file_parses_with_the_documented_values() {
     assert_eq!(config.lock.wait_timeout, Duration::from_secs(3));
     assert_eq!(config.lock.on_timeout, OnTimeout::Origin);
 
-    let [item, write, create] = config.routes.as_slice() else {
-        panic!("expected three routes, got {:#?}", config.routes);
+    let [item, write, create, buy] = config.routes.as_slice() else {
+        panic!("expected four routes, got {:#?}", config.routes);
     };
     assert_eq!(item.name, "item");
     assert_eq!(item.pattern, "/api/items/{id}");
@@ -161,6 +161,14 @@ fn example_file_parses_with_the_documented_values() {
     assert_eq!(
         create.bloom_add.as_ref().map(|b| &b.from),
         Some(&super::AddFrom::Location)
+    );
+    let [seats] = config.stock.as_slice() else {
+        panic!("expected one stock gate, got {:#?}", config.stock);
+    };
+    assert_eq!(seats.key, "/trains/{train}/seats/{type}");
+    assert_eq!(
+        buy.stock.as_ref().map(|s| (s.gate.as_str(), s.units)),
+        Some(("seats", 1))
     );
 }
 
@@ -235,6 +243,22 @@ fn example_file_documents_every_key() {
         "[access_log]",
         "sample",
         "buffer",
+        "[[stock]]",
+        "key",
+        "json",
+        "reconcile",
+        "reservation_ttl",
+        "sold_out",
+        "content_type",
+        "not_sold",
+        "origin_sold_out",
+        "on_redis_error",
+        "idempotency_header",
+        "idempotency_ttl",
+        "segments",
+        "stock",
+        "gate",
+        "units",
     ];
     for key in keys {
         assert!(
@@ -1870,10 +1894,7 @@ fn stock_errors_name_the_line_and_key() {
          (\"10s\"): a reservation must outlive the buy it holds a unit for, got \"10s\""
     );
     assert_eq!(
-        problem(&with_gate(
-            "sold_out = { status = 200 }\n",
-            BUY_ROUTE
-        )),
+        problem(&with_gate("sold_out = { status = 200 }\n", BUY_ROUTE)),
         "test.toml:7: stock[0].sold_out.status: expected a 4xx or 5xx status, got 200 (a \
          sold-out answer must never look like a sale)"
     );
@@ -1913,7 +1934,9 @@ fn stock_errors_name_the_line_and_key() {
          \"/remaining\" (or \"\" when the whole answer is the number), got \"remaining\""
     );
     // A gate without a source is refused by the parser, with its line.
-    let missing = problem(&with_minimal("[[stock]]\nname = \"seats\"\nkey = \"/t/{id}\"\n"));
+    let missing = problem(&with_minimal(
+        "[[stock]]\nname = \"seats\"\nkey = \"/t/{id}\"\n",
+    ));
     assert!(
         missing.starts_with("test.toml:3: stock[0]") && missing.contains("source"),
         "{missing}"

@@ -175,7 +175,8 @@ impl Gates {
     pub(crate) fn reconfigure(&self, configs: &[StockConfig], upstream: &UpstreamConfig) {
         for config in configs {
             if let Some(gate) = self.by_name.get(&config.name) {
-                gate.settings.store(Arc::new(Settings::of(config, upstream)));
+                gate.settings
+                    .store(Arc::new(Settings::of(config, upstream)));
             }
         }
     }
@@ -199,7 +200,8 @@ impl BusListener for Gates {
 }
 
 fn idle(config: &StockConfig) -> Duration {
-    IDLE.max(config.reservation_ttl * 4).max(config.reconcile * 4)
+    IDLE.max(config.reservation_ttl * 4)
+        .max(config.reconcile * 4)
 }
 
 /// What a reload may change of a gate.
@@ -369,6 +371,17 @@ pub(crate) enum Admission {
     NotLoaded,
     /// Redis did not answer (`on_redis_error = "forward"`): forward without a reservation.
     Ungated,
+}
+
+/// What an idempotency key's record says, for a request the marks call sold out.
+#[derive(Debug)]
+pub(crate) enum Lookup {
+    /// The answer: a replay, in flight, or another body.
+    Answer(Admission),
+    /// Its buy was in doubt: go on as a buy (the script takes it up again).
+    InDoubt,
+    /// No record: sold out.
+    NoRecord,
 }
 
 /// Units reserved for one buy in flight.
@@ -544,7 +557,12 @@ impl Gate {
                         };
                         let _ = self
                             .ledger
-                            .write_record(resource.id, home, k.hash, Some((&record.encode(), ttl_ms)))
+                            .write_record(
+                                resource.id,
+                                home,
+                                k.hash,
+                                Some((&record.encode(), ttl_ms)),
+                            )
                             .await;
                     }
                     self.metrics.request(StockOutcome::Admitted);
@@ -618,20 +636,23 @@ impl Gate {
     }
 
     /// For a request the local marks call sold out but that carries an idempotency key:
-    /// the key's record, if it has one (a completed buy is replayed, not refused).
-    pub(crate) async fn lookup(
-        &self,
-        resource: &Resource,
-        key: IdempotencyKey,
-    ) -> Option<Admission> {
+    /// what the key's record says (a completed buy is replayed, not refused).
+    pub(crate) async fn lookup(&self, resource: &Resource, key: IdempotencyKey) -> Lookup {
         let segments = self.settings.load().config.segments.max(1);
         let home = u16::try_from(key.hash % u128::from(segments)).unwrap_or(0);
         match self.ledger.read_record(resource.id, home, key.hash).await {
-            Ok(Some(raw)) => Some(self.known(&raw, Some(key))),
-            Ok(None) => None,
+            Ok(Some(raw)) => match Record::decode(&raw) {
+                Some(record)
+                    if record.kind == Kind::InDoubt && record.fingerprint == key.fingerprint =>
+                {
+                    Lookup::InDoubt
+                }
+                _ => Lookup::Answer(self.known(&raw, Some(key))),
+            },
+            Ok(None) => Lookup::NoRecord,
             Err(_) => {
                 self.metrics.redis_errors.inc();
-                None
+                Lookup::NoRecord
             }
         }
     }
@@ -786,11 +807,9 @@ impl Gate {
         let resource = match event.level {
             // A resource not in use here yet is marked too: the crowd reaches every
             // instance at once.
-            StockLevel::SoldOut => self
-                .resources
-                .get_with(event.resource, || {
-                    Arc::new(Resource::new(event.resource, config.segments))
-                }),
+            StockLevel::SoldOut => self.resources.get_with(event.resource, || {
+                Arc::new(Resource::new(event.resource, config.segments))
+            }),
             StockLevel::Restock => match self.resources.get(&event.resource) {
                 Some(resource) => resource,
                 None => return,
@@ -847,7 +866,11 @@ impl Gate {
         };
         if why == Why::Periodic {
             let turn = millis(config.reconcile.mul_f64(0.8));
-            match self.ledger.take_turn(resource.id, self.instance, turn).await {
+            match self
+                .ledger
+                .take_turn(resource.id, self.instance, turn)
+                .await
+            {
                 Ok(true) => {}
                 Ok(false) => {
                     self.metrics.reconciles_skipped.inc();
@@ -955,13 +978,17 @@ impl Gate {
                 .resources
                 .iter()
                 .map(|(_, resource)| resource)
-                .filter(|r| r.paths.get().is_some() && r.touched_ms.load(Ordering::Relaxed) >= since)
+                .filter(|r| {
+                    r.paths.get().is_some() && r.touched_ms.load(Ordering::Relaxed) >= since
+                })
                 .collect();
             let gate = &self;
-            let pass = futures_util::stream::iter(due)
-                .for_each_concurrent(MAX_LOADS, |resource| async move {
+            let pass = futures_util::stream::iter(due).for_each_concurrent(
+                MAX_LOADS,
+                |resource| async move {
                     gate.reconcile(&resource, Why::Periodic).await;
-                });
+                },
+            );
             tokio::select! {
                 () = stop.cancelled() => return,
                 () = pass => {}
@@ -1036,7 +1063,13 @@ mod tests {
         assert!(!resource.short(1, 1, hold), "one left is enough for one");
         assert!(resource.short(1, 2, hold));
         tokio::time::advance(Duration::from_millis(1001)).await;
-        assert!(!resource.short(0, 1, hold), "the first request after it lapsed asks");
-        assert!(resource.short(0, 1, hold), "the others keep the mark meanwhile");
+        assert!(
+            !resource.short(0, 1, hold),
+            "the first request after it lapsed asks"
+        );
+        assert!(
+            resource.short(0, 1, hold),
+            "the others keep the mark meanwhile"
+        );
     }
 }

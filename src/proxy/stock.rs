@@ -20,7 +20,7 @@ use crate::error::ProxyError;
 use crate::metrics::Outcome;
 use crate::protect::stock::record::{MAX_REPLAY_BODY, StoredAnswer};
 use crate::protect::stock::{
-    Admission, Gate, IdempotencyKey, Reservation, Resource, STOCK_RESERVATION,
+    Admission, Gate, IdempotencyKey, Lookup, Reservation, Resource, STOCK_RESERVATION,
 };
 
 /// Set on a replayed answer (the name Stripe and others use).
@@ -46,7 +46,10 @@ pub(crate) fn replay(answer: &StoredAnswer) -> Response<Body> {
         StatusCode::from_u16(answer.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     *response.headers_mut() = answer.header_map();
     let headers = response.headers_mut();
-    headers.insert(IDEMPOTENT_REPLAYED.clone(), HeaderValue::from_static("true"));
+    headers.insert(
+        IDEMPOTENT_REPLAYED.clone(),
+        HeaderValue::from_static("true"),
+    );
     headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
     respond::mark(&mut response, Outcome::Replayed);
     response
@@ -120,7 +123,11 @@ impl Gated {
 
     /// The sold-out answer, when this instance already knows there are too few units and
     /// the request has no idempotency key (a key may have a completed answer to replay).
-    pub(crate) fn sold_out_here<B>(&self, route: &Route, request: &Request<B>) -> Option<Response<Body>> {
+    pub(crate) fn sold_out_here<B>(
+        &self,
+        route: &Route,
+        request: &Request<B>,
+    ) -> Option<Response<Body>> {
         let config = self.gate.config();
         let keyed = config
             .idempotency_header
@@ -164,8 +171,9 @@ impl Gated {
         let admission = match key {
             Some(key) if self.gate.sold_out_here(&self.resource, self.units) => {
                 match self.gate.lookup(&self.resource, key).await {
-                    Some(known) => known,
-                    None => {
+                    Lookup::Answer(known) => known,
+                    Lookup::InDoubt => self.gate.admit(&self.resource, self.units, Some(key)).await,
+                    Lookup::NoRecord => {
                         self.gate.sold_out_local();
                         Admission::SoldOut
                     }
@@ -197,7 +205,12 @@ impl Gated {
         }))
     }
 
-    fn answered(&self, route: &Route, response: Response<Body>, outcome: Outcome) -> Response<Body> {
+    fn answered(
+        &self,
+        route: &Route,
+        response: Response<Body>,
+        outcome: Outcome,
+    ) -> Response<Body> {
         route
             .metrics
             .answered(outcome, self.started.elapsed().as_secs_f64());

@@ -90,7 +90,10 @@ impl WritePath {
         // A stock gate's crowd on a sold-out resource is answered here, from memory,
         // before its body is read.
         let gated = stock::Gated::of(route, params);
-        if let Some(answer) = gated.as_ref().and_then(|g| g.sold_out_here(route, &request)) {
+        if let Some(answer) = gated
+            .as_ref()
+            .and_then(|g| g.sold_out_here(route, &request))
+        {
             return answer;
         }
         // The body is read whole first: a malformed, oversized or stalled one is answered

@@ -132,11 +132,7 @@ impl Checker<'_> {
             );
         }
         let sold_out = self.sold_out(i, raw);
-        let not_sold = self.statuses(
-            raw.not_sold.as_ref(),
-            &defaults::NOT_SOLD,
-            &key("not_sold"),
-        );
+        let not_sold = self.statuses(raw.not_sold.as_ref(), &defaults::NOT_SOLD, &key("not_sold"));
         let origin_sold_out = self.statuses(
             raw.origin_sold_out.as_ref(),
             &defaults::ORIGIN_SOLD_OUT,
@@ -172,8 +168,11 @@ impl Checker<'_> {
                 self.check(parsed, name.span(), &key("idempotency_header"))
             }
         };
-        let idempotency_ttl =
-            self.positive(raw.idempotency_ttl.as_ref(), defaults::IDEMPOTENCY_TTL, &key("idempotency_ttl"));
+        let idempotency_ttl = self.positive(
+            raw.idempotency_ttl.as_ref(),
+            defaults::IDEMPOTENCY_TTL,
+            &key("idempotency_ttl"),
+        );
         let segments = raw.segments.as_ref().map_or(1, |s| {
             let value = *s.get_ref();
             if !(1..=defaults::MAX_SEGMENTS).contains(&value) {

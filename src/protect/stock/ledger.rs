@@ -192,16 +192,19 @@ impl Ledger {
         match self {
             Ledger::Redis(redis) => {
                 redis
-                    .apply(resource, segment, budget, since_ms, idle_ms, consumed_kept_ms)
+                    .apply(
+                        resource,
+                        segment,
+                        budget,
+                        since_ms,
+                        idle_ms,
+                        consumed_kept_ms,
+                    )
                     .await
             }
-            Ledger::Memory(memory) => Ok(memory.apply(
-                resource,
-                segment,
-                budget,
-                since_ms,
-                consumed_kept_ms,
-            )),
+            Ledger::Memory(memory) => {
+                Ok(memory.apply(resource, segment, budget, since_ms, consumed_kept_ms))
+            }
         }
     }
 

@@ -117,9 +117,10 @@ impl MemoryLedger {
             };
         }
         state.n -= request.units;
-        state
-            .reservations
-            .insert(request.member.to_owned(), now.saturating_add(request.ttl_ms));
+        state.reservations.insert(
+            request.member.to_owned(),
+            now.saturating_add(request.ttl_ms),
+        );
         if let Some(claim) = &request.record {
             self.put_record(resource, claim.key, &claim.pending, request.ttl_ms);
         }
@@ -141,8 +142,8 @@ impl MemoryLedger {
         };
         let mut state = state.lock().unwrap_or_else(PoisonError::into_inner);
         let now = now_ms();
-        let removed = settle.outcome != Outcome::Doubt
-            && state.reservations.remove(settle.member).is_some();
+        let removed =
+            settle.outcome != Outcome::Doubt && state.reservations.remove(settle.member).is_some();
         match settle.outcome {
             Outcome::Sold if !settle.member.is_empty() => {
                 state.consumed.push_back((now, settle.member.to_owned()));
@@ -186,9 +187,9 @@ impl MemoryLedger {
                 (state, Some(old))
             }
             None => {
-                let state = self
-                    .segments
-                    .get_with((resource, segment), || Arc::new(Mutex::new(Segment::default())));
+                let state = self.segments.get_with((resource, segment), || {
+                    Arc::new(Mutex::new(Segment::default()))
+                });
                 (state, None)
             }
         };
@@ -251,19 +252,49 @@ mod tests {
         assert_eq!(buy(&ledger, "1.a", 1), Buy::Unloaded);
         let start = now_ms();
         assert_eq!(ledger.apply(1, 0, 2, start, 10_000).new, 2);
-        assert_eq!(buy(&ledger, "1.a", 1), Buy::Taken { left: 1, expired: 0 });
-        assert_eq!(buy(&ledger, "1.b", 1), Buy::Taken { left: 0, expired: 0 });
-        assert_eq!(buy(&ledger, "1.c", 1), Buy::Short { left: 0, expired: 0 });
+        assert_eq!(
+            buy(&ledger, "1.a", 1),
+            Buy::Taken {
+                left: 1,
+                expired: 0
+            }
+        );
+        assert_eq!(
+            buy(&ledger, "1.b", 1),
+            Buy::Taken {
+                left: 0,
+                expired: 0
+            }
+        );
+        assert_eq!(
+            buy(&ledger, "1.c", 1),
+            Buy::Short {
+                left: 0,
+                expired: 0
+            }
+        );
         // Not sold: back at once. Sold: consumed, and counted by a reconcile begun before.
         assert_eq!(settle(&ledger, "1.a", Outcome::Back).left, 1);
         assert!(settle(&ledger, "1.b", Outcome::Sold).removed);
         // The origin says 1 left, read before the sale was settled: the sale is not in it.
         assert_eq!(ledger.apply(1, 0, 2, start, 10_000).new, 1);
         // A buy left in doubt keeps its unit until its deadline, without giving it back.
-        assert_eq!(buy(&ledger, "1.d", 1), Buy::Taken { left: 0, expired: 0 });
+        assert_eq!(
+            buy(&ledger, "1.d", 1),
+            Buy::Taken {
+                left: 0,
+                expired: 0
+            }
+        );
         assert!(!settle(&ledger, "1.d", Outcome::Doubt).removed);
         tokio::time::advance(Duration::from_millis(1500)).await;
-        assert_eq!(buy(&ledger, "1.e", 1), Buy::Short { left: 0, expired: 1 });
+        assert_eq!(
+            buy(&ledger, "1.e", 1),
+            Buy::Short {
+                left: 0,
+                expired: 1
+            }
+        );
         // The reconcile after it: the origin's number decides.
         assert_eq!(ledger.apply(1, 0, 1, now_ms(), 10_000).new, 1);
         assert_eq!(settle(&ledger, "1.x", Outcome::NoneLeft).left, 0);
@@ -287,7 +318,10 @@ mod tests {
             idle_ms: 60_000,
             record: Some(claim(b"P 00000000000000aa 0 1.a", fingerprint)),
         };
-        assert!(matches!(ledger.buy(1, 0, &request(0xaa)), Buy::Taken { .. }));
+        assert!(matches!(
+            ledger.buy(1, 0, &request(0xaa)),
+            Buy::Taken { .. }
+        ));
         assert_eq!(
             ledger.buy(1, 0, &request(0xaa)),
             Buy::Known(b"P 00000000000000aa 0 1.a".to_vec())

@@ -213,7 +213,11 @@ mod tests {
             );
         }
         assert_eq!(Record::decode(b"X 00 0 a"), None);
-        assert_eq!(Record::decode(b"D 0000000000000001 0 a"), None, "done needs an answer");
+        assert_eq!(
+            Record::decode(b"D 0000000000000001 0 a"),
+            None,
+            "done needs an answer"
+        );
         assert_eq!(Record::decode(b"P zz 0 a"), None);
         let big = StoredAnswer::of(
             StatusCode::OK,

@@ -18,9 +18,9 @@ use std::sync::LazyLock;
 use redis::{Script, Value};
 
 use super::ledger::{Applied, Buy, BuyRequest, Settle, Settled};
+use crate::coord::Keyspace;
 use crate::coord::keyspace::StockKeys;
 use crate::coord::redis::{RedisConn, Unavailable};
-use crate::coord::Keyspace;
 use crate::metrics::RedisOp;
 
 /// Lua: Redis's clock in ms since the Unix epoch, in `now`.
@@ -174,9 +174,7 @@ return {old, n}
 });
 
 /// Redis's clock on the node of `KEYS[1]`, in ms (a script, so a cluster routes it there).
-static CLOCK: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(&format!("{NOW}return now\n"))
-});
+static CLOCK: LazyLock<Script> = LazyLock::new(|| Script::new(&format!("{NOW}return now\n")));
 
 /// A reconcile turn: `SET … NX PX`, so one instance at a time asks the origin.
 static TURN: LazyLock<Script> = LazyLock::new(|| {
@@ -291,8 +289,13 @@ impl RedisLedger {
             )
             .await?;
         if let Some(record) = settle.record.as_ref().filter(|r| r.home != segment) {
-            self.write_record(resource, record.home, record.key, Some((&record.value, record.ttl_ms)))
-                .await?;
+            self.write_record(
+                resource,
+                record.home,
+                record.key,
+                Some((&record.value, record.ttl_ms)),
+            )
+            .await?;
         }
         Ok(Settled {
             removed: reply.first().copied() == Some(1),
