@@ -36,7 +36,7 @@ use common::{CgConfig, HttpClient, RedisCluster, RedisSentinel, RedisServer, Tcp
 /// Whether the buy route is gated (`[[stock]]` + `stock = { gate = "seats", units = 1 }`).
 /// Set it to `true` once the stock gate is merged: every test then asserts the gate's
 /// promises (flood factor, undersell), not only the origin's.
-const STOCK_GATE: bool = false;
+const STOCK_GATE: bool = true;
 
 const RECONCILE: Duration = Duration::from_millis(500);
 const RESERVATION_TTL: Duration = Duration::from_secs(3);

@@ -36,6 +36,11 @@ fn units_of(member: &str) -> u64 {
 }
 
 impl Segment {
+    /// Units held by live reservations.
+    fn reserved(&self) -> u64 {
+        self.reservations.keys().map(|m| units_of(m)).sum()
+    }
+
     /// Removes expired reservations; returns their units.
     fn expire(&mut self, now: u64) -> u64 {
         let mut expired = 0;
@@ -114,6 +119,7 @@ impl MemoryLedger {
             return Buy::Short {
                 left: state.n,
                 expired,
+                reserved: state.reserved(),
             };
         }
         state.n -= request.units;
@@ -130,20 +136,29 @@ impl MemoryLedger {
         }
     }
 
-    pub(crate) fn settle(&self, resource: u128, segment: u16, settle: &Settle<'_>) -> Settled {
-        if let Some(record) = &settle.record {
-            self.put_record(resource, record.key, &record.value, record.ttl_ms);
+    pub(crate) fn settle(&self, resource: u128, segment: u16, settle: &Settle) -> Settled {
+        match &settle.record {
+            Some(record) if record.forget => {
+                if self.record(resource, record.key).is_some_and(|r| {
+                    std::str::from_utf8(&r).is_ok_and(|r| r.contains(&settle.member))
+                }) {
+                    self.records.invalidate(&(resource, record.key));
+                }
+            }
+            Some(record) => self.put_record(resource, record.key, &record.value, record.ttl_ms),
+            None => {}
         }
         let Some(state) = self.segments.get(&(resource, segment)) else {
             return Settled {
                 removed: false,
                 left: -1,
+                reserved: 0,
             };
         };
         let mut state = state.lock().unwrap_or_else(PoisonError::into_inner);
         let now = now_ms();
         let removed =
-            settle.outcome != Outcome::Doubt && state.reservations.remove(settle.member).is_some();
+            settle.outcome != Outcome::Doubt && state.reservations.remove(&settle.member).is_some();
         match settle.outcome {
             Outcome::Sold if !settle.member.is_empty() => {
                 state.consumed.push_back((now, settle.member.to_owned()));
@@ -159,6 +174,7 @@ impl MemoryLedger {
         Settled {
             removed,
             left: i64::try_from(state.n).unwrap_or(i64::MAX),
+            reserved: state.reserved(),
         }
     }
 
@@ -196,7 +212,7 @@ impl MemoryLedger {
         let mut state = state.lock().unwrap_or_else(PoisonError::into_inner);
         let now = now_ms();
         state.expire(now);
-        let reserved: u64 = state.reservations.keys().map(|m| units_of(m)).sum();
+        let reserved = state.reserved();
         let horizon = now.saturating_sub(consumed_kept_ms);
         while state.consumed.front().is_some_and(|(at, _)| *at < horizon) {
             state.consumed.pop_front();
@@ -236,7 +252,7 @@ mod tests {
             1,
             0,
             &Settle {
-                member,
+                member: member.to_owned(),
                 outcome,
                 units: units_of(member),
                 idle_ms: 60_000,
@@ -270,7 +286,8 @@ mod tests {
             buy(&ledger, "1.c", 1),
             Buy::Short {
                 left: 0,
-                expired: 0
+                expired: 0,
+                reserved: 2
             }
         );
         // Not sold: back at once. Sold: consumed, and counted by a reconcile begun before.
@@ -292,7 +309,8 @@ mod tests {
             buy(&ledger, "1.e", 1),
             Buy::Short {
                 left: 0,
-                expired: 1
+                expired: 1,
+                reserved: 0
             }
         );
         // The reconcile after it: the origin's number decides.
