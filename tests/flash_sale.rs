@@ -489,7 +489,10 @@ async fn harness_without_gate_sees_the_flood() {
         .values()
         .filter(|r| r.remaining == 0)
         .count();
-    assert_eq!(sold_out, 4, "demand outlasted the stock of every resource");
+    assert!(
+        sold_out > 0,
+        "demand never outlasted any stock: the undersell check saw nothing"
+    );
 }
 
 /// The nemesis's process tools on real instances: SIGSTOP silences an instance, SIGCONT

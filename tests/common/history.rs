@@ -126,7 +126,7 @@ impl Op {
             start,
             end: None,
             call,
-            result: Completion::no_answer(String::new()),
+            result: Completion::pending(),
         }
     }
 
@@ -282,6 +282,17 @@ impl Completion {
         }
     }
 
+    /// Not completed (yet): unknown, nothing known about it.
+    pub fn pending() -> Completion {
+        Completion {
+            outcome: Outcome::Info,
+            status: None,
+            headers: Vec::new(),
+            body: String::new(),
+            error: None,
+        }
+    }
+
     /// No answer (a timeout, a reset, a refused connection): unknown.
     pub fn no_answer(error: String) -> Completion {
         Completion {
@@ -423,10 +434,11 @@ impl History {
     pub fn summary(&self) -> HistorySummary {
         let mut by_outcome: BTreeMap<(Outcome, String), usize> = BTreeMap::new();
         for op in &self.ops {
-            let detail = match (op.result.status, &op.result.error) {
-                (Some(s), _) => s.to_string(),
-                (None, Some(e)) => error_kind(e).to_string(),
-                (None, None) => "never completed".to_string(),
+            let detail = match (op.end, op.result.status, &op.result.error) {
+                (None, _, _) => "never completed".to_string(),
+                (Some(_), Some(s), _) => s.to_string(),
+                (Some(_), None, Some(e)) => error_kind(e).to_string(),
+                (Some(_), None, None) => "no answer".to_string(),
             };
             *by_outcome.entry((op.outcome(), detail)).or_default() += 1;
         }

@@ -78,12 +78,7 @@ impl Default for RunConfig {
             request_timeout: Duration::from_secs(2),
             retries: 0,
             retry_backoff: Duration::from_millis(50),
-            keep_headers: vec![
-                "idempotent-replayed",
-                "x-cache",
-                "retry-after",
-                "stock-reservation",
-            ],
+            keep_headers: vec!["idempotent-replayed", "x-cache", "retry-after"],
         }
     }
 }
