@@ -381,6 +381,9 @@ pub struct CacheDefaults {
     /// Distinct query or `vary` variants of one path fetched per `ttl`, per instance; 0 =
     /// no limit.
     pub max_variants: usize,
+    /// Fetches per second, per route and instance, of variants beyond a spent
+    /// `max_variants` (see `protect/variants.rs`); 0 = none.
+    pub variant_overflow_rate: u32,
 }
 
 #[derive(Clone, Debug)]
@@ -423,9 +426,14 @@ pub struct RouteConfig {
     /// that it is fresh for when it says nothing of its freshness (RFC 9111 §4.2.2);
     /// 0 = such answers are not stored.
     pub heuristic: f64,
-    /// Distinct query or `vary` variants of one path fetched per `ttl`, per instance; a
-    /// miss on one more is refused (429). 0 = no limit.
+    /// Distinct query or `vary` variants of one path fetched and cached per `ttl`, per
+    /// instance. 0 = no limit.
     pub max_variants: usize,
+    /// Beyond `max_variants`, fetches per second for the whole route (per instance): a
+    /// variant asked for again is cached, a first ask is answered uncached (at most half of
+    /// the rate), and the rest are refused (429). 0 = every variant beyond is refused until
+    /// the window ends.
+    pub variant_overflow_rate: u32,
     pub query: QueryPolicy,
     /// Request headers whose values are part of the key (and the only client headers,
     /// besides a fixed safe set, forwarded to the origin on a cached fetch). Sorted and

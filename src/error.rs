@@ -38,8 +38,8 @@ pub(crate) enum ProxyError {
     UriTooLong(usize),
     #[error("too many requests for this key")]
     HotKeyLimited,
-    /// A miss on one more query variant of a path whose budget is spent (the seconds
-    /// until its window ends, at most).
+    /// A miss on a new query variant of a path whose budget is spent, over the route's
+    /// overflow rate (the seconds to wait: 1, or the window without an overflow rate).
     #[error("too many distinct query variants of this path")]
     TooManyVariants(u64),
     #[error("internal error")]

@@ -46,6 +46,38 @@ pub enum Revalidation {
     Failed,
 }
 
+/// The `outcome` label of `cacheguard_new_variants_total`: what became of a miss on a query
+/// or `vary` variant new in its path's window (see `protect/variants.rs`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NewVariant {
+    /// Within the path's `max_variants`: fetched and cached.
+    Budget,
+    /// Beyond it, asked for before: fetched and cached, on the route's overflow rate.
+    Repeat,
+    /// Beyond it, a first ask: fetched for its request only, on the overflow rate.
+    Uncached,
+    /// Beyond it and over the overflow rate: 429.
+    Refused,
+}
+
+impl NewVariant {
+    pub const ALL: [NewVariant; 4] = [
+        NewVariant::Budget,
+        NewVariant::Repeat,
+        NewVariant::Uncached,
+        NewVariant::Refused,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            NewVariant::Budget => "budget",
+            NewVariant::Repeat => "repeat",
+            NewVariant::Uncached => "uncached",
+            NewVariant::Refused => "refused",
+        }
+    }
+}
+
 impl Revalidation {
     pub const ALL: [Revalidation; 3] = [
         Revalidation::NotModified,
@@ -301,7 +333,7 @@ pub struct Metrics {
     uncacheable: IntCounterVec,
     revalidations: IntCounterVec,
     oversized: IntCounterVec,
-    variants_refused: IntCounterVec,
+    new_variants: IntCounterVec,
     origin_retries: IntCounterVec,
     coalesced: IntCounterVec,
     pub l1_entries: IntGauge,
@@ -536,13 +568,15 @@ impl Metrics {
             ),
             &["route"],
         )?;
-        let variants_refused = IntCounterVec::new(
+        let new_variants = IntCounterVec::new(
             Opts::new(
-                "cacheguard_variants_refused_total",
-                "Misses refused (429) because their path had max_variants query or vary \
-                 variants fetched in the current window already.",
+                "cacheguard_new_variants_total",
+                "Misses on a query or vary variant new in its path's window, by outcome: \
+                 budget (within max_variants: fetched and cached), repeat (beyond it, asked \
+                 for before: fetched and cached), uncached (beyond it, a first ask: fetched, \
+                 not stored), refused (beyond it and over variant_overflow_rate: 429).",
             ),
-            &["route"],
+            &["route", "outcome"],
         )?;
         let origin_retries = IntCounterVec::new(
             Opts::new(
@@ -1112,7 +1146,7 @@ impl Metrics {
         registry.register(Box::new(uncacheable.clone()))?;
         registry.register(Box::new(revalidations.clone()))?;
         registry.register(Box::new(oversized.clone()))?;
-        registry.register(Box::new(variants_refused.clone()))?;
+        registry.register(Box::new(new_variants.clone()))?;
         registry.register(Box::new(origin_retries.clone()))?;
         registry.register(Box::new(coalesced.clone()))?;
         registry.register(Box::new(l1_entries.clone()))?;
@@ -1155,7 +1189,7 @@ impl Metrics {
             uncacheable,
             revalidations,
             oversized,
-            variants_refused,
+            new_variants,
             origin_retries,
             coalesced,
             l1_entries,
@@ -1290,7 +1324,8 @@ impl Metrics {
                 .fill_refused
                 .with_label_values(&[FillRefusal::Vary.as_str()]),
             oversized: self.oversized.with_label_values(&[route]),
-            variants_refused: self.variants_refused.with_label_values(&[route]),
+            new_variants: NewVariant::ALL
+                .map(|v| self.new_variants.with_label_values(&[route, v.as_str()])),
             origin_retries: self.origin_retries.with_label_values(&[route]),
             coalesced: self.coalesced.with_label_values(&[route]),
             stale_served: self.stale_served.with_label_values(&[route]),
@@ -1344,6 +1379,11 @@ impl Metrics {
                     .revalidations
                     .remove_label_values(&[r, result.as_str()]);
             }
+            for outcome in NewVariant::ALL {
+                let _ = self
+                    .new_variants
+                    .remove_label_values(&[r, outcome.as_str()]);
+            }
             for result in WARMUP_RESULTS {
                 let _ = self.warmup.remove_label_values(&[r, result]);
             }
@@ -1353,7 +1393,6 @@ impl Metrics {
                 &self.shed,
                 &self.uncacheable,
                 &self.oversized,
-                &self.variants_refused,
                 &self.origin_retries,
                 &self.coalesced,
                 &self.stale_served,
@@ -1516,7 +1555,7 @@ pub struct RouteMetrics {
     /// `fill_refused{reason="vary"}` (not per route: the counter has no route label).
     pub refused_vary: IntCounter,
     pub oversized: IntCounter,
-    pub variants_refused: IntCounter,
+    new_variants: [IntCounter; 4],
     pub origin_retries: IntCounter,
     pub coalesced: IntCounter,
     pub stale_served: IntCounter,
@@ -1546,6 +1585,11 @@ impl RouteMetrics {
     /// Records the Redis commands one answered request cost.
     pub fn redis_commands(&self, outcome: Outcome, commands: u32) {
         self.redis_commands[outcome.index()].inc_by(u64::from(commands));
+    }
+
+    /// Records what became of a miss on a new variant.
+    pub fn new_variant(&self, outcome: NewVariant) {
+        self.new_variants[outcome as usize].inc();
     }
 
     /// Records one revalidation.

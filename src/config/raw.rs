@@ -282,6 +282,7 @@ pub(super) struct RawCache {
     pub(super) freshness: RawFreshness,
     pub(super) heuristic: Spanned<f64>,
     pub(super) max_variants: usize,
+    pub(super) variant_overflow_rate: u32,
 }
 
 impl Default for RawCache {
@@ -297,6 +298,7 @@ impl Default for RawCache {
             freshness: RawFreshness(FreshnessSource::Route),
             heuristic: unspanned(0.0),
             max_variants: 64,
+            variant_overflow_rate: 10,
         }
     }
 }
@@ -346,6 +348,7 @@ pub(super) struct RawRoute {
     pub(super) freshness: Option<RawFreshness>,
     pub(super) heuristic: Option<Spanned<f64>>,
     pub(super) max_variants: Option<usize>,
+    pub(super) variant_overflow_rate: Option<u32>,
     /// `None` = `"sorted"`.
     pub(super) query: Option<Spanned<RawQuery>>,
     #[serde(default)]

@@ -337,6 +337,31 @@ fn query_policy_variants() {
     );
 }
 
+#[test]
+fn variant_overflow_rate_is_inherited_and_overridden() {
+    let routes = |cache: &str, route: &str| {
+        let text = with_minimal(&format!(
+            "{cache}\n[[routes]]\nname = \"r\"\nmatch = \"/r\"\n{route}\n"
+        ));
+        let r = load(&text).unwrap().routes.remove(0);
+        (r.max_variants, r.variant_overflow_rate)
+    };
+    assert_eq!(routes("", ""), (64, 10), "the defaults");
+    assert_eq!(
+        routes("[cache]\nvariant_overflow_rate = 0", ""),
+        (64, 0),
+        "from [cache]"
+    );
+    assert_eq!(
+        routes(
+            "[cache]\nvariant_overflow_rate = 0",
+            "variant_overflow_rate = 3"
+        ),
+        (64, 3),
+        "the route's own"
+    );
+}
+
 // === one test per kind of error; each asserts the whole line, file:line: key: message ===
 
 #[test]
@@ -360,7 +385,8 @@ fn unknown_key_lists_the_known_ones() {
     assert_eq!(
         problem(&with_minimal("[cache]\ntll = \"5s\"\n")),
         "test.toml:4: cache.tll: unknown key, expected one of ttl, jitter, grace, negative_ttl, \
-         max_entry_bytes, l1_max_bytes, l1, freshness, heuristic, max_variants"
+         max_entry_bytes, l1_max_bytes, l1, freshness, heuristic, max_variants, \
+         variant_overflow_rate"
     );
 }
 
@@ -372,7 +398,7 @@ fn unknown_key_in_a_route() {
         )),
         "test.toml:6: routes[0].cache_ttl: unknown key, expected one of name, match, methods, \
          ttl, jitter, grace, negative_ttl, max_entry_bytes, l1, freshness, heuristic, max_variants, \
-         query, vary, forward_client_headers, invalidate, \
+         variant_overflow_rate, query, vary, forward_client_headers, invalidate, \
          double_delete_delay, early_refresh_beta, bloom, bloom_add, warmup"
     );
 }

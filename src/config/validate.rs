@@ -1271,6 +1271,7 @@ impl Checker<'_> {
             freshness: raw.freshness.0,
             heuristic: self.heuristic(&raw.heuristic, "cache.heuristic"),
             max_variants: raw.max_variants,
+            variant_overflow_rate: raw.variant_overflow_rate,
         }
     }
 
@@ -1390,6 +1391,9 @@ impl Checker<'_> {
                 None => cache.heuristic,
             },
             max_variants: raw.max_variants.unwrap_or(cache.max_variants),
+            variant_overflow_rate: raw
+                .variant_overflow_rate
+                .unwrap_or(cache.variant_overflow_rate),
             query,
             vary,
             forward_client_headers,

@@ -465,6 +465,17 @@ impl Filler {
         }
     }
 
+    /// A variant beyond its path's budget, asked for the first time: fetched for this
+    /// request alone (through the origin guard, as every fetch), stored nowhere, answered
+    /// `BYPASS`. Nobody waits on it, so it runs in the request's task.
+    pub(crate) async fn fetch_uncached(
+        &self,
+        job: &FillJob,
+        head: bool,
+    ) -> (Response<Body>, Outcome) {
+        self.fetch_alone(job).await.respond(head)
+    }
+
     /// A fetch for one client that stores nothing: the lock holder is still at work (wait
     /// timeout), or the key's answer is not shareable.
     async fn fetch_alone(&self, job: &FillJob) -> Fetched {

@@ -25,7 +25,8 @@ pub(crate) struct Route {
     pub(crate) adds_to: Option<Arc<Filter>>,
     /// The body of a Bloom rejection, shared by every answer (no copy per request).
     pub(crate) reject_body: Bytes,
-    /// Read routes with `max_variants`: how many variants of a path may be fetched.
+    /// Read routes with `max_variants`: how many variants of a path are fetched and
+    /// cached, and what passes beyond.
     pub(crate) variants: Option<VariantBudget>,
 }
 
@@ -70,8 +71,13 @@ impl RouteTable {
                     .bloom
                     .as_ref()
                     .map_or_else(Bytes::new, |b| Bytes::from(b.body.clone())),
-                variants: (config.is_read() && config.max_variants > 0)
-                    .then(|| VariantBudget::new(config.max_variants, config.ttl)),
+                variants: (config.is_read() && config.max_variants > 0).then(|| {
+                    VariantBudget::new(
+                        config.max_variants,
+                        config.ttl,
+                        config.variant_overflow_rate,
+                    )
+                }),
             });
             if let Some(i) = patterns.iter().position(|p| *p == config.pattern) {
                 by_pattern[i].push(route);
