@@ -21,7 +21,7 @@ use std::time::Duration;
 /// are dropped from every forwarded request, but for those a route's
 /// `forward_client_headers` names (a trusted front sets them), and cacheguard sets
 /// `X-Forwarded-For` and `X-Forwarded-Proto` itself.
-pub(crate) const CLIENT_CLAIMS: [&str; 16] = [
+pub(crate) const CLIENT_CLAIMS: [&str; 17] = [
     "forwarded",
     "x-forwarded-host",
     "x-forwarded-port",
@@ -38,13 +38,15 @@ pub(crate) const CLIENT_CLAIMS: [&str; 16] = [
     "x-http-method-override",
     "x-http-method",
     "x-method-override",
+    "x-original-method",
 ];
 
 /// Those of [`CLIENT_CLAIMS`] that make the origin run another method than the request's.
-pub(crate) const METHOD_OVERRIDES: [&str; 3] = [
+pub(crate) const METHOD_OVERRIDES: [&str; 4] = [
     "x-http-method-override",
     "x-http-method",
     "x-method-override",
+    "x-original-method",
 ];
 
 use http::{HeaderName, Method, StatusCode, Uri};

@@ -628,3 +628,74 @@ async fn a_route_forwards_the_client_headers_it_names_and_no_other() {
     assert_eq!(seen("/other/1"), (None, None));
     cg.shutdown().await;
 }
+
+/// Every method-override header — `X-HTTP-Method-Override`, `X-HTTP-Method`,
+/// `X-Method-Override` and `X-Original-Method` — is dropped on every path: a fill (in both
+/// freshness modes), a per-user bypass, a write, an unrouted request and an unsafe method
+/// on a cached path that no write route takes. Before, `X-Original-Method` reached the
+/// origin on all but the default-mode fill.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn method_overrides_never_reach_the_origin_on_any_path() {
+    let origin = TestOrigin::start().await;
+    let routes = format!(
+        "{}{}{}",
+        item_route(""),
+        route("fresh", "/fresh/{id}", "GET", "freshness = \"origin\""),
+        route("item-write", "/api/items/{id}", "PUT", "")
+    );
+    let cg = CgConfig::new(&origin).routes(&routes).start().await;
+    let overrides = [
+        ("X-HTTP-Method-Override", "DELETE"),
+        ("X-HTTP-Method", "DELETE"),
+        ("X-Method-Override", "DELETE"),
+        ("X-Original-Method", "DELETE"),
+    ];
+    let client = HttpClient::new();
+    let cases = [
+        ("fill", http::Method::GET, "/api/items/ov-fill", None),
+        ("origin-mode fill", http::Method::GET, "/fresh/ov", None),
+        (
+            "bypass",
+            http::Method::GET,
+            "/api/items/ov-bypass",
+            Some(("Cookie", "session=1")),
+        ),
+        ("write", http::Method::PUT, "/api/items/ov-write", None),
+        ("unrouted", http::Method::GET, "/other/ov", None),
+        (
+            "unrouted upload",
+            http::Method::POST,
+            "/other/ov-post",
+            None,
+        ),
+        (
+            "unsafe on a cached path",
+            http::Method::DELETE,
+            "/api/items/ov-del",
+            None,
+        ),
+    ];
+    for (name, method, path, extra) in cases {
+        let mut headers: Vec<(&str, &str)> = overrides.to_vec();
+        headers.extend(extra);
+        let body = if method == http::Method::GET {
+            common::client::empty_body()
+        } else {
+            common::client::full_body("x")
+        };
+        let answer = client
+            .request(method, &url(cg.addr(), path), &headers, body)
+            .await
+            .expect("answer");
+        assert_eq!(answer.status, 200, "{name}: {answer}");
+        let seen = origin.last_request(path).expect("forwarded");
+        for (header, _) in overrides {
+            assert_eq!(
+                seen.header(header),
+                None,
+                "{name}: {header} reached the origin"
+            );
+        }
+    }
+    cg.shutdown().await;
+}

@@ -951,7 +951,8 @@ fn forward_client_headers_rules() {
              headers cacheguard drops before forwarding (forwarded, x-forwarded-host, \
              x-forwarded-port, x-forwarded-server, x-forwarded-scheme, x-forwarded-ssl, \
              x-forwarded-prefix, x-real-ip, x-client-ip, x-host, x-original-url, x-rewrite-url, \
-             x-original-host, x-http-method-override, x-http-method, x-method-override), got \
+             x-original-host, x-http-method-override, x-http-method, x-method-override, \
+             x-original-method), got \
              {got:?}"
         )
     };
