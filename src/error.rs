@@ -96,6 +96,20 @@ impl ProxyError {
         }
     }
 
+    /// Whether the connection must be closed after this answer (`Connection: close`): the
+    /// request's framing or target can no longer be trusted — a refused head (`Host`,
+    /// `Connection` naming a framing header), a body that broke its framing, went over the
+    /// limit or timed out, all left partly unread — so nothing more is read from it.
+    pub(crate) fn ends_connection(&self) -> bool {
+        matches!(
+            self,
+            ProxyError::BadRequest(_)
+                | ProxyError::BadRequestBody
+                | ProxyError::BodyTooLarge(_)
+                | ProxyError::UploadTimeout(_)
+        )
+    }
+
     /// Seconds to put in `Retry-After`, for errors a client should retry later.
     pub(crate) fn retry_after(&self) -> Option<u64> {
         match self {

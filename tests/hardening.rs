@@ -13,9 +13,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 
-use common::{CgConfig, HttpClient, RedisServer, TestOrigin, item_route, route, url};
+use common::{
+    CgConfig, HttpClient, RedisServer, TestOrigin, item_route, item_write_routes, raw_until_closed,
+    route, status_of, url,
+};
 
 /// Sends `bytes` on a new connection and returns what came back within `wait` (the status
 /// line first), or what there was when the connection closed.
@@ -26,14 +29,6 @@ async fn raw(addr: SocketAddr, bytes: &[u8], wait: Duration) -> String {
 /// [`raw`], then, with `close`, the end of what this client sends (a half-close).
 async fn raw_then(addr: SocketAddr, bytes: &[u8], wait: Duration, close: bool) -> String {
     common::raw_bytes(addr, bytes, wait, close).await
-}
-
-fn status_of(answer: &str) -> u16 {
-    answer
-        .split(' ')
-        .nth(1)
-        .and_then(|code| code.parse().ok())
-        .unwrap_or(0)
 }
 
 const WAIT: Duration = Duration::from_secs(5);
@@ -162,16 +157,7 @@ async fn framing_headers_named_by_connection_and_huge_targets_are_refused() {
 async fn a_write_whose_body_is_malformed_reaches_nothing() {
     let origin = TestOrigin::start().await;
     let redis = RedisServer::start().await;
-    let routes = format!(
-        "{}{}",
-        item_route(""),
-        route(
-            "item-write",
-            "/api/items/{id}",
-            "PUT",
-            "invalidate = [\"/api/items/{id}\"]"
-        )
-    );
+    let routes = item_write_routes();
     for (mode, cfg) in [
         ("embedded", CgConfig::new(&origin)),
         ("shared", CgConfig::new(&origin).redis(&redis)),
@@ -429,21 +415,7 @@ async fn more_header_fields_than_max_headers_get_431() {
 /// Sends `bytes` on a new connection and returns everything that came back until the
 /// server closed it (or `wait` passed).
 async fn raw_all(addr: SocketAddr, bytes: &[u8], wait: Duration) -> String {
-    let mut stream = TcpStream::connect(addr).await.expect("connect");
-    // The server may answer and close before all is written (a refused head).
-    let _ = stream.write_all(bytes).await;
-    let mut out = Vec::new();
-    let mut buf = [0u8; 4096];
-    let _ = tokio::time::timeout(wait, async {
-        loop {
-            match stream.read(&mut buf).await {
-                Ok(0) | Err(_) => break,
-                Ok(n) => out.extend_from_slice(&buf[..n]),
-            }
-        }
-    })
-    .await;
-    String::from_utf8_lossy(&out).into_owned()
+    raw_until_closed(addr, bytes, wait).await.0
 }
 
 /// The body of a whole answer (after its head).
@@ -626,6 +598,76 @@ async fn a_route_forwards_the_client_headers_it_names_and_no_other() {
     assert_eq!(seen("/plain/1"), (None, None));
     send(http::Method::GET, "/other/1", "/shop", None).await;
     assert_eq!(seen("/other/1"), (None, None));
+    cg.shutdown().await;
+}
+
+/// After a 400 that leaves the request's framing or target in doubt — `Connection` naming
+/// `Host`, `Content-Length` or `Transfer-Encoding`, two `Host` lines, a broken chunked body
+/// on a write — the answer says `Connection: close` and the connection is closed: a request
+/// pipelined behind it on the same connection is never served. Before, the pipelined
+/// request reached the origin and was answered on the same connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_refused_for_its_framing_closes_its_connection() {
+    let origin = TestOrigin::start().await;
+    let routes = format!(
+        "{}{}",
+        item_route(""),
+        route("item-write", "/api/items/{id}", "PUT", "")
+    );
+    let cg = CgConfig::new(&origin).routes(&routes).start().await;
+    let cases = [
+        (
+            "conn-host",
+            "POST /other/f HTTP/1.1\r\nHost: a.example\r\nConnection: Host\r\nContent-Length: 2\r\n\r\nhi",
+        ),
+        (
+            "conn-length",
+            "POST /other/f HTTP/1.1\r\nHost: a.example\r\nConnection: Content-Length\r\nContent-Length: 2\r\n\r\nhi",
+        ),
+        (
+            "conn-te",
+            "POST /other/f HTTP/1.1\r\nHost: a.example\r\nConnection: Transfer-Encoding\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nhi\r\n0\r\n\r\n",
+        ),
+        (
+            "conn-get",
+            "GET /api/items/f HTTP/1.1\r\nHost: a.example\r\nConnection: keep-alive, Host\r\n\r\n",
+        ),
+        (
+            "two-hosts",
+            "GET /other/f HTTP/1.1\r\nHost: a.example\r\nHost: b.example\r\n\r\n",
+        ),
+        (
+            "bad-chunk",
+            "PUT /api/items/f HTTP/1.1\r\nHost: a.example\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nhello\r\n0\r\n\r\n",
+        ),
+    ];
+    for (name, first) in cases {
+        let behind = format!("/other/pipelined-{name}");
+        let bytes = format!("{first}GET {behind} HTTP/1.1\r\nHost: a.example\r\n\r\n");
+        let (answer, closed) = raw_until_closed(cg.addr(), bytes.as_bytes(), WAIT).await;
+        assert_eq!(status_of(&answer), 400, "{name}: {answer:?}");
+        assert!(
+            answer
+                .to_ascii_lowercase()
+                .contains("\r\nconnection: close\r\n"),
+            "{name}: no Connection: close: {answer:?}"
+        );
+        assert_eq!(
+            answer.matches("HTTP/1.1 ").count(),
+            1,
+            "{name}: the pipelined request was answered: {answer:?}"
+        );
+        assert!(closed, "{name}: the connection stayed open");
+        assert_eq!(
+            origin.count(&behind),
+            0,
+            "{name}: the pipelined request was served"
+        );
+    }
+    // An answer that leaves the framing sound keeps the connection: both are served.
+    let bytes = "GET /other/k1 HTTP/1.1\r\nHost: a.example\r\n\r\nGET /other/k2 HTTP/1.1\r\nHost: a.example\r\nConnection: close\r\n\r\n";
+    let (answer, _) = raw_until_closed(cg.addr(), bytes.as_bytes(), WAIT).await;
+    assert_eq!(answer.matches("HTTP/1.1 200").count(), 2, "{answer:?}");
     cg.shutdown().await;
 }
 
