@@ -6,6 +6,7 @@
 pub(crate) mod access_log;
 pub(crate) mod admit;
 pub(crate) mod body;
+pub(crate) mod chunk_guard;
 pub(crate) mod conditional;
 pub(crate) mod create;
 pub(crate) mod fetch;
@@ -23,6 +24,8 @@ pub(crate) mod reject;
 pub(crate) mod respond;
 pub(crate) mod route;
 pub(crate) mod server;
+pub(crate) mod spool;
+pub(crate) mod upload;
 pub(crate) mod upstream;
 pub(crate) mod warmup;
 pub(crate) mod write;
@@ -206,12 +209,18 @@ impl Proxy {
         let (method, uri) = (request.method().clone(), request.uri().clone());
         let (route, mut response) = self.route(request, client).await;
         end_connection_if_untrusted(version, &mut response);
-        // Requests refused on their way (a broken or stalled body, a cache-only method) are
-        // counted with those refused up front.
+        // Requests refused on their way (a broken, oversized, slow or unstorable body, a
+        // cache-only method) are counted with those refused up front.
         if let Some(own) = response.extensions().get::<OwnAnswer>()
             && matches!(
                 own.reason,
-                "bad_request_body" | "upload_timeout" | "method_not_allowed"
+                "bad_request_body"
+                    | "body_too_large"
+                    | "upload_timeout"
+                    | "upload_too_slow"
+                    | "upload_deadline"
+                    | "body_spool_failed"
+                    | "method_not_allowed"
             )
         {
             self.metrics

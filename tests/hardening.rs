@@ -147,12 +147,12 @@ async fn framing_headers_named_by_connection_and_huge_targets_are_refused() {
 
 /// On a write route the body is read whole before anything is forwarded or invalidated: a
 /// malformed chunked body (a non-hex size, LF-only lines, a chunk cut short by the end of
-/// the connection) gets 400, one over `max_body_bytes` 413, one that stalls (a chunk size of
-/// `FFFFFFFFFFFFFFED` and nothing after) 408 after `upload_timeout`; the origin
-/// sees none of them and the cached entry is not invalidated. On pass-through (streamed) a
-/// malformed body gets 400 and is counted. Before, the head (and for the large one 10 MiB
-/// of body, and the write's first invalidation) reached the origin, and the answer was 502
-/// or came only at `upstream.timeout`.
+/// the connection) gets 400, one over `max_body_bytes` 413 (at once when a chunk size says
+/// so, as `FFFFFFFFFFFFFFED` does); the origin sees none of them and the cached entry is not
+/// invalidated. On pass-through (streamed) a malformed body gets 400 and is counted.
+/// Before, the head (and for the large one 10 MiB of body, and the write's first
+/// invalidation) reached the origin, and the answer was 502 or came only at
+/// `upstream.timeout`; later, the absurd chunk size waited for `upload_timeout` (408).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_write_whose_body_is_malformed_reaches_nothing() {
     let origin = TestOrigin::start().await;
@@ -177,7 +177,7 @@ async fn a_write_whose_body_is_malformed_reaches_nothing() {
                 "huge-size",
                 "FFFFFFFFFFFFFFED\r\nabc".to_owned(),
                 false,
-                408,
+                413,
             ),
             (
                 "too-large",
@@ -196,9 +196,7 @@ async fn a_write_whose_body_is_malformed_reaches_nothing() {
             let started = tokio::time::Instant::now();
             let answer = raw_then(cg.addr(), request.as_bytes(), WAIT, close).await;
             assert_eq!(status_of(&answer), expected, "{mode} {name}: {answer:?}");
-            if expected == 408 {
-                assert!(started.elapsed() < Duration::from_secs(4), "{mode} {name}");
-            }
+            assert!(started.elapsed() < Duration::from_secs(4), "{mode} {name}");
             assert_eq!(
                 origin.count(&path),
                 1,
@@ -669,6 +667,90 @@ async fn a_request_refused_for_its_framing_closes_its_connection() {
     let (answer, _) = raw_until_closed(cg.addr(), bytes.as_bytes(), WAIT).await;
     assert_eq!(answer.matches("HTTP/1.1 200").count(), 2, "{answer:?}");
     cg.shutdown().await;
+}
+
+/// A chunked body whose chunk sizes declare more than `server.max_body_bytes` — one
+/// absurd size (`FFFFFFFFFFFFFFED`), one over 64 bits, one just over the limit, or a second
+/// chunk that takes the total over it — gets 413 as soon as the size line arrives, on a
+/// write route (nothing forwarded, nothing invalidated) and on pass-through, and the
+/// connection is closed. A body exactly at the limit, and a `Content-Length` body whose
+/// bytes look like a chunk size, still go through. Before, the absurd sizes waited for
+/// `upload_timeout` (408; 400 for the overflow) and the others were 413 only once the
+/// bytes had come.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chunk_size_over_the_body_limit_gets_413_at_once() {
+    let origin = TestOrigin::start().await;
+    let redis = RedisServer::start().await;
+    let routes = item_write_routes();
+    let at_limit = format!("{:x}\r\n{}\r\n0\r\n\r\n", 65_536, "a".repeat(65_536));
+    let cases: [(&str, String, u16); 6] = [
+        ("absurd", "FFFFFFFFFFFFFFED\r\nabc".to_owned(), 413),
+        ("overflow", "1FFFFFFFFFFFFFFFF\r\nabc".to_owned(), 413),
+        ("over-limit", format!("{:x}\r\nabc", 65_537), 413),
+        ("second", "5\r\nhello\r\nFFFF\r\nabc".to_owned(), 413),
+        ("extension", "FFFFFFFFFF;name=value\r\nabc".to_owned(), 413),
+        ("at-limit", at_limit, 200),
+    ];
+    for (mode, cfg) in [
+        ("embedded", CgConfig::new(&origin)),
+        ("shared", CgConfig::new(&origin).redis(&redis)),
+    ] {
+        let cg = cfg
+            .routes(&routes)
+            .set("server", "max_body_bytes", "65536")
+            .set("upstream", "upload_timeout", "\"5s\"")
+            .start()
+            .await;
+        let client = HttpClient::new();
+        for (name, body, expected) in &cases {
+            for path in [
+                format!("/api/items/{mode}-{name}"),
+                format!("/other/{mode}-{name}"),
+            ] {
+                let written = path.starts_with("/api/");
+                if written {
+                    assert_eq!(client.get(&url(cg.addr(), &path)).await.status, 200);
+                }
+                let method = if written { "PUT" } else { "POST" };
+                let request = format!(
+                    "{method} {path} HTTP/1.1\r\nHost: a.example\r\nTransfer-Encoding: chunked\r\n\r\n{body}"
+                );
+                let started = tokio::time::Instant::now();
+                let (answer, closed) = if *expected == 200 {
+                    let answer = raw(cg.addr(), request.as_bytes(), WAIT).await;
+                    (answer, true)
+                } else {
+                    raw_until_closed(cg.addr(), request.as_bytes(), WAIT).await
+                };
+                assert_eq!(status_of(&answer), *expected, "{path}: {answer:?}");
+                if *expected != 413 {
+                    continue;
+                }
+                assert!(
+                    started.elapsed() < Duration::from_secs(2),
+                    "{path}: answered after {:?}",
+                    started.elapsed()
+                );
+                assert!(closed, "{path}: the connection stayed open");
+                if written {
+                    assert_eq!(origin.count(&path), 1, "{path}: the PUT reached the origin");
+                    let again = client.get(&url(cg.addr(), &path)).await;
+                    assert!(again.is_hit(), "{path}: invalidated: {again}");
+                }
+            }
+        }
+        // Bytes of a Content-Length body that read like a chunk size, then a request
+        // pipelined behind it: both served.
+        let bytes = "PUT /api/items/look-alike HTTP/1.1\r\nHost: a.example\r\nContent-Length: 10\r\n\r\nFFFFFFFF\r\n\
+                     POST /other/after HTTP/1.1\r\nHost: a.example\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n2\r\nhi\r\n0\r\n\r\n";
+        let (answer, _) = raw_until_closed(cg.addr(), bytes.as_bytes(), WAIT).await;
+        assert_eq!(
+            answer.matches("HTTP/1.1 200").count(),
+            2,
+            "{mode}: {answer:?}"
+        );
+        cg.shutdown().await;
+    }
 }
 
 /// Every method-override header — `X-HTTP-Method-Override`, `X-HTTP-Method`,
