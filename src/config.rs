@@ -21,7 +21,7 @@ use std::time::Duration;
 /// are dropped from every forwarded request, but for those a route's
 /// `forward_client_headers` names (a trusted front sets them), and cacheguard sets
 /// `X-Forwarded-For` and `X-Forwarded-Proto` itself.
-pub(crate) const CLIENT_CLAIMS: [&str; 16] = [
+pub(crate) const CLIENT_CLAIMS: [&str; 17] = [
     "forwarded",
     "x-forwarded-host",
     "x-forwarded-port",
@@ -38,13 +38,15 @@ pub(crate) const CLIENT_CLAIMS: [&str; 16] = [
     "x-http-method-override",
     "x-http-method",
     "x-method-override",
+    "x-original-method",
 ];
 
 /// Those of [`CLIENT_CLAIMS`] that make the origin run another method than the request's.
-pub(crate) const METHOD_OVERRIDES: [&str; 3] = [
+pub(crate) const METHOD_OVERRIDES: [&str; 4] = [
     "x-http-method-override",
     "x-http-method",
     "x-method-override",
+    "x-original-method",
 ];
 
 use http::{HeaderName, Method, StatusCode, Uri};
@@ -196,6 +198,12 @@ pub struct ServerConfig {
     pub worker_threads: usize,
     /// Connections the proxy listener keeps open at once; one more is closed at accept.
     pub max_connections: usize,
+    /// Bytes of a write's request body held in memory; the rest waits in a temporary file
+    /// in `body_spool_dir` until the body is whole.
+    pub body_buffer_bytes: usize,
+    /// Where request bodies over `body_buffer_bytes` are spooled (anonymous files, never
+    /// named in the directory); checked writable at load.
+    pub body_spool_dir: PathBuf,
 }
 
 #[derive(Clone, Debug)]
@@ -205,9 +213,16 @@ pub struct UpstreamConfig {
     /// Whole-response timeout for one origin request (head and body); exceeded → 504. For
     /// a request with a body, it starts once the body has been sent.
     pub timeout: Duration,
-    /// How long a client's request body forwarded to the origin may pause between two
-    /// reads; exceeded → 408.
+    /// How long a client's request body may pause between two reads; exceeded → 408. Also
+    /// the grace before `upload_min_rate` applies, and how long the origin may take to read
+    /// the next piece of a spooled body (exceeded → 504).
     pub upload_timeout: Duration,
+    /// Bytes per second a client's request body must average once past its
+    /// `upload_timeout` grace (the time it is allowed grows by one second per this many
+    /// bytes received); slower → 408. 0 = no rate bound.
+    pub upload_min_rate: u32,
+    /// The longest a client's request body may take in all; exceeded → 408.
+    pub upload_deadline: Duration,
     pub connect_timeout: Duration,
     /// Origin guard: at most this many origin requests in flight.
     pub max_concurrency: usize,

@@ -310,7 +310,7 @@ pub const WARMUP_RESULTS: [&str; 4] = ["filled", "failed", "cached", "skipped"];
 
 /// The `reason` label of `cacheguard_rejected_requests_total`: the refusals of a request
 /// before it reaches its path (the reasons of the errors `proxy.rs` counts there).
-const REJECTED_REASONS: [&str; 8] = [
+const REJECTED_REASONS: [&str; 11] = [
     "header_too_large",
     "too_many_headers",
     "body_too_large",
@@ -318,6 +318,9 @@ const REJECTED_REASONS: [&str; 8] = [
     "uri_too_long",
     "bad_request_body",
     "upload_timeout",
+    "upload_too_slow",
+    "upload_deadline",
+    "body_spool_failed",
     "method_not_allowed",
 ];
 

@@ -150,6 +150,9 @@ pub(super) struct RawServer {
     pub(super) shutdown_grace: HumanDuration,
     pub(super) worker_threads: usize,
     pub(super) max_connections: Spanned<usize>,
+    pub(super) body_buffer_bytes: Spanned<u64>,
+    /// `None` = the system's temporary directory.
+    pub(super) body_spool_dir: Option<Spanned<String>>,
 }
 
 impl Default for RawServer {
@@ -163,6 +166,8 @@ impl Default for RawServer {
             shutdown_grace: HumanDuration::secs(10),
             worker_threads: 0,
             max_connections: unspanned(10_000),
+            body_buffer_bytes: unspanned(64 * 1024),
+            body_spool_dir: None,
         }
     }
 }
@@ -180,6 +185,8 @@ pub(super) struct RawUpstream {
     pub(super) queue_timeout: HumanDuration,
     pub(super) max_buffered_bytes: Spanned<u64>,
     pub(super) upload_timeout: Spanned<HumanDuration>,
+    pub(super) upload_min_rate: u32,
+    pub(super) upload_deadline: Spanned<HumanDuration>,
     pub(super) pool_max_idle: usize,
     pub(super) pool_idle_timeout: Spanned<HumanDuration>,
 }
@@ -195,6 +202,8 @@ impl Default for RawUpstream {
             queue_timeout: HumanDuration::millis(100),
             max_buffered_bytes: unspanned(256 << 20),
             upload_timeout: unspanned(HumanDuration::secs(10)),
+            upload_min_rate: 500,
+            upload_deadline: unspanned(HumanDuration::secs(300)),
             pool_max_idle: 64,
             pool_idle_timeout: unspanned(HumanDuration::secs(4)),
         }

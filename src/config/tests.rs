@@ -77,6 +77,10 @@ fn example_file_parses_with_the_documented_values() {
     assert_eq!(config.upstream.max_rps, 0);
     assert_eq!(config.upstream.queue_timeout, Duration::from_millis(100));
     assert_eq!(config.upstream.pool_max_idle, 64);
+    assert_eq!(config.upstream.upload_timeout, Duration::from_secs(10));
+    assert_eq!(config.upstream.upload_min_rate, 500);
+    assert_eq!(config.upstream.upload_deadline, Duration::from_secs(300));
+    assert_eq!(config.server.body_buffer_bytes, 65536);
     assert_eq!(
         config.upstream.pool_idle_timeout,
         Duration::from_secs(4),
@@ -182,6 +186,10 @@ fn example_file_documents_every_key() {
         "queue_timeout",
         "max_buffered_bytes",
         "upload_timeout",
+        "upload_min_rate",
+        "upload_deadline",
+        "body_buffer_bytes",
+        "body_spool_dir",
         "pool_max_idle",
         "pool_idle_timeout",
         "freshness",
@@ -260,6 +268,10 @@ fn defaults_apply_to_a_minimal_file() {
     assert_eq!(config.server.max_header_bytes, 16384);
     assert_eq!(config.server.max_headers, 100, "hyper's default");
     assert_eq!(config.server.max_body_bytes, 10 * 1024 * 1024);
+    assert_eq!(config.server.body_buffer_bytes, 64 * 1024);
+    assert_eq!(config.server.body_spool_dir, std::env::temp_dir());
+    assert_eq!(config.upstream.upload_min_rate, 500);
+    assert_eq!(config.upstream.upload_deadline, Duration::from_secs(300));
     assert_eq!(config.upstream.max_concurrency, 256);
     assert_eq!(config.upstream.queue_timeout, Duration::from_millis(100));
     assert!(config.redis.is_none(), "no [redis] = embedded mode");
@@ -720,6 +732,23 @@ fn out_of_range_numbers() {
         "test.toml:3: upstream.max_concurrency: expected an integer of at least 1, got 0"
     );
     assert_eq!(
+        problem("[upstream]\nurl = \"http://127.0.0.1:9000\"\nupload_deadline = \"0s\"\n"),
+        "test.toml:3: upstream.upload_deadline: expected a duration above zero like \"5m\" \
+         (every request body has a deadline; make it long for large uploads)"
+    );
+    assert_eq!(
+        problem("[upstream]\nurl = \"http://127.0.0.1:9000\"\nupload_min_rate = -1\n"),
+        "test.toml:3: upstream.upload_min_rate: expected an integer from 0 to 4294967295, got -1"
+    );
+    // A write's body reserves its in-memory part in max_buffered_bytes.
+    assert_eq!(
+        problem(&with_minimal(
+            "max_buffered_bytes = 2097152\n[server]\nbody_buffer_bytes = 4194304\n"
+        )),
+        "test.toml:5: server.body_buffer_bytes: 4194304 is above upstream.max_buffered_bytes \
+         (2097152), where it is reserved: one request body would hold the whole budget"
+    );
+    assert_eq!(
         problem("[upstream]\nurl = \"http://127.0.0.1:9000\"\npool_idle_timeout = \"0s\"\n"),
         "test.toml:3: upstream.pool_idle_timeout: expected a duration above zero like \"4s\" \
          (pool_max_idle = 0 keeps no idle connection)"
@@ -977,7 +1006,8 @@ fn forward_client_headers_rules() {
              headers cacheguard drops before forwarding (forwarded, x-forwarded-host, \
              x-forwarded-port, x-forwarded-server, x-forwarded-scheme, x-forwarded-ssl, \
              x-forwarded-prefix, x-real-ip, x-client-ip, x-host, x-original-url, x-rewrite-url, \
-             x-original-host, x-http-method-override, x-http-method, x-method-override), got \
+             x-original-host, x-http-method-override, x-http-method, x-method-override, \
+             x-original-method), got \
              {got:?}"
         )
     };
@@ -1805,4 +1835,52 @@ fn the_examples_have_no_warnings() {
             config.warnings()
         );
     }
+}
+
+#[test]
+fn the_spool_directory_must_take_a_file() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = load(&with_minimal(&format!(
+        "[server]\nbody_spool_dir = {:?}\n",
+        dir.path().display().to_string()
+    )))
+    .expect("a writable directory");
+    assert_eq!(config.server.body_spool_dir, dir.path());
+    // Relative to the config file, like the journal.
+    let config = Config::from_toml(
+        &with_minimal("[server]\nbody_spool_dir = \"spool\"\n"),
+        &dir.path().join("cacheguard.toml").display().to_string(),
+        &no_env(),
+    );
+    let missing = dir.path().join("spool");
+    let problems: Vec<String> = config
+        .expect_err("no such directory")
+        .problems
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+    assert_eq!(problems.len(), 1, "{problems:?}");
+    let expected = format!(
+        "{}:4: server.body_spool_dir: cannot make a temporary file in {}: ",
+        dir.path().join("cacheguard.toml").display(),
+        missing.display()
+    );
+    assert!(problems[0].starts_with(&expected), "{}", problems[0]);
+    assert!(
+        problems[0].ends_with("(request bodies over server.body_buffer_bytes are spooled there)"),
+        "{}",
+        problems[0]
+    );
+    std::fs::create_dir(&missing).expect("create it");
+    let config = Config::from_toml(
+        &with_minimal("[server]\nbody_spool_dir = \"spool\"\n"),
+        &dir.path().join("cacheguard.toml").display().to_string(),
+        &no_env(),
+    )
+    .expect("now it exists");
+    assert_eq!(config.server.body_spool_dir, missing);
+    assert_eq!(
+        problem(&with_minimal("[server]\nbody_spool_dir = \"\"\n")),
+        "test.toml:4: server.body_spool_dir: expected a directory path, got \"\""
+    );
 }

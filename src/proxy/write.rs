@@ -85,9 +85,10 @@ impl WritePath {
         } else {
             delay + lead
         };
-        // The body is read whole first: a malformed, oversized or stalled one is answered
+        // The body is read whole first (in memory up to `server.body_buffer_bytes`, the
+        // rest in a spool file): a malformed, oversized, slow or stalled one is answered
         // here, before any invalidation runs and before anything reaches the origin.
-        let (request, _room) = match self.passthrough.buffer(request).await {
+        let (request, _room) = match self.passthrough.read_whole(request).await {
             Ok(buffered) => buffered,
             Err(error) => return respond::error(&error),
         };
@@ -102,7 +103,7 @@ impl WritePath {
             self.serve_create(route, request, client).await
         } else {
             self.passthrough
-                .serve(
+                .serve_whole(
                     &route.metrics,
                     request,
                     client,
