@@ -310,7 +310,10 @@ impl Filler {
                     continue;
                 }
                 // Redis went away under us: degrade to this process's single-flight.
-                Err(_) => return self.fetch_and_store(job).await,
+                Err(Unavailable::Down) => return self.fetch_and_store(job).await,
+                // The key's cluster slot is being migrated: no script of its keys runs
+                // until it ends (the unlocked fill's neither), so fill as without Redis.
+                Err(Unavailable::Migrating) => return self.fetch_and_keep(job, None).await,
                 Ok(Claim::Leader(permit)) => {
                     if contended {
                         fleet.count(LockEvent::Takeover);
@@ -450,6 +453,12 @@ impl Filler {
             Some(fleet) => fleet.unlocked(job.key.base, job.key.hash).await.ok(),
             None => None,
         };
+        self.fetch_and_keep(job, unlocked).await
+    }
+
+    /// Fetches, then stores through `unlocked` (generation-checked) or, without it, keeps
+    /// the answer in L1 only (see [`Filler::store`]).
+    async fn fetch_and_keep(&self, job: &FillJob, unlocked: Option<FillPermit>) -> Fetched {
         let since = self.tiers.since();
         match fetch::from_origin(&self.origin, job).await {
             Classified::Storable(entry, outcome, reservation) => {
