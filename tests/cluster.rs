@@ -93,6 +93,39 @@ async fn cluster_topology_is_reported_and_l2_serves_hits() {
         0.0,
         "WAIT 1 on a primary with one replica"
     );
+
+    // With every replica stopped (for less than the cluster's node timeout), each WAIT
+    // times out on the primary the lock went to (a WAIT sent to any other node, with no
+    // write of its connection to wait for, would answer at once): `unreplicated`, never a
+    // Redis error.
+    let primaries = cluster.primaries().await;
+    let replicas: Vec<u16> = cluster
+        .ports()
+        .into_iter()
+        .filter(|p| !primaries.contains(p))
+        .collect();
+    let stopped = CgConfig::new(&origin)
+        .redis_cluster(&cluster)
+        .set("lock", "wait_replicas", "1")
+        .set_str("lock", "wait_replicas_timeout", "100ms")
+        .l1("off")
+        .start()
+        .await;
+    // Its connection for a lock and WAIT is made while every node answers.
+    common::cold_misses(&client, stopped.addr(), "warm", 1).await;
+    for port in &replicas {
+        cluster.pause(*port);
+    }
+    common::cold_misses(&client, stopped.addr(), "stopped", 4).await;
+    for port in &replicas {
+        cluster.resume(*port);
+    }
+    let exp = common::metrics(&client, stopped.admin_addr()).await;
+    assert_eq!(
+        exp.replicated_locks(),
+        (0.0, 5.0, 4.0),
+        "(redis_errors{{op=\"lock\"}}, acquired, unreplicated) with every replica stopped"
+    );
 }
 
 /// The item paths whose entries live on the node at `port` (read back from the entries:

@@ -567,3 +567,45 @@ async fn waiters_beyond_max_waiters_are_answered_per_on_timeout() {
     join_within(held, Duration::from_secs(10), "A").await;
     shutdown_all([a, b]).await;
 }
+
+/// `lock.wait_replicas = 1` with the only replica stopped (SIGSTOP): every won lock's
+/// `WAIT` times out, which is `unreplicated`, never a Redis failure. Redis answers a `WAIT`
+/// that timed out only when its event loop next wakes: at its next server tick (every
+/// 100 ms at the default `hz`; here the primary runs at `hz 1`) or on other traffic. The
+/// client used to bound the script and its `WAIT` together by `wait_replicas_timeout +
+/// command_timeout`, so an answer that came later failed the lock it had taken, counted as
+/// `redis_errors{op="lock"}` toward the breaker. Now 20 cold misses, one after the other,
+/// all take their lock, all count `unreplicated`, and none counts as a Redis error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wait_on_a_stopped_replica_is_unreplicated_never_a_redis_failure() {
+    const MISSES: usize = 20;
+    let primary = RedisServer::start().await;
+    let replica = RedisServer::start_replica_of(&primary).await;
+    let mut con = primary.client().await;
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("hz")
+        .arg(1)
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let origin = TestOrigin::start().await;
+    let cg = CgConfig::new(&origin)
+        .redis(&primary)
+        .set("lock", "wait_replicas", "1")
+        .set_str("lock", "wait_replicas_timeout", "100ms")
+        .l1("off")
+        .start()
+        .await;
+    let client = HttpClient::new();
+    replica.pause();
+    common::cold_misses(&client, cg.addr(), "unreplicated", MISSES).await;
+    replica.resume();
+    let exp = metrics(&client, cg.admin_addr()).await;
+    assert_eq!(
+        exp.replicated_locks(),
+        (0.0, MISSES as f64, MISSES as f64),
+        "(redis_errors{{op=\"lock\"}}, acquired, unreplicated)"
+    );
+    assert_eq!(exp.sum("cacheguard_redis_up", &[]), 1.0);
+}

@@ -31,7 +31,8 @@ use redis::aio::{
 };
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
-use redis::{Cmd, ConnectionInfo, Pipeline, RedisFuture, RedisResult, Value};
+use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
+use redis::{Cmd, ConnectionInfo, FromRedisValue, Pipeline, RedisFuture, RedisResult, Value};
 
 use tracing::warn;
 
@@ -78,6 +79,30 @@ impl ConnectionLike for DataConn {
             DataConn::Managed(conn) => conn.get_db(),
             DataConn::Plain(conn) => conn.get_db(),
             DataConn::Cluster(conn) => conn.get_db(),
+        }
+    }
+}
+
+impl DataConn {
+    /// Runs `cmd`, which names no key, on the node a command on `key` goes to: on a
+    /// cluster the primary of `key`'s slot (redis-rs would send a keyless command to any
+    /// node, and `WAIT` to every primary), elsewhere the one server.
+    ///
+    /// # Errors
+    /// What the command or the connection answered.
+    pub(crate) async fn query_beside<T: FromRedisValue>(
+        &mut self,
+        cmd: &Cmd,
+        key: &str,
+    ) -> RedisResult<T> {
+        match self {
+            DataConn::Cluster(conn) => {
+                let node = Route::new(slot_of(key.as_bytes()), SlotAddr::Master);
+                let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(node));
+                let value = conn.route_command(cmd.clone(), routing).await?;
+                Ok(redis::from_redis_value(value)?)
+            }
+            DataConn::Managed(_) | DataConn::Plain(_) => cmd.query_async(self).await,
         }
     }
 }

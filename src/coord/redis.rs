@@ -909,14 +909,24 @@ impl RedisConn {
         .await
     }
 
-    /// Runs a script (`EVAL source`), then `WAIT replicas timeout`, as one pipeline on one
-    /// connection: the script's answer and how many replicas had its writes in time (0 when
-    /// `WAIT` failed).
+    /// Runs a script (`EVAL source`), then `WAIT replicas timeout` on the same connection:
+    /// the script's answer and how many replicas had its writes in time.
     ///
     /// `WAIT` covers the writes of the connection it is sent on and blocks that connection
     /// meanwhile, so both run on a connection of their own, taken from a small pool: the
-    /// shared connection's pipeline never waits on a replica. On a cluster the pipeline goes
-    /// to the node of the script's keys (`WAIT` names none), so the two stay together.
+    /// shared connection's pipeline never waits on a replica. On a cluster the `WAIT` goes
+    /// to the primary of the script's first key, where the script ran.
+    ///
+    /// The script is a command like any other: bounded by `command_timeout`, a failure of
+    /// it counted toward the breaker. The `WAIT` is not: it is sent once the script has
+    /// answered (one round trip more, so the two answers are told apart), and whatever
+    /// becomes of it — fewer replicas, an error, or no answer within `timeout` +
+    /// `command_timeout` — reads as 0 replicas, never as a Redis failure. Redis answers a
+    /// `WAIT` that timed out at its next server tick (up to 100 ms late at the default
+    /// `hz`), so a bound close to `timeout` is met or missed by chance: when one pipeline
+    /// carried both, a late `WAIT` failed the lock taken before it. A connection whose
+    /// `WAIT` did not answer in time is not reused (Redis would run its next command only
+    /// after that `WAIT`).
     pub(crate) async fn run_script_replicated<T: FromRedisValue>(
         &self,
         op: RedisOp,
@@ -954,36 +964,50 @@ impl RedisConn {
                 }
             },
         };
-        let mut pipe = redis::pipe();
-        let eval = pipe.cmd("EVAL").arg(source).arg(keys.len());
+        let mut eval = redis::cmd("EVAL");
+        eval.arg(source).arg(keys.len());
         for key in keys {
             eval.arg(*key);
         }
         for arg in args {
             eval.arg(*arg);
         }
-        pipe.cmd("WAIT").arg(replicas).arg(
+        add_commands(1);
+        let result = tokio::time::timeout(
+            self.inner.command_timeout,
+            self.inner.io.enter(eval.query_async::<T>(&mut conn)),
+        )
+        .await;
+        let first_key = keys.first().copied().unwrap_or_default();
+        let value = self.settle(op, Some(first_key.as_bytes()), started, result)?;
+        let mut wait = redis::cmd("WAIT");
+        wait.arg(replicas).arg(
             u64::try_from(timeout.as_millis())
                 .unwrap_or(u64::MAX)
                 .max(1),
         );
-        // The script and its WAIT.
-        add_commands(2);
-        let result = tokio::time::timeout(
+        add_commands(1);
+        let acked = tokio::time::timeout(
             timeout + self.inner.command_timeout,
-            self.inner.io.enter(pipe.query_async::<(T, i64)>(&mut conn)),
+            self.inner
+                .io
+                .enter(conn.query_beside::<i64>(&wait, first_key)),
         )
         .await;
-        let key = keys.first().map(|key| key.as_bytes());
-        let (value, acked) = self.settle(op, key, started, result)?;
-        let mut pool = self
-            .inner
-            .wait_pool
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if pool.len() < WAIT_POOL {
-            pool.push(conn);
-        }
+        let acked = match acked {
+            Ok(Ok(acked)) => {
+                let mut pool = self
+                    .inner
+                    .wait_pool
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                if pool.len() < WAIT_POOL {
+                    pool.push(conn);
+                }
+                acked
+            }
+            Ok(Err(_)) | Err(_) => 0,
+        };
         Ok((value, acked))
     }
 

@@ -390,6 +390,32 @@ impl RedisCluster {
         }
     }
 
+    /// SIGSTOP the node on `port`, by PID: it keeps its sockets open but answers nothing.
+    pub fn pause(&self, port: u16) {
+        self.signal(port, "-STOP");
+    }
+
+    /// SIGCONT after [`RedisCluster::pause`].
+    pub fn resume(&self, port: u16) {
+        self.signal(port, "-CONT");
+    }
+
+    fn signal(&self, port: u16, sig: &str) {
+        let pid = self
+            .nodes
+            .iter()
+            .find(|n| n.port == port)
+            .and_then(|n| n.child.as_ref())
+            .map(Child::id)
+            .unwrap_or_else(|| panic!("no running node on {port}"));
+        let status = std::process::Command::new("kill")
+            .arg(sig)
+            .arg(pid.to_string())
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill {sig} {pid} failed");
+    }
+
     /// SIGKILL the node on `port`, by PID.
     pub fn kill(&mut self, port: u16) {
         if let Some(node) = self.nodes.iter_mut().find(|n| n.port == port)
