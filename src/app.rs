@@ -218,6 +218,7 @@ fn read_path(
         filler: Arc::new(Filler {
             tiers,
             flights,
+            lone: Arc::default(),
             fleet: store.map(|store| FleetLock::new(store, metrics.clone())),
             lock: ArcSwap::from_pointee(config.lock.clone()),
             uncacheable,

@@ -343,6 +343,7 @@ pub struct Metrics {
     pub l1_bytes: IntGauge,
     pub redis_up: IntGauge,
     redis_errors: IntCounterVec,
+    redis_slot_migrating: IntCounterVec,
     pub redis_transitions: IntCounter,
     redis_command_duration: HistogramVec,
     pub redis_breaker_open: IntGauge,
@@ -616,6 +617,15 @@ impl Metrics {
             Opts::new(
                 "cacheguard_redis_errors_total",
                 "Redis commands that failed or timed out, by operation.",
+            ),
+            &["op"],
+        )?;
+        let redis_slot_migrating = IntCounterVec::new(
+            Opts::new(
+                "cacheguard_redis_slot_migrating_total",
+                "Redis Cluster commands given up because their hash slot was being migrated \
+                 (TRYAGAIN, or ASK/MOVED, after every retry), by operation: Redis answered, so \
+                 they are neither errors nor failures toward the breaker.",
             ),
             &["op"],
         )?;
@@ -1156,6 +1166,7 @@ impl Metrics {
         registry.register(Box::new(l1_bytes.clone()))?;
         registry.register(Box::new(redis_up.clone()))?;
         registry.register(Box::new(redis_errors.clone()))?;
+        registry.register(Box::new(redis_slot_migrating.clone()))?;
         registry.register(Box::new(redis_transitions.clone()))?;
         registry.register(Box::new(origin_in_flight.clone()))?;
         registry.register(Box::new(origin_queue_wait.clone()))?;
@@ -1177,6 +1188,7 @@ impl Metrics {
             RedisOp::Tag,
         ] {
             redis_errors.with_label_values(&[op.as_str()]);
+            redis_slot_migrating.with_label_values(&[op.as_str()]);
         }
         for reason in REJECTED_REASONS {
             rejected_requests.with_label_values(&[reason]);
@@ -1199,6 +1211,7 @@ impl Metrics {
             l1_bytes,
             redis_up,
             redis_errors,
+            redis_slot_migrating,
             redis_transitions,
             redis_command_duration,
             redis_breaker_open,
@@ -1473,6 +1486,13 @@ impl Metrics {
 
     pub fn redis_error(&self, op: RedisOp) {
         self.redis_errors.with_label_values(&[op.as_str()]).inc();
+    }
+
+    /// A cluster command given up while its hash slot was being migrated.
+    pub fn redis_slot_migrating(&self, op: RedisOp) {
+        self.redis_slot_migrating
+            .with_label_values(&[op.as_str()])
+            .inc();
     }
 
     /// Origin requests so far, every route and status class summed (routes a reload removed
