@@ -91,5 +91,8 @@ if env -u CACHEGUARD_ADMIN_TOKEN cargo run --locked --quiet --bin cacheguard -- 
     exit 1
 fi
 
+echo "== image build check (the Dockerfile's proxy binary gets no tokio test-util)"
+scripts/check-image-build.sh
+
 echo "== demo smoke run"
 cargo run --locked --example demo -- --exit

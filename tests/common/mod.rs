@@ -43,7 +43,10 @@ use std::time::Duration;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-pub use client::{HttpClient, Resp, empty_body, raw_bytes, raw_request, raw_request_from};
+pub use client::{
+    HttpClient, Resp, empty_body, raw_bytes, raw_request, raw_request_from, raw_until_closed,
+    status_of,
+};
 pub use origin::{IdsFault, IdsFormat, TestOrigin, default_body};
 pub use process::{
     CacheguardProcess, spawn_cacheguard_process, spawn_cacheguard_process_with_args,
@@ -77,6 +80,18 @@ pub fn route(name: &str, pattern: &str, method: &str, settings: &str) -> String 
 /// The `item` route of [`ITEM_ROUTE`] (`GET /api/items/{id}`) with `settings` added.
 pub fn item_route(settings: &str) -> String {
     route("item", "/api/items/{id}", "GET", settings)
+}
+
+/// The `item` route and a write route on the same path, `PUT /api/items/{id}`, that
+/// invalidates it.
+pub fn item_write_routes() -> String {
+    item_route("")
+        + &route(
+            "item-write",
+            "/api/items/{id}",
+            "PUT",
+            "invalidate = [\"/api/items/{id}\"]",
+        )
 }
 
 /// One `[[bloom]]` table; `source` is the TOML inline table (`{ url = "…" }`).

@@ -47,6 +47,9 @@ pub struct Behaviour {
     pub headers: Vec<(String, String)>,
     /// Answer with the request body (and the request's content-type).
     pub echo: bool,
+    /// Count the request body's bytes but keep none of them (a large upload must not cost
+    /// the test process its size): the recorded request's body is empty.
+    pub discard_body: bool,
 }
 
 /// One request as the origin saw it.
@@ -423,6 +426,12 @@ impl TestOrigin {
         self.update(path, |b| b.echo = true);
     }
 
+    /// Requests to `path` have their body counted ([`TestOrigin::body_bytes_received`]) and
+    /// dropped as it arrives.
+    pub fn set_discard_body(&self, path: &str) {
+        self.update(path, |b| b.discard_body = true);
+    }
+
     /// Back to the default behaviour for `path`.
     pub fn reset(&self, path: &str) {
         lock(&self.state.behaviours).remove(path);
@@ -626,12 +635,16 @@ async fn handle(
 
     let (parts, mut body) = req.into_parts();
     let mut received = BytesMut::new();
+    let mut counted = 0u64;
     lock(&state.body_bytes).insert(path.clone(), 0);
     while let Some(frame) = body.frame().await {
         let Ok(frame) = frame else { break };
         if let Ok(data) = frame.into_data() {
-            received.extend_from_slice(&data);
-            lock(&state.body_bytes).insert(path.clone(), received.len() as u64);
+            counted += data.len() as u64;
+            if !behaviour.discard_body {
+                received.extend_from_slice(&data);
+            }
+            lock(&state.body_bytes).insert(path.clone(), counted);
         }
     }
     let received = received.freeze();
