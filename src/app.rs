@@ -34,6 +34,7 @@ use crate::metrics::Metrics;
 use crate::protect::bloom::Filters;
 use crate::protect::flight::fleet::FleetLock;
 use crate::protect::hotkeys::HotKeys;
+use crate::protect::stock::Gates;
 use crate::proxy::access_log::AccessLog;
 use crate::proxy::fill::{Filler, Flights};
 use crate::proxy::hot::HotGate;
@@ -337,12 +338,23 @@ impl App {
                 .map(|(conn, rc)| (conn.clone(), Keyspace::new(&rc.key_prefix))),
             instance,
         );
+        let gates = Gates::new(
+            &config.stock,
+            &config.upstream,
+            redis
+                .as_ref()
+                .zip(config.redis.as_ref())
+                .map(|(conn, rc)| (conn.clone(), Keyspace::new(&rc.key_prefix))),
+            instance,
+            &metrics,
+        );
         // The fleet-wide fill lock and the event bus that wakes its waiters (and carries
-        // Bloom adds).
+        // Bloom adds and the stock gates' sold-out marks).
         let dist = match (&redis, &config.redis) {
             (Some(conn), Some(rc)) => {
                 let listeners: Vec<Arc<dyn BusListener>> = vec![
                     Arc::clone(&filters) as _,
+                    Arc::clone(&gates) as _,
                     Arc::new(CacheEvents {
                         l1: l1.clone(),
                         hot: Arc::clone(&hot),
@@ -374,8 +386,9 @@ impl App {
         // After the first subscription, so no create's event falls between the snapshot
         // read and the subscription.
         filters.spawn(&stop_tasks);
-        let routes =
-            RouteTable::build(&config.routes, &metrics, &filters).context("building routes")?;
+        gates.spawn(&stop_tasks);
+        let routes = RouteTable::build(&config.routes, &metrics, &filters, &gates)
+            .context("building routes")?;
         let upstream = Upstream::new(&config.upstream).context("building the upstream client")?;
         metrics.origin_caps(&config.upstream);
         let guard = OriginGuard::new(Limits::of(&config.upstream), GuardMetrics::of(&metrics));
@@ -482,6 +495,7 @@ impl App {
             proxy: Arc::clone(&proxy),
             hot: Arc::clone(&hot),
             filters: Arc::clone(&filters),
+            gates,
             token: Arc::clone(&token),
             redis: redis.clone(),
             purge_limits: Arc::clone(&purge_limits),

@@ -78,6 +78,8 @@ pub struct Config {
     pub stream: StreamConfig,
     /// One line per request (`[access_log]`).
     pub access_log: AccessLogConfig,
+    /// Stock gates (`[[stock]]`), in file order.
+    pub stock: Vec<StockConfig>,
     /// What the file allows but is likely wrong, `file:line: key: message` like an error;
     /// see [`Config::warnings`].
     warnings: Vec<ConfigProblem>,
@@ -470,6 +472,70 @@ pub struct RouteConfig {
     pub bloom_add: Option<BloomAdd>,
     /// Read routes: paths fetched at start.
     pub warmup: Option<WarmupConfig>,
+    /// Write routes: the stock gate each request takes units from before it is forwarded.
+    pub stock: Option<RouteStock>,
+}
+
+/// `stock = { gate, units }` on a write route.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RouteStock {
+    /// The `[[stock]]` gate's name.
+    pub gate: String,
+    /// Units one request takes (at least 1).
+    pub units: u64,
+}
+
+/// What a stock gate does with a buy when Redis cannot answer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OnRedisError {
+    /// 503 + `Retry-After`: the origin never sees an ungated crowd.
+    Reject,
+    /// Forwarded ungated (counted): the origin decides alone.
+    Forward,
+}
+
+/// One `[[stock]]` gate: units of one kind of resource, counted in Redis (in process
+/// memory in embedded mode) so that the origin sees about as many buys as there are units.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StockConfig {
+    pub name: String,
+    /// The resource's path pattern (`/trains/{train}/seats/{type}`): a resource is this
+    /// pattern filled from a bound route's parameters.
+    pub key: String,
+    /// The path (a pattern over the key's parameters) where the origin tells how many units
+    /// are left, resolved against `upstream.url`.
+    pub source_path: String,
+    /// The JSON pointer (RFC 6901) to that number in the source's answer; empty: the whole
+    /// body is the number.
+    pub source_json: String,
+    /// How often a resource in use is reconciled with the origin (and at once after any
+    /// in-doubt outcome).
+    pub reconcile: Duration,
+    /// How long a unit stays reserved for a buy in flight; above `upstream.timeout`, so an
+    /// instance that dies mid-buy gives its units back.
+    pub reservation_ttl: Duration,
+    /// The answer when there are not enough units.
+    pub sold_out: SoldOutAnswer,
+    /// Origin statuses that mean nothing was sold: the units go back at once.
+    pub not_sold: Vec<StatusCode>,
+    /// Origin statuses that mean the origin has none left: the gate goes to 0.
+    pub origin_sold_out: Vec<StatusCode>,
+    pub on_redis_error: OnRedisError,
+    /// The request header of an idempotency key; `None`: keys are not looked at.
+    pub idempotency_header: Option<HeaderName>,
+    /// How long a completed buy's answer is replayed to a retry with the same key.
+    pub idempotency_ttl: Duration,
+    /// How many keys one resource's units are spread over (on a Redis Cluster, several
+    /// primaries share a hot resource); 1 = one key.
+    pub segments: u16,
+}
+
+/// The gate's own "sold out" answer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SoldOutAnswer {
+    pub status: StatusCode,
+    pub body: String,
+    pub content_type: String,
 }
 
 /// `warmup = { paths, file, rate }`: paths fetched through the cache (and the origin guard)

@@ -68,6 +68,21 @@ pub(crate) enum ProxyError {
     /// overflow rate (the seconds to wait: 1, or the window without an overflow rate).
     #[error("too many distinct query variants of this path")]
     TooManyVariants(u64),
+    /// An idempotency key that is not one (empty, too long, not visible ASCII).
+    #[error("bad request: malformed idempotency key")]
+    BadIdempotencyKey,
+    /// The first request with this idempotency key is still being processed.
+    #[error("a request with this idempotency key is in progress")]
+    IdempotencyInFlight,
+    /// This idempotency key was first used with another request body.
+    #[error("this idempotency key was used with another request")]
+    IdempotencyMismatch,
+    /// A stock gate could not ask Redis (`on_redis_error = "reject"`).
+    #[error("stock gate unavailable")]
+    StockUnavailable,
+    /// A stock gate could not learn the resource's units from the origin.
+    #[error("stock not loaded")]
+    StockNotLoaded,
     #[error("internal error")]
     Internal,
 }
@@ -90,6 +105,12 @@ impl ProxyError {
             ProxyError::UriTooLong(_) => StatusCode::URI_TOO_LONG,
             ProxyError::HotKeyLimited | ProxyError::TooManyVariants(_) => {
                 StatusCode::TOO_MANY_REQUESTS
+            }
+            ProxyError::BadIdempotencyKey => StatusCode::BAD_REQUEST,
+            ProxyError::IdempotencyInFlight => StatusCode::CONFLICT,
+            ProxyError::IdempotencyMismatch => StatusCode::UNPROCESSABLE_ENTITY,
+            ProxyError::StockUnavailable | ProxyError::StockNotLoaded => {
+                StatusCode::SERVICE_UNAVAILABLE
             }
             ProxyError::Internal => StatusCode::INTERNAL_SERVER_ERROR,
         }
@@ -115,6 +136,11 @@ impl ProxyError {
             ProxyError::UriTooLong(_) => "uri_too_long",
             ProxyError::HotKeyLimited => "hot_key_limited",
             ProxyError::TooManyVariants(_) => "too_many_variants",
+            ProxyError::BadIdempotencyKey => "bad_idempotency_key",
+            ProxyError::IdempotencyInFlight => "idempotency_in_flight",
+            ProxyError::IdempotencyMismatch => "idempotency_mismatch",
+            ProxyError::StockUnavailable => "stock_unavailable",
+            ProxyError::StockNotLoaded => "stock_not_loaded",
             ProxyError::Internal => "internal",
         }
     }
@@ -147,7 +173,12 @@ impl ProxyError {
     /// Seconds to put in `Retry-After`, for errors a client should retry later.
     pub(crate) fn retry_after(&self) -> Option<u64> {
         match self {
-            ProxyError::Shed(_) | ProxyError::LockWait(_) | ProxyError::HotKeyLimited => Some(1),
+            ProxyError::Shed(_)
+            | ProxyError::LockWait(_)
+            | ProxyError::HotKeyLimited
+            | ProxyError::IdempotencyInFlight
+            | ProxyError::StockUnavailable
+            | ProxyError::StockNotLoaded => Some(1),
             ProxyError::TooManyVariants(seconds) => Some(*seconds),
             _ => None,
         }

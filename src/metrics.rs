@@ -33,6 +33,10 @@ pub enum Outcome {
     /// A stored copy the origin confirmed with a `304` (a conditional fetch), served with
     /// its updated headers.
     Revalidated,
+    /// A buy a stock gate answered "sold out" without the origin.
+    SoldOut,
+    /// A completed buy's answer, replayed for a retry with the same idempotency key.
+    Replayed,
 }
 
 /// The `result` label of revalidations: conditional fetches of a stored copy.
@@ -95,7 +99,7 @@ impl Revalidation {
 }
 
 impl Outcome {
-    pub const ALL: [Outcome; 9] = [
+    pub const ALL: [Outcome; 11] = [
         Outcome::HitL1,
         Outcome::HitL2,
         Outcome::Miss,
@@ -105,6 +109,8 @@ impl Outcome {
         Outcome::Error,
         Outcome::Reject,
         Outcome::Revalidated,
+        Outcome::SoldOut,
+        Outcome::Replayed,
     ];
 
     /// The metric label value.
@@ -119,6 +125,8 @@ impl Outcome {
             Outcome::Error => "error",
             Outcome::Reject => "reject",
             Outcome::Revalidated => "revalidated",
+            Outcome::SoldOut => "sold_out",
+            Outcome::Replayed => "replayed",
         }
     }
 
@@ -133,6 +141,8 @@ impl Outcome {
             Outcome::Bypass | Outcome::Error => "BYPASS",
             Outcome::Reject => "REJECT",
             Outcome::Revalidated => "REVALIDATED",
+            Outcome::SoldOut => "SOLDOUT",
+            Outcome::Replayed => "REPLAYED",
         }
     }
 
@@ -285,6 +295,8 @@ pub enum RedisOp {
     Invalidate,
     /// Surrogate-key (tag) indexes and tag invalidations.
     Tag,
+    /// Stock gates: buys, settlements, reconciles, idempotency records.
+    Stock,
 }
 
 impl RedisOp {
@@ -301,6 +313,7 @@ impl RedisOp {
             RedisOp::Publish => "publish",
             RedisOp::Invalidate => "invalidate",
             RedisOp::Tag => "tag",
+            RedisOp::Stock => "stock",
         }
     }
 }
@@ -368,6 +381,8 @@ pub struct Metrics {
     pub(crate) stream: StreamMetrics,
     /// The access log's writer.
     pub(crate) access_log: AccessLogMetrics,
+    /// The stock gates' families (see [`StockFamilies::for_gate`]).
+    pub(crate) stock: StockFamilies,
     purges: IntCounterVec,
     config_reloads: IntCounterVec,
     config_generation: IntGauge,
@@ -823,6 +838,7 @@ impl Metrics {
             failed: access_log_lines.with_label_values(&["failed"]),
         };
         registry.register(Box::new(access_log_lines))?;
+        let stock = StockFamilies::register(registry)?;
         let purges = IntCounterVec::new(
             Opts::new(
                 "cacheguard_purges_total",
@@ -1186,6 +1202,7 @@ impl Metrics {
             RedisOp::Publish,
             RedisOp::Invalidate,
             RedisOp::Tag,
+            RedisOp::Stock,
         ] {
             redis_errors.with_label_values(&[op.as_str()]);
             redis_slot_migrating.with_label_values(&[op.as_str()]);
@@ -1230,6 +1247,7 @@ impl Metrics {
             journal,
             stream,
             access_log,
+            stock,
             purges,
             config_reloads,
             config_generation,
@@ -1567,8 +1585,8 @@ impl FilterMetrics {
 /// Handles for one route (or for the pass-through pseudo-route `_passthrough`).
 #[derive(Debug)]
 pub struct RouteMetrics {
-    outcomes: [IntCounter; 9],
-    redis_commands: [IntCounter; 9],
+    outcomes: [IntCounter; 11],
+    redis_commands: [IntCounter; 11],
     duration: Histogram,
     origin: [IntCounter; 7],
     origin_duration: Histogram,
@@ -1648,5 +1666,240 @@ mod tests {
             .unwrap();
         assert!(text.contains(r#"cacheguard_requests_total{outcome="hit_l1",route="item"} 1"#));
         assert!(text.contains(r#"cacheguard_origin_requests_total{route="item",status="2xx"} 1"#));
+    }
+}
+
+/// What a stock gate decided for a buy: the `outcome` label of
+/// `cacheguard_stock_requests_total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StockOutcome {
+    /// Units taken: forwarded with a reservation.
+    Admitted,
+    /// A retry of a buy whose outcome was in doubt: forwarded again with its reservation.
+    Retried,
+    /// Sold out, answered from this instance's memory (no Redis).
+    SoldOutLocal,
+    /// Sold out, as Redis answered.
+    SoldOutRedis,
+    /// A completed buy's answer replayed for a retry with its idempotency key.
+    Replayed,
+    /// A retry while the first request with its key was still in flight (409).
+    InFlight,
+    /// An idempotency key reused with another body (422).
+    Mismatch,
+    /// An idempotency key that is not one (400).
+    BadKey,
+    /// Redis could not answer: refused with 503 (`on_redis_error = "reject"`).
+    Unavailable,
+    /// Redis could not answer: forwarded ungated (`on_redis_error = "forward"`).
+    Ungated,
+    /// The resource's units could not be loaded from the origin: 503.
+    NotLoaded,
+}
+
+impl StockOutcome {
+    pub const ALL: [StockOutcome; 11] = [
+        StockOutcome::Admitted,
+        StockOutcome::Retried,
+        StockOutcome::SoldOutLocal,
+        StockOutcome::SoldOutRedis,
+        StockOutcome::Replayed,
+        StockOutcome::InFlight,
+        StockOutcome::Mismatch,
+        StockOutcome::BadKey,
+        StockOutcome::Unavailable,
+        StockOutcome::Ungated,
+        StockOutcome::NotLoaded,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StockOutcome::Admitted => "admitted",
+            StockOutcome::Retried => "retried",
+            StockOutcome::SoldOutLocal => "sold_out_local",
+            StockOutcome::SoldOutRedis => "sold_out_redis",
+            StockOutcome::Replayed => "replayed",
+            StockOutcome::InFlight => "in_flight",
+            StockOutcome::Mismatch => "mismatch",
+            StockOutcome::BadKey => "bad_key",
+            StockOutcome::Unavailable => "unavailable",
+            StockOutcome::Ungated => "ungated",
+            StockOutcome::NotLoaded => "not_loaded",
+        }
+    }
+}
+
+/// What the origin's answer to an admitted buy meant for its units: the `result` label of
+/// `cacheguard_stock_settled_total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StockSettled {
+    /// 2xx: sold, the reservation is consumed.
+    Sold,
+    /// A `not_sold` status: the units went back.
+    Returned,
+    /// An `origin_sold_out` status: the gate went to 0.
+    OriginSoldOut,
+    /// A timeout, a reset, a 5xx or another status: the reservation is left to expire and a
+    /// reconcile asks the origin.
+    InDoubt,
+}
+
+impl StockSettled {
+    pub const ALL: [StockSettled; 4] = [
+        StockSettled::Sold,
+        StockSettled::Returned,
+        StockSettled::OriginSoldOut,
+        StockSettled::InDoubt,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StockSettled::Sold => "sold",
+            StockSettled::Returned => "returned",
+            StockSettled::OriginSoldOut => "origin_sold_out",
+            StockSettled::InDoubt => "in_doubt",
+        }
+    }
+}
+
+/// The stock gates' metric families; each gate resolves its handles once
+/// ([`StockFamilies::for_gate`]).
+#[derive(Clone, Debug)]
+pub(crate) struct StockFamilies {
+    requests: IntCounterVec,
+    settled: IntCounterVec,
+    reconciles: IntCounterVec,
+    reconcile_units: IntCounterVec,
+    reconcile_delta: IntGaugeVec,
+    redis_errors: IntCounterVec,
+    sold_out_events: IntCounterVec,
+}
+
+impl StockFamilies {
+    fn register(registry: &Registry) -> prometheus::Result<Self> {
+        let families = StockFamilies {
+            requests: IntCounterVec::new(
+                Opts::new(
+                    "cacheguard_stock_requests_total",
+                    "Buys on routes bound to a stock gate, by gate and what the gate decided \
+                     (admitted, retried, sold_out_local, sold_out_redis, replayed, in_flight, \
+                     mismatch, bad_key, unavailable, ungated, not_loaded).",
+                ),
+                &["gate", "outcome"],
+            )?,
+            settled: IntCounterVec::new(
+                Opts::new(
+                    "cacheguard_stock_settled_total",
+                    "Admitted buys by what the origin's answer meant for their units (sold, \
+                     returned, origin_sold_out, in_doubt).",
+                ),
+                &["gate", "result"],
+            )?,
+            reconciles: IntCounterVec::new(
+                Opts::new(
+                    "cacheguard_stock_reconciles_total",
+                    "Reconciles of a resource's units with the origin, by gate and result (ok, \
+                     failed: the source did not answer a number; skipped: another instance \
+                     had the turn).",
+                ),
+                &["gate", "result"],
+            )?,
+            reconcile_units: IntCounterVec::new(
+                Opts::new(
+                    "cacheguard_stock_reconcile_units_total",
+                    "Units reconciles added (up) or removed (down), by gate: how far the \
+                     gate's count had drifted from the origin's.",
+                ),
+                &["gate", "direction"],
+            )?,
+            reconcile_delta: IntGaugeVec::new(
+                Opts::new(
+                    "cacheguard_stock_reconcile_delta_units",
+                    "The last reconcile's change to the gate's count (signed: positive when \
+                     the origin had more than the gate thought), by gate.",
+                ),
+                &["gate"],
+            )?,
+            redis_errors: IntCounterVec::new(
+                Opts::new(
+                    "cacheguard_stock_redis_errors_total",
+                    "Stock gate operations Redis did not answer, by gate.",
+                ),
+                &["gate"],
+            )?,
+            sold_out_events: IntCounterVec::new(
+                Opts::new(
+                    "cacheguard_stock_sold_out_marks_total",
+                    "Sold-out marks this instance set (a resource segment learned sold out, \
+                     from Redis or the event bus), by gate.",
+                ),
+                &["gate"],
+            )?,
+        };
+        for family in [
+            Box::new(families.requests.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(families.settled.clone()),
+            Box::new(families.reconciles.clone()),
+            Box::new(families.reconcile_units.clone()),
+            Box::new(families.reconcile_delta.clone()),
+            Box::new(families.redis_errors.clone()),
+            Box::new(families.sold_out_events.clone()),
+        ] {
+            registry.register(family)?;
+        }
+        Ok(families)
+    }
+
+    /// Resolves one gate's handles (every series exists from then on).
+    pub(crate) fn for_gate(&self, gate: &str) -> StockMetrics {
+        StockMetrics {
+            requests: StockOutcome::ALL
+                .map(|o| self.requests.with_label_values(&[gate, o.as_str()])),
+            settled: StockSettled::ALL.map(|r| self.settled.with_label_values(&[gate, r.as_str()])),
+            reconciles_ok: self.reconciles.with_label_values(&[gate, "ok"]),
+            reconciles_failed: self.reconciles.with_label_values(&[gate, "failed"]),
+            reconciles_skipped: self.reconciles.with_label_values(&[gate, "skipped"]),
+            units_up: self.reconcile_units.with_label_values(&[gate, "up"]),
+            units_down: self.reconcile_units.with_label_values(&[gate, "down"]),
+            delta: self.reconcile_delta.with_label_values(&[gate]),
+            redis_errors: self.redis_errors.with_label_values(&[gate]),
+            sold_out_marks: self.sold_out_events.with_label_values(&[gate]),
+        }
+    }
+}
+
+/// One stock gate's metric handles.
+#[derive(Clone, Debug)]
+pub(crate) struct StockMetrics {
+    requests: [IntCounter; 11],
+    settled: [IntCounter; 4],
+    pub(crate) reconciles_ok: IntCounter,
+    pub(crate) reconciles_failed: IntCounter,
+    pub(crate) reconciles_skipped: IntCounter,
+    units_up: IntCounter,
+    units_down: IntCounter,
+    delta: IntGauge,
+    pub(crate) redis_errors: IntCounter,
+    pub(crate) sold_out_marks: IntCounter,
+}
+
+impl StockMetrics {
+    pub(crate) fn request(&self, outcome: StockOutcome) {
+        self.requests[outcome as usize].inc();
+    }
+
+    pub(crate) fn settled(&self, result: StockSettled) {
+        self.settled[result as usize].inc();
+    }
+
+    /// A reconcile moved the gate's count by `delta` units (summed over its segments).
+    pub(crate) fn reconciled(&self, delta: i64) {
+        self.reconciles_ok.inc();
+        self.delta.set(delta);
+        if delta > 0 {
+            self.units_up.inc_by(delta.unsigned_abs());
+        } else {
+            self.units_down.inc_by(delta.unsigned_abs());
+        }
     }
 }

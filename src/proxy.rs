@@ -25,6 +25,7 @@ pub(crate) mod respond;
 pub(crate) mod route;
 pub(crate) mod server;
 pub(crate) mod spool;
+pub(crate) mod stock;
 pub(crate) mod upload;
 pub(crate) mod upstream;
 pub(crate) mod warmup;

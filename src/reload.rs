@@ -15,6 +15,8 @@
 //!   purge limits;
 //! - Bloom filter definitions (sizing, source, refresh; a changed sizing or source rebuilds
 //!   the filter now);
+//! - stock gate settings (everything of a `[[stock]]` but its name; the units counted, the
+//!   reservations and the sold-out marks stay);
 //! - Redis credentials (`redis.username`, `redis.password`, the content of
 //!   `redis.password_file`): connections made from then on log in with the new ones, and
 //!   the shared connection is replaced at once (see `RedisConn::rotate_credentials`). A
@@ -27,9 +29,10 @@
 //! What cannot change while running — listeners, `[server]` limits and threads, the rest of
 //! `[redis]`,
 //! `[journal]`, `[invalidation_stream]`, `access_log.buffer`, adding or removing a
-//! `[[bloom]]` filter — is kept as it was; the reload is applied for everything else and a
-//! warning names what needs a restart (`result="partial"`). Adding or removing a filter
-//! refuses the whole reload (`result="refused"`): routes may name it.
+//! `[[bloom]]` filter or a `[[stock]]` gate — is kept as it was; the reload is applied for
+//! everything else and a warning names what needs a restart (`result="partial"`). Adding or
+//! removing a filter or a gate refuses the whole reload (`result="refused"`): routes may
+//! name it.
 //!
 //! The file is polled (content hash, every 500 ms) rather than watched with inotify: editors
 //! and Kubernetes ConfigMaps replace the file through renames and symlink swaps, which
@@ -51,6 +54,7 @@ use crate::coord::redis::RedisConn;
 use crate::metrics::Metrics;
 use crate::protect::bloom::Filters;
 use crate::protect::hotkeys::HotKeys;
+use crate::protect::stock::Gates;
 use crate::proxy::Proxy;
 use crate::proxy::origin_guard::{GuardMetrics, Limits, OriginGuard};
 use crate::proxy::purge_limits::PurgeLimits;
@@ -66,6 +70,8 @@ pub(crate) struct Live {
     pub(crate) proxy: Arc<Proxy>,
     pub(crate) hot: Arc<HotKeys>,
     pub(crate) filters: Arc<Filters>,
+    /// The stock gates: their settings change on a reload, not their set.
+    pub(crate) gates: Arc<Gates>,
     pub(crate) token: Arc<ArcSwap<Option<String>>>,
     /// The shared Redis, in shared mode: its credentials change on a reload.
     pub(crate) redis: Option<RedisConn>,
@@ -99,6 +105,13 @@ impl Live {
     /// route table that cannot be built); nothing was changed.
     pub(crate) async fn apply(&self, new: Config, text_hash: u64) -> Result<Reloaded, String> {
         let mut current = self.current.lock().await;
+        if !self.gates.same_gates(&new.stock) {
+            self.metrics.config_reload("refused");
+            return Err(
+                "adding or removing [[stock]] gates needs a restart; nothing was reloaded"
+                    .to_owned(),
+            );
+        }
         if let Err(names) = self.filters.reconfigure(&new.bloom) {
             self.metrics.config_reload("refused");
             return Err(format!(
@@ -106,10 +119,12 @@ impl Live {
                 names.join(", ")
             ));
         }
-        let routes = RouteTable::build(&new.routes, &self.metrics, &self.filters).map_err(|e| {
-            self.metrics.config_reload("refused");
-            format!("routes: {e:#}; nothing was reloaded")
-        })?;
+        let routes = RouteTable::build(&new.routes, &self.metrics, &self.filters, &self.gates)
+            .map_err(|e| {
+                self.metrics.config_reload("refused");
+                format!("routes: {e:#}; nothing was reloaded")
+            })?;
+        self.gates.reconfigure(&new.stock, &new.upstream);
         if let (Some(redis), Some(old), Some(new)) = (&self.redis, &current.redis, &new.redis)
             && credentials(old) != credentials(new)
             && !redis_moved(old, new)

@@ -172,7 +172,7 @@ fn keyed_query(policy: &QueryPolicy, raw: &str) -> String {
 /// RFC 3986 §6.2.2 normalization: percent-escapes of unreserved characters are decoded,
 /// the hex digits of every other escape are uppercased. Meaning is preserved, so the
 /// normalized form is also what is forwarded.
-fn normalize_percent(s: &str) -> String {
+pub(crate) fn normalize_percent(s: &str) -> String {
     let bytes = s.as_bytes();
     if !bytes.contains(&b'%') {
         return s.to_owned();
@@ -236,6 +236,7 @@ mod tests {
             bloom: None,
             bloom_add: None,
             warmup: None,
+            stock: None,
         }
     }
 

@@ -15,7 +15,7 @@ use serde::Deserialize;
 use serde::de::{self, Deserializer, SeqAccess, Visitor};
 use toml::Spanned;
 
-use super::{AccessLogFormat, FreshnessSource, L1Policy, OnTimeout};
+use super::{AccessLogFormat, FreshnessSource, L1Policy, OnRedisError, OnTimeout};
 
 /// Span used for values that did not come from the file (defaults, environment overrides).
 /// Such values are already valid, so no problem is ever reported at this span.
@@ -52,6 +52,9 @@ pub(super) struct RawConfig {
     pub(super) invalidation_stream: RawStream,
     #[serde(default)]
     pub(super) access_log: RawAccessLog,
+    /// Stock gates (`[[stock]]`), bound to write routes by `stock = { gate, units }`.
+    #[serde(default)]
+    pub(super) stock: Vec<Spanned<RawStock>>,
 }
 
 /// `[access_log]`: one line per proxied request.
@@ -375,6 +378,66 @@ pub(super) struct RawRoute {
     pub(super) bloom_add: Option<Spanned<RawBloomAdd>>,
     /// Read routes: paths fetched at start so the cache does not open cold.
     pub(super) warmup: Option<Spanned<RawWarmup>>,
+    /// Write routes: the stock gate a request takes units from before it is forwarded.
+    pub(super) stock: Option<Spanned<RawRouteStock>>,
+}
+
+/// `stock = { gate, units }` on a write route.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawRouteStock {
+    pub(super) gate: Spanned<String>,
+    pub(super) units: Option<Spanned<u64>>,
+}
+
+/// One `[[stock]]` gate.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawStock {
+    pub(super) name: Spanned<String>,
+    /// The resource's path pattern; its parameters come from the routes bound to it.
+    pub(super) key: Spanned<String>,
+    pub(super) source: Spanned<RawStockSource>,
+    pub(super) reconcile: Option<Spanned<HumanDuration>>,
+    pub(super) reservation_ttl: Option<Spanned<HumanDuration>>,
+    pub(super) sold_out: Option<Spanned<RawSoldOut>>,
+    pub(super) not_sold: Option<Spanned<Vec<Spanned<u16>>>>,
+    pub(super) origin_sold_out: Option<Spanned<Vec<Spanned<u16>>>>,
+    pub(super) on_redis_error: Option<Spanned<RawOnRedisError>>,
+    pub(super) idempotency_header: Option<Spanned<String>>,
+    pub(super) idempotency_ttl: Option<Spanned<HumanDuration>>,
+    pub(super) segments: Option<Spanned<u16>>,
+}
+
+/// `source = { path, json }`: where the origin tells how many units are left.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawStockSource {
+    pub(super) path: Spanned<String>,
+    pub(super) json: Spanned<String>,
+}
+
+/// `sold_out = { status, body, content_type }`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawSoldOut {
+    pub(super) status: Option<Spanned<u16>>,
+    pub(super) body: Option<String>,
+    pub(super) content_type: Option<Spanned<String>>,
+}
+
+/// `on_redis_error = "reject" | "forward"`.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct RawOnRedisError(pub(super) OnRedisError);
+
+impl<'de> Deserialize<'de> for RawOnRedisError {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        const WORDS: &[(&str, OnRedisError)] = &[
+            ("reject", OnRedisError::Reject),
+            ("forward", OnRedisError::Forward),
+        ];
+        deserializer.deserialize_str(Keyword(WORDS)).map(Self)
+    }
 }
 
 /// `warmup = { paths, file, rate }` on a read route.

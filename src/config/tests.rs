@@ -116,8 +116,8 @@ fn example_file_parses_with_the_documented_values() {
     assert_eq!(config.lock.wait_timeout, Duration::from_secs(3));
     assert_eq!(config.lock.on_timeout, OnTimeout::Origin);
 
-    let [item, write, create] = config.routes.as_slice() else {
-        panic!("expected three routes, got {:#?}", config.routes);
+    let [item, write, create, buy] = config.routes.as_slice() else {
+        panic!("expected four routes, got {:#?}", config.routes);
     };
     assert_eq!(item.name, "item");
     assert_eq!(item.pattern, "/api/items/{id}");
@@ -165,6 +165,14 @@ fn example_file_parses_with_the_documented_values() {
     assert_eq!(
         create.bloom_add.as_ref().map(|b| &b.from),
         Some(&super::AddFrom::Location)
+    );
+    let [seats] = config.stock.as_slice() else {
+        panic!("expected one stock gate, got {:#?}", config.stock);
+    };
+    assert_eq!(seats.key, "/trains/{train}/seats/{type}");
+    assert_eq!(
+        buy.stock.as_ref().map(|s| (s.gate.as_str(), s.units)),
+        Some(("seats", 1))
     );
 }
 
@@ -243,6 +251,22 @@ fn example_file_documents_every_key() {
         "[access_log]",
         "sample",
         "buffer",
+        "[[stock]]",
+        "key",
+        "json",
+        "reconcile",
+        "reservation_ttl",
+        "sold_out",
+        "content_type",
+        "not_sold",
+        "origin_sold_out",
+        "on_redis_error",
+        "idempotency_header",
+        "idempotency_ttl",
+        "segments",
+        "stock",
+        "gate",
+        "units",
     ];
     for key in keys {
         assert!(
@@ -411,7 +435,7 @@ fn unknown_key_in_a_route() {
         "test.toml:6: routes[0].cache_ttl: unknown key, expected one of name, match, methods, \
          ttl, jitter, grace, negative_ttl, max_entry_bytes, l1, freshness, heuristic, max_variants, \
          variant_overflow_rate, query, vary, forward_client_headers, invalidate, \
-         double_delete_delay, early_refresh_beta, bloom, bloom_add, warmup"
+         double_delete_delay, early_refresh_beta, bloom, bloom_add, warmup, stock"
     );
 }
 
@@ -1835,6 +1859,144 @@ fn the_examples_have_no_warnings() {
             config.warnings()
         );
     }
+}
+
+// === stock gates ===
+
+/// `[[stock]]` "seats" on lines 3–6 (with `extra` lines after its `source`), then `routes`.
+fn with_gate(extra: &str, routes: &str) -> String {
+    with_minimal(&format!(
+        "[[stock]]\nname = \"seats\"\nkey = \"/trains/{{train}}/seats/{{type}}\"\n\
+         source = {{ path = \"/internal/stock/{{train}}/{{type}}\", json = \"/remaining\" }}\n\
+         {extra}{routes}"
+    ))
+}
+
+const BUY_ROUTE: &str = "[[routes]]\nname = \"buy\"\nmatch = \"/trains/{train}/seats/{type}/orders\"\n\
+                         methods = [\"POST\"]\nstock = { gate = \"seats\", units = 2 }\n";
+
+#[test]
+fn stock_gates_and_their_routes_load_with_defaults() {
+    let config = load(&with_gate("", BUY_ROUTE)).unwrap();
+    let gate = &config.stock[0];
+    assert_eq!(gate.name, "seats");
+    assert_eq!(gate.source_path, "/internal/stock/{train}/{type}");
+    assert_eq!(gate.source_json, "/remaining");
+    assert_eq!(gate.reconcile, Duration::from_secs(5));
+    assert_eq!(gate.reservation_ttl, Duration::from_secs(30));
+    assert_eq!(gate.sold_out.status.as_u16(), 409);
+    assert_eq!(gate.sold_out.content_type, "application/problem+json");
+    let codes = |list: &[http::StatusCode]| list.iter().map(|s| s.as_u16()).collect::<Vec<_>>();
+    assert_eq!(codes(&gate.not_sold), [400, 402, 422]);
+    assert_eq!(codes(&gate.origin_sold_out), [409, 410]);
+    assert_eq!(gate.on_redis_error, super::OnRedisError::Reject);
+    assert_eq!(
+        gate.idempotency_header.as_ref().map(|h| h.as_str()),
+        Some("idempotency-key")
+    );
+    assert_eq!(gate.segments, 1);
+    assert_eq!(
+        config.routes[0].stock,
+        Some(super::RouteStock {
+            gate: "seats".to_owned(),
+            units: 2
+        })
+    );
+    let off = load(&with_gate(
+        "idempotency_header = \"\"\non_redis_error = \"forward\"\nsegments = 4\n",
+        BUY_ROUTE,
+    ))
+    .unwrap();
+    assert_eq!(off.stock[0].idempotency_header, None);
+    assert_eq!(off.stock[0].on_redis_error, super::OnRedisError::Forward);
+    assert_eq!(off.stock[0].segments, 4);
+}
+
+#[test]
+fn stock_errors_name_the_line_and_key() {
+    // A gate on a read route, an unknown gate, a key the route does not capture.
+    assert_eq!(
+        problem(&with_gate(
+            "",
+            "[[routes]]\nname = \"seats\"\nmatch = \"/trains/{train}/seats/{type}\"\n\
+             stock = { gate = \"seats\" }\n"
+        )),
+        "test.toml:10: routes[0].stock: a stock gate takes units from buys: bind it to a write \
+         route (POST, PUT, PATCH or DELETE), not one that answers GET/HEAD"
+    );
+    assert_eq!(
+        problem(&with_gate(
+            "",
+            "[[routes]]\nname = \"buy\"\nmatch = \"/trains/{train}/seats/{type}/orders\"\n\
+             methods = [\"POST\"]\nstock = { gate = \"tickets\" }\n"
+        )),
+        "test.toml:11: routes[0].stock.gate: expected the name of a [[stock]] gate (\"seats\"), \
+         got \"tickets\""
+    );
+    assert_eq!(
+        problem(&with_gate(
+            "",
+            "[[routes]]\nname = \"buy\"\nmatch = \"/trains/{train}/orders\"\n\
+             methods = [\"POST\"]\nstock = { gate = \"seats\" }\n"
+        )),
+        "test.toml:11: routes[0].stock.gate: gate \"seats\" is keyed by \
+         \"/trains/{train}/seats/{type}\", whose {type} this route's match \
+         \"/trains/{train}/orders\" does not capture"
+    );
+    // The reservation must outlive the buy it holds a unit for.
+    assert_eq!(
+        problem(&with_gate("reservation_ttl = \"10s\"\n", BUY_ROUTE)),
+        "test.toml:7: stock[0].reservation_ttl: expected a duration above upstream.timeout \
+         (\"10s\"): a reservation must outlive the buy it holds a unit for, got \"10s\""
+    );
+    assert_eq!(
+        problem(&with_gate("sold_out = { status = 200 }\n", BUY_ROUTE)),
+        "test.toml:7: stock[0].sold_out.status: expected a 4xx or 5xx status, got 200 (a \
+         sold-out answer must never look like a sale)"
+    );
+    assert_eq!(
+        problem(&with_gate("not_sold = [201]\n", BUY_ROUTE)),
+        "test.toml:7: stock[0].not_sold: expected a 4xx or 5xx status, got 201 (a 2xx is a \
+         sale; other answers are in doubt)"
+    );
+    assert_eq!(
+        problem(&with_gate("not_sold = [409]\n", BUY_ROUTE)),
+        "test.toml:7: stock[0].origin_sold_out: status 409 is in both not_sold and \
+         origin_sold_out: an answer means either that nothing was sold or that nothing is left"
+    );
+    assert_eq!(
+        problem(&with_gate("segments = 0\n", BUY_ROUTE)),
+        "test.toml:7: stock[0].segments: expected an integer from 1 to 64, got 0"
+    );
+    assert_eq!(
+        problem(&with_gate("reconcile = \"10ms\"\n", BUY_ROUTE)),
+        "test.toml:7: stock[0].reconcile: expected a duration of at least \"100ms\" like \
+         \"5s\", got \"10ms\""
+    );
+    assert_eq!(
+        problem(&with_minimal(
+            "[[stock]]\nname = \"seats\"\nkey = \"/t/{id}\"\n\
+             source = { path = \"/stock/{other}\", json = \"/remaining\" }\n"
+        )),
+        "test.toml:6: stock[0].source.path: the source path names {other}, which the \
+         gate's key \"/t/{id}\" does not have"
+    );
+    assert_eq!(
+        problem(&with_minimal(
+            "[[stock]]\nname = \"seats\"\nkey = \"/t/{id}\"\n\
+             source = { path = \"/stock/{id}\", json = \"remaining\" }\n"
+        )),
+        "test.toml:6: stock[0].source.json: expected a JSON pointer starting with \"/\" like \
+         \"/remaining\" (or \"\" when the whole answer is the number), got \"remaining\""
+    );
+    // A gate without a source is refused by the parser, with its line.
+    let missing = problem(&with_minimal(
+        "[[stock]]\nname = \"seats\"\nkey = \"/t/{id}\"\n",
+    ));
+    assert!(
+        missing.starts_with("test.toml:3: stock[0]") && missing.contains("source"),
+        "{missing}"
+    );
 }
 
 #[test]

@@ -40,7 +40,9 @@ use super::{
     QueryPolicy, RedisConfig, RedisMode, RouteBloom, RouteConfig, ServerConfig, SourceFormat,
     StreamConfig, UpstreamConfig, Vars, WarmupConfig, env,
 };
-use super::{CLIENT_CLAIMS, METHOD_OVERRIDES};
+use super::{CLIENT_CLAIMS, METHOD_OVERRIDES, StockConfig};
+
+mod stock;
 
 impl std::error::Error for ConfigError {}
 
@@ -576,7 +578,8 @@ impl Checker<'_> {
         }
         let bloom = self.blooms(&raw.bloom, &upstream);
         let hot_keys = self.hot_keys(&raw.hot_keys);
-        let routes = self.routes(&raw.routes, &cache, &bloom);
+        let stock = self.stocks(&raw.stock, &upstream);
+        let routes = self.routes(&raw.routes, &cache, &bloom, &stock);
         self.buffered_fits(raw, &upstream, &cache, &routes);
         let journal = self.journal(&raw.journal);
         let prefix = redis.as_ref().map_or("cg:", |r| r.key_prefix.as_str());
@@ -596,6 +599,7 @@ impl Checker<'_> {
             journal,
             stream,
             access_log,
+            stock,
             warnings: Vec::new(),
         }
     }
@@ -1375,11 +1379,12 @@ impl Checker<'_> {
         raw: &[Spanned<RawRoute>],
         cache: &CacheDefaults,
         filters: &[BloomConfig],
+        gates: &[StockConfig],
     ) -> Vec<RouteConfig> {
         let routes: Vec<RouteConfig> = raw
             .iter()
             .enumerate()
-            .map(|(i, route)| self.route(i, route, cache, filters))
+            .map(|(i, route)| self.route(i, route, cache, filters, gates))
             .collect();
         self.unique_names(raw);
         self.distinct_methods(raw, &routes);
@@ -1393,6 +1398,7 @@ impl Checker<'_> {
         spanned: &Spanned<RawRoute>,
         cache: &CacheDefaults,
         filters: &[BloomConfig],
+        gates: &[StockConfig],
     ) -> RouteConfig {
         let raw = spanned.get_ref();
         let key = |field: &str| format!("routes[{i}].{field}");
@@ -1430,6 +1436,7 @@ impl Checker<'_> {
         let bloom = self.route_bloom(i, raw, is_read, filters);
         let bloom_add = self.bloom_add(i, raw, is_read, filters);
         let warmup = self.warmup(i, raw, is_read);
+        let stock = self.route_stock(i, raw, is_read, gates);
 
         RouteConfig {
             name: name.clone(),
@@ -1461,6 +1468,7 @@ impl Checker<'_> {
             bloom,
             bloom_add,
             warmup,
+            stock,
         }
     }
 

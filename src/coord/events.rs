@@ -8,7 +8,9 @@
 //! `invalidate` (a base key was invalidated: every instance drops its L1 copies), `hot` (a
 //! key is hot on the sender: promote it here too), and
 //! `bloom_add <instance> <filter> <id as hex>` (an id was created: every instance adds it to
-//! its Bloom filter).
+//! its Bloom filter), and `stock <soldout|restock> <instance> <resource> <segment> <units>`
+//! (a stock gate's segment has fewer units than a buy may take, or has units again: every
+//! instance answers "sold out" from memory, or asks Redis again).
 //!
 //! Key events go to the [`Waiters`]; every other message goes to the [`BusListener`]s, which
 //! also hear about gaps in the subscription so they can resync what the events carry.
@@ -146,11 +148,67 @@ impl BloomAddEvent {
     }
 }
 
+/// What a `stock` message says of one segment of a stock resource.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum StockLevel {
+    /// `units` are left, fewer than some buy asks for (0: none at all).
+    SoldOut,
+    /// A reconcile (or units given back) raised it to `units`.
+    Restock,
+}
+
+/// A `stock` message: a segment of a stock resource sold out or came back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct StockEvent {
+    pub(crate) level: StockLevel,
+    pub(crate) instance: u64,
+    pub(crate) resource: u128,
+    pub(crate) segment: u16,
+    pub(crate) units: u64,
+}
+
+const STOCK: &str = "stock";
+
+impl StockEvent {
+    pub(crate) fn encode(&self) -> String {
+        let level = match self.level {
+            StockLevel::SoldOut => "soldout",
+            StockLevel::Restock => "restock",
+        };
+        format!(
+            "{STOCK} {level} {:016x} {:032x} {} {}",
+            self.instance, self.resource, self.segment, self.units
+        )
+    }
+
+    pub(crate) fn decode(text: &str) -> Option<Self> {
+        let mut parts = text.split_ascii_whitespace();
+        if parts.next()? != STOCK {
+            return None;
+        }
+        let level = match parts.next()? {
+            "soldout" => StockLevel::SoldOut,
+            "restock" => StockLevel::Restock,
+            _ => return None,
+        };
+        let event = StockEvent {
+            level,
+            instance: u64::from_str_radix(parts.next()?, 16).ok()?,
+            resource: u128::from_str_radix(parts.next()?, 16).ok()?,
+            segment: parts.next()?.parse().ok()?,
+            units: parts.next()?.parse().ok()?,
+        };
+        parts.next().is_none().then_some(event)
+    }
+}
+
 /// Someone other than the lock waiters that needs the bus: told of every non-key message
 /// and of every gap, so state carried by events (Bloom adds, later the hot set) can be
 /// resynced instead of silently missed.
 pub(crate) trait BusListener: Send + Sync + std::fmt::Debug {
     fn on_bloom_add(&self, _event: BloomAddEvent) {}
+    /// A stock gate's segment sold out or came back (on another instance or this one).
+    fn on_stock(&self, _event: StockEvent) {}
     /// A key event other than the lock's (`invalidate`, `hot`), from another instance.
     fn on_key_event(&self, _event: Event) {}
     /// The subscription was lost at `unix_ms`: events from then on may be missed.
@@ -573,6 +631,10 @@ impl EventBus {
                         for listener in &self.listeners {
                             listener.on_bloom_add(add.clone());
                         }
+                    } else if let Some(stock) = StockEvent::decode(text) {
+                        for listener in &self.listeners {
+                            listener.on_stock(stock);
+                        }
                     }
                 }
                 Ok(None) => return Ended::Lost,
@@ -623,6 +685,16 @@ mod tests {
         };
         let text = add.encode();
         assert_eq!(BloomAddEvent::decode(&text), Some(add));
+        let stock = StockEvent {
+            level: StockLevel::SoldOut,
+            instance: 7,
+            resource: 0xabc,
+            segment: 3,
+            units: 0,
+        };
+        assert_eq!(StockEvent::decode(&stock.encode()), Some(stock));
+        assert_eq!(StockEvent::decode("stock soldout 7 abc 3"), None);
+        assert_eq!(Event::decode(&stock.encode()), None);
         assert_eq!(Event::decode(&text), None);
         assert_eq!(BloomAddEvent::decode("bloom_add 7 items 0"), None);
         assert_eq!(BloomAddEvent::decode("bloom_add 7 items zz"), None);

@@ -14,6 +14,11 @@
 //! <p>tag:{<t>.<s>}:at      Redis time (ms) of the last pattern purge, per shard
 //! <p>bloom:<filter>        a Bloom filter's snapshot header; `:adds` its recent creates
 //! <p>bloom:<filter>:part:<i> part `i` of the snapshot (≤ 512 KiB each, one slot each)
+//! <p>stock:{<r>.<s>}       a stock gate's segment `<s>` of resource `<r>` (hash: units
+//!                          available, units reserved); `:res` its live reservations,
+//!                          `:done` those recently consumed, `:idem:<k>` an idempotency
+//!                          key's record (in the key's home segment), `:rc` the
+//!                          resource's reconcile turn (segment 0)
 //! <p>events                the pub/sub channel of the event bus
 //! ```
 //!
@@ -160,6 +165,53 @@ impl Keyspace {
     /// The event bus channel.
     pub(crate) fn events_channel(&self) -> String {
         format!("{}events", self.prefix)
+    }
+
+    /// The keys of segment `segment` of stock resource `resource` (see
+    /// [`stock_resource`]). One hash tag per segment: a segment's scripts are single-slot,
+    /// and on a Redis Cluster the segments of one resource spread over the slots.
+    pub(crate) fn stock(&self, resource: u128, segment: u16) -> StockKeys {
+        let tag = format!("{}stock:{{{resource:032x}.{segment:02x}}}", self.prefix);
+        StockKeys {
+            reservations: format!("{tag}:res"),
+            consumed: format!("{tag}:done"),
+            reconcile: format!("{tag}:rc"),
+            idempotency_prefix: format!("{tag}:idem:"),
+            state: tag,
+        }
+    }
+}
+
+/// A stock resource's id: the gate and the resource's path, hashed so that any path gives
+/// a valid, bounded key name.
+pub(crate) fn stock_resource(gate: &str, path: &str) -> u128 {
+    let mut text = Vec::with_capacity(gate.len() + 1 + path.len());
+    text.extend_from_slice(gate.as_bytes());
+    text.push(0);
+    text.extend_from_slice(path.as_bytes());
+    xxhash_rust::xxh3::xxh3_128(&text)
+}
+
+/// The Redis keys of one segment of a stock resource (see the module docs).
+#[derive(Clone, Debug)]
+pub(crate) struct StockKeys {
+    /// Hash: `n` units available, `rsv` units reserved by buys in flight.
+    pub(crate) state: String,
+    /// Sorted set of live reservations, member `<units>.<id>`, score its deadline (ms).
+    pub(crate) reservations: String,
+    /// Sorted set of reservations consumed by a sale, scored by when (ms), kept a while so
+    /// a reconcile can count sales the origin's number may not show yet.
+    pub(crate) consumed: String,
+    /// The resource's reconcile turn (segment 0's is used): one instance at a time.
+    pub(crate) reconcile: String,
+    /// `<state>:idem:`, followed by an idempotency key's hash (32 hex digits).
+    pub(crate) idempotency_prefix: String,
+}
+
+impl StockKeys {
+    /// The record of an idempotency key whose hash is `key` (this segment is its home).
+    pub(crate) fn idempotency(&self, key: u128) -> String {
+        format!("{}{key:032x}", self.idempotency_prefix)
     }
 }
 

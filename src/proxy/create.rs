@@ -111,14 +111,14 @@ fn valid(id: Vec<u8>) -> Option<Vec<u8>> {
     (!id.is_empty() && id.len() <= MAX_ID_BYTES).then_some(id)
 }
 
-enum Read {
+pub(super) enum Read {
     Whole(Bytes),
     /// Over the limit: the part read so far, then the rest, streamed on unread.
     TooLarge(Body),
 }
 
 /// Reads a streamed answer whole, up to `limit` bytes.
-async fn read_whole(body: Body, limit: usize) -> Result<Read, hyper::Error> {
+pub(super) async fn read_whole(body: Body, limit: usize) -> Result<Read, hyper::Error> {
     let mut incoming = match body {
         Body::Stream(incoming) => incoming,
         Body::Full(bytes) => return Ok(Read::Whole(bytes.unwrap_or_default())),

@@ -16,6 +16,7 @@ use super::body::Body;
 use super::origin::Origin;
 use super::origin_guard::Reservation;
 use super::spool::{self, SpoolConfig, Spooled};
+use super::stock::BodyFingerprint;
 use super::upload::Paced;
 use super::upstream::{BoxError, ClientBodyError, UpstreamBody};
 use crate::error::ProxyError;
@@ -135,7 +136,11 @@ impl Passthrough {
         let room = usize::try_from(in_memory).unwrap_or(usize::MAX);
         let reservation = self.origin.guard.load_full().reserve(room).await?;
         let bounds = self.origin.upstream.load().upload_bounds();
-        let body = spool::read_whole(body, bounds, limit, &self.spool).await?;
-        Ok((Request::from_parts(parts, body), reservation))
+        let (body, fingerprint) = spool::read_whole(body, bounds, limit, &self.spool).await?;
+        let mut request = Request::from_parts(parts, body);
+        request
+            .extensions_mut()
+            .insert(BodyFingerprint(fingerprint));
+        Ok((request, reservation))
     }
 }

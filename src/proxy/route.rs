@@ -12,6 +12,7 @@ use http::Method;
 use crate::config::RouteConfig;
 use crate::metrics::{Metrics, RouteMetrics};
 use crate::protect::bloom::{Filter, Filters};
+use crate::protect::stock::{Gate, Gates};
 use crate::protect::variants::VariantBudget;
 
 /// One configured route with its metric handles and filters resolved.
@@ -28,6 +29,8 @@ pub(crate) struct Route {
     /// Read routes with `max_variants`: how many variants of a path are fetched and
     /// cached, and what passes beyond.
     pub(crate) variants: Option<VariantBudget>,
+    /// Write routes with `stock`: the gate a buy takes its units from.
+    pub(crate) stock: Option<Arc<Gate>>,
 }
 
 /// A matched route, with the raw (still percent-encoded) value of its Bloom id parameter.
@@ -52,6 +55,7 @@ impl RouteTable {
         routes: &[RouteConfig],
         metrics: &Metrics,
         filters: &Filters,
+        gates: &Gates,
     ) -> Result<Self, matchit::InsertError> {
         let mut router = matchit::Router::new();
         let mut patterns: Vec<&str> = Vec::new();
@@ -78,6 +82,12 @@ impl RouteTable {
                         config.variant_overflow_rate,
                     )
                 }),
+                // Gate names were checked against `[[stock]]` at config load.
+                stock: config
+                    .stock
+                    .as_ref()
+                    .and_then(|s| gates.get(&s.gate))
+                    .cloned(),
             });
             if let Some(i) = patterns.iter().position(|p| *p == config.pattern) {
                 by_pattern[i].push(route);
@@ -107,7 +117,7 @@ impl RouteTable {
             .bloom
             .as_ref()
             .and_then(|bloom| matched.params.get(&bloom.param));
-        let params = if route.config.invalidate.is_empty() {
+        let params = if route.config.invalidate.is_empty() && route.stock.is_none() {
             Vec::new()
         } else {
             matched

@@ -76,7 +76,9 @@ impl Spooled {
 }
 
 /// Reads `body` whole within `bounds` and `limit` bytes, keeping at most
-/// `config.memory_bytes` of it in memory (see the module docs).
+/// `config.memory_bytes` of it in memory (see the module docs); with the body, its
+/// fingerprint (xxh3-64 of its bytes, taken as they pass: what an idempotency key's record
+/// compares).
 ///
 /// # Errors
 /// The answer to give instead: 400 for a body that breaks its framing, 408 for one that
@@ -89,8 +91,9 @@ pub(crate) async fn read_whole(
     bounds: UploadBounds,
     limit: u64,
     config: &SpoolConfig,
-) -> Result<Spooled, ProxyError> {
+) -> Result<(Spooled, u64), ProxyError> {
     let mut body = Paced::new(body, bounds);
+    let mut fingerprint = xxhash_rust::xxh3::Xxh3::new();
     let mut pending = BytesMut::new();
     let mut file: Option<File> = None;
     let mut len = 0u64;
@@ -104,6 +107,7 @@ pub(crate) async fn read_whole(
         if len > limit {
             return Err(ProxyError::BodyTooLarge(limit));
         }
+        fingerprint.update(&data);
         if file.is_none() && pending.len() + data.len() <= config.memory_bytes {
             pending.extend_from_slice(&data);
             continue;
@@ -119,12 +123,12 @@ pub(crate) async fn read_whole(
         }
     }
     let Some(mut file) = file else {
-        return Ok(Spooled::Memory(pending.freeze()));
+        return Ok((Spooled::Memory(pending.freeze()), fingerprint.digest()));
     };
     file.write_all(&pending).await.map_err(spool_error)?;
     file.flush().await.map_err(spool_error)?;
     file.seek(SeekFrom::Start(0)).await.map_err(spool_error)?;
-    Ok(Spooled::File { file, len })
+    Ok((Spooled::File { file, len }, fingerprint.digest()))
 }
 
 /// A new anonymous file in the spool directory.

@@ -38,9 +38,12 @@ use super::body::Body;
 use super::passthrough::Passthrough;
 use super::respond;
 use super::route::{Route, RouteTable};
+use super::spool::Spooled;
+use super::stock;
 use crate::cache::key;
 use crate::consistency::invalidate::{Invalidation, Invalidator, Source};
 use crate::consistency::tags;
+use crate::error::ProxyError;
 use crate::metrics::RouteMetrics;
 use crate::protect::bloom::Filters;
 
@@ -85,12 +88,29 @@ impl WritePath {
         } else {
             delay + lead
         };
+        // A stock gate's crowd on a sold-out resource is answered here, from memory,
+        // before its body is read.
+        let gated = stock::Gated::of(route, params);
+        if let Some(answer) = gated
+            .as_ref()
+            .and_then(|g| g.sold_out_here(route, &request))
+        {
+            return answer;
+        }
         // The body is read whole first (in memory up to `server.body_buffer_bytes`, the
         // rest in a spool file): a malformed, oversized, slow or stalled one is answered
         // here, before any invalidation runs and before anything reaches the origin.
-        let (request, _room) = match self.passthrough.read_whole(request).await {
+        let (mut request, _room) = match self.passthrough.read_whole(request).await {
             Ok(buffered) => buffered,
             Err(error) => return respond::error(&error),
+        };
+        // The gate takes the buy's units (or answers for itself: sold out, a replay...).
+        let reservation = match gated {
+            Some(gated) => match gated.admit(route, &mut request).await {
+                Ok(reservation) => reservation,
+                Err(answer) => return answer,
+            },
+            None => None,
         };
         let host = request.headers().get(header::HOST).cloned();
         let mut targets = self.invalidation_targets(route, params);
@@ -99,17 +119,21 @@ impl WritePath {
                 .invalidate(&targets, Source::Write, quarantine)
                 .await;
         }
-        let mut response = if route.adds_to.is_some() {
-            self.serve_create(route, request, client).await
-        } else {
-            self.passthrough
-                .serve_whole(
-                    &route.metrics,
-                    request,
-                    client,
-                    &route.config.forward_client_headers,
-                )
-                .await
+        let mut response = match reservation {
+            None => self.forward(route, request, client).await,
+            // Forwarded and settled in a task of its own: a client that hangs up does not
+            // leave the units reserved until the reservation expires.
+            Some(held) => {
+                let (this, route) = (Arc::clone(self), Arc::clone(route));
+                let buy = tokio::spawn(async move {
+                    let response = this.forward(&route, request, client).await;
+                    held.settle(response).await
+                });
+                match buy.await {
+                    Ok(response) => response,
+                    Err(_) => respond::error(&ProxyError::Internal),
+                }
+            }
         };
         let answered = Instant::now();
         targets.extend(
@@ -142,6 +166,27 @@ impl WritePath {
             );
         }
         response
+    }
+
+    /// Forwards a write (a create: with its Bloom add).
+    async fn forward(
+        &self,
+        route: &Arc<Route>,
+        request: Request<Spooled>,
+        client: SocketAddr,
+    ) -> Response<Body> {
+        if route.adds_to.is_some() {
+            self.serve_create(route, request, client).await
+        } else {
+            self.passthrough
+                .serve_whole(
+                    &route.metrics,
+                    request,
+                    client,
+                    &route.config.forward_client_headers,
+                )
+                .await
+        }
     }
 
     /// An unsafe method no write route takes, on a path a read route caches: forwarded, and

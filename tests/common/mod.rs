@@ -12,13 +12,18 @@
 //! - [`fleet`]: several instances on one Redis (process fleets, coordination waits).
 //! - [`load`]: a closed-loop load, and bursts released together on warm connections.
 //! - [`on_started`]: one test body for every Redis topology.
+//! - [`history`]: Jepsen-style operation histories and their checkers (oversell, phantom,
+//!   undersell, flood factor; exclusion, fencing); [`jepsen`]: the runner (clients
+//!   round-robin over a fleet, a nemesis schedule); [`shop`]: the flash-sale origin.
 //!
 //! Every fixture owns what it started and stops it on `Drop` (by PID for processes).
 #![allow(dead_code, unused_imports, unreachable_pub)]
 
 pub mod client;
 pub mod fleet;
+pub mod history;
 pub mod hot;
+pub mod jepsen;
 pub mod load;
 pub mod origin;
 pub mod process;
@@ -27,6 +32,7 @@ pub mod redis_cluster;
 pub mod redis_sentinel;
 pub mod redis_server;
 pub mod shared;
+pub mod shop;
 pub mod tcp_proxy;
 
 use std::collections::HashMap;

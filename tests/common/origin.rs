@@ -19,6 +19,7 @@
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::convert::Infallible;
+use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -267,30 +268,42 @@ impl TestOriginBuilder {
             .expect("bind test origin");
         let addr = listener.local_addr().expect("origin local addr");
         let accept_state = state.clone();
-        let task = tokio::spawn(async move {
-            let mut connections = JoinSet::new();
-            loop {
-                tokio::select! {
-                    accepted = listener.accept() => {
-                        let Ok((stream, peer)) = accepted else { continue };
-                        let _ = stream.set_nodelay(true);
-                        let state = accept_state.clone();
-                        connections.spawn(async move {
-                            let service = service_fn(move |req| {
-                                let state = state.clone();
-                                async move { Ok::<_, Infallible>(handle(state, peer, req).await) }
-                            });
-                            let _ = hyper::server::conn::http1::Builder::new()
-                                .serve_connection(TokioIo::new(stream), service)
-                                .await;
-                        });
-                    }
-                    Some(_) = connections.join_next(), if !connections.is_empty() => {}
-                }
-            }
+        let task = serve_http1(listener, move |peer, req| {
+            handle(accept_state.clone(), peer, req)
         });
         TestOrigin { addr, state, task }
     }
+}
+
+/// Serves HTTP/1.1 on `listener`, each request answered by `handle(peer, request)`, until
+/// the returned task is aborted (which drops the listener and every connection).
+pub fn serve_http1<H, Fut>(listener: TcpListener, handle: H) -> JoinHandle<()>
+where
+    H: Fn(SocketAddr, Request<Incoming>) -> Fut + Clone + Send + 'static,
+    Fut: Future<Output = Response<OriginBody>> + Send + 'static,
+{
+    tokio::spawn(async move {
+        let mut connections = JoinSet::new();
+        loop {
+            tokio::select! {
+                accepted = listener.accept() => {
+                    let Ok((stream, peer)) = accepted else { continue };
+                    let _ = stream.set_nodelay(true);
+                    let handle = handle.clone();
+                    connections.spawn(async move {
+                        let service = service_fn(move |req| {
+                            let answer = handle(peer, req);
+                            async move { Ok::<_, Infallible>(answer.await) }
+                        });
+                        let _ = hyper::server::conn::http1::Builder::new()
+                            .serve_connection(TokioIo::new(stream), service)
+                            .await;
+                    });
+                }
+                Some(_) = connections.join_next(), if !connections.is_empty() => {}
+            }
+        }
+    })
 }
 
 /// The fake origin. Stops (listener and every connection) on `Drop`.
@@ -574,9 +587,10 @@ pub fn default_body(path: &str, n: u64) -> String {
 }
 
 /// The origin's response body.
-type OriginBody = UnsyncBoxBody<Bytes, std::io::Error>;
+pub type OriginBody = UnsyncBoxBody<Bytes, std::io::Error>;
 
-fn full(body: impl Into<Bytes>) -> OriginBody {
+/// A whole body of `body`.
+pub fn full(body: impl Into<Bytes>) -> OriginBody {
     Full::new(body.into())
         .map_err(|never| match never {})
         .boxed_unsync()
