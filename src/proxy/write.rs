@@ -34,6 +34,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use super::access_log::{origin_waited, timing_origin};
 use super::body::Body;
 use super::passthrough::Passthrough;
 use super::respond;
@@ -122,15 +123,21 @@ impl WritePath {
         let mut response = match reservation {
             None => self.forward(route, request, client).await,
             // Forwarded and settled in a task of its own: a client that hangs up does not
-            // leave the units reserved until the reservation expires.
+            // leave the units reserved until the reservation expires. The time it waited
+            // on the origin is this request's (the access log's origin time).
             Some(held) => {
                 let (this, route) = (Arc::clone(self), Arc::clone(route));
-                let buy = tokio::spawn(async move {
+                let buy = tokio::spawn(timing_origin(async move {
                     let response = this.forward(&route, request, client).await;
                     held.settle(response).await
-                });
+                }));
                 match buy.await {
-                    Ok(response) => response,
+                    Ok((response, waited)) => {
+                        if let Some(waited) = waited {
+                            origin_waited(waited);
+                        }
+                        response
+                    }
                     Err(_) => respond::error(&ProxyError::Internal),
                 }
             }
