@@ -73,7 +73,7 @@ use crate::clock::now_ms;
 use crate::config::{OnRedisError, StockConfig, UpstreamConfig};
 use crate::coord::events::{BusListener, StockEvent, StockLevel};
 use crate::coord::{Keyspace, RedisConn, keyspace};
-use crate::metrics::{Metrics, StockMetrics, StockOutcome, StockSettled};
+use crate::metrics::{Metrics, StockCounts, StockMetrics, StockOutcome, StockSettled};
 
 /// A resource's keys expire after this long without a write (or after 4 ×
 /// `reservation_ttl` / `reconcile` when longer): a resource nobody buys is forgotten, and
@@ -157,6 +157,20 @@ impl Gates {
         self.by_name.get(name)
     }
 
+    /// Every gate's counters now, by name (the status page reads them).
+    pub(crate) fn snapshot(&self) -> Vec<GateSnapshot> {
+        let mut gates: Vec<GateSnapshot> = self
+            .by_name
+            .values()
+            .map(|gate| GateSnapshot {
+                name: gate.name.clone(),
+                counts: gate.metrics.counts(),
+            })
+            .collect();
+        gates.sort_by(|a, b| a.name.cmp(&b.name));
+        gates
+    }
+
     /// Starts each gate's periodic reconciles; they end with `stop`.
     pub(crate) fn spawn(&self, stop: &CancellationToken) {
         for gate in self.by_name.values() {
@@ -198,6 +212,13 @@ impl BusListener for Gates {
             }
         }
     }
+}
+
+/// One gate's counters at one moment, read-only ([`Gates::snapshot`]).
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct GateSnapshot {
+    pub(crate) name: String,
+    pub(crate) counts: StockCounts,
 }
 
 fn idle(config: &StockConfig) -> Duration {
