@@ -279,6 +279,9 @@ pub(crate) struct Resource {
     again: AtomicBool,
     /// Until when (ms) a failed load holds further buys off the origin.
     failed_until: AtomicU64,
+    /// Reconciles of the resource that succeeded here: a buy waiting to load it takes one
+    /// that ended while it waited as its own.
+    reconciled: AtomicU64,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -298,6 +301,7 @@ impl Resource {
             reconciling: tokio::sync::Mutex::new(()),
             again: AtomicBool::new(false),
             failed_until: AtomicU64::new(0),
+            reconciled: AtomicU64::new(0),
         }
     }
 
@@ -961,7 +965,20 @@ impl Gate {
     /// `false` when the origin or Redis did not answer.
     async fn reconcile(self: &Arc<Self>, resource: &Arc<Resource>, why: Why) -> bool {
         let _turn = match why {
-            Why::Load => resource.reconciling.lock().await,
+            // The crowd at a sale's opening finds the resource unloaded all at once: the
+            // first buy loads it, and the others, which waited for its turn, take its
+            // result instead of asking the origin's source once each, one after another.
+            Why::Load => {
+                let seen = resource.reconciled.load(Ordering::Acquire);
+                let turn = resource.reconciling.lock().await;
+                if resource.reconciled.load(Ordering::Acquire) != seen {
+                    return true;
+                }
+                if resource.failed_until.load(Ordering::Relaxed) > now_ms() {
+                    return false;
+                }
+                turn
+            }
             Why::Soon | Why::Periodic => match resource.reconciling.try_lock() {
                 Ok(guard) => guard,
                 Err(_) => {
@@ -1086,6 +1103,7 @@ impl Gate {
             }
         }
         resource.failed_until.store(0, Ordering::Relaxed);
+        resource.reconciled.fetch_add(1, Ordering::Release);
         self.metrics.reconciled(delta);
         debug!(message = "Stock reconciled.", gate = %self.name, resource = %path, remaining, delta);
         true
