@@ -570,19 +570,65 @@ struct SaleLine {
 async fn sell_one_seat(client: &HttpClient, addr: SocketAddr) -> Vec<(SaleLine, u64)> {
     let target = url(addr, &orders("t1", "a"));
     let requests: [(Option<&str>, &str, SaleLine); 6] = [
-        (Some("k1"), "a", SaleLine { status: 200, cache: "BYPASS", reason: None, origin: true }),
-        (Some("k1"), "a", SaleLine { status: 200, cache: "REPLAYED", reason: None, origin: false }),
-        (None, "", SaleLine { status: 409, cache: "SOLDOUT", reason: None, origin: false }),
-        (None, "", SaleLine { status: 409, cache: "SOLDOUT", reason: None, origin: false }),
+        (
+            Some("k1"),
+            "a",
+            SaleLine {
+                status: 200,
+                cache: "BYPASS",
+                reason: None,
+                origin: true,
+            },
+        ),
+        (
+            Some("k1"),
+            "a",
+            SaleLine {
+                status: 200,
+                cache: "REPLAYED",
+                reason: None,
+                origin: false,
+            },
+        ),
+        (
+            None,
+            "",
+            SaleLine {
+                status: 409,
+                cache: "SOLDOUT",
+                reason: None,
+                origin: false,
+            },
+        ),
+        (
+            None,
+            "",
+            SaleLine {
+                status: 409,
+                cache: "SOLDOUT",
+                reason: None,
+                origin: false,
+            },
+        ),
         (
             Some("k1"),
             "b",
-            SaleLine { status: 422, cache: "BYPASS", reason: Some("idempotency_mismatch"), origin: false },
+            SaleLine {
+                status: 422,
+                cache: "BYPASS",
+                reason: Some("idempotency_mismatch"),
+                origin: false,
+            },
         ),
         (
             Some("no key"),
             "",
-            SaleLine { status: 400, cache: "BYPASS", reason: Some("bad_idempotency_key"), origin: false },
+            SaleLine {
+                status: 400,
+                cache: "BYPASS",
+                reason: Some("bad_idempotency_key"),
+                origin: false,
+            },
         ),
     ];
     let mut sent = Vec::new();
@@ -615,9 +661,12 @@ async fn stock_gate_answers_are_logged_in_both_formats() {
             let origin = TestOrigin::start().await;
             set_seats(&origin, "t1", "a", 1);
             let file = dir.path().join(format!("{format}-{shared}.log"));
-            let mut cfg = CgConfig::new(&origin).routes(&(buy_route("seats") + &stock_table("seats", "")));
+            let mut cfg =
+                CgConfig::new(&origin).routes(&(buy_route("seats") + &stock_table("seats", "")));
             if shared {
-                cfg = cfg.redis(&redis).set_str("redis", "key_prefix", &format!("{format}:"));
+                cfg = cfg
+                    .redis(&redis)
+                    .set_str("redis", "key_prefix", &format!("{format}:"));
             }
             let cg = logging(cfg, format, &file).start().await;
             let sent = sell_one_seat(&client, cg.addr()).await;

@@ -517,7 +517,10 @@ fn dashboard_and_rule_files_are_well_formed() {
     // a stock gate's own answers (a flash sale's crowd would otherwise sink it to 0).
     for t in &targets {
         let denominators = t.raw.matches("outcome!").count();
-        let right = t.raw.matches(r#"outcome!~"bypass|sold_out|replayed""#).count();
+        let right = t
+            .raw
+            .matches(r#"outcome!~"bypass|sold_out|replayed""#)
+            .count();
         if denominators != right {
             problems.push(format!(
                 "{}: a hit ratio over answers that are not cache answers (want outcome!~\"bypass|sold_out|replayed\"): {}",
@@ -944,11 +947,17 @@ async fn flash_sale(client: &HttpClient, origin: &TestOrigin, a: SocketAddr, b: 
     }
     eprintln!("the sale: {statuses:?}");
     assert_eq!(origin.seats("/trains/t1/seats/a"), Some(0), "{statuses:?}");
-    assert!(statuses.keys().any(|k| k.ends_with("SOLDOUT")), "{statuses:?}");
+    assert!(
+        statuses.keys().any(|k| k.ends_with("SOLDOUT")),
+        "{statuses:?}"
+    );
     // Idempotency keys: a buy, its replay on the other instance, its key with another body,
     // a key that is none; a retry while the first is still at the (slow) origin.
     assert_eq!(buy(a, "t1", "b", Some("k1"), "x").await.status, 200);
-    assert_eq!(buy(b, "t1", "b", Some("k1"), "x").await.x_cache(), "REPLAYED");
+    assert_eq!(
+        buy(b, "t1", "b", Some("k1"), "x").await.x_cache(),
+        "REPLAYED"
+    );
     assert_eq!(buy(b, "t1", "b", Some("k1"), "y").await.status, 422);
     assert_eq!(buy(a, "t1", "b", Some("no key"), "x").await.status, 400);
     let slow = tokio::spawn(buy(a, "t1", "c", Some("k2"), "x"));

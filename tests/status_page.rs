@@ -107,7 +107,12 @@ async fn origin() -> TestOrigin {
 }
 
 /// One buy of a seat on train t1, with an idempotency key when given.
-async fn buy(client: &HttpClient, addr: std::net::SocketAddr, key: Option<&str>, body: &str) -> u16 {
+async fn buy(
+    client: &HttpClient,
+    addr: std::net::SocketAddr,
+    key: Option<&str>,
+    body: &str,
+) -> u16 {
     let headers: Vec<(&str, &str)> = key.map(|k| ("idempotency-key", k)).into_iter().collect();
     post(client, &url(addr, &orders("t1", "a")), &headers, body)
         .await
@@ -460,7 +465,10 @@ async fn status_json_has_every_field_and_the_page_escapes_client_strings() {
     assert_eq!(decisions["replayed"], 1, "{gate}");
     assert_eq!(decisions["mismatch"], 1, "{gate}");
     assert_eq!(gate["settled"]["sold"], decisions["admitted"], "{gate}");
-    assert!(gate["reconciles"].as_u64() >= Some(1), "the first load: {gate}");
+    assert!(
+        gate["reconciles"].as_u64() >= Some(1),
+        "the first load: {gate}"
+    );
     assert_eq!(item_outcome(&s, "buy", "sold_out"), sold_out, "{s}");
     let history = s["history"].as_array().expect("history");
     let last = history.last().expect("a sample");

@@ -412,10 +412,8 @@ impl GateRow {
         let counts = &gate.counts;
         let now = gate_counts(counts);
         GateRow {
-            admitted_per_second: before
-                .and_then(|b| per_second(b.admitted, now.admitted, span_ms)),
-            sold_out_per_second: before
-                .and_then(|b| per_second(b.sold_out, now.sold_out, span_ms)),
+            admitted_per_second: before.and_then(|b| per_second(b.admitted, now.admitted, span_ms)),
+            sold_out_per_second: before.and_then(|b| per_second(b.sold_out, now.sold_out, span_ms)),
             decisions: counts.requests,
             settled: counts.settled,
             reconciles: counts.reconciles_ok + counts.reconciles_failed,

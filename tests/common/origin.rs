@@ -762,7 +762,9 @@ fn seats_response(state: &State, method: &Method, path: &str) -> Option<Response
         let left = *seats.get(&format!("/trains/{}", rest.replacen('/', "/seats/", 1)))?;
         return Some(json(StatusCode::OK, format!("{{\"remaining\": {left}}}")));
     }
-    let resource = path.strip_suffix("/orders").filter(|_| *method == Method::POST)?;
+    let resource = path
+        .strip_suffix("/orders")
+        .filter(|_| *method == Method::POST)?;
     let left = seats.get_mut(resource)?;
     Some(if *left > 0 {
         *left -= 1;

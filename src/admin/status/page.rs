@@ -215,7 +215,9 @@ fn stock_charts(gates: &[GateRow]) -> Html {
         html.push_text(&g.name);
         html.push_tag("\"><figcaption>Stock gate <code>");
         html.push_text(&g.name);
-        html.push_tag("</code>: admitted vs sold out per second</figcaption><svg id=\"chart-stock-");
+        html.push_tag(
+            "</code>: admitted vs sold out per second</figcaption><svg id=\"chart-stock-",
+        );
         html.push_text(&i.to_string());
         html.push_tag(
             "\" class=\"chart\" viewBox=\"0 0 560 150\" role=\"img\" aria-label=\"admitted and sold-out buys per second\"></svg></figure>",
@@ -322,7 +324,11 @@ fn rate(rps: Option<f64>) -> String {
 
 /// A signed count: `+3`, `-2`, `0`.
 fn signed(n: i64) -> String {
-    if n > 0 { format!("+{n}") } else { n.to_string() }
+    if n > 0 {
+        format!("+{n}")
+    } else {
+        n.to_string()
+    }
 }
 
 fn percent(ratio: Option<f64>, digits: usize) -> String {
