@@ -445,8 +445,9 @@ pub(crate) enum Settlement {
 /// Why a reconcile runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Why {
-    /// A buy found the resource unloaded: waited for.
-    Load,
+    /// A buy found the resource unloaded: waited for. `reconciled`: the resource's count of
+    /// successful reconciles from before that buy.
+    Load { reconciled: u64 },
     /// After an in-doubt outcome or expired reservations: in the background, now.
     Soon,
     /// The periodic pass: one instance at a time (a turn in Redis).
@@ -543,10 +544,11 @@ impl Gate {
                 record,
             };
             let mut sent = Instant::now();
+            let reconciled = resource.reconciled.load(Ordering::Acquire);
             let mut answer = self.ledger.buy(resource.id, segment, &request).await;
             if matches!(answer, Ok(Buy::Unloaded)) && !loaded {
                 loaded = true;
-                if !self.load(resource).await {
+                if !self.load(resource, reconciled).await {
                     return self.refused(StockOutcome::NotLoaded, Admission::NotLoaded);
                 }
                 sent = Instant::now();
@@ -947,12 +949,14 @@ impl Gate {
         }
     }
 
-    /// Loads a resource that was never loaded (or expired). `false`: it could not be.
-    async fn load(self: &Arc<Self>, resource: &Arc<Resource>) -> bool {
+    /// Loads a resource a buy found unloaded (never loaded, or expired); `reconciled` is the
+    /// resource's count of successful reconciles from before that buy. `false`: it could not
+    /// be loaded.
+    async fn load(self: &Arc<Self>, resource: &Arc<Resource>, reconciled: u64) -> bool {
         if resource.failed_until.load(Ordering::Relaxed) > now_ms() {
             return false;
         }
-        self.reconcile(resource, Why::Load).await
+        self.reconcile(resource, Why::Load { reconciled }).await
     }
 
     /// Reconciles `resource` in the background, now.
@@ -966,12 +970,13 @@ impl Gate {
     async fn reconcile(self: &Arc<Self>, resource: &Arc<Resource>, why: Why) -> bool {
         let _turn = match why {
             // The crowd at a sale's opening finds the resource unloaded all at once: the
-            // first buy loads it, and the others, which waited for its turn, take its
-            // result instead of asking the origin's source once each, one after another.
-            Why::Load => {
-                let seen = resource.reconciled.load(Ordering::Acquire);
+            // first buy loads it, and the others take its result instead of asking the
+            // origin's source once each, one after another. A reconcile that succeeded
+            // since a buy found the resource unloaded has loaded it: another one now,
+            // with buys in flight, could only count some of them twice.
+            Why::Load { reconciled } => {
                 let turn = resource.reconciling.lock().await;
-                if resource.reconciled.load(Ordering::Acquire) != seen {
+                if resource.reconciled.load(Ordering::Acquire) != reconciled {
                     return true;
                 }
                 if resource.failed_until.load(Ordering::Relaxed) > now_ms() {
