@@ -569,66 +569,26 @@ struct SaleLine {
 /// memory), the key with another body (422) and a key that is no key (400).
 async fn sell_one_seat(client: &HttpClient, addr: SocketAddr) -> Vec<(SaleLine, u64)> {
     let target = url(addr, &orders("t1", "a"));
-    let requests: [(Option<&str>, &str, SaleLine); 6] = [
-        (
-            Some("k1"),
-            "a",
-            SaleLine {
-                status: 200,
-                cache: "BYPASS",
-                reason: None,
-                origin: true,
-            },
-        ),
-        (
-            Some("k1"),
-            "a",
-            SaleLine {
-                status: 200,
-                cache: "REPLAYED",
-                reason: None,
-                origin: false,
-            },
-        ),
-        (
-            None,
-            "",
-            SaleLine {
-                status: 409,
-                cache: "SOLDOUT",
-                reason: None,
-                origin: false,
-            },
-        ),
-        (
-            None,
-            "",
-            SaleLine {
-                status: 409,
-                cache: "SOLDOUT",
-                reason: None,
-                origin: false,
-            },
-        ),
+    let line = |status, cache, reason, origin| SaleLine {
+        status,
+        cache,
+        reason,
+        origin,
+    };
+    let requests = [
+        (Some("k1"), "a", line(200, "BYPASS", None, true)),
+        (Some("k1"), "a", line(200, "REPLAYED", None, false)),
+        (None, "", line(409, "SOLDOUT", None, false)),
+        (None, "", line(409, "SOLDOUT", None, false)),
         (
             Some("k1"),
             "b",
-            SaleLine {
-                status: 422,
-                cache: "BYPASS",
-                reason: Some("idempotency_mismatch"),
-                origin: false,
-            },
+            line(422, "BYPASS", Some("idempotency_mismatch"), false),
         ),
         (
             Some("no key"),
             "",
-            SaleLine {
-                status: 400,
-                cache: "BYPASS",
-                reason: Some("bad_idempotency_key"),
-                origin: false,
-            },
+            line(400, "BYPASS", Some("bad_idempotency_key"), false),
         ),
     ];
     let mut sent = Vec::new();

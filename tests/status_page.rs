@@ -120,32 +120,58 @@ async fn buy(
         .as_u16()
 }
 
-/// Keeps buying seats on train t1 while it lives (every 50 ms, at most two minutes): after
-/// the first few, the gate answers sold out.
-struct Crowd(tokio::task::JoinHandle<()>);
+/// Keeps buying seats on train t1 while it lives (every 50 ms): after the first few, the
+/// gate answers sold out.
+fn crowd(addr: std::net::SocketAddr) -> Repeating {
+    Repeating::start(
+        addr,
+        Method::POST,
+        orders("t1", "a"),
+        &[],
+        Duration::from_millis(50),
+    )
+}
 
-impl Crowd {
-    fn start(addr: std::net::SocketAddr) -> Crowd {
-        Crowd(tokio::spawn(async move {
+/// Keeps `/api/items/hot` with `x-tag: <script>…` hot while it lives: requests in a row,
+/// far above `threshold_rps` however slow the build.
+fn nasty_hot_key(addr: std::net::SocketAddr) -> Repeating {
+    Repeating::start(
+        addr,
+        Method::GET,
+        HOT_PATH.to_owned(),
+        &[("x-tag", NASTY_TAG)],
+        Duration::ZERO,
+    )
+}
+
+/// One request sent again and again (after `pause` each time) while it lives, for at most
+/// two minutes.
+struct Repeating(tokio::task::JoinHandle<()>);
+
+impl Repeating {
+    fn start(
+        addr: std::net::SocketAddr,
+        method: Method,
+        path: String,
+        headers: &[(&'static str, &'static str)],
+        pause: Duration,
+    ) -> Repeating {
+        let headers = headers.to_vec();
+        Repeating(tokio::spawn(async move {
             let client = HttpClient::new();
             let deadline = Instant::now() + Duration::from_secs(120);
             while Instant::now() < deadline {
                 // Errors only while the instance shuts down, before this is dropped.
                 let _ = client
-                    .request(
-                        Method::POST,
-                        &url(addr, &orders("t1", "a")),
-                        &[],
-                        empty_body(),
-                    )
+                    .request(method.clone(), &url(addr, &path), &headers, empty_body())
                     .await;
-                tokio::time::sleep(Duration::from_millis(50)).await;
+                tokio::time::sleep(pause).await;
             }
         }))
     }
 }
 
-impl Drop for Crowd {
+impl Drop for Repeating {
     fn drop(&mut self) {
         self.0.abort();
     }
@@ -165,36 +191,6 @@ async fn own_answer_for_nasty_path(addr: std::net::SocketAddr) {
     .await
     .expect("GET the nasty path");
     assert_eq!(r.status, 413, "{r}");
-}
-
-/// Keeps `/api/items/hot` with `x-tag: <script>…` hot while it lives: requests in a row,
-/// far above `threshold_rps` however slow the build, for at most two minutes.
-struct NastyHotKey(tokio::task::JoinHandle<()>);
-
-impl NastyHotKey {
-    fn start(addr: std::net::SocketAddr) -> NastyHotKey {
-        NastyHotKey(tokio::spawn(async move {
-            let client = HttpClient::new();
-            let deadline = Instant::now() + Duration::from_secs(120);
-            while Instant::now() < deadline {
-                // Errors only while the instance shuts down, before this is dropped.
-                let _ = client
-                    .request(
-                        Method::GET,
-                        &url(addr, HOT_PATH),
-                        &[("x-tag", NASTY_TAG)],
-                        empty_body(),
-                    )
-                    .await;
-            }
-        }))
-    }
-}
-
-impl Drop for NastyHotKey {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
 }
 
 async fn wait_hot(client: &HttpClient, admin: std::net::SocketAddr, what: &str) {
@@ -273,7 +269,7 @@ async fn status_json_has_every_field_and_the_page_escapes_client_strings() {
     assert!(statuses.contains(&409), "never sold out: {statuses:?}");
     // After the 422: the newest of cacheguard's own answers.
     own_answer_for_nasty_path(addr).await;
-    let _hot = NastyHotKey::start(addr);
+    let _hot = nasty_hot_key(addr);
     wait_hot(&client, admin, NASTY_TAG).await;
     wait_samples(&client, admin, 2).await;
 
@@ -821,7 +817,7 @@ async fn the_page_in_a_real_browser() {
     .pause(Duration::from_millis(10))
     .duration(Duration::from_secs(150))
     .start();
-    let _crowd = Crowd::start(addr);
+    let _crowd = crowd(addr);
     own_answer_for_nasty_path(addr).await;
     wait_hot(&client, admin, HOT_PATH).await;
 

@@ -744,17 +744,19 @@ async fn handle(
     resp
 }
 
+/// A JSON answer.
+fn json(status: StatusCode, body: String) -> Response<OriginBody> {
+    let mut resp = Response::new(full(body));
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    resp
+}
+
 /// The seats of [`TestOrigin::set_seats`]: their count, and buys. `None` for any other path.
 fn seats_response(state: &State, method: &Method, path: &str) -> Option<Response<OriginBody>> {
-    let json = |status: StatusCode, body: String| {
-        let mut resp = Response::new(full(body));
-        *resp.status_mut() = status;
-        resp.headers_mut().insert(
-            http::header::CONTENT_TYPE,
-            HeaderValue::from_static("application/json"),
-        );
-        resp
-    };
     let mut seats = lock(&state.seats);
     if let Some(rest) = path.strip_prefix("/internal/stock/")
         && *method == Method::GET
@@ -898,15 +900,6 @@ fn items_response(
     method: &Method,
     path: &str,
 ) -> Option<Response<OriginBody>> {
-    let json = |status: StatusCode, body: String| {
-        let mut resp = Response::new(full(body));
-        *resp.status_mut() = status;
-        resp.headers_mut().insert(
-            http::header::CONTENT_TYPE,
-            HeaderValue::from_static("application/json"),
-        );
-        resp
-    };
     if path == ITEMS_COLLECTION && method == Method::POST {
         let id = {
             let mut ids = lock(&state.ids);
