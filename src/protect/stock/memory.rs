@@ -57,12 +57,14 @@ impl Segment {
 
 type Segments = moka::sync::Cache<(u128, u16), Arc<Mutex<Segment>>>;
 
+/// Idempotency records: (resource, key hash) → (record, deadline in ms).
+type Records = moka::sync::Cache<(u128, u128), (Arc<Vec<u8>>, u64)>;
+
 /// The ledger of one gate in embedded mode.
 #[derive(Debug)]
 pub(crate) struct MemoryLedger {
     segments: Segments,
-    /// Idempotency records: (resource, key hash) → (record, deadline ms).
-    records: moka::sync::Cache<(u128, u128), (Arc<Vec<u8>>, u64)>,
+    records: Records,
 }
 
 impl MemoryLedger {
@@ -137,16 +139,21 @@ impl MemoryLedger {
     }
 
     pub(crate) fn settle(&self, resource: u128, segment: u16, settle: &Settle) -> Settled {
+        let names_this_buy =
+            |r: &Arc<Vec<u8>>| std::str::from_utf8(r).is_ok_and(|r| r.contains(&settle.member));
         match &settle.record {
-            Some(record) if record.forget => {
-                if self.record(resource, record.key).is_some_and(|r| {
-                    std::str::from_utf8(&r).is_ok_and(|r| r.contains(&settle.member))
-                }) {
-                    self.records.invalidate(&(resource, record.key));
-                }
+            Some(record)
+                if record.forget
+                    && self
+                        .record(resource, record.key)
+                        .is_some_and(|r| names_this_buy(&r)) =>
+            {
+                self.records.invalidate(&(resource, record.key));
             }
-            Some(record) => self.put_record(resource, record.key, &record.value, record.ttl_ms),
-            None => {}
+            Some(record) if !record.forget => {
+                self.put_record(resource, record.key, &record.value, record.ttl_ms);
+            }
+            _ => {}
         }
         let Some(state) = self.segments.get(&(resource, segment)) else {
             return Settled {
