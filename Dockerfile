@@ -24,14 +24,24 @@ COPY Cargo.toml Cargo.lock ./
 COPY src ./src
 COPY examples ./examples
 COPY config ./config
-# The demo is an example, so it builds with the dev-dependencies (rusqlite with a bundled
-# SQLite: the image's gcc compiles it). The target dir is a cache mount, so the binaries are
-# copied out of it in the same step.
+# The proxy, in a cargo invocation of its own: cargo resolves features once per invocation,
+# and one that also builds an example (which uses the dev-dependencies) would unify tokio's
+# `test-util` into the proxy's tokio, so that every `Instant::now()` takes a mutex.
+# scripts/check-image-build.sh (run by the test command) fails on any build here that gives
+# the proxy `test-util`. The target dir is a cache mount, so each binary is copied out of it
+# in the step that builds it.
 RUN --mount=type=cache,target=/usr/local/cargo/registry,sharing=locked \
     --mount=type=cache,target=/usr/local/cargo/git,sharing=locked \
     --mount=type=cache,target=/src/target,sharing=locked \
-    cargo build --release --locked --bin cacheguard --example demo \
-    && install -D -m 0755 target/release/cacheguard /out/cacheguard \
+    cargo build --release --locked --bin cacheguard \
+    && install -D -m 0755 target/release/cacheguard /out/cacheguard
+# The demo is an example, so it builds with the dev-dependencies (rusqlite with a bundled
+# SQLite: the image's gcc compiles it), tokio's `test-util` included: that costs the demo
+# API nothing that matters, and a second compile of the crates that depend on tokio.
+RUN --mount=type=cache,target=/usr/local/cargo/registry,sharing=locked \
+    --mount=type=cache,target=/usr/local/cargo/git,sharing=locked \
+    --mount=type=cache,target=/src/target,sharing=locked \
+    cargo build --release --locked --example demo \
     && install -D -m 0755 target/release/examples/demo /out/cacheguard-demo
 
 # ---- runtime -----------------------------------------------------------------------------

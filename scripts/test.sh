@@ -15,8 +15,9 @@ fi
 # The redis-server package may start a system instance on 6379; tests never use it (each
 # test starts its own server on a free port), so it is left alone.
 # redis-cli builds and reshards the test clusters (tests/cluster.rs); openssl makes the
-# certificates of the TLS test (tests/redis_tls.rs).
-for tool in redis-cli:redis-tools openssl:openssl; do
+# certificates of the TLS test (tests/redis_tls.rs); faketime brings libfaketime, which the
+# harness preloads to skew one instance's wall clock (tests/flash_sale.rs).
+for tool in redis-cli:redis-tools openssl:openssl faketime:faketime; do
     if ! command -v "${tool%%:*}" >/dev/null 2>&1; then
         echo "== installing ${tool#*:}"
         as_root apt-get update -qq
@@ -89,6 +90,9 @@ if env -u CACHEGUARD_ADMIN_TOKEN cargo run --locked --quiet --bin cacheguard -- 
     echo "config/docker.toml was accepted without an admin token" >&2
     exit 1
 fi
+
+echo "== image build check (the Dockerfile's proxy binary gets no tokio test-util)"
+scripts/check-image-build.sh
 
 echo "== demo smoke run"
 cargo run --locked --example demo -- --exit

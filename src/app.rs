@@ -48,6 +48,7 @@ use crate::proxy::purge_limits::PurgeLimits;
 use crate::proxy::read::ReadPath;
 use crate::proxy::route::RouteTable;
 use crate::proxy::server::{self, Admission, ConnLimits};
+use crate::proxy::spool::SpoolConfig;
 use crate::proxy::upstream::Upstream;
 use crate::proxy::write::WritePath;
 use crate::proxy::{CacheEvents, Proxy};
@@ -220,6 +221,7 @@ fn read_path(
         filler: Arc::new(Filler {
             tiers,
             flights,
+            lone: Arc::default(),
             fleet: store.map(|store| FleetLock::new(store, metrics.clone())),
             lock: ArcSwap::from_pointee(config.lock.clone()),
             uncacheable,
@@ -436,6 +438,10 @@ impl App {
         let routes = Arc::new(ArcSwap::from_pointee(routes));
         let passthrough = Arc::new(Passthrough {
             origin: Arc::clone(&origin),
+            spool: SpoolConfig {
+                memory_bytes: config.server.body_buffer_bytes,
+                dir: config.server.body_spool_dir.clone(),
+            },
         });
         // Serialized writes take their locks in the shared Redis; in embedded mode the
         // fleet is this process.
@@ -495,6 +501,7 @@ impl App {
         let limits = ConnLimits {
             max_header_bytes: config.server.max_header_bytes,
             max_headers: config.server.max_headers,
+            max_body_bytes: config.server.max_body_bytes,
             header_read_timeout: config.server.header_read_timeout,
             shutdown_grace: config.server.shutdown_grace,
         };

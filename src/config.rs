@@ -21,7 +21,7 @@ use std::time::Duration;
 /// are dropped from every forwarded request, but for those a route's
 /// `forward_client_headers` names (a trusted front sets them), and cacheguard sets
 /// `X-Forwarded-For` and `X-Forwarded-Proto` itself.
-pub(crate) const CLIENT_CLAIMS: [&str; 16] = [
+pub(crate) const CLIENT_CLAIMS: [&str; 17] = [
     "forwarded",
     "x-forwarded-host",
     "x-forwarded-port",
@@ -38,13 +38,15 @@ pub(crate) const CLIENT_CLAIMS: [&str; 16] = [
     "x-http-method-override",
     "x-http-method",
     "x-method-override",
+    "x-original-method",
 ];
 
 /// Those of [`CLIENT_CLAIMS`] that make the origin run another method than the request's.
-pub(crate) const METHOD_OVERRIDES: [&str; 3] = [
+pub(crate) const METHOD_OVERRIDES: [&str; 4] = [
     "x-http-method-override",
     "x-http-method",
     "x-method-override",
+    "x-original-method",
 ];
 
 use http::{HeaderName, Method, StatusCode, Uri};
@@ -198,6 +200,12 @@ pub struct ServerConfig {
     pub worker_threads: usize,
     /// Connections the proxy listener keeps open at once; one more is closed at accept.
     pub max_connections: usize,
+    /// Bytes of a write's request body held in memory; the rest waits in a temporary file
+    /// in `body_spool_dir` until the body is whole.
+    pub body_buffer_bytes: usize,
+    /// Where request bodies over `body_buffer_bytes` are spooled (anonymous files, never
+    /// named in the directory); checked writable at load.
+    pub body_spool_dir: PathBuf,
 }
 
 #[derive(Clone, Debug)]
@@ -207,9 +215,16 @@ pub struct UpstreamConfig {
     /// Whole-response timeout for one origin request (head and body); exceeded → 504. For
     /// a request with a body, it starts once the body has been sent.
     pub timeout: Duration,
-    /// How long a client's request body forwarded to the origin may pause between two
-    /// reads; exceeded → 408.
+    /// How long a client's request body may pause between two reads; exceeded → 408. Also
+    /// the grace before `upload_min_rate` applies, and how long the origin may take to read
+    /// the next piece of a spooled body (exceeded → 504).
     pub upload_timeout: Duration,
+    /// Bytes per second a client's request body must average once past its
+    /// `upload_timeout` grace (the time it is allowed grows by one second per this many
+    /// bytes received); slower → 408. 0 = no rate bound.
+    pub upload_min_rate: u32,
+    /// The longest a client's request body may take in all; exceeded → 408.
+    pub upload_deadline: Duration,
     pub connect_timeout: Duration,
     /// Origin guard: at most this many origin requests in flight.
     pub max_concurrency: usize,
@@ -383,6 +398,9 @@ pub struct CacheDefaults {
     /// Distinct query or `vary` variants of one path fetched per `ttl`, per instance; 0 =
     /// no limit.
     pub max_variants: usize,
+    /// Fetches per second, per route and instance, of variants beyond a spent
+    /// `max_variants` (see `protect/variants.rs`); 0 = none.
+    pub variant_overflow_rate: u32,
 }
 
 #[derive(Clone, Debug)]
@@ -425,9 +443,14 @@ pub struct RouteConfig {
     /// that it is fresh for when it says nothing of its freshness (RFC 9111 §4.2.2);
     /// 0 = such answers are not stored.
     pub heuristic: f64,
-    /// Distinct query or `vary` variants of one path fetched per `ttl`, per instance; a
-    /// miss on one more is refused (429). 0 = no limit.
+    /// Distinct query or `vary` variants of one path fetched and cached per `ttl`, per
+    /// instance. 0 = no limit.
     pub max_variants: usize,
+    /// Beyond `max_variants`, fetches per second for the whole route (per instance): a
+    /// variant asked for again is cached, a first ask is answered uncached (at most half of
+    /// the rate), and the rest are refused (429). 0 = every variant beyond is refused until
+    /// the window ends.
+    pub variant_overflow_rate: u32,
     pub query: QueryPolicy,
     /// Request headers whose values are part of the key (and the only client headers,
     /// besides a fixed safe set, forwarded to the origin on a cached fetch). Sorted and

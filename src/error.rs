@@ -1,8 +1,30 @@
 //! The one place where failures become HTTP responses.
 
+use std::fmt;
 use std::time::Duration;
 
 use http::StatusCode;
+
+/// The bound a client's request body broke (see `proxy/upload.rs`): each is a 408.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum UploadBound {
+    /// It paused longer than `upstream.upload_timeout`.
+    Stalled(Duration),
+    /// Past its grace, it fell behind `upstream.upload_min_rate` (bytes per second).
+    TooSlow(u32),
+    /// It was not whole within `upstream.upload_deadline`.
+    Deadline(Duration),
+}
+
+impl fmt::Display for UploadBound {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            UploadBound::Stalled(idle) => write!(f, "stalled for {idle:?}"),
+            UploadBound::TooSlow(rate) => write!(f, "slower than {rate} bytes/s"),
+            UploadBound::Deadline(deadline) => write!(f, "not received within {deadline:?}"),
+        }
+    }
+}
 
 /// Why cacheguard answered a request itself instead of with an origin (or cached) answer.
 #[derive(Debug, thiserror::Error)]
@@ -17,9 +39,13 @@ pub(crate) enum ProxyError {
     Shed(Duration),
     #[error("origin timed out after {0:?}")]
     OriginTimeout(Duration),
-    /// The client's request body paused longer than `upstream.upload_timeout`.
-    #[error("request body stalled for {0:?}")]
-    UploadTimeout(Duration),
+    /// The client's request body broke one of its time bounds.
+    #[error("request body {0}")]
+    UploadTimeout(UploadBound),
+    /// A request body could not be written to its spool file (a full or failing disk);
+    /// the text is the I/O error, for the log line.
+    #[error("request body could not be stored")]
+    BodySpool(String),
     /// The text is the upstream error, for the log line: the client is told less.
     #[error("origin unreachable")]
     OriginConnect(String),
@@ -38,8 +64,8 @@ pub(crate) enum ProxyError {
     UriTooLong(usize),
     #[error("too many requests for this key")]
     HotKeyLimited,
-    /// A miss on one more query variant of a path whose budget is spent (the seconds
-    /// until its window ends, at most).
+    /// A miss on a new query variant of a path whose budget is spent, over the route's
+    /// overflow rate (the seconds to wait: 1, or the window without an overflow rate).
     #[error("too many distinct query variants of this path")]
     TooManyVariants(u64),
     /// An idempotency key that is not one (empty, too long, not visible ASCII).
@@ -78,7 +104,9 @@ impl ProxyError {
                 StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE
             }
             ProxyError::BodyTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
-            ProxyError::Shed(_) | ProxyError::LockWait(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ProxyError::Shed(_) | ProxyError::LockWait(_) | ProxyError::BodySpool(_) => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             ProxyError::OriginTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
             ProxyError::UploadTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             ProxyError::OriginConnect(_) => StatusCode::BAD_GATEWAY,
@@ -108,7 +136,10 @@ impl ProxyError {
             ProxyError::BodyTooLarge(_) => "body_too_large",
             ProxyError::Shed(_) => "shed",
             ProxyError::OriginTimeout(_) => "origin_timeout",
-            ProxyError::UploadTimeout(_) => "upload_timeout",
+            ProxyError::UploadTimeout(UploadBound::Stalled(_)) => "upload_timeout",
+            ProxyError::UploadTimeout(UploadBound::TooSlow(_)) => "upload_too_slow",
+            ProxyError::UploadTimeout(UploadBound::Deadline(_)) => "upload_deadline",
+            ProxyError::BodySpool(_) => "body_spool_failed",
             ProxyError::OriginConnect(_) => "origin_unreachable",
             ProxyError::LockWait(_) => "lock_wait",
             ProxyError::BadRequest(_) => "bad_request",
@@ -132,9 +163,26 @@ impl ProxyError {
     /// What the log line says beyond the client's answer: the upstream error, if any.
     pub(crate) fn detail(&self) -> String {
         match self {
-            ProxyError::OriginConnect(upstream) => format!("{self}: {upstream}"),
+            ProxyError::OriginConnect(upstream) | ProxyError::BodySpool(upstream) => {
+                format!("{self}: {upstream}")
+            }
             other => other.to_string(),
         }
+    }
+
+    /// Whether the connection must be closed after this answer (`Connection: close`): the
+    /// request's framing or target can no longer be trusted — a refused head (`Host`,
+    /// `Connection` naming a framing header), a body that broke its framing, went over the
+    /// limit or timed out, all left partly unread — so nothing more is read from it.
+    pub(crate) fn ends_connection(&self) -> bool {
+        matches!(
+            self,
+            ProxyError::BadRequest(_)
+                | ProxyError::BadRequestBody
+                | ProxyError::BodyTooLarge(_)
+                | ProxyError::UploadTimeout(_)
+                | ProxyError::BodySpool(_)
+        )
     }
 
     /// Seconds to put in `Retry-After`, for errors a client should retry later.

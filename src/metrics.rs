@@ -50,6 +50,38 @@ pub enum Revalidation {
     Failed,
 }
 
+/// The `outcome` label of `cacheguard_new_variants_total`: what became of a miss on a query
+/// or `vary` variant new in its path's window (see `protect/variants.rs`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NewVariant {
+    /// Within the path's `max_variants`: fetched and cached.
+    Budget,
+    /// Beyond it, asked for before: fetched and cached, on the route's overflow rate.
+    Repeat,
+    /// Beyond it, a first ask: fetched for its request only, on the overflow rate.
+    Uncached,
+    /// Beyond it and over the overflow rate: 429.
+    Refused,
+}
+
+impl NewVariant {
+    pub const ALL: [NewVariant; 4] = [
+        NewVariant::Budget,
+        NewVariant::Repeat,
+        NewVariant::Uncached,
+        NewVariant::Refused,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            NewVariant::Budget => "budget",
+            NewVariant::Repeat => "repeat",
+            NewVariant::Uncached => "uncached",
+            NewVariant::Refused => "refused",
+        }
+    }
+}
+
 impl Revalidation {
     pub const ALL: [Revalidation; 3] = [
         Revalidation::NotModified,
@@ -294,7 +326,7 @@ pub const WARMUP_RESULTS: [&str; 4] = ["filled", "failed", "cached", "skipped"];
 
 /// The `reason` label of `cacheguard_rejected_requests_total`: the refusals of a request
 /// before it reaches its path (the reasons of the errors `proxy.rs` counts there).
-const REJECTED_REASONS: [&str; 8] = [
+const REJECTED_REASONS: [&str; 11] = [
     "header_too_large",
     "too_many_headers",
     "body_too_large",
@@ -302,6 +334,9 @@ const REJECTED_REASONS: [&str; 8] = [
     "uri_too_long",
     "bad_request_body",
     "upload_timeout",
+    "upload_too_slow",
+    "upload_deadline",
+    "body_spool_failed",
     "method_not_allowed",
 ];
 
@@ -317,13 +352,14 @@ pub struct Metrics {
     uncacheable: IntCounterVec,
     revalidations: IntCounterVec,
     oversized: IntCounterVec,
-    variants_refused: IntCounterVec,
+    new_variants: IntCounterVec,
     origin_retries: IntCounterVec,
     coalesced: IntCounterVec,
     pub l1_entries: IntGauge,
     pub l1_bytes: IntGauge,
     pub redis_up: IntGauge,
     redis_errors: IntCounterVec,
+    redis_slot_migrating: IntCounterVec,
     pub redis_transitions: IntCounter,
     redis_command_duration: HistogramVec,
     pub redis_breaker_open: IntGauge,
@@ -556,13 +592,15 @@ impl Metrics {
             ),
             &["route"],
         )?;
-        let variants_refused = IntCounterVec::new(
+        let new_variants = IntCounterVec::new(
             Opts::new(
-                "cacheguard_variants_refused_total",
-                "Misses refused (429) because their path had max_variants query or vary \
-                 variants fetched in the current window already.",
+                "cacheguard_new_variants_total",
+                "Misses on a query or vary variant new in its path's window, by outcome: \
+                 budget (within max_variants: fetched and cached), repeat (beyond it, asked \
+                 for before: fetched and cached), uncached (beyond it, a first ask: fetched, \
+                 not stored), refused (beyond it and over variant_overflow_rate: 429).",
             ),
-            &["route"],
+            &["route", "outcome"],
         )?;
         let origin_retries = IntCounterVec::new(
             Opts::new(
@@ -599,6 +637,15 @@ impl Metrics {
             Opts::new(
                 "cacheguard_redis_errors_total",
                 "Redis commands that failed or timed out, by operation.",
+            ),
+            &["op"],
+        )?;
+        let redis_slot_migrating = IntCounterVec::new(
+            Opts::new(
+                "cacheguard_redis_slot_migrating_total",
+                "Redis Cluster commands given up because their hash slot was being migrated \
+                 (TRYAGAIN, or ASK/MOVED, after every retry), by operation: Redis answered, so \
+                 they are neither errors nor failures toward the breaker.",
             ),
             &["op"],
         )?;
@@ -1134,13 +1181,14 @@ impl Metrics {
         registry.register(Box::new(uncacheable.clone()))?;
         registry.register(Box::new(revalidations.clone()))?;
         registry.register(Box::new(oversized.clone()))?;
-        registry.register(Box::new(variants_refused.clone()))?;
+        registry.register(Box::new(new_variants.clone()))?;
         registry.register(Box::new(origin_retries.clone()))?;
         registry.register(Box::new(coalesced.clone()))?;
         registry.register(Box::new(l1_entries.clone()))?;
         registry.register(Box::new(l1_bytes.clone()))?;
         registry.register(Box::new(redis_up.clone()))?;
         registry.register(Box::new(redis_errors.clone()))?;
+        registry.register(Box::new(redis_slot_migrating.clone()))?;
         registry.register(Box::new(redis_transitions.clone()))?;
         registry.register(Box::new(origin_in_flight.clone()))?;
         registry.register(Box::new(origin_queue_wait.clone()))?;
@@ -1164,6 +1212,7 @@ impl Metrics {
             RedisOp::Serialize,
         ] {
             redis_errors.with_label_values(&[op.as_str()]);
+            redis_slot_migrating.with_label_values(&[op.as_str()]);
         }
         for reason in REJECTED_REASONS {
             rejected_requests.with_label_values(&[reason]);
@@ -1179,13 +1228,14 @@ impl Metrics {
             uncacheable,
             revalidations,
             oversized,
-            variants_refused,
+            new_variants,
             origin_retries,
             coalesced,
             l1_entries,
             l1_bytes,
             redis_up,
             redis_errors,
+            redis_slot_migrating,
             redis_transitions,
             redis_command_duration,
             redis_breaker_open,
@@ -1316,7 +1366,8 @@ impl Metrics {
                 .fill_refused
                 .with_label_values(&[FillRefusal::Vary.as_str()]),
             oversized: self.oversized.with_label_values(&[route]),
-            variants_refused: self.variants_refused.with_label_values(&[route]),
+            new_variants: NewVariant::ALL
+                .map(|v| self.new_variants.with_label_values(&[route, v.as_str()])),
             origin_retries: self.origin_retries.with_label_values(&[route]),
             coalesced: self.coalesced.with_label_values(&[route]),
             stale_served: self.stale_served.with_label_values(&[route]),
@@ -1370,6 +1421,11 @@ impl Metrics {
                     .revalidations
                     .remove_label_values(&[r, result.as_str()]);
             }
+            for outcome in NewVariant::ALL {
+                let _ = self
+                    .new_variants
+                    .remove_label_values(&[r, outcome.as_str()]);
+            }
             for result in WARMUP_RESULTS {
                 let _ = self.warmup.remove_label_values(&[r, result]);
             }
@@ -1379,7 +1435,6 @@ impl Metrics {
                 &self.shed,
                 &self.uncacheable,
                 &self.oversized,
-                &self.variants_refused,
                 &self.origin_retries,
                 &self.coalesced,
                 &self.stale_served,
@@ -1457,6 +1512,13 @@ impl Metrics {
 
     pub fn redis_error(&self, op: RedisOp) {
         self.redis_errors.with_label_values(&[op.as_str()]).inc();
+    }
+
+    /// A cluster command given up while its hash slot was being migrated.
+    pub fn redis_slot_migrating(&self, op: RedisOp) {
+        self.redis_slot_migrating
+            .with_label_values(&[op.as_str()])
+            .inc();
     }
 
     /// Origin requests so far, every route and status class summed (routes a reload removed
@@ -1542,7 +1604,7 @@ pub struct RouteMetrics {
     /// `fill_refused{reason="vary"}` (not per route: the counter has no route label).
     pub refused_vary: IntCounter,
     pub oversized: IntCounter,
-    pub variants_refused: IntCounter,
+    new_variants: [IntCounter; 4],
     pub origin_retries: IntCounter,
     pub coalesced: IntCounter,
     pub stale_served: IntCounter,
@@ -1572,6 +1634,11 @@ impl RouteMetrics {
     /// Records the Redis commands one answered request cost.
     pub fn redis_commands(&self, outcome: Outcome, commands: u32) {
         self.redis_commands[outcome.index()].inc_by(u64::from(commands));
+    }
+
+    /// Records what became of a miss on a new variant.
+    pub fn new_variant(&self, outcome: NewVariant) {
+        self.new_variants[outcome as usize].inc();
     }
 
     /// Records one revalidation.

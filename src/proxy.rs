@@ -6,6 +6,7 @@
 pub(crate) mod access_log;
 pub(crate) mod admit;
 pub(crate) mod body;
+pub(crate) mod chunk_guard;
 pub(crate) mod conditional;
 pub(crate) mod create;
 pub(crate) mod fetch;
@@ -23,7 +24,9 @@ pub(crate) mod reject;
 pub(crate) mod respond;
 pub(crate) mod route;
 pub(crate) mod server;
+pub(crate) mod spool;
 pub(crate) mod stock;
+pub(crate) mod upload;
 pub(crate) mod upstream;
 pub(crate) mod warmup;
 pub(crate) mod write;
@@ -32,7 +35,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use arc_swap::ArcSwap;
-use http::{Method, Request, Response, header};
+use http::{HeaderValue, Method, Request, Response, Version, header};
 use hyper::body::Incoming;
 
 use self::access_log::{AccessLog, Answered, RouteName};
@@ -59,6 +62,23 @@ fn is_safe(method: &Method) -> bool {
         *method,
         Method::GET | Method::HEAD | Method::OPTIONS | Method::TRACE
     )
+}
+
+/// Adds `Connection: close` to an HTTP/1 answer cacheguard made itself when what it
+/// answers leaves the connection's framing in doubt ([`ProxyError::ends_connection`]): hyper
+/// then closes the connection once the answer is written, and a request pipelined behind it
+/// is never read. (HTTP/2 frames each request apart, and has no `Connection` header.)
+fn end_connection_if_untrusted(version: Version, response: &mut Response<Body>) {
+    if version < Version::HTTP_2
+        && response
+            .extensions()
+            .get::<OwnAnswer>()
+            .is_some_and(|own| own.ends_connection)
+    {
+        response
+            .headers_mut()
+            .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    }
 }
 
 /// The route name of requests that match no route, in metrics and logs.
@@ -174,25 +194,34 @@ impl Proxy {
         request: Request<Incoming>,
         client: SocketAddr,
     ) -> (RouteName, Response<Body>) {
+        let version = request.version();
         if let Err(error) = self.check_limits(&request) {
             self.metrics
                 .rejected_requests
                 .with_label_values(&[error.reason()])
                 .inc();
-            let response = respond::error(&error);
+            let mut response = respond::error(&error);
+            end_connection_if_untrusted(version, &mut response);
             self.own_answers
                 .record("-", request.method(), request.uri().path(), &response);
             return (RouteName::Static("-"), response);
         }
         // Cheap clones (no allocation for a standard method; the URI shares its bytes).
         let (method, uri) = (request.method().clone(), request.uri().clone());
-        let (route, response) = self.route(request, client).await;
-        // Requests refused on their way (a broken or stalled body, a cache-only method) are
-        // counted with those refused up front.
+        let (route, mut response) = self.route(request, client).await;
+        end_connection_if_untrusted(version, &mut response);
+        // Requests refused on their way (a broken, oversized, slow or unstorable body, a
+        // cache-only method) are counted with those refused up front.
         if let Some(own) = response.extensions().get::<OwnAnswer>()
             && matches!(
                 own.reason,
-                "bad_request_body" | "upload_timeout" | "method_not_allowed"
+                "bad_request_body"
+                    | "body_too_large"
+                    | "upload_timeout"
+                    | "upload_too_slow"
+                    | "upload_deadline"
+                    | "body_spool_failed"
+                    | "method_not_allowed"
             )
         {
             self.metrics

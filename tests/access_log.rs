@@ -403,7 +403,13 @@ async fn own_answers_are_logged_with_their_reason() {
     origin.set_delay("/slow-a", Duration::from_secs(3));
     let dir = tempfile::tempdir().expect("tempdir");
     let file = dir.path().join("access.log");
-    let routes = item_route("") + &route("v", "/v/{id}", "GET", "max_variants = 1");
+    let routes = item_route("")
+        + &route(
+            "v",
+            "/v/{id}",
+            "GET",
+            "max_variants = 1\nvariant_overflow_rate = 0",
+        );
     let cg = logging(
         CgConfig::new(&origin)
             .set("server", "max_header_bytes", "8192")

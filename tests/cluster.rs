@@ -93,6 +93,39 @@ async fn cluster_topology_is_reported_and_l2_serves_hits() {
         0.0,
         "WAIT 1 on a primary with one replica"
     );
+
+    // With every replica stopped (for less than the cluster's node timeout), each WAIT
+    // times out on the primary the lock went to (a WAIT sent to any other node, with no
+    // write of its connection to wait for, would answer at once): `unreplicated`, never a
+    // Redis error.
+    let primaries = cluster.primaries().await;
+    let replicas: Vec<u16> = cluster
+        .ports()
+        .into_iter()
+        .filter(|p| !primaries.contains(p))
+        .collect();
+    let stopped = CgConfig::new(&origin)
+        .redis_cluster(&cluster)
+        .set("lock", "wait_replicas", "1")
+        .set_str("lock", "wait_replicas_timeout", "100ms")
+        .l1("off")
+        .start()
+        .await;
+    // Its connection for a lock and WAIT is made while every node answers.
+    common::cold_misses(&client, stopped.addr(), "warm", 1).await;
+    for port in &replicas {
+        cluster.pause(*port);
+    }
+    common::cold_misses(&client, stopped.addr(), "stopped", 4).await;
+    for port in &replicas {
+        cluster.resume(*port);
+    }
+    let exp = common::metrics(&client, stopped.admin_addr()).await;
+    assert_eq!(
+        exp.replicated_locks(),
+        (0.0, 5.0, 4.0),
+        "(redis_errors{{op=\"lock\"}}, acquired, unreplicated) with every replica stopped"
+    );
 }
 
 /// The item paths whose entries live on the node at `port` (read back from the entries:
@@ -531,5 +564,201 @@ async fn a_standalone_url_at_a_cluster_node_is_refused() {
             redis_url(port)
         )) && error.contains("mode = \"cluster\""),
         "unclear refusal: {error}"
+    );
+}
+
+/// The lock key a fill of this instance holds now, and the primary it is on (bounded wait).
+async fn held_lock(cluster: &RedisCluster) -> (String, u16) {
+    common::poll_until(Duration::from_secs(5), Duration::from_millis(5), || async {
+        for port in cluster.primaries().await {
+            if let Some(lock) = scan(port, "cg:{*}:lock").await.pop() {
+                return Some((lock, port));
+            }
+        }
+        None
+    })
+    .await
+    .expect("no fill took a lock")
+}
+
+/// The slot of the lock a fill holds now, left half-migrated: `MIGRATING` on its primary,
+/// `IMPORTING` on another, the key's generation already moved there. Returns the lock,
+/// the slot, and the ports of the two primaries (from, to).
+async fn half_migrate_held_lock(cluster: &RedisCluster) -> (String, u16, u16, u16) {
+    let (lock, source) = held_lock(cluster).await;
+    let slot = cluster.keyslot(&lock).await;
+    let target = cluster
+        .primaries()
+        .await
+        .into_iter()
+        .find(|p| *p != source)
+        .unwrap();
+    cluster.begin_migration(slot, source, target).await;
+    cluster
+        .migrate(source, target, &[lock.replace(":lock", ":gen")])
+        .await;
+    (lock, slot, source, target)
+}
+
+/// A fill whose slot is half-migrated while it fetches (`MIGRATING` on its primary,
+/// `IMPORTING` on another, the key's generation already moved there with `MIGRATE`): its
+/// fill script, whose keys the migration has split, is answered `TRYAGAIN` for as long as
+/// the slot stays so. It is retried within its budget, then given up: the lock is released
+/// at once (gone from both nodes, not left to its lease), nothing counts as a Redis error
+/// or toward the breaker (`breaker_failures = 1`: one failure would open it), and one log
+/// line names the migration. A second miss of the key meanwhile is answered from the
+/// origin (this process alone) and not logged again. Once the migration ends, the key
+/// fills and is read from its new primary.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fill_on_a_half_migrated_slot_gives_up_fast_releases_its_lock_and_is_no_failure() {
+    let cluster = RedisCluster::start().await;
+    let origin = TestOrigin::start().await;
+    let path = "/api/items/migrating";
+    origin.set_delay(path, Duration::from_millis(700));
+    let dir = tempfile::tempdir().unwrap();
+    let config = CgConfig::new(&origin)
+        .redis_cluster(&cluster)
+        .set("redis", "breaker_failures", "1")
+        .l1("off")
+        .on_free_ports()
+        .write_to(&dir.path().join("cacheguard.toml"));
+    let cg = common::spawn_cacheguard_process(&config).await;
+    let client = HttpClient::new();
+    let admin = cg.admin_addr();
+    common::wait_metric(
+        &client,
+        admin,
+        "cacheguard_redis_up",
+        &[],
+        Duration::from_secs(10),
+        Duration::from_millis(50),
+        |v| v == 1.0,
+        common::no_poke,
+    )
+    .await;
+
+    let request = client.spawn_get(&url(cg.addr(), path));
+    let (lock, slot, source, target) = half_migrate_held_lock(&cluster).await;
+
+    let first = request.await.unwrap().unwrap();
+    assert_eq!(
+        (first.status.as_u16(), first.x_cache().as_str()),
+        (200, "MISS"),
+        "{first}"
+    );
+    for port in [source, target] {
+        let keys = cluster.keys_in_slot(port, slot).await;
+        assert!(
+            !keys.contains(&lock),
+            "the lock is left on {port} after its fill gave up: {keys:?}"
+        );
+    }
+
+    origin.set_delay(path, Duration::ZERO);
+    let second = client.get(&url(cg.addr(), path)).await;
+    assert_eq!(
+        (second.status.as_u16(), second.x_cache().as_str()),
+        (200, "MISS"),
+        "{second}"
+    );
+    assert_eq!(origin.count(path), 2);
+
+    let exp = common::metrics(&client, admin).await;
+    let output = cg.output();
+    assert_eq!(
+        exp.sum("cacheguard_redis_errors_total", &[]),
+        0.0,
+        "a slot migration counted as Redis errors\n{output}"
+    );
+    assert_eq!(exp.sum("cacheguard_redis_up", &[]), 1.0, "{output}");
+    assert!(
+        exp.sum("cacheguard_redis_slot_migrating_total", &[("op", "fill")]) >= 1.0,
+        "{output}"
+    );
+    let named: Vec<&str> = output
+        .lines()
+        .filter(|l| l.contains("TRYAGAIN") && l.contains("migrated"))
+        .collect();
+    assert_eq!(named.len(), 1, "one line names the migration:\n{output}");
+
+    cluster.end_migration(slot, source, target).await;
+    let filled = common::poll_until(Duration::from_secs(5), Duration::from_millis(50), || {
+        let client = client.clone();
+        let addr = cg.addr();
+        async move {
+            let r = client.get(&url(addr, path)).await;
+            (r.x_cache() == "HIT-L2").then_some(r)
+        }
+    })
+    .await;
+    assert!(
+        filled.is_some(),
+        "never an L2 hit after the migration ended"
+    );
+    assert!(
+        cluster
+            .keys_in_slot(target, slot)
+            .await
+            .iter()
+            .any(|k| k.ends_with(":v")),
+        "the entry is on the slot's new primary"
+    );
+}
+
+/// A migration that ends while the fill script is answered `TRYAGAIN` (keys split between
+/// the two nodes) is waited out: the retries (within `command_timeout`, here 1 s) reach
+/// the slot's new primary, the entry is stored there, and the next request is an L2 hit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fill_waits_out_a_slot_migration_that_ends_within_its_budget() {
+    let cluster = RedisCluster::start().await;
+    let origin = TestOrigin::start().await;
+    let path = "/api/items/migrated";
+    origin.set_delay(path, Duration::from_millis(500));
+    let cg = CgConfig::new(&origin)
+        .redis_cluster(&cluster)
+        .set_str("redis", "command_timeout", "1s")
+        .l1("off")
+        .start()
+        .await;
+    let client = HttpClient::new();
+    let request = client.spawn_get(&url(cg.addr(), path));
+    let (_, slot, source, target) = half_migrate_held_lock(&cluster).await;
+    // The origin has answered: the fill script is being retried.
+    assert!(
+        common::poll_until(Duration::from_secs(3), Duration::from_millis(5), || async {
+            (origin.count(path) == 1 && origin.in_flight() == 0).then_some(())
+        })
+        .await
+        .is_some()
+    );
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(
+        !request.is_finished(),
+        "the fill gave up within 100 ms of a migration: {:?}",
+        request.await
+    );
+    cluster.end_migration(slot, source, target).await;
+    let first = request.await.unwrap().unwrap();
+    assert_eq!(
+        (first.status.as_u16(), first.x_cache().as_str()),
+        (200, "MISS"),
+        "{first}"
+    );
+    let second = client.get(&url(cg.addr(), path)).await;
+    assert_eq!(
+        (second.status.as_u16(), second.x_cache().as_str()),
+        (200, "HIT-L2"),
+        "{second}"
+    );
+    assert_eq!(origin.count(path), 1);
+    assert_eq!(
+        metric(
+            &client,
+            cg.admin_addr(),
+            "cacheguard_redis_errors_total",
+            &[]
+        )
+        .await,
+        0.0
     );
 }

@@ -13,9 +13,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 
-use common::{CgConfig, HttpClient, RedisServer, TestOrigin, item_route, route, url};
+use common::{
+    CgConfig, HttpClient, RedisServer, TestOrigin, item_route, item_write_routes, raw_until_closed,
+    route, status_of, url,
+};
 
 /// Sends `bytes` on a new connection and returns what came back within `wait` (the status
 /// line first), or what there was when the connection closed.
@@ -26,14 +29,6 @@ async fn raw(addr: SocketAddr, bytes: &[u8], wait: Duration) -> String {
 /// [`raw`], then, with `close`, the end of what this client sends (a half-close).
 async fn raw_then(addr: SocketAddr, bytes: &[u8], wait: Duration, close: bool) -> String {
     common::raw_bytes(addr, bytes, wait, close).await
-}
-
-fn status_of(answer: &str) -> u16 {
-    answer
-        .split(' ')
-        .nth(1)
-        .and_then(|code| code.parse().ok())
-        .unwrap_or(0)
 }
 
 const WAIT: Duration = Duration::from_secs(5);
@@ -152,26 +147,17 @@ async fn framing_headers_named_by_connection_and_huge_targets_are_refused() {
 
 /// On a write route the body is read whole before anything is forwarded or invalidated: a
 /// malformed chunked body (a non-hex size, LF-only lines, a chunk cut short by the end of
-/// the connection) gets 400, one over `max_body_bytes` 413, one that stalls (a chunk size of
-/// `FFFFFFFFFFFFFFED` and nothing after) 408 after `upload_timeout`; the origin
-/// sees none of them and the cached entry is not invalidated. On pass-through (streamed) a
-/// malformed body gets 400 and is counted. Before, the head (and for the large one 10 MiB
-/// of body, and the write's first invalidation) reached the origin, and the answer was 502
-/// or came only at `upstream.timeout`.
+/// the connection) gets 400, one over `max_body_bytes` 413 (at once when a chunk size says
+/// so, as `FFFFFFFFFFFFFFED` does); the origin sees none of them and the cached entry is not
+/// invalidated. On pass-through (streamed) a malformed body gets 400 and is counted.
+/// Before, the head (and for the large one 10 MiB of body, and the write's first
+/// invalidation) reached the origin, and the answer was 502 or came only at
+/// `upstream.timeout`; later, the absurd chunk size waited for `upload_timeout` (408).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_write_whose_body_is_malformed_reaches_nothing() {
     let origin = TestOrigin::start().await;
     let redis = RedisServer::start().await;
-    let routes = format!(
-        "{}{}",
-        item_route(""),
-        route(
-            "item-write",
-            "/api/items/{id}",
-            "PUT",
-            "invalidate = [\"/api/items/{id}\"]"
-        )
-    );
+    let routes = item_write_routes();
     for (mode, cfg) in [
         ("embedded", CgConfig::new(&origin)),
         ("shared", CgConfig::new(&origin).redis(&redis)),
@@ -191,7 +177,7 @@ async fn a_write_whose_body_is_malformed_reaches_nothing() {
                 "huge-size",
                 "FFFFFFFFFFFFFFED\r\nabc".to_owned(),
                 false,
-                408,
+                413,
             ),
             (
                 "too-large",
@@ -210,9 +196,7 @@ async fn a_write_whose_body_is_malformed_reaches_nothing() {
             let started = tokio::time::Instant::now();
             let answer = raw_then(cg.addr(), request.as_bytes(), WAIT, close).await;
             assert_eq!(status_of(&answer), expected, "{mode} {name}: {answer:?}");
-            if expected == 408 {
-                assert!(started.elapsed() < Duration::from_secs(4), "{mode} {name}");
-            }
+            assert!(started.elapsed() < Duration::from_secs(4), "{mode} {name}");
             assert_eq!(
                 origin.count(&path),
                 1,
@@ -429,21 +413,7 @@ async fn more_header_fields_than_max_headers_get_431() {
 /// Sends `bytes` on a new connection and returns everything that came back until the
 /// server closed it (or `wait` passed).
 async fn raw_all(addr: SocketAddr, bytes: &[u8], wait: Duration) -> String {
-    let mut stream = TcpStream::connect(addr).await.expect("connect");
-    // The server may answer and close before all is written (a refused head).
-    let _ = stream.write_all(bytes).await;
-    let mut out = Vec::new();
-    let mut buf = [0u8; 4096];
-    let _ = tokio::time::timeout(wait, async {
-        loop {
-            match stream.read(&mut buf).await {
-                Ok(0) | Err(_) => break,
-                Ok(n) => out.extend_from_slice(&buf[..n]),
-            }
-        }
-    })
-    .await;
-    String::from_utf8_lossy(&out).into_owned()
+    raw_until_closed(addr, bytes, wait).await.0
 }
 
 /// The body of a whole answer (after its head).
@@ -626,5 +596,230 @@ async fn a_route_forwards_the_client_headers_it_names_and_no_other() {
     assert_eq!(seen("/plain/1"), (None, None));
     send(http::Method::GET, "/other/1", "/shop", None).await;
     assert_eq!(seen("/other/1"), (None, None));
+    cg.shutdown().await;
+}
+
+/// After a 400 that leaves the request's framing or target in doubt — `Connection` naming
+/// `Host`, `Content-Length` or `Transfer-Encoding`, two `Host` lines, a broken chunked body
+/// on a write — the answer says `Connection: close` and the connection is closed: a request
+/// pipelined behind it on the same connection is never served. Before, the pipelined
+/// request reached the origin and was answered on the same connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_refused_for_its_framing_closes_its_connection() {
+    let origin = TestOrigin::start().await;
+    let routes = format!(
+        "{}{}",
+        item_route(""),
+        route("item-write", "/api/items/{id}", "PUT", "")
+    );
+    let cg = CgConfig::new(&origin).routes(&routes).start().await;
+    let cases = [
+        (
+            "conn-host",
+            "POST /other/f HTTP/1.1\r\nHost: a.example\r\nConnection: Host\r\nContent-Length: 2\r\n\r\nhi",
+        ),
+        (
+            "conn-length",
+            "POST /other/f HTTP/1.1\r\nHost: a.example\r\nConnection: Content-Length\r\nContent-Length: 2\r\n\r\nhi",
+        ),
+        (
+            "conn-te",
+            "POST /other/f HTTP/1.1\r\nHost: a.example\r\nConnection: Transfer-Encoding\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nhi\r\n0\r\n\r\n",
+        ),
+        (
+            "conn-get",
+            "GET /api/items/f HTTP/1.1\r\nHost: a.example\r\nConnection: keep-alive, Host\r\n\r\n",
+        ),
+        (
+            "two-hosts",
+            "GET /other/f HTTP/1.1\r\nHost: a.example\r\nHost: b.example\r\n\r\n",
+        ),
+        (
+            "bad-chunk",
+            "PUT /api/items/f HTTP/1.1\r\nHost: a.example\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nhello\r\n0\r\n\r\n",
+        ),
+    ];
+    for (name, first) in cases {
+        let behind = format!("/other/pipelined-{name}");
+        let bytes = format!("{first}GET {behind} HTTP/1.1\r\nHost: a.example\r\n\r\n");
+        let (answer, closed) = raw_until_closed(cg.addr(), bytes.as_bytes(), WAIT).await;
+        assert_eq!(status_of(&answer), 400, "{name}: {answer:?}");
+        assert!(
+            answer
+                .to_ascii_lowercase()
+                .contains("\r\nconnection: close\r\n"),
+            "{name}: no Connection: close: {answer:?}"
+        );
+        assert_eq!(
+            answer.matches("HTTP/1.1 ").count(),
+            1,
+            "{name}: the pipelined request was answered: {answer:?}"
+        );
+        assert!(closed, "{name}: the connection stayed open");
+        assert_eq!(
+            origin.count(&behind),
+            0,
+            "{name}: the pipelined request was served"
+        );
+    }
+    // An answer that leaves the framing sound keeps the connection: both are served.
+    let bytes = "GET /other/k1 HTTP/1.1\r\nHost: a.example\r\n\r\nGET /other/k2 HTTP/1.1\r\nHost: a.example\r\nConnection: close\r\n\r\n";
+    let (answer, _) = raw_until_closed(cg.addr(), bytes.as_bytes(), WAIT).await;
+    assert_eq!(answer.matches("HTTP/1.1 200").count(), 2, "{answer:?}");
+    cg.shutdown().await;
+}
+
+/// A chunked body whose chunk sizes declare more than `server.max_body_bytes` — one
+/// absurd size (`FFFFFFFFFFFFFFED`), one over 64 bits, one just over the limit, or a second
+/// chunk that takes the total over it — gets 413 as soon as the size line arrives, on a
+/// write route (nothing forwarded, nothing invalidated) and on pass-through, and the
+/// connection is closed. A body exactly at the limit, and a `Content-Length` body whose
+/// bytes look like a chunk size, still go through. Before, the absurd sizes waited for
+/// `upload_timeout` (408; 400 for the overflow) and the others were 413 only once the
+/// bytes had come.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chunk_size_over_the_body_limit_gets_413_at_once() {
+    let origin = TestOrigin::start().await;
+    let redis = RedisServer::start().await;
+    let routes = item_write_routes();
+    let at_limit = format!("{:x}\r\n{}\r\n0\r\n\r\n", 65_536, "a".repeat(65_536));
+    let cases: [(&str, String, u16); 6] = [
+        ("absurd", "FFFFFFFFFFFFFFED\r\nabc".to_owned(), 413),
+        ("overflow", "1FFFFFFFFFFFFFFFF\r\nabc".to_owned(), 413),
+        ("over-limit", format!("{:x}\r\nabc", 65_537), 413),
+        ("second", "5\r\nhello\r\nFFFF\r\nabc".to_owned(), 413),
+        ("extension", "FFFFFFFFFF;name=value\r\nabc".to_owned(), 413),
+        ("at-limit", at_limit, 200),
+    ];
+    for (mode, cfg) in [
+        ("embedded", CgConfig::new(&origin)),
+        ("shared", CgConfig::new(&origin).redis(&redis)),
+    ] {
+        let cg = cfg
+            .routes(&routes)
+            .set("server", "max_body_bytes", "65536")
+            .set("upstream", "upload_timeout", "\"5s\"")
+            .start()
+            .await;
+        let client = HttpClient::new();
+        for (name, body, expected) in &cases {
+            for path in [
+                format!("/api/items/{mode}-{name}"),
+                format!("/other/{mode}-{name}"),
+            ] {
+                let written = path.starts_with("/api/");
+                if written {
+                    assert_eq!(client.get(&url(cg.addr(), &path)).await.status, 200);
+                }
+                let method = if written { "PUT" } else { "POST" };
+                let request = format!(
+                    "{method} {path} HTTP/1.1\r\nHost: a.example\r\nTransfer-Encoding: chunked\r\n\r\n{body}"
+                );
+                let started = tokio::time::Instant::now();
+                let (answer, closed) = if *expected == 200 {
+                    let answer = raw(cg.addr(), request.as_bytes(), WAIT).await;
+                    (answer, true)
+                } else {
+                    raw_until_closed(cg.addr(), request.as_bytes(), WAIT).await
+                };
+                assert_eq!(status_of(&answer), *expected, "{path}: {answer:?}");
+                if *expected != 413 {
+                    continue;
+                }
+                assert!(
+                    started.elapsed() < Duration::from_secs(2),
+                    "{path}: answered after {:?}",
+                    started.elapsed()
+                );
+                assert!(closed, "{path}: the connection stayed open");
+                if written {
+                    assert_eq!(origin.count(&path), 1, "{path}: the PUT reached the origin");
+                    let again = client.get(&url(cg.addr(), &path)).await;
+                    assert!(again.is_hit(), "{path}: invalidated: {again}");
+                }
+            }
+        }
+        // Bytes of a Content-Length body that read like a chunk size, then a request
+        // pipelined behind it: both served.
+        let bytes = "PUT /api/items/look-alike HTTP/1.1\r\nHost: a.example\r\nContent-Length: 10\r\n\r\nFFFFFFFF\r\n\
+                     POST /other/after HTTP/1.1\r\nHost: a.example\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n2\r\nhi\r\n0\r\n\r\n";
+        let (answer, _) = raw_until_closed(cg.addr(), bytes.as_bytes(), WAIT).await;
+        assert_eq!(
+            answer.matches("HTTP/1.1 200").count(),
+            2,
+            "{mode}: {answer:?}"
+        );
+        cg.shutdown().await;
+    }
+}
+
+/// Every method-override header — `X-HTTP-Method-Override`, `X-HTTP-Method`,
+/// `X-Method-Override` and `X-Original-Method` — is dropped on every path: a fill (in both
+/// freshness modes), a per-user bypass, a write, an unrouted request and an unsafe method
+/// on a cached path that no write route takes. Before, `X-Original-Method` reached the
+/// origin on all but the default-mode fill.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn method_overrides_never_reach_the_origin_on_any_path() {
+    let origin = TestOrigin::start().await;
+    let routes = format!(
+        "{}{}{}",
+        item_route(""),
+        route("fresh", "/fresh/{id}", "GET", "freshness = \"origin\""),
+        route("item-write", "/api/items/{id}", "PUT", "")
+    );
+    let cg = CgConfig::new(&origin).routes(&routes).start().await;
+    let overrides = [
+        ("X-HTTP-Method-Override", "DELETE"),
+        ("X-HTTP-Method", "DELETE"),
+        ("X-Method-Override", "DELETE"),
+        ("X-Original-Method", "DELETE"),
+    ];
+    let client = HttpClient::new();
+    let cases = [
+        ("fill", http::Method::GET, "/api/items/ov-fill", None),
+        ("origin-mode fill", http::Method::GET, "/fresh/ov", None),
+        (
+            "bypass",
+            http::Method::GET,
+            "/api/items/ov-bypass",
+            Some(("Cookie", "session=1")),
+        ),
+        ("write", http::Method::PUT, "/api/items/ov-write", None),
+        ("unrouted", http::Method::GET, "/other/ov", None),
+        (
+            "unrouted upload",
+            http::Method::POST,
+            "/other/ov-post",
+            None,
+        ),
+        (
+            "unsafe on a cached path",
+            http::Method::DELETE,
+            "/api/items/ov-del",
+            None,
+        ),
+    ];
+    for (name, method, path, extra) in cases {
+        let mut headers: Vec<(&str, &str)> = overrides.to_vec();
+        headers.extend(extra);
+        let body = if method == http::Method::GET {
+            common::client::empty_body()
+        } else {
+            common::client::full_body("x")
+        };
+        let answer = client
+            .request(method, &url(cg.addr(), path), &headers, body)
+            .await
+            .expect("answer");
+        assert_eq!(answer.status, 200, "{name}: {answer}");
+        let seen = origin.last_request(path).expect("forwarded");
+        for (header, _) in overrides {
+            assert_eq!(
+                seen.header(header),
+                None,
+                "{name}: {header} reached the origin"
+            );
+        }
+    }
     cg.shutdown().await;
 }

@@ -192,3 +192,567 @@ async fn redis_cluster_fixture_forms_and_fails_over() {
         cluster.nodes(survivor).await
     );
 }
+
+// === the history checkers, on hand-made histories ===
+
+mod checkers {
+    use std::time::Duration;
+
+    use super::common::history::{
+        History, Op, Sale, SaleLog, StockRecord, WriteLog, WriteRecord, check_exclusion,
+        check_fencing, check_oversell, check_phantom, check_undersell, flood_factor,
+    };
+
+    const SEAT: &str = "/trains/t1/seats/a";
+
+    fn sale(order: &str, key: &str, committed_ms: u64) -> Sale {
+        Sale {
+            order: order.to_string(),
+            resource: SEAT.to_string(),
+            units: 1,
+            idempotency_key: Some(key.to_string()),
+            reservation: Some(format!("r-{key}")),
+            received: Duration::from_millis(committed_ms.saturating_sub(5)),
+            committed: Duration::from_millis(committed_ms),
+        }
+    }
+
+    /// A log of `supplied` units, the given sales, `buy_requests` requests.
+    fn log(supplied: u64, sales: Vec<Sale>, buy_requests: u64) -> SaleLog {
+        let sold: u64 = sales.iter().map(|s| s.units).sum();
+        let mut log = SaleLog::default();
+        log.resources.insert(
+            SEAT.to_string(),
+            StockRecord {
+                supplied,
+                remaining: supplied.saturating_sub(sold),
+                buy_requests,
+                replays: 0,
+            },
+        );
+        log.sales = sales;
+        log
+    }
+
+    fn buy(process: usize, key: &str) -> Op {
+        Op::new(process, "buy", SEAT, key)
+    }
+
+    #[test]
+    fn oversell_passes_at_the_supply_and_fails_past_it() {
+        let at_supply = check_oversell(&log(2, vec![sale("o1", "a", 10), sale("o2", "b", 20)], 2));
+        assert!(at_supply.ok(), "{at_supply}");
+        assert_eq!(at_supply.oversold(), 0);
+
+        let over = log(
+            2,
+            vec![
+                sale("o1", "a", 10),
+                sale("o2", "b", 20),
+                sale("o3", "c", 30),
+            ],
+            3,
+        );
+        let report = check_oversell(&over);
+        assert!(!report.ok());
+        assert_eq!(report.oversold(), 1);
+        assert_eq!(report.resources[0].over.len(), 1);
+        assert_eq!(
+            report.resources[0].over[0].order, "o3",
+            "the sale past the supply"
+        );
+        let text = report.to_string();
+        assert!(
+            text.contains("oversell: 1 units") && text.contains("order o3"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn oversell_flags_a_count_that_disagrees_with_the_sales() {
+        let mut bad = log(3, vec![sale("o1", "a", 10)], 1);
+        bad.resources.get_mut(SEAT).expect("seat").remaining = 0;
+        let report = check_oversell(&bad);
+        assert!(!report.ok(), "{report}");
+        assert!(report.to_string().contains("disagrees"), "{report}");
+    }
+
+    #[test]
+    fn phantom_passes_sold_orders_and_replays_of_sold_keys() {
+        let log = log(5, vec![sale("o1", "k1", 10), sale("o2", "k2", 20)], 3);
+        let history = History::of(vec![
+            buy(0, "k1")
+                .span(0, 12)
+                .status(201)
+                .body(r#"{"order":"o1"}"#),
+            // A replay of a key the origin sold: backed, with or without a body.
+            buy(1, "k2")
+                .span(30, 31)
+                .status(201)
+                .header("Idempotent-Replayed", "true"),
+            buy(2, "k2")
+                .span(32, 33)
+                .status(201)
+                .header("Idempotent-Replayed", "true")
+                .body(r#"{"order":"o2"}"#),
+            // Refusals and unknowns are not successes.
+            buy(3, "k3").span(0, 5).status(409),
+            buy(4, "k4").span(0, 1000).error("timed out"),
+        ]);
+        let report = check_phantom(&history, &log, "buy");
+        assert!(report.ok(), "{report}");
+        assert_eq!((report.successes, report.replays), (3, 2));
+    }
+
+    #[test]
+    fn phantom_catches_successes_the_origin_never_sold() {
+        let log = log(5, vec![sale("o1", "k1", 10)], 3);
+        let history = History::of(vec![
+            // An order id the origin never issued.
+            buy(0, "k9")
+                .span(0, 5)
+                .status(201)
+                .body(r#"{"order":"o9"}"#),
+            // A real order, answered to another key.
+            buy(1, "k2")
+                .span(0, 5)
+                .status(201)
+                .body(r#"{"order":"o1"}"#),
+            // A replay of a key the origin never sold.
+            buy(2, "k3")
+                .span(0, 5)
+                .status(200)
+                .header("idempotent-replayed", "true"),
+            // A success made up without any order.
+            buy(3, "k4").span(0, 5).status(201).body("{}"),
+        ]);
+        let report = check_phantom(&history, &log, "buy");
+        assert_eq!(report.phantoms.len(), 4, "{report}");
+        let text = report.to_string();
+        for needle in [
+            "order o9 is not in the origin's sales",
+            "sold to key",
+            "without an order id",
+        ] {
+            assert!(text.contains(needle), "{needle:?} missing from:\n{text}");
+        }
+    }
+
+    #[test]
+    fn undersell_needs_units_left_and_buyers_turned_away_in_the_window() {
+        let window = Duration::from_millis(1000);
+        // Sold out at the end, buyers turned away: fine.
+        let sold_out = log(1, vec![sale("o1", "k1", 10)], 5);
+        let history = History::of(vec![
+            buy(0, "k1")
+                .span(0, 10)
+                .status(201)
+                .body(r#"{"order":"o1"}"#),
+            buy(1, "k2").span(1500, 1501).status(409),
+        ]);
+        assert!(check_undersell(&history, &sold_out, "buy", window).ok());
+
+        // Units left, but the turned-away buy was before the window (the fault's time).
+        let left = log(3, vec![sale("o1", "k1", 10)], 5);
+        let early = History::of(vec![buy(1, "k2").span(500, 501).status(409)]);
+        let report = check_undersell(&early, &left, "buy", window);
+        assert!(report.ok(), "{report}");
+
+        // Units left and buyers turned away after the window started: undersold.
+        let late = History::of(vec![
+            buy(1, "k2").span(1200, 1201).status(409),
+            buy(2, "k3").span(1300, 1301).status(503),
+            buy(3, "k4")
+                .span(1400, 1401)
+                .status(201)
+                .body(r#"{"order":"o1"}"#),
+        ]);
+        let report = check_undersell(&late, &left, "buy", window);
+        assert!(!report.ok());
+        let r = report.undersold()[0];
+        assert_eq!((r.remaining, r.attempts, r.refused), (2, 3, 2));
+        assert!(report.to_string().contains("2 left"), "{report}");
+    }
+
+    #[test]
+    fn flood_factor_is_requests_per_unit_sold() {
+        let gated = flood_factor(&log(2, vec![sale("o1", "a", 1), sale("o2", "b", 2)], 2));
+        assert!((gated.factor() - 1.0).abs() < 1e-9, "{gated}");
+        let flooded = flood_factor(&log(2, vec![sale("o1", "a", 1), sale("o2", "b", 2)], 50));
+        assert!((flooded.factor() - 25.0).abs() < 1e-9, "{flooded}");
+        assert!(flooded.to_string().contains("50 buy requests"), "{flooded}");
+        assert!(flood_factor(&log(2, vec![], 7)).factor().is_infinite());
+        assert_eq!(flood_factor(&log(2, vec![], 0)).factor(), 0.0);
+    }
+
+    fn write(
+        seq: u64,
+        resource: &str,
+        token: Option<u64>,
+        span: (u64, u64),
+        ok: bool,
+    ) -> WriteRecord {
+        WriteRecord {
+            seq,
+            resource: resource.to_string(),
+            token,
+            fencing_key: Some(format!("fk-{resource}")),
+            start: Duration::from_millis(span.0),
+            end: Duration::from_millis(span.1),
+            status: if ok { 200 } else { 409 },
+            accepted: ok,
+        }
+    }
+
+    #[test]
+    fn exclusion_passes_back_to_back_writes_and_reports_overlaps() {
+        let serial = WriteLog {
+            writes: vec![
+                write(0, "/s/1", Some(1), (0, 10), true),
+                write(1, "/s/1", Some(2), (10, 20), true), // touching ends: no overlap
+                write(2, "/s/2", Some(1), (5, 15), true),  // another resource
+            ],
+        };
+        let report = check_exclusion(&serial);
+        assert!(report.ok(), "{report}");
+
+        let racing = WriteLog {
+            writes: vec![
+                write(0, "/s/1", Some(1), (0, 100), true),
+                write(1, "/s/1", Some(2), (20, 30), true),
+                write(2, "/s/1", Some(1), (50, 60), false),
+                write(3, "/s/1", Some(3), (200, 210), true),
+            ],
+        };
+        let report = check_exclusion(&racing);
+        assert_eq!(report.overlaps.len(), 2, "{report}");
+        assert_eq!(report.overlaps_accepted(), 1, "{report}");
+        assert!(report.to_string().contains("overlaps write #1"), "{report}");
+    }
+
+    #[test]
+    fn fencing_passes_rising_tokens_and_right_refusals() {
+        let log = WriteLog {
+            writes: vec![
+                write(0, "/s/1", Some(5), (0, 1), true),
+                write(1, "/s/1", Some(5), (2, 3), true), // the same holder again
+                write(2, "/s/1", Some(3), (4, 5), false), // stale, refused
+                write(3, "/s/1", Some(9), (6, 7), true),
+                write(4, "/s/2", Some(1), (0, 1), true), // tokens are per resource
+            ],
+        };
+        let report = check_fencing(&log);
+        assert!(report.ok(), "{report}");
+        assert_eq!(
+            (report.accepted, report.refused, report.stale_refused),
+            (4, 1, 1)
+        );
+    }
+
+    #[test]
+    fn fencing_catches_decreases_wrong_refusals_and_missing_tokens() {
+        let log = WriteLog {
+            writes: vec![
+                write(0, "/s/1", Some(5), (0, 1), true),
+                write(1, "/s/1", Some(4), (2, 3), true), // accepted although stale
+                write(2, "/s/1", Some(7), (4, 5), false), // refused although newest
+                write(3, "/s/1", None, (6, 7), true),
+            ],
+        };
+        let report = check_fencing(&log);
+        assert!(!report.ok());
+        assert_eq!(report.decreases.len(), 1, "{report}");
+        assert_eq!(report.decreases[0].1.seq, 1);
+        assert_eq!(report.wrongly_refused.len(), 1, "{report}");
+        assert_eq!(report.missing_token.len(), 1, "{report}");
+        assert!(report.to_string().contains("1 token decreases"), "{report}");
+    }
+}
+
+// === the flash-sale shop, the runner and the nemesis tools ===
+
+mod shop {
+    use std::time::Duration;
+
+    use http::Method;
+
+    use super::common::history::{
+        Epoch, check_oversell, check_phantom, check_undersell, flood_factor,
+    };
+    use super::common::jepsen::{self, RunConfig};
+    use super::common::shop::{Fault, Scope, Shop, buy_request, orders_path, seat};
+    use super::common::{HttpClient, client::full_body};
+
+    async fn post(client: &HttpClient, url: &str, key: &str) -> super::common::Resp {
+        client
+            .request(
+                Method::POST,
+                url,
+                &[("idempotency-key", key), ("stock-reservation", "rsv-1")],
+                full_body(r#"{"units":1}"#),
+            )
+            .await
+            .expect("POST to the shop")
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn shop_sells_conditionally_once_per_key_and_logs_every_sale() {
+        let a = seat("t1", "a");
+        let shop = Shop::start(Epoch::now(), &[(a.clone(), 2)]).await;
+        let client = HttpClient::new();
+        let buy = format!("{}{}", shop.url(), orders_path(&a));
+        let first = post(&client, &buy, "k1").await;
+        assert_eq!(first.status, 201, "{first}");
+        assert_eq!(first.text(), r#"{"order":"o1"}"#);
+        let again = post(&client, &buy, "k1").await;
+        assert_eq!(
+            (again.status.as_u16(), again.text()),
+            (201, first.text()),
+            "a replay"
+        );
+        assert_eq!(post(&client, &buy, "k2").await.status, 201);
+        let out = post(&client, &buy, "k3").await;
+        assert_eq!(out.status, 409, "{out}");
+        assert_eq!(
+            out.header("content-type").as_deref(),
+            Some("application/problem+json")
+        );
+        let stock = client
+            .get(&format!("{}/internal/stock/t1/a", shop.url()))
+            .await;
+        assert_eq!(stock.text(), r#"{"remaining":0}"#);
+        let unknown = post(
+            &client,
+            &format!("{}/trains/t9/seats/z/orders", shop.url()),
+            "k4",
+        )
+        .await;
+        assert_eq!(unknown.status, 404);
+
+        let log = shop.sale_log();
+        assert_eq!(log.sales.len(), 2);
+        assert_eq!(log.sales[0].idempotency_key.as_deref(), Some("k1"));
+        assert_eq!(log.sales[0].reservation.as_deref(), Some("rsv-1"));
+        assert!(log.sales[0].received <= log.sales[0].committed);
+        let record = &log.resources[&a];
+        assert_eq!(
+            (record.buy_requests, record.replays, record.remaining),
+            (4, 1, 0)
+        );
+        assert!(check_oversell(&log).ok());
+        assert!((flood_factor(&log).factor() - 2.0).abs() < 1e-9);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn shop_faults_hang_fail_and_commit_in_doubt() {
+        let a = seat("t1", "a");
+        let shop = Shop::start(Epoch::now(), &[(a.clone(), 10)]).await;
+        let client = HttpClient::new();
+        let buy = format!("{}{}", shop.url(), orders_path(&a));
+
+        shop.set_fault(Scope::Buys, Fault::Status(503));
+        assert_eq!(post(&client, &buy, "k1").await.status, 503);
+        assert_eq!(shop.remaining(&a), Some(10), "a 5xx fault sells nothing");
+
+        // Commit, then hang: the client times out on a sale that happened.
+        shop.set_fault(Scope::Buys, Fault::CommitThenHang);
+        let timed_out =
+            tokio::time::timeout(Duration::from_millis(300), post(&client, &buy, "k2")).await;
+        assert!(timed_out.is_err(), "the answer was held");
+        assert_eq!(shop.remaining(&a), Some(9), "the sale was committed");
+        assert_eq!(shop.in_flight(), 1);
+
+        // A hang before the work: nothing sold until released, even after the client left.
+        shop.set_fault(Scope::Buys, Fault::Hang);
+        let gone =
+            tokio::time::timeout(Duration::from_millis(300), post(&client, &buy, "k3")).await;
+        assert!(gone.is_err());
+        assert_eq!(shop.remaining(&a), Some(9));
+        shop.heal();
+        assert!(
+            shop.wait_idle(Duration::from_secs(2)).await,
+            "released requests finish"
+        );
+        assert_eq!(
+            shop.remaining(&a),
+            Some(8),
+            "the released buy went on, its client gone"
+        );
+
+        // Latency per path, the stock endpoint unaffected.
+        shop.set_latency(Scope::Path(orders_path(&a)), Duration::from_millis(200));
+        let started = tokio::time::Instant::now();
+        assert_eq!(post(&client, &buy, "k4").await.status, 201);
+        assert!(started.elapsed() >= Duration::from_millis(200));
+        let started = tokio::time::Instant::now();
+        client
+            .get(&format!("{}/internal/stock/t1/a", shop.url()))
+            .await;
+        assert!(started.elapsed() < Duration::from_millis(200));
+
+        shop.set_fault(Scope::Buys, Fault::CommitThenStatus(502));
+        shop.set_latency(Scope::All, Duration::ZERO);
+        assert_eq!(post(&client, &buy, "k5").await.status, 502);
+        assert_eq!(shop.remaining(&a), Some(6), "committed, then answered 502");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn shop_fencing_mode_refuses_stale_tokens() {
+        let shop = Shop::start(Epoch::now(), &[]).await;
+        let client = HttpClient::new();
+        let put = |token: Option<&'static str>| {
+            let client = client.clone();
+            let url = format!("{}/trains/t1/seats/12A", shop.url());
+            async move {
+                let headers: Vec<(&str, &str)> =
+                    token.map(|t| ("fencing-token", t)).into_iter().collect();
+                client
+                    .request(Method::PUT, &url, &headers, full_body("{}"))
+                    .await
+                    .expect("PUT")
+            }
+        };
+        // Recording only: a stale token goes through.
+        assert_eq!(put(Some("5")).await.status, 200);
+        assert_eq!(put(Some("3")).await.status, 200);
+        shop.set_fencing(Some("fencing-token"));
+        assert_eq!(put(Some("4")).await.status, 409, "below 5");
+        let ok = put(Some("6")).await;
+        assert_eq!(ok.status, 200);
+        assert_eq!(ok.header("x-row-version").as_deref(), Some("3"));
+        assert_eq!(put(None).await.status, 409, "no token");
+        let log = shop.write_log();
+        assert_eq!(log.writes.len(), 5);
+        assert_eq!(
+            log.writes.iter().map(|w| w.accepted).collect::<Vec<_>>(),
+            [true, true, false, true, false]
+        );
+        assert_eq!(log.writes[2].token, Some(4));
+    }
+
+    /// The runner and the checkers end to end, straight against the shop (no cacheguard):
+    /// the origin alone decides, so nothing is oversold or made up, every unit sells, and
+    /// the flood factor is attempts per unit.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn runner_records_a_history_the_checkers_accept() {
+        let resources = [seat("t1", "a"), seat("t1", "b")];
+        let epoch = Epoch::now();
+        let shop = Shop::start(
+            epoch,
+            &[(resources[0].clone(), 20), (resources[1].clone(), 40)],
+        )
+        .await;
+        shop.set_latency(Scope::Buys, Duration::from_millis(2));
+        let cfg = RunConfig {
+            clients: 4,
+            duration: Duration::from_millis(800),
+            tail: Duration::from_millis(400),
+            max_ops: 100,
+            pace: Duration::from_millis(5),
+            ..RunConfig::default()
+        };
+        let rs = resources.clone();
+        let history = jepsen::run(
+            &cfg,
+            epoch,
+            &[shop.addr()],
+            move |p, k| buy_request(&rs[(p + k as usize) % rs.len()], &format!("p{p}-{k}")),
+            |nemesis| async move {
+                nemesis.at(Duration::from_millis(100)).await;
+                nemesis.start("nothing");
+                nemesis.heal("nothing");
+            },
+        )
+        .await;
+        let log = shop.sale_log();
+        let summary = history.summary();
+        assert!(summary.ops > 60, "{summary}");
+        assert_eq!(history.nemesis.len(), 2, "{summary}");
+        assert!(history.ops.iter().all(|op| op.end.is_some()), "{summary}");
+        assert_eq!(log.sold(), 60, "{summary}");
+        let oversell = check_oversell(&log);
+        assert!(oversell.ok(), "{oversell}");
+        let phantom = check_phantom(&history, &log, "buy");
+        assert!(phantom.ok(), "{phantom}");
+        assert_eq!(phantom.successes, 60);
+        let window = history.last_fault_end().expect("a heal") + Duration::from_millis(100);
+        let undersell = check_undersell(&history, &log, "buy", window);
+        assert!(undersell.ok(), "{undersell}");
+        let flood = flood_factor(&log);
+        assert_eq!(flood.buy_requests, summary.ops as u64, "{flood}");
+    }
+}
+
+mod nemesis {
+    use std::time::Duration;
+
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpStream;
+
+    use super::common::redis_sentinel::info;
+    use super::common::{RedisSentinel, RedisServer, TcpProxy};
+
+    /// A blackholed proxy holds connections, open and new, in silence (no error, no
+    /// answer); restored, the held commands are answered.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn tcp_proxy_blackhole_holds_and_restore_delivers() {
+        let redis = RedisServer::start().await;
+        let proxy = TcpProxy::start(redis.addr()).await;
+        let mut open = TcpStream::connect(proxy.addr()).await.expect("connect");
+        assert_eq!(
+            ping(&mut open, Duration::from_secs(2)).await.as_deref(),
+            Some("+PONG")
+        );
+
+        proxy.blackhole();
+        assert!(proxy.is_blackholed());
+        assert_eq!(
+            ping(&mut open, Duration::from_millis(300)).await,
+            None,
+            "answered"
+        );
+        let mut fresh = TcpStream::connect(proxy.addr())
+            .await
+            .expect("a blackhole still accepts");
+        assert_eq!(
+            ping(&mut fresh, Duration::from_millis(300)).await,
+            None,
+            "answered"
+        );
+
+        proxy.restore();
+        // The PINGs held on both connections are delivered and answered now.
+        let mut buf = [0u8; 64];
+        for con in [&mut open, &mut fresh] {
+            let n = tokio::time::timeout(Duration::from_secs(2), con.read(&mut buf))
+                .await
+                .expect("the held PING is answered after restore")
+                .expect("read");
+            assert_eq!(&buf[..n], b"+PONG\r\n");
+        }
+    }
+
+    /// Sends `PING` on `con`; the first line of the answer, or `None` if none came within
+    /// `timeout`.
+    async fn ping(con: &mut TcpStream, timeout: Duration) -> Option<String> {
+        con.write_all(b"PING\r\n").await.expect("write PING");
+        let mut buf = [0u8; 64];
+        let n = tokio::time::timeout(timeout, con.read(&mut buf))
+            .await
+            .ok()?
+            .ok()?;
+        Some(String::from_utf8_lossy(&buf[..n]).trim_end().to_string())
+    }
+
+    /// The lagging-replica failover really promotes a replica that misses the last writes
+    /// (the helper asserts it), and the sentinels then name it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn sentinel_fails_over_to_a_replica_that_lost_writes() {
+        let set = RedisSentinel::start_lagging().await;
+        let old = set.primary_port().await.expect("a primary");
+        let promoted = set.fail_over_to_lagging_replica(25).await;
+        assert_ne!(promoted, old);
+        assert_eq!(set.primary_port().await, Some(promoted));
+        assert!(info(promoted, "replication").await.contains("role:master"));
+    }
+}

@@ -567,3 +567,144 @@ async fn waiters_beyond_max_waiters_are_answered_per_on_timeout() {
     join_within(held, Duration::from_secs(10), "A").await;
     shutdown_all([a, b]).await;
 }
+
+/// `lock.wait_replicas = 1` with the only replica stopped (SIGSTOP): every won lock's
+/// `WAIT` times out, which is `unreplicated`, never a Redis failure. Redis answers a `WAIT`
+/// that timed out only when its event loop next wakes: at its next server tick (every
+/// 100 ms at the default `hz`; here the primary runs at `hz 1`) or on other traffic. The
+/// client used to bound the script and its `WAIT` together by `wait_replicas_timeout +
+/// command_timeout`, so an answer that came later failed the lock it had taken, counted as
+/// `redis_errors{op="lock"}` toward the breaker. Now 20 cold misses, one after the other,
+/// all take their lock, all count `unreplicated`, and none counts as a Redis error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wait_on_a_stopped_replica_is_unreplicated_never_a_redis_failure() {
+    const MISSES: usize = 20;
+    let primary = RedisServer::start().await;
+    let replica = RedisServer::start_replica_of(&primary).await;
+    let mut con = primary.client().await;
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("hz")
+        .arg(1)
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let origin = TestOrigin::start().await;
+    let cg = CgConfig::new(&origin)
+        .redis(&primary)
+        .set("lock", "wait_replicas", "1")
+        .set_str("lock", "wait_replicas_timeout", "100ms")
+        .l1("off")
+        .start()
+        .await;
+    let client = HttpClient::new();
+    replica.pause();
+    common::cold_misses(&client, cg.addr(), "unreplicated", MISSES).await;
+    replica.resume();
+    let exp = metrics(&client, cg.admin_addr()).await;
+    assert_eq!(
+        exp.replicated_locks(),
+        (0.0, MISSES as f64, MISSES as f64),
+        "(redis_errors{{op=\"lock\"}}, acquired, unreplicated)"
+    );
+    assert_eq!(exp.sum("cacheguard_redis_up", &[]), 1.0);
+}
+
+/// The wait deadline is per waiter, wherever it waits. `lock.wait_timeout = 1s`, and the
+/// origin's first answer for the key takes 3 s: 100 requests on the instance whose request
+/// is fetching wait on its in-process flight, and each is answered per `lock.on_timeout`
+/// once its own wait passed 1 s, counted `wait_timeout` (not after the fetch, as before):
+///
+/// - `origin`: `200 BYPASS` from one more origin request (300 ms) that the 100 share (2 in
+///   all, not 101: one such fetch per key at a time per instance), stored nowhere;
+/// - `error`: `503` with `Retry-After`, no more origin request.
+///
+/// In embedded mode (no Redis) and in shared mode (the instance holds the fleet lock); the
+/// fetching request itself is answered `200 MISS` when its fetch ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn followers_on_the_fetching_instance_are_answered_at_wait_timeout() {
+    const FOLLOWERS: usize = 100;
+    const WAIT_TIMEOUT: Duration = Duration::from_secs(1);
+    const FETCH: Duration = Duration::from_secs(3);
+    const LONE_FETCH: Duration = Duration::from_millis(300);
+    const TOLERANCE: Duration = Duration::from_millis(500);
+    let redis = RedisServer::start().await;
+    let origin = TestOrigin::start().await;
+    let client = HttpClient::new();
+    for shared in [false, true] {
+        for on_timeout in ["origin", "error"] {
+            let mode = if shared { "shared" } else { "embedded" };
+            let path = format!("/api/items/followers-{mode}-{on_timeout}");
+            let mut cfg = CgConfig::new(&origin)
+                .set_str("lock", "wait_timeout", "1s")
+                .set_str("lock", "on_timeout", on_timeout);
+            if shared {
+                cfg = cfg.redis(&redis);
+            }
+            let cg = cfg.start().await;
+            origin.set_delay(&path, FETCH);
+            let fetching = Instant::now();
+            let holder = client.spawn_get(&url(cg.addr(), &path));
+            wait_origin_count(&origin, &path, 1, Duration::from_secs(3)).await;
+            // The next requests are quicker (the followers' lone fetch).
+            origin.set_delay(&path, LONE_FETCH);
+            let answers = common::concurrently(FOLLOWERS, Duration::from_secs(10), |_| {
+                let client = client.clone();
+                let url = url(cg.addr(), &path);
+                async move {
+                    let sent = Instant::now();
+                    (client.try_get(&url).await, sent.elapsed())
+                }
+            })
+            .await;
+            let who = format!("{mode}, on_timeout = {on_timeout}");
+            let mut slowest = Duration::ZERO;
+            for (i, (r, took)) in answers.iter().enumerate() {
+                let r = r
+                    .as_ref()
+                    .unwrap_or_else(|e| panic!("{who}: follower {i}: {e}"));
+                slowest = slowest.max(*took);
+                let fetched = if on_timeout == "origin" {
+                    LONE_FETCH
+                } else {
+                    Duration::ZERO
+                };
+                assert!(
+                    *took <= WAIT_TIMEOUT + fetched + TOLERANCE,
+                    "{who}: follower {i} answered after {took:?}, not at wait_timeout: {r}"
+                );
+                match on_timeout {
+                    "origin" => assert_eq!(
+                        (r.status.as_u16(), r.x_cache().as_str()),
+                        (200, "BYPASS"),
+                        "{who}: follower {i}: {r}"
+                    ),
+                    _ => {
+                        assert_eq!(r.status, 503, "{who}: follower {i}: {r}");
+                        assert!(r.header("retry-after").is_some(), "{who}: {r}");
+                    }
+                }
+            }
+            eprintln!("{who}: slowest follower {slowest:?}");
+            let fetches = if on_timeout == "origin" { 2 } else { 1 };
+            assert_eq!(origin.count(&path), fetches, "{who}: origin requests");
+            let exp = metrics(&client, cg.admin_addr()).await;
+            assert_eq!(
+                exp.lock_events("wait_timeout"),
+                FOLLOWERS as f64,
+                "{who}: each follower's timeout is counted"
+            );
+            let holder = holder.await.unwrap().unwrap();
+            assert_eq!(
+                (holder.status.as_u16(), holder.x_cache().as_str()),
+                (200, "MISS"),
+                "{who}: {holder}"
+            );
+            assert!(
+                fetching.elapsed() >= FETCH,
+                "{who}: the first fetch was not slow"
+            );
+            assert_eq!(origin.count(&path), fetches, "{who}: origin requests");
+        }
+    }
+}

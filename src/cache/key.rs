@@ -235,6 +235,7 @@ mod tests {
             freshness: crate::config::FreshnessSource::Route,
             heuristic: 0.0,
             max_variants: 64,
+            variant_overflow_rate: 10,
             query,
             vary: vary.iter().map(|v| HeaderName::from_static(v)).collect(),
             forward_client_headers: vec![],

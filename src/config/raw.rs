@@ -153,6 +153,9 @@ pub(super) struct RawServer {
     pub(super) shutdown_grace: HumanDuration,
     pub(super) worker_threads: usize,
     pub(super) max_connections: Spanned<usize>,
+    pub(super) body_buffer_bytes: Spanned<u64>,
+    /// `None` = the system's temporary directory.
+    pub(super) body_spool_dir: Option<Spanned<String>>,
 }
 
 impl Default for RawServer {
@@ -166,6 +169,8 @@ impl Default for RawServer {
             shutdown_grace: HumanDuration::secs(10),
             worker_threads: 0,
             max_connections: unspanned(10_000),
+            body_buffer_bytes: unspanned(64 * 1024),
+            body_spool_dir: None,
         }
     }
 }
@@ -183,6 +188,8 @@ pub(super) struct RawUpstream {
     pub(super) queue_timeout: HumanDuration,
     pub(super) max_buffered_bytes: Spanned<u64>,
     pub(super) upload_timeout: Spanned<HumanDuration>,
+    pub(super) upload_min_rate: u32,
+    pub(super) upload_deadline: Spanned<HumanDuration>,
     pub(super) pool_max_idle: usize,
     pub(super) pool_idle_timeout: Spanned<HumanDuration>,
 }
@@ -198,6 +205,8 @@ impl Default for RawUpstream {
             queue_timeout: HumanDuration::millis(100),
             max_buffered_bytes: unspanned(256 << 20),
             upload_timeout: unspanned(HumanDuration::secs(10)),
+            upload_min_rate: 500,
+            upload_deadline: unspanned(HumanDuration::secs(300)),
             pool_max_idle: 64,
             pool_idle_timeout: unspanned(HumanDuration::secs(4)),
         }
@@ -285,6 +294,7 @@ pub(super) struct RawCache {
     pub(super) freshness: RawFreshness,
     pub(super) heuristic: Spanned<f64>,
     pub(super) max_variants: usize,
+    pub(super) variant_overflow_rate: u32,
 }
 
 impl Default for RawCache {
@@ -300,6 +310,7 @@ impl Default for RawCache {
             freshness: RawFreshness(FreshnessSource::Route),
             heuristic: unspanned(0.0),
             max_variants: 64,
+            variant_overflow_rate: 10,
         }
     }
 }
@@ -349,6 +360,7 @@ pub(super) struct RawRoute {
     pub(super) freshness: Option<RawFreshness>,
     pub(super) heuristic: Option<Spanned<f64>>,
     pub(super) max_variants: Option<usize>,
+    pub(super) variant_overflow_rate: Option<u32>,
     /// `None` = `"sorted"`.
     pub(super) query: Option<Spanned<RawQuery>>,
     #[serde(default)]

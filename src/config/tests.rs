@@ -77,6 +77,10 @@ fn example_file_parses_with_the_documented_values() {
     assert_eq!(config.upstream.max_rps, 0);
     assert_eq!(config.upstream.queue_timeout, Duration::from_millis(100));
     assert_eq!(config.upstream.pool_max_idle, 64);
+    assert_eq!(config.upstream.upload_timeout, Duration::from_secs(10));
+    assert_eq!(config.upstream.upload_min_rate, 500);
+    assert_eq!(config.upstream.upload_deadline, Duration::from_secs(300));
+    assert_eq!(config.server.body_buffer_bytes, 65536);
     assert_eq!(
         config.upstream.pool_idle_timeout,
         Duration::from_secs(4),
@@ -190,6 +194,10 @@ fn example_file_documents_every_key() {
         "queue_timeout",
         "max_buffered_bytes",
         "upload_timeout",
+        "upload_min_rate",
+        "upload_deadline",
+        "body_buffer_bytes",
+        "body_spool_dir",
         "pool_max_idle",
         "pool_idle_timeout",
         "freshness",
@@ -284,6 +292,10 @@ fn defaults_apply_to_a_minimal_file() {
     assert_eq!(config.server.max_header_bytes, 16384);
     assert_eq!(config.server.max_headers, 100, "hyper's default");
     assert_eq!(config.server.max_body_bytes, 10 * 1024 * 1024);
+    assert_eq!(config.server.body_buffer_bytes, 64 * 1024);
+    assert_eq!(config.server.body_spool_dir, std::env::temp_dir());
+    assert_eq!(config.upstream.upload_min_rate, 500);
+    assert_eq!(config.upstream.upload_deadline, Duration::from_secs(300));
     assert_eq!(config.upstream.max_concurrency, 256);
     assert_eq!(config.upstream.queue_timeout, Duration::from_millis(100));
     assert!(config.redis.is_none(), "no [redis] = embedded mode");
@@ -361,6 +373,31 @@ fn query_policy_variants() {
     );
 }
 
+#[test]
+fn variant_overflow_rate_is_inherited_and_overridden() {
+    let routes = |cache: &str, route: &str| {
+        let text = with_minimal(&format!(
+            "{cache}\n[[routes]]\nname = \"r\"\nmatch = \"/r\"\n{route}\n"
+        ));
+        let r = load(&text).unwrap().routes.remove(0);
+        (r.max_variants, r.variant_overflow_rate)
+    };
+    assert_eq!(routes("", ""), (64, 10), "the defaults");
+    assert_eq!(
+        routes("[cache]\nvariant_overflow_rate = 0", ""),
+        (64, 0),
+        "from [cache]"
+    );
+    assert_eq!(
+        routes(
+            "[cache]\nvariant_overflow_rate = 0",
+            "variant_overflow_rate = 3"
+        ),
+        (64, 3),
+        "the route's own"
+    );
+}
+
 // === one test per kind of error; each asserts the whole line, file:line: key: message ===
 
 #[test]
@@ -384,7 +421,8 @@ fn unknown_key_lists_the_known_ones() {
     assert_eq!(
         problem(&with_minimal("[cache]\ntll = \"5s\"\n")),
         "test.toml:4: cache.tll: unknown key, expected one of ttl, jitter, grace, negative_ttl, \
-         max_entry_bytes, l1_max_bytes, l1, freshness, heuristic, max_variants"
+         max_entry_bytes, l1_max_bytes, l1, freshness, heuristic, max_variants, \
+         variant_overflow_rate"
     );
 }
 
@@ -396,7 +434,7 @@ fn unknown_key_in_a_route() {
         )),
         "test.toml:6: routes[0].cache_ttl: unknown key, expected one of name, match, methods, \
          ttl, jitter, grace, negative_ttl, max_entry_bytes, l1, freshness, heuristic, max_variants, \
-         query, vary, forward_client_headers, invalidate, \
+         variant_overflow_rate, query, vary, forward_client_headers, invalidate, \
          double_delete_delay, early_refresh_beta, bloom, bloom_add, warmup, stock, serialize, \
          version, version_floor_ttl"
     );
@@ -719,6 +757,23 @@ fn out_of_range_numbers() {
         "test.toml:3: upstream.max_concurrency: expected an integer of at least 1, got 0"
     );
     assert_eq!(
+        problem("[upstream]\nurl = \"http://127.0.0.1:9000\"\nupload_deadline = \"0s\"\n"),
+        "test.toml:3: upstream.upload_deadline: expected a duration above zero like \"5m\" \
+         (every request body has a deadline; make it long for large uploads)"
+    );
+    assert_eq!(
+        problem("[upstream]\nurl = \"http://127.0.0.1:9000\"\nupload_min_rate = -1\n"),
+        "test.toml:3: upstream.upload_min_rate: expected an integer from 0 to 4294967295, got -1"
+    );
+    // A write's body reserves its in-memory part in max_buffered_bytes.
+    assert_eq!(
+        problem(&with_minimal(
+            "max_buffered_bytes = 2097152\n[server]\nbody_buffer_bytes = 4194304\n"
+        )),
+        "test.toml:5: server.body_buffer_bytes: 4194304 is above upstream.max_buffered_bytes \
+         (2097152), where it is reserved: one request body would hold the whole budget"
+    );
+    assert_eq!(
         problem("[upstream]\nurl = \"http://127.0.0.1:9000\"\npool_idle_timeout = \"0s\"\n"),
         "test.toml:3: upstream.pool_idle_timeout: expected a duration above zero like \"4s\" \
          (pool_max_idle = 0 keeps no idle connection)"
@@ -976,7 +1031,8 @@ fn forward_client_headers_rules() {
              headers cacheguard drops before forwarding (forwarded, x-forwarded-host, \
              x-forwarded-port, x-forwarded-server, x-forwarded-scheme, x-forwarded-ssl, \
              x-forwarded-prefix, x-real-ip, x-client-ip, x-host, x-original-url, x-rewrite-url, \
-             x-original-host, x-http-method-override, x-http-method, x-method-override), got \
+             x-original-host, x-http-method-override, x-http-method, x-method-override, \
+             x-original-method), got \
              {got:?}"
         )
     };
@@ -2060,5 +2116,53 @@ fn serialize_and_version_errors_name_the_line_and_key() {
         problem(&with_seat_routes("", "version_floor_ttl = \"5s\"")),
         "test.toml:11: routes[1].version_floor_ttl: only a write route with `version` sets a \
          floor: add version = { header = \"…\" } to this write route, or remove this key"
+    );
+}
+
+#[test]
+fn the_spool_directory_must_take_a_file() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = load(&with_minimal(&format!(
+        "[server]\nbody_spool_dir = {:?}\n",
+        dir.path().display().to_string()
+    )))
+    .expect("a writable directory");
+    assert_eq!(config.server.body_spool_dir, dir.path());
+    // Relative to the config file, like the journal.
+    let config = Config::from_toml(
+        &with_minimal("[server]\nbody_spool_dir = \"spool\"\n"),
+        &dir.path().join("cacheguard.toml").display().to_string(),
+        &no_env(),
+    );
+    let missing = dir.path().join("spool");
+    let problems: Vec<String> = config
+        .expect_err("no such directory")
+        .problems
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+    assert_eq!(problems.len(), 1, "{problems:?}");
+    let expected = format!(
+        "{}:4: server.body_spool_dir: cannot make a temporary file in {}: ",
+        dir.path().join("cacheguard.toml").display(),
+        missing.display()
+    );
+    assert!(problems[0].starts_with(&expected), "{}", problems[0]);
+    assert!(
+        problems[0].ends_with("(request bodies over server.body_buffer_bytes are spooled there)"),
+        "{}",
+        problems[0]
+    );
+    std::fs::create_dir(&missing).expect("create it");
+    let config = Config::from_toml(
+        &with_minimal("[server]\nbody_spool_dir = \"spool\"\n"),
+        &dir.path().join("cacheguard.toml").display().to_string(),
+        &no_env(),
+    )
+    .expect("now it exists");
+    assert_eq!(config.server.body_spool_dir, missing);
+    assert_eq!(
+        problem(&with_minimal("[server]\nbody_spool_dir = \"\"\n")),
+        "test.toml:4: server.body_spool_dir: expected a directory path, got \"\""
     );
 }

@@ -550,6 +550,9 @@ impl Checker<'_> {
             header_read_timeout: raw.server.header_read_timeout.0,
             shutdown_grace: raw.server.shutdown_grace.0,
             worker_threads: raw.server.worker_threads,
+            body_buffer_bytes: usize::try_from(*raw.server.body_buffer_bytes.get_ref())
+                .unwrap_or(usize::MAX),
+            body_spool_dir: self.spool_dir(raw.server.body_spool_dir.as_ref()),
         };
         let upstream = self.upstream(raw);
         let redis = raw.redis.as_ref().map(|section| self.redis(section));
@@ -799,10 +802,21 @@ impl Checker<'_> {
                 "expected a duration above zero like \"10s\"",
             );
         }
+        let upload_deadline = up.upload_deadline.get_ref().0;
+        if upload_deadline.is_zero() {
+            self.report(
+                up.upload_deadline.span(),
+                "upstream.upload_deadline",
+                "expected a duration above zero like \"5m\" (every request body has a \
+                 deadline; make it long for large uploads)",
+            );
+        }
         UpstreamConfig {
             url: url.unwrap_or_default(),
             timeout: up.timeout.get_ref().0,
             upload_timeout,
+            upload_min_rate: up.upload_min_rate,
+            upload_deadline,
             connect_timeout: up.connect_timeout.0,
             max_concurrency,
             max_rps: up.max_rps,
@@ -1018,6 +1032,36 @@ impl Checker<'_> {
     }
 
     /// A path from the config, relative to the config file's directory.
+    /// `server.body_spool_dir` (relative to the config file; the system's temporary
+    /// directory when unset), refused unless an anonymous file can be made in it now: a
+    /// write's body over `body_buffer_bytes` waits there.
+    fn spool_dir(&mut self, raw: Option<&Spanned<String>>) -> PathBuf {
+        let (dir, span) = match raw {
+            Some(dir) if dir.get_ref().trim().is_empty() => {
+                self.report(
+                    dir.span(),
+                    "server.body_spool_dir",
+                    "expected a directory path, got \"\"",
+                );
+                return std::env::temp_dir();
+            }
+            Some(dir) => (self.relative_to_config(dir.get_ref()), dir.span()),
+            None => (std::env::temp_dir(), NO_SPAN),
+        };
+        if let Err(error) = tempfile::tempfile_in(&dir) {
+            self.report(
+                span,
+                "server.body_spool_dir",
+                format!(
+                    "cannot make a temporary file in {}: {error} (request bodies over \
+                     server.body_buffer_bytes are spooled there)",
+                    dir.display()
+                ),
+            );
+        }
+        dir
+    }
+
     fn relative_to_config(&self, path: &str) -> PathBuf {
         let path = Path::new(path);
         match Path::new(self.file).parent() {
@@ -1233,6 +1277,18 @@ impl Checker<'_> {
             );
             return;
         }
+        // A write's body reserves its in-memory part in the same budget.
+        let body_buffer = *raw.server.body_buffer_bytes.get_ref();
+        if body_buffer > budget {
+            self.report(
+                raw.server.body_buffer_bytes.span(),
+                "server.body_buffer_bytes",
+                format!(
+                    "{body_buffer} is above upstream.max_buffered_bytes ({budget}), where it \
+                     is reserved: one request body would hold the whole budget"
+                ),
+            );
+        }
         if cache.max_entry_bytes as u64 > budget {
             self.report(
                 span,
@@ -1276,6 +1332,7 @@ impl Checker<'_> {
             freshness: raw.freshness.0,
             heuristic: self.heuristic(&raw.heuristic, "cache.heuristic"),
             max_variants: raw.max_variants,
+            variant_overflow_rate: raw.variant_overflow_rate,
         }
     }
 
@@ -1402,6 +1459,9 @@ impl Checker<'_> {
                 None => cache.heuristic,
             },
             max_variants: raw.max_variants.unwrap_or(cache.max_variants),
+            variant_overflow_rate: raw
+                .variant_overflow_rate
+                .unwrap_or(cache.variant_overflow_rate),
             query,
             vary,
             forward_client_headers,

@@ -160,7 +160,7 @@ impl Invalidator {
         for item in items {
             match self.apply_remote(dist, item, quarantine).await {
                 Ok(()) => report.done += 1,
-                Err(Unavailable) => owed.push(item.clone()),
+                Err(_) => owed.push(item.clone()),
             }
         }
         self.metrics.invalidation(source, "done", report.done);
@@ -331,7 +331,7 @@ impl Invalidator {
                 self.settle_owed(&item);
                 true
             }
-            Err(Unavailable) => false,
+            Err(_) => false,
         }
     }
 

@@ -31,7 +31,8 @@ use redis::aio::{
 };
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
-use redis::{Cmd, ConnectionInfo, Pipeline, RedisFuture, RedisResult, Value};
+use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
+use redis::{Cmd, ConnectionInfo, FromRedisValue, Pipeline, RedisFuture, RedisResult, Value};
 
 use tracing::warn;
 
@@ -79,6 +80,66 @@ impl ConnectionLike for DataConn {
             DataConn::Plain(conn) => conn.get_db(),
             DataConn::Cluster(conn) => conn.get_db(),
         }
+    }
+}
+
+impl DataConn {
+    /// Runs `cmd`, which names no key, on the node a command on `key` goes to: on a
+    /// cluster the primary of `key`'s slot (redis-rs would send a keyless command to any
+    /// node, and `WAIT` to every primary), elsewhere the one server.
+    ///
+    /// # Errors
+    /// What the command or the connection answered.
+    pub(crate) async fn query_beside<T: FromRedisValue>(
+        &mut self,
+        cmd: &Cmd,
+        key: &str,
+    ) -> RedisResult<T> {
+        match self {
+            DataConn::Cluster(conn) => {
+                let node = Route::new(slot_of(key.as_bytes()), SlotAddr::Master);
+                let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(node));
+                let value = conn.route_command(cmd.clone(), routing).await?;
+                Ok(redis::from_redis_value(value)?)
+            }
+            DataConn::Managed(_) | DataConn::Plain(_) => cmd.query_async(self).await,
+        }
+    }
+}
+
+/// How redis-rs retries a command a cluster node answers with a redirection or a "not
+/// now": `MOVED` and `ASK` (followed at once, `ASK` with `ASKING` before the command on the
+/// importing node), `TRYAGAIN` (a multi-key command, such as every Lua script of a fill,
+/// whose slot is being migrated and whose keys are not all on one node yet),
+/// `CLUSTERDOWN`, a dropped connection. Each retry takes one of `retries`, and the
+/// "not now" ones wait `wait_ms` first.
+///
+/// Sized from `command_timeout`, which bounds every command from outside: the retries all
+/// end within half of it, so a `TRYAGAIN` that lasts (a migration of many keys, or one left
+/// half done) comes back as that answer, which [`super::redis`] tells from a failure,
+/// rather than as a timeout, which it cannot. redis-rs counts retries, not time, so the
+/// bound is the count times the wait; the wait is kept short (a slot's keys move in
+/// batches of a few milliseconds each) and at least 1 ms.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct ClusterRetry {
+    pub(crate) retries: u32,
+    pub(crate) wait_ms: u64,
+}
+
+impl ClusterRetry {
+    /// The fewest retries, whatever the timeout: a `MOVED` after a resharding and the
+    /// `ASK` of a key already migrated each take one.
+    const MIN_RETRIES: u32 = 2;
+    const MAX_RETRIES: u32 = 16;
+    const MAX_WAIT_MS: u64 = 50;
+
+    pub(crate) fn within(command_timeout: Duration) -> ClusterRetry {
+        let budget_ms = u64::try_from(command_timeout.as_millis() / 2).unwrap_or(u64::MAX);
+        let wait_ms = (budget_ms / 8).clamp(1, Self::MAX_WAIT_MS);
+        let retries = u32::try_from(budget_ms / wait_ms)
+            .unwrap_or(u32::MAX)
+            .clamp(Self::MIN_RETRIES, Self::MAX_RETRIES);
+        ClusterRetry { retries, wait_ms }
     }
 }
 
@@ -184,14 +245,13 @@ impl Nodes {
                     .iter()
                     .map(|url| node_info(url, config))
                     .collect::<RedisResult<Vec<_>>>()?;
+                let retry = ClusterRetry::within(config.command_timeout);
                 let builder = || {
                     let mut builder = ClusterClient::builder(seeds.clone())
                         .connection_timeout(config.connect_timeout)
-                        // Few, short retries: every command is bounded by command_timeout,
-                        // and the breaker's probe retries for us.
-                        .retries(2)
-                        .min_retry_wait(10)
-                        .max_retry_wait(100);
+                        .retries(retry.retries)
+                        .min_retry_wait(retry.wait_ms)
+                        .max_retry_wait(retry.wait_ms);
                     if let Some(username) = &config.username {
                         builder = builder.username(username);
                     }
@@ -620,6 +680,30 @@ pub(crate) fn parse_cluster_nodes(text: &str) -> Vec<ClusterNode> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cluster_retries_end_within_half_the_command_timeout() {
+        for ms in [1, 10, 20, 50, 100, 250, 1000, 5000, 60_000] {
+            let timeout = Duration::from_millis(ms);
+            let retry = ClusterRetry::within(timeout);
+            assert!(retry.wait_ms >= 1, "{ms} ms: {retry:?}");
+            assert!(
+                retry.retries >= ClusterRetry::MIN_RETRIES,
+                "{ms} ms: {retry:?}"
+            );
+            if ms >= 4 {
+                let waited = Duration::from_millis(retry.wait_ms * u64::from(retry.retries));
+                assert!(waited <= timeout / 2, "{ms} ms: {retry:?} waits {waited:?}");
+            }
+        }
+        assert_eq!(
+            ClusterRetry::within(Duration::from_millis(50)),
+            ClusterRetry {
+                retries: 8,
+                wait_ms: 3
+            }
+        );
+    }
 
     #[test]
     fn slots_follow_the_hash_tag_like_redis() {

@@ -23,7 +23,9 @@
 //!   cluster the probe also wants `cluster_state:ok`;
 //! - with Sentinel, a command that hits a demoted primary (`READONLY`) re-resolves the
 //!   primary and is retried once; a failing primary makes the follower ask the sentinels
-//!   at once, and the connection moves to each new primary they name.
+//!   at once, and the connection moves to each new primary they name;
+//! - answers that say Redis is up do not count toward the breaker: a refusal no retry
+//!   changes ([`Refusals`]), and on a cluster a slot being migrated ([`Migrations`]).
 //!
 //! At start the topology found is logged (mode, primaries, replicas) and exported
 //! (`cacheguard_redis_nodes`); a cluster that does not cover every slot is refused.
@@ -55,9 +57,16 @@ const WAIT_POOL: usize = 16;
 /// How often a closed breaker checks on Redis (every this many probe intervals).
 const UP_CHECK_EVERY: u32 = 4;
 
-/// Redis could not be used for this command (down, timed out, or failed).
+/// Redis could not be used for this command.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Unavailable;
+pub(crate) enum Unavailable {
+    /// Down, timed out, refused, or failed.
+    Down,
+    /// Redis answers, but the command's hash slot is being migrated between two cluster
+    /// nodes and its keys are not all on one of them (`TRYAGAIN` for the whole retry
+    /// budget): the slot cannot take it until the migration ends. Not a failure of Redis.
+    Migrating,
+}
 
 tokio::task_local! {
     /// The Redis commands sent by the task running [`count_commands`]'s future.
@@ -156,6 +165,8 @@ struct Inner {
     back: Arc<tokio::sync::Notify>,
     /// Commands Redis refused, for the rate-limited log.
     refusals: Refusals,
+    /// Commands given up while their slot was migrated, for the rate-limited log.
+    migrations: Migrations,
     /// How long an open breaker stays open at least.
     hysteresis: Mutex<Hysteresis>,
     metrics: Metrics,
@@ -263,6 +274,57 @@ impl Refusals {
             error = %error,
             refused_since_last_line = since,
             hint,
+        );
+    }
+}
+
+/// Cluster commands given up because their hash slot was being migrated (a resharding:
+/// `CLUSTER SETSLOT … MIGRATING/IMPORTING`, then `MIGRATE` key by key). redis-rs follows
+/// `ASK` to the importing node (with `ASKING` before the command) and `MOVED` once the slot
+/// has moved, and retries `TRYAGAIN` within the command's budget (see
+/// [`backend::ClusterRetry`]); what is still `TRYAGAIN` (or a redirection) after that is a
+/// multi-key script whose keys the migration has split, or not all moved yet. Redis is up:
+/// not counted toward the breaker nor as an error, but counted
+/// (`cacheguard_redis_slot_migrating_total`) and logged at most once a minute, with how
+/// many there were meanwhile. What needed the command degrades as without Redis for that
+/// key (a fill: this process alone, kept in L1 only).
+#[derive(Default)]
+struct Migrations {
+    last: Mutex<Option<(tokio::time::Instant, u64)>>,
+}
+
+impl Migrations {
+    /// Whether `error` is a cluster's answer about a slot being migrated.
+    fn is_migration(error: &RedisError) -> bool {
+        use redis::{ErrorKind, ServerErrorKind};
+        matches!(
+            error.kind(),
+            ErrorKind::Server(
+                ServerErrorKind::TryAgain | ServerErrorKind::Ask | ServerErrorKind::Moved
+            )
+        )
+    }
+
+    fn log(&self, op: RedisOp, key: Option<&[u8]>, error: &RedisError) {
+        let now = tokio::time::Instant::now();
+        let mut last = self.last.lock().unwrap_or_else(PoisonError::into_inner);
+        let since = match &mut *last {
+            Some((at, suppressed)) if now.duration_since(*at) < REFUSAL_LOG_EVERY => {
+                *suppressed += 1;
+                return;
+            }
+            Some((_, suppressed)) => *suppressed,
+            None => 0,
+        };
+        *last = Some((now, 0));
+        drop(last);
+        warn!(
+            message = "A Redis Cluster hash slot is being migrated (resharding): a command on its keys was still answered TRYAGAIN (or ASK/MOVED) after its retries, and was given up. Redis is up: not counted toward the breaker. What needed the command goes on as without Redis for those keys (a fill: this process alone) until the slot has moved.",
+            op = ?op,
+            code = error.code().unwrap_or("?"),
+            slot = key.map(backend::slot_of),
+            error = %error,
+            migrating_since_last_line = since,
         );
     }
 }
@@ -408,6 +470,7 @@ impl RedisConn {
             run_id: Mutex::new(None),
             back: Arc::new(tokio::sync::Notify::new()),
             refusals: Refusals::default(),
+            migrations: Migrations::default(),
             hysteresis: Mutex::new(Hysteresis::default()),
             metrics,
         });
@@ -652,20 +715,26 @@ impl RedisConn {
         topology
     }
 
-    /// Runs `attempt` on the shared connection, bounded by `command_timeout`; with
-    /// Sentinel, a `READONLY` answer (the primary was demoted) re-resolves the primary and
-    /// retries once on the new one. Counted toward the breaker.
-    async fn run<T, F, Fut>(&self, op: RedisOp, attempt: F) -> Result<T, Unavailable>
+    /// Runs `attempt` (whose first key is `key`, for the log) on the shared connection,
+    /// bounded by `command_timeout`; with Sentinel, a `READONLY` answer (the primary was
+    /// demoted) re-resolves the primary and retries once on the new one. Counted toward the
+    /// breaker.
+    async fn run<T, F, Fut>(
+        &self,
+        op: RedisOp,
+        key: Option<&[u8]>,
+        attempt: F,
+    ) -> Result<T, Unavailable>
     where
         F: Fn(DataConn) -> Fut,
         Fut: Future<Output = Result<T, RedisError>>,
     {
         if !self.is_up() {
-            return Err(Unavailable);
+            return Err(Unavailable::Down);
         }
         let Some(conn) = self.shared() else {
             self.failed("no Redis connection to use");
-            return Err(Unavailable);
+            return Err(Unavailable::Down);
         };
         let started = Instant::now();
         let timeout = self.inner.command_timeout;
@@ -700,7 +769,7 @@ impl RedisConn {
                 sentinel.poke();
             }
         }
-        self.settle(op, started, result)
+        self.settle(op, key, started, result)
     }
 
     pub(crate) fn mode(&self) -> RedisMode {
@@ -729,7 +798,8 @@ impl RedisConn {
         args: &[&[u8]],
     ) -> Result<T, Unavailable> {
         let invocation = &invocation(script, keys, args);
-        self.run(op, |mut conn| async move {
+        let key = keys.first().map(|key| key.as_bytes());
+        self.run(op, key, |mut conn| async move {
             invocation.invoke_async(&mut conn).await
         })
         .await
@@ -753,7 +823,7 @@ impl RedisConn {
             return self.query(RedisOp::Get, &cmd).await;
         }
         if !self.is_up() {
-            return Err(Unavailable);
+            return Err(Unavailable::Down);
         }
         let Some(mut conn) = self.thread_conn().await else {
             return self.query(RedisOp::Get, &cmd).await;
@@ -788,7 +858,7 @@ impl RedisConn {
             ThreadConn::forget(&self.inner);
             return self.query(RedisOp::Get, &cmd).await;
         }
-        self.settle(RedisOp::Get, started, result)
+        self.settle(RedisOp::Get, Some(key.as_bytes()), started, result)
     }
 
     /// This thread's own read connection to the standalone Redis, made now when there is
@@ -817,7 +887,13 @@ impl RedisConn {
     ) -> Result<Option<Vec<u8>>, Unavailable> {
         let mut cmd = redis::cmd("GET");
         cmd.arg(key);
-        self.bulk_run(RedisOp::Get, timeout, &Bulk::Cmd(&cmd)).await
+        self.bulk_run(
+            RedisOp::Get,
+            Some(key.as_bytes()),
+            timeout,
+            &Bulk::Cmd(&cmd),
+        )
+        .await
     }
 
     /// One command on the shared connection: refused at once while the breaker is open,
@@ -827,20 +903,30 @@ impl RedisConn {
         op: RedisOp,
         cmd: &redis::Cmd,
     ) -> Result<T, Unavailable> {
-        self.run(op, |mut conn| async move {
+        self.run(op, first_arg(cmd), |mut conn| async move {
             cmd.query_async::<T>(&mut conn).await
         })
         .await
     }
 
-    /// Runs a script (`EVAL source`), then `WAIT replicas timeout`, as one pipeline on one
-    /// connection: the script's answer and how many replicas had its writes in time (0 when
-    /// `WAIT` failed).
+    /// Runs a script (`EVAL source`), then `WAIT replicas timeout` on the same connection:
+    /// the script's answer and how many replicas had its writes in time.
     ///
     /// `WAIT` covers the writes of the connection it is sent on and blocks that connection
     /// meanwhile, so both run on a connection of their own, taken from a small pool: the
-    /// shared connection's pipeline never waits on a replica. On a cluster the pipeline goes
-    /// to the node of the script's keys (`WAIT` names none), so the two stay together.
+    /// shared connection's pipeline never waits on a replica. On a cluster the `WAIT` goes
+    /// to the primary of the script's first key, where the script ran.
+    ///
+    /// The script is a command like any other: bounded by `command_timeout`, a failure of
+    /// it counted toward the breaker. The `WAIT` is not: it is sent once the script has
+    /// answered (one round trip more, so the two answers are told apart), and whatever
+    /// becomes of it — fewer replicas, an error, or no answer within `timeout` +
+    /// `command_timeout` — reads as 0 replicas, never as a Redis failure. Redis answers a
+    /// `WAIT` that timed out at its next server tick (up to 100 ms late at the default
+    /// `hz`), so a bound close to `timeout` is met or missed by chance: when one pipeline
+    /// carried both, a late `WAIT` failed the lock taken before it. A connection whose
+    /// `WAIT` did not answer in time is not reused (Redis would run its next command only
+    /// after that `WAIT`).
     pub(crate) async fn run_script_replicated<T: FromRedisValue>(
         &self,
         op: RedisOp,
@@ -851,7 +937,7 @@ impl RedisConn {
         timeout: Duration,
     ) -> Result<(T, i64), Unavailable> {
         if !self.is_up() {
-            return Err(Unavailable);
+            return Err(Unavailable::Down);
         }
         let started = Instant::now();
         let pooled = self
@@ -874,39 +960,54 @@ impl RedisConn {
                 Ok(Ok(conn)) => conn,
                 _ => {
                     self.failed("no connection for a replicated lock");
-                    return Err(Unavailable);
+                    return Err(Unavailable::Down);
                 }
             },
         };
-        let mut pipe = redis::pipe();
-        let eval = pipe.cmd("EVAL").arg(source).arg(keys.len());
+        let mut eval = redis::cmd("EVAL");
+        eval.arg(source).arg(keys.len());
         for key in keys {
             eval.arg(*key);
         }
         for arg in args {
             eval.arg(*arg);
         }
-        pipe.cmd("WAIT").arg(replicas).arg(
+        add_commands(1);
+        let result = tokio::time::timeout(
+            self.inner.command_timeout,
+            self.inner.io.enter(eval.query_async::<T>(&mut conn)),
+        )
+        .await;
+        let first_key = keys.first().copied().unwrap_or_default();
+        let value = self.settle(op, Some(first_key.as_bytes()), started, result)?;
+        let mut wait = redis::cmd("WAIT");
+        wait.arg(replicas).arg(
             u64::try_from(timeout.as_millis())
                 .unwrap_or(u64::MAX)
                 .max(1),
         );
-        // The script and its WAIT.
-        add_commands(2);
-        let result = tokio::time::timeout(
+        add_commands(1);
+        let acked = tokio::time::timeout(
             timeout + self.inner.command_timeout,
-            self.inner.io.enter(pipe.query_async::<(T, i64)>(&mut conn)),
+            self.inner
+                .io
+                .enter(conn.query_beside::<i64>(&wait, first_key)),
         )
         .await;
-        let (value, acked) = self.settle(op, started, result)?;
-        let mut pool = self
-            .inner
-            .wait_pool
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if pool.len() < WAIT_POOL {
-            pool.push(conn);
-        }
+        let acked = match acked {
+            Ok(Ok(acked)) => {
+                let mut pool = self
+                    .inner
+                    .wait_pool
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                if pool.len() < WAIT_POOL {
+                    pool.push(conn);
+                }
+                acked
+            }
+            Ok(Err(_)) | Err(_) => 0,
+        };
         Ok((value, acked))
     }
 
@@ -920,7 +1021,7 @@ impl RedisConn {
         cmd: &redis::Cmd,
         timeout: Duration,
     ) -> Result<T, Unavailable> {
-        self.bulk_run(RedisOp::Bloom, timeout, &Bulk::Cmd(cmd))
+        self.bulk_run(RedisOp::Bloom, first_arg(cmd), timeout, &Bulk::Cmd(cmd))
             .await
     }
 
@@ -935,7 +1036,9 @@ impl RedisConn {
         timeout: Duration,
     ) -> Result<T, Unavailable> {
         let invocation = invocation(script, keys, args);
-        self.bulk_run(op, timeout, &Bulk::Script(&invocation)).await
+        let key = keys.first().map(|key| key.as_bytes());
+        self.bulk_run(op, key, timeout, &Bulk::Script(&invocation))
+            .await
     }
 
     /// One attempt on the bulk connection, then one more on a fresh connection if the kept
@@ -944,11 +1047,12 @@ impl RedisConn {
     async fn bulk_run<T: FromRedisValue>(
         &self,
         op: RedisOp,
+        key: Option<&[u8]>,
         timeout: Duration,
         bulk: &Bulk<'_>,
     ) -> Result<T, Unavailable> {
         if !self.is_up() {
-            return Err(Unavailable);
+            return Err(Unavailable::Down);
         }
         let result = tokio::time::timeout(
             timeout,
@@ -981,24 +1085,31 @@ impl RedisConn {
         .await;
         match result {
             Ok(Ok(value)) => Ok(value),
+            Ok(Err(error)) if Migrations::is_migration(&error) => {
+                self.inner.metrics.redis_slot_migrating(op);
+                self.inner.migrations.log(op, key, &error);
+                Err(Unavailable::Migrating)
+            }
             Ok(Err(error)) => {
                 self.inner.metrics.redis_error(op);
                 warn!(message = "Redis bulk command failed.", %error);
-                Err(Unavailable)
+                Err(Unavailable::Down)
             }
             Err(_) => {
                 self.inner.metrics.redis_error(op);
                 warn!(message = "Redis bulk command timed out.", timeout = ?timeout);
-                Err(Unavailable)
+                Err(Unavailable::Down)
             }
         }
     }
 
     /// Turns a bounded command result into a value or `Unavailable`, counting failures
-    /// toward opening the breaker.
+    /// toward opening the breaker (not a refusal, nor a slot being migrated: Redis
+    /// answered). `key` is the command's first key, for the log.
     fn settle<T>(
         &self,
         op: RedisOp,
+        key: Option<&[u8]>,
         started: Instant,
         result: Result<Result<T, RedisError>, tokio::time::error::Elapsed>,
     ) -> Result<T, Unavailable> {
@@ -1010,15 +1121,20 @@ impl RedisConn {
                 self.inner.failures.store(0, Ordering::Relaxed);
                 Ok(value)
             }
+            Ok(Err(error)) if Migrations::is_migration(&error) => {
+                self.inner.metrics.redis_slot_migrating(op);
+                self.inner.migrations.log(op, key, &error);
+                Err(Unavailable::Migrating)
+            }
             Ok(Err(error)) if Refusals::is_refusal(&error) => {
                 self.inner.metrics.redis_error(op);
                 self.inner.refusals.log(op, &error);
-                Err(Unavailable)
+                Err(Unavailable::Down)
             }
             Ok(Err(error)) => {
                 self.inner.metrics.redis_error(op);
                 self.failed(&format!("{op:?} failed: {error}"));
-                Err(Unavailable)
+                Err(Unavailable::Down)
             }
             Err(_) => {
                 self.inner.metrics.redis_error(op);
@@ -1026,7 +1142,7 @@ impl RedisConn {
                     "{op:?} timed out after {:?}",
                     self.inner.command_timeout
                 ));
-                Err(Unavailable)
+                Err(Unavailable::Down)
             }
         }
     }
@@ -1219,6 +1335,14 @@ impl RedisConn {
     }
 }
 
+/// The first argument of `cmd` (its key, for most commands).
+fn first_arg(cmd: &redis::Cmd) -> Option<&[u8]> {
+    match cmd.args_iter().nth(1)? {
+        redis::Arg::Simple(arg) => Some(arg),
+        _ => None,
+    }
+}
+
 /// A demoted primary's answer to a write (also inside a script).
 fn is_readonly(error: &RedisError) -> bool {
     error.code() == Some("READONLY") || error.to_string().contains("READONLY")
@@ -1268,6 +1392,32 @@ mod tests {
         tokio::time::advance(FLAP_WINDOW).await;
         h.opened();
         assert!(h.may_close());
+    }
+
+    /// A server's error answer, as redis-rs hands it over.
+    fn answer(line: &str) -> RedisError {
+        let value = redis::parse_redis_value(format!("-{line}\r\n").as_bytes()).expect("RESP");
+        value.extract_error().expect_err("an error answer")
+    }
+
+    #[test]
+    fn a_slot_being_migrated_is_neither_a_failure_nor_a_refusal() {
+        for line in [
+            "TRYAGAIN Multiple keys request during rehashing of slot",
+            "ASK 3999 127.0.0.1:6381",
+            "MOVED 3999 127.0.0.1:6381",
+        ] {
+            let error = answer(line);
+            assert!(Migrations::is_migration(&error), "{line}");
+            assert!(!Refusals::is_refusal(&error), "{line}");
+        }
+        for line in [
+            "NOPERM this user has no permissions",
+            "CLUSTERDOWN The cluster is down",
+            "ERR Script attempted to access a non local key in a cluster node",
+        ] {
+            assert!(!Migrations::is_migration(&answer(line)), "{line}");
+        }
     }
 
     #[tokio::test(start_paused = true)]

@@ -121,9 +121,11 @@ return 0
 /// Releases the lock without a fill (the fetch failed or the answer is not shareable), and
 /// tells the waiters why; a failed fetch may leave a copy of its answer for them.
 ///
-/// - `KEYS[1]` lock, `KEYS[2]` the failure's key
+/// - `KEYS[1]` lock, `KEYS[2]` the failure's key, named only when a failure is left: a
+///   script of one key runs on a Redis Cluster slot being migrated (redis-rs follows its
+///   `ASK`), one of two keys only once they are on one node (`TRYAGAIN` meanwhile)
 /// - `ARGV[1]` token, `ARGV[2]` channel, `ARGV[3]` event message, `ARGV[4]` the encoded
-///   failure (empty: none), `ARGV[5]` how long it is kept, in ms
+///   failure (empty: none, and no `KEYS[2]`), `ARGV[5]` how long it is kept, in ms
 /// - returns 1 when released (and published), 0 when the lock was no longer ours: a late
 ///   release never deletes a newer holder's lock, and never wakes its waiters.
 pub(crate) static RELEASE: LazyLock<Script> = LazyLock::new(|| {

@@ -137,7 +137,7 @@ impl RedisStore {
         let turn = Arc::clone(&self.large_turn).acquire_owned();
         match tokio::time::timeout(LARGE_VALUE_TIMEOUT, turn).await {
             Ok(Ok(turn)) => Ok(Some(turn)),
-            _ => Err(Unavailable),
+            _ => Err(Unavailable::Down),
         }
     }
 
@@ -574,20 +574,44 @@ impl RedisStore {
     }
 
     /// Releases the lock without a fill, telling waiters `why` (`Released`: one of them
-    /// takes over; `Uncacheable`: each fetches for itself).
+    /// takes over; `Uncacheable`: each fetches for itself; `Failed`: they answer with
+    /// `failure`, left in Redis for a moment).
+    ///
+    /// On a Redis Cluster slot being migrated, a release that leaves a failure (two keys)
+    /// cannot run until the migration ends (`TRYAGAIN`): the lock is then released alone
+    /// (one key, which runs wherever the key is) and the waiters told `released`, so they
+    /// take over at once rather than at the lease's end.
     pub(crate) async fn release(
         &self,
         lease: &Lease,
         why: EventKind,
         failure: Option<&[u8]>,
     ) -> Result<bool, Unavailable> {
+        match self.release_once(lease, why, failure).await {
+            Err(Unavailable::Migrating) if failure.is_some() => {
+                self.release_once(lease, EventKind::Released, None).await
+            }
+            released => released,
+        }
+    }
+
+    async fn release_once(
+        &self,
+        lease: &Lease,
+        why: EventKind,
+        failure: Option<&[u8]>,
+    ) -> Result<bool, Unavailable> {
         let keep_ms = FAILURE_KEPT.as_millis().to_string();
+        let mut keys = vec![lease.names.lock.as_str()];
+        if failure.is_some() {
+            keys.push(&lease.names.failure);
+        }
         let released: i64 = self
             .redis
             .run_script(
                 RedisOp::Release,
                 &scripts::RELEASE,
-                &[&lease.names.lock, &lease.names.failure],
+                &keys,
                 &[
                     lease.token.as_bytes(),
                     self.bus.channel.as_bytes(),

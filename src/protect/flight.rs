@@ -6,15 +6,21 @@
 //! a leader that is cancelled (client hung up, shutdown) publishes `Abandoned`, and the
 //! followers race to elect a new leader among themselves.
 //!
+//! Each follower waits until a deadline of its own (`lock.wait_timeout` after it began
+//! waiting, whatever its leader waits on): past it, [`Follower::wait`] says so
+//! ([`Waited::TimedOut`]) and the caller answers per `lock.on_timeout`. The first follower
+//! of a flight to time out is told it is the first, so a flight's timeouts are logged once.
+//!
 //! Across instances the same shape repeats on the Redis lock: see [`fleet`].
 
 pub(crate) mod fleet;
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::Duration;
 
 use tokio::sync::watch;
+use tokio::time::Instant;
 
 use crate::cache::Entry;
 use crate::metrics::Outcome;
@@ -64,6 +70,8 @@ pub(crate) enum FlightKind {
 struct Slot<F> {
     tx: watch::Sender<Option<FlightResult<F>>>,
     kind: FlightKind,
+    /// A follower has timed out waiting on this flight.
+    timed_out: AtomicBool,
 }
 
 /// The table of flights in progress, one per key hash.
@@ -98,6 +106,16 @@ pub(crate) struct Leader<F> {
 /// A waiter on another request's fetch.
 pub(crate) struct Follower<F> {
     rx: watch::Receiver<Option<FlightResult<F>>>,
+    slot: Arc<Slot<F>>,
+}
+
+/// How a follower's wait ended.
+#[derive(Debug)]
+pub(crate) enum Waited<F> {
+    /// The leader finished (or went away) before the deadline.
+    Done(FlightResult<F>),
+    /// The deadline came first; `first` for the first follower of the flight it reached.
+    TimedOut { first: bool },
 }
 
 impl<F> Flights<F> {
@@ -111,11 +129,13 @@ impl<F> Flights<F> {
         if let Some(slot) = map.get(&hash) {
             return Role::Follower(Follower {
                 rx: slot.tx.subscribe(),
+                slot: Arc::clone(slot),
             });
         }
         let slot = Arc::new(Slot {
             tx: watch::Sender::new(None),
             kind,
+            timed_out: AtomicBool::new(false),
         });
         map.insert(hash, Arc::clone(&slot));
         Role::Leader(Leader {
@@ -181,16 +201,20 @@ impl<F> Drop for Leader<F> {
 }
 
 impl<F> Follower<F> {
-    /// Waits for the leader's result, at most `limit`; a timeout reads as `Abandoned`.
+    /// Waits for the leader's result until `deadline`. A result there at the deadline wins
+    /// over the timeout.
     ///
     /// # Cancel safety
     /// Cancel-safe: dropping the future only drops this follower's receiver.
-    pub(crate) async fn wait(mut self, limit: Duration) -> FlightResult<F> {
-        let waited = tokio::time::timeout(limit, self.rx.wait_for(Option::is_some)).await;
+    pub(crate) async fn wait(mut self, deadline: Instant) -> Waited<F> {
+        let waited = tokio::time::timeout_at(deadline, self.rx.wait_for(Option::is_some)).await;
         match waited {
-            Ok(Ok(result)) => result.clone().unwrap_or(FlightResult::Abandoned),
-            // Sender dropped without a value (cannot happen: Drop sends) or timed out.
-            Ok(Err(_)) | Err(_) => FlightResult::Abandoned,
+            Ok(Ok(result)) => Waited::Done(result.clone().unwrap_or(FlightResult::Abandoned)),
+            // Sender dropped without a value (cannot happen: Drop sends).
+            Ok(Err(_)) => Waited::Done(FlightResult::Abandoned),
+            Err(_) => Waited::TimedOut {
+                first: !self.slot.timed_out.swap(true, Ordering::Relaxed),
+            },
         }
     }
 }
@@ -198,7 +222,8 @@ impl<F> Follower<F> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::atomic::AtomicUsize;
+    use std::time::Duration;
 
     #[tokio::test]
     async fn one_leader_many_followers() {
@@ -219,8 +244,8 @@ mod tests {
                     }
                     Role::Follower(f) => {
                         matches!(
-                            f.wait(Duration::from_secs(5)).await,
-                            FlightResult::Uncacheable
+                            f.wait(Instant::now() + Duration::from_secs(5)).await,
+                            Waited::Done(FlightResult::Uncacheable)
                         )
                     }
                 }
@@ -244,8 +269,8 @@ mod tests {
         };
         drop(leader);
         assert!(matches!(
-            follower.wait(Duration::from_secs(1)).await,
-            FlightResult::Abandoned
+            follower.wait(Instant::now() + Duration::from_secs(1)).await,
+            Waited::Done(FlightResult::Abandoned)
         ));
         assert!(matches!(
             flights.join(1, FlightKind::Foreground),
@@ -263,16 +288,45 @@ mod tests {
         assert!(!flights.foreground_in_progress(3));
     }
 
-    #[tokio::test]
-    async fn follower_wait_is_bounded() {
+    /// Each follower's wait ends at its own deadline, however long the leader takes, and
+    /// the first of the flight to time out is told so (one log line per flight). A result
+    /// published before a deadline is that follower's answer.
+    #[tokio::test(start_paused = true)]
+    async fn each_follower_waits_until_its_own_deadline() {
         let flights = Arc::new(Flights::<()>::default());
-        let _leader = flights.join(7, FlightKind::Foreground);
-        let Role::Follower(follower) = flights.join(7, FlightKind::Foreground) else {
-            panic!("second join must follow")
+        let Role::Leader(leader) = flights.join(7, FlightKind::Foreground) else {
+            panic!("first join must lead")
         };
+        let started = Instant::now();
+        let wait_timeout = Duration::from_secs(1);
+        let mut waiting = Vec::new();
+        // Followers join 0, 300 and 600 ms after the leader started.
+        for joined_at in [0, 300, 600] {
+            let flights = Arc::clone(&flights);
+            waiting.push(tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(joined_at)).await;
+                let Role::Follower(follower) = flights.join(7, FlightKind::Foreground) else {
+                    panic!("a join during the flight must follow")
+                };
+                let waited = follower.wait(Instant::now() + wait_timeout).await;
+                (waited, started.elapsed())
+            }));
+        }
+        // The leader takes 1.5 s: the first two followers time out, the third gets it.
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        leader.finish(FlightResult::Uncacheable);
+        let mut ended = Vec::new();
+        for task in waiting {
+            ended.push(task.await.expect("follower task"));
+        }
+        assert!(matches!(ended[0].0, Waited::TimedOut { first: true }));
+        assert_eq!(ended[0].1, Duration::from_millis(1000));
+        assert!(matches!(ended[1].0, Waited::TimedOut { first: false }));
+        assert_eq!(ended[1].1, Duration::from_millis(1300));
         assert!(matches!(
-            follower.wait(Duration::from_millis(20)).await,
-            FlightResult::Abandoned
+            ended[2].0,
+            Waited::Done(FlightResult::Uncacheable)
         ));
+        assert_eq!(ended[2].1, Duration::from_millis(1500));
     }
 }

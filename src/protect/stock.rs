@@ -83,10 +83,6 @@ const IDLE: Duration = Duration::from_secs(3600);
 /// How long consumed reservations are kept for reconciles to count (at least).
 const CONSUMED_KEPT: Duration = Duration::from_secs(60);
 
-/// On a Redis Cluster the segments live on several nodes: a reconcile's start, read on one
-/// node, is moved back this much for the others' clocks.
-const CLOCK_SKEW: Duration = Duration::from_millis(50);
-
 /// Resources this instance keeps state for (marks, last use); the least used beyond are
 /// forgotten (their next buy asks Redis).
 const MAX_RESOURCES: u64 = 100_000;
@@ -98,6 +94,11 @@ const MAX_LOADS: usize = 8;
 /// After a load failed, buys of that resource are refused for this long without asking
 /// the origin again.
 const LOAD_FAILURE_HOLD: Duration = Duration::from_secs(1);
+
+/// A settlement Redis did not take is tried again after this long, then twice as long each
+/// time, up to [`SETTLE_RETRY_MAX`], until its reservation ends.
+const SETTLE_RETRY_FIRST: Duration = Duration::from_millis(50);
+const SETTLE_RETRY_MAX: Duration = Duration::from_secs(1);
 
 /// Longest idempotency key accepted.
 pub(crate) const MAX_KEY_BYTES: usize = 255;
@@ -393,6 +394,9 @@ pub(crate) struct Reservation {
     member: String,
     units: u64,
     key: Option<(IdempotencyKey, u16)>,
+    /// When the reservation ends in the ledger unless settled (a local estimate, from
+    /// before its script was sent).
+    deadline: Instant,
 }
 
 impl Reservation {
@@ -509,18 +513,24 @@ impl Gate {
                 idle_ms,
                 record,
             };
+            let mut sent = Instant::now();
             let mut answer = self.ledger.buy(resource.id, segment, &request).await;
             if matches!(answer, Ok(Buy::Unloaded)) && !loaded {
                 loaded = true;
                 if !self.load(resource).await {
                     return self.refused(StockOutcome::NotLoaded, Admission::NotLoaded);
                 }
+                sent = Instant::now();
                 answer = self.ledger.buy(resource.id, segment, &request).await;
             }
+            let deadline = sent + config.reservation_ttl;
             let answer = match answer {
                 Ok(answer) => answer,
                 Err(_) => {
                     self.metrics.redis_errors.inc();
+                    // The script may have run: whatever it took goes back.
+                    let claim = key.filter(|_| checks_record).zip(home);
+                    self.cancel(resource, segment, member, units, claim);
                     return match config.on_redis_error {
                         OnRedisError::Reject => {
                             self.refused(StockOutcome::Unavailable, Admission::Unavailable)
@@ -568,10 +578,17 @@ impl Gate {
                         member,
                         units,
                         key,
+                        deadline,
                     });
                 }
-                Buy::Short { left, expired } => {
-                    if expired > 0 {
+                Buy::Short {
+                    left,
+                    expired,
+                    reserved,
+                } => {
+                    // Sold out with no buy in flight: the number to check against the
+                    // origin's now, exactly (see `settle_once`).
+                    if expired > 0 || (left == 0 && reserved == 0) {
                         self.reconcile_soon(resource);
                     }
                     resource.mark(segment, left, config.reconcile);
@@ -590,6 +607,7 @@ impl Gate {
                         units: units_of(&record.member).unwrap_or(units),
                         member: record.member,
                         key: Some((k, home.unwrap_or(0))),
+                        deadline,
                     });
                 }
                 Buy::Unloaded => {
@@ -725,10 +743,11 @@ impl Gate {
                 }
                 .encode(),
                 ttl_ms: millis(ttl),
+                forget: false,
             }
         });
         let settle = Settle {
-            member: &reservation.member,
+            member: reservation.member.clone(),
             outcome,
             units: reservation.units,
             idle_ms: millis(idle(config)),
@@ -736,36 +755,118 @@ impl Gate {
             record,
         };
         self.metrics.settled(result);
-        let resource = &reservation.resource;
-        match self
-            .ledger
-            .settle(resource.id, reservation.segment, &settle)
-            .await
-        {
-            Ok(settled) => match settlement {
-                Settlement::NotSold if settled.removed => {
-                    if let Ok(left) = u64::try_from(settled.left)
-                        && left > 0
-                    {
-                        resource.unmark(reservation.segment);
-                        self.publish(StockLevel::Restock, resource.id, reservation.segment, left)
-                            .await;
-                    }
+        self.settle_until(
+            &reservation.resource,
+            reservation.segment,
+            settle,
+            reservation.deadline,
+        )
+        .await;
+    }
+
+    /// Applies `settle`; when Redis does not take it, goes on trying in the background
+    /// until the reservation's `deadline` (after which it expires by itself and a
+    /// reconcile asks the origin). A settlement left undone would hold its units for the
+    /// rest of the reservation's life: an undersell.
+    async fn settle_until(
+        self: &Arc<Self>,
+        resource: &Arc<Resource>,
+        segment: u16,
+        settle: Settle,
+        deadline: Instant,
+    ) {
+        if self.settle_once(resource, segment, &settle).await {
+            return;
+        }
+        let (gate, resource) = (Arc::clone(self), Arc::clone(resource));
+        tokio::spawn(async move {
+            let mut pause = SETTLE_RETRY_FIRST;
+            while Instant::now() + pause < deadline {
+                tokio::time::sleep(pause).await;
+                if gate.settle_once(&resource, segment, &settle).await {
+                    return;
                 }
-                Settlement::OriginSoldOut => {
-                    self.sold_out(resource, reservation.segment, 0).await;
-                    self.reconcile_soon(resource);
-                }
-                Settlement::InDoubt => self.reconcile_soon(resource),
-                _ => {}
-            },
+                pause = (pause * 2).min(SETTLE_RETRY_MAX);
+            }
+            // Past its deadline the reservation is gone anyway: the origin's count decides.
+            gate.reconcile_soon(&resource);
+        });
+    }
+
+    /// One try of `settle`, with what follows from it. `false`: Redis did not answer.
+    async fn settle_once(
+        self: &Arc<Self>,
+        resource: &Arc<Resource>,
+        segment: u16,
+        settle: &Settle,
+    ) -> bool {
+        let settled = match self.ledger.settle(resource.id, segment, settle).await {
+            Ok(settled) => settled,
             Err(_) => {
                 self.metrics.redis_errors.inc();
-                // The reservation will expire; the reconcile that follows takes the
-                // origin's number.
+                return false;
+            }
+        };
+        // The last buy in flight of a sold-out segment settled: a reconcile now is exact (no
+        // reservation to subtract, no sale the origin's number could miss), and gives back
+        // any unit an earlier reconcile counted twice (a sale the origin had already made
+        // while its reservation was still live).
+        if settled.left == 0 && settled.reserved == 0 && settle.outcome == Outcome::Sold {
+            self.reconcile_soon(resource);
+        }
+        match settle.outcome {
+            Outcome::Back if settled.removed => {
+                if let Ok(left) = u64::try_from(settled.left)
+                    && left > 0
+                {
+                    resource.unmark(segment);
+                    self.publish(StockLevel::Restock, resource.id, segment, left)
+                        .await;
+                }
+            }
+            Outcome::NoneLeft => {
+                self.sold_out(resource, segment, 0).await;
                 self.reconcile_soon(resource);
             }
+            Outcome::Doubt => self.reconcile_soon(resource),
+            Outcome::Sold | Outcome::Back => {}
         }
+        true
+    }
+
+    /// A buy whose script may have run but whose answer did not come back: its units (if
+    /// it took any) go back, and its key's record (if it claimed one) is forgotten, so a
+    /// lost answer does not hold units or the key until the reservation ends.
+    fn cancel(
+        self: &Arc<Self>,
+        resource: &Arc<Resource>,
+        segment: u16,
+        member: String,
+        units: u64,
+        key: Option<(IdempotencyKey, u16)>,
+    ) {
+        let settings = self.settings.load();
+        let config = &settings.config;
+        let settle = Settle {
+            member,
+            outcome: Outcome::Back,
+            units,
+            idle_ms: millis(idle(config)),
+            consumed_kept_ms: millis(CONSUMED_KEPT.max(config.reconcile * 4)),
+            record: key.map(|(key, home)| RecordWrite {
+                key: key.hash,
+                home,
+                value: Vec::new(),
+                ttl_ms: 0,
+                forget: true,
+            }),
+        };
+        let deadline = Instant::now() + config.reservation_ttl;
+        let (gate, resource) = (Arc::clone(self), Arc::clone(resource));
+        tokio::spawn(async move {
+            gate.settle_until(&resource, segment, settle, deadline)
+                .await
+        });
     }
 
     /// `segment` of `resource` has `left` units, fewer than some buy asks: marked here, and
@@ -882,13 +983,19 @@ impl Gate {
             self.metrics.reconciles_failed.inc();
             return false;
         };
-        let since = match self.ledger.clock(resource.id).await {
-            Ok(now) => now.saturating_sub(millis(CLOCK_SKEW)),
-            Err(_) => {
-                self.metrics.redis_errors.inc();
-                return false;
+        // When the reconcile began, on the clock of each segment's node (on a cluster they
+        // differ): sales settled after it may be missing from the origin's number.
+        let segments = config.segments.max(1);
+        let mut since = Vec::with_capacity(usize::from(segments));
+        for segment in 0..segments {
+            match self.ledger.clock(resource.id, segment).await {
+                Ok(now) => since.push(now),
+                Err(_) => {
+                    self.metrics.redis_errors.inc();
+                    return false;
+                }
             }
-        };
+        }
         let remaining = match self
             .source
             .remaining(
@@ -915,9 +1022,8 @@ impl Gate {
                 return false;
             }
         };
-        let segments = config.segments.max(1);
         let mut delta: i64 = 0;
-        for segment in 0..segments {
+        for (segment, since) in (0..segments).zip(since) {
             let budget = share(remaining, segments, segment);
             let applied = match self
                 .ledger

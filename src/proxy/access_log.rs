@@ -29,7 +29,8 @@
 //!
 //! A reload (`reload.rs`; `SIGHUP` is one) applies `format`, `sample`, `query` and `path`:
 //! the file is opened again (rotation: rename the file, then `SIGHUP`), and the writer
-//! switches to it before the first line queued after the reload. A file that cannot be
+//! switches to it at the first line begun after the reload (lines begun before still go to
+//! the old file, in the format of their time). A file that cannot be
 //! opened keeps the old log as it was (logged); at start it stops the start. `buffer` needs
 //! a restart. Shutdown waits (bounded) for the lines still queued.
 //!
@@ -93,6 +94,9 @@ struct Settings {
     format: Option<Format>,
     sample: f64,
     query: bool,
+    /// Which opened file the lines of these settings go to: 0 the one opened at start,
+    /// then one more for each file a reload opens.
+    sink: u64,
 }
 
 impl Settings {
@@ -106,6 +110,7 @@ impl Settings {
             format,
             sample: config.sample,
             query: config.query,
+            sink: 0,
         }
     }
 }
@@ -228,6 +233,7 @@ impl AccessLog {
             since: Instant::now(),
             record: Record {
                 format,
+                sink: settings.sink,
                 at: SystemTime::now(),
                 client: client.ip(),
                 version: request.version(),
@@ -275,15 +281,18 @@ impl AccessLog {
     /// # Errors
     /// The file cannot be opened: nothing was changed, the old file and settings stay.
     pub(crate) async fn reconfigure(&self, config: &AccessLogConfig) -> Result<(), String> {
-        let settings = Settings::of(config);
+        let mut settings = Settings::of(config);
+        settings.sink = self.settings.load().sink;
         if settings.format.is_some() {
             // Opening may block (a FIFO waits for its reader): not on the runtime's thread.
             let path = config.path.clone();
             let sink = tokio::task::spawn_blocking(move || Sink::open(&path))
                 .await
                 .map_err(|e| format!("access log: opening {}: {e}", config.path))??;
-            // Before the new settings: the first line they produce finds the new file.
-            self.next_sink.put(sink);
+            // Before the new settings: the first line they produce finds the new file, and
+            // the lines begun before them still go to the old one.
+            settings.sink += 1;
+            self.next_sink.put(settings.sink, sink);
         }
         self.settings.store(Arc::new(settings));
         self.on.store(settings.format.is_some(), Ordering::Relaxed);

@@ -12,9 +12,9 @@ use http_body_util::BodyExt;
 use tracing::warn;
 
 use super::body::Body;
-use super::passthrough::Buffered;
 use super::respond;
 use super::route::Route;
+use super::spool::Spooled;
 use super::write::WritePath;
 use crate::config::AddFrom;
 use crate::protect::bloom::source::{self, MAX_ID_BYTES};
@@ -23,12 +23,12 @@ impl WritePath {
     pub(crate) async fn serve_create(
         &self,
         route: &Arc<Route>,
-        request: Request<Buffered>,
+        request: Request<Spooled>,
         client: SocketAddr,
     ) -> Response<Body> {
         let response = self
             .passthrough
-            .serve(
+            .serve_whole(
                 &route.metrics,
                 request,
                 client,

@@ -3,8 +3,10 @@
 //! ```text
 //! fill ─▶ hit-for-miss key? ─▶ fetch alone, lock-free
 //!      ─▶ join the key's in-process flight
-//!           follower ─▶ wait for the leader's result (bounded); a failed or vanished
-//!                       leader: one follower leads next (at most 3 rounds)
+//!           follower ─▶ wait for the leader's result, until lock.wait_timeout after it
+//!                       began waiting (then lock.on_timeout, as a wait on another
+//!                       instance's fill); a failed or vanished leader: one follower
+//!                       leads next (at most 3 rounds)
 //!           leader   ─▶ lead, in a task of its own (a client hanging up cancels nothing)
 //! lead ─▶ re-check L1/L2 (a fill that just finished has stored already)
 //!      ─▶ Redis usable?
@@ -15,6 +17,10 @@
 //!                   follower ─▶ look in L2; wait for the key's event or the holder's lease
 //!                               end; then read L2, or claim again, or fetch alone; give up
 //!                               after lock.wait_timeout (lock.on_timeout)
+//!
+//! lock.on_timeout = "origin" ─▶ fetch alone, store nothing (BYPASS); the waiters of one key
+//!      that give up in this process while such a fetch runs share it (a flight of their
+//!      own, `lone`): one at a time per key per instance, not one per waiter.
 //! ```
 //!
 //! Stale-while-revalidate and early refreshes use the same path in the background.
@@ -54,6 +60,7 @@ pub(crate) type Flights = crate::protect::flight::Flights<SharedFailure>;
 type FlightResult = crate::protect::flight::FlightResult<SharedFailure>;
 type Leader = crate::protect::flight::Leader<SharedFailure>;
 type Role = crate::protect::flight::Role<SharedFailure>;
+type Waited = crate::protect::flight::Waited<SharedFailure>;
 
 /// How many times a follower joins a new flight after the leader failed or went away,
 /// before it fetches for itself (still through the origin guard).
@@ -93,6 +100,9 @@ pub(crate) struct Filler {
     pub(crate) tiers: Arc<Tiers>,
     /// In-process single-flight (shared with the hot-key gate, which joins running fills).
     pub(crate) flights: Arc<Flights>,
+    /// The fetches that store nothing, of waiters that gave up (`lock.on_timeout =
+    /// "origin"`): the ones of one key share one (see [`Filler::fetch_alone_together`]).
+    pub(crate) lone: Arc<Flights>,
     /// The fleet-wide fill lock; `None` in embedded mode.
     pub(crate) fleet: Option<FleetLock>,
     /// Reloadable (see `reload.rs`).
@@ -125,6 +135,9 @@ impl Filler {
             return self.fetch_and_store(&job).await.respond(head);
         }
         let mut counted = false;
+        // A follower waits lock.wait_timeout at most, whatever its leader waits on (the
+        // origin, another instance's fill), over all its rounds.
+        let deadline = Instant::now() + self.lock.load().wait_timeout;
         for _ in 0..MAX_FLIGHT_ATTEMPTS {
             match self.flights.join(job.key.hash, FlightKind::Foreground) {
                 Role::Leader(leader) => {
@@ -152,7 +165,13 @@ impl Filler {
                         job.route.metrics.coalesced.inc();
                         counted = true;
                     }
-                    match follower.wait(self.follower_wait_limit()).await {
+                    let result = match follower.wait(deadline).await {
+                        Waited::Done(result) => result,
+                        Waited::TimedOut { first } => {
+                            return self.follower_timed_out(&job, first).await.respond(head);
+                        }
+                    };
+                    match result {
                         // The leader's answer, unless its `Vary` selected it for other
                         // request headers than this one's: then this request goes round
                         // again (and fills in turn).
@@ -225,11 +244,27 @@ impl Filler {
         true
     }
 
-    /// A follower never waits longer than a leader can take: the lock wait, the guard's
-    /// queue and the origin timeout, plus a margin.
-    fn follower_wait_limit(&self) -> Duration {
-        self.lock.load().wait_timeout
-            + self.origin.guard.load().queue_timeout()
+    /// A follower of this process's fill of a key waited `lock.wait_timeout`: counted as a
+    /// wait on another instance's fill is, logged once per flight, and answered per
+    /// `lock.on_timeout`.
+    async fn follower_timed_out(&self, job: &FillJob, first: bool) -> Fetched {
+        self.metrics.lock_event(LockEvent::WaitTimeout);
+        if first {
+            let lock = self.lock.load();
+            warn!(
+                message = "Requests waited lock.wait_timeout for this instance's fill of a key; answering them per lock.on_timeout.",
+                route = %job.route.config.name,
+                wait_timeout = ?lock.wait_timeout,
+                on_timeout = ?lock.on_timeout,
+            );
+        }
+        self.unwaited(job).await
+    }
+
+    /// How long a waiter that gave up waits for a lone fetch it shares: as long as that
+    /// fetch can take (the guard's queue and the origin timeout), plus a margin.
+    fn lone_wait_limit(&self) -> Duration {
+        self.origin.guard.load().queue_timeout()
             + self.origin.upstream.load().timeout
             + Duration::from_secs(1)
     }
@@ -266,8 +301,9 @@ impl Filler {
         let fetched = self.fill_unflighted(&job, locks_look).await;
         leader.finish(match &fetched {
             // A copy found in Redis as the lock was asked for is a hit for the followers
-            // too; anything fetched is their miss.
-            Fetched::Ready(entry, tier @ (Outcome::HitL1 | Outcome::HitL2)) => {
+            // too, one fetched alone (stored nowhere) their bypass; anything else fetched
+            // is their miss.
+            Fetched::Ready(entry, tier @ (Outcome::HitL1 | Outcome::HitL2 | Outcome::Bypass)) => {
                 FlightResult::Filled(Arc::clone(entry), *tier)
             }
             Fetched::Ready(entry, _) => FlightResult::Filled(Arc::clone(entry), Outcome::Miss),
@@ -310,7 +346,10 @@ impl Filler {
                     continue;
                 }
                 // Redis went away under us: degrade to this process's single-flight.
-                Err(_) => return self.fetch_and_store(job).await,
+                Err(Unavailable::Down) => return self.fetch_and_store(job).await,
+                // The key's cluster slot is being migrated: no script of its keys runs
+                // until it ends (the unlocked fill's neither), so fill as without Redis.
+                Err(Unavailable::Migrating) => return self.fetch_and_keep(job, None).await,
                 Ok(Claim::Leader(permit)) => {
                     if contended {
                         fleet.count(LockEvent::Takeover);
@@ -400,12 +439,12 @@ impl Filler {
         self.unwaited(job).await
     }
 
-    /// A miss whose holder is another instance, that this one does not wait for (the wait
-    /// timed out, or too many keys are waited on): `lock.on_timeout` says what to do.
+    /// A miss this request does not wait on any longer (its wait timed out, or too many
+    /// keys are waited on): `lock.on_timeout` says what to do.
     async fn unwaited(&self, job: &FillJob) -> Fetched {
         let lock = self.lock.load_full();
         match lock.on_timeout {
-            OnTimeout::Origin => self.fetch_alone(job).await,
+            OnTimeout::Origin => self.fetch_alone_together(job).await,
             OnTimeout::Error => {
                 Fetched::Failed(Failure::own(&ProxyError::LockWait(lock.wait_timeout)))
             }
@@ -450,6 +489,12 @@ impl Filler {
             Some(fleet) => fleet.unlocked(job.key.base, job.key.hash).await.ok(),
             None => None,
         };
+        self.fetch_and_keep(job, unlocked).await
+    }
+
+    /// Fetches, then stores through `unlocked` (generation-checked) or, without it, keeps
+    /// the answer in L1 only (see [`Filler::store`]).
+    async fn fetch_and_keep(&self, job: &FillJob, unlocked: Option<FillPermit>) -> Fetched {
         let since = self.tiers.since();
         match fetch::from_origin(&self.origin, job).await {
             Classified::Storable(entry, outcome, reservation) => {
@@ -463,6 +508,65 @@ impl Filler {
             }
             Classified::Failed(failure) => Fetched::Failed(failure),
         }
+    }
+
+    /// A variant beyond its path's budget, asked for the first time: fetched for this
+    /// request alone (through the origin guard, as every fetch), stored nowhere, answered
+    /// `BYPASS`. Nobody waits on it, so it runs in the request's task.
+    pub(crate) async fn fetch_uncached(
+        &self,
+        job: &FillJob,
+        head: bool,
+    ) -> (Response<Body>, Outcome) {
+        self.fetch_alone(job).await.respond(head)
+    }
+
+    /// A fetch that stores nothing, for waiters that gave up on the key's fill
+    /// (`lock.on_timeout = "origin"`). The ones of one key in this process share it: a
+    /// flight of its own beside the key's fill (which still runs), so a hundred waiters
+    /// giving up at once make one more origin request, not a hundred, as one instance's
+    /// waiters on another instance's lock make one. Its answer is theirs, BYPASS. An
+    /// answer that cannot be shared, or a leader that went away, leaves each to fetch
+    /// alone (through the origin guard).
+    async fn fetch_alone_together(&self, job: &FillJob) -> Fetched {
+        let deadline = Instant::now() + self.lone_wait_limit();
+        for _ in 0..MAX_FLIGHT_ATTEMPTS {
+            let follower = match self.lone.join(job.key.hash, FlightKind::Foreground) {
+                Role::Leader(leader) => {
+                    let fetched = self.fetch_alone(job).await;
+                    leader.finish(match &fetched {
+                        Fetched::Ready(entry, outcome) => {
+                            FlightResult::Filled(Arc::clone(entry), *outcome)
+                        }
+                        Fetched::Uncacheable(_) => FlightResult::Uncacheable,
+                        Fetched::Failed(failure) => FlightResult::Failed(failure.shared.clone()),
+                        Fetched::Skipped => FlightResult::Abandoned,
+                    });
+                    return fetched;
+                }
+                Role::Follower(follower) => follower,
+            };
+            match follower.wait(deadline).await {
+                Waited::Done(FlightResult::Filled(entry, outcome))
+                    if entry.matches(&job.key) && entry.selects(&job.headers) =>
+                {
+                    return Fetched::Ready(entry, outcome);
+                }
+                Waited::Done(FlightResult::Failed(Some(failure))) => {
+                    return Fetched::Failed(Failure {
+                        response: failure.response(),
+                        outcome: failure.outcome,
+                        shared: Some(failure),
+                    });
+                }
+                Waited::Done(FlightResult::Uncacheable) | Waited::TimedOut { .. } => break,
+                // Gone without an answer for this request: one of them leads next.
+                Waited::Done(
+                    FlightResult::Filled(..) | FlightResult::Failed(None) | FlightResult::Abandoned,
+                ) => {}
+            }
+        }
+        self.fetch_alone(job).await
     }
 
     /// A fetch for one client that stores nothing: the lock holder is still at work (wait

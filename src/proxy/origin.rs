@@ -42,7 +42,7 @@ pub(crate) fn set_forwarded(headers: &mut HeaderMap, client: SocketAddr, keep: &
 /// (method and path overrides), what is per user (such requests are never cached), what
 /// the cache answers itself (conditionals, ranges), and a body's framing (a GET body is
 /// never forwarded).
-const NOT_FORWARDED_ON_FETCH: [&str; 24] = [
+const NOT_FORWARDED_ON_FETCH: [&str; 25] = [
     "host",
     "surrogate-capability",
     "content-length",
@@ -51,6 +51,7 @@ const NOT_FORWARDED_ON_FETCH: [&str; 24] = [
     "x-http-method-override",
     "x-http-method",
     "x-method-override",
+    "x-original-method",
     "x-original-url",
     "x-rewrite-url",
     "x-forwarded-for",

@@ -43,6 +43,8 @@ pub(crate) struct OwnAnswer {
     pub(crate) reason: &'static str,
     /// The error in full, with the upstream error where there is one.
     pub(crate) detail: String,
+    /// The connection is closed after this answer ([`ProxyError::ends_connection`]).
+    pub(crate) ends_connection: bool,
 }
 
 impl OwnAnswer {
@@ -50,6 +52,7 @@ impl OwnAnswer {
         OwnAnswer {
             reason: error.reason(),
             detail: error.detail(),
+            ends_connection: error.ends_connection(),
         }
     }
 }
@@ -191,6 +194,7 @@ mod tests {
             response.extensions_mut().insert(OwnAnswer {
                 reason: "shed",
                 detail: "origin 10.0.0.7:8080 refused".to_owned(),
+                ends_connection: false,
             });
             response
         };

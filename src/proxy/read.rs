@@ -9,6 +9,9 @@
 //! L1, then L2 ─▶ fresh: HIT-L1 / HIT-L2 / NEGATIVE (maybe an early refresh)
 //!             ─▶ stale: STALE at once, one refresh in the background    cache/tiers.rs
 //!             ─▶ a miss, but a copy within its error grace: it answers if the fill fails
+//! a variant new in its path's window, beyond the budget
+//!      ─▶ asked for before: on to the fill; a first ask: fetched
+//!         uncached (BYPASS); over the overflow rate: 429               protect/variants.rs
 //! miss ─▶ single-flight here, the fleet lock across instances, the origin guard, the
 //!         origin, then the store (generation-checked)                    fill.rs, fetch.rs
 //! the client's If-None-Match / If-Modified-Since / Range on the 200 ─▶ 304 / 206 / 416
@@ -43,7 +46,7 @@ use crate::cache::{CacheKey, Freshness};
 use crate::clock::now_ms;
 use crate::coord::redis::count_commands;
 use crate::error::ProxyError;
-use crate::metrics::Outcome;
+use crate::metrics::{NewVariant, Outcome};
 
 /// Everything a read needs; built once by the app, shared by every connection.
 #[derive(Debug)]
@@ -113,10 +116,11 @@ impl ReadPath {
         let (past_l1, refresh_early) = match gate {
             Gate::Answered(answer) => return answer,
             Gate::Join => {
-                if let Some(refused) = over_budget(route, &derived.key) {
-                    return refused;
-                }
-                return Box::pin(self.filler.fill(job(), head)).await;
+                return match variant_budget(route, &derived.key) {
+                    Budget::Fill => Box::pin(self.filler.fill(job(), head)).await,
+                    Budget::Uncached => Box::pin(self.filler.fetch_uncached(&job(), head)).await,
+                    Budget::Refused(refused) => refused,
+                };
             }
             Gate::Lookup {
                 past_l1,
@@ -142,10 +146,14 @@ impl ReadPath {
                 respond::hit(&entry, Outcome::Stale, head)
             }
             Cached::Miss(kept) => {
-                if kept.is_none()
-                    && let Some(refused) = over_budget(route, &derived.key)
-                {
-                    return refused;
+                if kept.is_none() {
+                    match variant_budget(route, &derived.key) {
+                        Budget::Fill => {}
+                        Budget::Uncached => {
+                            return Box::pin(self.filler.fetch_uncached(&job(), head)).await;
+                        }
+                        Budget::Refused(refused) => return refused,
+                    }
                 }
                 let (response, outcome) =
                     Box::pin(self.filler.fill(job().revalidating(kept.clone()), head)).await;
@@ -166,18 +174,37 @@ impl ReadPath {
     }
 }
 
-/// A miss on a variant of a path whose variant budget is spent: refused (429), counted.
-fn over_budget(route: &Route, key: &CacheKey) -> Option<(Response<Body>, Outcome)> {
-    let budget = route.variants.as_ref()?;
-    if budget.admit(key.base, key.hash) {
-        return None;
+/// What a miss with nothing stored may do, by its path's variant budget.
+enum Budget {
+    /// The base key, an admitted variant, or a new one the budget admits: fill it.
+    Fill,
+    /// A first ask beyond the budget: fetch it for this request only.
+    Uncached,
+    /// Beyond the budget and its overflow rate: this 429.
+    Refused((Response<Body>, Outcome)),
+}
+
+/// Asks the route's variant budget about a miss on `key`; a new variant is counted by
+/// what became of it.
+fn variant_budget(route: &Route, key: &CacheKey) -> Budget {
+    let Some(budget) = route.variants.as_ref() else {
+        return Budget::Fill;
+    };
+    let Some(new) = budget.admit(key.base, key.hash) else {
+        return Budget::Fill;
+    };
+    route.metrics.new_variant(new);
+    match new {
+        NewVariant::Budget | NewVariant::Repeat => Budget::Fill,
+        NewVariant::Uncached => Budget::Uncached,
+        NewVariant::Refused => {
+            let seconds = budget.retry_after(route.config.ttl);
+            Budget::Refused((
+                respond::error(&ProxyError::TooManyVariants(seconds)),
+                Outcome::Error,
+            ))
+        }
     }
-    route.metrics.variants_refused.inc();
-    let seconds = route.config.ttl.as_secs().max(1);
-    Some((
-        respond::error(&ProxyError::TooManyVariants(seconds)),
-        Outcome::Error,
-    ))
 }
 
 /// Whether a fill's answer is a failure: cacheguard's own error or an origin 5xx.

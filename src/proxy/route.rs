@@ -26,7 +26,8 @@ pub(crate) struct Route {
     pub(crate) adds_to: Option<Arc<Filter>>,
     /// The body of a Bloom rejection, shared by every answer (no copy per request).
     pub(crate) reject_body: Bytes,
-    /// Read routes with `max_variants`: how many variants of a path may be fetched.
+    /// Read routes with `max_variants`: how many variants of a path are fetched and
+    /// cached, and what passes beyond.
     pub(crate) variants: Option<VariantBudget>,
     /// Write routes with `stock`: the gate a buy takes its units from.
     pub(crate) stock: Option<Arc<Gate>>,
@@ -76,8 +77,13 @@ impl RouteTable {
                     .bloom
                     .as_ref()
                     .map_or_else(Bytes::new, |b| Bytes::from(b.body.clone())),
-                variants: (config.is_read() && config.max_variants > 0)
-                    .then(|| VariantBudget::new(config.max_variants, config.ttl)),
+                variants: (config.is_read() && config.max_variants > 0).then(|| {
+                    VariantBudget::new(
+                        config.max_variants,
+                        config.ttl,
+                        config.variant_overflow_rate,
+                    )
+                }),
                 // Gate names were checked against `[[stock]]` at config load.
                 stock: config
                     .stock

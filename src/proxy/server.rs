@@ -31,6 +31,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use super::body::Body;
+use super::chunk_guard::ChunkGuard;
 use super::head_guard::HeadGuard;
 
 /// Limits applied by the HTTP layer itself.
@@ -39,6 +40,9 @@ pub(crate) struct ConnLimits {
     pub(crate) max_header_bytes: usize,
     /// Header fields in one HTTP/1.1 request head; hyper answers 431 to more.
     pub(crate) max_headers: usize,
+    /// `server.max_body_bytes`: a chunked body whose sizes declare more is refused as soon
+    /// as its size line arrives ([`ChunkGuard`]).
+    pub(crate) max_body_bytes: u64,
     /// Also from accept to the first request: a connection that sends no complete request
     /// head in this time is closed, so idle connections cannot pile up.
     pub(crate) header_read_timeout: Duration,
@@ -124,7 +128,8 @@ fn connection_builder(limits: ConnLimits) -> auto::Builder<TokioExecutor> {
 /// its admission place until it ends. A connection whose first request has not begun
 /// within `header_read_timeout` of accept is closed: hyper's header timeout starts with
 /// the first byte of a head, and the protocol detection before it waits for ever. hyper's
-/// own refusals of a head are replaced by cacheguard's ([`HeadGuard`]).
+/// own refusals of a head are replaced by cacheguard's ([`HeadGuard`]), and a chunk size
+/// over `server.max_body_bytes` fails the body at once ([`ChunkGuard`]).
 fn spawn_connection<H, F>(
     builder: &auto::Builder<TokioExecutor>,
     graceful: &GracefulShutdown,
@@ -146,6 +151,7 @@ fn spawn_connection<H, F>(
             async move { Ok::<_, Infallible>(response.await) }
         })
     };
+    let stream = ChunkGuard::new(stream, limits.max_body_bytes);
     let stream = HeadGuard::new(stream, limits.max_header_bytes, limits.max_headers);
     let first_request = limits.header_read_timeout;
     let connection = builder

@@ -12,9 +12,9 @@ use http::{HeaderName, Request, Response, StatusCode};
 use super::body::Body;
 use super::create::{Read, read_whole};
 use super::own_answer::OwnAnswer;
-use super::passthrough::Buffered;
 use super::respond;
 use super::route::Route;
+use super::spool::Spooled;
 use crate::config::StockConfig;
 use crate::error::ProxyError;
 use crate::metrics::Outcome;
@@ -145,7 +145,7 @@ impl Gated {
     pub(crate) async fn admit(
         self,
         route: &Route,
-        request: &mut Request<Buffered>,
+        request: &mut Request<Spooled>,
     ) -> Result<Option<Held>, Response<Body>> {
         let config = self.gate.config();
         let key = match config

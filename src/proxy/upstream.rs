@@ -1,15 +1,16 @@
 //! The pooled HTTP client to the origin.
 //!
 //! `upstream.timeout` bounds the wait for an answer. A request with a body (a write, a
-//! pass-through upload) is bounded while it uploads by `upstream.upload_timeout` instead:
-//! the longest the client's body may pause. A slow upload that keeps moving is never cut,
-//! and `upstream.timeout` starts once the body has been sent.
+//! pass-through upload) starts that wait once the body has been sent. While it is sent,
+//! the client's pace is bounded by the body itself (`upload.rs`, 408), and the origin's
+//! here: an origin that takes no piece of the body for `upstream.upload_timeout` while
+//! one is ready for it (it stopped reading) is a 504, so a spooled body forwarded to a
+//! stuck origin cannot hold its file and connection for ever.
 
 use std::error::Error as StdError;
-use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -26,10 +27,12 @@ use hyper_util::rt::{TokioExecutor, TokioTimer};
 use tokio::sync::oneshot;
 
 use super::access_log;
+use super::spool::SpoolReadError;
+use super::upload::{self, UploadBounds};
 use crate::config::UpstreamConfig;
 use crate::error::ProxyError;
 
-pub(crate) type BoxError = Box<dyn StdError + Send + Sync>;
+pub(crate) use super::upload::BoxError;
 /// Request bodies sent upstream: empty for cached fetches, the client's (limited) body for
 /// pass-through.
 pub(crate) type UpstreamBody = BoxBody<Bytes, BoxError>;
@@ -45,7 +48,7 @@ pub(crate) struct Upstream {
     prefix: String,
     authority: HeaderValue,
     pub(crate) timeout: Duration,
-    upload_timeout: Duration,
+    upload: UploadBounds,
 }
 
 impl Upstream {
@@ -73,7 +76,7 @@ impl Upstream {
             prefix: config.url.path().trim_end_matches('/').to_owned(),
             authority: HeaderValue::from_str(authority.as_str())?,
             timeout: config.timeout,
-            upload_timeout: config.upload_timeout,
+            upload: UploadBounds::of(config),
         })
     }
 
@@ -84,9 +87,10 @@ impl Upstream {
             .map_err(|_| ProxyError::BadRequest("request target cannot be forwarded"))
     }
 
-    /// `upstream.upload_timeout`: the longest a client's request body may pause.
-    pub(crate) fn upload_timeout(&self) -> Duration {
-        self.upload_timeout
+    /// The time bounds of a client's request body (`upload_timeout`, `upload_min_rate`,
+    /// `upload_deadline`).
+    pub(crate) fn upload_bounds(&self) -> UploadBounds {
+        self.upload
     }
 
     /// The origin's `host:port`, used as `Host` on cached fetches.
@@ -135,13 +139,17 @@ impl Upstream {
     }
 
     /// Sends `request`, waiting at most `upstream.timeout` for the response head once its
-    /// body (if any) is sent, and while it is sent, at most `upstream.upload_timeout` for
-    /// each piece of the body. The time waited once the body was sent goes to the
-    /// request's access-log line ([`access_log::origin_waited`]).
+    /// body (if any) is sent; while it is sent, the origin must take each piece of the body
+    /// within `upstream.upload_timeout` of its being ready (checked every
+    /// `upload_timeout`, so an origin that stopped reading is found within twice that).
+    /// The time waited once the body was sent goes to the request's access-log line
+    /// ([`access_log::origin_waited`]).
     ///
     /// # Errors
-    /// Timeout → 504, a stalled upload → 408, connection failures and answers refused for
-    /// their framing → 502, a client body over the limit → 413.
+    /// Timeout (or an origin that stopped taking the body) → 504; connection failures and
+    /// answers refused for their framing → 502; the client's body: a broken time bound →
+    /// 408, over the limit → 413, broken framing → 400; a spooled body that cannot be read
+    /// back → 503.
     pub(crate) async fn send(
         &self,
         mut request: Request<UpstreamBody>,
@@ -151,19 +159,24 @@ impl Upstream {
             tokio::time::timeout(self.timeout, exchange(&self.client, request)).await
         } else {
             let (sent, uploaded) = oneshot::channel();
+            let taken = Arc::new(Taken::new());
             let body = std::mem::take(request.body_mut());
             *request.body_mut() = BoxBody::new(Upload {
                 inner: body,
-                idle: self.upload_timeout,
-                stall: Box::pin(tokio::time::sleep(self.upload_timeout)),
                 sent: Some(sent),
+                taken: Arc::clone(&taken),
             });
             let response = exchange(&self.client, request);
             tokio::pin!(response);
+            let idle = self.upload.idle;
             let answered = tokio::select! {
                 result = &mut response => Some(result),
                 // Sent whole (or dropped by the client after an error it reports itself).
                 _ = uploaded => None,
+                () = taken.origin_stalled(idle) => {
+                    access_log::origin_waited(started.elapsed());
+                    return Err(ProxyError::OriginTimeout(idle));
+                }
             };
             match answered {
                 Some(result) => Ok(result),
@@ -247,26 +260,64 @@ struct Informational {
     too_many: tokio::sync::Notify,
 }
 
-/// A client's body on its way to the origin: fails when it pauses longer than `idle`, and
-/// says when it has been sent whole.
+/// A request body on its way to the origin: says when it has been sent whole, and notes
+/// in [`Taken`] when the origin took each piece.
 struct Upload {
     inner: UpstreamBody,
-    idle: Duration,
-    /// Fires `idle` after the last piece of the body arrived.
-    stall: Pin<Box<tokio::time::Sleep>>,
     sent: Option<oneshot::Sender<()>>,
+    taken: Arc<Taken>,
 }
 
-/// An error of the client's request body itself (a broken chunk, a connection cut): the
-/// client's fault, answered 400, not the origin's.
+/// When the origin last took a piece of a body, and whether the body is now waiting for
+/// its own source (the client, or its spool file) rather than for the origin.
+#[derive(Debug)]
+struct Taken {
+    /// A std `Mutex`: held for one read or write, never across an `.await`.
+    state: Mutex<(tokio::time::Instant, bool)>,
+}
+
+impl Taken {
+    fn new() -> Self {
+        Taken {
+            state: Mutex::new((tokio::time::Instant::now(), false)),
+        }
+    }
+
+    fn set(&self, waiting_for_source: bool) {
+        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        if waiting_for_source {
+            state.1 = true;
+        } else {
+            *state = (tokio::time::Instant::now(), false);
+        }
+    }
+
+    /// Resolves once a piece of the body has waited `idle` for the origin to take it.
+    /// While the body waits for its own source, its own bounds apply: looked at again
+    /// every `idle`.
+    async fn origin_stalled(&self, idle: Duration) {
+        loop {
+            let (taken, waiting_for_source) =
+                *self.state.lock().unwrap_or_else(PoisonError::into_inner);
+            if waiting_for_source {
+                tokio::time::sleep(idle).await;
+                continue;
+            }
+            let due = taken + idle;
+            if tokio::time::Instant::now() >= due {
+                return;
+            }
+            tokio::time::sleep_until(due).await;
+        }
+    }
+}
+
+/// An error of the client's request body itself (a broken chunk, a connection cut, a
+/// broken time bound): the client's fault, not the origin's (see
+/// [`upload::client_body_error`]).
 #[derive(Debug, thiserror::Error)]
 #[error("client request body: {0}")]
 pub(crate) struct ClientBodyError(pub(crate) BoxError);
-
-/// The error an [`Upload`] ends with when its client stalled.
-#[derive(Debug, thiserror::Error)]
-#[error("request body stalled for {0:?}")]
-struct UploadStalled(Duration);
 
 impl HttpBody for Upload {
     type Data = Bytes;
@@ -279,8 +330,8 @@ impl HttpBody for Upload {
         let this = self.get_mut();
         match Pin::new(&mut this.inner).poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
-                let deadline = tokio::time::Instant::now() + this.idle;
-                this.stall.as_mut().reset(deadline);
+                // Handed to the origin's connection: the origin has the next move.
+                this.taken.set(false);
                 if this.inner.is_end_stream() {
                     this.done();
                 }
@@ -291,11 +342,10 @@ impl HttpBody for Upload {
                 Poll::Ready(None)
             }
             Poll::Ready(Some(Err(error))) => Poll::Ready(Some(Err(error))),
-            // Nothing from the client: only a stall past `idle` ends the body.
-            Poll::Pending => match this.stall.as_mut().poll(cx) {
-                Poll::Ready(()) => Poll::Ready(Some(Err(Box::new(UploadStalled(this.idle))))),
-                Poll::Pending => Poll::Pending,
-            },
+            Poll::Pending => {
+                this.taken.set(true);
+                Poll::Pending
+            }
         }
     }
 
@@ -349,15 +399,14 @@ fn unanswered(error: &hyper_util::client::legacy::Error) -> bool {
 fn classify(error: &hyper_util::client::legacy::Error) -> ProxyError {
     let mut source: Option<&(dyn StdError + 'static)> = error.source();
     while let Some(cause) = source {
-        if let Some(limit) = cause.downcast_ref::<LengthLimitError>() {
-            let _ = limit;
+        if cause.downcast_ref::<LengthLimitError>().is_some() {
             return ProxyError::BodyTooLarge(0);
         }
-        if let Some(UploadStalled(idle)) = cause.downcast_ref::<UploadStalled>() {
-            return ProxyError::UploadTimeout(*idle);
+        if let Some(ClientBodyError(error)) = cause.downcast_ref::<ClientBodyError>() {
+            return upload::client_body_error(error.as_ref());
         }
-        if cause.downcast_ref::<ClientBodyError>().is_some() {
-            return ProxyError::BadRequestBody;
+        if let Some(SpoolReadError(error)) = cause.downcast_ref::<SpoolReadError>() {
+            return ProxyError::BodySpool(error.to_string());
         }
         source = cause.source();
     }

@@ -35,9 +35,10 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use super::body::Body;
-use super::passthrough::{Buffered, Passthrough};
+use super::passthrough::Passthrough;
 use super::respond;
 use super::route::{Route, RouteTable};
+use super::spool::Spooled;
 use super::stock;
 use crate::cache::key::{self, normalized_params};
 use crate::config::{OnRedisError, fill_pattern};
@@ -104,9 +105,10 @@ impl WritePath {
         {
             return answer;
         }
-        // The body is read whole first: a malformed, oversized or stalled one is answered
+        // The body is read whole first (in memory up to `server.body_buffer_bytes`, the
+        // rest in a spool file): a malformed, oversized, slow or stalled one is answered
         // here, before any invalidation runs and before anything reaches the origin.
-        let (mut request, _room) = match self.passthrough.buffer(request).await {
+        let (mut request, _room) = match self.passthrough.read_whole(request).await {
             Ok(buffered) => buffered,
             Err(error) => return respond::error(&error),
         };
@@ -193,7 +195,7 @@ impl WritePath {
         &self,
         route: &Route,
         params: &[(String, String)],
-        request: &mut Request<Buffered>,
+        request: &mut Request<Spooled>,
     ) -> Result<Option<Held>, Response<Body>> {
         let (Some(config), Some(metrics)) = (&route.config.serialize, &route.serialized) else {
             return Ok(None);
@@ -235,14 +237,14 @@ impl WritePath {
     async fn forward(
         &self,
         route: &Arc<Route>,
-        request: Request<Buffered>,
+        request: Request<Spooled>,
         client: SocketAddr,
     ) -> Response<Body> {
         if route.adds_to.is_some() {
             self.serve_create(route, request, client).await
         } else {
             self.passthrough
-                .serve(
+                .serve_whole(
                     &route.metrics,
                     request,
                     client,

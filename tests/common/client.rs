@@ -404,3 +404,34 @@ pub async fn raw_bytes(addr: SocketAddr, bytes: &[u8], wait: Duration, close: bo
     .await;
     String::from_utf8_lossy(&out).into_owned()
 }
+
+/// Sends `bytes` exactly as given on a new connection and reads until the server closes it
+/// (or `wait` passes): everything that came back, and whether the connection was closed.
+pub async fn raw_until_closed(addr: SocketAddr, bytes: &[u8], wait: Duration) -> (String, bool) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = TcpStream::connect(addr).await.expect("connect");
+    // The server may answer and close before all is written (a refused head).
+    let _ = stream.write_all(bytes).await;
+    let mut out = Vec::new();
+    let mut buf = [0u8; 4096];
+    let closed = tokio::time::timeout(wait, async {
+        loop {
+            match stream.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => out.extend_from_slice(&buf[..n]),
+            }
+        }
+    })
+    .await
+    .is_ok();
+    (String::from_utf8_lossy(&out).into_owned(), closed)
+}
+
+/// The status code of a raw answer's status line (0 when there is none).
+pub fn status_of(answer: &str) -> u16 {
+    answer
+        .split(' ')
+        .nth(1)
+        .and_then(|code| code.parse().ok())
+        .unwrap_or(0)
+}

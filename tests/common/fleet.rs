@@ -1,6 +1,11 @@
 //! Several cacheguard instances sharing one Redis: a [`Fleet`] of separate OS processes,
 //! and waits on what the instances report together (Redis up and the event bus
 //! subscribed, lock waiters, lock events summed over the fleet).
+//!
+//! The fleet is also a nemesis's handle on its instances, each by index and acted on by
+//! PID: [`Fleet::pause`] / [`Fleet::resume`] (SIGSTOP / SIGCONT), [`Fleet::kill`]
+//! (SIGKILL) and [`Fleet::restart`] (the same config file, so the same ports and
+//! journal), or [`Fleet::restart_skewed`] (with its wall clock moved, libfaketime).
 
 use std::collections::HashSet;
 use std::net::SocketAddr;
@@ -9,6 +14,7 @@ use std::time::Duration;
 
 use tempfile::TempDir;
 
+use super::process::spawn_cacheguard_process_skewed;
 use super::{
     CacheguardProcess, CgConfig, HttpClient, free_port, metrics, poll_until,
     spawn_cacheguard_process,
@@ -18,6 +24,8 @@ use super::{
 pub struct Fleet {
     pub procs: Vec<CacheguardProcess>,
     pub configs: Vec<PathBuf>,
+    /// Instances replaced by a restart, kept for their output.
+    retired: Vec<(usize, CacheguardProcess)>,
     _dir: TempDir,
 }
 
@@ -35,13 +43,54 @@ impl Fleet {
             .collect()
     }
 
-    /// Every process's captured output, for failure messages.
+    /// Every process's captured output (restarted ones' earlier lives first), for failure
+    /// messages.
     pub fn output(&self) -> String {
-        self.procs
+        self.retired
             .iter()
-            .enumerate()
-            .map(|(i, p)| format!("=== instance {i} (pid {:?}) ===\n{}\n", p.pid(), p.output()))
+            .map(|(i, p)| (*i, p, " (before a restart)"))
+            .chain(self.procs.iter().enumerate().map(|(i, p)| (i, p, "")))
+            .map(|(i, p, when)| {
+                format!(
+                    "=== instance {i}{when} (pid {:?}) ===\n{}\n",
+                    p.pid(),
+                    p.output()
+                )
+            })
             .collect()
+    }
+
+    /// SIGSTOP instance `i`.
+    pub fn pause(&self, i: usize) {
+        self.procs[i].pause();
+    }
+
+    /// SIGCONT instance `i`.
+    pub fn resume(&self, i: usize) {
+        self.procs[i].resume();
+    }
+
+    /// SIGKILL instance `i` (and reap it): no shutdown, no drain, its in-flight work lost.
+    pub fn kill(&mut self, i: usize) {
+        self.procs[i].kill();
+    }
+
+    /// Kills instance `i` if it still runs, then starts it again from its config file (the
+    /// same ports and journal), and waits until it answers `/healthz`.
+    pub async fn restart(&mut self, i: usize) {
+        self.procs[i].kill();
+        let fresh = spawn_cacheguard_process(&self.configs[i]).await;
+        let old = std::mem::replace(&mut self.procs[i], fresh);
+        self.retired.push((i, old));
+    }
+
+    /// As [`Fleet::restart`], with the instance's wall clock moved by `offset` (e.g.
+    /// `"+30"` seconds; see `process::faketime_env`).
+    pub async fn restart_skewed(&mut self, i: usize, offset: &str) {
+        self.procs[i].kill();
+        let fresh = spawn_cacheguard_process_skewed(&self.configs[i], offset).await;
+        let old = std::mem::replace(&mut self.procs[i], fresh);
+        self.retired.push((i, old));
     }
 }
 
@@ -79,6 +128,7 @@ pub async fn spawn_fleet(cfg: &CgConfig, n: usize) -> Fleet {
     Fleet {
         procs,
         configs,
+        retired: Vec::new(),
         _dir: dir,
     }
 }

@@ -205,6 +205,12 @@ impl LoadRun {
     /// duration plus 20 s fails the test).
     pub async fn finish(self) -> Tally {
         self.stop();
+        self.join().await
+    }
+
+    /// Lets the load run to its end (its duration or its request count) and returns what it
+    /// saw; bounded as [`LoadRun::finish`].
+    pub async fn join(self) -> Tally {
         let mut tally = Tally::default();
         let all = async {
             for task in self.tasks {

@@ -12,13 +12,18 @@
 //! - [`fleet`]: several instances on one Redis (process fleets, coordination waits).
 //! - [`load`]: a closed-loop load, and bursts released together on warm connections.
 //! - [`on_started`]: one test body for every Redis topology.
+//! - [`history`]: Jepsen-style operation histories and their checkers (oversell, phantom,
+//!   undersell, flood factor; exclusion, fencing); [`jepsen`]: the runner (clients
+//!   round-robin over a fleet, a nemesis schedule); [`shop`]: the flash-sale origin.
 //!
 //! Every fixture owns what it started and stops it on `Drop` (by PID for processes).
 #![allow(dead_code, unused_imports, unreachable_pub)]
 
 pub mod client;
 pub mod fleet;
+pub mod history;
 pub mod hot;
+pub mod jepsen;
 pub mod load;
 pub mod origin;
 pub mod process;
@@ -27,6 +32,7 @@ pub mod redis_cluster;
 pub mod redis_sentinel;
 pub mod redis_server;
 pub mod shared;
+pub mod shop;
 pub mod tcp_proxy;
 
 use std::collections::HashMap;
@@ -37,7 +43,10 @@ use std::time::Duration;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-pub use client::{HttpClient, Resp, empty_body, raw_bytes, raw_request, raw_request_from};
+pub use client::{
+    HttpClient, Resp, empty_body, raw_bytes, raw_request, raw_request_from, raw_until_closed,
+    status_of,
+};
 pub use origin::{IdsFault, IdsFormat, TestOrigin, default_body};
 pub use process::{
     CacheguardProcess, spawn_cacheguard_process, spawn_cacheguard_process_with_args,
@@ -71,6 +80,18 @@ pub fn route(name: &str, pattern: &str, method: &str, settings: &str) -> String 
 /// The `item` route of [`ITEM_ROUTE`] (`GET /api/items/{id}`) with `settings` added.
 pub fn item_route(settings: &str) -> String {
     route("item", "/api/items/{id}", "GET", settings)
+}
+
+/// The `item` route and a write route on the same path, `PUT /api/items/{id}`, that
+/// invalidates it.
+pub fn item_write_routes() -> String {
+    item_route("")
+        + &route(
+            "item-write",
+            "/api/items/{id}",
+            "PUT",
+            "invalidate = [\"/api/items/{id}\"]",
+        )
 }
 
 /// One `[[bloom]]` table; `source` is the TOML inline table (`{ url = "…" }`).

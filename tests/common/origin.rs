@@ -19,6 +19,7 @@
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::convert::Infallible;
+use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -46,6 +47,9 @@ pub struct Behaviour {
     pub headers: Vec<(String, String)>,
     /// Answer with the request body (and the request's content-type).
     pub echo: bool,
+    /// Count the request body's bytes but keep none of them (a large upload must not cost
+    /// the test process its size): the recorded request's body is empty.
+    pub discard_body: bool,
 }
 
 /// One request as the origin saw it.
@@ -264,30 +268,42 @@ impl TestOriginBuilder {
             .expect("bind test origin");
         let addr = listener.local_addr().expect("origin local addr");
         let accept_state = state.clone();
-        let task = tokio::spawn(async move {
-            let mut connections = JoinSet::new();
-            loop {
-                tokio::select! {
-                    accepted = listener.accept() => {
-                        let Ok((stream, peer)) = accepted else { continue };
-                        let _ = stream.set_nodelay(true);
-                        let state = accept_state.clone();
-                        connections.spawn(async move {
-                            let service = service_fn(move |req| {
-                                let state = state.clone();
-                                async move { Ok::<_, Infallible>(handle(state, peer, req).await) }
-                            });
-                            let _ = hyper::server::conn::http1::Builder::new()
-                                .serve_connection(TokioIo::new(stream), service)
-                                .await;
-                        });
-                    }
-                    Some(_) = connections.join_next(), if !connections.is_empty() => {}
-                }
-            }
+        let task = serve_http1(listener, move |peer, req| {
+            handle(accept_state.clone(), peer, req)
         });
         TestOrigin { addr, state, task }
     }
+}
+
+/// Serves HTTP/1.1 on `listener`, each request answered by `handle(peer, request)`, until
+/// the returned task is aborted (which drops the listener and every connection).
+pub fn serve_http1<H, Fut>(listener: TcpListener, handle: H) -> JoinHandle<()>
+where
+    H: Fn(SocketAddr, Request<Incoming>) -> Fut + Clone + Send + 'static,
+    Fut: Future<Output = Response<OriginBody>> + Send + 'static,
+{
+    tokio::spawn(async move {
+        let mut connections = JoinSet::new();
+        loop {
+            tokio::select! {
+                accepted = listener.accept() => {
+                    let Ok((stream, peer)) = accepted else { continue };
+                    let _ = stream.set_nodelay(true);
+                    let handle = handle.clone();
+                    connections.spawn(async move {
+                        let service = service_fn(move |req| {
+                            let answer = handle(peer, req);
+                            async move { Ok::<_, Infallible>(answer.await) }
+                        });
+                        let _ = hyper::server::conn::http1::Builder::new()
+                            .serve_connection(TokioIo::new(stream), service)
+                            .await;
+                    });
+                }
+                Some(_) = connections.join_next(), if !connections.is_empty() => {}
+            }
+        }
+    })
 }
 
 /// The fake origin. Stops (listener and every connection) on `Drop`.
@@ -408,6 +424,12 @@ impl TestOrigin {
     /// Answer requests to `path` with their own body.
     pub fn set_echo(&self, path: &str) {
         self.update(path, |b| b.echo = true);
+    }
+
+    /// Requests to `path` have their body counted ([`TestOrigin::body_bytes_received`]) and
+    /// dropped as it arrives.
+    pub fn set_discard_body(&self, path: &str) {
+        self.update(path, |b| b.discard_body = true);
     }
 
     /// Back to the default behaviour for `path`.
@@ -565,9 +587,10 @@ pub fn default_body(path: &str, n: u64) -> String {
 }
 
 /// The origin's response body.
-type OriginBody = UnsyncBoxBody<Bytes, std::io::Error>;
+pub type OriginBody = UnsyncBoxBody<Bytes, std::io::Error>;
 
-fn full(body: impl Into<Bytes>) -> OriginBody {
+/// A whole body of `body`.
+pub fn full(body: impl Into<Bytes>) -> OriginBody {
     Full::new(body.into())
         .map_err(|never| match never {})
         .boxed_unsync()
@@ -612,12 +635,16 @@ async fn handle(
 
     let (parts, mut body) = req.into_parts();
     let mut received = BytesMut::new();
+    let mut counted = 0u64;
     lock(&state.body_bytes).insert(path.clone(), 0);
     while let Some(frame) = body.frame().await {
         let Ok(frame) = frame else { break };
         if let Ok(data) = frame.into_data() {
-            received.extend_from_slice(&data);
-            lock(&state.body_bytes).insert(path.clone(), received.len() as u64);
+            counted += data.len() as u64;
+            if !behaviour.discard_body {
+                received.extend_from_slice(&data);
+            }
+            lock(&state.body_bytes).insert(path.clone(), counted);
         }
     }
     let received = received.freeze();

@@ -45,12 +45,28 @@ impl CacheguardProcess {
 
     /// Sends SIGTERM (by PID).
     pub fn terminate(&self) {
+        self.signal("-TERM");
+    }
+
+    /// SIGSTOP (by PID): the process keeps its sockets open and does nothing at all, as
+    /// in a long GC pause or a VM that froze.
+    pub fn pause(&self) {
+        self.signal("-STOP");
+    }
+
+    /// SIGCONT (by PID) after [`CacheguardProcess::pause`].
+    pub fn resume(&self) {
+        self.signal("-CONT");
+    }
+
+    /// `kill SIG PID` on this process (`sig` like `"-STOP"`).
+    fn signal(&self, sig: &str) {
         let pid = self.pid().expect("cacheguard is not running");
         let status = Command::new("kill")
-            .args(["-TERM", &pid.to_string()])
+            .args([sig, &pid.to_string()])
             .status()
             .expect("run kill");
-        assert!(status.success(), "kill -TERM {pid} failed");
+        assert!(status.success(), "kill {sig} {pid} failed");
     }
 
     /// Waits (bounded) for the process to exit; `None` if it is still running at the deadline.
@@ -101,6 +117,46 @@ pub async fn spawn_cacheguard_process_with_args(
     config_path: &Path,
     args: &[&str],
 ) -> CacheguardProcess {
+    spawn_cacheguard_process_with_env(config_path, args, &[]).await
+}
+
+/// The shared object of libfaketime for multi-threaded programs (Debian's `libfaketime`,
+/// which the `faketime` package brings; scripts/test.sh installs it).
+const LIBFAKETIME_MT: &str = "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1";
+
+/// The environment that runs a program with its wall clock moved by `offset`
+/// (libfaketime's offset syntax: `"+30"` seconds, `"-2m"`, `"+1h"`), its monotonic clock left alone (timers and
+/// leases measured on it run at the real rate, as on a machine whose wall clock is
+/// simply wrong). `None` when libfaketime is not installed.
+pub fn faketime_env(offset: &str) -> Option<Vec<(String, String)>> {
+    Path::new(LIBFAKETIME_MT).exists().then(|| {
+        vec![
+            ("LD_PRELOAD".to_string(), LIBFAKETIME_MT.to_string()),
+            ("FAKETIME".to_string(), offset.to_string()),
+            ("FAKETIME_DONT_FAKE_MONOTONIC".to_string(), "1".to_string()),
+        ]
+    })
+}
+
+/// As [`spawn_cacheguard_process`] with the wall clock moved by `offset` (see
+/// [`faketime_env`]); panics when libfaketime is not installed. The process is the
+/// cacheguard binary itself (the library is preloaded, no wrapper process), so its PID
+/// is cacheguard's.
+pub async fn spawn_cacheguard_process_skewed(
+    config_path: &Path,
+    offset: &str,
+) -> CacheguardProcess {
+    let env = faketime_env(offset)
+        .unwrap_or_else(|| panic!("{LIBFAKETIME_MT} is missing: install the faketime package"));
+    spawn_cacheguard_process_with_env(config_path, &[], &env).await
+}
+
+/// As [`spawn_cacheguard_process_with_args`], with extra environment variables.
+pub async fn spawn_cacheguard_process_with_env(
+    config_path: &Path,
+    args: &[&str],
+    env: &[(String, String)],
+) -> CacheguardProcess {
     let text = std::fs::read_to_string(config_path).expect("read config file");
     let table: toml::Table = text.parse().expect("config file is TOML");
     let addr = listen_addr(&table, "server");
@@ -117,6 +173,7 @@ pub async fn spawn_cacheguard_process_with_args(
         .env_remove("CACHEGUARD_UPSTREAM")
         .env_remove("CACHEGUARD_REDIS_URL")
         .env_remove("CACHEGUARD_ADMIN_TOKEN")
+        .envs(env.iter().map(|(k, v)| (k, v)))
         .stdin(Stdio::null())
         .stdout(stdout)
         .stderr(stderr)

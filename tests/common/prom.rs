@@ -63,6 +63,16 @@ impl Exposition {
     pub fn lock_events(&self, outcome: &str) -> f64 {
         self.sum("cacheguard_lock_events_total", &[("outcome", outcome)])
     }
+
+    /// With `lock.wait_replicas`: (`redis_errors{op="lock"}`, locks `acquired`, locks
+    /// `unreplicated`).
+    pub fn replicated_locks(&self) -> (f64, f64, f64) {
+        (
+            self.sum("cacheguard_redis_errors_total", &[("op", "lock")]),
+            self.lock_events("acquired"),
+            self.lock_events("unreplicated"),
+        )
+    }
 }
 
 /// The family a sample belongs to: strips `_bucket`/`_sum`/`_count` when the base name is a

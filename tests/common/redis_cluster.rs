@@ -9,7 +9,7 @@ use std::time::Duration;
 use tempfile::TempDir;
 use tokio::time::Instant;
 
-use super::redis_server::{connect, redis_urls, spawn_with};
+use super::redis_server::{connect, query_port, redis_urls, spawn_with};
 
 const NODES: usize = 6;
 const FORM_DEADLINE: Duration = Duration::from_secs(30);
@@ -254,6 +254,106 @@ impl RedisCluster {
         .expect("run redis-cli")
     }
 
+    /// The hash slot of `key` (`CLUSTER KEYSLOT`).
+    pub async fn keyslot(&self, key: &str) -> u16 {
+        let port = self.ports()[0];
+        query_port(port, redis::cmd("CLUSTER").arg("KEYSLOT").arg(key))
+            .await
+            .unwrap_or_else(|| panic!("CLUSTER KEYSLOT {key}"))
+    }
+
+    /// The keys of `slot` the node on `port` holds itself (`CLUSTER GETKEYSINSLOT`: no
+    /// redirection, whatever the slot's state).
+    pub async fn keys_in_slot(&self, port: u16, slot: u16) -> Vec<String> {
+        query_port(
+            port,
+            redis::cmd("CLUSTER")
+                .arg("GETKEYSINSLOT")
+                .arg(slot)
+                .arg(10_000),
+        )
+        .await
+        .unwrap_or_else(|| panic!("CLUSTER GETKEYSINSLOT {slot} on {port}"))
+    }
+
+    /// Starts moving `slot` from the primary on `from` to the one on `to`, as
+    /// `redis-cli --cluster reshard` does before it moves any key: `IMPORTING` on `to`,
+    /// then `MIGRATING` on `from`. Commands on the slot's keys are then answered by `from`
+    /// while it has them, with `ASK` (to `to`) for a key it has not, and `TRYAGAIN` for a
+    /// multi-key command whose keys are not all on one node.
+    pub async fn begin_migration(&self, slot: u16, from: u16, to: u16) {
+        let (from_id, to_id) = (self.node_id(from).await, self.node_id(to).await);
+        for (port, state, id) in [(to, "IMPORTING", &from_id), (from, "MIGRATING", &to_id)] {
+            let done: Option<String> = query_port(
+                port,
+                redis::cmd("CLUSTER")
+                    .arg("SETSLOT")
+                    .arg(slot)
+                    .arg(state)
+                    .arg(id),
+            )
+            .await;
+            assert_eq!(
+                done.as_deref(),
+                Some("OK"),
+                "SETSLOT {slot} {state} on {port}"
+            );
+        }
+    }
+
+    /// Moves `keys` (of a slot being migrated) from the node on `from` to the one on `to`
+    /// (`MIGRATE … KEYS`).
+    pub async fn migrate(&self, from: u16, to: u16, keys: &[String]) {
+        if keys.is_empty() {
+            return;
+        }
+        let moved: Option<String> = query_port(
+            from,
+            redis::cmd("MIGRATE")
+                .arg("127.0.0.1")
+                .arg(to)
+                .arg("")
+                .arg(0)
+                .arg(5000)
+                .arg("KEYS")
+                .arg(keys),
+        )
+        .await;
+        assert_eq!(
+            moved.as_deref(),
+            Some("OK"),
+            "MIGRATE {keys:?} {from} -> {to}"
+        );
+    }
+
+    /// Ends the migration of `slot` begun with [`RedisCluster::begin_migration`]: the keys
+    /// `from` still holds move to `to`, which then owns the slot (`SETSLOT … NODE` on `to`,
+    /// `from` and the other primaries, as `redis-cli` does).
+    pub async fn end_migration(&self, slot: u16, from: u16, to: u16) {
+        let rest = self.keys_in_slot(from, slot).await;
+        self.migrate(from, to, &rest).await;
+        let to_id = self.node_id(to).await;
+        let mut ports = vec![to, from];
+        ports.extend(
+            self.primaries()
+                .await
+                .into_iter()
+                .filter(|p| *p != to && *p != from),
+        );
+        for port in ports {
+            let done: Option<String> = query_port(
+                port,
+                redis::cmd("CLUSTER")
+                    .arg("SETSLOT")
+                    .arg(slot)
+                    .arg("NODE")
+                    .arg(&to_id),
+            )
+            .await;
+            assert_eq!(done.as_deref(), Some("OK"), "SETSLOT {slot} NODE on {port}");
+        }
+    }
+
     /// Waits until every live node reports `cluster_state:ok` with all slots served and
     /// `port` is not a primary any more (bounded by `timeout`); how long it took.
     pub async fn wait_failed_over(&self, dead: u16, timeout: Duration) -> Option<Duration> {
@@ -288,6 +388,32 @@ impl RedisCluster {
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
+    }
+
+    /// SIGSTOP the node on `port`, by PID: it keeps its sockets open but answers nothing.
+    pub fn pause(&self, port: u16) {
+        self.signal(port, "-STOP");
+    }
+
+    /// SIGCONT after [`RedisCluster::pause`].
+    pub fn resume(&self, port: u16) {
+        self.signal(port, "-CONT");
+    }
+
+    fn signal(&self, port: u16, sig: &str) {
+        let pid = self
+            .nodes
+            .iter()
+            .find(|n| n.port == port)
+            .and_then(|n| n.child.as_ref())
+            .map(Child::id)
+            .unwrap_or_else(|| panic!("no running node on {port}"));
+        let status = std::process::Command::new("kill")
+            .arg(sig)
+            .arg(pid.to_string())
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill {sig} {pid} failed");
     }
 
     /// SIGKILL the node on `port`, by PID.

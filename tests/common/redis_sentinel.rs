@@ -2,6 +2,11 @@
 //! `redis-server --sentinel` processes monitoring them (quorum 2, `down-after-milliseconds`
 //! 1000, so a killed primary is failed over in about two seconds). Every process is killed
 //! by PID on `Drop`.
+//!
+//! [`RedisSentinel::start_lagging`] puts a [`TcpProxy`] on the replication link, so the
+//! replica can be made to fall behind ([`RedisSentinel::lag_replica`]: the link is
+//! blackholed, the primary keeps taking writes the replica never gets) and then promoted
+//! ([`RedisSentinel::fail_over_to_lagging_replica`], which proves that writes were lost).
 
 use std::process::Child;
 use std::time::Duration;
@@ -12,6 +17,7 @@ use tokio::time::Instant;
 
 use super::free_port;
 use super::redis_server::{connect, query_port, redis_url, redis_urls, spawn_sentinel, spawn_with};
+use super::tcp_proxy::TcpProxy;
 
 pub const MASTER_NAME: &str = "cgprimary";
 const SENTINELS: usize = 3;
@@ -37,6 +43,8 @@ impl Proc {
 pub struct RedisSentinel {
     data: Vec<Proc>,
     sentinels: Vec<Proc>,
+    /// The replication link of a lagging set (replica → proxy → primary).
+    link: Option<TcpProxy>,
 }
 
 impl std::fmt::Debug for RedisSentinel {
@@ -70,12 +78,35 @@ impl RedisSentinel {
     /// Starts the primary, its replica (waiting for the link), then the sentinels, and
     /// waits until every sentinel sees the replica and the two other sentinels.
     pub async fn start() -> RedisSentinel {
+        RedisSentinel::start_with(false).await
+    }
+
+    /// As [`RedisSentinel::start`], with the replica replicating through a [`TcpProxy`], so
+    /// that it can be made to lag ([`RedisSentinel::lag_replica`]). The sentinels'
+    /// `failover-timeout` is 60 s here: after that long, a sentinel would "fix" a replica
+    /// whose primary address is not the primary's own (the proxy's) by pointing it at the
+    /// primary directly, and the link could no longer be held.
+    pub async fn start_lagging() -> RedisSentinel {
+        RedisSentinel::start_with(true).await
+    }
+
+    async fn start_with(lagging: bool) -> RedisSentinel {
         let primary = start_data(&[]).await;
         let primary_port = primary.port.to_string();
-        let replica = start_data(&["--replicaof", "127.0.0.1", &primary_port]).await;
+        let link = if lagging {
+            Some(TcpProxy::start(std::net::SocketAddr::from(([127, 0, 0, 1], primary.port))).await)
+        } else {
+            None
+        };
+        let upstream_port = link
+            .as_ref()
+            .map_or(primary_port.clone(), |l| l.addr().port().to_string());
+        let replica = start_data(&["--replicaof", "127.0.0.1", &upstream_port]).await;
+        let failover_timeout = if lagging { 60_000 } else { 5_000 };
         let mut this = RedisSentinel {
             data: vec![primary, replica],
             sentinels: Vec::new(),
+            link,
         };
         let deadline = Instant::now() + FORM_DEADLINE;
         let replica_port = this.data[1].port;
@@ -89,7 +120,7 @@ impl RedisSentinel {
         let monitor = format!(
             "sentinel monitor {MASTER_NAME} 127.0.0.1 {primary_port} 2\n\
              sentinel down-after-milliseconds {MASTER_NAME} {}\n\
-             sentinel failover-timeout {MASTER_NAME} 5000\n\
+             sentinel failover-timeout {MASTER_NAME} {failover_timeout}\n\
              sentinel parallel-syncs {MASTER_NAME} 1",
             DOWN_AFTER.as_millis()
         );
@@ -171,6 +202,65 @@ impl RedisSentinel {
             .expect("SENTINEL FAILOVER");
     }
 
+    /// Makes the replica fall behind: its replication link is blackholed, so every write
+    /// the primary takes from now on stays on the primary (the replica does not notice:
+    /// its link looks idle, not down). Needs [`RedisSentinel::start_lagging`].
+    pub fn lag_replica(&self) {
+        self.link
+            .as_ref()
+            .expect("lag_replica needs RedisSentinel::start_lagging")
+            .blackhole();
+    }
+
+    /// Fails over to the lagging replica and proves it lost writes: writes `markers` keys
+    /// to the primary (which the lagging replica never gets), forces `SENTINEL FAILOVER`,
+    /// waits (bounded) for the switch to the replica and its promotion, and asserts that
+    /// none of the markers is on the new primary. Returns the new primary's port. Calls
+    /// [`RedisSentinel::lag_replica`] first if the caller did not.
+    pub async fn fail_over_to_lagging_replica(&self, markers: usize) -> u16 {
+        self.lag_replica();
+        let old = self
+            .primary_port()
+            .await
+            .expect("the sentinels name a primary");
+        let replica = *self
+            .data_ports()
+            .iter()
+            .find(|p| **p != old)
+            .expect("a replica");
+        let mut con = connect(old).await.expect("connect to the primary");
+        for i in 0..markers {
+            let _: () = redis::cmd("SET")
+                .arg(format!("harness:lost:{i}"))
+                .arg(i)
+                .query_async(&mut con)
+                .await
+                .expect("SET a marker on the primary");
+        }
+        assert!(
+            markers_on(replica, markers).await.is_empty(),
+            "the replica is not lagging"
+        );
+        let switch = self.watch_switch().await;
+        self.failover().await;
+        let (promoted, _) = switch
+            .wait(Duration::from_secs(20))
+            .await
+            .expect("no +switch-master within 20s of SENTINEL FAILOVER");
+        assert_eq!(promoted, replica, "the sentinels promoted another node");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !info(replica, "replication").await.contains("role:master") {
+            assert!(Instant::now() < deadline, "the replica was never promoted");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let kept = markers_on(replica, markers).await;
+        assert!(
+            kept.is_empty(),
+            "the promoted replica has markers {kept:?}: it was not lagging, no write was lost"
+        );
+        replica
+    }
+
     /// SIGKILL the data node on `port`, by PID.
     pub fn kill(&mut self, port: u16) {
         if let Some(node) = self.data.iter_mut().find(|p| p.port == port) {
@@ -218,6 +308,19 @@ impl SwitchWatch {
         self.task.abort();
         got
     }
+}
+
+/// The markers (`harness:lost:{i}`, `i < n`) present on the node on `port`.
+async fn markers_on(port: u16, n: usize) -> Vec<usize> {
+    let mut found = Vec::new();
+    for i in 0..n {
+        let value: Option<Option<String>> =
+            query_port(port, redis::cmd("GET").arg(format!("harness:lost:{i}"))).await;
+        if value.flatten().is_some() {
+            found.push(i);
+        }
+    }
+    found
 }
 
 /// `INFO section` of the node on `port` (empty when it does not answer).

@@ -56,6 +56,52 @@ impl RedisServer {
         panic!("could not start redis-server after 8 attempts: {last_error}");
     }
 
+    /// A replica of `primary` on a free loopback port, once its link to the primary is up
+    /// (bounded). The primary is told to sync it at once (by default it waits 5 s for more
+    /// replicas).
+    pub async fn start_replica_of(primary: &RedisServer) -> RedisServer {
+        let _: () = redis::cmd("CONFIG")
+            .arg("SET")
+            .arg("repl-diskless-sync-delay")
+            .arg(0)
+            .query_async(&mut primary.client().await)
+            .await
+            .expect("CONFIG SET repl-diskless-sync-delay on the primary");
+        let dir = tempfile::tempdir().expect("tempdir for redis-server");
+        let primary_port = primary.port.to_string();
+        let extra = ["--replicaof", "127.0.0.1", primary_port.as_str()];
+        let mut last_error = String::new();
+        for _ in 0..8 {
+            let port = free_port();
+            match spawn_with(port, dir.path(), &extra).await {
+                Ok(child) => {
+                    let replica = RedisServer {
+                        port,
+                        child: Some(child),
+                        dir,
+                    };
+                    let deadline = Instant::now() + START_DEADLINE * 2;
+                    loop {
+                        let replication: String =
+                            query_port(port, redis::cmd("INFO").arg("replication"))
+                                .await
+                                .unwrap_or_default();
+                        if replication.contains("master_link_status:up") {
+                            return replica;
+                        }
+                        assert!(
+                            Instant::now() < deadline,
+                            "the replica never synced:\n{replication}"
+                        );
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                }
+                Err(e) => last_error = e,
+            }
+        }
+        panic!("could not start a replica after 8 attempts: {last_error}");
+    }
+
     pub fn port(&self) -> u16 {
         self.port
     }

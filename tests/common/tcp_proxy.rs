@@ -8,6 +8,10 @@
 //!   forwarded (added latency, both directions; applies to connections already open too).
 //! - [`TcpProxy::drop_open_on_next_request`]: connections open now end, unanswered, at the
 //!   next bytes their client sends (a pooled connection a middlebox forgot).
+//! - [`TcpProxy::blackhole`]: connections (open and new) are accepted and held, and no byte
+//!   crosses in either direction, until [`TcpProxy::restore`] (packets dropped on the floor:
+//!   the client sees no error, only silence). On restore, what was held is delivered, as
+//!   TCP retransmission would after a short partition.
 //!
 //! Every task the proxy spawns is owned by it and stopped on `Drop`.
 
@@ -19,6 +23,7 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
 use tokio::task::{JoinHandle, JoinSet};
 use tokio_util::sync::CancellationToken;
 
@@ -42,6 +47,8 @@ struct Shared {
     target: SocketAddr,
     link: Mutex<Link>,
     delay: Mutex<Duration>,
+    /// True while blackholed: nothing is connected or forwarded.
+    blackholed: watch::Sender<bool>,
     accepted: AtomicU64,
     refused: AtomicU64,
 }
@@ -75,6 +82,7 @@ impl TcpProxy {
                 stale: CancellationToken::new(),
             }),
             delay: Mutex::new(Duration::ZERO),
+            blackholed: watch::Sender::new(false),
             accepted: AtomicU64::new(0),
             refused: AtomicU64::new(0),
         });
@@ -105,13 +113,29 @@ impl TcpProxy {
         link.epoch.cancel();
     }
 
-    /// Accepts and forwards connections again (connections dropped by `cut` stay closed).
+    /// Accepts and forwards connections again, after a cut or a blackhole (connections
+    /// dropped by `cut` stay closed; what a blackhole held is delivered now).
     pub fn restore(&self) {
-        let mut link = lock(&self.shared.link);
-        link.cut = false;
-        if link.epoch.is_cancelled() {
-            link.epoch = CancellationToken::new();
+        {
+            let mut link = lock(&self.shared.link);
+            link.cut = false;
+            if link.epoch.is_cancelled() {
+                link.epoch = CancellationToken::new();
+            }
         }
+        self.shared.blackholed.send_replace(false);
+    }
+
+    /// Holds every connection, open and new, and forwards nothing either way until
+    /// [`Self::restore`]: a peer behind a silent network (its requests time out, no
+    /// connection is refused or reset).
+    pub fn blackhole(&self) {
+        self.shared.blackholed.send_replace(true);
+    }
+
+    /// Whether the proxy is blackholed.
+    pub fn is_blackholed(&self) -> bool {
+        *self.shared.blackholed.borrow()
     }
 
     /// Every connection open now is dropped, silently, at the next bytes its client sends
@@ -187,6 +211,11 @@ async fn proxy_connection(
     epoch: CancellationToken,
     stale: CancellationToken,
 ) {
+    // A blackhole holds a new connection before it reaches the target.
+    tokio::select! {
+        () = epoch.cancelled() => return,
+        () = passable(&shared) => {}
+    }
     let upstream = tokio::select! {
         () = epoch.cancelled() => return,
         c = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(shared.target)) => c,
@@ -225,6 +254,8 @@ async fn pump(
         if !delay.is_zero() {
             tokio::time::sleep(delay).await;
         }
+        // Held while blackholed (the caller's select! ends this on a cut).
+        passable(shared).await;
         if stale.is_some_and(CancellationToken::is_cancelled) {
             return;
         }
@@ -232,4 +263,12 @@ async fn pump(
             return;
         }
     }
+}
+
+/// Returns once the proxy is not blackholed.
+async fn passable(shared: &Shared) {
+    let mut blackholed = shared.blackholed.subscribe();
+    // The sender lives in `shared`, which outlives this wait: `wait_for` only fails if it
+    // were dropped, and then there is nothing left to hold for.
+    let _ = blackholed.wait_for(|held| !*held).await;
 }

@@ -252,7 +252,7 @@ impl Shared {
     ) -> Result<T, Unavailable> {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
-            return Err(Unavailable);
+            return Err(Unavailable::Down);
         }
         self.redis.bulk(cmd, left).await
     }

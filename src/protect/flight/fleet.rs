@@ -220,14 +220,21 @@ impl FillPermit {
     }
 
     /// Stores `encoded` for `ttl` if the generation is unchanged and nobody else holds the
-    /// lock, releases the lock and wakes the waiters (one script).
+    /// lock, releases the lock and wakes the waiters (one script). A fill that fails (Redis
+    /// timed out, or a cluster slot being migrated refused the script) releases the lock
+    /// on its own, so the waiters take over now rather than at the lease's end.
     pub(crate) async fn fill(
         mut self,
         encoded: &[u8],
         ttl: Duration,
     ) -> Result<FillOutcome, Unavailable> {
-        self.done = true;
-        self.store.fill(&self.lease, encoded, ttl).await
+        let filled = self.store.fill(&self.lease, encoded, ttl).await;
+        if filled.is_err() {
+            self.release_with(EventKind::Released, None).await;
+        } else {
+            self.done = true;
+        }
+        filled
     }
 
     /// Releases the lock without a fill, telling the waiters `why` (`Released`: one of

@@ -39,8 +39,12 @@ pub(crate) enum Buy {
     /// The units are reserved; `left` remain; `expired` units of dead reservations were
     /// cleared (a reconcile should run).
     Taken { left: u64, expired: u64 },
-    /// Too few: `left` remain.
-    Short { left: u64, expired: u64 },
+    /// Too few: `left` remain, and `reserved` are held by buys in flight.
+    Short {
+        left: u64,
+        expired: u64,
+        reserved: u64,
+    },
     /// The idempotency key has a record (raw bytes, see `record.rs`).
     Known(Vec<u8>),
     /// The key's buy was in doubt; this request goes on with its reservation (the record,
@@ -75,9 +79,9 @@ impl Outcome {
 }
 
 /// A settlement of one reservation.
-#[derive(Debug)]
-pub(crate) struct Settle<'a> {
-    pub(crate) member: &'a str,
+#[derive(Clone, Debug)]
+pub(crate) struct Settle {
+    pub(crate) member: String,
     pub(crate) outcome: Outcome,
     pub(crate) units: u64,
     pub(crate) idle_ms: u64,
@@ -87,12 +91,15 @@ pub(crate) struct Settle<'a> {
 }
 
 /// A record to write with a settlement.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub(crate) struct RecordWrite {
     pub(crate) key: u128,
     pub(crate) home: u16,
     pub(crate) value: Vec<u8>,
     pub(crate) ttl_ms: u64,
+    /// Delete the record instead, if it names this reservation (its buy never got an
+    /// answer to its client).
+    pub(crate) forget: bool,
 }
 
 /// What a settlement did.
@@ -102,6 +109,8 @@ pub(crate) struct Settled {
     pub(crate) removed: bool,
     /// Units left in the segment afterwards; -1 when it is not loaded.
     pub(crate) left: i64,
+    /// Units still reserved by buys in flight.
+    pub(crate) reserved: u64,
 }
 
 /// What a reconcile did to a segment.
@@ -136,7 +145,7 @@ impl Ledger {
         &self,
         resource: u128,
         segment: u16,
-        settle: &Settle<'_>,
+        settle: &Settle,
     ) -> Result<Settled, Unavailable> {
         match self {
             Ledger::Redis(redis) => redis.settle(resource, segment, settle).await,
@@ -172,10 +181,11 @@ impl Ledger {
         }
     }
 
-    /// The ledger's clock (ms since the Unix epoch): Redis's in shared mode.
-    pub(crate) async fn clock(&self, resource: u128) -> Result<u64, Unavailable> {
+    /// The ledger's clock (ms since the Unix epoch) where `segment` of `resource` lives:
+    /// the Redis node's in shared mode.
+    pub(crate) async fn clock(&self, resource: u128, segment: u16) -> Result<u64, Unavailable> {
         match self {
-            Ledger::Redis(redis) => redis.clock(resource).await,
+            Ledger::Redis(redis) => redis.clock(resource, segment).await,
             Ledger::Memory(_) => Ok(crate::clock::now_ms()),
         }
     }

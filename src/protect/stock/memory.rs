@@ -36,6 +36,11 @@ fn units_of(member: &str) -> u64 {
 }
 
 impl Segment {
+    /// Units held by live reservations.
+    fn reserved(&self) -> u64 {
+        self.reservations.keys().map(|m| units_of(m)).sum()
+    }
+
     /// Removes expired reservations; returns their units.
     fn expire(&mut self, now: u64) -> u64 {
         let mut expired = 0;
@@ -52,12 +57,14 @@ impl Segment {
 
 type Segments = moka::sync::Cache<(u128, u16), Arc<Mutex<Segment>>>;
 
+/// Idempotency records: (resource, key hash) → (record, deadline in ms).
+type Records = moka::sync::Cache<(u128, u128), (Arc<Vec<u8>>, u64)>;
+
 /// The ledger of one gate in embedded mode.
 #[derive(Debug)]
 pub(crate) struct MemoryLedger {
     segments: Segments,
-    /// Idempotency records: (resource, key hash) → (record, deadline ms).
-    records: moka::sync::Cache<(u128, u128), (Arc<Vec<u8>>, u64)>,
+    records: Records,
 }
 
 impl MemoryLedger {
@@ -114,6 +121,7 @@ impl MemoryLedger {
             return Buy::Short {
                 left: state.n,
                 expired,
+                reserved: state.reserved(),
             };
         }
         state.n -= request.units;
@@ -130,20 +138,34 @@ impl MemoryLedger {
         }
     }
 
-    pub(crate) fn settle(&self, resource: u128, segment: u16, settle: &Settle<'_>) -> Settled {
-        if let Some(record) = &settle.record {
-            self.put_record(resource, record.key, &record.value, record.ttl_ms);
+    pub(crate) fn settle(&self, resource: u128, segment: u16, settle: &Settle) -> Settled {
+        let names_this_buy =
+            |r: &Arc<Vec<u8>>| std::str::from_utf8(r).is_ok_and(|r| r.contains(&settle.member));
+        match &settle.record {
+            Some(record)
+                if record.forget
+                    && self
+                        .record(resource, record.key)
+                        .is_some_and(|r| names_this_buy(&r)) =>
+            {
+                self.records.invalidate(&(resource, record.key));
+            }
+            Some(record) if !record.forget => {
+                self.put_record(resource, record.key, &record.value, record.ttl_ms);
+            }
+            _ => {}
         }
         let Some(state) = self.segments.get(&(resource, segment)) else {
             return Settled {
                 removed: false,
                 left: -1,
+                reserved: 0,
             };
         };
         let mut state = state.lock().unwrap_or_else(PoisonError::into_inner);
         let now = now_ms();
         let removed =
-            settle.outcome != Outcome::Doubt && state.reservations.remove(settle.member).is_some();
+            settle.outcome != Outcome::Doubt && state.reservations.remove(&settle.member).is_some();
         match settle.outcome {
             Outcome::Sold if !settle.member.is_empty() => {
                 state.consumed.push_back((now, settle.member.to_owned()));
@@ -159,6 +181,7 @@ impl MemoryLedger {
         Settled {
             removed,
             left: i64::try_from(state.n).unwrap_or(i64::MAX),
+            reserved: state.reserved(),
         }
     }
 
@@ -196,7 +219,7 @@ impl MemoryLedger {
         let mut state = state.lock().unwrap_or_else(PoisonError::into_inner);
         let now = now_ms();
         state.expire(now);
-        let reserved: u64 = state.reservations.keys().map(|m| units_of(m)).sum();
+        let reserved = state.reserved();
         let horizon = now.saturating_sub(consumed_kept_ms);
         while state.consumed.front().is_some_and(|(at, _)| *at < horizon) {
             state.consumed.pop_front();
@@ -236,7 +259,7 @@ mod tests {
             1,
             0,
             &Settle {
-                member,
+                member: member.to_owned(),
                 outcome,
                 units: units_of(member),
                 idle_ms: 60_000,
@@ -270,7 +293,8 @@ mod tests {
             buy(&ledger, "1.c", 1),
             Buy::Short {
                 left: 0,
-                expired: 0
+                expired: 0,
+                reserved: 2
             }
         );
         // Not sold: back at once. Sold: consumed, and counted by a reconcile begun before.
@@ -292,7 +316,8 @@ mod tests {
             buy(&ledger, "1.e", 1),
             Buy::Short {
                 left: 0,
-                expired: 1
+                expired: 1,
+                reserved: 0
             }
         );
         // The reconcile after it: the origin's number decides.

@@ -41,7 +41,8 @@ const UNITS_OF: &str = "local function units_of(member)\n\
 ///   `ARGV[6]` the in-flight record, `ARGV[7]` `1`: claim it even when this segment has too
 ///   few units (another segment is tried next), `ARGV[8]` the body's fingerprint (16 hex)
 /// - returns `{0, left, expired}` taken; `{1, left, expired}` too few; `{2, record}` the key
-///   has a record; `{4, record}` its buy was in doubt and this request goes on with it (the
+///   has a record (and `{1, left, expired, reserved}` for too few: `reserved` the units of
+///   buys in flight); `{4, record}` its buy was in doubt and this request goes on with it (the
 ///   record is in flight again); `{3}` the segment is not loaded. `expired` is the units of
 ///   the expired reservations this call removed (a reconcile should run).
 static BUY: LazyLock<Script> = LazyLock::new(|| {
@@ -76,7 +77,7 @@ if n < units then
   if ARGV[7] == '1' then
     redis.call('SET', KEYS[3], ARGV[6], 'PX', ARGV[3])
   end
-  return {1, n, expired}
+  return {1, n, expired, tonumber(redis.call('HGET', KEYS[1], 'rsv') or '0')}
 end
 n = redis.call('HINCRBY', KEYS[1], 'n', -units)
 redis.call('HINCRBY', KEYS[1], 'rsv', units)
@@ -97,9 +98,11 @@ return {0, n, expired}
 ///   `KEYS[1]` again when `ARGV[6]` is not `1`)
 /// - `ARGV[1]` the member, `ARGV[2]` `sold` | `back` | `none` (the origin has none left) |
 ///   `doubt`, `ARGV[3]` units, `ARGV[4]` idle expiry ms, `ARGV[5]` how long consumed members
-///   are kept (ms), `ARGV[6]` `1`: write the record `ARGV[7]` for `ARGV[8]` ms
-/// - returns `{removed, left}`: whether the reservation was still live, and the units left
-///   (-1: the segment is not loaded; its units are not touched then).
+///   are kept (ms), `ARGV[6]` `1`: write the record `ARGV[7]` for `ARGV[8]` ms; `2`:
+///   delete the record if it names this reservation (a buy whose answer was lost)
+/// - returns `{removed, left, reserved}`: whether the reservation was still live, the units
+///   left (-1: the segment is not loaded; its units are not touched then) and the units
+///   still reserved by buys in flight.
 static SETTLE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(&format!(
         "{NOW}{}",
@@ -129,8 +132,13 @@ elseif ARGV[2] == 'none' then
 end
 if ARGV[6] == '1' then
   redis.call('SET', KEYS[4], ARGV[7], 'PX', ARGV[8])
+elseif ARGV[6] == '2' then
+  local record = redis.call('GET', KEYS[4])
+  if record and string.find(record, ARGV[1], 1, true) then
+    redis.call('DEL', KEYS[4])
+  end
 end
-return {removed, n}
+return {removed, n, tonumber(redis.call('HGET', KEYS[1], 'rsv') or '0')}
 "
     ))
 });
@@ -246,7 +254,7 @@ impl RedisLedger {
         &self,
         resource: u128,
         segment: u16,
-        settle: &Settle<'_>,
+        settle: &Settle,
     ) -> Result<Settled, Unavailable> {
         let keys = self.segment(resource, segment);
         let units = settle.units.to_string();
@@ -260,11 +268,11 @@ impl RedisLedger {
             .as_ref()
             .filter(|r| r.home == segment)
             .map(|r| keys.idempotency(r.key));
-        let record_value = settle
-            .record
-            .as_ref()
-            .filter(|_| record_key.is_some())
-            .map_or(&[][..], |r| r.value.as_slice());
+        let (record_op, record_value): (&[u8], &[u8]) = match (&settle.record, &record_key) {
+            (Some(record), Some(_)) if record.forget => (b"2", &[]),
+            (Some(record), Some(_)) => (b"1", record.value.as_slice()),
+            _ => (b"0", &[]),
+        };
         let reply: Vec<i64> = self
             .redis
             .run_script(
@@ -282,13 +290,17 @@ impl RedisLedger {
                     units.as_bytes(),
                     idle.as_bytes(),
                     kept.as_bytes(),
-                    if record_key.is_some() { b"1" } else { b"0" },
+                    record_op,
                     record_value,
                     record_ttl.as_bytes(),
                 ],
             )
             .await?;
-        if let Some(record) = settle.record.as_ref().filter(|r| r.home != segment) {
+        if let Some(record) = settle
+            .record
+            .as_ref()
+            .filter(|r| r.home != segment && !r.forget)
+        {
             self.write_record(
                 resource,
                 record.home,
@@ -300,6 +312,7 @@ impl RedisLedger {
         Ok(Settled {
             removed: reply.first().copied() == Some(1),
             left: reply.get(1).copied().unwrap_or(-1),
+            reserved: u64::try_from(reply.get(2).copied().unwrap_or(0)).unwrap_or(0),
         })
     }
 
@@ -341,9 +354,9 @@ impl RedisLedger {
         self.redis.query(RedisOp::Stock, &cmd).await
     }
 
-    /// Redis's clock where the resource's first segment lives.
-    pub(crate) async fn clock(&self, resource: u128) -> Result<u64, Unavailable> {
-        let keys = self.segment(resource, 0);
+    /// Redis's clock on the node of a resource's segment.
+    pub(crate) async fn clock(&self, resource: u128, segment: u16) -> Result<u64, Unavailable> {
+        let keys = self.segment(resource, segment);
         let now: i64 = self
             .redis
             .run_script(RedisOp::Stock, &CLOCK, &[&keys.state], &[])
@@ -433,6 +446,7 @@ fn parse_buy(reply: &[Value]) -> Buy {
         Some(1) => Buy::Short {
             left: units(1),
             expired: units(2),
+            reserved: units(3),
         },
         Some(2) => Buy::Known(bytes(1)),
         Some(4) => Buy::Reclaimed(bytes(1)),

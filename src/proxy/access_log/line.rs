@@ -122,6 +122,8 @@ impl Head {
 pub(crate) struct Record {
     /// The format at the time of the request (a reload may change it before it is written).
     pub(crate) format: Format,
+    /// The file the settings of that time write to (see `SinkSlot`).
+    pub(crate) sink: u64,
     /// When the request reached the router.
     pub(crate) at: SystemTime,
     pub(crate) client: IpAddr,
@@ -344,7 +346,7 @@ fn clf_time(rfc3339: &str) -> String {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use std::net::Ipv4Addr;
 
     use super::*;
@@ -359,9 +361,10 @@ mod tests {
         )
     }
 
-    fn record(format: Format) -> Record {
+    pub(in crate::proxy::access_log) fn record(format: Format) -> Record {
         Record {
             format,
+            sink: 0,
             // 2026-11-27T02:04:44.123Z
             at: SystemTime::UNIX_EPOCH + Duration::from_millis(1_795_745_084_123),
             client: IpAddr::V4(Ipv4Addr::LOCALHOST),

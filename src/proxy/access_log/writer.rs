@@ -85,26 +85,32 @@ impl Sink {
     }
 }
 
-/// A sink opened by a reload, waiting for the writer to take it.
+/// A sink opened by a reload, waiting for the writer to take it, with its number (each
+/// reload that opens a file numbers it one more than the last).
 #[derive(Debug, Default)]
 pub(super) struct SinkSlot {
-    next: Mutex<Option<Sink>>,
+    next: Mutex<Option<(u64, Sink)>>,
     /// Set with `next`: what the writer checks before each line.
     ready: AtomicBool,
 }
 
 impl SinkSlot {
-    /// Leaves `sink` for the writer, which uses it from the next line it takes.
-    pub(super) fn put(&self, sink: Sink) {
-        *self.next.lock().unwrap_or_else(PoisonError::into_inner) = Some(sink);
+    /// Leaves sink number `number` for the writer, which switches to it at the first line
+    /// begun under the settings that opened it (or later ones).
+    pub(super) fn put(&self, number: u64, sink: Sink) {
+        *self.next.lock().unwrap_or_else(PoisonError::into_inner) = Some((number, sink));
         self.ready.store(true, Ordering::Release);
     }
 
-    fn take(&self) -> Option<Sink> {
+    /// The waiting sink, if one is waiting and a line numbered `line` belongs to it.
+    fn take(&self, line: u64) -> Option<(u64, Sink)> {
         if !self.ready.load(Ordering::Acquire) {
             return None;
         }
         let mut next = self.next.lock().unwrap_or_else(PoisonError::into_inner);
+        if next.as_ref().is_none_or(|(number, _)| *number > line) {
+            return None;
+        }
         self.ready.store(false, Ordering::Release);
         next.take()
     }
@@ -123,6 +129,7 @@ pub(super) fn spawn(
 ) -> io::Result<()> {
     let writer = Writer {
         sink,
+        number: 0,
         next,
         queued,
         metrics,
@@ -141,6 +148,8 @@ pub(super) fn spawn(
 
 struct Writer {
     sink: Option<Sink>,
+    /// The number of `sink` (see [`SinkSlot`]).
+    number: u64,
     next: Arc<SinkSlot>,
     queued: Arc<AtomicU64>,
     metrics: AccessLogMetrics,
@@ -179,10 +188,14 @@ impl Writer {
     }
 
     fn add(&mut self, record: &Record) {
-        // A reload opened the file again: what was formatted before goes to the old one.
-        if let Some(sink) = self.next.take() {
+        // A reload opened the file again: lines begun before it go to the old one, what
+        // was formatted before goes there too.
+        if record.sink > self.number
+            && let Some((number, sink)) = self.next.take(record.sink)
+        {
             self.flush();
             self.sink = Some(sink);
+            self.number = number;
         }
         line::write(record, &mut self.scratch, &mut self.batch);
         self.lines += 1;
@@ -221,5 +234,55 @@ impl Writer {
             lines = self.failed_since_warning,
         );
         self.failed_since_warning = 0;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::AccessLogPath;
+    use crate::metrics::Metrics;
+    use crate::proxy::access_log::line::tests::record;
+
+    /// A line begun before a reload goes to the file of its time, however late the writer
+    /// takes it; the first line begun after goes to the new file.
+    #[test]
+    fn lines_go_to_the_file_of_the_settings_they_began_under() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (first, second) = (dir.path().join("first.log"), dir.path().join("second.log"));
+        let open = |path: &std::path::Path| {
+            Sink::open(&AccessLogPath::File(path.to_owned())).expect("opens")
+        };
+        let (sender, receiver) = mpsc::channel(8);
+        let slot = Arc::new(SinkSlot::default());
+        let metrics = Metrics::unregistered().access_log.clone();
+        let writer = Writer {
+            sink: Some(open(&first)),
+            number: 0,
+            next: Arc::clone(&slot),
+            queued: Arc::default(),
+            metrics,
+            batch: Vec::new(),
+            lines: 0,
+            scratch: Scratch::default(),
+            failed_since_warning: 0,
+            last_warning: None,
+        };
+        // Begun before the reload, taken by the writer after it.
+        let mut before = record(super::super::line::Format::Json);
+        before.sink = 0;
+        let mut after = record(super::super::line::Format::Combined);
+        after.sink = 1;
+        sender.try_send(before).expect("queued");
+        slot.put(1, open(&second));
+        sender.try_send(after).expect("queued");
+        drop(sender);
+        writer.run(receiver);
+        let read = |path: &std::path::Path| std::fs::read_to_string(path).unwrap_or_default();
+        let (a, b) = (read(&first), read(&second));
+        assert_eq!(a.lines().count(), 1, "{a:?}");
+        assert!(a.starts_with('{'), "{a:?}");
+        assert_eq!(b.lines().count(), 1, "{b:?}");
+        assert!(!b.starts_with('{'), "{b:?}");
     }
 }
