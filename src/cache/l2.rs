@@ -1,10 +1,16 @@
 //! L2: entries in the shared Redis, one key per cache key, named by
 //! [`Keyspace::entry`] (`<prefix>{<base>}:v` for a base key, `<prefix>{<base>}:v:<hash>`
-//! for a variant): the same name the fill writes, so lookup and fill cannot disagree. A
-//! value that fails to decode is counted and treated as a miss; the next fill overwrites it.
+//! for a variant): the same name the fill writes, so lookup and fill cannot disagree.
 //!
-//! An entry is read with `GETRANGE` up to 256 KiB: all of a small value in one command; a
-//! larger one is then read whole on the bulk connection (its own timeout, not counted
+//! A value is served only once it has proved whole (`entry.rs`: its recorded length is the
+//! number of bytes read, and its checksum matches). One that does not — cut, padded, a byte
+//! changed, an older format, not an entry at all — is counted
+//! (`cacheguard_entry_decode_errors_total`) and is a miss; the fill that follows stores a
+//! new value over it (the fill script's `SET` replaces whatever is there).
+//!
+//! An entry is read with `GETRANGE` up to 256 KiB + 1 byte: all of a small value in one
+//! command (a value cut to exactly 256 KiB reads as one of that size, and its recorded
+//! length refuses it); a larger one is then read whole on the bulk connection (its own timeout, not counted
 //! toward the breaker), so a large value never holds up the shared connection nor times
 //! out at `command_timeout` (as the fill writes it, `coord/store.rs`).
 //!

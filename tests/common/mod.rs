@@ -7,6 +7,7 @@
 //! - [`HttpClient`]: keep-alive client; [`raw_request`] for exact headers.
 //! - [`spawn_cacheguard_process`]: the real binary as a child process.
 //! - [`prom`]: a Prometheus text parser for `/metrics`.
+//! - [`entry`]: the L2 entry format, read back from Redis.
 //! - [`TcpProxy`]: a fault-injecting TCP proxy (cut / restore / added latency), e.g. in
 //!   front of a Redis server.
 //! - [`fleet`]: several instances on one Redis (process fleets, coordination waits).
@@ -17,6 +18,7 @@
 #![allow(dead_code, unused_imports, unreachable_pub)]
 
 pub mod client;
+pub mod entry;
 pub mod fleet;
 pub mod hot;
 pub mod load;
