@@ -4,7 +4,8 @@
 //! decode error and a miss; the fill that follows overwrites it with a whole value, which
 //! the next reads serve. For a small value (read in one command) and a large one (read in
 //! pieces on the bulk connection), in each route `l1` mode, on a standalone Redis and, for
-//! fewer cases, on a cluster.
+//! fewer cases, on a cluster. And a large value's buffer, shared by its readers, is shared
+//! only while Redis holds that same value.
 
 mod common;
 
@@ -13,7 +14,7 @@ use std::time::Duration;
 use common::entry::decode;
 use common::{
     CgConfig, HttpClient, RedisCluster, RedisServer, SharedRedis, TestConn, TestOrigin, item_route,
-    metric, poll_until, url,
+    metric, poll_until, stalled_get, url,
 };
 
 const DECODE_ERRORS: &str = "cacheguard_entry_decode_errors_total";
@@ -288,4 +289,72 @@ async fn a_damaged_value_on_a_cluster_is_a_counted_miss_and_overwritten() {
         (LARGE, Damage::FlipLast),
     ];
     damaged_values_are_counted_misses_then_overwritten(&cluster, "hot", &cases).await;
+}
+
+/// Readers of a large value share the buffer of a copy still held only while Redis holds
+/// that same value: with a copy held (by a client that reads nothing: 8 MiB, more than the
+/// sockets' buffers take), the value removed (as an invalidation does) and filled again with
+/// another body, the next read serves the new body.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_large_copy_is_shared_only_while_redis_holds_that_value() {
+    let redis = RedisServer::start().await;
+    let origin = TestOrigin::start().await;
+    let config = CgConfig::new(&origin)
+        .redis(&redis)
+        .set_str("redis", "command_timeout", "2s")
+        .l1("off")
+        .routes(&item_route("max_entry_bytes = 16777216"));
+    let writer = config.start().await;
+    let reader = config.start().await;
+    let client = HttpClient::new();
+    let path = "/api/items/held";
+    let held = 8 * 1024 * KIB;
+    let (first, second) = (body_of(held, 1), body_of(held, 2));
+    origin.set_body(path, first.clone());
+    let r = client.get(&url(writer.addr(), path)).await;
+    assert_eq!(r.x_cache(), "MISS", "{r}");
+
+    let answered = || {
+        metric(
+            &client,
+            reader.admin_addr(),
+            "cacheguard_requests_total",
+            &[],
+        )
+    };
+    let before = answered().await;
+    let stalled = stalled_get(reader.addr(), path).await;
+    let held = poll_until(
+        Duration::from_secs(5),
+        Duration::from_millis(20),
+        || async { (answered().await > before).then_some(()) },
+    )
+    .await;
+    assert!(held.is_some(), "the stalled client got no answer");
+    let r = client.get(&url(reader.addr(), path)).await;
+    assert!(
+        r.x_cache() == "HIT-L2" && r.body == first,
+        "beside the held copy: {r}"
+    );
+
+    let mut conn = redis.client().await;
+    for name in redis.entry_keys().await {
+        let _: () = redis::cmd("DEL")
+            .arg(name)
+            .query_async(&mut conn)
+            .await
+            .expect("DEL");
+    }
+    origin.set_body(path, second.clone());
+    let r = client.get(&url(writer.addr(), path)).await;
+    assert!(r.x_cache() == "MISS" && r.body == second, "refill: {r}");
+    let r = client.get(&url(reader.addr(), path)).await;
+    assert_eq!(r.x_cache(), "HIT-L2", "{r}");
+    assert!(
+        r.body == second,
+        "the held copy of the old value was served"
+    );
+    drop(stalled);
+    writer.shutdown().await;
+    reader.shutdown().await;
 }

@@ -23,7 +23,10 @@
 //! anywhere (inside the head, inside the body, at a read window), padded, or with any byte
 //! changed is an error. Magic and version are compared exactly; the length field is
 //! covered by the checksum. xxh3 catches damage, not a forger: whoever can write to Redis
-//! can store any answer anyway.
+//! can store any answer anyway. A large value's first bytes tell its length
+//! ([`stored_len`]) and, with its checksum and meta, which stored value it is: `l2.rs`
+//! reads it in pieces into one buffer of that size ([`Checked`]) and lets later reads of
+//! the same value share that buffer.
 //!
 //! Versions 1–7 carried no checksum, and version 7 no body length (its body was "the rest",
 //! so a value cut inside its body read as a shorter answer). They are not served: decoding
@@ -33,6 +36,8 @@
 //! both versions share a Redis, each rewrites what the other wrote), and it is the only
 //! way to never serve a value that cannot prove it is whole. Decoding anything else
 //! (garbage, another program's value, a future version) is an error too, never a crash.
+
+use std::sync::Arc;
 
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
@@ -273,8 +278,50 @@ struct Meta {
     body_len: u64,
 }
 
-/// The length a value records for itself, read from its first bytes (at least 19 of them).
-fn stored_len(prefix: &[u8]) -> Result<usize, DecodeEntryError> {
+/// A stored value that proved whole ([`Checked::new`]), in one buffer: every entry decoded
+/// from it ([`Entry::from_checked`]) holds slices of that buffer, so however many there are,
+/// the value is in memory once. `l2.rs` keeps large values this way.
+pub(crate) struct Checked(Vec<u8>);
+
+impl std::fmt::Debug for Checked {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Checked")
+            .field("len", &self.0.len())
+            .finish()
+    }
+}
+
+impl Checked {
+    /// `value`, once it has proved whole: its recorded length is its length and its checksum
+    /// matches.
+    ///
+    /// # Errors
+    /// Why it is not a whole value of the current format.
+    pub(crate) fn new(value: Vec<u8>) -> Result<Checked, DecodeEntryError> {
+        check(&value)?;
+        Ok(Checked(value))
+    }
+
+    pub(crate) fn as_bytes(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+/// The owner of the buffer of entries decoded from a [`Checked`] value.
+struct SharedValue(Arc<Checked>);
+
+impl AsRef<[u8]> for SharedValue {
+    fn as_ref(&self) -> &[u8] {
+        self.0.as_bytes()
+    }
+}
+
+/// The length a value records for itself, read from its first bytes (at least 19 of them):
+/// how much there is to read of a value read in pieces.
+///
+/// # Errors
+/// Not a value of the current format, or a length no Redis string can have.
+pub(crate) fn stored_len(prefix: &[u8]) -> Result<usize, DecodeEntryError> {
     let rest = prefix.strip_prefix(MAGIC).ok_or(DecodeEntryError::Magic)?;
     match rest.first() {
         Some(&VERSION) => {}
@@ -523,6 +570,16 @@ impl Entry {
     pub(crate) fn decode(bytes: Bytes) -> Result<Entry, DecodeEntryError> {
         check(&bytes)?;
         Self::parse(bytes)
+    }
+
+    /// The entry a checked value holds, its buffers slices of the value's (no copy, and no
+    /// second pass over it: it proved whole when it was checked).
+    ///
+    /// # Errors
+    /// A checksum guards against damage, not against a writer of wrong values: the meta and
+    /// every header line are still checked.
+    pub(crate) fn from_checked(value: &Arc<Checked>) -> Result<Entry, DecodeEntryError> {
+        Self::parse(Bytes::from_owner(SharedValue(Arc::clone(value))))
     }
 
     /// The entry in a value whose length and checksum were checked: its meta, and its head and
@@ -803,6 +860,10 @@ mod tests {
             Entry::decode(Bytes::copy_from_slice(&value[..window])),
             Err(DecodeEntryError::Length { .. })
         ));
+        assert!(matches!(
+            Checked::new(value[..window].to_vec()),
+            Err(DecodeEntryError::Length { .. })
+        ));
         assert_eq!(
             Entry::decode(Bytes::from(value)).unwrap().body_len(),
             300 * 1024
@@ -837,6 +898,31 @@ mod tests {
             stored_len(&value[..FIXED - 1]),
             Err(DecodeEntryError::Length { .. })
         ));
+    }
+
+    #[test]
+    fn entries_from_a_checked_value_share_its_buffer_and_let_it_go() {
+        let value = Arc::new(Checked::new(sample().encode().unwrap()).unwrap());
+        let within = value.as_bytes().as_ptr_range();
+        let a = Entry::from_checked(&value).unwrap();
+        let b = Entry::from_checked(&value).unwrap();
+        for e in [&a, &b] {
+            assert!(
+                within.contains(&e.body().as_ptr()),
+                "the body is the buffer's"
+            );
+            assert_eq!(e.key(), sample().key());
+        }
+        let live = Arc::downgrade(&value);
+        drop(value);
+        let body = a.body();
+        drop((a, b));
+        assert!(
+            live.upgrade().is_some(),
+            "a body still held keeps the buffer"
+        );
+        drop(body);
+        assert!(live.upgrade().is_none(), "nothing holds it any more");
     }
 
     #[test]

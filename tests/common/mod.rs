@@ -39,7 +39,9 @@ use std::time::Duration;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-pub use client::{HttpClient, Resp, empty_body, raw_bytes, raw_request, raw_request_from};
+pub use client::{
+    HttpClient, Resp, empty_body, raw_bytes, raw_request, raw_request_from, stalled_get,
+};
 pub use origin::{IdsFault, IdsFormat, TestOrigin, default_body};
 pub use process::{
     CacheguardProcess, spawn_cacheguard_process, spawn_cacheguard_process_with_args,
