@@ -68,9 +68,9 @@ use self::memory::MemoryLedger;
 use self::record::{Kind, Record, StoredAnswer};
 use self::shared::RedisLedger;
 use self::source::Source;
-use crate::cache::key::normalize_percent;
+use crate::cache::key::normalized_params;
 use crate::clock::now_ms;
-use crate::config::{OnRedisError, StockConfig, UpstreamConfig};
+use crate::config::{OnRedisError, StockConfig, UpstreamConfig, fill_pattern};
 use crate::coord::events::{BusListener, StockEvent, StockLevel};
 use crate::coord::{Keyspace, RedisConn, keyspace};
 use crate::metrics::{Metrics, StockMetrics, StockOutcome, StockSettled};
@@ -440,19 +440,15 @@ impl Gate {
     pub(crate) fn resource(&self, params: &[(String, String)]) -> Arc<Resource> {
         let settings = self.settings.load();
         let config = &settings.config;
-        let params: Vec<(String, String)> = params
-            .iter()
-            .map(|(name, value)| (name.clone(), normalize_percent(value)))
-            .collect();
-        let params = &params;
-        let path = fill(&config.key, params);
+        let params = &normalized_params(params);
+        let path = fill_pattern(&config.key, params);
         let id = keyspace::stock_resource(&self.name, &path);
         let resource = self
             .resources
             .get_with(id, || Arc::new(Resource::new(id, config.segments)));
         resource
             .paths
-            .get_or_init(|| (path, fill(&config.source_path, params)));
+            .get_or_init(|| (path, fill_pattern(&config.source_path, params)));
         resource.touched_ms.store(now_ms(), Ordering::Relaxed);
         resource
     }
@@ -1116,17 +1112,6 @@ fn units_of(member: &str) -> Option<u64> {
 
 fn millis(duration: Duration) -> u64 {
     u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
-}
-
-/// `/trains/{train}/seats/{type}` with the route's parameters → `/trains/7/seats/a`.
-fn fill(pattern: &str, params: &[(String, String)]) -> String {
-    let mut path = pattern.to_owned();
-    for (name, value) in params {
-        path = path
-            .replace(&format!("{{{name}}}"), value)
-            .replace(&format!("{{*{name}}}"), value);
-    }
-    path
 }
 
 #[cfg(test)]
