@@ -44,8 +44,9 @@
 //! again with the same `Stock-Reservation` and takes no new unit. One key never holds two
 //! units at once.
 
-pub(crate) mod ledger;
+mod ledger;
 mod memory;
+mod ops;
 pub(crate) mod record;
 mod shared;
 mod source;
@@ -63,8 +64,9 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
-use self::ledger::{Buy, BuyRequest, Ledger, Outcome, RecordClaim, RecordWrite, Settle};
+use self::ledger::Ledger;
 use self::memory::MemoryLedger;
+use self::ops::{Buy, BuyRequest, Outcome, RecordClaim, RecordWrite, Settle};
 use self::record::{Kind, Record, StoredAnswer};
 use self::shared::RedisLedger;
 use self::source::Source;
