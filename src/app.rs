@@ -28,12 +28,14 @@ use crate::consistency::invalidate::Invalidator;
 use crate::consistency::journal::{self, FsyncPolicy, Journal};
 use crate::consistency::stream::{self, StreamSettings};
 use crate::coord::events::{BusListener, BusMetrics, EventBus, Waiters};
+use crate::coord::locks::{LockService, MemoryLocks, RedisLocks};
 use crate::coord::store::RedisStore;
 use crate::coord::{Keyspace, RedisConn};
 use crate::metrics::Metrics;
 use crate::protect::bloom::Filters;
 use crate::protect::flight::fleet::FleetLock;
 use crate::protect::hotkeys::HotKeys;
+use crate::protect::serialize::Serializer;
 use crate::protect::stock::Gates;
 use crate::proxy::access_log::AccessLog;
 use crate::proxy::fill::{Filler, Flights};
@@ -441,7 +443,19 @@ impl App {
                 dir: config.server.body_spool_dir.clone(),
             },
         });
+        // Serialized writes take their locks in the shared Redis; in embedded mode the
+        // fleet is this process.
+        let locks = match (&redis, &config.redis, &dist) {
+            (Some(conn), Some(rc), Some(store)) => LockService::Redis(RedisLocks::new(
+                conn.clone(),
+                Keyspace::new(&rc.key_prefix),
+                Arc::clone(store.waiters()),
+                instance,
+            )),
+            _ => LockService::Memory(MemoryLocks::new()),
+        };
         let write = Arc::new(WritePath {
+            serializer: Serializer::new(locks),
             routes: Arc::clone(&routes),
             invalidator: Arc::clone(&invalidator),
             filters: Arc::clone(&filters),

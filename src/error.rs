@@ -83,6 +83,16 @@ pub(crate) enum ProxyError {
     /// A stock gate could not learn the resource's units from the origin.
     #[error("stock not loaded")]
     StockNotLoaded,
+    /// A serialized write found `max_waiters` writes to its resource waiting already (the
+    /// `Retry-After` seconds).
+    #[error("too many writes waiting for this resource")]
+    WriteQueueFull(u64),
+    /// A serialized write did not get its resource's lock within `wait_timeout`.
+    #[error("the resource stayed locked by other writes")]
+    WriteLockWait(u64),
+    /// A serialized write's lock service did not answer (`on_redis_error = "reject"`).
+    #[error("write lock unavailable")]
+    WriteLockUnavailable(u64),
     #[error("internal error")]
     Internal,
 }
@@ -109,9 +119,11 @@ impl ProxyError {
             ProxyError::BadIdempotencyKey => StatusCode::BAD_REQUEST,
             ProxyError::IdempotencyInFlight => StatusCode::CONFLICT,
             ProxyError::IdempotencyMismatch => StatusCode::UNPROCESSABLE_ENTITY,
-            ProxyError::StockUnavailable | ProxyError::StockNotLoaded => {
-                StatusCode::SERVICE_UNAVAILABLE
-            }
+            ProxyError::StockUnavailable
+            | ProxyError::StockNotLoaded
+            | ProxyError::WriteQueueFull(_)
+            | ProxyError::WriteLockWait(_)
+            | ProxyError::WriteLockUnavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             ProxyError::Internal => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -141,6 +153,9 @@ impl ProxyError {
             ProxyError::IdempotencyMismatch => "idempotency_mismatch",
             ProxyError::StockUnavailable => "stock_unavailable",
             ProxyError::StockNotLoaded => "stock_not_loaded",
+            ProxyError::WriteQueueFull(_) => "write_queue_full",
+            ProxyError::WriteLockWait(_) => "write_lock_wait",
+            ProxyError::WriteLockUnavailable(_) => "write_lock_unavailable",
             ProxyError::Internal => "internal",
         }
     }
@@ -179,7 +194,10 @@ impl ProxyError {
             | ProxyError::IdempotencyInFlight
             | ProxyError::StockUnavailable
             | ProxyError::StockNotLoaded => Some(1),
-            ProxyError::TooManyVariants(seconds) => Some(*seconds),
+            ProxyError::TooManyVariants(seconds)
+            | ProxyError::WriteQueueFull(seconds)
+            | ProxyError::WriteLockWait(seconds)
+            | ProxyError::WriteLockUnavailable(seconds) => Some(*seconds),
             _ => None,
         }
     }

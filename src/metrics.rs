@@ -297,6 +297,8 @@ pub enum RedisOp {
     Tag,
     /// Stock gates: buys, settlements, reconciles, idempotency records.
     Stock,
+    /// Serialized writes' locks.
+    Serialize,
 }
 
 impl RedisOp {
@@ -314,6 +316,7 @@ impl RedisOp {
             RedisOp::Invalidate => "invalidate",
             RedisOp::Tag => "tag",
             RedisOp::Stock => "stock",
+            RedisOp::Serialize => "serialize",
         }
     }
 }
@@ -383,6 +386,8 @@ pub struct Metrics {
     pub(crate) access_log: AccessLogMetrics,
     /// The stock gates' families (see [`StockFamilies::for_gate`]).
     pub(crate) stock: StockFamilies,
+    /// Serialized writes' families (see [`SerializeFamilies::for_route`]).
+    pub(crate) serialize: SerializeFamilies,
     purges: IntCounterVec,
     config_reloads: IntCounterVec,
     config_generation: IntGauge,
@@ -839,6 +844,7 @@ impl Metrics {
         };
         registry.register(Box::new(access_log_lines))?;
         let stock = StockFamilies::register(registry)?;
+        let serialize = SerializeFamilies::register(registry)?;
         let purges = IntCounterVec::new(
             Opts::new(
                 "cacheguard_purges_total",
@@ -922,7 +928,7 @@ impl Metrics {
         )?;
         let entry_decode_errors = IntCounter::new(
             "cacheguard_entry_decode_errors_total",
-            "Stored values that failed to decode (treated as a miss and overwritten).",
+            "L2 values that did not decode: damaged (cut, padded, a byte changed: their length or checksum disagrees), of a format before version 8 (no checksum), or not an entry at all. Each is a miss, and the next fill overwrites it.",
         )?;
         let rejected_requests = IntCounterVec::new(
             Opts::new(
@@ -1203,6 +1209,7 @@ impl Metrics {
             RedisOp::Invalidate,
             RedisOp::Tag,
             RedisOp::Stock,
+            RedisOp::Serialize,
         ] {
             redis_errors.with_label_values(&[op.as_str()]);
             redis_slot_migrating.with_label_values(&[op.as_str()]);
@@ -1248,6 +1255,7 @@ impl Metrics {
             stream,
             access_log,
             stock,
+            serialize,
             purges,
             config_reloads,
             config_generation,
@@ -1940,5 +1948,131 @@ impl StockMetrics {
         } else {
             self.units_down.inc_by(delta.unsigned_abs());
         }
+    }
+}
+
+/// What became of a write on a serialized route: the `result` label of
+/// `cacheguard_serialized_writes_total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SerializeOutcome {
+    /// It got the lock and was forwarded.
+    Granted,
+    /// No lock within `wait_timeout`: 503.
+    Timeout,
+    /// `max_waiters` waited already: 503 at once.
+    TooMany,
+    /// The lock service did not answer: 503 (`on_redis_error = "reject"`).
+    Unavailable,
+    /// The lock service did not answer: forwarded unserialized (`on_redis_error =
+    /// "forward"`).
+    Ungated,
+}
+
+impl SerializeOutcome {
+    pub const ALL: [SerializeOutcome; 5] = [
+        SerializeOutcome::Granted,
+        SerializeOutcome::Timeout,
+        SerializeOutcome::TooMany,
+        SerializeOutcome::Unavailable,
+        SerializeOutcome::Ungated,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SerializeOutcome::Granted => "granted",
+            SerializeOutcome::Timeout => "timeout",
+            SerializeOutcome::TooMany => "too_many",
+            SerializeOutcome::Unavailable => "unavailable",
+            SerializeOutcome::Ungated => "ungated",
+        }
+    }
+}
+
+/// The families of serialized writes; each route resolves its handles once.
+#[derive(Clone, Debug)]
+pub(crate) struct SerializeFamilies {
+    writes: IntCounterVec,
+    wait: HistogramVec,
+    lost: IntCounterVec,
+    late: IntCounterVec,
+}
+
+impl SerializeFamilies {
+    fn register(registry: &Registry) -> prometheus::Result<Self> {
+        let families = SerializeFamilies {
+            writes: IntCounterVec::new(
+                Opts::new(
+                    "cacheguard_serialized_writes_total",
+                    "Writes on serialized routes, by route and result (granted; timeout: no \
+                     lock within wait_timeout; too_many: max_waiters waited already; \
+                     unavailable: the lock service did not answer and the write was refused; \
+                     ungated: it did not answer and the write was forwarded unserialized).",
+                ),
+                &["route", "result"],
+            )?,
+            wait: HistogramVec::new(
+                HistogramOpts::new(
+                    "cacheguard_serialized_wait_seconds",
+                    "How long granted writes waited for their lock, by route.",
+                )
+                .buckets(buckets_latency()),
+                &["route"],
+            )?,
+            lost: IntCounterVec::new(
+                Opts::new(
+                    "cacheguard_serialized_leases_lost_total",
+                    "Writes whose lock was lost while at the origin (a renewal found it \
+                     gone): only the origin's fencing-token check keeps them in order.",
+                ),
+                &["route"],
+            )?,
+            late: IntCounterVec::new(
+                Opts::new(
+                    "cacheguard_serialized_late_grants_total",
+                    "Grants given back because less than a third of the lease was left when \
+                     they arrived (a slow lock service), by route.",
+                ),
+                &["route"],
+            )?,
+        };
+        for family in [
+            Box::new(families.writes.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(families.wait.clone()),
+            Box::new(families.lost.clone()),
+            Box::new(families.late.clone()),
+        ] {
+            registry.register(family)?;
+        }
+        Ok(families)
+    }
+
+    /// Resolves one route's handles (every series exists from then on).
+    pub(crate) fn for_route(&self, route: &str) -> SerializeMetrics {
+        SerializeMetrics {
+            writes: SerializeOutcome::ALL
+                .map(|o| self.writes.with_label_values(&[route, o.as_str()])),
+            wait: self.wait.with_label_values(&[route]),
+            lost: self.lost.with_label_values(&[route]),
+            late_grants: self.late.with_label_values(&[route]),
+        }
+    }
+}
+
+/// One serialized route's handles.
+#[derive(Clone, Debug)]
+pub(crate) struct SerializeMetrics {
+    writes: [IntCounter; 5],
+    wait: Histogram,
+    pub(crate) lost: IntCounter,
+    pub(crate) late_grants: IntCounter,
+}
+
+impl SerializeMetrics {
+    pub(crate) fn outcome(&self, outcome: SerializeOutcome) {
+        self.writes[outcome as usize].inc();
+    }
+
+    pub(crate) fn waited(&self, waited: std::time::Duration) {
+        self.wait.observe(waited.as_secs_f64());
     }
 }

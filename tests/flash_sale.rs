@@ -19,9 +19,6 @@
 //! check. With `true` the `[[stock]]` table and the route's `stock =` are in the config and
 //! every assertion above is made. [`harness_without_gate_sees_the_flood`] always runs
 //! without the gate and checks that the flood factor sees the flood.
-//!
-//! [`the_opening_crowd_loads_the_resource_once`]: the buyers at a sale's opening, who all
-//! find the resource unloaded, cost the origin's source one request, not one each.
 
 mod common;
 
@@ -637,50 +634,4 @@ async fn origin_slow_and_timing_out() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_retries_with_the_same_idempotency_key() {
     scenario(Topology::Standalone, Fault::RetriesInDoubt, None).await;
-}
-
-/// The crowd at a sale's opening finds the resource unloaded all at once. The first buy
-/// loads it from the origin's source; the others wait for that load and take its count.
-/// They used to ask the source once each, one after another (a reconcile per buyer, in
-/// turn): 40 buyers, 40 source requests, the last buyer served seconds late. Embedded and
-/// shared mode (the load is the gate's, whatever the ledger).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_opening_crowd_loads_the_resource_once() {
-    const BUYERS: usize = 40;
-    let redis = RedisServer::start().await;
-    for shared in [false, true] {
-        let origin = common::TestOrigin::start().await;
-        common::set_seats(&origin, "t1", "a", 1_000);
-        // A source slow enough that the whole crowd arrives while it is asked.
-        let source = "/internal/stock/t1/a";
-        origin.set_delay(source, Duration::from_millis(100));
-        let mut cfg = CgConfig::new(&origin)
-            .routes(&(common::buy_route("seats") + &common::stock_table("seats", "")));
-        if shared {
-            cfg = cfg.redis(&redis);
-        }
-        let cg = cfg.start().await;
-        let client = HttpClient::new();
-        let target = common::url(cg.addr(), &common::orders("t1", "a"));
-        let statuses = common::concurrently(BUYERS, Duration::from_secs(30), |_| {
-            let (client, target) = (client.clone(), target.clone());
-            async move {
-                common::post(&client, &target, &[], "")
-                    .await
-                    .status
-                    .as_u16()
-            }
-        })
-        .await;
-        assert!(
-            statuses.iter().all(|s| *s == 200),
-            "shared {shared}: {statuses:?}"
-        );
-        let loads = origin.count(source);
-        assert_eq!(
-            loads, 1,
-            "shared {shared}: the source was asked {loads} times for {BUYERS} buyers at the opening"
-        );
-        cg.shutdown().await;
-    }
 }

@@ -358,7 +358,8 @@ mod checkers {
         let report = check_undersell(&early, &left, "buy", window);
         assert!(report.ok(), "{report}");
 
-        // Units left and buyers turned away after the window started: undersold.
+        // Units left and buyers told "sold out" after the window started: undersold. A 503
+        // (come back later) is unavailability, counted apart.
         let late = History::of(vec![
             buy(1, "k2").span(1200, 1201).status(409),
             buy(2, "k3").span(1300, 1301).status(503),
@@ -370,8 +371,13 @@ mod checkers {
         let report = check_undersell(&late, &left, "buy", window);
         assert!(!report.ok());
         let r = report.undersold()[0];
-        assert_eq!((r.remaining, r.attempts, r.refused), (2, 3, 2));
+        assert_eq!(
+            (r.remaining, r.attempts, r.refused, r.unavailable),
+            (2, 3, 1, 1)
+        );
         assert!(report.to_string().contains("2 left"), "{report}");
+        let unavailable_only = History::of(vec![buy(2, "k3").span(1300, 1301).status(503)]);
+        assert!(check_undersell(&unavailable_only, &left, "buy", window).ok());
     }
 
     #[test]

@@ -19,6 +19,8 @@
 //!                          `:done` those recently consumed, `:idem:<k>` an idempotency
 //!                          key's record (in the key's home segment), `:rc` the
 //!                          resource's reconcile turn (segment 0)
+//! <p>ser:{<r>}:lock        a serialized write's lock on resource `<r>` (owner id)
+//! <p>ser:{<r>}:fence       the last fencing token minted for `<r>`
 //! <p>events                the pub/sub channel of the event bus
 //! ```
 //!
@@ -180,6 +182,30 @@ impl Keyspace {
             state: tag,
         }
     }
+}
+
+/// The keys of a serialized resource's lock.
+#[derive(Clone, Debug)]
+pub(crate) struct SerializedKeys {
+    pub(crate) lock: String,
+    pub(crate) fence: String,
+}
+
+impl Keyspace {
+    /// The lock and token keys of resource `resource` (see [`serialized_resource`]).
+    pub(crate) fn serialized(&self, resource: u128) -> SerializedKeys {
+        let tag = format!("{}ser:{{{resource:032x}}}", self.prefix);
+        SerializedKeys {
+            lock: format!("{tag}:lock"),
+            fence: format!("{tag}:fence"),
+        }
+    }
+}
+
+/// A serialized resource's id: the hash of its path, whatever route names it (a `PUT` and
+/// a `DELETE` of one seat take one lock).
+pub(crate) fn serialized_resource(path: &str) -> u128 {
+    xxhash_rust::xxh3::xxh3_128(path.as_bytes())
 }
 
 /// A stock resource's id: the gate and the resource's path, hashed so that any path gives

@@ -44,8 +44,9 @@
 //! again with the same `Stock-Reservation` and takes no new unit. One key never holds two
 //! units at once.
 
-pub(crate) mod ledger;
+mod ledger;
 mod memory;
+mod ops;
 pub(crate) mod record;
 mod shared;
 mod source;
@@ -63,14 +64,15 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
-use self::ledger::{Buy, BuyRequest, Ledger, Outcome, RecordClaim, RecordWrite, Settle};
+use self::ledger::Ledger;
 use self::memory::MemoryLedger;
+use self::ops::{Buy, BuyRequest, Outcome, RecordClaim, RecordWrite, Settle};
 use self::record::{Kind, Record, StoredAnswer};
 use self::shared::RedisLedger;
 use self::source::Source;
-use crate::cache::key::normalize_percent;
+use crate::cache::key::normalized_params;
 use crate::clock::now_ms;
-use crate::config::{OnRedisError, StockConfig, UpstreamConfig};
+use crate::config::{OnRedisError, StockConfig, UpstreamConfig, fill_pattern};
 use crate::coord::events::{BusListener, StockEvent, StockLevel};
 use crate::coord::{Keyspace, RedisConn, keyspace};
 use crate::metrics::{Metrics, StockCounts, StockMetrics, StockOutcome, StockSettled};
@@ -279,8 +281,8 @@ pub(crate) struct Resource {
     again: AtomicBool,
     /// Until when (ms) a failed load holds further buys off the origin.
     failed_until: AtomicU64,
-    /// Reconciles of the resource that succeeded here: a buy waiting to load it takes one
-    /// that ended while it waited as its own.
+    /// Reconciles of the resource that succeeded here: a buy that found it unloaded takes
+    /// one that ended since (counted before its buy) as its own load.
     reconciled: AtomicU64,
 }
 
@@ -466,19 +468,15 @@ impl Gate {
     pub(crate) fn resource(&self, params: &[(String, String)]) -> Arc<Resource> {
         let settings = self.settings.load();
         let config = &settings.config;
-        let params: Vec<(String, String)> = params
-            .iter()
-            .map(|(name, value)| (name.clone(), normalize_percent(value)))
-            .collect();
-        let params = &params;
-        let path = fill(&config.key, params);
+        let params = &normalized_params(params);
+        let path = fill_pattern(&config.key, params);
         let id = keyspace::stock_resource(&self.name, &path);
         let resource = self
             .resources
             .get_with(id, || Arc::new(Resource::new(id, config.segments)));
         resource
             .paths
-            .get_or_init(|| (path, fill(&config.source_path, params)));
+            .get_or_init(|| (path, fill_pattern(&config.source_path, params)));
         resource.touched_ms.store(now_ms(), Ordering::Relaxed);
         resource
     }
@@ -1160,17 +1158,6 @@ fn units_of(member: &str) -> Option<u64> {
 
 fn millis(duration: Duration) -> u64 {
     u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
-}
-
-/// `/trains/{train}/seats/{type}` with the route's parameters → `/trains/7/seats/a`.
-fn fill(pattern: &str, params: &[(String, String)]) -> String {
-    let mut path = pattern.to_owned();
-    for (name, value) in params {
-        path = path
-            .replace(&format!("{{{name}}}"), value)
-            .replace(&format!("{{*{name}}}"), value);
-    }
-    path
 }
 
 #[cfg(test)]

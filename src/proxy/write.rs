@@ -28,7 +28,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
-use http::{HeaderValue, Method, Request, Response, header};
+use http::{HeaderName, HeaderValue, Method, Request, Response, header};
 use hyper::body::Incoming;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -41,12 +41,15 @@ use super::respond;
 use super::route::{Route, RouteTable};
 use super::spool::Spooled;
 use super::stock;
-use crate::cache::key;
+use crate::cache::key::{self, normalized_params};
+use crate::config::{OnRedisError, fill_pattern};
 use crate::consistency::invalidate::{Invalidation, Invalidator, Source};
 use crate::consistency::tags;
 use crate::error::ProxyError;
 use crate::metrics::RouteMetrics;
+use crate::metrics::SerializeOutcome;
 use crate::protect::bloom::Filters;
+use crate::protect::serialize::{Held, Refusal, Serializer};
 
 /// The third delete is issued this much (at most a quarter of the delay) before
 /// `double_delete_delay` is up, so that it has landed by then despite timer and Redis
@@ -70,7 +73,12 @@ pub(crate) struct WritePath {
     pub(crate) background: tokio::runtime::Handle,
     /// Cancelled at shutdown: delayed deletes then run at once.
     pub(crate) stop: CancellationToken,
+    /// The locks and queues of serialized writes.
+    pub(crate) serializer: Arc<Serializer>,
 }
+
+/// The resource a serialized write's fencing token is for (its path), beside the token.
+static FENCING_KEY: HeaderName = HeaderName::from_static("fencing-key");
 
 impl WritePath {
     /// Serves a request on a write route: forwarded, with its invalidations around it.
@@ -113,6 +121,11 @@ impl WritePath {
             },
             None => None,
         };
+        // Writes to one resource go one at a time across the fleet, each with its token.
+        let lock = match self.lock(route, params, &mut request).await {
+            Ok(lock) => lock,
+            Err(answer) => return answer,
+        };
         let host = request.headers().get(header::HOST).cloned();
         let mut targets = self.invalidation_targets(route, params);
         if !targets.is_empty() {
@@ -120,26 +133,34 @@ impl WritePath {
                 .invalidate(&targets, Source::Write, quarantine)
                 .await;
         }
-        let mut response = match reservation {
-            None => self.forward(route, request, client).await,
-            // Forwarded and settled in a task of its own: a client that hangs up does not
-            // leave the units reserved until the reservation expires. The time it waited
-            // on the origin is this request's (the access log's origin time).
-            Some(held) => {
-                let (this, route) = (Arc::clone(self), Arc::clone(route));
-                let buy = tokio::spawn(timing_origin(async move {
-                    let response = this.forward(&route, request, client).await;
-                    held.settle(response).await
-                }));
-                match buy.await {
-                    Ok((response, waited)) => {
-                        if let Some(waited) = waited {
-                            origin_waited(waited);
-                        }
-                        response
+        let mut response = if reservation.is_none() && lock.is_none() {
+            self.forward(route, request, client).await
+        } else {
+            // Forwarded from a task of its own: a client that hangs up neither leaves the
+            // units reserved nor lets the next write in while this one is at the origin.
+            // The time it waited on the origin is this request's (the access log's).
+            let (this, route) = (Arc::clone(self), Arc::clone(route));
+            let write = tokio::spawn(timing_origin(async move {
+                let forward = this.forward(&route, request, client);
+                let response = match (lock, &route.serialized) {
+                    (Some(held), Some(metrics)) => {
+                        this.serializer.hold(held, forward, metrics).await
                     }
-                    Err(_) => respond::error(&ProxyError::Internal),
+                    _ => forward.await,
+                };
+                match reservation {
+                    Some(reservation) => reservation.settle(response).await,
+                    None => response,
                 }
+            }));
+            match write.await {
+                Ok((response, waited)) => {
+                    if let Some(waited) = waited {
+                        origin_waited(waited);
+                    }
+                    response
+                }
+                Err(_) => respond::error(&ProxyError::Internal),
             }
         };
         let answered = Instant::now();
@@ -173,6 +194,50 @@ impl WritePath {
             );
         }
         response
+    }
+
+    /// On a serialized route, waits for the lock on the resource the write names and puts
+    /// its fencing token and the resource in the request (`Err`: the answer instead).
+    async fn lock(
+        &self,
+        route: &Route,
+        params: &[(String, String)],
+        request: &mut Request<Spooled>,
+    ) -> Result<Option<Held>, Response<Body>> {
+        let (Some(config), Some(metrics)) = (&route.config.serialize, &route.serialized) else {
+            return Ok(None);
+        };
+        // Percent-escapes normalized: `%41` and `A` are one resource, one lock.
+        let path = fill_pattern(&config.key, &normalized_params(params));
+        let retry_after = config.retry_after.as_secs().max(1);
+        let held = match self.serializer.acquire(config, &path, metrics).await {
+            Ok(held) => held,
+            Err(Refusal::TooMany) => {
+                return Err(respond::error(&ProxyError::WriteQueueFull(retry_after)));
+            }
+            Err(Refusal::Timeout) => {
+                return Err(respond::error(&ProxyError::WriteLockWait(retry_after)));
+            }
+            Err(Refusal::Unavailable) => match config.on_redis_error {
+                OnRedisError::Reject => {
+                    return Err(respond::error(&ProxyError::WriteLockUnavailable(
+                        retry_after,
+                    )));
+                }
+                OnRedisError::Forward => {
+                    metrics.outcome(SerializeOutcome::Ungated);
+                    return Ok(None);
+                }
+            },
+        };
+        let headers = request.headers_mut();
+        if let Some(name) = &config.fence_header {
+            headers.insert(name.clone(), HeaderValue::from(held.token()));
+        }
+        if let Ok(key) = HeaderValue::from_str(&path) {
+            headers.insert(FENCING_KEY.clone(), key);
+        }
+        Ok(Some(held))
     }
 
     /// Forwards a write (a create: with its Bloom add).
@@ -301,17 +366,6 @@ fn same_origin_path(value: &str, ours: impl Fn(&str) -> bool) -> Option<String> 
     ours(uri.authority()?.as_str()).then(|| uri.path().to_owned())
 }
 
-/// `/api/items/{id}` with `id = 7` → `/api/items/7` (`{*rest}` too).
-fn fill_pattern(pattern: &str, params: &[(String, String)]) -> String {
-    let mut path = pattern.to_owned();
-    for (name, value) in params {
-        path = path
-            .replace(&format!("{{{name}}}"), value)
-            .replace(&format!("{{*{name}}}"), value);
-    }
-    path
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -327,14 +381,5 @@ mod tests {
         assert_eq!(path("//evil.test/items/7"), None);
         assert_eq!(path("items/7"), None);
         assert_eq!(path("ftp://api.test/items/7"), None);
-    }
-
-    #[test]
-    fn patterns_are_filled_from_the_write_params() {
-        let params = vec![("id".to_owned(), "7".to_owned())];
-        assert_eq!(fill_pattern("/api/items/{id}", &params), "/api/items/7");
-        assert_eq!(fill_pattern("/api/items", &params), "/api/items");
-        let rest = vec![("rest".to_owned(), "a/b".to_owned())];
-        assert_eq!(fill_pattern("/files/{*rest}", &rest), "/files/a/b");
     }
 }

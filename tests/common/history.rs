@@ -858,15 +858,19 @@ pub fn check_phantom(history: &History, log: &SaleLog, f: &str) -> PhantomReport
 pub struct ResourceDemand {
     pub resource: String,
     pub remaining: u64,
-    /// Attempts invoked in the window, and how many of them did not succeed.
+    /// Attempts invoked in the window, and how many of them were told "sold out" (409,
+    /// from the gate or the origin).
     pub attempts: usize,
     pub refused: usize,
-    /// The last attempt in the window that did not succeed.
+    /// The last attempt in the window told "sold out".
     pub last_refused: Option<Op>,
+    /// Attempts in the window that got neither a sale nor "sold out" (a 503 to come back
+    /// later, a timeout): unavailability, not an undersell; reported, not judged here.
+    pub unavailable: usize,
 }
 
 impl ResourceDemand {
-    /// Units left at the origin while clients were still turned away.
+    /// Units left at the origin while clients were still told there were none.
     pub fn undersold(&self) -> bool {
         self.remaining > 0 && self.refused > 0
     }
@@ -904,11 +908,13 @@ impl fmt::Display for UndersellReport {
         for r in bad {
             writeln!(
                 f,
-                "  {}: {} left, {} of {} attempts in the window turned away; last: {}",
+                "  {}: {} left, {} of {} attempts in the window told sold out ({} more \
+                 unavailable); last: {}",
                 r.resource,
                 r.remaining,
                 r.refused,
                 r.attempts,
+                r.unavailable,
                 r.last_refused
                     .as_ref()
                     .map_or_else(String::new, ToString::to_string)
@@ -919,9 +925,12 @@ impl fmt::Display for UndersellReport {
 }
 
 /// **Undersell**: at the end of the run, a resource the origin still has units of must
-/// not have turned buyers (`f`) away in the final window, which starts after the last
-/// fault healed plus the time the system is allowed to recover (e.g. two reconcile
-/// intervals); the runner keeps buying through it, so demand remained.
+/// not have told buyers (`f`) it had none (a 409, the gate's or the origin's) in the final
+/// window, which starts after the last fault healed plus the time the system is allowed
+/// to recover (e.g. two reconcile intervals); the runner keeps buying through it, so demand
+/// remained. An answer to come back later (503, a timeout) is unavailability, counted
+/// apart: a resource is undersold when the gate says "sold out", not when Redis is still
+/// coming back.
 pub fn check_undersell(
     history: &History,
     log: &SaleLog,
@@ -938,15 +947,20 @@ pub fn check_undersell(
                 attempts: 0,
                 refused: 0,
                 last_refused: None,
+                unavailable: 0,
             };
             for op in history
                 .ops_of(f)
                 .filter(|op| op.call.resource == *resource && op.start >= window_start)
             {
                 demand.attempts += 1;
-                if op.outcome() != Outcome::Ok {
-                    demand.refused += 1;
-                    demand.last_refused = Some(op.clone());
+                match (op.outcome(), op.result.status) {
+                    (Outcome::Ok, _) => {}
+                    (_, Some(409)) => {
+                        demand.refused += 1;
+                        demand.last_refused = Some(op.clone());
+                    }
+                    _ => demand.unavailable += 1,
                 }
             }
             demand

@@ -7,6 +7,7 @@
 //! - [`HttpClient`]: keep-alive client; [`raw_request`] for exact headers.
 //! - [`spawn_cacheguard_process`]: the real binary as a child process.
 //! - [`prom`]: a Prometheus text parser for `/metrics`.
+//! - [`entry`]: the L2 entry format, read back from Redis.
 //! - [`TcpProxy`]: a fault-injecting TCP proxy (cut / restore / added latency), e.g. in
 //!   front of a Redis server.
 //! - [`fleet`]: several instances on one Redis (process fleets, coordination waits).
@@ -20,6 +21,7 @@
 #![allow(dead_code, unused_imports, unreachable_pub)]
 
 pub mod client;
+pub mod entry;
 pub mod fleet;
 pub mod history;
 pub mod hot;
@@ -45,7 +47,7 @@ use tokio::time::Instant;
 
 pub use client::{
     HttpClient, Resp, empty_body, raw_bytes, raw_request, raw_request_from, raw_until_closed,
-    status_of,
+    stalled_get, status_of,
 };
 pub use origin::{IdsFault, IdsFormat, TestOrigin, default_body};
 pub use process::{
