@@ -10,6 +10,7 @@
 //! - [`stock_gate_answers_are_logged_in_both_formats`]: a stock gate's sale, replay
 //!   (`REPLAYED`), sold-out answers (`SOLDOUT`, from Redis or the ledger and from memory) and
 //!   idempotency refusals, in JSON and combined, embedded and shared mode.
+//! - [`a_serialized_write_is_logged_with_its_origin_time`].
 //! - [`formats_parse_and_the_query_is_written_only_when_asked`].
 //! - [`sampling_keeps_the_fraction_and_every_own_answer_and_5xx`].
 //! - [`a_blocked_writer_never_slows_requests`]: the log is a FIFO nobody reads.
@@ -669,6 +670,35 @@ async fn stock_gate_answers_are_logged_in_both_formats() {
             cg.shutdown().await;
         }
     }
+}
+
+/// A serialized write is forwarded from a task of its own too (the resource's lock held
+/// while it is at the origin): its line has the origin time, as every forwarded write's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_serialized_write_is_logged_with_its_origin_time() {
+    let origin = TestOrigin::start().await;
+    origin.set_delay("/things/1", Duration::from_millis(50));
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("access.log");
+    let routes = route(
+        "thing-write",
+        "/things/{id}",
+        "PUT",
+        r#"serialize = { key = "/things/{id}", fence_header = "fencing-token" }"#,
+    );
+    let cg = logging(CgConfig::new(&origin).routes(&routes), "json", &file)
+        .start()
+        .await;
+    let client = HttpClient::new();
+    let r = put(&client, cg.addr(), "/things/1").await;
+    assert_eq!(r.status, 200, "{r}");
+    let line = &json_lines(&file, "/things/1", 1).await[0];
+    assert_eq!(line["route"], "thing-write", "{line}");
+    assert!(
+        line["origin_us"].as_u64().is_some_and(|us| us >= 50_000),
+        "a serialized write's line without its origin time: {line}"
+    );
+    cg.shutdown().await;
 }
 
 // === formats ===
