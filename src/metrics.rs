@@ -1876,11 +1876,37 @@ impl StockFamilies {
     }
 }
 
+/// One stock gate's counters at one moment ([`StockMetrics::counts`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct StockCounts {
+    /// By decision, in [`StockOutcome::ALL`] order.
+    pub(crate) requests: [u64; StockOutcome::ALL.len()],
+    /// By what the origin's answer meant, in [`StockSettled::ALL`] order.
+    pub(crate) settled: [u64; StockSettled::ALL.len()],
+    pub(crate) reconciles_ok: u64,
+    pub(crate) reconciles_failed: u64,
+    /// The last reconcile's change to the gate's count (signed).
+    pub(crate) last_delta: i64,
+    pub(crate) redis_errors: u64,
+    pub(crate) sold_out_marks: u64,
+}
+
+impl StockCounts {
+    pub(crate) fn request(&self, outcome: StockOutcome) -> u64 {
+        self.requests[outcome as usize]
+    }
+
+    /// Sold-out answers, from this instance's marks and from Redis.
+    pub(crate) fn sold_out(&self) -> u64 {
+        self.request(StockOutcome::SoldOutLocal) + self.request(StockOutcome::SoldOutRedis)
+    }
+}
+
 /// One stock gate's metric handles.
 #[derive(Clone, Debug)]
 pub(crate) struct StockMetrics {
-    requests: [IntCounter; 11],
-    settled: [IntCounter; 4],
+    requests: [IntCounter; StockOutcome::ALL.len()],
+    settled: [IntCounter; StockSettled::ALL.len()],
     pub(crate) reconciles_ok: IntCounter,
     pub(crate) reconciles_failed: IntCounter,
     pub(crate) reconciles_skipped: IntCounter,
@@ -1898,6 +1924,19 @@ impl StockMetrics {
 
     pub(crate) fn settled(&self, result: StockSettled) {
         self.settled[result as usize].inc();
+    }
+
+    /// The gate's counters now (for the status page; the metric families stay the record).
+    pub(crate) fn counts(&self) -> StockCounts {
+        StockCounts {
+            requests: self.requests.each_ref().map(IntCounter::get),
+            settled: self.settled.each_ref().map(IntCounter::get),
+            reconciles_ok: self.reconciles_ok.get(),
+            reconciles_failed: self.reconciles_failed.get(),
+            last_delta: self.delta.get(),
+            redis_errors: self.redis_errors.get(),
+            sold_out_marks: self.sold_out_marks.get(),
+        }
     }
 
     /// A reconcile moved the gate's count by `delta` units (summed over its segments).

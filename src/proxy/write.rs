@@ -34,6 +34,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use super::access_log::{origin_waited, timing_origin};
 use super::body::Body;
 use super::passthrough::Passthrough;
 use super::respond;
@@ -137,8 +138,9 @@ impl WritePath {
         } else {
             // Forwarded from a task of its own: a client that hangs up neither leaves the
             // units reserved nor lets the next write in while this one is at the origin.
+            // The time it waited on the origin is this request's (the access log's).
             let (this, route) = (Arc::clone(self), Arc::clone(route));
-            let write = tokio::spawn(async move {
+            let write = tokio::spawn(timing_origin(async move {
                 let forward = this.forward(&route, request, client);
                 let response = match (lock, &route.serialized) {
                     (Some(held), Some(metrics)) => {
@@ -150,9 +152,14 @@ impl WritePath {
                     Some(reservation) => reservation.settle(response).await,
                     None => response,
                 }
-            });
+            }));
             match write.await {
-                Ok(response) => response,
+                Ok((response, waited)) => {
+                    if let Some(waited) = waited {
+                        origin_waited(waited);
+                    }
+                    response
+                }
                 Err(_) => respond::error(&ProxyError::Internal),
             }
         };

@@ -112,6 +112,40 @@ pub fn bloom_table(
     )
 }
 
+/// A `[[stock]]` gate `name` over the seats of a train (`/trains/{train}/seats/{type}`),
+/// counted from the origin's `GET /internal/stock/{train}/{type}` (`{"remaining": N}`, see
+/// [`set_seats`]), with `settings` added (TOML lines; may be empty).
+pub fn stock_table(name: &str, settings: &str) -> String {
+    format!(
+        "\n[[stock]]\nname = {}\nkey = \"/trains/{{train}}/seats/{{type}}\"\n\
+         source = {{ path = \"/internal/stock/{{train}}/{{type}}\", json = \"/remaining\" }}\n{}\n",
+        q(name),
+        settings.trim()
+    )
+}
+
+/// The buy route `POST /trains/{train}/seats/{type}/orders`, taking one unit of `gate`.
+pub fn buy_route(gate: &str) -> String {
+    route(
+        "buy",
+        "/trains/{train}/seats/{type}/orders",
+        "POST",
+        &format!("stock = {{ gate = {}, units = 1 }}", q(gate)),
+    )
+}
+
+/// The order path of seat type `kind` of `train` (the path of [`buy_route`]).
+pub fn orders(train: &str, kind: &str) -> String {
+    format!("/trains/{train}/seats/{kind}/orders")
+}
+
+/// Puts `remaining` seats of `kind` on `train` on sale at `origin`
+/// ([`TestOrigin::set_seats`]: the count a [`stock_table`] gate loads, and buys that
+/// decrement it).
+pub fn set_seats(origin: &TestOrigin, train: &str, kind: &str, remaining: u64) {
+    origin.set_seats(&format!("/trains/{train}/seats/{kind}"), remaining);
+}
+
 /// The KV origin's routes: `GET /kv/{key}` cached (with route-level `l1` when given), and
 /// `PUT /kv/{key}`, a write route with the delayed double delete after `delay` and, when
 /// `invalidate`, the pattern that invalidates the written key.
