@@ -20,9 +20,8 @@ use super::respond::{self, strip_hop_by_hop};
 use super::route::Route;
 use super::upstream::UpstreamBody;
 use crate::cache::control::{
-    CDN_CACHE_CONTROL, MAX_DELTA_SECONDS, ResponseControl, SURROGATE_CAPABILITY_VALUE,
-    SURROGATE_CONTROL, Vary, heuristic_lifetime_secs, initial_age_secs, origin_lifetime_secs,
-    targeted_max_age, targeted_no_store,
+    ResponseControl, SURROGATE_CAPABILITY_VALUE, SURROGATE_CONTROL, Vary, heuristic_lifetime_secs,
+    initial_age_secs, origin_lifetime_secs,
 };
 use crate::cache::entry::selecting_value;
 use crate::cache::key::Derived;
@@ -364,7 +363,7 @@ async fn fetch(origin: &Origin, job: &FillJob) -> Classified {
             let body = Body::full(reservation.hold(complete));
             let mut response = origin_response(head, body, Outcome::Bypass);
             if route.config.freshness == FreshnessSource::Origin {
-                strip_targeted(response.headers_mut());
+                strip_surrogate_control(response.headers_mut());
             }
             Classified::Uncacheable(response)
         }
@@ -498,21 +497,20 @@ fn lifetime(
     } else {
         route.ttl
     };
-    let age = initial_age_secs(headers, stored_at_ms, u64::from(fetch_ms));
+    // An invalid `Age` is ignored (RFC 9111 §5.1): the age is then the apparent one.
+    let initial_age_secs = initial_age_secs(headers, stored_at_ms, u64::from(fetch_ms));
+    let origin_mode = route.freshness == FreshnessSource::Origin;
+    let no_cache = control.no_cache(origin_mode);
     let rng = &mut rand::rng();
-    let (initial_age_secs, ttl, grace, error_grace) = match route.freshness {
-        // An invalid `Age` is ignored: the route's lifetime does not depend on it.
+    let (ttl, grace, error_grace) = match route.freshness {
         FreshnessSource::Route => (
-            age.unwrap_or(0),
             ttl::jittered(cap, route.jitter, rng),
             route.grace,
             route.grace,
         ),
         FreshnessSource::Origin => {
-            // An answer whose age is unknown is stale.
-            let initial_age_secs = age.unwrap_or(MAX_DELTA_SECONDS);
             // `no-cache` needs no lifetime: it is revalidated on every use.
-            let no_cache = control.no_cache.then_some(0);
+            let no_cache = no_cache.then_some(0);
             let lifetime = no_cache
                 .or_else(|| origin_lifetime_secs(headers, control, stored_at_ms))
                 .or_else(|| {
@@ -530,17 +528,12 @@ fn lifetime(
                 .stale_if_error
                 .map_or(route.grace, Duration::from_secs)
                 .min(route.grace);
-            (
-                initial_age_secs,
-                ttl::shortened(left, route.jitter, rng),
-                grace,
-                error_grace,
-            )
+            (ttl::shortened(left, route.jitter, rng), grace, error_grace)
         }
     };
     // `no-cache` (stored in origin mode only with a validator): never used without a
     // successful revalidation, so stale on arrival and never served stale.
-    let (ttl, grace, error_grace) = if control.no_cache {
+    let (ttl, grace, error_grace) = if no_cache {
         (Duration::ZERO, Duration::ZERO, Duration::ZERO)
     } else if negative || control.forbids_stale() {
         (ttl, Duration::ZERO, Duration::ZERO)
@@ -585,7 +578,7 @@ fn new_entry(job: &FillJob, head: Head, body: Bytes, fetch_ms: u32, life: Lifeti
     }
     if route.freshness == FreshnessSource::Origin {
         // Aimed at this cache, not at the clients (nor at caches after it).
-        strip_targeted(&mut origin_headers);
+        strip_surrogate_control(&mut origin_headers);
     }
     // The key and the kept lines are copied into one buffer: hyper's header values are
     // slices of the connection's read buffer (8 KiB and more), which an entry must not
@@ -711,11 +704,11 @@ enum NotShared {
     NoFreshness,
 }
 
-/// Removes the fields aimed at this cache (`Surrogate-Control`, `CDN-Cache-Control`) from an
-/// answer passed on.
-fn strip_targeted(headers: &mut HeaderMap) {
+/// Removes `Surrogate-Control` from an answer passed on: the Edge Architecture has a
+/// surrogate consume it. `CDN-Cache-Control` goes on: RFC 9213 aims it at every CDN cache on
+/// the path, and one in front of cacheguard needs it as much.
+fn strip_surrogate_control(headers: &mut HeaderMap) {
     headers.remove(&SURROGATE_CONTROL);
-    headers.remove(&CDN_CACHE_CONTROL);
 }
 
 /// Whether an origin answer may be stored and shared by `route` (whose keyed request
@@ -750,21 +743,21 @@ fn storable(
     if !status_ok || headers.contains_key(header::SET_COOKIE) {
         return Err(NotShared::Policy);
     }
-    // A `no-store` aimed at this cache (`Surrogate-Control`, `CDN-Cache-Control`) is
-    // obeyed whatever the route's freshness source: the origin said this cache must not
-    // keep it.
-    if targeted_no_store(headers) {
+    // A `no-store` or `private` aimed at this cache (`Surrogate-Control`,
+    // `CDN-Cache-Control`) is obeyed whatever the route's freshness source: the origin said
+    // this cache must not keep it.
+    if control.targeted.no_store || control.targeted.private {
         return Err(NotShared::Policy);
     }
     // In origin mode a `max-age` aimed at this cache (Surrogate-Control, CDN-Cache-Control)
     // overrides what `Cache-Control` says to caches in general; `private` still holds.
-    let targeted = origin_mode && targeted_max_age(headers).is_some();
+    let targeted = control.targeted_rules(origin_mode);
     // `no-cache` needs a revalidation on every use: in origin mode an answer with a
     // validator is stored and revalidated each time (see `lifetime`); otherwise it is not
     // stored. `must-understand` on a status cacheguard understands overrides `no-store`.
     let no_store = control.no_store && !control.must_understand;
-    let no_cache = control.no_cache && !(origin_mode && has_validator(headers));
-    if control.private || (!targeted && (no_store || no_cache)) {
+    let no_cache = control.no_cache(origin_mode) && !(origin_mode && has_validator(headers));
+    if control.private || (!targeted && no_store) || no_cache {
         return Err(NotShared::Policy);
     }
     let keyed = route.vary.as_slice();
