@@ -15,6 +15,9 @@
 //!   as a whole. It is passed on to clients.
 //! - Interim (1xx) answers are never stored, nor their headers, nor sent with a hit.
 //! - A client's conditionals and range are answered from the stored copy (304, 206, 416).
+//!   On a miss with nothing stored, an origin-mode route forwards the client's validator:
+//!   the origin's `304` answers that client alone, the requests waiting on the same fill
+//!   get the whole answer, and the key is filled.
 //!
 //! Each holds in embedded mode and in shared mode with `l1` off, hot and all (the Vary
 //! rules on a Redis Cluster too), read back through a second instance where there is one.
@@ -631,3 +634,185 @@ async fn interim_answers_are_never_stored_or_replayed() {
 
 /// How long a raw exchange may take.
 const WAIT: Duration = Duration::from_secs(5);
+
+/// Polls `done` every 20 ms until it holds or `within` passes; whether it held.
+async fn eventually(within: Duration, done: impl Fn() -> bool) -> bool {
+    let deadline = tokio::time::Instant::now() + within;
+    while !done() {
+        if tokio::time::Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    true
+}
+
+/// In one mode: a client's `If-None-Match` on a miss with nothing stored. On the origin-mode
+/// route it reaches the origin, whose `304` is that client's answer (BYPASS); the key is
+/// then filled by one whole fetch (no validator), which the next requests are answered
+/// from, through every instance. On the route with its own lifetimes the origin sees no
+/// validator, and the client's `304` comes from the stored `200`.
+async fn conditional_miss_in_one_mode(
+    origin: &TestOrigin,
+    mode: &str,
+    cfg: &CgConfig,
+    shared: bool,
+) -> Vec<String> {
+    let tag = mode.replace([',', ' ', '='], "");
+    let instances = Instances::start(cfg, shared).await;
+    let first = instances.all[0].addr();
+    let last = instances.all[instances.all.len() - 1].addr();
+    let validator = [("if-none-match", "\"v1\"")];
+    let mut wrong = Vec::new();
+    let mut check = |ok: bool, what: String| {
+        if !ok {
+            wrong.push(format!("{mode}: {what}"));
+        }
+    };
+
+    let path = format!("/api/fresh/{tag}-conditional");
+    origin.set_headers(&path, [("ETag", "\"v1\""), ("Cache-Control", "max-age=60")]);
+    let forwarded = get(first, &path, &validator).await;
+    check(
+        forwarded.status == 304 && forwarded.x_cache() == "BYPASS",
+        format!("origin mode: the origin's 304 expected (BYPASS): {forwarded}"),
+    );
+    let filled = eventually(WAIT, || origin.count(&path) >= 2).await;
+    let refill = origin
+        .last_request(&path)
+        .and_then(|r| r.header("if-none-match"));
+    check(
+        filled && refill.is_none(),
+        format!("origin mode: no whole refill after the 304 (its If-None-Match: {refill:?})"),
+    );
+    // Answered from the refill (a follower of it while it runs), then from the cache.
+    let whole = get(first, &path, &[]).await;
+    let again = get(last, &path, &[]).await;
+    let revalidated = get(last, &path, &validator).await;
+    check(
+        whole.status == 200 && again.status == 200 && again.is_hit() && !again.body.is_empty(),
+        format!("origin mode: the whole answer expected, then a hit: {whole}; {again}"),
+    );
+    check(
+        revalidated.status == 304 && revalidated.is_hit(),
+        format!("origin mode: a 304 from the cache expected: {revalidated}"),
+    );
+    check(
+        origin.count(&path) == 2,
+        format!(
+            "origin mode: {} origin requests, expected 2",
+            origin.count(&path)
+        ),
+    );
+
+    let path = format!("/api/items/{tag}-conditional");
+    origin.set_headers(&path, [("ETag", "\"v1\"")]);
+    let answered = get(first, &path, &validator).await;
+    let seen = origin
+        .last_request(&path)
+        .and_then(|r| r.header("if-none-match"));
+    let again = get(last, &path, &[]).await;
+    check(
+        answered.status == 304 && seen.is_none() && again.status == 200 && again.is_hit(),
+        format!(
+            "route mode: a 304 from the stored 200 without forwarding expected: {answered} \
+             (origin saw If-None-Match {seen:?}); then {again}"
+        ),
+    );
+    check(
+        origin.count(&path) == 1,
+        format!(
+            "route mode: {} origin requests, expected 1",
+            origin.count(&path)
+        ),
+    );
+    instances.shutdown().await;
+    wrong
+}
+
+/// Regression: a client's `If-None-Match` on a miss was dropped from the fetch (the suite's
+/// `conditional-etag-forward` read "no"), so the origin could never answer it `304`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_conditional_miss_forwards_the_validator_on_origin_mode_routes() {
+    in_every_mode("60s", &[], conditional_miss_in_one_mode).await;
+}
+
+/// In one mode: a conditional request leads the fill of a cold key (the origin takes
+/// 600 ms), and while it runs, plain and conditional requests arrive on every instance. The
+/// origin's `304` answers the leading client only; everyone else gets the whole answer (the
+/// conditional ones a `304` made from it), and the origin is asked twice in all: the
+/// leader's conditional fetch and one whole fetch.
+async fn conditional_leader_in_one_mode(
+    origin: &TestOrigin,
+    mode: &str,
+    cfg: &CgConfig,
+    shared: bool,
+) -> Vec<String> {
+    let tag = mode.replace([',', ' ', '='], "");
+    let instances = Instances::start(cfg, shared).await;
+    let path = format!("/api/fresh/{tag}-stampede");
+    origin.set_headers(&path, [("ETag", "\"v1\""), ("Cache-Control", "max-age=60")]);
+    origin.set_delay(&path, Duration::from_millis(600));
+    let spawn = |addr, headers: &'static [(&'static str, &'static str)]| {
+        let path = path.clone();
+        tokio::spawn(async move { get(addr, &path, headers).await })
+    };
+    let leader = spawn(instances.all[0].addr(), &[("if-none-match", "\"v1\"")]);
+    let mut wrong = Vec::new();
+    if !eventually(WAIT, || origin.count(&path) == 1).await {
+        wrong.push(format!(
+            "{mode}: the leading request never reached the origin"
+        ));
+    }
+    let mut plain = Vec::new();
+    let mut conditional = Vec::new();
+    for _ in 0..3 {
+        plain.push(spawn(instances.all[0].addr(), &[]));
+        conditional.push(spawn(
+            instances.all[0].addr(),
+            &[("if-none-match", "\"v1\"")],
+        ));
+    }
+    for running in &instances.all[1..] {
+        for _ in 0..3 {
+            plain.push(spawn(running.addr(), &[]));
+        }
+    }
+    let leader = leader.await.expect("leader");
+    if leader.status != 304 || leader.x_cache() != "BYPASS" {
+        wrong.push(format!(
+            "{mode}: the leader expected the origin's 304: {leader}"
+        ));
+    }
+    for (kind, tasks, status) in [("plain", plain, 200), ("conditional", conditional, 304)] {
+        for task in tasks {
+            let resp = task.await.expect("request");
+            if resp.status != status || resp.x_cache() == "BYPASS" {
+                wrong.push(format!(
+                    "{mode}: a {kind} request waiting on the fill expected {status} from the \
+                     whole answer: {resp}"
+                ));
+            }
+        }
+    }
+    let count = origin.count(&path);
+    let last = origin
+        .last_request(&path)
+        .and_then(|r| r.header("if-none-match"));
+    if count != 2 || last.is_some() {
+        wrong.push(format!(
+            "{mode}: {count} origin requests (expected 2: the leader's, one whole), the last \
+             with If-None-Match {last:?}"
+        ));
+    }
+    instances.shutdown().await;
+    wrong
+}
+
+/// The shared fill with a forwarded validator: the client that leads gets the origin's
+/// `304`, no other request is answered with it, and the waiters cost one whole fetch, not
+/// one each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forwarded_validator_answers_its_client_only_and_the_waiters_share_one_fetch() {
+    in_every_mode("60s", &[], conditional_leader_in_one_mode).await;
+}

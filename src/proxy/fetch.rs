@@ -50,6 +50,9 @@ pub(crate) struct FillJob {
     /// The stored copy this fetch revalidates: its `ETag` / `Last-Modified` go along as
     /// `If-None-Match` / `If-Modified-Since`, and a `304` refreshes it.
     pub(crate) stored: Option<Arc<Entry>>,
+    /// The client's own `If-None-Match` / `If-Modified-Since`, sent along when nothing is
+    /// stored (see [`FillJob::forwarding_validators`]); empty otherwise.
+    pub(crate) validators: HeaderMap,
 }
 
 impl FillJob {
@@ -80,7 +83,34 @@ impl FillJob {
             client,
             background: false,
             stored: None,
+            validators: HeaderMap::new(),
         }
+    }
+
+    /// A miss with nothing stored: on a `freshness = "origin"` route the client's own
+    /// validators (`If-None-Match`, `If-Modified-Since` of `headers`) go with the fetch, so
+    /// the origin can answer `304` as it would without a cache in between. That `304` is
+    /// this client's answer alone ([`Classified::NotModified`]). A route with its own
+    /// lifetimes sends the origin nothing of the client's beyond the key: its fetch stays
+    /// whole, and the client's conditional is answered from the stored `200`
+    /// (`conditional.rs`).
+    pub(crate) fn forwarding_validators(mut self, headers: &HeaderMap) -> Self {
+        if self.route.config.freshness == FreshnessSource::Origin {
+            for name in [header::IF_NONE_MATCH, header::IF_MODIFIED_SINCE] {
+                for value in headers.get_all(&name) {
+                    self.validators.append(name.clone(), value.clone());
+                }
+            }
+        }
+        self
+    }
+
+    /// This fill without the client's validators: for a fetch whose answer other requests
+    /// share.
+    pub(crate) fn without_validators(&self) -> Self {
+        let mut job = self.clone();
+        job.validators.clear();
+        job
     }
 
     /// This fill revalidates `stored`, when it has a validator (`ETag`, `Last-Modified`).
@@ -101,6 +131,11 @@ pub(crate) enum Classified {
     /// A good answer that must not be shared (per-user, status outside the allowlist, too
     /// large): goes to one client only.
     Uncacheable(Response<Body>),
+    /// The origin's `304` to the validators of the client whose request led the fetch (a
+    /// miss with nothing stored, see [`FillJob::forwarding_validators`]): that client's
+    /// answer alone. Nothing is stored, and the requests waiting on the fill need a whole
+    /// answer, so for them the fill ended without one.
+    NotModified(Response<Body>),
     /// Origin 5xx, timeout, unreachable, or shed: never stored.
     Failed(Failure),
 }
@@ -221,7 +256,11 @@ pub(crate) async fn from_origin(origin: &Origin, job: &FillJob) -> Classified {
     if job.stored.is_some() {
         job.route.metrics.revalidated(match &classified {
             Classified::Storable(_, Outcome::Revalidated, _) => Revalidation::NotModified,
-            Classified::Storable(..) | Classified::Uncacheable(_) => Revalidation::Modified,
+            // (A revalidation sends the stored validators, never the client's: no
+            // `NotModified` here.)
+            Classified::Storable(..) | Classified::Uncacheable(_) | Classified::NotModified(_) => {
+                Revalidation::Modified
+            }
             Classified::Failed(_) => Revalidation::Failed,
         });
     }
@@ -300,6 +339,13 @@ async fn fetch(origin: &Origin, job: &FillJob) -> Classified {
             origin_response(head, body.into_body(reservation), Outcome::Bypass),
             Outcome::Bypass,
         ));
+    }
+    // The origin's 304 to the client's own validators: that client's answer alone.
+    if head.status == StatusCode::NOT_MODIFIED && job.stored.is_none() && !job.validators.is_empty()
+    {
+        let mut response = origin_response(head, body.into_body(reservation), Outcome::Bypass);
+        strip_surrogate_control(response.headers_mut());
+        return Classified::NotModified(response);
     }
     let complete = match body {
         ReadBody::Complete(bytes) => bytes,
@@ -398,6 +444,10 @@ fn cached_fetch_request(
             if let Some(value) = stored.header(&validator) {
                 headers.insert(condition, value);
             }
+        }
+    } else {
+        for (name, value) in &job.validators {
+            headers.append(name.clone(), value.clone());
         }
     }
     if job.route.config.freshness == FreshnessSource::Origin {
