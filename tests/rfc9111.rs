@@ -737,8 +737,8 @@ async fn a_conditional_miss_forwards_the_validator_on_origin_mode_routes() {
     in_every_mode("60s", &[], conditional_miss_in_one_mode).await;
 }
 
-/// In one mode: a conditional request leads the fill of a cold key (the origin takes
-/// 600 ms), and while it runs, plain and conditional requests arrive on every instance. The
+/// In one mode: a conditional request leads the fill of a cold key (the origin takes 1 s),
+/// and while it runs, plain and conditional requests arrive on every instance. The
 /// origin's `304` answers the leading client only; everyone else gets the whole answer (the
 /// conditional ones a `304` made from it), and the origin is asked twice in all: the
 /// leader's conditional fetch and one whole fetch.
@@ -749,10 +749,12 @@ async fn conditional_leader_in_one_mode(
     shared: bool,
 ) -> Vec<String> {
     let tag = mode.replace([',', ' ', '='], "");
-    let instances = Instances::start(cfg, shared).await;
+    // The waiters wait for two fetches of 1 s: room for a loaded machine.
+    let cfg = cfg.clone().set_str("lock", "wait_timeout", "10s");
+    let instances = Instances::start(&cfg, shared).await;
     let path = format!("/api/fresh/{tag}-stampede");
     origin.set_headers(&path, [("ETag", "\"v1\""), ("Cache-Control", "max-age=60")]);
-    origin.set_delay(&path, Duration::from_millis(600));
+    origin.set_delay(&path, Duration::from_secs(1));
     let spawn = |addr, headers: &'static [(&'static str, &'static str)]| {
         let path = path.clone();
         tokio::spawn(async move { get(addr, &path, headers).await })
@@ -811,8 +813,9 @@ async fn conditional_leader_in_one_mode(
 
 /// The shared fill with a forwarded validator: the client that leads gets the origin's
 /// `304`, no other request is answered with it, and the waiters cost one whole fetch, not
-/// one each.
+/// one each; on a Redis Cluster too (the fleet lock is released for the other instance).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_forwarded_validator_answers_its_client_only_and_the_waiters_share_one_fetch() {
-    in_every_mode("60s", &[], conditional_leader_in_one_mode).await;
+    let cluster = RedisCluster::start().await;
+    in_every_mode("60s", &[("hot", &cluster)], conditional_leader_in_one_mode).await;
 }
