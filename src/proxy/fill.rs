@@ -72,6 +72,9 @@ pub(crate) enum Fetched {
     Ready(Arc<Entry>, Outcome),
     /// For this client only: not shareable.
     Uncacheable(Response<Body>),
+    /// The origin's `304` to the leading client's own validators: its answer alone; for
+    /// the requests waiting on the fill, it ended without an answer.
+    NotModified(Response<Body>),
     /// The origin failed (or cacheguard answered an error itself).
     Failed(Failure),
     /// A background refresh found another instance already refreshing; nothing to answer.
@@ -83,7 +86,9 @@ impl Fetched {
     fn respond(self, head: bool) -> (Response<Body>, Outcome) {
         match self {
             Fetched::Ready(entry, outcome) => respond::hit(&entry, outcome, head),
-            Fetched::Uncacheable(response) => (response, Outcome::Bypass),
+            Fetched::Uncacheable(response) | Fetched::NotModified(response) => {
+                (response, Outcome::Bypass)
+            }
             Fetched::Failed(failure) => (failure.response, failure.outcome),
             // Only background fills skip, and nobody awaits their answer.
             Fetched::Skipped => (
@@ -126,7 +131,7 @@ impl Filler {
     /// A miss: one fill per key in this process, shared with every concurrent miss.
     pub(crate) async fn fill(
         self: &Arc<Self>,
-        job: FillJob,
+        mut job: FillJob,
         head: bool,
     ) -> (Response<Body>, Outcome) {
         if self.uncacheable.contains_key(&job.key.hash) {
@@ -155,12 +160,21 @@ impl Filler {
                             if let Some(waited) = origin {
                                 origin_waited(waited);
                             }
+                            if let Fetched::NotModified(_) = fetched {
+                                // The origin confirmed this client's copy, and the key is
+                                // still not stored: one whole fetch in the background
+                                // fills it for the requests after it.
+                                self.refresh_in_background(job.without_validators(), false);
+                            }
                             fetched.respond(head)
                         }
                         Err(_) => (respond::error(&ProxyError::Internal), Outcome::Error),
                     };
                 }
                 Role::Follower(follower) => {
+                    // Only the request that leads at its first join sends its validators:
+                    // a follower may lead the next round, whose answer is shared.
+                    job.validators.clear();
                     if !counted {
                         job.route.metrics.coalesced.inc();
                         counted = true;
@@ -309,7 +323,8 @@ impl Filler {
             Fetched::Ready(entry, _) => FlightResult::Filled(Arc::clone(entry), Outcome::Miss),
             Fetched::Uncacheable(_) => FlightResult::Uncacheable,
             Fetched::Failed(failure) => FlightResult::Failed(failure.shared.clone()),
-            Fetched::Skipped => FlightResult::Abandoned,
+            // The followers need a whole answer: one of them leads next.
+            Fetched::Skipped | Fetched::NotModified(_) => FlightResult::Abandoned,
         });
         fetched
     }
@@ -357,6 +372,13 @@ impl Filler {
                             .lock_wait
                             .observe(started.elapsed().as_secs_f64());
                         debug!(message = "Lock taken over after waiting.", route = %job.route.config.name);
+                        // Waited on another holder (perhaps one whose validators the origin
+                        // answered 304): the waiters of the fleet need a whole answer.
+                        if !job.validators.is_empty() {
+                            return self
+                                .fetch_as_owner(&job.without_validators(), *permit)
+                                .await;
+                        }
                     } else {
                         fleet.count(LockEvent::Acquired);
                     }
@@ -469,6 +491,11 @@ impl Filler {
                 self.remember_uncacheable(&job.key);
                 Fetched::Uncacheable(response)
             }
+            Classified::NotModified(response) => {
+                // The waiters on other instances contend again; one of them fetches.
+                permit.release(EventKind::Released).await;
+                Fetched::NotModified(response)
+            }
             Classified::Failed(failure) => {
                 // The waiters answer with a copy of the failure; without one, one of them
                 // takes over and the others keep waiting on it.
@@ -506,6 +533,7 @@ impl Filler {
                 self.remember_uncacheable(&job.key);
                 Fetched::Uncacheable(response)
             }
+            Classified::NotModified(response) => Fetched::NotModified(response),
             Classified::Failed(failure) => Fetched::Failed(failure),
         }
     }
@@ -540,7 +568,7 @@ impl Filler {
                         }
                         Fetched::Uncacheable(_) => FlightResult::Uncacheable,
                         Fetched::Failed(failure) => FlightResult::Failed(failure.shared.clone()),
-                        Fetched::Skipped => FlightResult::Abandoned,
+                        Fetched::Skipped | Fetched::NotModified(_) => FlightResult::Abandoned,
                     });
                     return fetched;
                 }
@@ -577,6 +605,7 @@ impl Filler {
                 Fetched::Ready(fetch::served(Arc::new(entry), reservation), Outcome::Bypass)
             }
             Classified::Uncacheable(response) => Fetched::Uncacheable(response),
+            Classified::NotModified(response) => Fetched::NotModified(response),
             Classified::Failed(failure) => Fetched::Failed(failure),
         }
     }

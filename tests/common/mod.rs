@@ -2,7 +2,8 @@
 //!
 //! - [`RedisServer`]: a real `redis-server` on a free loopback port (always the real server).
 //! - [`RedisCluster`]: a real six-node Redis Cluster (three primaries, three replicas).
-//! - [`TestOrigin`]: the fake origin API (counters, in-flight gauge, per-path behaviour).
+//! - [`TestOrigin`]: the fake origin API (counters, in-flight gauge, per-path behaviour);
+//!   [`RawOrigin`]: one that writes the same raw bytes for every request.
 //! - [`CgConfig`] / [`config_toml`] + [`start_cacheguard`]: an in-process cacheguard.
 //! - [`HttpClient`]: keep-alive client; [`raw_request`] for exact headers.
 //! - [`spawn_cacheguard_process`]: the real binary as a child process.
@@ -30,6 +31,7 @@ pub mod load;
 pub mod origin;
 pub mod process;
 pub mod prom;
+pub mod raw_origin;
 pub mod redis_cluster;
 pub mod redis_sentinel;
 pub mod redis_server;
@@ -53,6 +55,7 @@ pub use origin::{IdsFault, IdsFormat, TestOrigin, default_body};
 pub use process::{
     CacheguardProcess, spawn_cacheguard_process, spawn_cacheguard_process_with_args,
 };
+pub use raw_origin::RawOrigin;
 pub use redis_cluster::RedisCluster;
 pub use redis_sentinel::RedisSentinel;
 pub use redis_server::RedisServer;
