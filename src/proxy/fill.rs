@@ -139,7 +139,10 @@ impl Filler {
         // origin, another instance's fill), over all its rounds.
         let deadline = Instant::now() + self.lock.load().wait_timeout;
         for _ in 0..MAX_FLIGHT_ATTEMPTS {
-            match self.flights.join(job.key.hash, FlightKind::Foreground) {
+            match self
+                .flights
+                .join(job.key.hash, job.key.base, FlightKind::Foreground)
+            {
                 Role::Leader(leader) => {
                     // The fill runs in its own task: if this client hangs up, the fetch its
                     // followers (here and on other instances) wait on still completes.
@@ -227,7 +230,10 @@ impl Filler {
         if self.refresh_backoff.contains_key(&job.key.hash) {
             return false;
         }
-        let Role::Leader(leader) = self.flights.join(job.key.hash, FlightKind::Background) else {
+        let joined = self
+            .flights
+            .join(job.key.hash, job.key.base, FlightKind::Background);
+        let Role::Leader(leader) = joined else {
             return false;
         };
         job.background = true;
@@ -531,7 +537,10 @@ impl Filler {
     async fn fetch_alone_together(&self, job: &FillJob) -> Fetched {
         let deadline = Instant::now() + self.lone_wait_limit();
         for _ in 0..MAX_FLIGHT_ATTEMPTS {
-            let follower = match self.lone.join(job.key.hash, FlightKind::Foreground) {
+            let joined = self
+                .lone
+                .join(job.key.hash, job.key.base, FlightKind::Foreground);
+            let follower = match joined {
                 Role::Leader(leader) => {
                     let fetched = self.fetch_alone(job).await;
                     leader.finish(match &fetched {
