@@ -463,3 +463,42 @@ async fn the_floor_costs_a_cold_miss_no_redis_command() {
     assert_eq!(per_miss[0], per_miss[1], "plain vs versioned: {per_miss:?}");
     cg.shutdown().await;
 }
+
+/// A read that arrives after a write was answered never gets the answer of a fetch that
+/// began before the write: neither by joining that fetch (its flight) nor by waiting on
+/// its lock. The fetch before is slow (300 ms) and its replica a second behind; the write
+/// lands while it runs, and a read right after must see the write.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_after_a_write_never_joins_a_fetch_begun_before_it() {
+    for (mode, l1) in [
+        (Mode::Embedded, "hot"),
+        (Mode::Standalone, "off"),
+        (Mode::Standalone, "all"),
+    ] {
+        let what = format!("{mode:?}, l1 = {l1}");
+        let setup = Setup::start(mode, 1, &seat_routes(l1, ""), |c| c).await;
+        setup.shop.set_replica_lag(Duration::from_secs(1));
+        setup
+            .shop
+            .set_latency(Scope::Reads, Duration::from_millis(300));
+        let client = HttpClient::new();
+        let addr = setup.addrs()[0];
+        let path = seat("t4", "1");
+        let before = {
+            let (client, path) = (client.clone(), path.clone());
+            tokio::spawn(async move { get(&client, addr, &path).await })
+        };
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let v = version(&put(&client, addr, &path).await);
+        let after = get(&client, addr, &path).await;
+        assert_eq!(after.status, 200, "{what}: {after}");
+        assert!(
+            version(&after) >= v,
+            "{what}: a read after the write got {} < {v}: {after}",
+            version(&after)
+        );
+        let before = before.await.expect("the read before");
+        assert_eq!(before.status, 200, "{what}: {before}");
+        setup.shutdown().await;
+    }
+}
