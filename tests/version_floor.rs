@@ -101,6 +101,13 @@ impl Setup {
         }
     }
 
+    /// One instance of `mode` with the seat routes (`l1`), behind a replica `lag` behind.
+    async fn one(mode: Mode, l1: &str, lag: Duration) -> Setup {
+        let setup = Setup::start(mode, 1, &seat_routes(l1, ""), |c| c).await;
+        setup.shop.set_replica_lag(lag);
+        setup
+    }
+
     fn addrs(&self) -> Vec<SocketAddr> {
         self.instances.iter().map(|i| i.addr()).collect()
     }
@@ -234,9 +241,8 @@ async fn a_written_key_is_cached_again_from_the_first_fill_that_has_the_write() 
         (Mode::Cluster, "hot"),
     ] {
         let what = format!("{mode:?}, l1 = {l1}");
-        let setup = Setup::start(mode, 1, &seat_routes(l1, ""), |c| c).await;
         let lag = Duration::from_millis(150);
-        setup.shop.set_replica_lag(lag);
+        let setup = Setup::one(mode, l1, lag).await;
         let client = HttpClient::new();
         let addr = setup.addrs()[0];
         let path = seat("t2", "7");
@@ -476,8 +482,7 @@ async fn a_read_after_a_write_never_joins_a_fetch_begun_before_it() {
         (Mode::Standalone, "all"),
     ] {
         let what = format!("{mode:?}, l1 = {l1}");
-        let setup = Setup::start(mode, 1, &seat_routes(l1, ""), |c| c).await;
-        setup.shop.set_replica_lag(Duration::from_secs(1));
+        let setup = Setup::one(mode, l1, Duration::from_secs(1)).await;
         setup
             .shop
             .set_latency(Scope::Reads, Duration::from_millis(300));

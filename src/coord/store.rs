@@ -46,6 +46,21 @@ pub(crate) struct Lease {
     floor_key: Option<String>,
 }
 
+/// The keys of the fill and invalidation scripts: the key's entry, lock, generation,
+/// variant index and quarantine, then its version floor when `floor` names it; with how
+/// many of them are named.
+fn script_keys<'a>(names: &'a KeyNames, floor: Option<&'a str>) -> ([&'a str; 6], usize) {
+    let all = [
+        names.entry.as_str(),
+        &names.lock,
+        &names.generation,
+        &names.vars,
+        &names.quarantine,
+        floor.unwrap_or_default(),
+    ];
+    (all, if floor.is_some() { 6 } else { 5 })
+}
+
 /// A floor as a script returns it: `''` for none.
 fn parse_floor(floor: &str) -> Option<u128> {
     floor.parse().ok()
@@ -406,15 +421,8 @@ impl RedisStore {
         } else {
             self.bus.channel.as_bytes()
         };
-        let all = [
-            names.entry.as_str(),
-            &names.lock,
-            &names.generation,
-            &names.vars,
-            &names.quarantine,
-            floor_key.as_deref().unwrap_or_default(),
-        ];
-        let keys = &all[..if floor_key.is_some() { 6 } else { 5 }];
+        let (all, named) = script_keys(&names, floor_key.as_deref());
+        let keys = &all[..named];
         self.redis
             .run_script::<i64>(
                 RedisOp::Invalidate,
@@ -609,18 +617,11 @@ impl RedisStore {
         let ttl_ms = ttl.as_millis().max(1).to_string();
         // The floor is named (and the version passed) only on a route with `version`.
         let (floor, version) = match (&lease.floor_key, version) {
-            (Some(floor), Some(version)) => (floor.as_str(), version),
-            _ => ("", ""),
+            (Some(floor), Some(version)) => (Some(floor.as_str()), version),
+            _ => (None, ""),
         };
-        let all = [
-            names.entry.as_str(),
-            &names.lock,
-            &names.generation,
-            &names.vars,
-            &names.quarantine,
-            floor,
-        ];
-        let keys = &all[..if floor.is_empty() { 5 } else { 6 }];
+        let (all, named) = script_keys(names, floor);
+        let keys = &all[..named];
         let fill = self.message(EventKind::Fill, lease.hash);
         let released = self.message(EventKind::Released, lease.hash);
         let args = [
