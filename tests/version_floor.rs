@@ -2,9 +2,9 @@
 //! (`x-row-version`), and reads come from a replica that lags behind the writes. A write
 //! route with `version` floors its keys at its answer's version, so no read goes back
 //! behind a write its client saw complete, and the first fill that has the write is cached
-//! at once — in embedded, standalone and cluster modes, with the route's `l1` off, hot or
-//! all. Reads and writes go round-robin over three instances (one in embedded mode), and
-//! the history checker (`check_version_floor`) judges them.
+//! at once — in embedded, standalone and cluster modes (and Sentinel for the latter), with
+//! the route's `l1` off, hot or all. Reads and writes go round-robin over three instances
+//! (one in embedded mode), and the history checker (`check_version_floor`) judges them.
 
 mod common;
 
@@ -17,7 +17,8 @@ use common::history::{Epoch, check_version_floor};
 use common::jepsen::{self, RunConfig};
 use common::shop::{Scope, Shop, VersionAnswer, read_request, seat, write_request};
 use common::{
-    CgConfig, HttpClient, RedisCluster, RedisServer, Resp, TestOrigin, metric, metrics, route, url,
+    CgConfig, HttpClient, RedisCluster, RedisSentinel, RedisServer, Resp, TestOrigin, metric,
+    metrics, route, url,
 };
 
 /// How a test runs cacheguard.
@@ -25,6 +26,7 @@ use common::{
 enum Mode {
     Embedded,
     Standalone,
+    Sentinel,
     Cluster,
 }
 
@@ -52,6 +54,7 @@ struct Setup {
     shop: Shop,
     instances: Vec<cacheguard::Running>,
     _redis: Option<RedisServer>,
+    _sentinel: Option<RedisSentinel>,
     _cluster: Option<RedisCluster>,
 }
 
@@ -63,11 +66,13 @@ impl Setup {
         tweak: impl Fn(CgConfig) -> CgConfig,
     ) -> Setup {
         let shop = Shop::start(Epoch::now(), &[]).await;
-        let (redis, cluster) = match mode {
-            Mode::Embedded => (None, None),
-            Mode::Standalone => (Some(RedisServer::start().await), None),
-            Mode::Cluster => (None, Some(RedisCluster::start().await)),
-        };
+        let (mut redis, mut sentinel, mut cluster) = (None, None, None);
+        match mode {
+            Mode::Embedded => {}
+            Mode::Standalone => redis = Some(RedisServer::start().await),
+            Mode::Sentinel => sentinel = Some(RedisSentinel::start().await),
+            Mode::Cluster => cluster = Some(RedisCluster::start().await),
+        }
         let mut cfg = tweak(
             CgConfig::with_upstream(&shop.url())
                 .set("upstream", "timeout", "\"2s\"")
@@ -76,6 +81,9 @@ impl Setup {
         );
         if let Some(redis) = &redis {
             cfg = cfg.redis(redis);
+        }
+        if let Some(sentinel) = &sentinel {
+            cfg = cfg.redis_sentinel(sentinel);
         }
         if let Some(cluster) = &cluster {
             cfg = cfg.redis_cluster(cluster);
@@ -97,6 +105,7 @@ impl Setup {
             shop,
             instances,
             _redis: redis,
+            _sentinel: sentinel,
             _cluster: cluster,
         }
     }
@@ -238,6 +247,7 @@ async fn a_written_key_is_cached_again_from_the_first_fill_that_has_the_write() 
         (Mode::Embedded, "hot"),
         (Mode::Standalone, "off"),
         (Mode::Standalone, "all"),
+        (Mode::Sentinel, "hot"),
         (Mode::Cluster, "hot"),
     ] {
         let what = format!("{mode:?}, l1 = {l1}");
