@@ -573,12 +573,12 @@ mod tests {
             .invalidate(key, life, Duration::ZERO, floored(99))
             .await
             .expect("invalidate");
-        let fill = |version: &'static str| {
-            let fleet = fleet.clone();
+        let fill = |version: &str| {
+            let (fleet, version) = (fleet.clone(), version.to_owned());
             async move {
                 let permit = lead_checked(&fleet, key, Duration::from_secs(2), on).await;
                 let floor = permit.floor();
-                let outcome = permit.fill(b"entry", life, Some(version)).await;
+                let outcome = permit.fill(b"entry", life, Some(&version)).await;
                 (floor, outcome.expect("redis"))
             }
         };
@@ -610,8 +610,7 @@ mod tests {
             )
             .await
             .expect("invalidate");
-        let nines: &'static str = Box::leak("9".repeat(37).into_boxed_str());
-        let (floor, outcome) = fill(nines).await;
+        let (floor, outcome) = fill(&"9".repeat(37)).await;
         assert_eq!(
             floor.map(|f| f.to_string()),
             Some(big),
