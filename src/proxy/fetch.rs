@@ -1,10 +1,25 @@
 //! One origin fetch for a cached route: through the origin guard, with only the keyed
 //! inputs forwarded, the body read for storage (bounded by `max_entry_bytes`), then
 //! classified. Storing is the caller's business (`fill.rs`).
+//!
+//! On a route with `version`, the answer's version is read too, and must reach the key's
+//! version floor (see `cache/version.rs`): an answer older than a recent write's (its
+//! replica has not caught up yet) is neither stored nor served, but fetched again, with a
+//! short backoff, until the replica has caught up or `upstream.timeout` is spent:
+//!
+//! ```text
+//! fetch ─▶ a failure (5xx, timeout, shed) ─▶ as it is: nothing to judge
+//!       ─▶ version ≥ floor (or no floor) ─▶ the answer (stored at once by the caller)
+//!       ─▶ older, or none while there is a floor ─▶ fill_refused{reason="older_version"},
+//!             dropped; again after 10 ms, 20, 40 … 200 ms, each try through the guard
+//!             ─▶ upstream.timeout spent since the first try ─▶ 503 (version_behind)
+//! ```
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use tokio::time::Instant as Deadline;
 
 use bytes::{Bytes, BytesMut};
 use http::header::{self, HeaderMap, HeaderName};
@@ -25,6 +40,7 @@ use crate::cache::control::{
 };
 use crate::cache::entry::selecting_value;
 use crate::cache::key::Derived;
+use crate::cache::version::Version;
 use crate::cache::{CacheKey, Entry, ttl};
 use crate::clock::now_ms;
 use crate::config::{FreshnessSource, RouteConfig};
@@ -249,10 +265,26 @@ impl SharedFailure {
     }
 }
 
+/// The first wait before an answer older than the floor is fetched again; each next one is
+/// twice as long, up to [`FLOOR_RETRY_MAX`].
+const FLOOR_RETRY_FIRST: Duration = Duration::from_millis(10);
+const FLOOR_RETRY_MAX: Duration = Duration::from_millis(200);
+
 /// Fetches `job` from the origin through the origin guard and classifies the answer; a
-/// revalidation is counted by its result.
-pub(crate) async fn from_origin(origin: &Origin, job: &FillJob) -> Classified {
-    let classified = fetch(origin, job).await;
+/// revalidation is counted by its result. On a route with `version`, with the answer's
+/// version, which reaches `floor` (the key's version floor, if it has one): an older
+/// answer is fetched again until one reaches it, or the answer is a 503 (see the module
+/// docs). `None` for a failure, and on a route without `version` (one fetch, as always).
+pub(crate) async fn from_origin(
+    origin: &Origin,
+    job: &FillJob,
+    floor: Option<u128>,
+) -> (Classified, Option<Version>) {
+    let timeout = origin.upstream.load().timeout;
+    let (classified, version) = match &job.route.config.version {
+        None => (fetch(origin, job, timeout).await, None),
+        Some(_) => reaching(origin, job, floor, timeout).await,
+    };
     if job.stored.is_some() {
         job.route.metrics.revalidated(match &classified {
             Classified::Storable(_, Outcome::Revalidated, _) => Revalidation::NotModified,
@@ -264,10 +296,70 @@ pub(crate) async fn from_origin(origin: &Origin, job: &FillJob) -> Classified {
             Classified::Failed(_) => Revalidation::Failed,
         });
     }
-    classified
+    (classified, version)
 }
 
-async fn fetch(origin: &Origin, job: &FillJob) -> Classified {
+/// Fetches until an answer's version reaches `floor`, within `budget` from now.
+async fn reaching(
+    origin: &Origin,
+    job: &FillJob,
+    floor: Option<u128>,
+    budget: Duration,
+) -> (Classified, Option<Version>) {
+    let metrics = &job.route.metrics;
+    let deadline = Deadline::now() + budget;
+    let mut wait = FLOOR_RETRY_FIRST;
+    loop {
+        let left = deadline.saturating_duration_since(Deadline::now());
+        let classified = fetch(origin, job, left).await;
+        let version = answer_version(job, &classified);
+        if version == Some(Version::Unparsed) {
+            metrics.version_unparsed.inc();
+        }
+        // A failure carries no version to judge: it is the answer as it is.
+        if version.is_none_or(|v| v.reaches(floor)) {
+            return (classified, version);
+        }
+        metrics.refused_older.inc();
+        drop(classified);
+        if Deadline::now() + wait >= deadline {
+            tracing::debug!(
+                message = "The origin's answers stayed older than the key's version floor.",
+                route = %job.route.config.name,
+                floor = ?floor,
+                version = ?version,
+            );
+            return (
+                Classified::Failed(Failure::own(&ProxyError::VersionBehind)),
+                version,
+            );
+        }
+        tokio::time::sleep(wait).await;
+        wait = (wait * 2).min(FLOOR_RETRY_MAX);
+    }
+}
+
+/// The version an answer carries, on a route with `version`; `None` for a failure.
+fn answer_version(job: &FillJob, classified: &Classified) -> Option<Version> {
+    let source = job.route.config.version.as_ref()?;
+    match classified {
+        Classified::Storable(entry, ..) => Some(Version::read(
+            entry
+                .header_lines()
+                .filter(|(name, _)| name == source.header())
+                .map(|(_, value)| value),
+            source,
+        )),
+        // A client's own 304 confirms its copy only as far as the version it names.
+        Classified::Uncacheable(response) | Classified::NotModified(response) => {
+            Some(Version::of(response.headers(), source))
+        }
+        Classified::Failed(_) => None,
+    }
+}
+
+/// One fetch, its answer read within `timeout`.
+async fn fetch(origin: &Origin, job: &FillJob, timeout: Duration) -> Classified {
     let route = &job.route;
     let limit = route.config.max_entry_bytes;
     let (slot, reservation) = match origin.guard.load_full().acquire_buffered(limit).await {
@@ -281,7 +373,6 @@ async fn fetch(origin: &Origin, job: &FillJob) -> Classified {
 
     let started = Instant::now();
     let upstream = origin.upstream.load_full();
-    let timeout = upstream.timeout;
     let read = tokio::time::timeout(timeout, async {
         let (response, retried) = upstream
             .send_idempotent(|| cached_fetch_request(origin, job))
