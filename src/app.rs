@@ -28,12 +28,14 @@ use crate::consistency::invalidate::Invalidator;
 use crate::consistency::journal::{self, FsyncPolicy, Journal};
 use crate::consistency::stream::{self, StreamSettings};
 use crate::coord::events::{BusListener, BusMetrics, EventBus, Waiters};
+use crate::coord::locks::{LockService, MemoryLocks, RedisLocks};
 use crate::coord::store::RedisStore;
 use crate::coord::{Keyspace, RedisConn};
 use crate::metrics::Metrics;
 use crate::protect::bloom::Filters;
 use crate::protect::flight::fleet::FleetLock;
 use crate::protect::hotkeys::HotKeys;
+use crate::protect::serialize::Serializer;
 use crate::protect::stock::Gates;
 use crate::proxy::access_log::AccessLog;
 use crate::proxy::fill::{Filler, Flights};
@@ -194,16 +196,18 @@ async fn start_event_bus(
 }
 
 /// The read path over `tiers`: the hot-key gate and the filler share the in-process
-/// flights and the hit-for-miss set.
+/// flights and the hit-for-miss set. The flights are not joined once their key was
+/// invalidated (`marks`).
 fn read_path(
     config: &Config,
     tiers: Arc<Tiers>,
+    marks: &Arc<LocalMarks>,
     hot: &Arc<HotKeys>,
     store: Option<RedisStore>,
     origin: &Arc<Origin>,
     metrics: &Metrics,
 ) -> Arc<ReadPath> {
-    let flights = Arc::new(Flights::default());
+    let flights = Arc::new(Flights::new(Arc::clone(marks)));
     let uncacheable = moka::sync::Cache::builder()
         .max_capacity(100_000)
         .time_to_live(config.lock.uncacheable_ttl)
@@ -219,7 +223,7 @@ fn read_path(
         filler: Arc::new(Filler {
             tiers,
             flights,
-            lone: Arc::default(),
+            lone: Arc::new(Flights::new(Arc::clone(marks))),
             fleet: store.map(|store| FleetLock::new(store, metrics.clone())),
             lock: ArcSwap::from_pointee(config.lock.clone()),
             uncacheable,
@@ -432,7 +436,15 @@ impl App {
             Arc::clone(&invalidator) as _,
             metrics.clone(),
         ));
-        let read = read_path(&config, tiers, &hot, dist.clone(), &origin, &metrics);
+        let read = read_path(
+            &config,
+            tiers,
+            &marks,
+            &hot,
+            dist.clone(),
+            &origin,
+            &metrics,
+        );
         let routes = Arc::new(ArcSwap::from_pointee(routes));
         let passthrough = Arc::new(Passthrough {
             origin: Arc::clone(&origin),
@@ -441,7 +453,19 @@ impl App {
                 dir: config.server.body_spool_dir.clone(),
             },
         });
+        // Serialized writes take their locks in the shared Redis; in embedded mode the
+        // fleet is this process.
+        let locks = match (&redis, &config.redis, &dist) {
+            (Some(conn), Some(rc), Some(store)) => LockService::Redis(RedisLocks::new(
+                conn.clone(),
+                Keyspace::new(&rc.key_prefix),
+                Arc::clone(store.waiters()),
+                instance,
+            )),
+            _ => LockService::Memory(MemoryLocks::new()),
+        };
         let write = Arc::new(WritePath {
+            serializer: Serializer::new(locks),
             routes: Arc::clone(&routes),
             invalidator: Arc::clone(&invalidator),
             filters: Arc::clone(&filters),

@@ -474,6 +474,54 @@ pub struct RouteConfig {
     pub warmup: Option<WarmupConfig>,
     /// Write routes: the stock gate each request takes units from before it is forwarded.
     pub stock: Option<RouteStock>,
+    /// Write routes: writes to one resource go one at a time across the fleet.
+    pub serialize: Option<SerializeConfig>,
+    /// Where the origin tells a row's version: on a read route, what a fill's answer is
+    /// compared with the floor by; on a write route, what its answer sets the floor to.
+    pub version: Option<VersionSource>,
+    /// Write routes with `version`: how long the floor a write sets is kept (at least the
+    /// worst replica lag).
+    pub version_floor_ttl: Duration,
+}
+
+/// `serialize = { … }` on a write route: a write is forwarded only while this instance
+/// holds the resource's lock, fleet-wide, with a fencing token for the origin to check.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SerializeConfig {
+    /// The resource's path pattern, over the route's parameters.
+    pub key: String,
+    /// How long a grant lasts unless renewed (renewed every third of it while the write is
+    /// at the origin).
+    pub lease: Duration,
+    /// How long a write waits for the lock, in this instance's queue and the fleet's.
+    pub wait_timeout: Duration,
+    /// Writes waiting for one resource in this instance; one more is refused at once.
+    pub max_waiters: usize,
+    /// The request header the fencing token goes in; `None`: no token is sent (the lock is
+    /// then only an efficiency lock).
+    pub fence_header: Option<HeaderName>,
+    pub on_redis_error: OnRedisError,
+    /// The `Retry-After` of a write refused for waiting too long or too many.
+    pub retry_after: Duration,
+    /// The `[locks.<name>]` backend; `None`: the shared Redis.
+    pub lock: Option<String>,
+}
+
+/// Where a row's version is read from an origin answer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum VersionSource {
+    /// A header holding a non-negative integer (a row version, a µs `updated_at`, ...).
+    Integer(HeaderName),
+    /// `Last-Modified` (or another header holding an HTTP date), compared as dates.
+    Date(HeaderName),
+}
+
+impl VersionSource {
+    pub fn header(&self) -> &HeaderName {
+        match self {
+            VersionSource::Integer(name) | VersionSource::Date(name) => name,
+        }
+    }
 }
 
 /// `stock = { gate, units }` on a write route.
@@ -615,6 +663,18 @@ pub enum SourceFormat {
     Lines,
     /// One JSON object per line; the id is `field` (a string or an integer).
     Ndjson { field: String },
+}
+
+/// A path pattern filled from a matched route's parameters: `/api/items/{id}` with
+/// `id = 7` is `/api/items/7` (`{*rest}` too).
+pub(crate) fn fill_pattern(pattern: &str, params: &[(String, String)]) -> String {
+    let mut path = pattern.to_owned();
+    for (name, value) in params {
+        path = path
+            .replace(&format!("{{{name}}}"), value)
+            .replace(&format!("{{*{name}}}"), value);
+    }
+    path
 }
 
 impl RouteConfig {

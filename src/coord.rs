@@ -10,6 +10,7 @@ pub(crate) mod backend;
 pub(crate) mod events;
 pub(crate) mod io;
 pub(crate) mod keyspace;
+pub(crate) mod locks;
 pub(crate) mod redis;
 pub(crate) mod scripts;
 pub(crate) mod sentinel;

@@ -83,6 +83,20 @@ pub(crate) enum ProxyError {
     /// A stock gate could not learn the resource's units from the origin.
     #[error("stock not loaded")]
     StockNotLoaded,
+    /// A serialized write found `max_waiters` writes to its resource waiting already (the
+    /// `Retry-After` seconds).
+    #[error("too many writes waiting for this resource")]
+    WriteQueueFull(u64),
+    /// A serialized write did not get its resource's lock within `wait_timeout`.
+    #[error("the resource stayed locked by other writes")]
+    WriteLockWait(u64),
+    /// A serialized write's lock service did not answer (`on_redis_error = "reject"`).
+    #[error("write lock unavailable")]
+    WriteLockUnavailable(u64),
+    /// A read on a route with `version`: the origin's answers stayed older than a write's
+    /// version floor (a replica that did not catch up) within `upstream.timeout`.
+    #[error("the origin's answer stayed older than a recent write")]
+    VersionBehind,
     #[error("internal error")]
     Internal,
 }
@@ -94,9 +108,10 @@ impl ProxyError {
                 StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE
             }
             ProxyError::BodyTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
-            ProxyError::Shed(_) | ProxyError::LockWait(_) | ProxyError::BodySpool(_) => {
-                StatusCode::SERVICE_UNAVAILABLE
-            }
+            ProxyError::Shed(_)
+            | ProxyError::LockWait(_)
+            | ProxyError::BodySpool(_)
+            | ProxyError::VersionBehind => StatusCode::SERVICE_UNAVAILABLE,
             ProxyError::OriginTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
             ProxyError::UploadTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             ProxyError::OriginConnect(_) => StatusCode::BAD_GATEWAY,
@@ -109,9 +124,11 @@ impl ProxyError {
             ProxyError::BadIdempotencyKey => StatusCode::BAD_REQUEST,
             ProxyError::IdempotencyInFlight => StatusCode::CONFLICT,
             ProxyError::IdempotencyMismatch => StatusCode::UNPROCESSABLE_ENTITY,
-            ProxyError::StockUnavailable | ProxyError::StockNotLoaded => {
-                StatusCode::SERVICE_UNAVAILABLE
-            }
+            ProxyError::StockUnavailable
+            | ProxyError::StockNotLoaded
+            | ProxyError::WriteQueueFull(_)
+            | ProxyError::WriteLockWait(_)
+            | ProxyError::WriteLockUnavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             ProxyError::Internal => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -141,6 +158,10 @@ impl ProxyError {
             ProxyError::IdempotencyMismatch => "idempotency_mismatch",
             ProxyError::StockUnavailable => "stock_unavailable",
             ProxyError::StockNotLoaded => "stock_not_loaded",
+            ProxyError::WriteQueueFull(_) => "write_queue_full",
+            ProxyError::WriteLockWait(_) => "write_lock_wait",
+            ProxyError::WriteLockUnavailable(_) => "write_lock_unavailable",
+            ProxyError::VersionBehind => "version_behind",
             ProxyError::Internal => "internal",
         }
     }
@@ -178,8 +199,12 @@ impl ProxyError {
             | ProxyError::HotKeyLimited
             | ProxyError::IdempotencyInFlight
             | ProxyError::StockUnavailable
-            | ProxyError::StockNotLoaded => Some(1),
-            ProxyError::TooManyVariants(seconds) => Some(*seconds),
+            | ProxyError::StockNotLoaded
+            | ProxyError::VersionBehind => Some(1),
+            ProxyError::TooManyVariants(seconds)
+            | ProxyError::WriteQueueFull(seconds)
+            | ProxyError::WriteLockWait(seconds)
+            | ProxyError::WriteLockUnavailable(seconds) => Some(*seconds),
             _ => None,
         }
     }

@@ -261,6 +261,9 @@ pub enum FillRefusal {
     LockTaken,
     /// A write's quarantine (its `double_delete_delay`) was running.
     Quarantine,
+    /// Its version is below the key's version floor (a write's, or a newer stored
+    /// answer's), or it has none while there is a floor: a replica behind the write.
+    OlderVersion,
     /// The answer's `Vary` names a request header the route neither keys nor forwards
     /// (or is `*`): a stored copy could reach a client it was not made for.
     Vary,
@@ -272,6 +275,7 @@ impl FillRefusal {
             FillRefusal::Generation => "generation",
             FillRefusal::LockTaken => "lock_taken",
             FillRefusal::Quarantine => "quarantine",
+            FillRefusal::OlderVersion => "older_version",
             FillRefusal::Vary => "vary",
         }
     }
@@ -297,6 +301,8 @@ pub enum RedisOp {
     Tag,
     /// Stock gates: buys, settlements, reconciles, idempotency records.
     Stock,
+    /// Serialized writes' locks.
+    Serialize,
 }
 
 impl RedisOp {
@@ -314,6 +320,7 @@ impl RedisOp {
             RedisOp::Invalidate => "invalidate",
             RedisOp::Tag => "tag",
             RedisOp::Stock => "stock",
+            RedisOp::Serialize => "serialize",
         }
     }
 }
@@ -349,6 +356,7 @@ pub struct Metrics {
     uncacheable: IntCounterVec,
     revalidations: IntCounterVec,
     oversized: IntCounterVec,
+    version_unparsed: IntCounterVec,
     new_variants: IntCounterVec,
     origin_retries: IntCounterVec,
     coalesced: IntCounterVec,
@@ -383,6 +391,8 @@ pub struct Metrics {
     pub(crate) access_log: AccessLogMetrics,
     /// The stock gates' families (see [`StockFamilies::for_gate`]).
     pub(crate) stock: StockFamilies,
+    /// Serialized writes' families (see [`SerializeFamilies::for_route`]).
+    pub(crate) serialize: SerializeFamilies,
     purges: IntCounterVec,
     config_reloads: IntCounterVec,
     config_generation: IntGauge,
@@ -609,6 +619,15 @@ impl Metrics {
             Opts::new(
                 "cacheguard_oversized_responses_total",
                 "Origin answers larger than max_entry_bytes, served but not stored.",
+            ),
+            &["route"],
+        )?;
+        let version_unparsed = IntCounterVec::new(
+            Opts::new(
+                "cacheguard_version_unparsed_total",
+                "Origin answers on a route with `version` whose version header was missing \
+                 or did not parse: never trusted (a fill over a floor is refused, a write \
+                 sets no floor).",
             ),
             &["route"],
         )?;
@@ -839,6 +858,7 @@ impl Metrics {
         };
         registry.register(Box::new(access_log_lines))?;
         let stock = StockFamilies::register(registry)?;
+        let serialize = SerializeFamilies::register(registry)?;
         let purges = IntCounterVec::new(
             Opts::new(
                 "cacheguard_purges_total",
@@ -922,7 +942,7 @@ impl Metrics {
         )?;
         let entry_decode_errors = IntCounter::new(
             "cacheguard_entry_decode_errors_total",
-            "Stored values that failed to decode (treated as a miss and overwritten).",
+            "L2 values that did not decode: damaged (cut, padded, a byte changed: their length or checksum disagrees), of a format before version 8 (no checksum), or not an entry at all. Each is a miss, and the next fill overwrites it.",
         )?;
         let rejected_requests = IntCounterVec::new(
             Opts::new(
@@ -954,7 +974,9 @@ impl Metrics {
             Opts::new(
                 "cacheguard_fill_refused_total",
                 "Fetched answers that were not stored, by reason: refused by the fill script \
-                 (generation, lock_taken, quarantine) or by their own Vary (vary).",
+                 (generation, lock_taken, quarantine), older than the key's version floor \
+                 (older_version: neither stored nor served, fetched again), or by their own \
+                 Vary (vary).",
             ),
             &["reason"],
         )?;
@@ -1146,6 +1168,7 @@ impl Metrics {
             FillRefusal::Generation,
             FillRefusal::LockTaken,
             FillRefusal::Quarantine,
+            FillRefusal::OlderVersion,
             FillRefusal::Vary,
         ] {
             fill_refused.with_label_values(&[refusal.as_str()]);
@@ -1175,6 +1198,7 @@ impl Metrics {
         registry.register(Box::new(uncacheable.clone()))?;
         registry.register(Box::new(revalidations.clone()))?;
         registry.register(Box::new(oversized.clone()))?;
+        registry.register(Box::new(version_unparsed.clone()))?;
         registry.register(Box::new(new_variants.clone()))?;
         registry.register(Box::new(origin_retries.clone()))?;
         registry.register(Box::new(coalesced.clone()))?;
@@ -1203,6 +1227,7 @@ impl Metrics {
             RedisOp::Invalidate,
             RedisOp::Tag,
             RedisOp::Stock,
+            RedisOp::Serialize,
         ] {
             redis_errors.with_label_values(&[op.as_str()]);
             redis_slot_migrating.with_label_values(&[op.as_str()]);
@@ -1221,6 +1246,7 @@ impl Metrics {
             uncacheable,
             revalidations,
             oversized,
+            version_unparsed,
             new_variants,
             origin_retries,
             coalesced,
@@ -1248,6 +1274,7 @@ impl Metrics {
             stream,
             access_log,
             stock,
+            serialize,
             purges,
             config_reloads,
             config_generation,
@@ -1357,7 +1384,11 @@ impl Metrics {
             refused_vary: self
                 .fill_refused
                 .with_label_values(&[FillRefusal::Vary.as_str()]),
+            refused_older: self
+                .fill_refused
+                .with_label_values(&[FillRefusal::OlderVersion.as_str()]),
             oversized: self.oversized.with_label_values(&[route]),
+            version_unparsed: self.version_unparsed.with_label_values(&[route]),
             new_variants: NewVariant::ALL
                 .map(|v| self.new_variants.with_label_values(&[route, v.as_str()])),
             origin_retries: self.origin_retries.with_label_values(&[route]),
@@ -1427,6 +1458,7 @@ impl Metrics {
                 &self.shed,
                 &self.uncacheable,
                 &self.oversized,
+                &self.version_unparsed,
                 &self.origin_retries,
                 &self.coalesced,
                 &self.stale_served,
@@ -1595,7 +1627,11 @@ pub struct RouteMetrics {
     revalidations: [IntCounter; 3],
     /// `fill_refused{reason="vary"}` (not per route: the counter has no route label).
     pub refused_vary: IntCounter,
+    /// `fill_refused{reason="older_version"}` (likewise).
+    pub refused_older: IntCounter,
     pub oversized: IntCounter,
+    /// Answers whose version header was missing or did not parse (routes with `version`).
+    pub version_unparsed: IntCounter,
     new_variants: [IntCounter; 4],
     pub origin_retries: IntCounter,
     pub coalesced: IntCounter,
@@ -1868,11 +1904,37 @@ impl StockFamilies {
     }
 }
 
+/// One stock gate's counters at one moment ([`StockMetrics::counts`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct StockCounts {
+    /// By decision, in [`StockOutcome::ALL`] order.
+    pub(crate) requests: [u64; StockOutcome::ALL.len()],
+    /// By what the origin's answer meant, in [`StockSettled::ALL`] order.
+    pub(crate) settled: [u64; StockSettled::ALL.len()],
+    pub(crate) reconciles_ok: u64,
+    pub(crate) reconciles_failed: u64,
+    /// The last reconcile's change to the gate's count (signed).
+    pub(crate) last_delta: i64,
+    pub(crate) redis_errors: u64,
+    pub(crate) sold_out_marks: u64,
+}
+
+impl StockCounts {
+    pub(crate) fn request(&self, outcome: StockOutcome) -> u64 {
+        self.requests[outcome as usize]
+    }
+
+    /// Sold-out answers, from this instance's marks and from Redis.
+    pub(crate) fn sold_out(&self) -> u64 {
+        self.request(StockOutcome::SoldOutLocal) + self.request(StockOutcome::SoldOutRedis)
+    }
+}
+
 /// One stock gate's metric handles.
 #[derive(Clone, Debug)]
 pub(crate) struct StockMetrics {
-    requests: [IntCounter; 11],
-    settled: [IntCounter; 4],
+    requests: [IntCounter; StockOutcome::ALL.len()],
+    settled: [IntCounter; StockSettled::ALL.len()],
     pub(crate) reconciles_ok: IntCounter,
     pub(crate) reconciles_failed: IntCounter,
     pub(crate) reconciles_skipped: IntCounter,
@@ -1892,6 +1954,19 @@ impl StockMetrics {
         self.settled[result as usize].inc();
     }
 
+    /// The gate's counters now (for the status page; the metric families stay the record).
+    pub(crate) fn counts(&self) -> StockCounts {
+        StockCounts {
+            requests: self.requests.each_ref().map(IntCounter::get),
+            settled: self.settled.each_ref().map(IntCounter::get),
+            reconciles_ok: self.reconciles_ok.get(),
+            reconciles_failed: self.reconciles_failed.get(),
+            last_delta: self.delta.get(),
+            redis_errors: self.redis_errors.get(),
+            sold_out_marks: self.sold_out_marks.get(),
+        }
+    }
+
     /// A reconcile moved the gate's count by `delta` units (summed over its segments).
     pub(crate) fn reconciled(&self, delta: i64) {
         self.reconciles_ok.inc();
@@ -1901,5 +1976,131 @@ impl StockMetrics {
         } else {
             self.units_down.inc_by(delta.unsigned_abs());
         }
+    }
+}
+
+/// What became of a write on a serialized route: the `result` label of
+/// `cacheguard_serialized_writes_total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SerializeOutcome {
+    /// It got the lock and was forwarded.
+    Granted,
+    /// No lock within `wait_timeout`: 503.
+    Timeout,
+    /// `max_waiters` waited already: 503 at once.
+    TooMany,
+    /// The lock service did not answer: 503 (`on_redis_error = "reject"`).
+    Unavailable,
+    /// The lock service did not answer: forwarded unserialized (`on_redis_error =
+    /// "forward"`).
+    Ungated,
+}
+
+impl SerializeOutcome {
+    pub const ALL: [SerializeOutcome; 5] = [
+        SerializeOutcome::Granted,
+        SerializeOutcome::Timeout,
+        SerializeOutcome::TooMany,
+        SerializeOutcome::Unavailable,
+        SerializeOutcome::Ungated,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SerializeOutcome::Granted => "granted",
+            SerializeOutcome::Timeout => "timeout",
+            SerializeOutcome::TooMany => "too_many",
+            SerializeOutcome::Unavailable => "unavailable",
+            SerializeOutcome::Ungated => "ungated",
+        }
+    }
+}
+
+/// The families of serialized writes; each route resolves its handles once.
+#[derive(Clone, Debug)]
+pub(crate) struct SerializeFamilies {
+    writes: IntCounterVec,
+    wait: HistogramVec,
+    lost: IntCounterVec,
+    late: IntCounterVec,
+}
+
+impl SerializeFamilies {
+    fn register(registry: &Registry) -> prometheus::Result<Self> {
+        let families = SerializeFamilies {
+            writes: IntCounterVec::new(
+                Opts::new(
+                    "cacheguard_serialized_writes_total",
+                    "Writes on serialized routes, by route and result (granted; timeout: no \
+                     lock within wait_timeout; too_many: max_waiters waited already; \
+                     unavailable: the lock service did not answer and the write was refused; \
+                     ungated: it did not answer and the write was forwarded unserialized).",
+                ),
+                &["route", "result"],
+            )?,
+            wait: HistogramVec::new(
+                HistogramOpts::new(
+                    "cacheguard_serialized_wait_seconds",
+                    "How long granted writes waited for their lock, by route.",
+                )
+                .buckets(buckets_latency()),
+                &["route"],
+            )?,
+            lost: IntCounterVec::new(
+                Opts::new(
+                    "cacheguard_serialized_leases_lost_total",
+                    "Writes whose lock was lost while at the origin (a renewal found it \
+                     gone): only the origin's fencing-token check keeps them in order.",
+                ),
+                &["route"],
+            )?,
+            late: IntCounterVec::new(
+                Opts::new(
+                    "cacheguard_serialized_late_grants_total",
+                    "Grants given back because less than a third of the lease was left when \
+                     they arrived (a slow lock service), by route.",
+                ),
+                &["route"],
+            )?,
+        };
+        for family in [
+            Box::new(families.writes.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(families.wait.clone()),
+            Box::new(families.lost.clone()),
+            Box::new(families.late.clone()),
+        ] {
+            registry.register(family)?;
+        }
+        Ok(families)
+    }
+
+    /// Resolves one route's handles (every series exists from then on).
+    pub(crate) fn for_route(&self, route: &str) -> SerializeMetrics {
+        SerializeMetrics {
+            writes: SerializeOutcome::ALL
+                .map(|o| self.writes.with_label_values(&[route, o.as_str()])),
+            wait: self.wait.with_label_values(&[route]),
+            lost: self.lost.with_label_values(&[route]),
+            late_grants: self.late.with_label_values(&[route]),
+        }
+    }
+}
+
+/// One serialized route's handles.
+#[derive(Clone, Debug)]
+pub(crate) struct SerializeMetrics {
+    writes: [IntCounter; 5],
+    wait: Histogram,
+    pub(crate) lost: IntCounter,
+    pub(crate) late_grants: IntCounter,
+}
+
+impl SerializeMetrics {
+    pub(crate) fn outcome(&self, outcome: SerializeOutcome) {
+        self.writes[outcome as usize].inc();
+    }
+
+    pub(crate) fn waited(&self, waited: std::time::Duration) {
+        self.wait.observe(waited.as_secs_f64());
     }
 }

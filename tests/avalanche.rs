@@ -28,13 +28,13 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use serde::Deserialize;
 use tokio::task::{JoinHandle, JoinSet};
 use tokio::time::{Instant, MissedTickBehavior};
 use tokio_util::sync::CancellationToken;
 
 use cacheguard::Running;
 
+use common::entry::StoredEntry;
 use common::load::{latency_summary, percentile, strict_latency};
 use common::{
     CgConfig, HttpClient, RedisServer, TcpProxy, TestOrigin, bounded_parallel, item_route,
@@ -411,83 +411,10 @@ fn check_origin_rate(profile: &RateProfile, max_rps: u64, what: &str) -> String 
 
 // === L2 entries ===
 
-/// What these tests read of an L2 entry.
-struct Stored {
-    key: String,
-    status: u16,
-    stored_at_ms: u64,
-    ttl_ms: u64,
-    grace_ms: u64,
-}
-
-/// The L2 entry format (`src/cache/entry.rs`), version 7: `b"CG"`, 7, then postcard of
-/// this struct followed by the packed buffer (key, header lines, body).
-#[derive(Debug, Deserialize)]
-#[allow(dead_code)]
-struct MetaV7 {
-    status: u16,
-    stored_at_ms: u64,
-    initial_age_secs: u64,
-    ttl_ms: u64,
-    grace_ms: u64,
-    error_grace_ms: u64,
-    keep_ms: u64,
-    fetch_ms: u32,
-    tags: Vec<String>,
-    selecting: Vec<(String, Option<bytes::Bytes>)>,
-    key_len: u32,
-    body_at: u32,
-}
-
-/// Versions 1–6: `b"CG"`, the version, then postcard of this struct followed by what later
-/// versions added. postcard is positional and ignores what follows, so only the field
-/// order and types must match.
-#[derive(Debug, Deserialize)]
-#[allow(dead_code)]
-struct StoredV1 {
-    key: String,
-    status: u16,
-    headers: Vec<(String, bytes::Bytes)>,
-    body: bytes::Bytes,
-    stored_at_ms: u64,
-    ttl_ms: u64,
-    grace_ms: u64,
-    fetch_ms: u32,
-}
-
-fn decode_entry(raw: &[u8]) -> Stored {
-    if let Some(payload) = raw.strip_prefix(b"CG\x07") {
-        let (meta, packed): (MetaV7, &[u8]) =
-            postcard::take_from_bytes(payload).unwrap_or_else(|e| panic!("undecodable entry: {e}"));
-        let key = packed
-            .get(..meta.key_len as usize)
-            .and_then(|k| std::str::from_utf8(k).ok())
-            .unwrap_or_else(|| panic!("entry with a bad key length"));
-        return Stored {
-            key: key.to_owned(),
-            status: meta.status,
-            stored_at_ms: meta.stored_at_ms,
-            ttl_ms: meta.ttl_ms,
-            grace_ms: meta.grace_ms,
-        };
-    }
-    let payload = raw
-        .strip_prefix(b"CG\x06")
-        .or_else(|| raw.strip_prefix(b"CG\x05"))
-        .or_else(|| raw.strip_prefix(b"CG\x04"))
-        .or_else(|| raw.strip_prefix(b"CG\x03"))
-        .or_else(|| raw.strip_prefix(b"CG\x02"))
-        .or_else(|| raw.strip_prefix(b"CG\x01"))
-        .unwrap_or_else(|| panic!("not a cacheguard entry: {:?}", &raw[..raw.len().min(8)]));
-    let v1: StoredV1 =
-        postcard::from_bytes(payload).unwrap_or_else(|e| panic!("undecodable entry: {e}"));
-    Stored {
-        key: v1.key,
-        status: v1.status,
-        stored_at_ms: v1.stored_at_ms,
-        ttl_ms: v1.ttl_ms,
-        grace_ms: v1.grace_ms,
-    }
+/// What these tests read of an L2 entry (`common::entry`), or a panic naming why it is not
+/// a whole one.
+fn decode_entry(raw: &[u8]) -> StoredEntry {
+    common::entry::decode(raw).unwrap_or_else(|e| panic!("undecodable entry: {e}"))
 }
 
 fn unix_ms() -> u64 {

@@ -219,3 +219,25 @@ fn missing_file() {
         "{stderr}"
     );
 }
+
+/// A stock gate that cannot keep its promise is refused with its line and key: bound to a
+/// route that answers GET, named wrong, or with reservations that would end before the buy
+/// they hold a unit for.
+#[test]
+fn stock_gates_that_cannot_keep_their_promise() {
+    let dir = tempfile::tempdir().unwrap();
+    let gate = "\n[[stock]]\nname = \"seats\"\nkey = \"/t/{train}\"\n\
+                source = { path = \"/internal/stock/{train}\", json = \"/remaining\" }\n";
+    let read = format!(
+        "{UPSTREAM}{gate}\n[[routes]]\nname = \"t\"\nmatch = \"/t/{{train}}\"\n\
+         stock = {{ gate = \"seats\" }}\n"
+    );
+    assert_refused(&dir, "read.toml", &read, 12, "routes[0].stock");
+    let unknown = format!(
+        "{UPSTREAM}{gate}\n[[routes]]\nname = \"buy\"\nmatch = \"/t/{{train}}/orders\"\n\
+         methods = [\"POST\"]\nstock = {{ gate = \"tickets\" }}\n"
+    );
+    assert_refused(&dir, "unknown.toml", &unknown, 13, "routes[0].stock.gate");
+    let short = format!("{UPSTREAM}timeout = \"30s\"\n{gate}reservation_ttl = \"30s\"\n");
+    assert_refused(&dir, "short.toml", &short, 9, "stock[0].reservation_ttl");
+}

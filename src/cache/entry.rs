@@ -6,29 +6,59 @@
 //! reply). A hit builds its response headers from the buffer's lines, each value a slice
 //! of it.
 //!
-//! Wire format (L2): `b"CG"`, a format version byte, then (version 7) the postcard
-//! encoding of [`MetaV7`] followed by the packed head and the body, as in memory. Versions 1–6
-//! were the postcard encoding of [`StoredV6`] and its ancestors (version 2 added the
-//! surrogate keys, version 3 the age the answer arrived with, version 4 the
-//! stale-if-error window, version 5 how long the copy is kept to be revalidated, version 6
-//! the request headers its `Vary` selected it by); they still decode, with a copy.
-//! Decoding anything else (garbage, another program's value, a future version) is an
-//! error the caller treats as a miss, never a crash.
+//! Wire format (L2), version 8:
+//!
+//! ```text
+//! 0..2    b"CG"
+//! 2       8, the format version
+//! 3..11   checksum: xxh3-64 of every byte from 11 to the end (u64, little-endian)
+//! 11..19  the value's length in bytes, these 19 included (u64, little-endian)
+//! 19..    the postcard encoding of [`Meta`] (the numbers that age the entry, its tags and
+//!         selecting headers, the lengths of its key, head and body), the head, the body
+//! ```
+//!
+//! A value read back proves it is whole before any of it is used ([`Entry::decode`]): the
+//! length it records is the number of bytes read, its meta, head and body lengths add up
+//! to it, and the checksum over everything after the checksum matches. A value cut
+//! anywhere (inside the head, inside the body, at a read window), padded, or with any byte
+//! changed is an error. Magic and version are compared exactly; the length field is
+//! covered by the checksum. xxh3 catches damage, not a forger: whoever can write to Redis
+//! can store any answer anyway. A large value's first bytes tell its length
+//! ([`stored_len`]) and, with its checksum and meta, which stored value it is: `l2.rs`
+//! reads it in pieces into one buffer of that size ([`Checked`]) and lets later reads of
+//! the same value share that buffer.
+//!
+//! Versions 1–7 carried no checksum, and version 7 no body length (its body was "the rest",
+//! so a value cut inside its body read as a shorter answer). They are not served: decoding
+//! one is an error ([`DecodeEntryError::Unchecked`]), which the caller counts and treats as
+//! a miss, and the fill that follows rewrites the value in version 8. That costs one origin
+//! fetch per key still stored in an old version after an upgrade (and, while instances of
+//! both versions share a Redis, each rewrites what the other wrote), and it is the only
+//! way to never serve a value that cannot prove it is whole. Decoding anything else
+//! (garbage, another program's value, a future version) is an error too, never a crash.
+
+use std::sync::Arc;
 
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use serde::{Deserialize, Serialize};
+use xxhash_rust::xxh3::xxh3_64;
 
 use super::CacheKey;
 
 const MAGIC: &[u8; 2] = b"CG";
-const VERSION_1: u8 = 1;
-const VERSION_2: u8 = 2;
-const VERSION_3: u8 = 3;
-const VERSION_4: u8 = 4;
-const VERSION_5: u8 = 5;
-const VERSION_6: u8 = 6;
-const VERSION_7: u8 = 7;
+/// The format version written and the only one served (see the module docs).
+const VERSION: u8 = 8;
+/// Where the checksum is, and what it covers: every byte from `CHECKED` to the end.
+const CHECKSUM: std::ops::Range<usize> = 3..11;
+const CHECKED: usize = 11;
+/// Where the value's length is.
+const LENGTH: std::ops::Range<usize> = 11..19;
+/// Magic, version, checksum and length: what precedes the meta.
+const FIXED: usize = 19;
+/// No Redis string is longer (`proto-max-bulk-len`'s default, 512 MB): a value recording a
+/// greater length is damaged, and nothing is allocated for it.
+const MAX_VALUE: u64 = 512 * 1024 * 1024;
 
 /// A cached answer, ready to serve.
 #[derive(Clone, Debug)]
@@ -218,57 +248,21 @@ pub(crate) enum DecodeEntryError {
     Magic,
     #[error("unknown entry format version {0}")]
     Version(u8),
+    #[error("entry format version {0} carries no checksum: it cannot prove it is whole")]
+    Unchecked(u8),
+    #[error("corrupt entry: it records {recorded} bytes, {read} were read (cut or padded)")]
+    Length { recorded: u64, read: usize },
+    #[error("corrupt entry: its checksum does not match")]
+    Checksum,
     #[error("corrupt entry: {0}")]
     Corrupt(#[from] postcard::Error),
-    #[error("corrupt entry: bad status or header")]
+    #[error("corrupt entry: bad status, header or length")]
     Invalid,
 }
 
+/// What follows the fixed start of a value (see the module docs).
 #[derive(Serialize, Deserialize)]
-struct StoredV1 {
-    key: String,
-    status: u16,
-    headers: Vec<(String, Bytes)>,
-    body: Bytes,
-    stored_at_ms: u64,
-    ttl_ms: u64,
-    grace_ms: u64,
-    fetch_ms: u32,
-}
-
-#[derive(Serialize, Deserialize)]
-struct StoredV2 {
-    v1: StoredV1,
-    tags: Vec<String>,
-}
-
-#[derive(Serialize, Deserialize)]
-struct StoredV3 {
-    v2: StoredV2,
-    initial_age_secs: u64,
-}
-
-#[derive(Serialize, Deserialize)]
-struct StoredV4 {
-    v3: StoredV3,
-    error_grace_ms: u64,
-}
-
-#[derive(Serialize, Deserialize)]
-struct StoredV5 {
-    v4: StoredV4,
-    keep_ms: u64,
-}
-
-#[derive(Serialize, Deserialize)]
-struct StoredV6 {
-    v5: StoredV5,
-    selecting: Vec<(String, Option<Bytes>)>,
-}
-
-/// What precedes the packed buffer in a version-7 value.
-#[derive(Serialize, Deserialize)]
-struct MetaV7 {
+struct Meta {
     status: u16,
     stored_at_ms: u64,
     initial_age_secs: u64,
@@ -280,7 +274,96 @@ struct MetaV7 {
     tags: Vec<String>,
     selecting: Vec<(String, Option<Bytes>)>,
     key_len: u32,
-    body_at: u32,
+    head_len: u32,
+    body_len: u64,
+}
+
+/// A stored value that proved whole ([`Checked::new`]), in one buffer: every entry decoded
+/// from it ([`Entry::from_checked`]) holds slices of that buffer, so however many there are,
+/// the value is in memory once. `l2.rs` keeps large values this way.
+pub(crate) struct Checked(Vec<u8>);
+
+impl std::fmt::Debug for Checked {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Checked")
+            .field("len", &self.0.len())
+            .finish()
+    }
+}
+
+impl Checked {
+    /// `value`, once it has proved whole: its recorded length is its length and its checksum
+    /// matches.
+    ///
+    /// # Errors
+    /// Why it is not a whole value of the current format.
+    pub(crate) fn new(value: Vec<u8>) -> Result<Checked, DecodeEntryError> {
+        check(&value)?;
+        Ok(Checked(value))
+    }
+
+    pub(crate) fn as_bytes(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+/// The owner of the buffer of entries decoded from a [`Checked`] value.
+struct SharedValue(Arc<Checked>);
+
+impl AsRef<[u8]> for SharedValue {
+    fn as_ref(&self) -> &[u8] {
+        self.0.as_bytes()
+    }
+}
+
+/// The length a value records for itself, read from its first bytes (at least 19 of them):
+/// how much there is to read of a value read in pieces.
+///
+/// # Errors
+/// Not a value of the current format, or a length no Redis string can have.
+pub(crate) fn stored_len(prefix: &[u8]) -> Result<usize, DecodeEntryError> {
+    let rest = prefix.strip_prefix(MAGIC).ok_or(DecodeEntryError::Magic)?;
+    match rest.first() {
+        Some(&VERSION) => {}
+        Some(&old @ 1..VERSION) => return Err(DecodeEntryError::Unchecked(old)),
+        Some(&other) => return Err(DecodeEntryError::Version(other)),
+        None => return Err(DecodeEntryError::Magic),
+    }
+    let field = prefix
+        .get(LENGTH)
+        .and_then(|field| <[u8; 8]>::try_from(field).ok())
+        .ok_or(DecodeEntryError::Length {
+            recorded: 0,
+            read: prefix.len(),
+        })?;
+    let recorded = u64::from_le_bytes(field);
+    match usize::try_from(recorded) {
+        Ok(len) if recorded <= MAX_VALUE => Ok(len),
+        _ => Err(DecodeEntryError::Length {
+            recorded,
+            read: prefix.len(),
+        }),
+    }
+}
+
+/// Whether `value` is a whole value of the current format: the length it records is its
+/// length, and the checksum over everything after the checksum matches.
+fn check(value: &[u8]) -> Result<(), DecodeEntryError> {
+    let recorded = stored_len(value)?;
+    if recorded != value.len() {
+        return Err(DecodeEntryError::Length {
+            recorded: recorded as u64,
+            read: value.len(),
+        });
+    }
+    let sum = value
+        .get(CHECKSUM)
+        .and_then(|field| <[u8; 8]>::try_from(field).ok())
+        .map(u64::from_le_bytes);
+    match value.get(CHECKED..) {
+        Some(covered) if sum == Some(xxh3_64(covered)) => Ok(()),
+        _ => Err(DecodeEntryError::Checksum),
+    }
 }
 
 impl Entry {
@@ -436,8 +519,13 @@ impl Entry {
         self.packed.head.len() + self.packed.body.len() + tags + selecting + PER_ENTRY
     }
 
+    /// The value stored in Redis (see the module docs).
+    ///
+    /// # Errors
+    /// When postcard cannot encode the meta; it always can (plain numbers, strings and
+    /// bytes into a `Vec`).
     pub(crate) fn encode(&self) -> Result<Vec<u8>, postcard::Error> {
-        let meta = MetaV7 {
+        let meta = Meta {
             status: self.status.as_u16(),
             stored_at_ms: self.stored_at_ms,
             initial_age_secs: self.initial_age_secs,
@@ -456,110 +544,70 @@ impl Entry {
                 })
                 .collect(),
             key_len: self.packed.key_len,
-            body_at: u32::try_from(self.packed.head.len()).unwrap_or(u32::MAX),
+            head_len: u32::try_from(self.packed.head.len()).unwrap_or(u32::MAX),
+            body_len: self.packed.body.len() as u64,
         };
-        let mut out = Vec::with_capacity(self.packed.head.len() + self.packed.body.len() + 64);
+        let mut out =
+            Vec::with_capacity(FIXED + 64 + self.packed.head.len() + self.packed.body.len());
         out.extend_from_slice(MAGIC);
-        out.push(VERSION_7);
+        out.push(VERSION);
+        out.resize(FIXED, 0);
         let mut out = postcard::to_extend(&meta, out)?;
         out.extend_from_slice(&self.packed.head);
         out.extend_from_slice(&self.packed.body);
+        let len = out.len() as u64;
+        out[LENGTH].copy_from_slice(&len.to_le_bytes());
+        let sum = xxh3_64(&out[CHECKED..]);
+        out[CHECKSUM].copy_from_slice(&sum.to_le_bytes());
         Ok(out)
     }
 
-    /// The entry a stored value holds. A version-7 value becomes an entry without a copy:
-    /// its buffer is a slice of `bytes`.
+    /// The entry a stored value holds, once the value has proved whole (see the module
+    /// docs). The entry's buffers are slices of `bytes`: no copy.
+    ///
+    /// # Errors
+    /// Why the value is not a whole entry of the current format.
     pub(crate) fn decode(bytes: Bytes) -> Result<Entry, DecodeEntryError> {
-        let Some(rest) = bytes.strip_prefix(MAGIC) else {
-            return Err(DecodeEntryError::Magic);
-        };
-        let (&version, payload) = rest.split_first().ok_or(DecodeEntryError::Magic)?;
-        if version == VERSION_7 {
-            let (meta, packed) = postcard::take_from_bytes::<MetaV7>(payload)?;
-            let (head, body) = packed
-                .split_at_checked(meta.body_at as usize)
-                .ok_or(DecodeEntryError::Invalid)?;
-            let packed =
-                Packed::checked(bytes.slice_ref(head), meta.key_len, bytes.slice_ref(body))
-                    .map_err(|_| DecodeEntryError::Invalid)?;
-            return Ok(Entry {
-                status: StatusCode::from_u16(meta.status).map_err(|_| DecodeEntryError::Invalid)?,
-                stored_at_ms: meta.stored_at_ms,
-                initial_age_secs: meta.initial_age_secs,
-                ttl_ms: meta.ttl_ms,
-                grace_ms: meta.grace_ms,
-                error_grace_ms: meta.error_grace_ms,
-                keep_ms: meta.keep_ms,
-                fetch_ms: meta.fetch_ms,
-                tags: meta.tags,
-                selecting: selecting_from(meta.selecting)?,
-                packed,
-            });
-        }
-        Self::decode_v1_to_v6(version, payload)
+        check(&bytes)?;
+        Self::parse(bytes)
     }
 
-    /// A value of an earlier format: decoded, then packed (a copy).
-    fn decode_v1_to_v6(version: u8, payload: &[u8]) -> Result<Entry, DecodeEntryError> {
-        // Before version 4 the one grace window served both purposes; before version 5 a
-        // copy was kept for as long as a grace lasted.
-        let mut selecting_raw = Vec::new();
-        let (stored, tags, initial_age_secs, error_grace_ms, keep_ms) = match version {
-            VERSION_1 => {
-                let v1: StoredV1 = postcard::from_bytes(payload)?;
-                let grace = v1.grace_ms;
-                (v1, Vec::new(), 0, grace, grace)
-            }
-            VERSION_2 => {
-                let v2: StoredV2 = postcard::from_bytes(payload)?;
-                let grace = v2.v1.grace_ms;
-                (v2.v1, v2.tags, 0, grace, grace)
-            }
-            VERSION_3 => {
-                let v3: StoredV3 = postcard::from_bytes(payload)?;
-                let grace = v3.v2.v1.grace_ms;
-                (v3.v2.v1, v3.v2.tags, v3.initial_age_secs, grace, grace)
-            }
-            VERSION_4 => {
-                let v4: StoredV4 = postcard::from_bytes(payload)?;
-                let (v3, error) = (v4.v3, v4.error_grace_ms);
-                let keep = error.max(v3.v2.v1.grace_ms);
-                (v3.v2.v1, v3.v2.tags, v3.initial_age_secs, error, keep)
-            }
-            VERSION_5 => {
-                let v5: StoredV5 = postcard::from_bytes(payload)?;
-                let (v3, error) = (v5.v4.v3, v5.v4.error_grace_ms);
-                (v3.v2.v1, v3.v2.tags, v3.initial_age_secs, error, v5.keep_ms)
-            }
-            VERSION_6 => {
-                let v6: StoredV6 = postcard::from_bytes(payload)?;
-                selecting_raw = v6.selecting;
-                let v5 = v6.v5;
-                let (v3, error) = (v5.v4.v3, v5.v4.error_grace_ms);
-                (v3.v2.v1, v3.v2.tags, v3.initial_age_secs, error, v5.keep_ms)
-            }
-            other => return Err(DecodeEntryError::Version(other)),
-        };
-        let status = StatusCode::from_u16(stored.status).map_err(|_| DecodeEntryError::Invalid)?;
-        let mut headers = HeaderMap::with_capacity(stored.headers.len());
-        for (name, value) in stored.headers {
-            let name =
-                HeaderName::from_bytes(name.as_bytes()).map_err(|_| DecodeEntryError::Invalid)?;
-            let value =
-                HeaderValue::from_maybe_shared(value).map_err(|_| DecodeEntryError::Invalid)?;
-            headers.append(name, value);
+    /// The entry a checked value holds, its buffers slices of the value's (no copy, and no
+    /// second pass over it: it proved whole when it was checked).
+    ///
+    /// # Errors
+    /// A checksum guards against damage, not against a writer of wrong values: the meta and
+    /// every header line are still checked.
+    pub(crate) fn from_checked(value: &Arc<Checked>) -> Result<Entry, DecodeEntryError> {
+        Self::parse(Bytes::from_owner(SharedValue(Arc::clone(value))))
+    }
+
+    /// The entry in a value whose length and checksum were checked: its meta, and its head and
+    /// body lengths adding up to the rest.
+    fn parse(bytes: Bytes) -> Result<Entry, DecodeEntryError> {
+        let payload = bytes.get(FIXED..).ok_or(DecodeEntryError::Invalid)?;
+        let (meta, packed) = postcard::take_from_bytes::<Meta>(payload)?;
+        let head_len = meta.head_len as usize;
+        let body_len = usize::try_from(meta.body_len).map_err(|_| DecodeEntryError::Invalid)?;
+        if head_len.checked_add(body_len) != Some(packed.len()) {
+            return Err(DecodeEntryError::Invalid);
         }
-        let mut entry = Entry::new(&stored.key, status, &headers, stored.body);
-        entry.stored_at_ms = stored.stored_at_ms;
-        entry.initial_age_secs = initial_age_secs;
-        entry.ttl_ms = stored.ttl_ms;
-        entry.grace_ms = stored.grace_ms;
-        entry.error_grace_ms = error_grace_ms;
-        entry.keep_ms = keep_ms;
-        entry.fetch_ms = stored.fetch_ms;
-        entry.tags = tags;
-        entry.selecting = selecting_from(selecting_raw)?;
-        Ok(entry)
+        let (head, body) = packed.split_at(head_len);
+        let packed = Packed::checked(bytes.slice_ref(head), meta.key_len, bytes.slice_ref(body))
+            .map_err(|_| DecodeEntryError::Invalid)?;
+        Ok(Entry {
+            status: StatusCode::from_u16(meta.status).map_err(|_| DecodeEntryError::Invalid)?,
+            stored_at_ms: meta.stored_at_ms,
+            initial_age_secs: meta.initial_age_secs,
+            ttl_ms: meta.ttl_ms,
+            grace_ms: meta.grace_ms,
+            error_grace_ms: meta.error_grace_ms,
+            keep_ms: meta.keep_ms,
+            fetch_ms: meta.fetch_ms,
+            tags: meta.tags,
+            selecting: selecting_from(meta.selecting)?,
+            packed,
+        })
     }
 }
 
@@ -677,71 +725,204 @@ mod tests {
         );
     }
 
-    #[test]
-    fn version_1_values_still_decode() {
-        let e = sample();
-        let v1 = StoredV1 {
-            key: e.key().to_owned(),
-            status: 200,
-            headers: vec![],
-            body: e.body(),
-            stored_at_ms: 1,
-            ttl_ms: 2,
-            grace_ms: 3,
-            fetch_ms: 4,
-        };
-        let mut bytes = MAGIC.to_vec();
-        bytes.push(VERSION_1);
-        let bytes = postcard::to_extend(&v1, bytes).unwrap();
-        let d = Entry::decode(Bytes::from(bytes)).unwrap();
-        assert_eq!((d.key(), d.ttl_ms, d.tags.len()), (e.key(), 2, 0));
+    /// Where the meta, the head and the body of an encoded value start.
+    fn regions(value: &[u8]) -> [(&'static str, std::ops::Range<usize>); 6] {
+        let payload = &value[FIXED..];
+        let (meta, rest) = postcard::take_from_bytes::<Meta>(payload).unwrap();
+        let head_at = value.len() - rest.len();
+        let body_at = head_at + meta.head_len as usize;
+        [
+            ("magic and version", 0..3),
+            ("checksum", CHECKSUM),
+            ("length", LENGTH),
+            ("meta", FIXED..head_at),
+            ("head", head_at..body_at),
+            ("body", body_at..value.len()),
+        ]
+    }
+
+    fn region_of(value: &[u8], at: usize) -> &'static str {
+        regions(value)
+            .into_iter()
+            .find(|(_, range)| range.contains(&at))
+            .map_or("past the end", |(name, _)| name)
     }
 
     #[test]
-    fn version_6_values_still_decode() {
-        let e = sample();
-        let headers = e
-            .header_lines()
-            .map(|(n, v)| (n.as_str().to_owned(), Bytes::copy_from_slice(v.as_bytes())))
-            .collect();
-        let v1 = StoredV1 {
-            key: e.key().to_owned(),
-            status: 200,
-            headers,
-            body: e.body(),
-            stored_at_ms: 1_000,
-            ttl_ms: 60_000,
-            grace_ms: 30_000,
-            fetch_ms: 20,
+    fn a_value_cut_anywhere_is_refused() {
+        let value = sample().encode().unwrap();
+        for (name, range) in regions(&value) {
+            assert!(!range.is_empty(), "the sample has no {name}");
+        }
+        for cut in 0..value.len() {
+            let decoded = Entry::decode(Bytes::copy_from_slice(&value[..cut]));
+            let region = region_of(&value, cut);
+            match decoded {
+                Err(DecodeEntryError::Magic) if cut < 3 => {}
+                Err(DecodeEntryError::Length { recorded: 0, read }) if cut < FIXED => {
+                    assert_eq!(read, cut, "cut in the {region}");
+                }
+                Err(DecodeEntryError::Length { recorded, read }) => {
+                    assert_eq!(
+                        (recorded, read),
+                        (value.len() as u64, cut),
+                        "cut in the {region}"
+                    );
+                }
+                other => panic!("cut at {cut} (in the {region}): {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn a_padded_value_is_refused() {
+        let value = sample().encode().unwrap();
+        let padded = [&[0u8][..], b"\r\n", &[0xff; 8], &value];
+        for pad in padded {
+            let mut long = value.clone();
+            long.extend_from_slice(pad);
+            assert!(
+                matches!(
+                    Entry::decode(Bytes::from(long)),
+                    Err(DecodeEntryError::Length { .. })
+                ),
+                "padded with {} bytes",
+                pad.len()
+            );
+        }
+    }
+
+    #[test]
+    fn a_byte_changed_anywhere_is_refused() {
+        let value = sample().encode().unwrap();
+        for at in 0..value.len() {
+            for flip in [0x01, 0x80, 0xff] {
+                let mut changed = value.clone();
+                changed[at] ^= flip;
+                let region = region_of(&value, at);
+                match Entry::decode(Bytes::from(changed)) {
+                    Err(DecodeEntryError::Length { .. }) if LENGTH.contains(&at) => {}
+                    Err(DecodeEntryError::Checksum) if at >= 3 && !LENGTH.contains(&at) => {}
+                    Err(
+                        DecodeEntryError::Magic
+                        | DecodeEntryError::Version(_)
+                        | DecodeEntryError::Unchecked(_),
+                    ) if at < 3 => {}
+                    other => panic!("byte {at} (in the {region}) ^ {flip:#x}: {other:?}"),
+                }
+            }
+        }
+    }
+
+    /// Each check stands on its own: a value cut and given back a matching length still
+    /// fails the checksum; one whose checksum is made to match again still fails when its
+    /// meta's lengths do not add up to what is there.
+    #[test]
+    fn lengths_and_checksum_are_each_checked() {
+        let value = sample().encode().unwrap();
+        let reseal = |mut v: Vec<u8>, checksum: bool| {
+            let len = v.len() as u64;
+            v[LENGTH].copy_from_slice(&len.to_le_bytes());
+            if checksum {
+                let sum = xxh3_64(&v[CHECKED..]);
+                v[CHECKSUM].copy_from_slice(&sum.to_le_bytes());
+            }
+            Bytes::from(v)
         };
-        let v6 = StoredV6 {
-            v5: StoredV5 {
-                v4: StoredV4 {
-                    v3: StoredV3 {
-                        v2: StoredV2 {
-                            v1,
-                            tags: e.tags.clone(),
-                        },
-                        initial_age_secs: 7,
-                    },
-                    error_grace_ms: 50_000,
-                },
-                keep_ms: 70_000,
-            },
-            selecting: vec![("accept-language".into(), Some(Bytes::from_static(b"fr,en")))],
-        };
-        let mut bytes = MAGIC.to_vec();
-        bytes.push(VERSION_6);
-        let d = Entry::decode(Bytes::from(postcard::to_extend(&v6, bytes).unwrap())).unwrap();
-        assert_eq!(d.key(), e.key());
-        assert_eq!(d.headers(), e.headers());
-        assert_eq!(d.body(), e.body());
+        let cut = value[..value.len() - 3].to_vec();
+        assert!(matches!(
+            Entry::decode(reseal(cut.clone(), false)),
+            Err(DecodeEntryError::Checksum)
+        ));
+        assert!(matches!(
+            Entry::decode(reseal(cut, true)),
+            Err(DecodeEntryError::Invalid)
+        ));
+        let mut padded = value.clone();
+        padded.push(b'x');
+        assert!(matches!(
+            Entry::decode(reseal(padded, true)),
+            Err(DecodeEntryError::Invalid)
+        ));
+        assert!(Entry::decode(reseal(value, true)).is_ok());
+    }
+
+    /// A large value cut to exactly the first read's window (256 KiB) reads as a whole value
+    /// of that size to the reader: only its recorded length tells it is not.
+    #[test]
+    fn a_large_value_cut_at_the_read_window_is_refused() {
+        let mut e = sample();
+        e.packed.body = Bytes::from(vec![b'x'; 300 * 1024]);
+        let value = e.encode().unwrap();
+        let window = 256 * 1024;
+        assert_eq!(stored_len(&value[..window + 1]).unwrap(), value.len());
+        assert!(matches!(
+            Entry::decode(Bytes::copy_from_slice(&value[..window])),
+            Err(DecodeEntryError::Length { .. })
+        ));
+        assert!(matches!(
+            Checked::new(value[..window].to_vec()),
+            Err(DecodeEntryError::Length { .. })
+        ));
         assert_eq!(
-            (d.keep_ms, d.error_grace_ms, d.initial_age_secs),
-            (70_000, 50_000, 7)
+            Entry::decode(Bytes::from(value)).unwrap().body_len(),
+            300 * 1024
         );
-        assert_eq!(d.tags, e.tags);
-        assert_eq!(d.selecting.len(), 1);
+    }
+
+    #[test]
+    fn values_of_earlier_versions_are_refused_as_unchecked() {
+        let value = sample().encode().unwrap();
+        for version in 1..VERSION {
+            let mut old = value.clone();
+            old[2] = version;
+            assert!(
+                matches!(
+                    Entry::decode(Bytes::from(old)),
+                    Err(DecodeEntryError::Unchecked(v)) if v == version
+                ),
+                "version {version}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_recorded_length_no_redis_string_can_have_is_refused_before_any_allocation() {
+        let mut value = sample().encode().unwrap();
+        value[LENGTH].copy_from_slice(&(MAX_VALUE + 1).to_le_bytes());
+        assert!(matches!(
+            stored_len(&value),
+            Err(DecodeEntryError::Length { .. })
+        ));
+        assert!(matches!(
+            stored_len(&value[..FIXED - 1]),
+            Err(DecodeEntryError::Length { .. })
+        ));
+    }
+
+    #[test]
+    fn entries_from_a_checked_value_share_its_buffer_and_let_it_go() {
+        let value = Arc::new(Checked::new(sample().encode().unwrap()).unwrap());
+        let within = value.as_bytes().as_ptr_range();
+        let a = Entry::from_checked(&value).unwrap();
+        let b = Entry::from_checked(&value).unwrap();
+        for e in [&a, &b] {
+            assert!(
+                within.contains(&e.body().as_ptr()),
+                "the body is the buffer's"
+            );
+            assert_eq!(e.key(), sample().key());
+        }
+        let live = Arc::downgrade(&value);
+        drop(value);
+        let body = a.body();
+        drop((a, b));
+        assert!(
+            live.upgrade().is_some(),
+            "a body still held keeps the buffer"
+        );
+        drop(body);
+        assert!(live.upgrade().is_none(), "nothing holds it any more");
     }
 
     #[test]
@@ -790,17 +971,25 @@ mod tests {
             decode(b"CG\x09xx"),
             Err(DecodeEntryError::Version(9))
         ));
-        let mut bytes = sample().encode().unwrap();
-        bytes.truncate(bytes.len() / 2);
-        assert!(decode(&bytes).is_err());
-        // Every prefix and a sweep of byte flips must decode to Ok or Err, never panic;
-        // what decodes can be served (its lines read back) without a panic either.
+        // What the checksum cannot stop, a writer of wrong values with a right checksum:
+        // every prefix and a sweep of byte changes, each sealed again with its length and
+        // checksum, must decode to Ok or Err, never panic; what decodes can be served (its
+        // lines read back) without a panic either.
+        let seal = |mut v: Vec<u8>| {
+            if v.len() >= FIXED {
+                let len = v.len() as u64;
+                v[LENGTH].copy_from_slice(&len.to_le_bytes());
+                let sum = xxh3_64(&v[CHECKED..]);
+                v[CHECKSUM].copy_from_slice(&sum.to_le_bytes());
+            }
+            v
+        };
         let full = sample().encode().unwrap();
         for i in 0..full.len() {
-            let _ = decode(&full[..i]);
-            let mut flipped = full.clone();
-            flipped[i] ^= 0xff;
-            if let Ok(e) = decode(&flipped) {
+            let _ = decode(&seal(full[..i].to_vec()));
+            let mut changed = full.clone();
+            changed[i] ^= 0xff;
+            if let Ok(e) = decode(&seal(changed)) {
                 let _ = (e.headers(), e.body(), e.key());
             }
         }

@@ -169,6 +169,15 @@ fn keyed_query(policy: &QueryPolicy, raw: &str) -> String {
     pairs.join("&")
 }
 
+/// A matched route's path parameters with their percent-escapes normalized (see
+/// [`normalize_percent`]): `%41` and `A` name one resource.
+pub(crate) fn normalized_params(params: &[(String, String)]) -> Vec<(String, String)> {
+    params
+        .iter()
+        .map(|(name, value)| (name.clone(), normalize_percent(value)))
+        .collect()
+}
+
 /// RFC 3986 §6.2.2 normalization: percent-escapes of unreserved characters are decoded,
 /// the hex digits of every other escape are uppercased. Meaning is preserved, so the
 /// normalized form is also what is forwarded.
@@ -237,6 +246,9 @@ mod tests {
             bloom_add: None,
             warmup: None,
             stock: None,
+            serialize: None,
+            version: None,
+            version_floor_ttl: Duration::from_secs(10),
         }
     }
 

@@ -1,12 +1,35 @@
 //! L2: entries in the shared Redis, one key per cache key, named by
 //! [`Keyspace::entry`] (`<prefix>{<base>}:v` for a base key, `<prefix>{<base>}:v:<hash>`
-//! for a variant): the same name the fill writes, so lookup and fill cannot disagree. A
-//! value that fails to decode is counted and treated as a miss; the next fill overwrites it.
+//! for a variant): the same name the fill writes, so lookup and fill cannot disagree.
 //!
-//! An entry is read with `GETRANGE` up to 256 KiB: all of a small value in one command; a
-//! larger one is then read whole on the bulk connection (its own timeout, not counted
-//! toward the breaker), so a large value never holds up the shared connection nor times
-//! out at `command_timeout` (as the fill writes it, `coord/store.rs`).
+//! A value is served only once it has proved whole (`entry.rs`: its recorded length is the
+//! number of bytes read, and its checksum matches). One that does not — cut, padded, a byte
+//! changed, an older format, not an entry at all — is counted
+//! (`cacheguard_entry_decode_errors_total`) and is a miss; the fill that follows stores a
+//! new value over it (the fill script's `SET` replaces whatever is there).
+//!
+//! An entry is read with `GETRANGE` up to 256 KiB + 1 byte: all of a small value in one
+//! command (a value cut to exactly 256 KiB reads as one of that size, and its recorded
+//! length refuses it). A larger one is then read on the bulk connection (its own timeout,
+//! not counted toward the breaker), so a large value never holds up the shared connection
+//! nor times out at `command_timeout` (as the fill writes it, `coord/store.rs`). Its first
+//! bytes record its length: the rest is read in 1 MiB `GETRANGE` pieces into one buffer of
+//! that size plus one byte (so a padded value reads longer than it says), and the
+//! connection never holds more than a piece. Read in pieces, a value replaced between two
+//! of them would read as a mix of both; its checksum tells, and then it is read once more in
+//! one `GET`: only a value that fails read in one piece is counted as damaged.
+//!
+//! Readers of one large value share one buffer, however many there are. A large value that
+//! proved whole is kept in a table of live values (a `Weak` per key hash, so it lives only
+//! as long as an answer being written or an L1 copy holds it). A later read of the key
+//! still sends its first `GETRANGE` (after the request arrived: read-after-write is decided
+//! on that read, as for any read) and, when those first 256 KiB + 1 bytes and the recorded
+//! length are the live value's, takes the live buffer instead of reading and holding the
+//! value again. Those bytes hold the value's meta and checksum, so they name one stored
+//! value: a refill or an invalidation in between changes them (a new store time, or no
+//! value at all). Only damage past those bytes can make Redis's value differ from the live
+//! one; while the live copy is held, readers get that copy (the answer as it was stored),
+//! and the first read after it is let go finds the damage, counts it and refills.
 //!
 //! Concurrent reads of one key in this process share `GET`s: a burst of requests for one
 //! key costs Redis about two reads per instance, not one per request (nor, for a large
@@ -24,11 +47,13 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
 
+use bytes::Bytes;
 use tokio::sync::watch;
 use tracing::debug;
 
+use super::entry::{Checked, DecodeEntryError, stored_len};
 use super::{CacheKey, Entry};
 use crate::coord::store::{LARGE_VALUE, LARGE_VALUE_TIMEOUT};
 use crate::coord::{Keyspace, RedisConn};
@@ -65,6 +90,8 @@ pub(crate) struct L2 {
     reads: Arc<Reads>,
     /// Orders arrivals and reads (see the module docs).
     order: Arc<AtomicU64>,
+    /// Large values read here and still held.
+    live: Arc<Live>,
 }
 
 /// The read of one key in progress: removed from the table when its reader is done or
@@ -98,6 +125,7 @@ impl L2 {
             metrics,
             reads: Arc::default(),
             order: Arc::default(),
+            live: Arc::default(),
         }
     }
 
@@ -163,23 +191,25 @@ impl L2 {
 
     async fn read(&self, key: &CacheKey) -> Lookup {
         let name = self.keys.entry(key.base, key.hash);
-        // The first LARGE_VALUE + 1 bytes: all of a small value, in one command. A larger
-        // one is then read whole on the bulk connection, with a timeout of its own.
-        let bytes = match self.redis.get_up_to(&name, LARGE_VALUE + 1).await {
-            // No value (an entry is never empty).
-            Ok(bytes) if bytes.is_empty() => return Lookup::Miss,
-            Ok(bytes) if bytes.len() > LARGE_VALUE => {
-                match self.redis.bulk_get(&name, LARGE_VALUE_TIMEOUT).await {
-                    Ok(Some(bytes)) => bytes,
-                    Ok(None) => return Lookup::Miss,
-                    Err(_) => return Lookup::Unavailable,
-                }
-            }
-            Ok(bytes) => bytes,
+        // The first LARGE_VALUE + 1 bytes: all of a small value, in one command.
+        let first = match self.redis.get_up_to(&name, LARGE_VALUE + 1).await {
+            Ok(first) => first,
             Err(_) => return Lookup::Unavailable,
         };
-        match Entry::decode(bytes::Bytes::from(bytes)) {
-            Ok(entry) if entry.matches(key) => Lookup::Hit(Arc::new(entry)),
+        let decoded = if first.is_empty() {
+            // No value (an entry is never empty).
+            return Lookup::Miss;
+        } else if first.len() > LARGE_VALUE {
+            match self.read_large(key.hash, &name, first).await {
+                Large::Read(decoded) => decoded,
+                Large::Gone => return Lookup::Miss,
+                Large::Unavailable => return Lookup::Unavailable,
+            }
+        } else {
+            Entry::decode(Bytes::from(first)).map(Arc::new)
+        };
+        match decoded {
+            Ok(entry) if entry.matches(key) => Lookup::Hit(entry),
             // Another key with the same 128-bit hash: a miss, never a wrong answer.
             Ok(_) => Lookup::Miss,
             Err(error) => {
@@ -188,5 +218,173 @@ impl L2 {
                 Lookup::Miss
             }
         }
+    }
+
+    /// A value longer than `LARGE_VALUE`, whose first `LARGE_VALUE + 1` bytes are `first`:
+    /// the same stored value as a live one, shared; or the rest of it read in pieces into
+    /// one buffer of the size it records, and checked whole.
+    async fn read_large(&self, hash: u128, name: &str, first: Vec<u8>) -> Large {
+        let len = match stored_len(&first) {
+            Ok(len) => len,
+            Err(error) => return Large::Read(Err(error)),
+        };
+        if let Some(value) = self.live.find(hash, len, &first) {
+            return Large::Read(Entry::from_checked(&value).map(Arc::new));
+        }
+        // One byte more than it records, so that a padded value reads longer than it says.
+        // The length is not checked yet (at most 512 MiB): a damaged one may ask for more
+        // than this process can have, which is not a reason to abort it.
+        let end = len.saturating_add(1).max(first.len());
+        let mut value = Vec::new();
+        if value.try_reserve_exact(end).is_err() {
+            return Large::Unavailable;
+        }
+        value.extend_from_slice(&first);
+        drop(first);
+        if self
+            .redis
+            .bulk_get_rest(name, &mut value, end, LARGE_VALUE_TIMEOUT)
+            .await
+            .is_err()
+        {
+            return Large::Unavailable;
+        }
+        let value = match Checked::new(value) {
+            Ok(value) => value,
+            // Read in pieces, the value may have been replaced (or removed) between two of
+            // them: only a value read in one piece that fails is a damaged one.
+            Err(_) => match self.redis.bulk_get(name, LARGE_VALUE_TIMEOUT).await {
+                Ok(Some(whole)) => match Checked::new(whole) {
+                    Ok(value) => value,
+                    Err(error) => return Large::Read(Err(error)),
+                },
+                Ok(None) => return Large::Gone,
+                Err(_) => return Large::Unavailable,
+            },
+        };
+        let value = Arc::new(value);
+        let entry = Entry::from_checked(&value).map(Arc::new);
+        if entry.is_ok() {
+            self.live.keep(hash, &value);
+        }
+        Large::Read(entry)
+    }
+}
+
+/// What reading a large value found.
+enum Large {
+    Read(Result<Arc<Entry>, DecodeEntryError>),
+    /// Removed while it was being read.
+    Gone,
+    Unavailable,
+}
+
+/// Large values read here that something still holds (an answer being written, an L1 copy),
+/// by key hash, so that a new read of the same stored value takes the buffer that is there
+/// instead of reading and holding the value once more (see the module docs).
+#[derive(Debug, Default)]
+struct Live {
+    table: Mutex<LiveTable>,
+}
+
+#[derive(Debug, Default)]
+struct LiveTable {
+    values: HashMap<u128, Weak<Checked>>,
+    /// The table's size at which the values nothing holds any more are dropped.
+    sweep_at: usize,
+}
+
+/// The smallest size at which the live table is swept.
+const LIVE_SWEEP_MIN: usize = 64;
+
+impl Live {
+    /// The live value of `hash` if it is the one whose first bytes are `first` and whose
+    /// length is `len`.
+    fn find(&self, hash: u128, len: usize, first: &[u8]) -> Option<Arc<Checked>> {
+        let value = self
+            .table
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .values
+            .get(&hash)?
+            .upgrade()?;
+        let bytes = value.as_bytes();
+        (bytes.len() == len && bytes.starts_with(first)).then_some(value)
+    }
+
+    fn keep(&self, hash: u128, value: &Arc<Checked>) {
+        let mut table = self.table.lock().unwrap_or_else(PoisonError::into_inner);
+        table.values.insert(hash, Arc::downgrade(value));
+        // Swept when it has doubled since the last sweep: amortized O(1) per insert, and
+        // never more than twice the live values (or the minimum) in size.
+        if table.values.len() >= table.sweep_at {
+            table.values.retain(|_, value| value.strong_count() > 0);
+            table.sweep_at = (table.values.len() * 2).max(LIVE_SWEEP_MIN);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use http::{HeaderMap, StatusCode};
+
+    use super::*;
+
+    fn value(body: &[u8]) -> Arc<Checked> {
+        let entry = Entry::new(
+            "item\n/api/items/1\n",
+            StatusCode::OK,
+            &HeaderMap::new(),
+            Bytes::copy_from_slice(body),
+        );
+        Arc::new(Checked::new(entry.encode().unwrap()).unwrap())
+    }
+
+    #[test]
+    fn a_live_value_is_found_only_by_its_key_first_bytes_and_length() {
+        let live = Live::default();
+        let held = value(b"the body");
+        live.keep(1, &held);
+        let bytes = held.as_bytes().to_vec();
+        let first = &bytes[..30];
+        assert!(live.find(1, bytes.len(), first).is_some());
+        assert!(live.find(2, bytes.len(), first).is_none(), "another key");
+        assert!(
+            live.find(1, bytes.len() + 1, first).is_none(),
+            "another length"
+        );
+        let mut other = first.to_vec();
+        other[5] ^= 1;
+        assert!(
+            live.find(1, bytes.len(), &other).is_none(),
+            "another checksum"
+        );
+        drop(held);
+        assert!(
+            live.find(1, bytes.len(), first).is_none(),
+            "nothing holds it"
+        );
+    }
+
+    #[test]
+    fn the_live_table_drops_what_nothing_holds() {
+        let live = Live::default();
+        for hash in 0..1000 {
+            live.keep(hash, &value(b"let go at once"));
+        }
+        let held = value(b"held");
+        live.keep(1000, &held);
+        let table = live.table.lock().unwrap();
+        assert!(
+            table.values.len() <= LIVE_SWEEP_MIN,
+            "{}",
+            table.values.len()
+        );
+        assert!(
+            table
+                .values
+                .get(&1000)
+                .is_some_and(|v| v.upgrade().is_some())
+        );
     }
 }

@@ -380,6 +380,36 @@ pub(super) struct RawRoute {
     pub(super) warmup: Option<Spanned<RawWarmup>>,
     /// Write routes: the stock gate a request takes units from before it is forwarded.
     pub(super) stock: Option<Spanned<RawRouteStock>>,
+    /// Write routes: writes to one resource go one at a time across the fleet.
+    pub(super) serialize: Option<Spanned<RawSerialize>>,
+    /// How the origin tells a row's version (read routes: of what a fill stores; write
+    /// routes: the version its answer makes the floor).
+    pub(super) version: Option<Spanned<RawVersion>>,
+    /// Write routes with `version`: how long the floor a write sets is kept.
+    pub(super) version_floor_ttl: Option<Spanned<HumanDuration>>,
+}
+
+/// `serialize = { key, lease, wait_timeout, max_waiters, fence_header, on_redis_error,
+/// retry_after, lock }` on a write route.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawSerialize {
+    pub(super) key: Spanned<String>,
+    pub(super) lease: Option<Spanned<HumanDuration>>,
+    pub(super) wait_timeout: Option<Spanned<HumanDuration>>,
+    pub(super) max_waiters: Option<Spanned<u32>>,
+    pub(super) fence_header: Option<Spanned<String>>,
+    pub(super) on_redis_error: Option<Spanned<RawOnRedisError>>,
+    pub(super) retry_after: Option<Spanned<HumanDuration>>,
+    /// A `[locks.<name>]` backend; absent: the shared Redis.
+    pub(super) lock: Option<Spanned<String>>,
+}
+
+/// `version = { header }`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawVersion {
+    pub(super) header: Option<Spanned<String>>,
 }
 
 /// `stock = { gate, units }` on a write route.

@@ -267,6 +267,8 @@ fn example_file_documents_every_key() {
         "stock",
         "gate",
         "units",
+        "version",
+        "version_floor_ttl",
     ];
     for key in keys {
         assert!(
@@ -435,7 +437,8 @@ fn unknown_key_in_a_route() {
         "test.toml:6: routes[0].cache_ttl: unknown key, expected one of name, match, methods, \
          ttl, jitter, grace, negative_ttl, max_entry_bytes, l1, freshness, heuristic, max_variants, \
          variant_overflow_rate, query, vary, forward_client_headers, invalidate, \
-         double_delete_delay, early_refresh_beta, bloom, bloom_add, warmup, stock"
+         double_delete_delay, early_refresh_beta, bloom, bloom_add, warmup, stock, serialize, \
+         version, version_floor_ttl"
     );
 }
 
@@ -1996,6 +1999,125 @@ fn stock_errors_name_the_line_and_key() {
     assert!(
         missing.starts_with("test.toml:3: stock[0]") && missing.contains("source"),
         "{missing}"
+    );
+}
+
+#[test]
+fn patterns_are_filled_from_the_route_params() {
+    let params = vec![("id".to_owned(), "7".to_owned())];
+    assert_eq!(
+        super::fill_pattern("/api/items/{id}", &params),
+        "/api/items/7"
+    );
+    assert_eq!(super::fill_pattern("/api/items", &params), "/api/items");
+    let rest = vec![("rest".to_owned(), "a/b".to_owned())];
+    assert_eq!(super::fill_pattern("/files/{*rest}", &rest), "/files/a/b");
+}
+
+// === serialized writes and version floors ===
+
+/// A `seat` read route and a `seat-update` write route with `write` settings (from line 7).
+fn with_seat_routes(read: &str, write: &str) -> String {
+    with_minimal(&format!(
+        "[[routes]]\nname = \"seat\"\nmatch = \"/trains/{{train}}/seats/{{seat}}\"\n{read}\n\
+         [[routes]]\nname = \"seat-update\"\nmatch = \"/trains/{{train}}/seats/{{seat}}\"\n\
+         methods = [\"PUT\", \"PATCH\", \"DELETE\"]\n{write}\n"
+    ))
+}
+
+#[test]
+fn serialize_and_version_load_with_defaults() {
+    let config = load(&with_seat_routes(
+        "version = { header = \"x-row-version\" }",
+        "serialize = { key = \"/trains/{train}/seats/{seat}\", fence_header = \"fencing-token\" }\n\
+         version = { header = \"last-modified\" }\nversion_floor_ttl = \"2s\"",
+    ))
+    .unwrap();
+    let [read, write] = config.routes.as_slice() else {
+        panic!("two routes")
+    };
+    assert_eq!(
+        read.version,
+        Some(super::VersionSource::Integer(
+            http::HeaderName::from_static("x-row-version")
+        ))
+    );
+    assert_eq!(
+        write.version,
+        Some(super::VersionSource::Date(http::header::LAST_MODIFIED))
+    );
+    assert_eq!(write.version_floor_ttl, Duration::from_secs(2));
+    let serialize = write.serialize.as_ref().expect("serialized");
+    assert_eq!(serialize.key, "/trains/{train}/seats/{seat}");
+    assert_eq!(serialize.lease, Duration::from_secs(5));
+    assert_eq!(serialize.wait_timeout, Duration::from_secs(2));
+    assert_eq!(serialize.max_waiters, 256);
+    assert_eq!(
+        serialize.fence_header.as_ref().map(|h| h.as_str()),
+        Some("fencing-token")
+    );
+    assert_eq!(serialize.on_redis_error, super::OnRedisError::Reject);
+    assert!(config.warnings().is_empty(), "{:?}", config.warnings());
+    // Without a fence header: accepted, with a warning that says what that means.
+    let efficiency = load(&with_seat_routes(
+        "",
+        "serialize = { key = \"/trains/{train}/seats/{seat}\" }",
+    ))
+    .unwrap();
+    let warnings: Vec<String> = efficiency
+        .warnings()
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+    assert_eq!(warnings.len(), 1, "{warnings:?}");
+    assert!(
+        warnings[0].starts_with("test.toml:11: routes[1].serialize: no fence_header")
+            && warnings[0].contains("efficiency lock"),
+        "{warnings:?}"
+    );
+}
+
+#[test]
+fn serialize_and_version_errors_name_the_line_and_key() {
+    assert_eq!(
+        problem(&with_seat_routes(
+            "",
+            "serialize = { key = \"/trains/{train}/seats/{seat}/{row}\", fence_header = \"f\" }"
+        )),
+        "test.toml:11: routes[1].serialize.key: the key names {row}, which this route's match \
+         \"/trains/{train}/seats/{seat}\" does not capture"
+    );
+    assert_eq!(
+        problem(&with_seat_routes(
+            "serialize = { key = \"/trains/{train}/seats/{seat}\" }",
+            ""
+        )),
+        "test.toml:6: routes[0].serialize: only writes are serialized: move it to a write route \
+         (POST, PUT, PATCH or DELETE)"
+    );
+    assert_eq!(
+        problem(&with_minimal(&format!(
+            "[redis]\nurl = \"redis://127.0.0.1:6379\"\ncommand_timeout = \"200ms\"\n{}",
+            with_seat_routes(
+                "",
+                "serialize = { key = \"/trains/{train}/seats/{seat}\", lease = \"500ms\", \
+                 fence_header = \"f\" }"
+            )
+            .trim_start_matches(MINIMAL)
+        ))),
+        "test.toml:14: routes[1].serialize.lease: expected a lease of at least 3 × \
+         redis.command_timeout (\"600ms\"): it is renewed every third of it, and one renewal \
+         that times out must leave time for the next, got \"500ms\""
+    );
+    assert_eq!(
+        problem(&with_seat_routes("version = {}", "")),
+        "test.toml:6: routes[0].version: expected the header the origin tells a row's version \
+         in, like { header = \"x-row-version\" } (or \"last-modified\" to compare dates)"
+    );
+    assert_eq!(
+        problem(&with_seat_routes("", "version_floor_ttl = \"5s\"")),
+        "test.toml:11: routes[1].version_floor_ttl: only a write route with `version` sets a \
+         floor: add version = { header = \"…\" } to this write route, or remove this key"
     );
 }
 

@@ -43,6 +43,7 @@ use super::{
 use super::{CLIENT_CLAIMS, METHOD_OVERRIDES, StockConfig};
 
 mod stock;
+mod write;
 
 impl std::error::Error for ConfigError {}
 
@@ -579,7 +580,7 @@ impl Checker<'_> {
         let bloom = self.blooms(&raw.bloom, &upstream);
         let hot_keys = self.hot_keys(&raw.hot_keys);
         let stock = self.stocks(&raw.stock, &upstream);
-        let routes = self.routes(&raw.routes, &cache, &bloom, &stock);
+        let routes = self.routes(&raw.routes, &cache, &bloom, &stock, redis.as_ref());
         self.buffered_fits(raw, &upstream, &cache, &routes);
         let journal = self.journal(&raw.journal);
         let prefix = redis.as_ref().map_or("cg:", |r| r.key_prefix.as_str());
@@ -1380,11 +1381,12 @@ impl Checker<'_> {
         cache: &CacheDefaults,
         filters: &[BloomConfig],
         gates: &[StockConfig],
+        redis: Option<&RedisConfig>,
     ) -> Vec<RouteConfig> {
         let routes: Vec<RouteConfig> = raw
             .iter()
             .enumerate()
-            .map(|(i, route)| self.route(i, route, cache, filters, gates))
+            .map(|(i, route)| self.route(i, route, cache, filters, gates, redis))
             .collect();
         self.unique_names(raw);
         self.distinct_methods(raw, &routes);
@@ -1399,6 +1401,7 @@ impl Checker<'_> {
         cache: &CacheDefaults,
         filters: &[BloomConfig],
         gates: &[StockConfig],
+        redis: Option<&RedisConfig>,
     ) -> RouteConfig {
         let raw = spanned.get_ref();
         let key = |field: &str| format!("routes[{i}].{field}");
@@ -1437,6 +1440,8 @@ impl Checker<'_> {
         let bloom_add = self.bloom_add(i, raw, is_read, filters);
         let warmup = self.warmup(i, raw, is_read);
         let stock = self.route_stock(i, raw, is_read, gates);
+        let serialize = self.serialize(i, raw, is_read, redis);
+        let (version, version_floor_ttl) = self.version(i, raw, is_read);
 
         RouteConfig {
             name: name.clone(),
@@ -1469,6 +1474,9 @@ impl Checker<'_> {
             bloom_add,
             warmup,
             stock,
+            serialize,
+            version,
+            version_floor_ttl,
         }
     }
 

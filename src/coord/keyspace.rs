@@ -7,6 +7,8 @@
 //! <p>{<base>}:gen          generation, shared by the base and all its variants
 //! <p>{<base>}:vars         sorted set of the variants' hashes (score: entry expiry)
 //! <p>{<base>}:q            a write's quarantine (fills store nothing while it lives)
+//! <p>{<base>}:floor        the version floor of a route with `version` (a fill older than
+//!                          it stores nothing), set by a write's answer and by fills
 //! <p>{<base>}:fail[:<hash>] a failed fetch's answer, for the lock's waiters (seconds)
 //! <p>tag:{<t>}:keys        sorted set of the base keys a surrogate key (tag) covers
 //! <p>tag:{<t>}:at          Redis time (ms) of the tag's last invalidation
@@ -19,6 +21,8 @@
 //!                          `:done` those recently consumed, `:idem:<k>` an idempotency
 //!                          key's record (in the key's home segment), `:rc` the
 //!                          resource's reconcile turn (segment 0)
+//! <p>ser:{<r>}:lock        a serialized write's lock on resource `<r>` (owner id)
+//! <p>ser:{<r>}:fence       the last fencing token minted for `<r>`
 //! <p>events                the pub/sub channel of the event bus
 //! ```
 //!
@@ -118,6 +122,13 @@ impl Keyspace {
         }
     }
 
+    /// The version floor of base key `base` (shared by its variants). Not one of
+    /// [`KeyNames`]: only the fills and writes of a route with `version` name it, so the
+    /// others build no name for it.
+    pub(crate) fn floor(&self, base: u128) -> String {
+        self.tagged(base, "floor")
+    }
+
     /// `<p>{<base>}:`, from which the invalidation script names the variants' keys
     /// (`v:<hash>`, `lock:<hash>`) inside Redis.
     pub(crate) fn variant_prefix(&self, base: u128) -> String {
@@ -182,6 +193,30 @@ impl Keyspace {
     }
 }
 
+/// The keys of a serialized resource's lock.
+#[derive(Clone, Debug)]
+pub(crate) struct SerializedKeys {
+    pub(crate) lock: String,
+    pub(crate) fence: String,
+}
+
+impl Keyspace {
+    /// The lock and token keys of resource `resource` (see [`serialized_resource`]).
+    pub(crate) fn serialized(&self, resource: u128) -> SerializedKeys {
+        let tag = format!("{}ser:{{{resource:032x}}}", self.prefix);
+        SerializedKeys {
+            lock: format!("{tag}:lock"),
+            fence: format!("{tag}:fence"),
+        }
+    }
+}
+
+/// A serialized resource's id: the hash of its path, whatever route names it (a `PUT` and
+/// a `DELETE` of one seat take one lock).
+pub(crate) fn serialized_resource(path: &str) -> u128 {
+    xxhash_rust::xxh3::xxh3_128(path.as_bytes())
+}
+
 /// A stock resource's id: the gate and the resource's path, hashed so that any path gives
 /// a valid, bounded key name.
 pub(crate) fn stock_resource(gate: &str, path: &str) -> u128 {
@@ -232,6 +267,8 @@ mod tests {
         assert_eq!(variant.vars, base.vars);
         assert_eq!(variant.quarantine, base.quarantine);
         assert!(variant.entry.starts_with(&space.variant_prefix(1)));
+        assert_eq!(space.floor(1), format!("cg:{{{:032x}}}:floor", 1));
+        assert!(space.floor(1).starts_with(&space.variant_prefix(1)));
     }
 
     #[test]

@@ -52,6 +52,8 @@ use crate::metrics::{Metrics, RedisOp};
 
 /// How often an open breaker probes Redis.
 pub(crate) const PROBE_INTERVAL: Duration = Duration::from_millis(200);
+/// The size of the pieces a large value is read in ([`RedisConn::bulk_get_rest`]).
+const BULK_PIECE: usize = 1024 * 1024;
 /// Connections kept for replicated lock acquires (`lock.wait_replicas`).
 const WAIT_POOL: usize = 16;
 /// How often a closed breaker checks on Redis (every this many probe intervals).
@@ -91,7 +93,6 @@ pub(crate) fn add_commands(n: u32) {
     let _ = COMMANDS.try_with(|count| count.set(count.get().saturating_add(n)));
 }
 
-/// A cheap-to-clone handle to the shared connection.
 /// `script` invoked with `keys` and `args`.
 fn invocation<'a>(
     script: &'a Script,
@@ -123,6 +124,7 @@ impl Bulk<'_> {
     }
 }
 
+/// A cheap-to-clone handle to the shared connection.
 #[derive(Clone)]
 pub(crate) struct RedisConn {
     inner: Arc<Inner>,
@@ -814,8 +816,8 @@ impl RedisConn {
 
     /// At most the first `max` bytes of `key`'s value (`GETRANGE key 0 max-1`): empty when
     /// there is none. A reply is never larger than `max`, so a large value cannot hold up
-    /// the shared connection (nor time out on it); read it whole with
-    /// [`RedisConn::bulk_get`].
+    /// the shared connection (nor time out on it); read the rest with
+    /// [`RedisConn::bulk_get_rest`] (or all of it with [`RedisConn::bulk_get`]).
     pub(crate) async fn get_up_to(&self, key: &str, max: usize) -> Result<Vec<u8>, Unavailable> {
         let mut cmd = redis::cmd("GETRANGE");
         cmd.arg(key).arg(0).arg(max.saturating_sub(1));
@@ -879,7 +881,7 @@ impl RedisConn {
     }
 
     /// `GET key` on the bulk connection (see [`RedisConn::bulk`]): for a value known to be
-    /// large.
+    /// large, read in one piece.
     pub(crate) async fn bulk_get(
         &self,
         key: &str,
@@ -894,6 +896,40 @@ impl RedisConn {
             &Bulk::Cmd(&cmd),
         )
         .await
+    }
+
+    /// Appends to `value` the bytes of `key`'s value from `value.len()` up to `end`
+    /// (exclusive), read with `GETRANGE` in pieces of [`BULK_PIECE`] bytes on the bulk
+    /// connection (see [`RedisConn::bulk`]), all within `timeout`; stops early where the
+    /// value ends. A reply is parsed in the connection's read buffer and then copied out,
+    /// so a value read in one `GET` is briefly in memory twice, and the buffer keeps that
+    /// size afterwards: read in pieces, the value is in memory once, in `value`, and the
+    /// buffer stays the size of a piece. The pieces are separate commands (each takes its
+    /// turn on the bulk connection): a value replaced meanwhile reads as a mix of the two,
+    /// which the caller must be able to tell (an entry's checksum does).
+    pub(crate) async fn bulk_get_rest(
+        &self,
+        key: &str,
+        value: &mut Vec<u8>,
+        end: usize,
+        timeout: Duration,
+    ) -> Result<(), Unavailable> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        while value.len() < end {
+            let from = value.len();
+            let to = end.min(from.saturating_add(BULK_PIECE));
+            let mut cmd = redis::cmd("GETRANGE");
+            cmd.arg(key).arg(from).arg(to - 1);
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            let piece: Vec<u8> = self
+                .bulk_run(RedisOp::Get, Some(key.as_bytes()), left, &Bulk::Cmd(&cmd))
+                .await?;
+            value.extend_from_slice(&piece);
+            if piece.len() < to - from {
+                break;
+            }
+        }
+        Ok(())
     }
 
     /// One command on the shared connection: refused at once while the breaker is open,

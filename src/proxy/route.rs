@@ -10,7 +10,7 @@ use bytes::Bytes;
 use http::Method;
 
 use crate::config::RouteConfig;
-use crate::metrics::{Metrics, RouteMetrics};
+use crate::metrics::{Metrics, RouteMetrics, SerializeMetrics};
 use crate::protect::bloom::{Filter, Filters};
 use crate::protect::stock::{Gate, Gates};
 use crate::protect::variants::VariantBudget;
@@ -31,6 +31,8 @@ pub(crate) struct Route {
     pub(crate) variants: Option<VariantBudget>,
     /// Write routes with `stock`: the gate a buy takes its units from.
     pub(crate) stock: Option<Arc<Gate>>,
+    /// Write routes with `serialize`: their metric handles.
+    pub(crate) serialized: Option<SerializeMetrics>,
 }
 
 /// A matched route, with the raw (still percent-encoded) value of its Bloom id parameter.
@@ -88,6 +90,10 @@ impl RouteTable {
                     .as_ref()
                     .and_then(|s| gates.get(&s.gate))
                     .cloned(),
+                serialized: config
+                    .serialize
+                    .as_ref()
+                    .map(|_| metrics.serialize.for_route(&config.name)),
             });
             if let Some(i) = patterns.iter().position(|p| *p == config.pattern) {
                 by_pattern[i].push(route);
@@ -117,7 +123,10 @@ impl RouteTable {
             .bloom
             .as_ref()
             .and_then(|bloom| matched.params.get(&bloom.param));
-        let params = if route.config.invalidate.is_empty() && route.stock.is_none() {
+        let params = if route.config.invalidate.is_empty()
+            && route.stock.is_none()
+            && route.config.serialize.is_none()
+        {
             Vec::new()
         } else {
             matched

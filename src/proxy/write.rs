@@ -22,30 +22,55 @@
 //! The generation bump is what makes step 1 safe against a fill already in flight: its
 //! store is refused. An invalidation Redis cannot take is journaled before the answer is
 //! released (see `consistency/invalidate.rs`): the write itself always goes through.
+//!
+//! # Version floor
+//!
+//! A write route with `version` replaces the guess (a quarantine as long as the replica
+//! might lag) with the database's own word, for the keys whose read route has `version`
+//! too (of the same kind: integers, or dates):
+//!
+//! 1. before forwarding: the keys are invalidated, without a quarantine;
+//! 2. after the answer, when it carries a version *v* (a status below 500, a header that
+//!    parses): the keys are invalidated again and their **floor** raised to *v* for
+//!    `version_floor_ttl`, in the same script, before the client gets the answer; no third
+//!    delete. From then on a fill of them stores and serves only an answer of version ≥
+//!    *v* (an older one is fetched again: see `proxy/fetch.rs`), and the first such answer
+//!    is stored at once. An answer stored between 1 and 2 is deleted by 2.
+//!
+//! An answer without a usable version (a 5xx, a missing or garbled header: counted in
+//! `cacheguard_version_unparsed_total`) sets no floor: those keys then get the quarantine
+//! of step 2 and the third delete, as above. Keys whose read route has no `version`, tags
+//! and the paths an answer names always do. The floor travels in the `invalidate` event,
+//! so every instance knows it for its fills without Redis.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
-use http::{HeaderValue, Method, Request, Response, header};
+use http::{HeaderName, HeaderValue, Method, Request, Response, header};
 use hyper::body::Incoming;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use super::access_log::{origin_waited, timing_origin};
 use super::body::Body;
 use super::passthrough::Passthrough;
 use super::respond;
 use super::route::{Route, RouteTable};
 use super::spool::Spooled;
 use super::stock;
-use crate::cache::key;
+use crate::cache::key::{self, normalized_params};
+use crate::cache::version::{Floor, Version};
+use crate::config::{OnRedisError, VersionSource, fill_pattern};
 use crate::consistency::invalidate::{Invalidation, Invalidator, Source};
 use crate::consistency::tags;
 use crate::error::ProxyError;
 use crate::metrics::RouteMetrics;
+use crate::metrics::SerializeOutcome;
 use crate::protect::bloom::Filters;
+use crate::protect::serialize::{Held, Refusal, Serializer};
 
 /// The third delete is issued this much (at most a quarter of the delay) before
 /// `double_delete_delay` is up, so that it has landed by then despite timer and Redis
@@ -69,7 +94,12 @@ pub(crate) struct WritePath {
     pub(crate) background: tokio::runtime::Handle,
     /// Cancelled at shutdown: delayed deletes then run at once.
     pub(crate) stop: CancellationToken,
+    /// The locks and queues of serialized writes.
+    pub(crate) serializer: Arc<Serializer>,
 }
+
+/// The resource a serialized write's fencing token is for (its path), beside the token.
+static FENCING_KEY: HeaderName = HeaderName::from_static("fencing-key");
 
 impl WritePath {
     /// Serves a request on a write route: forwarded, with its invalidations around it.
@@ -112,43 +142,74 @@ impl WritePath {
             },
             None => None,
         };
+        // Writes to one resource go one at a time across the fleet, each with its token.
+        let lock = match self.lock(route, params, &mut request).await {
+            Ok(lock) => lock,
+            Err(answer) => return answer,
+        };
         let host = request.headers().get(header::HOST).cloned();
-        let mut targets = self.invalidation_targets(route, params);
-        if !targets.is_empty() {
-            self.invalidator
-                .invalidate(&targets, Source::Write, quarantine)
-                .await;
-        }
-        let mut response = match reservation {
-            None => self.forward(route, request, client).await,
-            // Forwarded and settled in a task of its own: a client that hangs up does not
-            // leave the units reserved until the reservation expires.
-            Some(held) => {
-                let (this, route) = (Arc::clone(self), Arc::clone(route));
-                let buy = tokio::spawn(async move {
-                    let response = this.forward(&route, request, client).await;
-                    held.settle(response).await
-                });
-                match buy.await {
-                    Ok(response) => response,
-                    Err(_) => respond::error(&ProxyError::Internal),
+        let Targets {
+            floored,
+            mut quarantined,
+        } = self.invalidation_targets(route, params);
+        // Keys a floor will guard take no quarantine now: what a fill stores before the
+        // answer is deleted by the second invalidation.
+        self.invalidate(&floored, Duration::ZERO).await;
+        self.invalidate(&quarantined, quarantine).await;
+        let mut response = if reservation.is_none() && lock.is_none() {
+            self.forward(route, request, client).await
+        } else {
+            // Forwarded from a task of its own: a client that hangs up neither leaves the
+            // units reserved nor lets the next write in while this one is at the origin.
+            // The time it waited on the origin is this request's (the access log's).
+            let (this, route) = (Arc::clone(self), Arc::clone(route));
+            let write = tokio::spawn(timing_origin(async move {
+                let forward = this.forward(&route, request, client);
+                let response = match (lock, &route.serialized) {
+                    (Some(held), Some(metrics)) => {
+                        this.serializer.hold(held, forward, metrics).await
+                    }
+                    _ => forward.await,
+                };
+                match reservation {
+                    Some(reservation) => reservation.settle(response).await,
+                    None => response,
                 }
+            }));
+            match write.await {
+                Ok((response, waited)) => {
+                    if let Some(waited) = waited {
+                        origin_waited(waited);
+                    }
+                    response
+                }
+                Err(_) => respond::error(&ProxyError::Internal),
             }
         };
         let answered = Instant::now();
-        targets.extend(
+        quarantined.extend(
             tags::take(response.headers_mut())
                 .tags
                 .into_iter()
                 .map(Invalidation::Tag),
         );
-        targets.extend(self.named_by_answer(&response, host.as_ref()));
-        if targets.is_empty() {
+        quarantined.extend(self.named_by_answer(&response, host.as_ref()));
+        // The answer's version floors the keys a floor guards; without one, they fall
+        // back to the quarantine and the third delete.
+        match floor_of(route, &response) {
+            Some(floor) if !floored.is_empty() => {
+                let floored: Vec<Invalidation> = floored
+                    .into_iter()
+                    .map(|target| target.with_floor(floor))
+                    .collect();
+                self.invalidate(&floored, Duration::ZERO).await;
+            }
+            _ => quarantined.extend(floored),
+        }
+        if quarantined.is_empty() {
             return response;
         }
-        self.invalidator
-            .invalidate(&targets, Source::Write, quarantine)
-            .await;
+        self.invalidate(&quarantined, quarantine).await;
         if !delay.is_zero() {
             let this = Arc::clone(self);
             self.deferred.spawn_on(
@@ -159,13 +220,66 @@ impl WritePath {
                         () = this.stop.cancelled() => {}
                     }
                     this.invalidator
-                        .invalidate(&targets, Source::Write, Duration::ZERO)
+                        .invalidate(&quarantined, Source::Write, Duration::ZERO)
                         .await;
                 },
                 &self.background,
             );
         }
         response
+    }
+
+    /// Invalidates a write's `targets` (none: nothing to do), with `quarantine`.
+    async fn invalidate(&self, targets: &[Invalidation], quarantine: Duration) {
+        if !targets.is_empty() {
+            self.invalidator
+                .invalidate(targets, Source::Write, quarantine)
+                .await;
+        }
+    }
+
+    /// On a serialized route, waits for the lock on the resource the write names and puts
+    /// its fencing token and the resource in the request (`Err`: the answer instead).
+    async fn lock(
+        &self,
+        route: &Route,
+        params: &[(String, String)],
+        request: &mut Request<Spooled>,
+    ) -> Result<Option<Held>, Response<Body>> {
+        let (Some(config), Some(metrics)) = (&route.config.serialize, &route.serialized) else {
+            return Ok(None);
+        };
+        // Percent-escapes normalized: `%41` and `A` are one resource, one lock.
+        let path = fill_pattern(&config.key, &normalized_params(params));
+        let retry_after = config.retry_after.as_secs().max(1);
+        let held = match self.serializer.acquire(config, &path, metrics).await {
+            Ok(held) => held,
+            Err(Refusal::TooMany) => {
+                return Err(respond::error(&ProxyError::WriteQueueFull(retry_after)));
+            }
+            Err(Refusal::Timeout) => {
+                return Err(respond::error(&ProxyError::WriteLockWait(retry_after)));
+            }
+            Err(Refusal::Unavailable) => match config.on_redis_error {
+                OnRedisError::Reject => {
+                    return Err(respond::error(&ProxyError::WriteLockUnavailable(
+                        retry_after,
+                    )));
+                }
+                OnRedisError::Forward => {
+                    metrics.outcome(SerializeOutcome::Ungated);
+                    return Ok(None);
+                }
+            },
+        };
+        let headers = request.headers_mut();
+        if let Some(name) = &config.fence_header {
+            headers.insert(name.clone(), HeaderValue::from(held.token()));
+        }
+        if let Ok(key) = HeaderValue::from_str(&path) {
+            headers.insert(FENCING_KEY.clone(), key);
+        }
+        Ok(Some(held))
     }
 
     /// Forwards a write (a create: with its Bloom add).
@@ -241,22 +355,37 @@ impl WritePath {
     }
 
     /// The base keys a write on `route` with `params` invalidates: its `invalidate`
-    /// patterns filled from the write's path parameters, each with all its variants.
-    fn invalidation_targets(
-        &self,
-        route: &Route,
-        params: &[(String, String)],
-    ) -> Vec<Invalidation> {
-        route
-            .config
-            .invalidate
-            .iter()
-            .filter_map(|pattern| self.path_target(&fill_pattern(pattern, params)))
-            .collect()
+    /// patterns filled from the write's path parameters, each with all its variants; split
+    /// by whether the write's answer can floor them (the write route and the key's read
+    /// route both have `version`, of one kind).
+    fn invalidation_targets(&self, route: &Route, params: &[(String, String)]) -> Targets {
+        let mut targets = Targets::default();
+        for pattern in &route.config.invalidate {
+            let path = fill_pattern(pattern, params);
+            let Some((target, read_version)) = self.read_target(&path) else {
+                continue;
+            };
+            let floored = match (&route.config.version, &read_version) {
+                (Some(write), Some(read)) => same_kind(write, read),
+                _ => false,
+            };
+            if floored {
+                targets.floored.push(target);
+            } else {
+                targets.quarantined.push(target);
+            }
+        }
+        targets
     }
 
     /// The invalidation of `path` (every cached variant of it), if a read route caches it.
     pub(crate) fn path_target(&self, path: &str) -> Option<Invalidation> {
+        self.read_target(path).map(|(target, _)| target)
+    }
+
+    /// [`WritePath::path_target`], with how the read route that caches `path` reads
+    /// versions (its `version`).
+    fn read_target(&self, path: &str) -> Option<(Invalidation, Option<VersionSource>)> {
         let routes = self.routes.load();
         let matched = routes.find(&Method::GET, path)?;
         let read = &matched.route.config;
@@ -264,10 +393,50 @@ impl WritePath {
             return None;
         }
         let base = key::base(read, path);
-        Some(Invalidation::Key {
+        let target = Invalidation::Key {
             base: base.base,
             generation_ttl: self.invalidator.horizon(),
-        })
+            floor: None,
+        };
+        Some((target, read.version.clone()))
+    }
+}
+
+/// A write's keys, by what keeps older answers out of them after it.
+#[derive(Debug, Default)]
+struct Targets {
+    /// Keys the answer's version floors (see the module docs).
+    floored: Vec<Invalidation>,
+    /// Keys a quarantine and the third delete guard.
+    quarantined: Vec<Invalidation>,
+}
+
+/// Whether two routes' versions compare: both integers, or both dates.
+fn same_kind(a: &VersionSource, b: &VersionSource) -> bool {
+    matches!(
+        (a, b),
+        (VersionSource::Integer(_), VersionSource::Integer(_))
+            | (VersionSource::Date(_), VersionSource::Date(_))
+    )
+}
+
+/// The floor a write's answer sets, on a route with `version`: its version, for
+/// `version_floor_ttl`. None for a 5xx (the write's outcome is unknown) or an answer whose
+/// version is missing or does not parse (counted: it is never trusted).
+fn floor_of(route: &Route, response: &Response<Body>) -> Option<Floor> {
+    let source = route.config.version.as_ref()?;
+    if response.status().is_server_error() {
+        return None;
+    }
+    match Version::of(response.headers(), source) {
+        Version::At(version) => Some(Floor {
+            version,
+            ttl: route.config.version_floor_ttl,
+        }),
+        Version::Unparsed => {
+            route.metrics.version_unparsed.inc();
+            None
+        }
     }
 }
 
@@ -294,17 +463,6 @@ fn same_origin_path(value: &str, ours: impl Fn(&str) -> bool) -> Option<String> 
     ours(uri.authority()?.as_str()).then(|| uri.path().to_owned())
 }
 
-/// `/api/items/{id}` with `id = 7` → `/api/items/7` (`{*rest}` too).
-fn fill_pattern(pattern: &str, params: &[(String, String)]) -> String {
-    let mut path = pattern.to_owned();
-    for (name, value) in params {
-        path = path
-            .replace(&format!("{{{name}}}"), value)
-            .replace(&format!("{{*{name}}}"), value);
-    }
-    path
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -320,14 +478,5 @@ mod tests {
         assert_eq!(path("//evil.test/items/7"), None);
         assert_eq!(path("items/7"), None);
         assert_eq!(path("ftp://api.test/items/7"), None);
-    }
-
-    #[test]
-    fn patterns_are_filled_from_the_write_params() {
-        let params = vec![("id".to_owned(), "7".to_owned())];
-        assert_eq!(fill_pattern("/api/items/{id}", &params), "/api/items/7");
-        assert_eq!(fill_pattern("/api/items", &params), "/api/items");
-        let rest = vec![("rest".to_owned(), "a/b".to_owned())];
-        assert_eq!(fill_pattern("/files/{*rest}", &rest), "/files/a/b");
     }
 }

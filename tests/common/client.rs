@@ -435,3 +435,16 @@ pub fn status_of(answer: &str) -> u16 {
         .and_then(|code| code.parse().ok())
         .unwrap_or(0)
 }
+
+/// A client that sends `GET path` on a new connection and never reads the answer, through a
+/// 16 KiB receive buffer: what it has not read stays in the server (a large body held for
+/// it) for as long as the returned stream lives.
+pub async fn stalled_get(addr: SocketAddr, path: &str) -> TcpStream {
+    use tokio::io::AsyncWriteExt;
+    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+    socket.set_recv_buffer_size(16 * 1024).expect("SO_RCVBUF");
+    let mut stream = socket.connect(addr).await.expect("connect");
+    let request = format!("GET {path} HTTP/1.1\r\nHost: cacheguard\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.expect("send");
+    stream
+}

@@ -34,25 +34,26 @@ pub fn hot_list(v: &Value) -> Vec<Value> {
 
 /// `VmRSS` of this process (the cacheguard instances run in it), in bytes.
 pub fn rss_bytes() -> u64 {
-    status_bytes("VmRSS:")
+    status_bytes("self", "VmRSS:")
 }
 
 /// The process's peak resident memory (`VmHWM`) since start or the last reset (write `5`
 /// to `/proc/self/clear_refs`).
 pub fn peak_rss_bytes() -> u64 {
-    status_bytes("VmHWM:")
+    status_bytes("self", "VmHWM:")
 }
 
-/// A `kB` field of `/proc/self/status`, in bytes.
-fn status_bytes(field: &str) -> u64 {
-    let status = std::fs::read_to_string("/proc/self/status").expect("read /proc/self/status");
+/// A `kB` field of `/proc/<process>/status` (`self`, or a child's PID), in bytes.
+pub fn status_bytes(process: &str, field: &str) -> u64 {
+    let path = format!("/proc/{process}/status");
+    let status = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("read {path}: {e}"));
     status
         .lines()
         .find_map(|l| l.strip_prefix(field))
         .and_then(|v| v.trim().strip_suffix("kB"))
         .and_then(|v| v.trim().parse::<u64>().ok())
         .map(|kb| kb * 1024)
-        .unwrap_or_else(|| panic!("{field} in /proc/self/status"))
+        .unwrap_or_else(|| panic!("{field} in {path}"))
 }
 
 pub fn as_u64(v: &Value, field: &str) -> u64 {

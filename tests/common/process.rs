@@ -106,6 +106,15 @@ fn listen_addr(table: &toml::Table, section: &str) -> SocketAddr {
     addr
 }
 
+/// The binary the process tests run: `CG_TEST_BINARY` when set (a release build, or a copy
+/// of this build kept apart from a build directory other checkouts write to), else the one
+/// cargo built for these tests.
+pub fn binary() -> PathBuf {
+    std::env::var_os("CG_TEST_BINARY")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_cacheguard")))
+}
+
 /// Runs `cacheguard --config FILE` and waits until `/healthz` on the admin port answers 200.
 /// The file must name fixed ports for `[server]` and `[admin]` (see `free_port`).
 pub async fn spawn_cacheguard_process(config_path: &Path) -> CacheguardProcess {
@@ -165,7 +174,7 @@ pub async fn spawn_cacheguard_process_with_env(
     let logs = tempfile::tempdir().expect("tempdir for process logs");
     let stdout = std::fs::File::create(logs.path().join("stdout")).expect("stdout file");
     let stderr = std::fs::File::create(logs.path().join("stderr")).expect("stderr file");
-    let child = Command::new(env!("CARGO_BIN_EXE_cacheguard"))
+    let child = Command::new(binary())
         .arg("--config")
         .arg(config_path)
         .args(args)

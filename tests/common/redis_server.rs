@@ -184,9 +184,7 @@ impl RedisServer {
     /// Every entry key (`cg:{<base>}:v` and a variant's `cg:{<base>}:v:<hash>`), found
     /// with `SCAN`.
     pub async fn entry_keys(&self) -> Vec<Vec<u8>> {
-        let mut keys = self.scan("cg:*:v").await;
-        keys.extend(self.scan("cg:*:v:*").await);
-        keys
+        super::shared::entry_keys_on(self.port()).await
     }
 
     /// Every key matching `pattern`, found with `SCAN` (bounded number of rounds).

@@ -10,7 +10,7 @@ use redis::aio::{ConnectionLike, MultiplexedConnection};
 use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, Pipeline, RedisFuture, Value};
 
-use super::redis_server::connect;
+use super::redis_server::{connect, scan_keys};
 use super::{CgConfig, RedisCluster, RedisSentinel, RedisServer};
 
 /// A test's own connection to the data.
@@ -53,6 +53,17 @@ pub trait SharedRedis: Send + Sync {
     fn configure(&self, cfg: CgConfig) -> CgConfig;
     /// A connection of the test's own.
     fn conn(&self) -> impl Future<Output = TestConn> + Send;
+    /// Every entry key (`cg:{<base>}:v`, a variant's `cg:{<base>}:v:<hash>`), on every
+    /// primary, found with `SCAN`.
+    fn entry_keys(&self) -> impl Future<Output = Vec<Vec<u8>>> + Send;
+}
+
+/// The entry keys on the server at `port`.
+pub async fn entry_keys_on(port: u16) -> Vec<Vec<u8>> {
+    let mut con = connect(port).await.expect("connect to a primary");
+    let mut keys = scan_keys(&mut con, "cg:*:v").await;
+    keys.extend(scan_keys(&mut con, "cg:*:v:*").await);
+    keys
 }
 
 impl SharedRedis for RedisServer {
@@ -62,6 +73,10 @@ impl SharedRedis for RedisServer {
 
     async fn conn(&self) -> TestConn {
         TestConn::Single(self.client().await)
+    }
+
+    async fn entry_keys(&self) -> Vec<Vec<u8>> {
+        RedisServer::entry_keys(self).await
     }
 }
 
@@ -78,6 +93,14 @@ impl SharedRedis for RedisCluster {
             .expect("cluster connect");
         TestConn::Cluster(conn)
     }
+
+    async fn entry_keys(&self) -> Vec<Vec<u8>> {
+        let mut keys = Vec::new();
+        for port in self.primaries().await {
+            keys.extend(entry_keys_on(port).await);
+        }
+        keys
+    }
 }
 
 impl SharedRedis for RedisSentinel {
@@ -88,5 +111,9 @@ impl SharedRedis for RedisSentinel {
     async fn conn(&self) -> TestConn {
         let port = self.primary_port().await.expect("a primary");
         TestConn::Single(connect(port).await.expect("connect to the primary"))
+    }
+
+    async fn entry_keys(&self) -> Vec<Vec<u8>> {
+        entry_keys_on(self.primary_port().await.expect("a primary")).await
     }
 }

@@ -11,7 +11,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use super::ledger::{Applied, Buy, BuyRequest, Outcome, Settle, Settled};
+use super::ops::{Applied, Buy, BuyRequest, Outcome, Settle, Settled};
 use crate::clock::now_ms;
 
 /// Most resource segments and idempotency records kept; beyond, the least used go (a
@@ -57,12 +57,14 @@ impl Segment {
 
 type Segments = moka::sync::Cache<(u128, u16), Arc<Mutex<Segment>>>;
 
+/// Idempotency records: (resource, key hash) → (record, deadline in ms).
+type Records = moka::sync::Cache<(u128, u128), (Arc<Vec<u8>>, u64)>;
+
 /// The ledger of one gate in embedded mode.
 #[derive(Debug)]
 pub(crate) struct MemoryLedger {
     segments: Segments,
-    /// Idempotency records: (resource, key hash) → (record, deadline ms).
-    records: moka::sync::Cache<(u128, u128), (Arc<Vec<u8>>, u64)>,
+    records: Records,
 }
 
 impl MemoryLedger {
@@ -137,16 +139,21 @@ impl MemoryLedger {
     }
 
     pub(crate) fn settle(&self, resource: u128, segment: u16, settle: &Settle) -> Settled {
+        let names_this_buy =
+            |r: &Arc<Vec<u8>>| std::str::from_utf8(r).is_ok_and(|r| r.contains(&settle.member));
         match &settle.record {
-            Some(record) if record.forget => {
-                if self.record(resource, record.key).is_some_and(|r| {
-                    std::str::from_utf8(&r).is_ok_and(|r| r.contains(&settle.member))
-                }) {
-                    self.records.invalidate(&(resource, record.key));
-                }
+            Some(record)
+                if record.forget
+                    && self
+                        .record(resource, record.key)
+                        .is_some_and(|r| names_this_buy(&r)) =>
+            {
+                self.records.invalidate(&(resource, record.key));
             }
-            Some(record) => self.put_record(resource, record.key, &record.value, record.ttl_ms),
-            None => {}
+            Some(record) if !record.forget => {
+                self.put_record(resource, record.key, &record.value, record.ttl_ms);
+            }
+            _ => {}
         }
         let Some(state) = self.segments.get(&(resource, segment)) else {
             return Settled {
@@ -231,7 +238,7 @@ impl MemoryLedger {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::protect::stock::ledger::RecordClaim;
+    use crate::protect::stock::ops::RecordClaim;
 
     fn buy(ledger: &MemoryLedger, member: &str, units: u64) -> Buy {
         ledger.buy(

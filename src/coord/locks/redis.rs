@@ -1,0 +1,187 @@
+//! The Redis lock of serialized writes (see `locks.rs`).
+//!
+//! `<p>ser:{<r>}:lock` holds the owner id of the grant in force (`PX` lease);
+//! `<p>ser:{<r>}:fence` the last token minted (`PX` idle expiry: no key is left behind for
+//! an idle resource, and the clock floor makes its loss harmless). Both carry the
+//! resource's hash tag, so ACQUIRE stays single-slot on a cluster.
+
+use std::sync::{Arc, LazyLock};
+use std::time::Duration;
+
+use redis::Script;
+use tokio::time::Instant;
+
+use super::{AcquireError, Grant};
+use crate::coord::events::{Event, EventKind, Waiters};
+use crate::coord::{Keyspace, RedisConn, scripts};
+use crate::metrics::RedisOp;
+
+/// How long a resource's token key outlives its last grant.
+const FENCE_IDLE: Duration = Duration::from_secs(24 * 3600);
+
+/// After the holder's lease should have ended, a waiter tries again this much later (the
+/// lease end is the holder's instance having died: one `SET NX` wins).
+const TAKEOVER_SLACK: Duration = Duration::from_millis(20);
+
+/// Takes the lock and mints its token.
+///
+/// - `KEYS[1]` lock, `KEYS[2]` fence; `ARGV[1]` owner id, `ARGV[2]` lease ms, `ARGV[3]` the
+///   fence key's idle expiry ms
+/// - returns `{1, token}` granted (token as a decimal string), `{0, pttl}` held by another
+///   for `pttl` more ms (a lock without expiry, never set by cacheguard, is given one)
+static ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  local token = tonumber(redis.call('GET', KEYS[2]) or '0') + 1
+  if now > token then
+    token = now
+  end
+  token = string.format('%.0f', token)
+  redis.call('SET', KEYS[2], token, 'PX', ARGV[3])
+  return {1, token}
+end
+local pttl = redis.call('PTTL', KEYS[1])
+if pttl < 0 then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  pttl = tonumber(ARGV[2])
+end
+return {0, pttl}
+",
+    )
+});
+
+/// The write locks in the shared Redis.
+#[derive(Debug)]
+pub(crate) struct RedisLocks {
+    redis: RedisConn,
+    keys: Keyspace,
+    waiters: Arc<Waiters>,
+    instance: u64,
+}
+
+impl RedisLocks {
+    pub(crate) fn new(
+        redis: RedisConn,
+        keys: Keyspace,
+        waiters: Arc<Waiters>,
+        instance: u64,
+    ) -> Self {
+        RedisLocks {
+            redis,
+            keys,
+            waiters,
+            instance,
+        }
+    }
+
+    pub(super) async fn acquire(
+        &self,
+        resource: u128,
+        lease: Duration,
+        deadline: Instant,
+    ) -> Result<Grant, AcquireError> {
+        let names = self.keys.serialized(resource);
+        let owner = format!("{:032x}", rand::random::<u128>());
+        let lease_ms = millis(lease).to_string();
+        let idle_ms = millis(FENCE_IDLE.max(lease * 4)).to_string();
+        // Registered before the first try: a release between the try and the wait wakes it.
+        let Some(mut waiter) = self.waiters.try_register(resource, usize::MAX) else {
+            return Err(AcquireError::Unavailable);
+        };
+        loop {
+            let sent = Instant::now();
+            let reply: (i64, String) = self
+                .redis
+                .run_script(
+                    RedisOp::Serialize,
+                    &ACQUIRE,
+                    &[&names.lock, &names.fence],
+                    &[owner.as_bytes(), lease_ms.as_bytes(), idle_ms.as_bytes()],
+                )
+                .await
+                .map_err(|_| AcquireError::Unavailable)?;
+            match reply {
+                (1, token) => {
+                    let token = token.parse().map_err(|_| AcquireError::Unavailable)?;
+                    return Ok(Grant {
+                        token,
+                        expires: sent + lease,
+                        resource,
+                        owner,
+                    });
+                }
+                (_, pttl) => {
+                    let held = Duration::from_millis(pttl.parse().unwrap_or(0));
+                    let retry = (Instant::now() + held + TAKEOVER_SLACK).min(deadline);
+                    if Instant::now() >= deadline {
+                        return Err(AcquireError::Timeout);
+                    }
+                    tokio::select! {
+                        _ = waiter.changed() => {}
+                        () = tokio::time::sleep_until(retry) => {}
+                    }
+                    if Instant::now() >= deadline {
+                        return Err(AcquireError::Timeout);
+                    }
+                }
+            }
+        }
+    }
+
+    pub(super) async fn renew(
+        &self,
+        grant: &mut Grant,
+        lease: Duration,
+    ) -> Result<bool, AcquireError> {
+        let names = self.keys.serialized(grant.resource);
+        let sent = Instant::now();
+        let renewed: i64 = self
+            .redis
+            .run_script(
+                RedisOp::Serialize,
+                &scripts::RENEW,
+                &[&names.lock],
+                &[grant.owner.as_bytes(), millis(lease).to_string().as_bytes()],
+            )
+            .await
+            .map_err(|_| AcquireError::Unavailable)?;
+        if renewed == 1 {
+            grant.expires = sent + lease;
+        }
+        Ok(renewed == 1)
+    }
+
+    pub(super) async fn release(&self, grant: Grant) {
+        let names = self.keys.serialized(grant.resource);
+        let message = Event {
+            kind: EventKind::Released,
+            instance: self.instance,
+            hash: grant.resource,
+            floor: None,
+        }
+        .encode();
+        // The fill lock's release: compare-and-delete, then wake the waiters.
+        let _ = self
+            .redis
+            .run_script::<i64>(
+                RedisOp::Serialize,
+                &scripts::RELEASE,
+                &[&names.lock, &names.lock],
+                &[
+                    grant.owner.as_bytes(),
+                    self.keys.events_channel().as_bytes(),
+                    message.as_bytes(),
+                    b"",
+                    b"0",
+                ],
+            )
+            .await;
+    }
+}
+
+fn millis(duration: Duration) -> u64 {
+    u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
+}

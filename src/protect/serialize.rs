@@ -1,0 +1,315 @@
+//! Serialized writes: on a route with `serialize`, a write to one resource is forwarded
+//! only while this instance holds the resource's lock, fleet-wide, with at least a third of
+//! the lease left, and the lease is renewed while the write is at the origin. The origin
+//! gets the grant's fencing token (`fence_header`) and the resource (`Fencing-Key`), so it
+//! can refuse a write older than one it already accepted: the lock keeps writes apart while
+//! all is well, the token keeps the order when a holder outlives its lease.
+//!
+//! Waiting happens twice, within one `wait_timeout`:
+//!
+//! 1. in this instance, in arrival order: one FIFO semaphore (a single permit) per resource,
+//!    so only the first write of a resource here contends for the fleet lock; beyond
+//!    `max_waiters` waiting, a write is refused at once;
+//! 2. for the fleet lock (`coord/locks.rs`), woken by the holder's release event or its
+//!    lease end.
+//!
+//! Either wait that runs out is answered 503 with `Retry-After`. A client that hangs up
+//! while waiting leaves the queue (its future, and with it its place, is dropped). A write
+//! that got the lock is forwarded from a task of its own (`proxy/write.rs`): the lock is
+//! held until the origin answers, whatever the client does. A write is never retried.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::time::Instant;
+
+use crate::config::SerializeConfig;
+use crate::coord::keyspace::serialized_resource;
+use crate::coord::locks::{AcquireError, Grant, LockService};
+use crate::metrics::{SerializeMetrics, SerializeOutcome};
+
+/// The serialized writes of this instance: the lock service and the local queues.
+#[derive(Debug)]
+pub(crate) struct Serializer {
+    locks: LockService,
+    queues: Mutex<HashMap<u128, Arc<Queue>>>,
+}
+
+/// The writes of one resource waiting in this instance.
+#[derive(Debug)]
+struct Queue {
+    /// One permit: held by the write that contends for (then holds) the fleet lock.
+    turn: Arc<Semaphore>,
+    /// Writes waiting for `turn` or holding it.
+    waiting: AtomicUsize,
+}
+
+/// Why a write was not serialized.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Refusal {
+    /// `max_waiters` writes to the resource wait here already.
+    TooMany,
+    /// No turn within `wait_timeout`.
+    Timeout,
+    /// The lock service did not answer.
+    Unavailable,
+}
+
+/// The lock on one resource, held for one write.
+#[derive(Debug)]
+pub(crate) struct Held {
+    grant: Grant,
+    lease: Duration,
+    _turn: OwnedSemaphorePermit,
+    _place: Place,
+}
+
+/// A write's place in its resource's queue: counted while it lives, and the queue is
+/// dropped from the table with its last write.
+#[derive(Debug)]
+struct Place {
+    serializer: Arc<Serializer>,
+    resource: u128,
+    queue: Arc<Queue>,
+}
+
+impl Drop for Place {
+    fn drop(&mut self) {
+        let mut queues = self
+            .serializer
+            .queues
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if self.queue.waiting.fetch_sub(1, Ordering::AcqRel) == 1 {
+            queues.remove(&self.resource);
+        }
+    }
+}
+
+impl Serializer {
+    pub(crate) fn new(locks: LockService) -> Arc<Self> {
+        Arc::new(Serializer {
+            locks,
+            queues: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// Waits for the lock on `path` (see the module docs).
+    ///
+    /// # Cancel safety
+    /// Dropped while waiting: the place in the queue is given up. Dropped once the fleet
+    /// lock was granted: it stays taken until its lease ends.
+    pub(crate) async fn acquire(
+        self: &Arc<Self>,
+        config: &SerializeConfig,
+        path: &str,
+        metrics: &SerializeMetrics,
+    ) -> Result<Held, Refusal> {
+        let started = Instant::now();
+        let deadline = started + config.wait_timeout;
+        let resource = serialized_resource(path);
+        let place = {
+            let mut queues = self.queues.lock().unwrap_or_else(PoisonError::into_inner);
+            let queue = queues.entry(resource).or_insert_with(|| {
+                Arc::new(Queue {
+                    turn: Arc::new(Semaphore::new(1)),
+                    waiting: AtomicUsize::new(0),
+                })
+            });
+            // The holder counts too: `max_waiters` waiting behind it.
+            if queue.waiting.load(Ordering::Acquire) > config.max_waiters {
+                metrics.outcome(SerializeOutcome::TooMany);
+                return Err(Refusal::TooMany);
+            }
+            queue.waiting.fetch_add(1, Ordering::AcqRel);
+            Place {
+                serializer: Arc::clone(self),
+                resource,
+                queue: Arc::clone(queue),
+            }
+        };
+        let turn =
+            match tokio::time::timeout_at(deadline, Arc::clone(&place.queue.turn).acquire_owned())
+                .await
+            {
+                Ok(Ok(turn)) => turn,
+                // The semaphore is never closed.
+                Ok(Err(_)) | Err(_) => {
+                    metrics.outcome(SerializeOutcome::Timeout);
+                    return Err(Refusal::Timeout);
+                }
+            };
+        // A grant with less than a third of its lease left (a slow backend) is given back
+        // and tried again: the write must reach the origin with time for a renewal.
+        let margin = config.lease / 3;
+        loop {
+            let grant = match self.locks.acquire(resource, config.lease, deadline).await {
+                Ok(grant) => grant,
+                Err(AcquireError::Timeout) => {
+                    metrics.outcome(SerializeOutcome::Timeout);
+                    return Err(Refusal::Timeout);
+                }
+                Err(AcquireError::Unavailable) => {
+                    metrics.outcome(SerializeOutcome::Unavailable);
+                    return Err(Refusal::Unavailable);
+                }
+            };
+            if grant.expires.saturating_duration_since(Instant::now()) >= margin {
+                metrics.waited(started.elapsed());
+                metrics.outcome(SerializeOutcome::Granted);
+                return Ok(Held {
+                    grant,
+                    lease: config.lease,
+                    _turn: turn,
+                    _place: place,
+                });
+            }
+            metrics.late_grants.inc();
+            self.locks.release(grant).await;
+            if Instant::now() >= deadline {
+                metrics.outcome(SerializeOutcome::Timeout);
+                return Err(Refusal::Timeout);
+            }
+        }
+    }
+
+    /// Runs `write` while holding `held`, renewing the lease every third of it, then
+    /// releases the lock. A renewal that finds the lock lost is counted: the write goes on
+    /// (it may already be at the origin), and only the origin's token check can refuse it.
+    pub(crate) async fn hold<F: Future>(
+        &self,
+        mut held: Held,
+        write: F,
+        metrics: &SerializeMetrics,
+    ) -> F::Output {
+        let every = held.lease / 3;
+        let mut write = std::pin::pin!(write);
+        let mut lost = false;
+        let output = loop {
+            tokio::select! {
+                output = &mut write => break output,
+                () = tokio::time::sleep(every) => {
+                    if !lost && !matches!(self.locks.renew(&mut held.grant, held.lease).await, Ok(true)) {
+                        lost = true;
+                        metrics.lost.inc();
+                    }
+                }
+            }
+        };
+        self.locks.release(held.grant).await;
+        output
+    }
+}
+
+impl Held {
+    /// The grant's fencing token.
+    pub(crate) fn token(&self) -> u64 {
+        self.grant.token
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::coord::locks::MemoryLocks;
+    use crate::metrics::Metrics;
+
+    fn config(max_waiters: usize, wait: u64) -> SerializeConfig {
+        SerializeConfig {
+            key: "/r/{id}".into(),
+            lease: Duration::from_secs(3),
+            wait_timeout: Duration::from_millis(wait),
+            max_waiters,
+            fence_header: None,
+            on_redis_error: crate::config::OnRedisError::Reject,
+            retry_after: Duration::from_secs(1),
+            lock: None,
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn writes_to_one_resource_go_one_at_a_time_in_order_with_growing_tokens() {
+        let serializer = Serializer::new(LockService::Memory(MemoryLocks::new()));
+        let metrics = Metrics::unregistered().serialize.for_route("r");
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let mut tasks = Vec::new();
+        for i in 0..5 {
+            let (serializer, metrics, order) =
+                (Arc::clone(&serializer), metrics.clone(), Arc::clone(&order));
+            tasks.push(tokio::spawn(async move {
+                let held = serializer
+                    .acquire(&config(16, 10_000), "/r/1", &metrics)
+                    .await
+                    .expect("granted");
+                let token = held.token();
+                serializer
+                    .hold(
+                        held,
+                        async {
+                            order.lock().unwrap().push((i, "start"));
+                            tokio::time::sleep(Duration::from_millis(100)).await;
+                            order.lock().unwrap().push((i, "end"));
+                        },
+                        &metrics,
+                    )
+                    .await;
+                token
+            }));
+            // Arrivals 1 ms apart: the queue keeps their order.
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let mut tokens = Vec::new();
+        for task in tasks {
+            tokens.push(task.await.unwrap());
+        }
+        let order = order.lock().unwrap().clone();
+        let expected: Vec<(i32, &str)> = (0..5).flat_map(|i| [(i, "start"), (i, "end")]).collect();
+        assert_eq!(order, expected, "one at a time, in arrival order");
+        assert!(tokens.windows(2).all(|w| w[0] < w[1]), "{tokens:?}");
+        assert!(
+            serializer.queues.lock().unwrap().is_empty(),
+            "queues go with their last write"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn waits_are_bounded_in_time_and_count() {
+        let serializer = Serializer::new(LockService::Memory(MemoryLocks::new()));
+        let metrics = Metrics::unregistered().serialize.for_route("r");
+        let first = serializer
+            .acquire(&config(1, 200), "/r/1", &metrics)
+            .await
+            .expect("granted");
+        // One may wait behind the holder; it times out after wait_timeout.
+        let waiter = {
+            let (serializer, metrics) = (Arc::clone(&serializer), metrics.clone());
+            tokio::spawn(async move {
+                let started = Instant::now();
+                let result = serializer.acquire(&config(1, 200), "/r/1", &metrics).await;
+                (result.map(|_| ()), started.elapsed())
+            })
+        };
+        tokio::task::yield_now().await;
+        assert_eq!(
+            serializer
+                .acquire(&config(1, 200), "/r/1", &metrics)
+                .await
+                .map(|_| ()),
+            Err(Refusal::TooMany)
+        );
+        let (result, waited) = waiter.await.unwrap();
+        assert_eq!(result, Err(Refusal::Timeout));
+        assert_eq!(waited, Duration::from_millis(200));
+        // Another resource is not held up.
+        assert!(
+            serializer
+                .acquire(&config(1, 200), "/r/2", &metrics)
+                .await
+                .is_ok()
+        );
+        drop(first);
+    }
+}

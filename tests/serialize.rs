@@ -1,0 +1,249 @@
+//! Serialized writes, one promise at a time, against the shop's seat writes (which log each
+//! write's interval at the origin and its fencing token) and real Redis servers: one write
+//! per resource at a time across instances, tokens that only grow (also across a Redis
+//! restart without persistence), waits bounded in time and count, and Redis down per
+//! policy. The same under faults, judged by the history checkers, is in `tests/jepsen_*`.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use common::history::{Epoch, check_exclusion, check_fencing};
+use common::shop::{FENCING_TOKEN, Fault, Scope, Shop, seat};
+use common::{CgConfig, HttpClient, RedisCluster, RedisServer, Resp, metrics, route, url};
+use tokio::time::Instant;
+
+fn seat_route(settings: &str) -> String {
+    route(
+        "seat-update",
+        "/trains/{train}/seats/{seat}",
+        "PUT",
+        &format!(
+            "serialize = {{ key = \"/trains/{{train}}/seats/{{seat}}\", fence_header = \
+             \"{FENCING_TOKEN}\", {settings} }}"
+        ),
+    )
+}
+
+fn config(shop: &Shop, settings: &str) -> CgConfig {
+    CgConfig::with_upstream(&shop.url())
+        .set("upstream", "timeout", "\"2s\"")
+        .set("lock", "wait_timeout", "\"2s\"")
+        .routes(&seat_route(settings))
+}
+
+async fn put(client: &HttpClient, addr: SocketAddr, path: &str, body: &str) -> Resp {
+    client
+        .request(
+            http::Method::PUT,
+            &url(addr, path),
+            &[("content-type", "application/json")],
+            common::client::full_body(body.to_owned()),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("PUT {path}: {e}"))
+}
+
+async fn writes_metric(client: &HttpClient, admin: SocketAddr, result: &str) -> f64 {
+    metrics(client, admin).await.sum(
+        "cacheguard_serialized_writes_total",
+        &[("route", "seat-update"), ("result", result)],
+    )
+}
+
+/// Writes to one seat from many clients over two instances (one in embedded mode): the
+/// origin never has two at once, each carries a token larger than the last accepted, and
+/// the fencing key names the seat.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_to_one_resource_never_overlap_and_tokens_grow() {
+    for mode in ["embedded", "standalone", "cluster"] {
+        let resource = seat("t1", "12A");
+        let shop = Shop::start(Epoch::now(), &[]).await;
+        shop.set_fencing(Some(FENCING_TOKEN));
+        // A write takes a while at the origin: without the lock they would overlap.
+        shop.set_latency(Scope::Writes, Duration::from_millis(15));
+        let (redis, cluster) = match mode {
+            "standalone" => (Some(RedisServer::start().await), None),
+            "cluster" => (None, Some(RedisCluster::start().await)),
+            _ => (None, None),
+        };
+        let mut cfg = config(&shop, "");
+        if let Some(redis) = &redis {
+            cfg = cfg.redis(redis);
+        }
+        if let Some(cluster) = &cluster {
+            cfg = cfg.redis_cluster(cluster);
+        }
+        let client = HttpClient::new();
+        let instances = if mode == "embedded" {
+            vec![cfg.start().await]
+        } else {
+            let [a, b] = common::fleet::start_coordinated::<2>(&cfg, &client).await;
+            vec![a, b]
+        };
+        let addrs: Vec<SocketAddr> = instances.iter().map(|i| i.addr()).collect();
+        let tasks: Vec<_> = (0..24)
+            .map(|i| {
+                let (client, addr, path) =
+                    (client.clone(), addrs[i % addrs.len()], resource.clone());
+                tokio::spawn(
+                    async move { put(&client, addr, &path, &format!("{{\"n\":{i}}}")).await },
+                )
+            })
+            .collect();
+        for task in common::join_within(tasks, Duration::from_secs(30), "writes").await {
+            assert_eq!(task.status.as_u16(), 200, "{mode}: {task:?}");
+        }
+        let log = shop.write_log();
+        assert_eq!(log.writes.len(), 24, "{mode}");
+        let exclusion = check_exclusion(&log);
+        assert!(exclusion.ok(), "{mode}: {exclusion}");
+        let fencing = check_fencing(&log);
+        assert!(fencing.ok(), "{mode}: {fencing}");
+        assert_eq!(
+            fencing.accepted, 24,
+            "{mode}: every write carried a fresh token: {fencing}"
+        );
+        assert!(
+            log.writes
+                .iter()
+                .all(|w| w.fencing_key.as_deref() == Some(resource.as_str())),
+            "{mode}: Fencing-Key names the seat"
+        );
+        for instance in instances {
+            instance.shutdown().await;
+        }
+    }
+}
+
+/// The token keeps growing across a Redis restart that lost everything: the clock is its
+/// floor, so a fencing origin goes on accepting writes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_grow_across_a_redis_restart_without_persistence() {
+    let resource = seat("t2", "1A");
+    let shop = Shop::start(Epoch::now(), &[]).await;
+    shop.set_fencing(Some(FENCING_TOKEN));
+    let mut redis = RedisServer::start().await;
+    let cg = config(&shop, "").redis(&redis).start().await;
+    let client = HttpClient::new();
+    for i in 0..3 {
+        assert_eq!(
+            put(&client, cg.addr(), &resource, &format!("{{\"a\":{i}}}"))
+                .await
+                .status
+                .as_u16(),
+            200
+        );
+    }
+    redis.restart().await;
+    let back = common::poll_until(
+        Duration::from_secs(10),
+        Duration::from_millis(50),
+        || async {
+            let resp = put(&client, cg.addr(), &resource, "{\"b\":0}").await;
+            (resp.status.as_u16() == 200).then_some(())
+        },
+    )
+    .await;
+    assert!(back.is_some(), "writes go through again once Redis is back");
+    let fencing = check_fencing(&shop.write_log());
+    assert!(fencing.ok() && fencing.refused == 0, "{fencing}");
+    cg.shutdown().await;
+}
+
+/// A resource held long: one waiter beyond `max_waiters` is refused at once, and the
+/// others wait `wait_timeout` at most (+ 50 ms), then 503 with Retry-After.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waits_are_bounded_in_time_and_count() {
+    let resource = seat("t3", "1A");
+    let shop = Shop::start(Epoch::now(), &[]).await;
+    let redis = RedisServer::start().await;
+    let cg = config(
+        &shop,
+        "wait_timeout = \"400ms\", max_waiters = 2, retry_after = \"3s\"",
+    )
+    .redis(&redis)
+    .start()
+    .await;
+    let client = HttpClient::new();
+    shop.set_fault(Scope::Writes, Fault::Hang);
+    let holder = {
+        let (client, addr, path) = (client.clone(), cg.addr(), resource.clone());
+        tokio::spawn(async move { put(&client, addr, &path, "{}").await })
+    };
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let waiters: Vec<_> = (0..3)
+        .map(|_| {
+            let (client, addr, path) = (client.clone(), cg.addr(), resource.clone());
+            tokio::spawn(async move {
+                let started = Instant::now();
+                let resp = put(&client, addr, &path, "{}").await;
+                (resp, started.elapsed())
+            })
+        })
+        .collect();
+    let mut timed_out = 0;
+    let mut refused_at_once = 0;
+    for (resp, waited) in common::join_within(waiters, Duration::from_secs(5), "waiters").await {
+        assert_eq!(resp.status.as_u16(), 503, "{resp:?}");
+        assert_eq!(resp.header("retry-after").as_deref(), Some("3"));
+        if waited < Duration::from_millis(100) {
+            refused_at_once += 1;
+        } else {
+            assert!(
+                waited <= Duration::from_millis(450 + 150),
+                "waited {waited:?}"
+            );
+            timed_out += 1;
+        }
+    }
+    assert_eq!((timed_out, refused_at_once), (2, 1));
+    assert_eq!(
+        writes_metric(&client, cg.admin_addr(), "too_many").await,
+        1.0
+    );
+    assert_eq!(
+        writes_metric(&client, cg.admin_addr(), "timeout").await,
+        2.0
+    );
+    shop.release();
+    assert_eq!(holder.await.expect("holder").status.as_u16(), 200);
+    cg.shutdown().await;
+}
+
+/// Redis down: `reject` answers 503 and the origin sees nothing; `forward` forwards and
+/// counts every unserialized write.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_down_rejects_or_forwards_as_configured() {
+    for (policy, status, result) in [("reject", 503, "unavailable"), ("forward", 200, "ungated")] {
+        let resource = seat("t4", "1A");
+        let shop = Shop::start(Epoch::now(), &[]).await;
+        let mut redis = RedisServer::start().await;
+        let cg = config(&shop, &format!("on_redis_error = \"{policy}\""))
+            .redis(&redis)
+            .start()
+            .await;
+        let client = HttpClient::new();
+        assert_eq!(
+            put(&client, cg.addr(), &resource, "{}")
+                .await
+                .status
+                .as_u16(),
+            200
+        );
+        redis.kill();
+        for _ in 0..3 {
+            let resp = put(&client, cg.addr(), &resource, "{}").await;
+            assert_eq!(resp.status.as_u16(), status, "{policy}: {resp:?}");
+        }
+        let reached = if policy == "reject" { 1 } else { 4 };
+        assert_eq!(shop.write_log().writes.len(), reached, "{policy}");
+        assert_eq!(
+            writes_metric(&client, cg.admin_addr(), result).await,
+            3.0,
+            "{policy}"
+        );
+        cg.shutdown().await;
+    }
+}
