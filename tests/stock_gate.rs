@@ -396,6 +396,64 @@ async fn redis_down_rejects_or_forwards_as_configured() {
     }
 }
 
+/// A crowd refused while the Redis breaker is open leaves nothing behind: Redis was not
+/// asked, so there is no unit to give back and no task that keeps trying to. (Each refusal
+/// used to start one, retrying for `reservation_ttl`: a flash sale's crowd during an outage
+/// piled up tasks by the thousand, and their retries, let loose when the breaker closed,
+/// timed out and opened it again.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn buys_refused_while_redis_is_down_leave_no_retries() {
+    const CROWD: usize = 40;
+    for (policy, status) in [("reject", 503), ("forward", 201)] {
+        let resource = seat("t6", "a");
+        let shop = Shop::start(Epoch::now(), &[(resource.clone(), 1000)]).await;
+        let mut redis = RedisServer::start().await;
+        let cg = config(
+            &shop,
+            Some(&redis),
+            &format!("on_redis_error = \"{policy}\"\n"),
+        )
+        .start()
+        .await;
+        let client = HttpClient::new();
+        let first = buy(&client, cg.addr(), &resource, None, "{}").await;
+        assert_eq!(first.status.as_u16(), 201, "{policy}: {first:?}");
+        redis.kill();
+        // The breaker's own check finds Redis gone; no buy is sent before it has.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while metrics(&client, cg.admin_addr())
+            .await
+            .value_or_zero("cacheguard_redis_breaker_open")
+            < 1.0
+        {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{policy}: the breaker did not open"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        for _ in 0..CROWD {
+            let resp = buy(&client, cg.addr(), &resource, None, "{}").await;
+            assert_eq!(resp.status.as_u16(), status, "{policy}: {resp:?}");
+        }
+        let errors = |m: common::prom::Exposition| {
+            m.sum("cacheguard_stock_redis_errors_total", &[("gate", "seats")])
+        };
+        let after = errors(metrics(&client, cg.admin_addr()).await);
+        // Retries of a give-back start 50 ms after it failed and double: within this wait
+        // every one of them would have tried four times or more.
+        tokio::time::sleep(Duration::from_millis(1600)).await;
+        let later = errors(metrics(&client, cg.admin_addr()).await);
+        assert!(
+            later - after <= 2.0,
+            "{policy}: {} Redis errors after the crowd was answered (from {after} to {later}): \
+             the refusals left tasks retrying",
+            later - after
+        );
+        cg.shutdown().await;
+    }
+}
+
 /// The sold-out mark reaches another instance over the bus: it answers from memory without
 /// having asked Redis for the resource itself.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
