@@ -351,27 +351,33 @@ async fn the_opening_crowd_loads_the_resource_once() {
     }
 }
 
+/// A shop with `units` of `resource`, cacheguard in front of it in shared mode with
+/// `on_redis_error = policy`, and one unit sold through it (the gate is loaded).
+async fn one_sold(
+    resource: &str,
+    units: u64,
+    policy: &str,
+) -> (Shop, RedisServer, cacheguard::Running, HttpClient) {
+    let shop = Shop::start(Epoch::now(), &[(resource.to_owned(), units)]).await;
+    let redis = RedisServer::start().await;
+    let cg = config(
+        &shop,
+        Some(&redis),
+        &format!("on_redis_error = \"{policy}\"\n"),
+    )
+    .start()
+    .await;
+    let client = HttpClient::new();
+    let first = buy(&client, cg.addr(), resource, None, "{}").await;
+    assert_eq!(first.status.as_u16(), 201, "{policy}: {first:?}");
+    (shop, redis, cg, client)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_down_rejects_or_forwards_as_configured() {
     for (policy, status) in [("reject", 503), ("forward", 201)] {
         let resource = seat("t4", "a");
-        let shop = Shop::start(Epoch::now(), &[(resource.clone(), 10)]).await;
-        let mut redis = RedisServer::start().await;
-        let cg = config(
-            &shop,
-            Some(&redis),
-            &format!("on_redis_error = \"{policy}\"\n"),
-        )
-        .start()
-        .await;
-        let client = HttpClient::new();
-        assert_eq!(
-            buy(&client, cg.addr(), &resource, None, "{}")
-                .await
-                .status
-                .as_u16(),
-            201
-        );
+        let (shop, mut redis, cg, client) = one_sold(&resource, 10, policy).await;
         redis.kill();
         for _ in 0..3 {
             let resp = buy(&client, cg.addr(), &resource, None, "{}").await;
@@ -406,18 +412,7 @@ async fn buys_refused_while_redis_is_down_leave_no_retries() {
     const CROWD: usize = 40;
     for (policy, status) in [("reject", 503), ("forward", 201)] {
         let resource = seat("t6", "a");
-        let shop = Shop::start(Epoch::now(), &[(resource.clone(), 1000)]).await;
-        let mut redis = RedisServer::start().await;
-        let cg = config(
-            &shop,
-            Some(&redis),
-            &format!("on_redis_error = \"{policy}\"\n"),
-        )
-        .start()
-        .await;
-        let client = HttpClient::new();
-        let first = buy(&client, cg.addr(), &resource, None, "{}").await;
-        assert_eq!(first.status.as_u16(), 201, "{policy}: {first:?}");
+        let (_shop, mut redis, cg, client) = one_sold(&resource, 1000, policy).await;
         redis.kill();
         // The breaker's own check finds Redis gone; no buy is sent before it has.
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
