@@ -345,9 +345,7 @@ impl Filler {
             Fetched::Ready(entry, tier @ (Outcome::HitL1 | Outcome::HitL2 | Outcome::Bypass)) => {
                 FlightResult::Filled(Arc::clone(entry), *tier)
             }
-            Fetched::Ready(entry, _) => {
-                FlightResult::Filled(Arc::clone(entry), Outcome::Coalesced)
-            }
+            Fetched::Ready(entry, _) => FlightResult::Filled(Arc::clone(entry), Outcome::Coalesced),
             Fetched::Uncacheable(_) => FlightResult::Uncacheable,
             Fetched::Failed(failure) => FlightResult::Failed(failure.shared.clone()),
             // The followers need a whole answer, or this one is not theirs (they fill again,
