@@ -1704,6 +1704,22 @@ impl RouteMetrics {
 mod tests {
     use super::*;
 
+    /// A coalesced answer reads as a hit to whatever matches `HIT*`, and as none of the
+    /// others; every outcome has a label of its own.
+    #[test]
+    fn coalesced_is_a_hit_of_its_own() {
+        assert_eq!(Outcome::Coalesced.header_value(), "HIT-COALESCED");
+        assert_eq!(Outcome::Coalesced.as_str(), "coalesced");
+        let words: BTreeSet<_> = Outcome::ALL.iter().map(|o| o.header_value()).collect();
+        // Bypass and Error share `BYPASS`.
+        assert_eq!(words.len(), Outcome::ALL.len() - 1);
+        let labels: BTreeSet<_> = Outcome::ALL.iter().map(|o| o.as_str()).collect();
+        assert_eq!(labels.len(), Outcome::ALL.len());
+        for (i, o) in Outcome::ALL.iter().enumerate() {
+            assert_eq!(o.index(), i, "{o:?}: ALL is in declaration order");
+        }
+    }
+
     #[test]
     fn route_handles_share_families() {
         let registry = Registry::new();

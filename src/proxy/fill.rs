@@ -23,6 +23,12 @@
 //!      own, `lone`): one at a time per key per instance, not one per waiter.
 //! ```
 //!
+//! What the requests report: the one whose fetch it was answers `MISS`; every request a
+//! fill answered without a fetch of its own — a follower of the in-process flight, a
+//! waiter on another instance's lock that read what it stored, and that waiter's own
+//! followers — answers `HIT-COALESCED` (`Outcome::Coalesced`); a waiter that gave up and
+//! fetched (`lock.on_timeout`) answers `BYPASS`.
+//!
 //! Stale-while-revalidate and early refreshes use the same path in the background.
 //! Waiting is event-driven: the only timers are the holder's lease end and the wait
 //! timeout. Nothing polls.
