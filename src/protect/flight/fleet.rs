@@ -610,7 +610,8 @@ mod tests {
         let outcome = permit.fill(b"entry", life, None).await.expect("redis");
         assert_eq!(outcome, FillOutcome::GenerationChanged, "a base key");
 
-        let Ok(Claim::Leader(variant)) = fleet.claim(7, 8, usize::MAX, false, FloorCheck::Off).await
+        let Ok(Claim::Leader(variant)) =
+            fleet.claim(7, 8, usize::MAX, false, FloorCheck::Off).await
         else {
             panic!("the variant's lock is free");
         };
