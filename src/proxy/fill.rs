@@ -12,8 +12,10 @@
 //!      ─▶ Redis usable?
 //!           no  ─▶ fetch_and_store: fetch, store (generation-checked), L1
 //!           yes ─▶ claim the key's fleet lock (protect/flight/fleet.rs)
-//!                   leader   ─▶ fetch while the lease is renewed, then FILL (store if the
-//!                               generation is unchanged + release + publish)
+//!                   leader   ─▶ list the key in its route's index (a pattern purge finds
+//!                               it from now on), fetch while the lease is renewed, then
+//!                               FILL (store if no invalidation overtook it + release +
+//!                               publish when a waiter marked the lock)
 //!                   follower ─▶ look in L2; wait for the key's event or the holder's lease
 //!                               end; then read L2, or claim again, or fetch alone; give up
 //!                               after lock.wait_timeout (lock.on_timeout)
@@ -517,7 +519,13 @@ impl Filler {
     /// The lock holder's fetch: the lease is renewed while the origin works, then one
     /// script stores (if the generation is unchanged), releases and publishes. On a route
     /// with `version`, the answer reaches the floor read with the lock.
-    async fn fetch_as_owner(&self, job: &FillJob, permit: FillPermit) -> Fetched {
+    async fn fetch_as_owner(&self, job: &FillJob, mut permit: FillPermit) -> Fetched {
+        if list_in_route(job, &mut permit).await.is_err() {
+            // Not listed, so a pattern purge could miss what it would store: store nothing
+            // in Redis, and let the waiters take over.
+            permit.release(EventKind::Released).await;
+            return self.fetch_and_keep(job, None).await;
+        }
         let since = self.tiers.since();
         let floor = self.floor_with(job, permit.floor());
         let (classified, version) = permit
@@ -556,13 +564,19 @@ impl Filler {
     pub(crate) async fn fetch_and_store(&self, job: &FillJob) -> Fetched {
         // The generation (and version floor) is read before the fetch, like a lock
         // holder's.
-        let unlocked = match &self.fleet {
+        let mut unlocked = match &self.fleet {
             Some(fleet) => fleet
                 .unlocked(job.key.base, job.key.hash, floor_check(job))
                 .await
                 .ok(),
             None => None,
         };
+        if let Some(permit) = unlocked.as_mut()
+            && list_in_route(job, permit).await.is_err()
+        {
+            // Not listed: a pattern purge could miss it, so it is kept out of Redis.
+            unlocked = None;
+        }
         self.fetch_and_keep(job, unlocked).await
     }
 
@@ -673,8 +687,8 @@ impl Filler {
         }
     }
 
-    /// Stores a fetched entry: its tags (the route's own and the origin's surrogate keys)
-    /// into their indexes, then L2 through the fill script (when Redis is there), then L1
+    /// Stores a fetched entry: its surrogate keys into their indexes (its route's index
+    /// listed it before the fetch), then L2 through the fill script (when Redis is there), then L1
     /// when the route keeps it there. An answer an invalidation overtook — the key's
     /// generation changed, a tag of it was invalidated after the fetch began, a newer
     /// version was stored since, or a local mark says so — goes to the requests that asked
@@ -693,9 +707,9 @@ impl Filler {
         // Filled without Redis (no lease: the breaker was open): L1 is the only copy,
         // whatever the breaker says by now.
         let in_l1 = permit.is_none() && self.tiers.shared() && job.route.config.l1 != L1Policy::Off;
-        if let Some(permit) = permit {
+        if let Some(mut permit) = permit {
             let life = Duration::from_millis(entry.remaining_life_ms(now_ms()));
-            let outcome = match index_tags(job, entry, &permit, life).await {
+            let outcome = match index_tags(job, entry, &mut permit, life).await {
                 Ok(true) => {
                     // A tag was invalidated after the fetch began: waiters take over.
                     permit.release(EventKind::Released).await;
@@ -795,21 +809,62 @@ fn floor_check(job: &FillJob) -> FloorCheck {
     }
 }
 
-/// Lists the entry's base key under the route's tag (for pattern purges) and under each
-/// surrogate key, before the fill stores it. `Ok(true)`: one of its tags was invalidated
-/// after the fetch began, so the answer may predate it and must not be stored.
+/// The member that lists `job`'s base key in an index: `<base hex> <path>`.
+fn index_member(job: &FillJob) -> String {
+    format!("{:032x} {}", job.key.base, job.key.path())
+}
+
+/// The longest an entry of `route` can live in Redis: its longest ttl (the larger of `ttl`
+/// and `negative_ttl`, jittered up; an origin's own lifetime is capped by `ttl`) plus its
+/// `grace` (which bounds the stale windows and the time a copy is kept for revalidation).
+fn longest_life(route: &crate::config::RouteConfig) -> Duration {
+    let ttl = route.ttl.max(route.negative_ttl).as_secs_f64() * (1.0 + route.jitter);
+    Duration::try_from_secs_f64(ttl)
+        .unwrap_or(Duration::MAX)
+        .saturating_add(route.grace)
+}
+
+/// Lists `job`'s base key in its route's index (what a pattern purge searches) before the
+/// fetch starts, until the latest its entry can expire: now, plus the longest a fill can
+/// take, plus the longest an entry of the route lives (see `RedisStore::route_add`).
+async fn list_in_route(job: &FillJob, permit: &mut FillPermit) -> Result<(), Unavailable> {
+    let until = now_ms()
+        .saturating_add(millis(permit.longest_fill()))
+        .saturating_add(millis(longest_life(&job.route.config)));
+    let tag = route_tag(&job.route.config.name);
+    let base = job.key.base;
+    permit
+        .route_add(&tag, route_shard(base), base, &index_member(job), until)
+        .await
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// Lists the entry's base key under each surrogate key before the fill stores it, and in
+/// its route's index again if it would outlive its listing there (never with the route's
+/// own lifetimes). `Ok(true)`: one of its tags was invalidated after the fetch began, so
+/// the answer may predate it and must not be stored.
 async fn index_tags(
     job: &FillJob,
     entry: &Entry,
-    permit: &FillPermit,
+    permit: &mut FillPermit,
     life: Duration,
 ) -> Result<bool, Unavailable> {
-    let member = format!("{:032x} {}", job.key.base, job.key.path());
-    let route_tag = route_tag(&job.route.config.name);
-    let shard = route_shard(job.key.base);
-    let tags = std::iter::once((route_tag.as_str(), Some(shard)))
-        .chain(entry.tags.iter().map(|tag| (tag.as_str(), None)));
-    let checks = tags.map(|(tag, shard)| permit.tag_add(tag, shard, &member, life));
+    let member = index_member(job);
+    let expiry = now_ms().saturating_add(millis(life));
+    if permit.listed_until().is_none_or(|until| until < expiry) {
+        let tag = route_tag(&job.route.config.name);
+        let base = job.key.base;
+        permit
+            .route_add(&tag, route_shard(base), base, &member, expiry)
+            .await?;
+    }
+    let checks = entry
+        .tags
+        .iter()
+        .map(|tag| permit.tag_add(tag, &member, life));
     let mut overtaken = false;
     for check in futures_util::future::join_all(checks).await {
         overtaken |= check?;
