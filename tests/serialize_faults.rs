@@ -26,7 +26,8 @@
 //! stops it.
 //!
 //! The faults that must not take the lock (an origin slower than the lease: the watchdog
-//! renews; Redis slowed; two instances' wall clocks an hour off) must leave exclusion at 0 and the origin refusing nothing.
+//! renews; Redis slowed; Redis blackholed for less than the lease; two instances' wall
+//! clocks an hour off) must leave exclusion at 0 and the origin refusing nothing.
 //!
 //! Short runs (a 1 s lease, about six seconds of load each): longer ones belong in bench/.
 
@@ -87,6 +88,9 @@ enum Fault {
     RedisSlowThenBlackhole,
     /// Every write at the origin for 2.5 × lease: the watchdog keeps the lock.
     OriginSlowerThanLease,
+    /// An origin slower than the lease, and Redis blackholed for 600 ms (under the lease,
+    /// over a renewal's timeout): one renewal fails, the next ones keep the lock.
+    ShortRedisBlackhole,
     /// Instance 1 restarted with its wall clock an hour ahead, instance 2 an hour behind.
     ClockSkew,
 }
@@ -339,6 +343,21 @@ async fn strike(n: Nemesis, fault: Fault, fx: &mut Fixtures) {
             fx.shop.set_latency(Scope::Writes, SHOP_WRITE);
             n.heal("origin back to its pace");
         }
+        Fault::ShortRedisBlackhole => {
+            n.start("origin writes take 2.5 × lease");
+            fx.shop.set_latency(Scope::Writes, SLOW_WRITE);
+            // Writes are at the origin now, renewing their leases.
+            n.at(FAULT_AT + Duration::from_millis(500)).await;
+            n.start("redis blackholed for 600ms");
+            let proxy = standalone(&mut fx.backend).1;
+            proxy.blackhole();
+            tokio::time::sleep(Duration::from_millis(600)).await;
+            proxy.restore();
+            n.heal("redis restored");
+            n.at(FAULT_AT + 2 * SLOW_WRITE).await;
+            fx.shop.set_latency(Scope::Writes, SHOP_WRITE);
+            n.heal("origin back to its pace");
+        }
         Fault::ClockSkew => {
             let client = HttpClient::new();
             n.start("instance 1 restarted an hour ahead");
@@ -524,6 +543,13 @@ async fn origin_slower_than_the_lease_standalone() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn origin_slower_than_the_lease_cluster() {
     scenario(Topology::Cluster, Fault::OriginSlowerThanLease).await;
+}
+
+/// One renewal that times out (Redis unreachable for 600 ms, under the lease) does not
+/// give the lock up: the next renewals keep it while the slow write is at the origin.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_blackholed_shorter_than_the_lease_keeps_the_lock() {
+    scenario(Topology::Standalone, Fault::ShortRedisBlackhole).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

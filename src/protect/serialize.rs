@@ -176,9 +176,16 @@ impl Serializer {
         }
     }
 
-    /// Runs `write` while holding `held`, renewing the lease every third of it, then
-    /// releases the lock. A renewal that finds the lock lost is counted: the write goes on
-    /// (it may already be at the origin), and only the origin's token check can refuse it.
+    /// Runs `write` while holding `held`, renewing the lease a third of it after the grant
+    /// or the last renewal was sent, then releases the lock.
+    ///
+    /// A renewal that fails (Redis did not answer within `command_timeout`) is tried again
+    /// a twelfth of the lease later, and so on while the write is at the origin: the lease
+    /// is at least 3 × `command_timeout`, so after one renewal that timed out there is time
+    /// for the next before the lease ends, and a Redis that was out of reach for less than
+    /// the lease leaves the lock held. Only a renewal that finds the lock gone (another
+    /// owner, or none) ends the renewals; it is counted, and the write goes on (it may
+    /// already be at the origin): only the origin's token check can refuse it then.
     pub(crate) async fn hold<F: Future>(
         &self,
         mut held: Held,
@@ -186,15 +193,22 @@ impl Serializer {
         metrics: &SerializeMetrics,
     ) -> F::Output {
         let every = held.lease / 3;
+        let retry = held.lease / 12;
         let mut write = std::pin::pin!(write);
+        // `expires` is the lease's end as of the last grant or renewal sent.
+        let mut next = held.grant.expires - (held.lease - every);
         let mut lost = false;
         let output = loop {
             tokio::select! {
                 output = &mut write => break output,
-                () = tokio::time::sleep(every) => {
-                    if !lost && !matches!(self.locks.renew(&mut held.grant, held.lease).await, Ok(true)) {
-                        lost = true;
-                        metrics.lost.inc();
+                () = tokio::time::sleep_until(next), if !lost => {
+                    match self.locks.renew(&mut held.grant, held.lease).await {
+                        Ok(true) => next = held.grant.expires - (held.lease - every),
+                        Ok(false) => {
+                            lost = true;
+                            metrics.lost.inc();
+                        }
+                        Err(_) => next = Instant::now() + retry,
                     }
                 }
             }
