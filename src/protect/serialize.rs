@@ -177,7 +177,10 @@ impl Serializer {
     }
 
     /// Runs `write` while holding `held`, renewing the lease a third of it after the grant
-    /// or the last renewal was sent, then releases the lock.
+    /// or the last renewal was sent, then releases the lock: in a task of its own, so the
+    /// write's answer does not wait for the release's round trip. The turn here is given
+    /// up only once the release is done, so the next write of this instance asks Redis
+    /// after it, as every other instance's waiter does (woken by the release's event).
     ///
     /// A renewal that fails (Redis did not answer within `command_timeout`) is tried again
     /// a twelfth of the lease later, and so on while the write is at the origin: the lease
@@ -187,7 +190,7 @@ impl Serializer {
     /// owner, or none) ends the renewals; it is counted, and the write goes on (it may
     /// already be at the origin): only the origin's token check can refuse it then.
     pub(crate) async fn hold<F: Future>(
-        &self,
+        self: &Arc<Self>,
         mut held: Held,
         write: F,
         metrics: &SerializeMetrics,
@@ -213,7 +216,17 @@ impl Serializer {
                 }
             }
         };
-        self.locks.release(held.grant).await;
+        let this = Arc::clone(self);
+        tokio::spawn(async move {
+            let Held {
+                grant,
+                _turn: turn,
+                _place: place,
+                ..
+            } = held;
+            this.locks.release(grant).await;
+            drop((turn, place));
+        });
         output
     }
 }
@@ -279,6 +292,8 @@ mod tests {
         for task in tasks {
             tokens.push(task.await.unwrap());
         }
+        // The last release (and with it the queue's last place) runs in a task of its own.
+        tokio::time::sleep(Duration::from_millis(1)).await;
         let order = order.lock().unwrap().clone();
         let expected: Vec<(i32, &str)> = (0..5).flat_map(|i| [(i, "start"), (i, "end")]).collect();
         assert_eq!(order, expected, "one at a time, in arrival order");
