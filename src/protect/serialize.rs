@@ -168,7 +168,7 @@ impl Serializer {
                 });
             }
             metrics.late_grants.inc();
-            self.locks.release(grant).await;
+            self.locks.release(&grant).await;
             if Instant::now() >= deadline {
                 metrics.outcome(SerializeOutcome::Timeout);
                 return Err(Refusal::Timeout);
@@ -178,9 +178,10 @@ impl Serializer {
 
     /// Runs `write` while holding `held`, renewing the lease a third of it after the grant
     /// or the last renewal was sent, then releases the lock: in a task of its own, so the
-    /// write's answer does not wait for the release's round trip. The turn here is given
-    /// up only once the release is done, so the next write of this instance asks Redis
-    /// after it, as every other instance's waiter does (woken by the release's event).
+    /// write's answer does not wait for the release's round trip (and a release Redis did
+    /// not take is tried again while the lease lasts). The turn here is given up once the
+    /// release was tried, so the next write of this instance asks Redis after it, as every
+    /// other instance's waiter does (woken by the release's event).
     ///
     /// A renewal that fails (Redis did not answer within `command_timeout`) is tried again
     /// a twelfth of the lease later, and so on while the write is at the origin: the lease
@@ -220,12 +221,20 @@ impl Serializer {
         tokio::spawn(async move {
             let Held {
                 grant,
+                lease,
                 _turn: turn,
                 _place: place,
-                ..
             } = held;
-            this.locks.release(grant).await;
+            let mut released = this.locks.release(&grant).await;
             drop((turn, place));
+            // A release Redis did not take leaves the resource locked for everyone until the
+            // lease ends: it is tried again (compare-and-delete, so a late one is harmless)
+            // a twelfth of the lease later, while the lease lasts. The next write here need
+            // not wait for that: it finds the lock held in Redis, and waits there.
+            while !released && Instant::now() < grant.expires {
+                tokio::time::sleep(lease / 12).await;
+                released = this.locks.release(&grant).await;
+            }
         });
         output
     }
