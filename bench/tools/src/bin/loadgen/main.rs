@@ -109,6 +109,14 @@
 //!    from the start, sorted) and of the last one (`last_stale_read_s`), latencies, and `timeline`: per `--bucket-ms` bucket of send
 //!    time, reads and writes answered 2xx, other statuses, errors, stale reads and X-Cache.
 //!    `start_unix_ms` is the wall-clock time of the start, to line it up with a fault log.
+//!
+//! `loadgen writes --url http://IP:PORT [--url URL2 ...] [--path-template /kv/{key}]
+//!  [--method PUT] [--connections 8] [--keys 1] [--warmup-s 1] [--duration-s 5]`
+//!
+//! Closed-loop writes for the serialized-writes bench (bench/serialize.sh): C keep-alive
+//! connections per URL, each writing the next key of one shared counter (`j mod keys`) as
+//! soon as its last write answered; the 2xx rate of the measured window and the latencies
+//! of all, 2xx and 503 answers (see `writes.rs`).
 
 mod cycle;
 mod http;
@@ -119,6 +127,7 @@ mod soak;
 mod stale;
 mod stampede;
 mod stats;
+mod writes;
 
 use clap::{Parser, Subcommand};
 
@@ -143,6 +152,42 @@ enum Cmd {
     Stale(StaleArgs),
     /// Paced writers and readers of a versioned KV origin for minutes, with a timeline.
     Soak(SoakArgs),
+    /// Closed-loop writes over one or many keys and instances (serialized writes).
+    Writes(WritesArgs),
+}
+
+#[derive(Parser, Debug, Clone)]
+struct WritesArgs {
+    /// Base URL of one instance (http://IP:PORT); repeat for several.
+    #[arg(long = "url", required = true)]
+    urls: Vec<String>,
+    /// Path of one key; `{key}` is replaced by the key.
+    #[arg(long, default_value = "/kv/{key}")]
+    path_template: String,
+    /// The write's method: PUT, PATCH, DELETE or POST (an empty body).
+    #[arg(long, default_value = "PUT")]
+    method: String,
+    /// Keep-alive connections per URL, each one write at a time.
+    #[arg(long, default_value_t = 8)]
+    connections: usize,
+    /// Number of keys, `<key-prefix>0` .. `<key-prefix><keys - 1>`, written in turn.
+    #[arg(long, default_value_t = 1)]
+    keys: u64,
+    /// Prefix of the key names.
+    #[arg(long, default_value = "k")]
+    key_prefix: String,
+    /// Seconds sent before the measured window, left out of every figure.
+    #[arg(long, default_value_t = 1.0)]
+    warmup_s: f64,
+    /// The measured window, in seconds.
+    #[arg(long, default_value_t = 5.0)]
+    duration_s: f64,
+    /// Per-request timeout (ready, send, whole answer), in seconds.
+    #[arg(long, default_value_t = 10.0)]
+    timeout_s: f64,
+    /// Tokio worker threads.
+    #[arg(long, default_value_t = 1)]
+    threads: usize,
 }
 
 #[derive(Parser, Debug)]
@@ -383,6 +428,7 @@ fn main() {
         Cmd::Cycle(a) => a.threads,
         Cmd::Stale(a) => a.threads,
         Cmd::Soak(a) => a.threads,
+        Cmd::Writes(a) => a.threads,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(threads.max(1))
@@ -396,6 +442,7 @@ fn main() {
         Cmd::Cycle(args) => rt.block_on(cycle::cycle(args)),
         Cmd::Stale(args) => rt.block_on(stale::stale(args)),
         Cmd::Soak(args) => rt.block_on(soak::soak(args)),
+        Cmd::Writes(args) => rt.block_on(writes::writes(args)),
     };
     // do not wait for abandoned tasks (requests still in flight after the drain deadline)
     rt.shutdown_background();
