@@ -506,6 +506,11 @@ async fn holder_killed_sentinel() {
     scenario(Topology::Sentinel, Fault::KillHolder).await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn holder_killed_bites() {
+    bites(Topology::Standalone, Fault::KillHolder).await;
+}
+
 /// "A fencing origin never accepts a token lower than one it accepted before, including
 /// across a Redis restart without persistence."
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -531,6 +536,11 @@ async fn sentinel_fails_over_to_a_lagging_replica_bites() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_slowed_then_blackholed_past_the_lease() {
     scenario(Topology::Standalone, Fault::RedisSlowThenBlackhole).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_slowed_then_blackholed_past_the_lease_bites() {
+    bites(Topology::Standalone, Fault::RedisSlowThenBlackhole).await;
 }
 
 // === faults that must not take the lock: exclusion 0, nothing refused ===
