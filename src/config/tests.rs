@@ -300,6 +300,8 @@ fn example_file_documents_every_key() {
         "max_waiters",
         "retry_after",
         "lock",
+        "version",
+        "version_floor_ttl",
     ];
     for key in keys {
         assert!(
