@@ -29,6 +29,14 @@
 //! renews; Redis slowed; Redis blackholed for less than the lease; two instances' wall
 //! clocks an hour off) must leave exclusion at 0 and the origin refusing nothing.
 //!
+//! Topologies: every nemesis but two runs in standalone, Sentinel and Cluster. Redis is
+//! blackholed through its proxy in standalone; in Sentinel and Cluster, whose nodes the
+//! instances reach directly, the lock's primary is SIGSTOPped instead (open sockets, no
+//! answers). "Restarted empty" is the standalone server; in Sentinel both data nodes; in
+//! Cluster the lock's primary and its replica (back before a failover could start). Redis
+//! slowed and a blackhole shorter than the lease need the proxy (standalone only); the
+//! failover to a lagging replica is Sentinel's.
+//!
 //! Short runs (a 1 s lease, about six seconds of load each): longer ones belong in bench/.
 
 mod common;
