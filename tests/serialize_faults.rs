@@ -61,6 +61,15 @@ const FAULT_AT: Duration = Duration::from_secs(1);
 const SLOW_WRITE: Duration = Duration::from_millis(2500);
 /// How long the nemesis waits for the lock to change hands after a fault.
 const TAKEOVER_BOUND: Duration = Duration::from_secs(20);
+/// The first seat's writes at the origin while the held write is delivered: long enough
+/// that it meets another holder's write there however the machine schedules them.
+const DELIVERY_WRITE: Duration = Duration::from_millis(400);
+/// How long the first seat's writes stay that slow once the held write was let through.
+const DELIVERY_WINDOW: Duration = Duration::from_millis(1500);
+/// Room for a loaded machine's scheduling in the clients' liveness bounds (a process
+/// here may wait seconds for a CPU): bench/serialize.sh measures the tight bounds; the
+/// checkers take no slack.
+const LOAD_SLACK: Duration = Duration::from_secs(8);
 
 /// The seats the clients write; the victim's held write is to the first.
 fn seats() -> [String; 2] {
@@ -231,7 +240,7 @@ async fn run(topology: Topology, fault: Fault, fencing: bool) -> Verdict {
     let cfg = |upstream: String| {
         backend
             .configure(CgConfig::with_upstream(&upstream))
-            .set_str("upstream", "timeout", "5s")
+            .set_str("upstream", "timeout", "15s")
             .routes(&seat_route())
     };
     let fleet = spawn_fleet_each(&[
@@ -255,7 +264,7 @@ async fn run(topology: Topology, fault: Fault, fencing: bool) -> Verdict {
         tail: Duration::from_millis(1500),
         pace: Duration::from_millis(10),
         // Above the longest a write may take: a wait, then a slow origin.
-        request_timeout: WAIT_TIMEOUT + SLOW_WRITE + Duration::from_secs(3),
+        request_timeout: WAIT_TIMEOUT + SLOW_WRITE + LOAD_SLACK,
         keep_headers: vec!["retry-after"],
         ..RunConfig::default()
     };
@@ -334,9 +343,13 @@ async fn strand(n: &Nemesis, fx: &mut Fixtures) -> Duration {
 }
 
 /// Waits until another instance's write to the first seat (begun after `since`) was
-/// accepted and a write is at the origin, then lets the held write through.
-async fn deliver(n: &Nemesis, fx: &Fixtures, since: Duration) {
+/// accepted and a write is at the origin, then lets the held write through, while the
+/// seat's writes take [`DELIVERY_WRITE`] at the origin: the held write (stale) meets
+/// another there, which an origin without the token check shows as an overlap.
+async fn deliver(n: &Nemesis, fx: &Fixtures, since: Duration) -> tokio::time::Instant {
     let seat = seats()[0].clone();
+    fx.shop
+        .set_latency(Scope::Path(seat.clone()), DELIVERY_WRITE);
     let taken = poll_until(TAKEOVER_BOUND, Duration::from_millis(2), || {
         let newer = fx
             .shop
@@ -355,6 +368,14 @@ async fn deliver(n: &Nemesis, fx: &Fixtures, since: Duration) {
     );
     fx.link.restore();
     n.heal("the held write let through to the origin");
+    tokio::time::Instant::now()
+}
+
+/// [`DELIVERY_WINDOW`] after `delivered`, the first seat's writes back to their pace.
+async fn settle(fx: &Fixtures, delivered: tokio::time::Instant) {
+    tokio::time::sleep_until(delivered + DELIVERY_WINDOW).await;
+    fx.shop
+        .set_latency(Scope::Path(seats()[0].clone()), SHOP_WRITE);
 }
 
 /// The nemesis's schedule for `fault`.
@@ -367,23 +388,26 @@ async fn strike(n: Nemesis, fault: Fault, fx: &mut Fixtures) {
             let paused = n.elapsed();
             n.start("SIGSTOP instance 0 for 2 × lease");
             fx.fleet.pause(0);
-            deliver(&n, fx, since).await;
+            let delivered = deliver(&n, fx, since).await;
             n.at(paused + 2 * LEASE).await;
             fx.fleet.resume(0);
             n.heal("SIGCONT instance 0");
+            settle(fx, delivered).await;
         }
         Fault::KillHolder => {
             let since = strand(&n, fx).await;
             n.start("kill -9 instance 0");
             fx.fleet.kill(0);
-            deliver(&n, fx, since).await;
+            let delivered = deliver(&n, fx, since).await;
+            settle(fx, delivered).await;
         }
         Fault::KillRedis => {
             let since = strand(&n, fx).await;
             n.start("kill -9 redis");
             restart_redis_empty(&mut fx.backend).await;
             n.heal("redis restarted empty");
-            deliver(&n, fx, since).await;
+            let delivered = deliver(&n, fx, since).await;
+            settle(fx, delivered).await;
         }
         Fault::LaggingFailover => {
             let Backend::Sentinel(set) = &fx.backend else {
@@ -398,7 +422,8 @@ async fn strike(n: Nemesis, fault: Fault, fx: &mut Fixtures) {
             };
             set.fail_over_to_lagging_replica(10).await;
             n.heal("lagging replica promoted");
-            deliver(&n, fx, since).await;
+            let delivered = deliver(&n, fx, since).await;
+            settle(fx, delivered).await;
         }
         Fault::RedisSlowThenBlackhole => {
             n.start("redis +40ms each way");
@@ -414,7 +439,8 @@ async fn strike(n: Nemesis, fault: Fault, fx: &mut Fixtures) {
             proxy.set_delay(Duration::ZERO);
             proxy.restore();
             n.heal("redis restored");
-            deliver(&n, fx, since).await;
+            let delivered = deliver(&n, fx, since).await;
+            settle(fx, delivered).await;
         }
         Fault::RedisPausedPastTheLease => {
             let since = strand(&n, fx).await;
@@ -423,7 +449,8 @@ async fn strike(n: Nemesis, fault: Fault, fx: &mut Fixtures) {
             tokio::time::sleep(LEASE * 3 / 2).await;
             signal_lock_primary(&fx.backend, Some(port), false).await;
             n.heal("SIGCONT the redis primary");
-            deliver(&n, fx, since).await;
+            let delivered = deliver(&n, fx, since).await;
+            settle(fx, delivered).await;
         }
         Fault::OriginSlowerThanLease => {
             n.start("origin writes take 2.5 × lease");
@@ -512,8 +539,8 @@ impl Verdict {
     /// last fault.
     fn assert_clients(&self, fault: Fault, report: &str) {
         // The wait, a Redis call in flight at its deadline (command_timeout), and room for
-        // a loaded machine's scheduling (bench/serialize.sh measures the tight bound).
-        let longest = WAIT_TIMEOUT + Duration::from_secs(3);
+        // a loaded machine's scheduling.
+        let longest = WAIT_TIMEOUT + LOAD_SLACK;
         for op in &self.history.ops {
             let Some(end) = op.end else {
                 self.fail(&format!("a write never completed: {op}"), report);
