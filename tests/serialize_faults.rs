@@ -226,6 +226,39 @@ struct Verdict {
     history: History,
     log: WriteLog,
     output: String,
+    /// `cacheguard_serialized_leases_lost_total` per instance (`-`: not answering).
+    leases_lost: String,
+}
+
+/// The leases each instance counted lost (a renewal that found the lock gone): a holder
+/// starved of CPU past its lease on a loaded machine loses it as a paused one does.
+async fn leases_lost(fleet: &Fleet) -> String {
+    let client = HttpClient::new();
+    let mut counts = Vec::new();
+    for admin in fleet.admin_addrs() {
+        let scraped = client
+            .request(
+                http::Method::GET,
+                &url(admin, "/metrics"),
+                &[],
+                common::client::full_body(String::new()),
+            )
+            .await;
+        let count = match scraped {
+            Ok(resp) if resp.status == 200 => common::prom::parse(&resp.text())
+                .map(|m| {
+                    m.sum(
+                        "cacheguard_serialized_leases_lost_total",
+                        &[("route", "seat-update")],
+                    )
+                    .to_string()
+                })
+                .unwrap_or_else(|_| "?".to_string()),
+            _ => "-".to_string(),
+        };
+        counts.push(count);
+    }
+    format!("leases lost per instance: {}", counts.join(", "))
 }
 
 /// One run: the backend, the shop (fencing or not), three instances (the victim behind its
@@ -292,6 +325,7 @@ async fn run(topology: Topology, fault: Fault, fencing: bool) -> Verdict {
     Verdict {
         log: fx.shop.write_log(),
         history,
+        leases_lost: leases_lost(&fx.fleet).await,
         output: fx.fleet.output(),
     }
 }
@@ -499,7 +533,11 @@ impl Verdict {
     fn assert(&self, fault: Fault, fencing: bool) {
         let exclusion = check_exclusion(&self.log);
         let tokens = check_fencing(&self.log);
-        let report = format!("{}\n{exclusion}{tokens}", self.history.summary());
+        let report = format!(
+            "{}\n{exclusion}{tokens}{}\n",
+            self.history.summary(),
+            self.leases_lost
+        );
         eprintln!("{fault:?}, fencing {fencing}:\n{report}");
         if !fencing {
             // The nemesis bites: the stale write is accepted, out of order, overlapping.
