@@ -116,8 +116,8 @@ fn example_file_parses_with_the_documented_values() {
     assert_eq!(config.lock.wait_timeout, Duration::from_secs(3));
     assert_eq!(config.lock.on_timeout, OnTimeout::Origin);
 
-    let [item, write, create, buy] = config.routes.as_slice() else {
-        panic!("expected four routes, got {:#?}", config.routes);
+    let [item, write, create, buy, seat_update] = config.routes.as_slice() else {
+        panic!("expected five routes, got {:#?}", config.routes);
     };
     assert_eq!(item.name, "item");
     assert_eq!(item.pattern, "/api/items/{id}");
@@ -174,6 +174,34 @@ fn example_file_parses_with_the_documented_values() {
         buy.stock.as_ref().map(|s| (s.gate.as_str(), s.units)),
         Some(("seats", 1))
     );
+    let serialize = seat_update
+        .serialize
+        .as_ref()
+        .expect("the seat-update route is serialized");
+    assert_eq!(serialize.key, "/trains/{train}/seats/{seat}");
+    assert_eq!(
+        (
+            serialize.lease,
+            serialize.wait_timeout,
+            serialize.max_waiters,
+            serialize.retry_after
+        ),
+        (
+            Duration::from_secs(5),
+            Duration::from_secs(2),
+            256,
+            Duration::from_secs(1)
+        ),
+        "the documented defaults"
+    );
+    assert_eq!(
+        serialize
+            .fence_header
+            .as_ref()
+            .map(http::HeaderName::as_str),
+        Some("fencing-token")
+    );
+    assert_eq!(serialize.on_redis_error, super::OnRedisError::Reject);
 }
 
 #[test]
@@ -267,6 +295,11 @@ fn example_file_documents_every_key() {
         "stock",
         "gate",
         "units",
+        "serialize",
+        "fence_header",
+        "max_waiters",
+        "retry_after",
+        "lock",
         "version",
         "version_floor_ttl",
     ];

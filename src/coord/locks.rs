@@ -7,7 +7,8 @@
 //! One contract for every backend ([`LockService`]): [`LockService::acquire`] with a
 //! bounded wait gives a [`Grant`] (token, lease end) or says it timed out or the backend
 //! failed; [`LockService::renew`] extends a grant while it is still held and says when it
-//! was lost; [`LockService::release`] ends it. Backends:
+//! was lost; [`LockService::release`] ends it (and says when the backend did not answer, so
+//! the caller can try again while the lease lasts). Backends:
 //!
 //! - **Redis** (`redis.rs`, the default): `SET <lock> <owner> NX PX <lease>` and the token
 //!   minted in the same script as `max(stored + 1, Redis TIME in µs)`, so it keeps growing
@@ -92,11 +93,12 @@ impl LockService {
         }
     }
 
-    /// Ends `grant` (if still held) and wakes the next waiter.
-    pub(crate) async fn release(&self, grant: Grant) {
+    /// Ends `grant` (if still held) and wakes the next waiter. `false`: the backend did not
+    /// answer, and the lock may still be held until its lease ends.
+    pub(crate) async fn release(&self, grant: &Grant) -> bool {
         match self {
             LockService::Redis(redis) => redis.release(grant).await,
-            LockService::Memory(_) => {}
+            LockService::Memory(_) => true,
         }
     }
 }

@@ -168,7 +168,7 @@ impl Serializer {
                 });
             }
             metrics.late_grants.inc();
-            self.locks.release(grant).await;
+            self.locks.release(&grant).await;
             if Instant::now() >= deadline {
                 metrics.outcome(SerializeOutcome::Timeout);
                 return Err(Refusal::Timeout);
@@ -176,30 +176,66 @@ impl Serializer {
         }
     }
 
-    /// Runs `write` while holding `held`, renewing the lease every third of it, then
-    /// releases the lock. A renewal that finds the lock lost is counted: the write goes on
-    /// (it may already be at the origin), and only the origin's token check can refuse it.
+    /// Runs `write` while holding `held`, renewing the lease a third of it after the grant
+    /// or the last renewal was sent, then releases the lock: in a task of its own, so the
+    /// write's answer does not wait for the release's round trip (and a release Redis did
+    /// not take is tried again while the lease lasts). The turn here is given up once the
+    /// release was tried, so the next write of this instance asks Redis after it, as every
+    /// other instance's waiter does (woken by the release's event).
+    ///
+    /// A renewal that fails (Redis did not answer within `command_timeout`) is tried again
+    /// a twelfth of the lease later, and so on while the write is at the origin: the lease
+    /// is at least 3 × `command_timeout`, so after one renewal that timed out there is time
+    /// for the next before the lease ends, and a Redis that was out of reach for less than
+    /// the lease leaves the lock held. Only a renewal that finds the lock gone (another
+    /// owner, or none) ends the renewals; it is counted, and the write goes on (it may
+    /// already be at the origin): only the origin's token check can refuse it then.
     pub(crate) async fn hold<F: Future>(
-        &self,
+        self: &Arc<Self>,
         mut held: Held,
         write: F,
         metrics: &SerializeMetrics,
     ) -> F::Output {
         let every = held.lease / 3;
+        let retry = held.lease / 12;
         let mut write = std::pin::pin!(write);
+        // `expires` is the lease's end as of the last grant or renewal sent.
+        let mut next = held.grant.expires - (held.lease - every);
         let mut lost = false;
         let output = loop {
             tokio::select! {
                 output = &mut write => break output,
-                () = tokio::time::sleep(every) => {
-                    if !lost && !matches!(self.locks.renew(&mut held.grant, held.lease).await, Ok(true)) {
-                        lost = true;
-                        metrics.lost.inc();
+                () = tokio::time::sleep_until(next), if !lost => {
+                    match self.locks.renew(&mut held.grant, held.lease).await {
+                        Ok(true) => next = held.grant.expires - (held.lease - every),
+                        Ok(false) => {
+                            lost = true;
+                            metrics.lost.inc();
+                        }
+                        Err(_) => next = Instant::now() + retry,
                     }
                 }
             }
         };
-        self.locks.release(held.grant).await;
+        let this = Arc::clone(self);
+        tokio::spawn(async move {
+            let Held {
+                grant,
+                lease,
+                _turn: turn,
+                _place: place,
+            } = held;
+            let mut released = this.locks.release(&grant).await;
+            drop((turn, place));
+            // A release Redis did not take leaves the resource locked for everyone until the
+            // lease ends: it is tried again (compare-and-delete, so a late one is harmless)
+            // a twelfth of the lease later, while the lease lasts. The next write here need
+            // not wait for that: it finds the lock held in Redis, and waits there.
+            while !released && Instant::now() < grant.expires {
+                tokio::time::sleep(lease / 12).await;
+                released = this.locks.release(&grant).await;
+            }
+        });
         output
     }
 }
@@ -265,6 +301,8 @@ mod tests {
         for task in tasks {
             tokens.push(task.await.unwrap());
         }
+        // The last release (and with it the queue's last place) runs in a task of its own.
+        tokio::time::sleep(Duration::from_millis(1)).await;
         let order = order.lock().unwrap().clone();
         let expected: Vec<(i32, &str)> = (0..5).flat_map(|i| [(i, "start"), (i, "end")]).collect();
         assert_eq!(order, expected, "one at a time, in arrival order");

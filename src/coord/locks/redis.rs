@@ -154,7 +154,8 @@ impl RedisLocks {
         Ok(renewed == 1)
     }
 
-    pub(super) async fn release(&self, grant: Grant) {
+    /// `false` when Redis did not answer (the lock may still be held).
+    pub(super) async fn release(&self, grant: &Grant) -> bool {
         let names = self.keys.serialized(grant.resource);
         let message = Event {
             kind: EventKind::Released,
@@ -164,8 +165,7 @@ impl RedisLocks {
         }
         .encode();
         // The fill lock's release: compare-and-delete, then wake the waiters.
-        let _ = self
-            .redis
+        self.redis
             .run_script::<i64>(
                 RedisOp::Serialize,
                 &scripts::RELEASE,
@@ -178,7 +178,8 @@ impl RedisLocks {
                     b"0",
                 ],
             )
-            .await;
+            .await
+            .is_ok()
     }
 }
 

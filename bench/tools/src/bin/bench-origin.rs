@@ -21,6 +21,7 @@
 //!   until its first write.
 //!   - `PUT /kv/{key}` (body read and ignored): after `--kv-write-delay-ms`, commits the next
 //!     version on the primary and answers `200` `{"key":"<key>","version":N}` with the new N.
+//!     `PATCH` and `DELETE` are the same write.
 //!   - `GET /kv/{key}` (`HEAD` alike): reads, on arrival, the version the replica shows (the
 //!     newest one committed at least `--replica-lag-ms` ago), waits `--kv-read-delay-ms` and
 //!     answers `200` `{"key":"<key>","version":N}` with what it read: a slow read racing a
@@ -800,8 +801,10 @@ async fn kv_handle(kv: &KvStore, req: Request<Incoming>, key: &str) -> Response<
             }
             kv_answer(kv, key, version)
         }
-        Method::PUT => {
-            // read (and drop) the body, so the connection stays usable
+        // PATCH and DELETE are writes like PUT (so one instance can serve one method
+        // through one route and another through another: bench/serialize.sh).
+        Method::PUT | Method::PATCH | Method::DELETE => {
+            // read (and drop) the body, so the connection stays usable; bounded
             if read_body(req, 1 << 20).await.is_none() {
                 return json_response(StatusCode::BAD_REQUEST, r#"{"error":"bad body"}"#);
             }
@@ -817,8 +820,10 @@ async fn kv_handle(kv: &KvStore, req: Request<Incoming>, key: &str) -> Response<
                 StatusCode::METHOD_NOT_ALLOWED,
                 r#"{"error":"method not allowed"}"#,
             );
-            resp.headers_mut()
-                .insert(ALLOW, HeaderValue::from_static("GET, HEAD, PUT"));
+            resp.headers_mut().insert(
+                ALLOW,
+                HeaderValue::from_static("GET, HEAD, PUT, PATCH, DELETE"),
+            );
             resp
         }
     }

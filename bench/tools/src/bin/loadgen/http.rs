@@ -83,7 +83,12 @@ pub fn get(t: &Target, path: &str) -> Request<Empty<Bytes>> {
 }
 
 pub fn put(t: &Target, path: &str) -> Request<Empty<Bytes>> {
-    request(Method::PUT, t, path)
+    write(Method::PUT, t, path)
+}
+
+/// A write (`method` with an empty body) of `path`.
+pub fn write(method: Method, t: &Target, path: &str) -> Request<Empty<Bytes>> {
+    request(method, t, path)
         .header(hyper::header::CONTENT_LENGTH, "0")
         .body(Empty::new())
         .expect("valid request")

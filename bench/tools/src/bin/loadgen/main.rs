@@ -133,6 +133,14 @@
 //! reaches Redis nor marks anything); a subscriber on the bus's Redis channel stamps the
 //! `stock soldout` message. Times are from the send of the last buy, on one clock. See
 //! `soldout.rs`.
+//!
+//! `loadgen writes --url http://IP:PORT [--url URL2 ...] [--path-template /kv/{key}]
+//!  [--method PUT] [--connections 8] [--keys 1] [--warmup-s 1] [--duration-s 5]`
+//!
+//! Closed-loop writes for the serialized-writes bench (bench/serialize.sh): C keep-alive
+//! connections per URL, each writing the next key of one shared counter (`j mod keys`) as
+//! soon as its last write answered; the 2xx rate of the measured window and the latencies
+//! of all, 2xx and 503 answers (see `writes.rs`).
 
 mod buyers;
 mod cycle;
@@ -145,6 +153,7 @@ mod soldout;
 mod stale;
 mod stampede;
 mod stats;
+mod writes;
 
 use clap::{Parser, Subcommand};
 
@@ -173,6 +182,8 @@ enum Cmd {
     Buyers(BuyersArgs),
     /// How long a stock gate's sold-out mark takes to reach the other instances.
     SoldoutProbe(SoldOutArgs),
+    /// Closed-loop writes over one or many keys and instances (serialized writes).
+    Writes(WritesArgs),
 }
 
 #[derive(Parser, Debug)]
@@ -257,6 +268,40 @@ struct SoldOutArgs {
     #[arg(long, default_value_t = 300.0)]
     max_duration_s: f64,
     /// Tokio worker threads (the probing itself runs on threads of its own).
+    #[arg(long, default_value_t = 1)]
+    threads: usize,
+}
+
+#[derive(Parser, Debug, Clone)]
+struct WritesArgs {
+    /// Base URL of one instance (http://IP:PORT); repeat for several.
+    #[arg(long = "url", required = true)]
+    urls: Vec<String>,
+    /// Path of one key; `{key}` is replaced by the key.
+    #[arg(long, default_value = "/kv/{key}")]
+    path_template: String,
+    /// The write's method: PUT, PATCH, DELETE or POST (an empty body).
+    #[arg(long, default_value = "PUT")]
+    method: String,
+    /// Keep-alive connections per URL, each one write at a time.
+    #[arg(long, default_value_t = 8)]
+    connections: usize,
+    /// Number of keys, `<key-prefix>0` .. `<key-prefix><keys - 1>`, written in turn.
+    #[arg(long, default_value_t = 1)]
+    keys: u64,
+    /// Prefix of the key names.
+    #[arg(long, default_value = "k")]
+    key_prefix: String,
+    /// Seconds sent before the measured window, left out of every figure.
+    #[arg(long, default_value_t = 1.0)]
+    warmup_s: f64,
+    /// The measured window, in seconds.
+    #[arg(long, default_value_t = 5.0)]
+    duration_s: f64,
+    /// Per-request timeout (ready, send, whole answer), in seconds.
+    #[arg(long, default_value_t = 10.0)]
+    timeout_s: f64,
+    /// Tokio worker threads.
     #[arg(long, default_value_t = 1)]
     threads: usize,
 }
@@ -501,6 +546,7 @@ fn main() {
         Cmd::Soak(a) => a.threads,
         Cmd::Buyers(a) => a.threads,
         Cmd::SoldoutProbe(a) => a.threads,
+        Cmd::Writes(a) => a.threads,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(threads.max(1))
@@ -516,6 +562,7 @@ fn main() {
         Cmd::Soak(args) => rt.block_on(soak::soak(args)),
         Cmd::Buyers(args) => rt.block_on(buyers::buyers(args)),
         Cmd::SoldoutProbe(args) => rt.block_on(soldout::soldout_probe(args)),
+        Cmd::Writes(args) => rt.block_on(writes::writes(args)),
     };
     // do not wait for abandoned tasks (requests still in flight after the drain deadline)
     rt.shutdown_background();
