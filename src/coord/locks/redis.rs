@@ -140,7 +140,7 @@ impl RedisLocks {
         let sent = Instant::now();
         let renewed: i64 = self
             .redis
-            .run_script(
+            .run_script_past_breaker(
                 RedisOp::Serialize,
                 &scripts::RENEW,
                 &[&names.lock],
@@ -166,7 +166,7 @@ impl RedisLocks {
         .encode();
         // The fill lock's release: compare-and-delete, then wake the waiters.
         self.redis
-            .run_script::<i64>(
+            .run_script_past_breaker::<i64>(
                 RedisOp::Serialize,
                 &scripts::RELEASE,
                 &[&names.lock, &names.lock],
@@ -185,4 +185,69 @@ impl RedisLocks {
 
 fn millis(duration: Duration) -> u64 {
     u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::metrics::Metrics;
+    use crate::test_redis::TestRedis;
+    use prometheus::IntGauge;
+
+    async fn locks_on(redis: &TestRedis) -> (RedisLocks, RedisConn) {
+        let toml = format!(
+            "[upstream]\nurl = \"http://127.0.0.1:9\"\n[redis]\nurl = \"{}\"\n\
+             [[routes]]\nname = \"r\"\nmatch = \"/r/{{id}}\"\n",
+            redis.url()
+        );
+        let vars = std::collections::HashMap::<String, String>::new();
+        let config = crate::config::Config::from_toml(&toml, "test.toml", &vars).expect("config");
+        let redis_config = config.redis.as_ref().expect("shared mode");
+        let conn = RedisConn::start(
+            redis_config,
+            Metrics::unregistered(),
+            tokio_util::sync::CancellationToken::new(),
+        )
+        .await
+        .expect("redis");
+        let keys = Keyspace::new(&redis_config.key_prefix);
+        let waiters = Waiters::new(IntGauge::new("waiters", "test").expect("gauge"));
+        (RedisLocks::new(conn.clone(), keys, waiters, 1), conn)
+    }
+
+    /// Against a real redis-server: with the breaker open (a short outage opened it, Redis
+    /// answers again but no probe has closed it yet), a held lock is still renewed and
+    /// released: the lock lapses only when Redis stays unreachable for the lease, as
+    /// documented, not whenever the breaker opens.
+    #[tokio::test]
+    async fn a_held_lock_is_renewed_and_released_while_the_breaker_is_open() {
+        let redis = TestRedis::start().await;
+        let (locks, conn) = locks_on(&redis).await;
+        let lease = Duration::from_secs(5);
+        let mut grant = locks
+            .acquire(7, lease, Instant::now() + Duration::from_secs(2))
+            .await
+            .expect("granted");
+        conn.open_breaker();
+        assert!(!conn.is_up(), "the breaker is open");
+        assert!(
+            matches!(locks.renew(&mut grant, lease).await, Ok(true)),
+            "a renewal is refused while the breaker is open: the lock would lapse"
+        );
+        let lock = locks.keys.serialized(7).lock;
+        let mut raw = redis.conn().await;
+        let held: Option<String> = redis::cmd("GET")
+            .arg(&lock)
+            .query_async(&mut raw)
+            .await
+            .expect("GET");
+        assert_eq!(held.as_deref(), Some(grant.owner.as_str()));
+        assert!(locks.release(&grant).await, "the release was refused");
+        let held: Option<String> = redis::cmd("GET")
+            .arg(&lock)
+            .query_async(&mut raw)
+            .await
+            .expect("GET");
+        assert_eq!(held, None, "the release did not reach Redis");
+    }
 }
