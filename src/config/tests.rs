@@ -2166,3 +2166,74 @@ fn the_spool_directory_must_take_a_file() {
         "test.toml:4: server.body_spool_dir: expected a directory path, got \"\""
     );
 }
+
+// === lock services ===
+
+#[test]
+fn lock_services_load_and_routes_pick_them() {
+    let config = load(&with_minimal(
+        "[locks.orders-etcd]\nbackend = \"etcd\"\nendpoints = [\"http://127.0.0.1:2379\"]\n\
+         [locks.orders-zk]\nbackend = \"zookeeper\"\nconnect = \"127.0.0.1:2181\"\n\
+         [locks.orders-db]\nbackend = \"mysql\"\nurl = \"mysql://u:secret@127.0.0.1:3306/app\"\n\
+         [locks.orders-rl]\nbackend = \"redlock\"\n\
+         urls = [\"redis://127.0.0.1:7001\", \"redis://127.0.0.1:7002\", \"redis://127.0.0.1:7003\"]\n\
+         [[routes]]\nname = \"w\"\nmatch = \"/w/{id}\"\nmethods = [\"PUT\"]\n\
+         serialize = { key = \"/w/{id}\", fence_header = \"fencing-token\", lock = \"orders-zk\" }\n",
+    ))
+    .unwrap();
+    let kinds: Vec<(&str, &str)> = config
+        .locks
+        .iter()
+        .map(|l| (l.name.as_str(), l.backend.kind()))
+        .collect();
+    assert_eq!(
+        kinds,
+        [
+            ("orders-db", "mysql"),
+            ("orders-etcd", "etcd"),
+            ("orders-rl", "redlock"),
+            ("orders-zk", "zookeeper")
+        ]
+    );
+    assert!(
+        !format!("{:?}", config.locks).contains("secret"),
+        "a password is never shown"
+    );
+    assert_eq!(
+        config.routes[0]
+            .serialize
+            .as_ref()
+            .and_then(|s| s.lock.as_deref()),
+        Some("orders-zk")
+    );
+}
+
+#[test]
+fn lock_service_errors_name_the_line_and_key() {
+    assert_eq!(
+        problem(&with_minimal(
+            "[locks.rl]\nbackend = \"redlock\"\nurls = [\"redis://127.0.0.1:7001\", \"redis://127.0.0.1:7002\"]\n"
+        )),
+        "test.toml:5: locks.rl.urls: expected at least 3 servers, got 2"
+    );
+    assert_eq!(
+        problem(&with_minimal(
+            "[locks.e]\nbackend = \"etcd\"\nendpoints = [\"127.0.0.1:2379\"]\n"
+        )),
+        "test.toml:5: locks.e.endpoints[0]: expected a URL like \"http://127.0.0.1:…\", got \
+         \"127.0.0.1:2379\""
+    );
+    let unknown = problem(&with_minimal(
+        "[locks.z]\nbackend = \"zookeeper\"\nconnect = \"127.0.0.1:2181\"\ntable = \"x\"\n",
+    ));
+    assert!(unknown.starts_with("test.toml:"), "{unknown}");
+    assert!(unknown.contains("table"), "{unknown}");
+    assert_eq!(
+        problem(&with_minimal(
+            "[[routes]]\nname = \"w\"\nmatch = \"/w/{id}\"\nmethods = [\"PUT\"]\n\
+             serialize = { key = \"/w/{id}\", fence_header = \"f\", lock = \"nope\" }\n"
+        )),
+        "test.toml:7: routes[0].serialize.lock: expected the name of a [locks.<name>] section, \
+         but none is defined, got \"nope\""
+    );
+}

@@ -7,7 +7,7 @@ use toml::Spanned;
 
 use super::{Checker, pattern_params, show};
 use crate::config::raw::RawRoute;
-use crate::config::{OnRedisError, RedisConfig, SerializeConfig, VersionSource};
+use crate::config::{LockBackendConfig, OnRedisError, RedisConfig, SerializeConfig, VersionSource};
 
 /// Defaults, also named in messages and the README.
 pub(in crate::config) mod defaults {
@@ -28,6 +28,7 @@ impl Checker<'_> {
         raw: &RawRoute,
         is_read: bool,
         redis: Option<&RedisConfig>,
+        locks: &[LockBackendConfig],
     ) -> Option<SerializeConfig> {
         let spanned = raw.serialize.as_ref()?;
         let serialize = spanned.get_ref();
@@ -138,15 +139,22 @@ impl Checker<'_> {
             .retry_after
             .as_ref()
             .map_or(defaults::RETRY_AFTER, |r| r.get_ref().0);
-        if let Some(lock) = &serialize.lock {
+        if let Some(lock) = &serialize.lock
+            && !locks.iter().any(|l| &l.name == lock.get_ref())
+        {
+            let known: Vec<String> = locks.iter().map(|l| format!("{:?}", l.name)).collect();
+            let expected = if known.is_empty() {
+                "the name of a [locks.<name>] section, but none is defined".to_owned()
+            } else {
+                format!(
+                    "the name of a [locks.<name>] section ({})",
+                    known.join(", ")
+                )
+            };
             self.report(
                 lock.span(),
                 key(".lock"),
-                format!(
-                    "expected the name of a [locks.<name>] section, but none is defined, got \
-                     {:?}",
-                    lock.get_ref()
-                ),
+                format!("expected {expected}, got {:?}", lock.get_ref()),
             );
         }
         Some(SerializeConfig {
