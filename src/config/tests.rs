@@ -2237,3 +2237,33 @@ fn lock_service_errors_name_the_line_and_key() {
          but none is defined, got \"nope\""
     );
 }
+
+#[test]
+fn a_zookeeper_route_lease_is_at_most_the_session_timeout() {
+    let zk = "[locks.zk]\nbackend = \"zookeeper\"\nconnect = \"127.0.0.1:2181\"\n\
+              session_timeout = \"3s\"\n\
+              [[routes]]\nname = \"w\"\nmatch = \"/w/{id}\"\nmethods = [\"PUT\"]\n";
+    assert_eq!(
+        problem(&with_minimal(&format!(
+            "{zk}serialize = {{ key = \"/w/{{id}}\", fence_header = \"f\", lock = \"zk\", \
+             lease = \"4s\" }}\n"
+        ))),
+        "test.toml:11: routes[0].serialize.lease: expected a lease of at most \
+         locks.zk.session_timeout (\"3s\"): a ZooKeeper lock lasts as long as its session, \
+         which the server ends that long after it last heard from this instance, got \"4s\""
+    );
+    // The default lease (5s) is over a 3s session too; 3s is fine.
+    assert!(
+        problem(&with_minimal(&format!(
+            "{zk}serialize = {{ key = \"/w/{{id}}\", fence_header = \"f\", lock = \"zk\" }}\n"
+        )))
+        .contains("routes[0].serialize.lease: expected a lease of at most")
+    );
+    assert!(
+        load(&with_minimal(&format!(
+            "{zk}serialize = {{ key = \"/w/{{id}}\", fence_header = \"f\", lock = \"zk\", \
+             lease = \"3s\" }}\n"
+        )))
+        .is_ok()
+    );
+}

@@ -1398,6 +1398,7 @@ impl Checker<'_> {
         routes
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn route(
         &mut self,
         i: usize,

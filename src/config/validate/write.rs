@@ -157,6 +157,31 @@ impl Checker<'_> {
                 format!("expected {expected}, got {:?}", lock.get_ref()),
             );
         }
+        // A ZooKeeper lock is held by its session: the session is the lease, and a route's
+        // lease longer than it would promise a hold the server does not keep.
+        if let Some(lock) = &serialize.lock
+            && let Some(crate::config::LockBackend::ZooKeeper {
+                session_timeout, ..
+            }) = locks
+                .iter()
+                .find(|l| &l.name == lock.get_ref())
+                .map(|l| &l.backend)
+            && lease > *session_timeout
+        {
+            let span = serialize.lease.as_ref().map_or(lock.span(), Spanned::span);
+            self.report(
+                span,
+                key(".lease"),
+                format!(
+                    "expected a lease of at most locks.{}.session_timeout ({}): a ZooKeeper \
+                     lock lasts as long as its session, which the server ends that long after \
+                     it last heard from this instance, got {}",
+                    lock.get_ref(),
+                    show(*session_timeout),
+                    show(lease)
+                ),
+            );
+        }
         Some(SerializeConfig {
             key: pattern.clone(),
             lease,
