@@ -16,6 +16,9 @@
 //! - [`history`]: Jepsen-style operation histories and their checkers (oversell, phantom,
 //!   undersell, flood factor; exclusion, fencing); [`jepsen`]: the runner (clients
 //!   round-robin over a fleet, a nemesis schedule); [`shop`]: the flash-sale origin.
+//! - [`lock_servers`]: real `etcd` and ZooKeeper servers for the lock services (the file the
+//!   unit tests of `src/coord/locks` use too); [`serialized`]: serialized writes under a
+//!   nemesis, for any lock service (the victim whose write is held, the checkers' verdict).
 //!
 //! Every fixture owns what it started and stops it on `Drop` (by PID for processes).
 #![allow(dead_code, unused_imports, unreachable_pub)]
@@ -27,12 +30,15 @@ pub mod history;
 pub mod hot;
 pub mod jepsen;
 pub mod load;
+#[path = "../../src/coord/locks/test_servers.rs"]
+pub mod lock_servers;
 pub mod origin;
 pub mod process;
 pub mod prom;
 pub mod redis_cluster;
 pub mod redis_sentinel;
 pub mod redis_server;
+pub mod serialized;
 pub mod shared;
 pub mod shop;
 pub mod tcp_proxy;

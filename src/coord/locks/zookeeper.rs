@@ -124,8 +124,9 @@ impl ZooKeeperLocks {
                 debug!(message = "ZooKeeper lock failed.", dir = %dir, error = %e);
                 return Err(AcquireError::Unavailable);
             }
-            // Held by another until the deadline, unless the session went away meanwhile.
-            Err(_) if connected(&client) => return Err(AcquireError::Timeout),
+            // Held by another until the deadline: waiting for a predecessor to go, on a
+            // session still connected. Otherwise ZooKeeper did not answer in time.
+            Err(_) if node.watching && connected(&client) => return Err(AcquireError::Timeout),
             Err(_) => return Err(AcquireError::Unavailable),
         };
         Ok(Grant {
@@ -185,6 +186,8 @@ struct Contender {
     path: Option<String>,
     /// Whether a create was sent (without a node known: it may have been made).
     tried: bool,
+    /// Whether it waits for a predecessor's node to go (rather than for an answer).
+    watching: bool,
 }
 
 impl Contender {
@@ -195,6 +198,7 @@ impl Contender {
             protected: format!("_c_{}-", uuid_v4()),
             path: None,
             tried: false,
+            watching: false,
         }
     }
 
@@ -227,7 +231,9 @@ impl Contender {
             match self.client.check_and_watch_stat(&before).await? {
                 (None, _) => continue,
                 (Some(_), watcher) => {
+                    self.watching = true;
                     watcher.changed().await;
+                    self.watching = false;
                 }
             }
         }
