@@ -2267,3 +2267,66 @@ fn a_zookeeper_route_lease_is_at_most_the_session_timeout() {
         .is_ok()
     );
 }
+
+#[test]
+fn etcd_and_zookeeper_addresses_and_credentials_are_checked_before_connecting() {
+    let etcd = |rest: &str| {
+        problem(&with_minimal(&format!(
+            "[locks.e]\nbackend = \"etcd\"\n{rest}"
+        )))
+    };
+    assert_eq!(
+        etcd("endpoints = [\"http://127.0.0.1:2379\", \"http://127.0.0.1\"]\n"),
+        "test.toml:5: locks.e.endpoints[1]: expected http://host:port like \
+         \"http://127.0.0.1:2379\" (no port in \"127.0.0.1\"), got \"http://127.0.0.1\""
+    );
+    assert_eq!(
+        etcd("endpoints = [\"http://127.0.0.1:99999\"]\n"),
+        "test.toml:5: locks.e.endpoints[0]: expected http://host:port like \
+         \"http://127.0.0.1:2379\" (port \"99999\" is not a port from 1 to 65535), got \
+         \"http://127.0.0.1:99999\""
+    );
+    assert_eq!(
+        etcd("endpoints = [\"http://127.0.0.1:2379\"]\nusername = \"root\"\n"),
+        "test.toml:6: locks.e.username: expected a password too: etcd authenticates with both"
+    );
+    assert_eq!(
+        etcd("endpoints = [\"http://127.0.0.1:2379\"]\npassword = \"s3cret\"\n"),
+        "test.toml:6: locks.e.password: expected a username too: etcd authenticates with both"
+    );
+    let zk = |connect: &str| {
+        problem(&with_minimal(&format!(
+            "[locks.z]\nbackend = \"zookeeper\"\nconnect = \"{connect}\"\n"
+        )))
+    };
+    assert_eq!(
+        zk("zk1:2181,zk2"),
+        "test.toml:5: locks.z.connect: expected host:port[,host:port…][/chroot] like \
+         \"127.0.0.1:2181\" (no port in \"zk2\"), got \"zk1:2181,zk2\""
+    );
+    assert_eq!(
+        zk(""),
+        "test.toml:5: locks.z.connect: expected host:port[,host:port…][/chroot] like \
+         \"127.0.0.1:2181\" (no server), got \"\""
+    );
+    for fine in [
+        "127.0.0.1:2181",
+        "zk1:2181,zk2:2181,[::1]:2181/apps",
+        "tcp://zk1:2181",
+    ] {
+        assert!(
+            load(&with_minimal(&format!(
+                "[locks.z]\nbackend = \"zookeeper\"\nconnect = \"{fine}\"\n"
+            )))
+            .is_ok(),
+            "{fine}"
+        );
+    }
+    assert!(
+        load(&with_minimal(
+            "[locks.e]\nbackend = \"etcd\"\nendpoints = [\"http://[::1]:2379/\"]\n\
+             username = \"u\"\npassword = \"p\"\n"
+        ))
+        .is_ok()
+    );
+}

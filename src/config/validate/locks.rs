@@ -116,6 +116,42 @@ impl Checker<'_> {
                         return None;
                     }
                 };
+                for (i, endpoint) in raw
+                    .endpoints
+                    .iter()
+                    .flat_map(|l| l.get_ref().iter().enumerate())
+                {
+                    // (Another scheme is reported by `urls` below.)
+                    let Some(authority) = endpoint.get_ref().strip_prefix("http://") else {
+                        continue;
+                    };
+                    if let Some(problem) = authority_problem(authority.trim_end_matches('/')) {
+                        self.report(
+                            endpoint.span(),
+                            format!("{}[{i}]", key("endpoints")),
+                            format!(
+                                "expected http://host:port like \"http://127.0.0.1:2379\" \
+                                 ({problem}), got {:?}",
+                                endpoint.get_ref()
+                            ),
+                        );
+                    }
+                }
+                // A user without a password (or the reverse) would be sent with an empty
+                // one, and refused by etcd only at start.
+                match (&raw.username, &raw.password) {
+                    (Some(user), None) => self.report(
+                        user.span(),
+                        key("username"),
+                        "expected a password too: etcd authenticates with both",
+                    ),
+                    (None, Some(password)) => self.report(
+                        password.span(),
+                        key("password"),
+                        "expected a username too: etcd authenticates with both",
+                    ),
+                    _ => {}
+                }
                 let prefix = self.path(raw.prefix.as_ref(), defaults::ETCD_PREFIX, &key("prefix"));
                 LockBackend::Etcd {
                     endpoints,
@@ -133,11 +169,15 @@ impl Checker<'_> {
                     required(self, "connect", false);
                     return None;
                 };
-                if connect.get_ref().trim().is_empty() {
+                if let Some(problem) = zookeeper_connect_problem(connect.get_ref()) {
                     self.report(
                         connect.span(),
                         key("connect"),
-                        "expected host:port[,host:port…] like \"127.0.0.1:2181\", got \"\"",
+                        format!(
+                            "expected host:port[,host:port…][/chroot] like \"127.0.0.1:2181\" \
+                             ({problem}), got {:?}",
+                            connect.get_ref()
+                        ),
                     );
                 }
                 let path = self.path(raw.path.as_ref(), defaults::ZOOKEEPER_PATH, &key("path"));
@@ -329,4 +369,39 @@ impl Checker<'_> {
         }
         text.clone()
     }
+}
+
+/// What is wrong with `host:port` (a port is required: a lock service has no default
+/// one cacheguard should guess), if anything.
+fn authority_problem(authority: &str) -> Option<String> {
+    let (host, port) = if let Some(rest) = authority.strip_prefix('[') {
+        let Some((host, port)) = rest.split_once("]:") else {
+            return Some("an IPv6 host is written [addr]:port".to_owned());
+        };
+        (host, port)
+    } else {
+        let Some((host, port)) = authority.rsplit_once(':') else {
+            return Some(format!("no port in {authority:?}"));
+        };
+        (host, port)
+    };
+    if host.is_empty() {
+        return Some(format!("no host in {authority:?}"));
+    }
+    match port.parse::<u16>() {
+        Ok(0) | Err(_) => Some(format!("port {port:?} is not a port from 1 to 65535")),
+        Ok(_) => None,
+    }
+}
+
+/// What is wrong with a ZooKeeper connect string (`host:port,…` and an optional
+/// `/chroot` after the last one), if anything.
+fn zookeeper_connect_problem(connect: &str) -> Option<String> {
+    let hosts = connect.split_once('/').map_or(connect, |(hosts, _)| hosts);
+    if hosts.trim().is_empty() {
+        return Some("no server".to_owned());
+    }
+    hosts
+        .split(',')
+        .find_map(|entry| authority_problem(entry.strip_prefix("tcp://").unwrap_or(entry)))
 }
