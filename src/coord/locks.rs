@@ -17,16 +17,24 @@
 //!   bus, or by the holder's lease end (its instance may be gone).
 //! - **Memory** (`memory.rs`, embedded mode): the fleet is this process; tokens are minted
 //!   the same way from the local clock.
+//! - **MySQL / MariaDB** (`mysql.rs`): a row per resource in a lock table, taken by one
+//!   `INSERT … ON DUPLICATE KEY UPDATE` that bumps its durable fence column; waiters poll.
+//! - **Redlock** (`redlock.rs`): a majority of independent Redis masters; the token is read
+//!   from and written back to that majority; waiters poll.
 
 mod memory;
+mod mysql;
 mod redis;
+mod redlock;
 
 use std::time::Duration;
 
 use tokio::time::Instant;
 
 pub(crate) use self::memory::MemoryLocks;
+pub(crate) use self::mysql::MysqlLocks;
 pub(crate) use self::redis::RedisLocks;
+pub(crate) use self::redlock::RedlockLocks;
 
 /// A lock held on one resource.
 #[derive(Debug)]
@@ -39,6 +47,9 @@ pub(crate) struct Grant {
     resource: u128,
     /// This grant's owner id: a renewal or release of an older grant never touches it.
     owner: String,
+    /// The backend's name for the resource where it is not derived from `resource` (a
+    /// MySQL row's key); empty otherwise.
+    key: String,
 }
 
 /// Why a lock was not granted.
@@ -55,6 +66,10 @@ pub(crate) enum AcquireError {
 pub(crate) enum LockService {
     Redis(RedisLocks),
     Memory(MemoryLocks),
+    Mysql(MysqlLocks),
+    Redlock(RedlockLocks),
+    /// A `[locks.<name>]` that could not be set up (logged at start): never grants.
+    Unusable,
 }
 
 impl LockService {
@@ -67,13 +82,16 @@ impl LockService {
     pub(crate) async fn acquire(
         &self,
         resource: u128,
-        _path: &str,
+        path: &str,
         lease: Duration,
         deadline: Instant,
     ) -> Result<Grant, AcquireError> {
         match self {
             LockService::Redis(redis) => redis.acquire(resource, lease, deadline).await,
             LockService::Memory(memory) => Ok(memory.acquire(resource, lease)),
+            LockService::Mysql(mysql) => mysql.acquire(resource, path, lease, deadline).await,
+            LockService::Redlock(redlock) => redlock.acquire(resource, lease, deadline).await,
+            LockService::Unusable => Err(AcquireError::Unavailable),
         }
     }
 
@@ -90,6 +108,9 @@ impl LockService {
                 grant.expires = Instant::now() + lease;
                 Ok(true)
             }
+            LockService::Mysql(mysql) => mysql.renew(grant, lease).await,
+            LockService::Redlock(redlock) => redlock.renew(grant, lease).await,
+            LockService::Unusable => Err(AcquireError::Unavailable),
         }
     }
 
@@ -97,7 +118,9 @@ impl LockService {
     pub(crate) async fn release(&self, grant: Grant) {
         match self {
             LockService::Redis(redis) => redis.release(grant).await,
-            LockService::Memory(_) => {}
+            LockService::Mysql(mysql) => mysql.release(grant).await,
+            LockService::Redlock(redlock) => redlock.release(grant).await,
+            LockService::Memory(_) | LockService::Unusable => {}
         }
     }
 }
@@ -108,14 +131,83 @@ pub(crate) fn next_token(last: u64, now_us: u64) -> u64 {
     last.saturating_add(1).max(now_us)
 }
 
-/// The lock service a `[locks.<name>]` section describes, connected (or trying to).
+/// How a waiter that cannot be woken (a backend without events) sleeps between tries:
+/// from 5 ms doubling to 100 ms, each sleep jittered between half and all of it (waiters of
+/// several instances spread out), and never much past the holder's lease end.
+#[derive(Debug)]
+pub(super) struct Backoff {
+    next: Duration,
+}
+
+impl Backoff {
+    const MIN: Duration = Duration::from_millis(5);
+    const MAX: Duration = Duration::from_millis(100);
+
+    pub(super) fn new() -> Self {
+        Backoff { next: Self::MIN }
+    }
+
+    /// The next sleep, the holder's lock ending in `held_for`.
+    pub(super) fn next(&mut self, held_for: Duration) -> Duration {
+        let step = self.next;
+        self.next = (step * 2).min(Self::MAX);
+        let jittered = step / 2 + step.mul_f64(rand::random::<f64>() / 2.0);
+        jittered.min(held_for + Self::MIN)
+    }
+}
+
+/// The lock service a `[locks.<name>]` section describes, connected (or trying to: one that
+/// cannot be used now is logged, with what is wrong, and kept; its calls fail as
+/// `Unavailable` until it can).
 pub(crate) async fn connect(config: &crate::config::LockBackendConfig) -> LockService {
-    match &config.backend {
-        crate::config::LockBackend::Etcd { .. }
-        | crate::config::LockBackend::ZooKeeper { .. }
-        | crate::config::LockBackend::Mysql { .. }
-        | crate::config::LockBackend::Redlock { .. } => {
+    use crate::config::LockBackend;
+    let name = &config.name;
+    let made = match &config.backend {
+        LockBackend::Mysql { url, table } => match MysqlLocks::new(name, url, table) {
+            Ok(mysql) => {
+                mysql.check_at_start(url).await;
+                Ok(LockService::Mysql(mysql))
+            }
+            Err(error) => Err(error),
+        },
+        LockBackend::Redlock { urls, drift } => match RedlockLocks::new(urls, *drift) {
+            Ok(redlock) => {
+                redlock.check_at_start(name).await;
+                Ok(LockService::Redlock(redlock))
+            }
+            Err(error) => Err(error),
+        },
+        LockBackend::Etcd { .. } | LockBackend::ZooKeeper { .. } => {
             unimplemented!("lock backend {} is being built", config.backend.kind())
         }
+    };
+    made.unwrap_or_else(|error| {
+        tracing::error!(
+            message = "Lock service cannot be set up; routes using it follow their \
+                       on_redis_error.",
+            lock = %name,
+            backend = config.backend.kind(),
+            %error,
+        );
+        LockService::Unusable
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_to_its_cap_jittered_and_stops_at_the_lease_end() {
+        let mut backoff = Backoff::new();
+        let mut caps = Vec::new();
+        for _ in 0..8 {
+            let cap = backoff.next;
+            let sleep = backoff.next(Duration::from_secs(10));
+            assert!(sleep >= cap / 2 && sleep <= cap, "{sleep:?} for {cap:?}");
+            caps.push(cap.as_millis());
+        }
+        assert_eq!(caps, [5, 10, 20, 40, 80, 100, 100, 100]);
+        assert!(backoff.next(Duration::ZERO) <= Backoff::MIN);
     }
 }

@@ -41,6 +41,7 @@ impl MemoryLocks {
             expires: Instant::now() + lease,
             resource,
             owner: String::new(),
+            key: String::new(),
         }
     }
 }

@@ -111,6 +111,7 @@ impl RedisLocks {
                         expires: sent + lease,
                         resource,
                         owner,
+                        key: String::new(),
                     });
                 }
                 (_, pttl) => {
