@@ -326,6 +326,9 @@ impl MysqlLocks {
                         return Err(AcquireError::Timeout);
                     }
                     tokio::time::sleep_until((now + backoff.next(left)).min(deadline)).await;
+                    if Instant::now() >= deadline {
+                        return Err(AcquireError::Timeout);
+                    }
                 }
                 Err(failure) => {
                     // The take may have landed: give it back (its owner id is ours alone).

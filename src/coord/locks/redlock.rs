@@ -366,6 +366,9 @@ impl RedlockLocks {
                 return Err(AcquireError::Timeout);
             }
             tokio::time::sleep_until((now + backoff.next(tally.held_for())).min(deadline)).await;
+            if Instant::now() >= deadline {
+                return Err(AcquireError::Timeout);
+            }
         }
     }
 
@@ -474,6 +477,158 @@ fn millis(duration: Duration) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::test_redis::TestRedis;
+
+    const LEASE: Duration = Duration::from_secs(10);
+
+    async fn masters(n: usize) -> Vec<TestRedis> {
+        let mut servers = Vec::new();
+        for _ in 0..n {
+            servers.push(TestRedis::start().await);
+        }
+        servers
+    }
+
+    fn service(servers: &[TestRedis]) -> RedlockLocks {
+        let urls: Vec<String> = servers.iter().map(TestRedis::url).collect();
+        RedlockLocks::new(&urls, 0.01).expect("Redis URLs")
+    }
+
+    fn within(ms: u64) -> Instant {
+        Instant::now() + Duration::from_millis(ms)
+    }
+
+    async fn grant(locks: &RedlockLocks) -> Grant {
+        locks
+            .acquire(7, LEASE, within(2_000))
+            .await
+            .expect("granted")
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn grants_exclude_renew_release_and_tokens_grow() {
+        let servers = masters(3).await;
+        let (a, b) = (service(&servers), service(&servers));
+        let mut first = grant(&a).await;
+        assert!(first.expires <= Instant::now() + LEASE - LEASE / 100);
+        assert_eq!(
+            b.acquire(7, LEASE, within(150)).await.map(|g| g.token),
+            Err(AcquireError::Timeout)
+        );
+        assert_eq!(a.renew(&mut first, LEASE).await, Ok(true));
+        let token = first.token;
+        a.release(first).await;
+        let second = grant(&b).await;
+        assert!(second.token > token, "{} after {token}", second.token);
+        // The token was written back to the masters of the grant.
+        let mut written = 0;
+        for server in &servers {
+            let fence: Option<u64> = redis::cmd("GET")
+                .arg(Keyspace::redlock().serialized(7).fence)
+                .query_async(&mut server.conn().await)
+                .await
+                .expect("GET");
+            written += usize::from(fence == Some(second.token));
+        }
+        assert!(written >= 2, "on a majority: {written}");
+        b.release(second).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_grant_past_its_validity_is_taken_over_and_its_renewal_says_lost() {
+        let servers = masters(3).await;
+        let (a, b) = (service(&servers), service(&servers));
+        let lease = Duration::from_millis(300);
+        let mut old = a.acquire(7, lease, within(1_000)).await.expect("granted");
+        let new = b
+            .acquire(7, LEASE, within(2_000))
+            .await
+            .expect("taken over");
+        assert!(new.token > old.token);
+        assert_eq!(a.renew(&mut old, lease).await, Ok(false));
+        a.release(old).await;
+        assert!(
+            a.acquire(7, LEASE, within(150)).await.is_err(),
+            "still the new holder's"
+        );
+    }
+
+    /// A minority down: grants go on. A majority down: `Unavailable` at once (within a
+    /// call's bound), not at the deadline. One master restarted empty: tokens still grow.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_minority_down_grants_a_majority_down_does_not_and_tokens_grow() {
+        let mut servers = masters(5).await;
+        let locks = service(&servers);
+        let first = grant(&locks).await;
+        let last = first.token;
+        locks.release(first).await;
+        servers[0].kill();
+        servers[1].kill();
+        let next = grant(&locks).await;
+        assert!(next.token > last);
+        locks.release(next).await;
+        servers[2].kill();
+        let started = Instant::now();
+        let down = locks.acquire(7, LEASE, within(5_000)).await;
+        assert_eq!(down.map(|g| g.token), Err(AcquireError::Unavailable));
+        assert!(
+            started.elapsed() < Duration::from_secs(1),
+            "{:?}",
+            started.elapsed()
+        );
+        let mut before = 0;
+        for server in &mut servers[..3] {
+            server.restart().await;
+        }
+        // Three of five restarted empty at once: only the clock floor keeps the order.
+        for _ in 0..3 {
+            let grant = grant(&locks).await;
+            assert!(grant.token > before);
+            before = grant.token;
+            locks.release(grant).await;
+        }
+    }
+
+    /// Takers of several instances at once: one grant at a time, tokens distinct.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn concurrent_takers_get_one_grant_at_a_time() {
+        let servers = masters(3).await;
+        let services: Vec<std::sync::Arc<RedlockLocks>> = (0..4)
+            .map(|_| std::sync::Arc::new(service(&servers)))
+            .collect();
+        let held = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let tasks: Vec<_> = (0..16)
+            .map(|i| {
+                let (locks, held) = (
+                    std::sync::Arc::clone(&services[i % 4]),
+                    std::sync::Arc::clone(&held),
+                );
+                tokio::spawn(async move {
+                    let grant = locks
+                        .acquire(7, LEASE, within(20_000))
+                        .await
+                        .expect("every taker gets its turn");
+                    assert_eq!(
+                        held.fetch_add(1, std::sync::atomic::Ordering::SeqCst),
+                        0,
+                        "two holders"
+                    );
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                    held.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+                    let token = grant.token;
+                    locks.release(grant).await;
+                    token
+                })
+            })
+            .collect();
+        let mut tokens = Vec::new();
+        for task in tasks {
+            tokens.push(task.await.expect("taker"));
+        }
+        tokens.sort_unstable();
+        tokens.dedup();
+        assert_eq!(tokens.len(), 16);
+    }
 
     fn set(last: u64, now_us: u64) -> Vote {
         Vote::Set { last, now_us }
