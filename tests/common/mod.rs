@@ -3,6 +3,7 @@
 //! - [`RedisServer`]: a real `redis-server` on a free loopback port (always the real server).
 //! - [`RedisCluster`]: a real six-node Redis Cluster (three primaries, three replicas).
 //! - [`MariaDb`]: a real MariaDB server (the MySQL lock service's tests).
+//! - [`lock_faults`]: serialized writes on a `[locks.<name>]` service under a nemesis.
 //! - [`TestOrigin`]: the fake origin API (counters, in-flight gauge, per-path behaviour).
 //! - [`CgConfig`] / [`config_toml`] + [`start_cacheguard`]: an in-process cacheguard.
 //! - [`HttpClient`]: keep-alive client; [`raw_request`] for exact headers.
@@ -28,6 +29,7 @@ pub mod history;
 pub mod hot;
 pub mod jepsen;
 pub mod load;
+pub mod lock_faults;
 pub mod mariadb;
 pub mod origin;
 pub mod process;
