@@ -13,7 +13,7 @@ use std::time::Duration;
 use common::history::Epoch;
 use common::lock_faults::{self, Expect, FAULT_AT, LEASE};
 use common::shop::{Shop, seat};
-use common::{HttpClient, MariaDb, metrics, spawn_cacheguard_process};
+use common::{HttpClient, MariaDb, spawn_cacheguard_process};
 use tokio::time::Instant;
 
 fn lock(db: &MariaDb) -> Vec<(&'static str, String)> {
@@ -78,31 +78,7 @@ async fn mariadb_down_rejects_or_forwards_as_configured() {
     let mut db = MariaDb::start().await;
     let lock = lock(&db);
     db.kill();
-    for (policy, status, result) in [("reject", 503, "unavailable"), ("forward", 200, "ungated")] {
-        let shop = Shop::start(Epoch::now(), &[]).await;
-        let cg = lock_faults::config(&shop.url(), &lock, policy)
-            .start()
-            .await;
-        let client = HttpClient::new();
-        for _ in 0..3 {
-            let started = Instant::now();
-            let resp = common::put(&client, cg.addr(), &seat("t1", "1A")).await;
-            assert_eq!(resp.status.as_u16(), status, "{policy}: {resp:?}");
-            assert!(
-                started.elapsed() < Duration::from_secs(1),
-                "{policy}: answered after {:?}",
-                started.elapsed()
-            );
-        }
-        let reached = if policy == "reject" { 0 } else { 3 };
-        assert_eq!(shop.write_log().writes.len(), reached, "{policy}");
-        let counted = metrics(&client, cg.admin_addr()).await.sum(
-            "cacheguard_serialized_writes_total",
-            &[("route", "seat-update"), ("result", result)],
-        );
-        assert_eq!(counted, 3.0, "{policy}");
-        cg.shutdown().await;
-    }
+    lock_faults::assert_down_per_policy(&lock, Duration::from_secs(1)).await;
 }
 
 /// A lock service that cannot be used is named at start with what is wrong (a refused

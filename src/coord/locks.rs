@@ -66,7 +66,8 @@ pub(crate) enum AcquireError {
 pub(crate) enum LockService {
     Redis(RedisLocks),
     Memory(MemoryLocks),
-    Mysql(MysqlLocks),
+    /// Boxed: its pool's handle and statements are large beside the others.
+    Mysql(Box<MysqlLocks>),
     Redlock(RedlockLocks),
     /// A `[locks.<name>]` that could not be set up (logged at start): never grants.
     Unusable,
@@ -166,7 +167,7 @@ pub(crate) async fn connect(config: &crate::config::LockBackendConfig) -> LockSe
         LockBackend::Mysql { url, table } => match MysqlLocks::new(name, url, table) {
             Ok(mysql) => {
                 mysql.check_at_start(url).await;
-                Ok(LockService::Mysql(mysql))
+                Ok(LockService::Mysql(Box::new(mysql)))
             }
             Err(error) => Err(error),
         },

@@ -320,3 +320,31 @@ impl Verdict {
             .count()
     }
 }
+
+/// With `lock`'s service down: `reject` answers 503 and the shop sees nothing; `forward`
+/// forwards every write, unserialized and counted; each answer within `within`.
+pub async fn assert_down_per_policy(lock: &[(&str, String)], within: Duration) {
+    for (policy, status, result) in [("reject", 503, "unavailable"), ("forward", 200, "ungated")] {
+        let shop = Shop::start(Epoch::now(), &[]).await;
+        let cg = config(&shop.url(), lock, policy).start().await;
+        let client = HttpClient::new();
+        for _ in 0..3 {
+            let started = tokio::time::Instant::now();
+            let resp = super::put(&client, cg.addr(), &seats()[0]).await;
+            assert_eq!(resp.status.as_u16(), status, "{policy}: {resp:?}");
+            assert!(
+                started.elapsed() < within,
+                "{policy}: answered after {:?}",
+                started.elapsed()
+            );
+        }
+        let reached = if policy == "reject" { 0 } else { 3 };
+        assert_eq!(shop.write_log().writes.len(), reached, "{policy}");
+        let counted = metrics(&client, cg.admin_addr()).await.sum(
+            "cacheguard_serialized_writes_total",
+            &[("route", "seat-update"), ("result", result)],
+        );
+        assert_eq!(counted, 3.0, "{policy}");
+        cg.shutdown().await;
+    }
+}

@@ -289,8 +289,8 @@ impl MysqlLocks {
                     Err(failure) => Err(failure),
                 }
             })
-            .await
-            .map(|()| ())
+            .await?;
+        Ok(())
     }
 
     pub(super) async fn acquire(
