@@ -166,10 +166,11 @@ impl Master {
         if let Some(conn) = self.current() {
             return Some(conn);
         }
+        // The connection outlives this call: each call bounds its own answer (`call`).
         let limit = bound.saturating_duration_since(Instant::now());
         let settings = redis::AsyncConnectionConfig::new()
             .set_connection_timeout(Some(limit))
-            .set_response_timeout(Some(limit));
+            .set_response_timeout(None);
         let conn = tokio::time::timeout_at(
             bound,
             self.client
@@ -503,6 +504,27 @@ mod tests {
             .acquire(7, LEASE, within(2_000))
             .await
             .expect("granted")
+    }
+
+    /// A connection made with little of a call's bound left is kept for later calls: it
+    /// must not keep that bound as its response timeout (it did: every later answer slower
+    /// than it failed, and the connection was made again).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_connection_made_late_in_a_call_keeps_no_short_timeout() {
+        let servers = masters(1).await;
+        let locks = service(&servers);
+        let master = &locks.masters[0];
+        assert!(master.connection(within(50)).await.is_some());
+        // About 100 ms of Lua on this machine: slower than the first call's bound.
+        let slow = Script::new("local n = 0 for i = 1, 20000000 do n = n + 1 end return 1");
+        let started = Instant::now();
+        let answer = master.call::<i64>(&slow, &[], &[], within(5_000)).await;
+        assert!(
+            started.elapsed() > Duration::from_millis(50),
+            "{:?}",
+            started.elapsed()
+        );
+        assert_eq!(answer, Some(1));
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
