@@ -205,18 +205,23 @@ done
 
 # --- summary -------------------------------------------------------------------------------
 
-median_of() { sort -n | awk '{ v[NR] = $1 } END { print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
+# spread: "median (min–max)" of the numbers on stdin.
+spread() {
+    sort -n | awk '{ v[NR] = $1 } END {
+        m = (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2
+        if (NR == 1) print m; else printf "%s (%s–%s)\n", m, v[1], v[NR] }'
+}
 {
     echo "## Lock services: handoffs on one resource and uncontended write overhead"
     echo
     echo "$(date -u +%Y-%m-%d), $(nproc) cores, cacheguard release build, shared mode (one redis-server),"
     echo "nginx origin answering at once, MariaDB $MARIADB_VERSION, Redlock over 3 local redis-servers;"
-    echo "$REPS rounds of ${DURATION} s per measurement, backends interleaved; medians."
+    echo "$REPS rounds of ${DURATION} s per measurement, backends interleaved; median (min–max)."
     echo
     echo "| backend | handoffs/s on one resource (2 instances) | non-2xx | serialized write p50 / p99 | unserialized p50 / p99 | overhead (p50) |"
     echo "|---|---:|---:|---:|---:|---:|"
     for backend in $BACKENDS; do
-        col() { awk -F'\t' -v b="$backend" -v c="$1" 'NR > 1 && $2 == b { print $c }' "$OUT/raw.tsv" | median_of; }
+        col() { awk -F'\t' -v b="$backend" -v c="$1" 'NR > 1 && $2 == b { print $c }' "$OUT/raw.tsv" | spread; }
         printf '| %s | %s | %s | %s / %s ms | %s / %s ms | %s ms |\n' "$backend" "$(col 3)" "$(col 4)" \
             "$(col 5)" "$(col 6)" "$(col 7)" "$(col 8)" "$(col 9)"
     done
