@@ -39,6 +39,15 @@ for tool in etcd:etcd-server /usr/share/java/zookeeper.jar:zookeeper java:defaul
     fi
 done
 
+# Real MariaDB for the MySQL lock service's tests (tests/common/mariadb.rs starts its own
+# servers on free loopback ports, data in temporary directories; a system instance the
+# package may start is left alone).
+if [ ! -x /usr/sbin/mariadbd ] || [ ! -x /usr/bin/mariadb-install-db ]; then
+    echo "== installing mariadb-server"
+    as_root apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq mariadb-server >/dev/null
+fi
+
 # Real Prometheus and promtool for tests/dashboards.rs (every dashboard panel and alert
 # expression in dashboards/ is evaluated by a real Prometheus).
 if ! command -v prometheus >/dev/null 2>&1 || ! command -v promtool >/dev/null 2>&1; then

@@ -2330,3 +2330,23 @@ fn etcd_and_zookeeper_addresses_and_credentials_are_checked_before_connecting() 
         .is_ok()
     );
 }
+
+#[test]
+fn mysql_and_redlock_urls_are_checked_by_their_clients() {
+    let bad_port = problem(&with_minimal(
+        "[locks.db]\nbackend = \"mysql\"\nurl = \"mysql://u:secret@127.0.0.1:notaport/app\"\n",
+    ));
+    assert!(
+        bad_port.starts_with("test.toml:5: locks.db.url: expected a URL like \"mysql://"),
+        "{bad_port}"
+    );
+    assert!(!bad_port.contains("secret"), "{bad_port}");
+    let bad_master = problem(&with_minimal(
+        "[locks.rl]\nbackend = \"redlock\"\nurls = [\"redis://127.0.0.1:7001\", \
+         \"redis://127.0.0.1:x\", \"redis://127.0.0.1:7003\"]\n",
+    ));
+    assert!(
+        bad_master.starts_with("test.toml:5: locks.rl.urls[1]: expected a Redis URL"),
+        "{bad_master}"
+    );
+}

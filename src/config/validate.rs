@@ -1398,7 +1398,10 @@ impl Checker<'_> {
         routes
     }
 
-    #[allow(clippy::too_many_arguments)]
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "the route's index, text and the config's sections it refers to"
+    )]
     fn route(
         &mut self,
         i: usize,

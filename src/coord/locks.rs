@@ -22,10 +22,16 @@
 //! - **ZooKeeper** (`zookeeper.rs`, `backend = "zookeeper"`): Curator's `InterProcessMutex`
 //!   recipe (ephemeral sequential nodes, the lowest holds), held by the process's session;
 //!   the token is the lock node's `czxid`.
+//! - **MySQL / MariaDB** (`mysql.rs`): a row per resource in a lock table, taken by one
+//!   `INSERT … ON DUPLICATE KEY UPDATE` that bumps its durable fence column; waiters poll.
+//! - **Redlock** (`redlock.rs`): a majority of independent Redis masters; the token is read
+//!   from and written back to that majority; waiters poll.
 
 mod etcd;
 mod memory;
+mod mysql;
 mod redis;
+mod redlock;
 #[cfg(test)]
 pub(crate) mod test_servers;
 mod zookeeper;
@@ -36,7 +42,9 @@ use tokio::time::Instant;
 
 use self::etcd::{EtcdGrant, EtcdLocks, EtcdSettings};
 pub(crate) use self::memory::MemoryLocks;
+pub(crate) use self::mysql::MysqlLocks;
 pub(crate) use self::redis::RedisLocks;
+pub(crate) use self::redlock::RedlockLocks;
 use self::zookeeper::{ZooKeeperGrant, ZooKeeperLocks, ZooKeeperSettings};
 
 /// A lock held on one resource.
@@ -50,6 +58,9 @@ pub(crate) struct Grant {
     resource: u128,
     /// This grant's owner id: a renewal or release of an older grant never touches it.
     owner: String,
+    /// The backend's name for the resource where it is not derived from `resource` (a
+    /// MySQL row's key); empty otherwise.
+    key: String,
     /// What the backend holds for it, beyond the owner id.
     handle: Handle,
 }
@@ -81,6 +92,11 @@ pub(crate) enum LockService {
     Memory(MemoryLocks),
     Etcd(EtcdLocks),
     ZooKeeper(ZooKeeperLocks),
+    /// Boxed: its pool's handle and statements are large beside the others.
+    Mysql(Box<MysqlLocks>),
+    Redlock(RedlockLocks),
+    /// A `[locks.<name>]` that could not be set up (logged at start): never grants.
+    Unusable,
 }
 
 impl LockService {
@@ -102,6 +118,9 @@ impl LockService {
             LockService::Memory(memory) => Ok(memory.acquire(resource, lease)),
             LockService::Etcd(etcd) => etcd.acquire(resource, path, lease, deadline).await,
             LockService::ZooKeeper(zk) => zk.acquire(resource, path, lease, deadline).await,
+            LockService::Mysql(mysql) => mysql.acquire(resource, path, lease, deadline).await,
+            LockService::Redlock(redlock) => redlock.acquire(resource, lease, deadline).await,
+            LockService::Unusable => Err(AcquireError::Unavailable),
         }
     }
 
@@ -120,6 +139,9 @@ impl LockService {
             }
             LockService::Etcd(etcd) => etcd.renew(grant, lease).await,
             LockService::ZooKeeper(zk) => zk.renew(grant, lease).await,
+            LockService::Mysql(mysql) => mysql.renew(grant, lease).await,
+            LockService::Redlock(redlock) => redlock.renew(grant, lease).await,
+            LockService::Unusable => Err(AcquireError::Unavailable),
         }
     }
 
@@ -127,9 +149,11 @@ impl LockService {
     pub(crate) async fn release(&self, grant: Grant) {
         match self {
             LockService::Redis(redis) => redis.release(grant).await,
-            LockService::Memory(_) => {}
             LockService::Etcd(etcd) => etcd.release(grant).await,
             LockService::ZooKeeper(zk) => zk.release(grant),
+            LockService::Mysql(mysql) => mysql.release(grant).await,
+            LockService::Redlock(redlock) => redlock.release(grant).await,
+            LockService::Memory(_) | LockService::Unusable => {}
         }
     }
 }
@@ -160,19 +184,47 @@ pub(crate) fn next_token(last: u64, now_us: u64) -> u64 {
     last.saturating_add(1).max(now_us)
 }
 
+/// How a waiter that cannot be woken (a backend without events) sleeps between tries:
+/// from 5 ms doubling to 100 ms, each sleep jittered between half and all of it (waiters of
+/// several instances spread out), and never much past the holder's lease end.
+#[derive(Debug)]
+pub(super) struct Backoff {
+    next: Duration,
+}
+
+impl Backoff {
+    const MIN: Duration = Duration::from_millis(5);
+    const MAX: Duration = Duration::from_millis(100);
+
+    pub(super) fn new() -> Self {
+        Backoff { next: Self::MIN }
+    }
+
+    /// The next sleep, the holder's lock ending in `held_for`.
+    pub(super) fn next(&mut self, held_for: Duration) -> Duration {
+        let step = self.next;
+        self.next = (step * 2).min(Self::MAX);
+        let jittered = step / 2 + step.mul_f64(rand::random::<f64>() / 2.0);
+        jittered.min(held_for + Self::MIN)
+    }
+}
+
 /// The lock service a `[locks.<name>]` section describes, connected (or trying to: one that
-/// cannot be reached is logged, naming the lock, and tried again in the background).
+/// cannot be used now is logged, naming the lock and what is wrong, and kept; its calls
+/// fail as `Unavailable` until it can; etcd and ZooKeeper go on trying in the background).
 pub(crate) async fn connect(config: &crate::config::LockBackendConfig) -> LockService {
-    match &config.backend {
-        crate::config::LockBackend::Etcd {
+    use crate::config::LockBackend;
+    let name = &config.name;
+    let made = match &config.backend {
+        LockBackend::Etcd {
             endpoints,
             prefix,
             username,
             password,
             connect_timeout,
-        } => LockService::Etcd(
+        } => Ok(LockService::Etcd(
             EtcdLocks::connect(EtcdSettings {
-                name: config.name.clone(),
+                name: name.clone(),
                 endpoints: endpoints.clone(),
                 prefix: prefix.clone(),
                 user: username
@@ -181,24 +233,45 @@ pub(crate) async fn connect(config: &crate::config::LockBackendConfig) -> LockSe
                 connect_timeout: *connect_timeout,
             })
             .await,
-        ),
-        crate::config::LockBackend::ZooKeeper {
+        )),
+        LockBackend::ZooKeeper {
             connect,
             path,
             session_timeout,
-        } => LockService::ZooKeeper(
+        } => Ok(LockService::ZooKeeper(
             ZooKeeperLocks::connect(ZooKeeperSettings {
-                name: config.name.clone(),
+                name: name.clone(),
                 connect: connect.clone(),
                 path: path.clone(),
                 session_timeout: *session_timeout,
             })
             .await,
-        ),
-        crate::config::LockBackend::Mysql { .. } | crate::config::LockBackend::Redlock { .. } => {
-            unimplemented!("lock backend {} is being built", config.backend.kind())
-        }
-    }
+        )),
+        LockBackend::Mysql { url, table } => match MysqlLocks::new(name, url, table) {
+            Ok(mysql) => {
+                mysql.check_at_start(url).await;
+                Ok(LockService::Mysql(Box::new(mysql)))
+            }
+            Err(error) => Err(error),
+        },
+        LockBackend::Redlock { urls, drift } => match RedlockLocks::new(urls, *drift) {
+            Ok(redlock) => {
+                redlock.check_at_start(name).await;
+                Ok(LockService::Redlock(redlock))
+            }
+            Err(error) => Err(error),
+        },
+    };
+    made.unwrap_or_else(|error| {
+        tracing::error!(
+            message = "Lock service cannot be set up; routes using it follow their \
+                       on_redis_error.",
+            lock = %name,
+            backend = config.backend.kind(),
+            %error,
+        );
+        LockService::Unusable
+    })
 }
 
 /// What the backends' tests against real servers share.
@@ -239,5 +312,24 @@ pub(crate) mod testing {
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_to_its_cap_jittered_and_stops_at_the_lease_end() {
+        let mut backoff = Backoff::new();
+        let mut caps = Vec::new();
+        for _ in 0..8 {
+            let cap = backoff.next;
+            let sleep = backoff.next(Duration::from_secs(10));
+            assert!(sleep >= cap / 2 && sleep <= cap, "{sleep:?} for {cap:?}");
+            caps.push(cap.as_millis());
+        }
+        assert_eq!(caps, [5, 10, 20, 40, 80, 100, 100, 100]);
+        assert!(backoff.next(Duration::ZERO) <= Backoff::MIN);
     }
 }

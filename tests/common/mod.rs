@@ -2,6 +2,8 @@
 //!
 //! - [`RedisServer`]: a real `redis-server` on a free loopback port (always the real server).
 //! - [`RedisCluster`]: a real six-node Redis Cluster (three primaries, three replicas).
+//! - [`MariaDb`]: a real MariaDB server (the MySQL lock service's tests).
+//! - [`lock_faults`]: serialized writes on a `[locks.<name>]` service under a nemesis.
 //! - [`TestOrigin`]: the fake origin API (counters, in-flight gauge, per-path behaviour).
 //! - [`CgConfig`] / [`config_toml`] + [`start_cacheguard`]: an in-process cacheguard.
 //! - [`HttpClient`]: keep-alive client; [`raw_request`] for exact headers.
@@ -30,8 +32,10 @@ pub mod history;
 pub mod hot;
 pub mod jepsen;
 pub mod load;
+pub mod lock_faults;
 #[path = "../../src/coord/locks/test_servers.rs"]
 pub mod lock_servers;
+pub mod mariadb;
 pub mod origin;
 pub mod process;
 pub mod prom;
@@ -55,6 +59,7 @@ pub use client::{
     HttpClient, Resp, empty_body, raw_bytes, raw_request, raw_request_from, raw_until_closed,
     stalled_get, status_of,
 };
+pub use mariadb::MariaDb;
 pub use origin::{IdsFault, IdsFormat, TestOrigin, default_body};
 pub use process::{
     CacheguardProcess, spawn_cacheguard_process, spawn_cacheguard_process_with_args,

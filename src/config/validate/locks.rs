@@ -215,6 +215,11 @@ impl Checker<'_> {
                     &key("url"),
                     1,
                 );
+                if let Some(text) = urls.first()
+                    && let Err(problem) = crate::config::values::check_mysql_url(text)
+                {
+                    self.report(url.span(), key("url"), problem);
+                }
                 let table = match &raw.table {
                     None => defaults::MYSQL_TABLE.to_owned(),
                     Some(t) => {
@@ -250,6 +255,13 @@ impl Checker<'_> {
                 // Fewer than three masters: a majority is all of them, and one down stops
                 // every grant; Redlock's point is to survive a minority.
                 let urls = self.urls(list, &["redis", "rediss"], &key("urls"), 3);
+                for (i, url) in list.get_ref().iter().enumerate() {
+                    if urls.contains(url.get_ref())
+                        && let Err(problem) = crate::config::values::check_redis_url(url.get_ref())
+                    {
+                        self.report(url.span(), format!("{}[{i}]", key("urls")), problem);
+                    }
+                }
                 let drift = match &raw.drift {
                     None => defaults::REDLOCK_DRIFT,
                     Some(d) => {

@@ -155,6 +155,7 @@ impl EtcdLocks {
                     expires: sent + lease.min(ttl),
                     resource,
                     owner,
+                    key: String::new(),
                     handle: Handle::Etcd(EtcdGrant {
                         lease: lease_id,
                         ttl,

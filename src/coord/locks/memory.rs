@@ -42,6 +42,7 @@ impl MemoryLocks {
             resource,
             owner: String::new(),
             handle: Handle::None,
+            key: String::new(),
         }
     }
 }

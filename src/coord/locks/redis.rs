@@ -112,6 +112,7 @@ impl RedisLocks {
                         resource,
                         owner,
                         handle: Handle::None,
+                        key: String::new(),
                     });
                 }
                 (_, pttl) => {

@@ -134,6 +134,7 @@ impl ZooKeeperLocks {
             expires: sent + lease.min(client.session_timeout()),
             resource,
             owner,
+            key: String::new(),
             handle: Handle::ZooKeeper(ZooKeeperGrant { node }),
         })
     }
