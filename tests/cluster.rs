@@ -121,10 +121,17 @@ async fn cluster_topology_is_reported_and_l2_serves_hits() {
         cluster.resume(*port);
     }
     let exp = common::metrics(&client, stopped.admin_addr()).await;
+    let (errors, acquired, unreplicated) = exp.replicated_locks();
+    // The warm-up's WAIT is replicated in time on a quiet machine, but may miss its 100 ms
+    // on a loaded one: the four made while every replica was stopped are all unreplicated.
     assert_eq!(
-        exp.replicated_locks(),
-        (0.0, 5.0, 4.0),
-        "(redis_errors{{op=\"lock\"}}, acquired, unreplicated) with every replica stopped"
+        (errors, acquired),
+        (0.0, 5.0),
+        "(redis_errors{{op=\"lock\"}}, acquired) with every replica stopped"
+    );
+    assert!(
+        (4.0..=5.0).contains(&unreplicated),
+        "every WAIT made while the replicas were stopped is unreplicated: {unreplicated}"
     );
 }
 

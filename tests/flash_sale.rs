@@ -49,7 +49,7 @@ const SHOP_LATENCY: Duration = Duration::from_millis(20);
 /// The shop's time to sell just before an instance is killed (many buys in flight).
 const MID_BUY_LATENCY: Duration = Duration::from_millis(300);
 
-/// The gate as stock-design.md declares it, with short intervals for short runs.
+/// The gate as README's "Flash sales" section declares it, with short intervals for short runs.
 fn stock_table(segments: u32) -> String {
     format!(
         r#"
@@ -441,7 +441,7 @@ async fn scenario(topology: Topology, nemesis: Fault, flood_max: Option<f64>) {
 
 // === the harness checks itself: no gate, the shop alone decides ===
 
-/// The gate's config is the TOML of stock-design.md (it parses, with the designed keys),
+/// The gate's config is the TOML README shows (it parses, with the documented keys),
 /// so flipping [`STOCK_GATE`] tests the gate as users will write it.
 #[test]
 fn gate_config_is_the_designed_toml() {
@@ -472,11 +472,15 @@ fn gate_config_is_the_designed_toml() {
 async fn harness_without_gate_sees_the_flood() {
     let verdict = flash_sale(Topology::Standalone, Fault::None, 3, false).await;
     verdict.assert(false, None);
-    let successes = verdict.history.summary().count(Outcome::Ok) as u64;
-    assert_eq!(
-        successes,
-        verdict.log.sold(),
-        "every sale answered, no fault"
+    let summary = verdict.history.summary();
+    let successes = summary.count(Outcome::Ok) as u64;
+    let unknown = summary.count(Outcome::Info) as u64;
+    // No fault: every sale is answered as one, but for a request that timed out on a
+    // loaded machine (its outcome unknown to the client).
+    assert!(
+        successes <= verdict.log.sold() && verdict.log.sold() <= successes + unknown,
+        "every sale answered, no fault: {successes} successes, {unknown} unknown, {} sold",
+        verdict.log.sold()
     );
     let flood = flood_factor(&verdict.log);
     assert!(

@@ -9,8 +9,9 @@
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use http_body::{Body as HttpBody, Frame, SizeHint};
+use http_body_util::BodyExt;
 use hyper::body::Incoming;
 
 use super::access_log::Pending;
@@ -137,4 +138,32 @@ impl HttpBody for Body {
             Body::Logged(logged) => logged.inner.size_hint(),
         }
     }
+}
+
+/// A streamed answer read up to a limit: whole, or the part read and the rest unread.
+#[derive(Debug)]
+pub(crate) enum Read {
+    Whole(Bytes),
+    /// Over the limit: the part read so far, then the rest, streamed on unread.
+    TooLarge(Body),
+}
+
+/// Reads a streamed answer whole, up to `limit` bytes.
+pub(crate) async fn read_whole(body: Body, limit: usize) -> Result<Read, hyper::Error> {
+    let mut incoming = match body {
+        Body::Stream(incoming) => incoming,
+        Body::Full(bytes) => return Ok(Read::Whole(bytes.unwrap_or_default())),
+        // A logged body is the router's last step: never seen here.
+        other @ (Body::Prefixed(..) | Body::Logged(_)) => return Ok(Read::TooLarge(other)),
+    };
+    let mut buf = BytesMut::new();
+    while let Some(frame) = incoming.frame().await {
+        if let Ok(data) = frame?.into_data() {
+            buf.extend_from_slice(&data);
+            if buf.len() > limit {
+                return Ok(Read::TooLarge(Body::Prefixed(Some(buf.freeze()), incoming)));
+            }
+        }
+    }
+    Ok(Read::Whole(buf.freeze()))
 }

@@ -6,12 +6,10 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use bytes::{Bytes, BytesMut};
 use http::{Request, Response, StatusCode, header};
-use http_body_util::BodyExt;
 use tracing::warn;
 
-use super::body::Body;
+use super::body::{Body, Read, read_whole};
 use super::respond;
 use super::route::Route;
 use super::spool::Spooled;
@@ -109,32 +107,6 @@ fn id_from_json(body: &[u8], pointer: &str) -> Option<Vec<u8>> {
 
 fn valid(id: Vec<u8>) -> Option<Vec<u8>> {
     (!id.is_empty() && id.len() <= MAX_ID_BYTES).then_some(id)
-}
-
-pub(super) enum Read {
-    Whole(Bytes),
-    /// Over the limit: the part read so far, then the rest, streamed on unread.
-    TooLarge(Body),
-}
-
-/// Reads a streamed answer whole, up to `limit` bytes.
-pub(super) async fn read_whole(body: Body, limit: usize) -> Result<Read, hyper::Error> {
-    let mut incoming = match body {
-        Body::Stream(incoming) => incoming,
-        Body::Full(bytes) => return Ok(Read::Whole(bytes.unwrap_or_default())),
-        // A logged body is the router's last step: never seen here.
-        other @ (Body::Prefixed(..) | Body::Logged(_)) => return Ok(Read::TooLarge(other)),
-    };
-    let mut buf = BytesMut::new();
-    while let Some(frame) = incoming.frame().await {
-        if let Ok(data) = frame?.into_data() {
-            buf.extend_from_slice(&data);
-            if buf.len() > limit {
-                return Ok(Read::TooLarge(Body::Prefixed(Some(buf.freeze()), incoming)));
-            }
-        }
-    }
-    Ok(Read::Whole(buf.freeze()))
 }
 
 #[cfg(test)]

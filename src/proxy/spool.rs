@@ -37,6 +37,11 @@ pub(crate) const WRITE_BYTES: usize = 64 * 1024;
 
 /// Where and from what size a request body is spooled (`server.body_buffer_bytes`,
 /// `server.body_spool_dir`).
+/// The fingerprint of a request body read whole (`Passthrough::read_whole` puts it in the
+/// request's extensions): what an idempotency key's record compares.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct BodyFingerprint(pub(crate) u64);
+
 #[derive(Clone, Debug)]
 pub(crate) struct SpoolConfig {
     pub(crate) memory_bytes: usize,

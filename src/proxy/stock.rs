@@ -10,11 +10,11 @@ use http::header::{self, HeaderValue};
 use http::{HeaderName, Request, Response, StatusCode};
 
 use super::body::Body;
-use super::create::{Read, read_whole};
+use super::body::{Read, read_whole};
 use super::own_answer::OwnAnswer;
 use super::respond;
 use super::route::Route;
-use super::spool::Spooled;
+use super::spool::{BodyFingerprint, Spooled};
 use crate::config::StockConfig;
 use crate::error::ProxyError;
 use crate::metrics::Outcome;
@@ -102,11 +102,6 @@ pub(crate) struct Held {
     reservation: Reservation,
     keyed: bool,
 }
-
-/// The fingerprint of a request body read whole (`Passthrough::buffer` puts it in the
-/// request's extensions): what an idempotency key's record compares.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct BodyFingerprint(pub(crate) u64);
 
 impl Gated {
     /// The gate of `route`, if it has one, and the resource `params` name.

@@ -11,7 +11,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use super::ledger::{Applied, Buy, BuyRequest, Outcome, Settle, Settled};
+use super::ops::{Applied, Buy, BuyRequest, Outcome, Settle, Settled};
 use crate::clock::now_ms;
 
 /// Most resource segments and idempotency records kept; beyond, the least used go (a
@@ -238,7 +238,7 @@ impl MemoryLedger {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::protect::stock::ledger::RecordClaim;
+    use crate::protect::stock::ops::RecordClaim;
 
     fn buy(ledger: &MemoryLedger, member: &str, units: u64) -> Buy {
         ledger.buy(

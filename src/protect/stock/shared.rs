@@ -17,7 +17,7 @@ use std::sync::LazyLock;
 
 use redis::{Script, Value};
 
-use super::ledger::{Applied, Buy, BuyRequest, Settle, Settled};
+use super::ops::{Applied, Buy, BuyRequest, Settle, Settled};
 use crate::coord::Keyspace;
 use crate::coord::keyspace::StockKeys;
 use crate::coord::redis::{RedisConn, Unavailable};
