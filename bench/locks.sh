@@ -8,6 +8,8 @@
 #   mysql    MariaDB (Debian's mariadb-server), a data directory made here, a lock table
 #            created by cacheguard at start
 #   redlock  three more redis-servers, independent masters
+#   etcd     one etcd member (Debian's etcd-server), its data directory made here
+#   zookeeper  one standalone ZooKeeper (Debian's zookeeper on its JRE), data made here
 #   cacheguard  release build; per backend, two instances (shared mode) whose route
 #            `PUT /items/s/{id}` is serialized (`serialize.lock` = the backend), and
 #            `PUT /items/p/{id}` is not
@@ -19,13 +21,14 @@
 #                path): every answered write is one grant, so the sum of the two rates is
 #                the rate at which the lock changes hands (within an instance the local
 #                queue hands over; between instances the backend does: the Redis lock wakes
-#                waiters by event, MySQL and Redlock waiters poll)
+#                waiters by event, etcd by a watch on the key, ZooKeeper by a watch on the
+#                predecessor's node, MySQL and Redlock waiters poll)
 #   overhead     one instance, one connection, a new resource per write (`wrk -t1 -c1`):
 #                p50 of a serialized write minus p50 of the same write unserialized
 #
 # usage: bash bench/locks.sh
-# env:   REPS=3 DURATION=8 BASE_PORT=29400 (uses BASE_PORT+1 .. +12)
-#        BACKENDS="redis mysql redlock"
+# env:   REPS=3 DURATION=8 BASE_PORT=29400 (uses BASE_PORT+1 .. +15)
+#        BACKENDS="redis mysql redlock etcd zookeeper"
 #        CACHEGUARD_BIN=path (skip `cargo build --release` and use this binary)
 #        KEEP_TMP=1 (keep the scratch dir)
 #
@@ -38,18 +41,22 @@ set -euo pipefail
 # shellcheck source=bench/lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
-bench_defaults REPS=3 DURATION=8 BASE_PORT=29400 BACKENDS="redis mysql redlock"
+bench_defaults REPS=3 DURATION=8 BASE_PORT=29400 BACKENDS="redis mysql redlock etcd zookeeper"
 require_positive REPS DURATION
 bench_init
 require_tools nginx wrk redis-server redis-cli curl
 [[ -x /usr/sbin/mariadbd && -x /usr/bin/mariadb-install-db ]] ||
     die "MariaDB is not installed (apt-get install mariadb-server, as scripts/test.sh does)"
+if [[ ! -x /usr/bin/etcd || ! -f /usr/share/java/zookeeper.jar ]] || ! command -v java >/dev/null; then
+    die "etcd or ZooKeeper is not installed (apt-get install etcd-server zookeeper default-jre-headless, as scripts/test.sh does)"
+fi
 build_cacheguard
 raise_fd_limit
 
 OUT=${RESULTS_DIR:-$ROOT/bench/results/locks-$(date -u +%Y%m%dT%H%M%SZ)}
 mkdir -p "$OUT"
-bench_ports ORIGIN_PORT REDIS_PORT MYSQL_PORT RL1 RL2 RL3 CG1 CG1_ADMIN CG2 CG2_ADMIN - -
+bench_ports ORIGIN_PORT REDIS_PORT MYSQL_PORT RL1 RL2 RL3 CG1 CG1_ADMIN CG2 CG2_ADMIN - - \
+    ETCD_PORT ETCD_PEER_PORT ZK_PORT
 require_free_ports "${BENCH_PORTS[@]}"
 
 # --- servers -----------------------------------------------------------------------------
@@ -84,6 +91,53 @@ start_mariadb() {
 start_mariadb
 MARIADB_VERSION=$(/usr/sbin/mariadbd --version | awk '{print $3}')
 
+# start_etcd: one member on ETCD_PORT, its data in BENCH_TMP.
+start_etcd() {
+    local dir=$BENCH_TMP/etcd deadline
+    mkdir -p "$dir"
+    start_bg "$dir/etcd.log" /usr/bin/etcd --name bench --data-dir "$dir/data" \
+        --listen-client-urls "http://127.0.0.1:$ETCD_PORT" --advertise-client-urls "http://127.0.0.1:$ETCD_PORT" \
+        --listen-peer-urls "http://127.0.0.1:$ETCD_PEER_PORT" \
+        --initial-advertise-peer-urls "http://127.0.0.1:$ETCD_PEER_PORT" \
+        --initial-cluster "bench=http://127.0.0.1:$ETCD_PEER_PORT"
+    deadline=$((SECONDS + 30))
+    until curl -fsS "http://127.0.0.1:$ETCD_PORT/health" >/dev/null 2>&1; do
+        kill -0 "$LAST_PID" 2>/dev/null || die "etcd exited; see $dir/etcd.log"
+        ((SECONDS < deadline)) || die "etcd did not answer within 30 s"
+        sleep 0.2
+    done
+}
+start_etcd
+ETCD_VERSION=$(/usr/bin/etcd --version | awk '/etcd Version/ {print $3}')
+
+# zk_ruok: whether ZooKeeper on ZK_PORT answers its `ruok` command.
+zk_ruok() {
+    local answer=""
+    exec 3<>"/dev/tcp/127.0.0.1/$ZK_PORT" 2>/dev/null || return 1
+    printf ruok >&3
+    read -r -t 2 answer <&3 || true
+    exec 3<&-
+    [[ $answer == imok ]]
+}
+
+# start_zookeeper: a standalone server on ZK_PORT, its data in BENCH_TMP.
+start_zookeeper() {
+    local dir=$BENCH_TMP/zookeeper deadline
+    mkdir -p "$dir/data"
+    printf 'tickTime=500\ndataDir=%s\nclientPort=%s\nclientPortAddress=127.0.0.1\nadmin.enableServer=false\nmaxClientCnxns=0\n4lw.commands.whitelist=ruok\n' \
+        "$dir/data" "$ZK_PORT" >"$dir/zoo.cfg"
+    start_bg "$dir/zookeeper.log" java -Xms32m -Xmx256m -XX:+UseSerialGC \
+        -Dzookeeper.admin.enableServer=false -cp /usr/share/java/zookeeper.jar \
+        org.apache.zookeeper.server.quorum.QuorumPeerMain "$dir/zoo.cfg"
+    deadline=$((SECONDS + 60))
+    until zk_ruok; do
+        kill -0 "$LAST_PID" 2>/dev/null || die "zookeeper exited; see $dir/zookeeper.log"
+        ((SECONDS < deadline)) || die "zookeeper did not answer within 60 s"
+        sleep 0.3
+    done
+}
+start_zookeeper
+
 # --- cacheguard ----------------------------------------------------------------------------
 
 # config BACKEND PORT ADMIN: the TOML of one instance serializing on BACKEND.
@@ -92,6 +146,8 @@ config() {
     case $backend in
     mysql) lock=", lock = \"db\"" ;;
     redlock) lock=", lock = \"rl\"" ;;
+    etcd) lock=", lock = \"etcd\"" ;;
+    zookeeper) lock=", lock = \"zk\"" ;;
     esac
     cat <<EOF
 [server]
@@ -111,6 +167,12 @@ url = "mysql://cacheguard:bench@127.0.0.1:$MYSQL_PORT/locks"
 [locks.rl]
 backend = "redlock"
 urls = ["redis://127.0.0.1:$RL1", "redis://127.0.0.1:$RL2", "redis://127.0.0.1:$RL3"]
+[locks.etcd]
+backend = "etcd"
+endpoints = ["http://127.0.0.1:$ETCD_PORT"]
+[locks.zk]
+backend = "zookeeper"
+connect = "127.0.0.1:$ZK_PORT"
 
 [[routes]]
 name = "serialized"
@@ -215,7 +277,8 @@ spread() {
     echo "## Lock services: handoffs on one resource and uncontended write overhead"
     echo
     echo "$(date -u +%Y-%m-%d), $(nproc) cores, cacheguard release build, shared mode (one redis-server),"
-    echo "nginx origin answering at once, MariaDB $MARIADB_VERSION, Redlock over 3 local redis-servers;"
+    echo "nginx origin answering at once, MariaDB $MARIADB_VERSION, Redlock over 3 local redis-servers,"
+    echo "etcd $ETCD_VERSION (one member), ZooKeeper (standalone, Debian's package);"
     echo "$REPS rounds of ${DURATION} s per measurement, backends interleaved; median (min–max)."
     echo
     echo "| backend | handoffs/s on one resource (2 instances) | non-2xx | serialized write p50 / p99 | unserialized p50 / p99 | overhead (p50) |"
