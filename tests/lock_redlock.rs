@@ -4,7 +4,7 @@
 //! `kill -9` and empty restart of one master, with a minority of five masters down (grants
 //! go on), with a majority down (writes refused within the wait, then served again), and
 //! with the holder paused past its lease; a majority down per `on_redis_error`; masters
-//! unreachable at start named in the log. The lock's own behaviour (validity, majority,
+//! unreachable at start, or refusing the login, named in the log. The lock's own behaviour (validity, majority,
 //! tokens across empty restarts) is tested in `src/coord/locks/redlock.rs`.
 
 mod common;
@@ -161,7 +161,7 @@ async fn masters_down_at_start_are_named() {
     let process = spawn_cacheguard_process(&path).await;
     let output = process.output();
     assert!(
-        output.contains("Some Redlock masters do not answer at start")
+        output.contains("Some Redlock masters cannot be used at start")
             && output.contains(&format!("127.0.0.1:{}", servers[0].port())),
         "{output}"
     );
@@ -174,9 +174,63 @@ async fn masters_down_at_start_are_named() {
     let process = spawn_cacheguard_process(&path).await;
     let output = process.output();
     assert!(
-        output.contains("fewer than a majority of its Redis masters answer"),
+        output.contains("fewer than a majority of its Redis masters can be used"),
         "{output}"
     );
     let resp = common::put(&client, process.addr(), &seat("t1", "1A")).await;
     assert_eq!(resp.status.as_u16(), 503, "{resp:?}");
+}
+
+/// Masters that refuse the login (no password given, or a wrong one) are named as such at
+/// start, not as ready nor as silent, and the writes are refused at once (`reject`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_login_is_named_at_start() {
+    let servers = masters(3).await;
+    for server in &servers {
+        let mut conn = server.client().await;
+        let () = redis::cmd("CONFIG")
+            .arg(&["SET", "requirepass", "right-secret"])
+            .query_async(&mut conn)
+            .await
+            .expect("CONFIG SET requirepass");
+    }
+    let shop = Shop::start(Epoch::now(), &[]).await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let client = HttpClient::new();
+    let without: Vec<String> = servers.iter().map(RedisServer::url).collect();
+    let wrong: Vec<String> = servers
+        .iter()
+        .map(|m| format!("redis://:wrong-secret@127.0.0.1:{}", m.port()))
+        .collect();
+    for (i, urls) in [without, wrong].iter().enumerate() {
+        let quoted: Vec<String> = urls.iter().map(|u| format!("{u:?}")).collect();
+        let lock = vec![
+            ("backend", "\"redlock\"".to_owned()),
+            ("urls", format!("[{}]", quoted.join(", "))),
+        ];
+        let path = lock_faults::config(&shop.url(), &lock, "reject")
+            .on_free_ports()
+            .write_to(&dir.path().join(format!("cg-{i}.toml")));
+        let process = spawn_cacheguard_process(&path).await;
+        let output = process.output();
+        assert!(
+            output.contains("Lock service not usable at start")
+                && output.contains("login was refused")
+                && output.contains(&format!("127.0.0.1:{}", servers[2].port())),
+            "the refused login is not named:\n{output}"
+        );
+        assert!(
+            !output.contains("wrong-secret"),
+            "a password in the log:\n{output}"
+        );
+        let started = tokio::time::Instant::now();
+        let resp = common::put(&client, process.addr(), &seat("t1", "1A")).await;
+        assert_eq!(resp.status.as_u16(), 503, "{resp:?}");
+        assert!(
+            started.elapsed() < Duration::from_secs(1),
+            "{:?}",
+            started.elapsed()
+        );
+    }
+    assert!(shop.write_log().writes.is_empty());
 }

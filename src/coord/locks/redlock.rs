@@ -138,6 +138,17 @@ impl Master {
         args: &[&str],
         bound: Instant,
     ) -> Option<T> {
+        self.invoke(script, keys, args, bound).await.ok()
+    }
+
+    /// [`Master::call`], with what went wrong.
+    async fn invoke<T: FromRedisValue>(
+        &self,
+        script: &Script,
+        keys: &[&str],
+        args: &[&str],
+        bound: Instant,
+    ) -> Result<T, Fault> {
         let mut conn = self.connection(bound).await?;
         let mut invocation = script.prepare_invoke();
         for key in keys {
@@ -146,25 +157,27 @@ impl Master {
         for arg in args {
             invocation.arg(*arg);
         }
-        match tokio::time::timeout_at(bound, invocation.invoke_async(&mut conn)).await {
-            Ok(Ok(answer)) => Some(answer),
-            Ok(Err(_)) | Err(_) => {
-                self.forget();
-                None
-            }
+        let answer = tokio::time::timeout_at(bound, invocation.invoke_async(&mut conn)).await;
+        if !matches!(answer, Ok(Ok(_))) {
+            self.forget();
+        }
+        match answer {
+            Ok(Ok(answer)) => Ok(answer),
+            Ok(Err(e)) => Err(Fault::Redis(e)),
+            Err(_) => Err(Fault::TimedOut),
         }
     }
 
-    async fn connection(&self, bound: Instant) -> Option<MultiplexedConnection> {
+    async fn connection(&self, bound: Instant) -> Result<MultiplexedConnection, Fault> {
         if let Some(conn) = self.current() {
-            return Some(conn);
+            return Ok(conn);
         }
         let _turn = tokio::time::timeout_at(bound, self.connecting.lock())
             .await
-            .ok()?;
+            .map_err(|_| Fault::TimedOut)?;
         // Someone else may have connected while this one waited.
         if let Some(conn) = self.current() {
-            return Some(conn);
+            return Ok(conn);
         }
         // The connection outlives this call: each call bounds its own answer (`call`).
         let limit = bound.saturating_duration_since(Instant::now());
@@ -177,10 +190,10 @@ impl Master {
                 .get_multiplexed_async_connection_with_config(&settings),
         )
         .await
-        .ok()?
-        .ok()?;
+        .map_err(|_| Fault::TimedOut)?
+        .map_err(Fault::Redis)?;
         *self.conn.lock().unwrap_or_else(PoisonError::into_inner) = Some(conn.clone());
-        Some(conn)
+        Ok(conn)
     }
 
     fn current(&self) -> Option<MultiplexedConnection> {
@@ -192,6 +205,37 @@ impl Master {
 
     fn forget(&self) {
         *self.conn.lock().unwrap_or_else(PoisonError::into_inner) = None;
+    }
+}
+
+/// Why a master could not be used.
+#[derive(Debug)]
+enum Fault {
+    /// Its bound passed first.
+    TimedOut,
+    Redis(redis::RedisError),
+}
+
+impl Fault {
+    /// What is wrong, in a user's words.
+    fn explain(&self) -> String {
+        let Fault::Redis(error) = self else {
+            return "it did not answer in time".to_owned();
+        };
+        let refused_login = error.kind() == redis::ErrorKind::AuthenticationFailed
+            || matches!(error.code(), Some("NOAUTH" | "WRONGPASS"));
+        if refused_login {
+            format!("the login was refused (check the user and password in its url): {error}")
+        } else if error.code() == Some("NOPERM") {
+            format!(
+                "this user may not run the lock's scripts (it needs EVAL, EVALSHA, SET, GET, \
+                 PTTL, PEXPIRE and DEL on the keys `cg:*`): {error}"
+            )
+        } else if error.is_io_error() {
+            format!("it cannot be reached: {error}")
+        } else {
+            error.to_string()
+        }
     }
 }
 
@@ -253,19 +297,31 @@ impl RedlockLocks {
         })
     }
 
-    /// Connects to every master (bounded) and logs the ones that do not answer.
+    /// Runs a harmless script on every master (bounded: a login refused or a script
+    /// refused shows then, not only an unreachable master) and logs what is wrong with each
+    /// one that cannot be used.
     pub(crate) async fn check_at_start(&self, name: &str) {
         let bound = Instant::now() + START_TIMEOUT;
-        let answered = join_all(self.masters.iter().map(|m| m.connection(bound))).await;
-        let down: Vec<&str> = self
+        // A compare-and-delete by an owner that never holds: it changes nothing.
+        let probe = self.keys.serialized(0).lock;
+        let (keys, args) = ([probe.as_str()], ["start-up check"]);
+        let answers = join_all(
+            self.masters
+                .iter()
+                .map(|m| m.invoke::<i64>(&UNLOCK, &keys, &args, bound)),
+        )
+        .await;
+        let problems: Vec<String> = self
             .masters
             .iter()
-            .zip(&answered)
-            .filter(|(_, conn)| conn.is_none())
-            .map(|(m, _)| m.shown.as_str())
+            .zip(&answers)
+            .filter_map(|(m, answer)| {
+                let fault = answer.as_ref().err()?;
+                Some(format!("{}: {}", m.shown, fault.explain()))
+            })
             .collect();
-        let up = self.masters.len() - down.len();
-        if down.is_empty() {
+        let up = self.masters.len() - problems.len();
+        if problems.is_empty() {
             tracing::info!(
                 message = "Lock service ready.",
                 lock = %name,
@@ -274,21 +330,21 @@ impl RedlockLocks {
             );
         } else if up >= self.majority() {
             tracing::warn!(
-                message = "Some Redlock masters do not answer at start; locks are granted by \
+                message = "Some Redlock masters cannot be used at start; locks are granted by \
                            the others while they are a majority.",
                 lock = %name,
-                down = ?down,
+                problems = ?problems,
             );
         } else {
             tracing::error!(
                 message = "Lock service not usable at start: fewer than a majority of its \
-                           Redis masters answer; routes using it follow their on_redis_error \
-                           until they do.",
+                           Redis masters can be used; routes using it follow their \
+                           on_redis_error until they can.",
                 lock = %name,
                 backend = "redlock",
                 up,
                 needed = self.majority(),
-                down = ?down,
+                problems = ?problems,
             );
         }
     }
@@ -515,7 +571,7 @@ mod tests {
         let servers = masters(1).await;
         let locks = service(&servers);
         let master = &locks.masters[0];
-        assert!(master.connection(within(50)).await.is_some());
+        assert!(master.connection(within(50)).await.is_ok());
         // About 100 ms of Lua on this machine: slower than the first call's bound.
         let slow = Script::new("local n = 0 for i = 1, 20000000 do n = n + 1 end return 1");
         let started = Instant::now();
