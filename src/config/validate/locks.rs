@@ -406,14 +406,21 @@ fn authority_problem(authority: &str) -> Option<String> {
     }
 }
 
-/// What is wrong with a ZooKeeper connect string (`host:port,…` and an optional
-/// `/chroot` after the last one), if anything.
+/// What is wrong with a ZooKeeper connect string (`host:port,…`, each perhaps after
+/// `tcp://`, and an optional `/chroot` after the last one), if anything.
 fn zookeeper_connect_problem(connect: &str) -> Option<String> {
-    let hosts = connect.split_once('/').map_or(connect, |(hosts, _)| hosts);
-    if hosts.trim().is_empty() {
+    if connect.trim().is_empty() {
         return Some("no server".to_owned());
     }
-    hosts
-        .split(',')
-        .find_map(|entry| authority_problem(entry.strip_prefix("tcp://").unwrap_or(entry)))
+    let entries: Vec<&str> = connect.split(',').collect();
+    let last = entries.len().saturating_sub(1);
+    entries.iter().enumerate().find_map(|(i, entry)| {
+        let entry = entry.strip_prefix("tcp://").unwrap_or(entry);
+        let host_port = if i == last {
+            entry.split_once('/').map_or(entry, |(hosts, _)| hosts)
+        } else {
+            entry
+        };
+        authority_problem(host_port)
+    })
 }
