@@ -80,7 +80,7 @@ pub struct Fixtures {
     pub link: TcpProxy,
     pub fleet: Fleet,
     /// The victim's write, held on its way (kept until the run ends).
-    held: Option<JoinHandle<()>>,
+    pub(super) held: Option<JoinHandle<()>>,
 }
 
 /// The shop (fencing), instance 0 behind its link, instances 1 and 2 straight to the shop.
@@ -251,7 +251,7 @@ pub struct Expect {
 }
 
 impl Verdict {
-    fn fail(&self, what: &str, report: &str) -> ! {
+    pub(super) fn fail(&self, what: &str, report: &str) -> ! {
         panic!(
             "{what}\n{report}\n--- cacheguard output ---\n{}",
             self.output

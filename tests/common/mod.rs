@@ -20,8 +20,8 @@
 //!   undersell, flood factor; exclusion, fencing); [`jepsen`]: the runner (clients
 //!   round-robin over a fleet, a nemesis schedule); [`shop`]: the flash-sale origin.
 //! - [`lock_servers`]: real `etcd` and ZooKeeper servers for the lock services (the file the
-//!   unit tests of `src/coord/locks` use too); [`serialized`]: serialized writes under a
-//!   nemesis, for any lock service (the victim whose write is held, the checkers' verdict).
+//!   unit tests of `src/coord/locks` use too); [`serialized`]: [`lock_faults`]'s runs with any
+//!   instance config (shared mode), an origin without a token check, a service down.
 //!
 //! Every fixture owns what it started and stops it on `Drop` (by PID for processes).
 #![allow(dead_code, unused_imports, unreachable_pub)]
