@@ -23,6 +23,12 @@
 //!      own, `lone`): one at a time per key per instance, not one per waiter.
 //! ```
 //!
+//! What the requests report: the one whose fetch it was answers `MISS`; every request a
+//! fill answered without a fetch of its own — a follower of the in-process flight, a
+//! waiter on another instance's lock that read what it stored, and that waiter's own
+//! followers — answers `HIT-COALESCED` (`Outcome::Coalesced`); a waiter that gave up and
+//! fetched (`lock.on_timeout`) answers `BYPASS`.
+//!
 //! Stale-while-revalidate and early refreshes use the same path in the background.
 //! Waiting is event-driven: the only timers are the holder's lease end and the wait
 //! timeout. Nothing polls.
@@ -339,12 +345,13 @@ impl Filler {
         let fetched = self.fill_unflighted(&job, locks_look).await;
         leader.finish(match &fetched {
             // A copy found in Redis as the lock was asked for is a hit for the followers
-            // too, one fetched alone (stored nowhere) their bypass; anything else fetched
-            // is their miss.
+            // too, one fetched alone (stored nowhere) their bypass; anything else (this
+            // leader's fetch, or another instance's fill it waited on) answers them without
+            // a fetch of their own: coalesced.
             Fetched::Ready(entry, tier @ (Outcome::HitL1 | Outcome::HitL2 | Outcome::Bypass)) => {
                 FlightResult::Filled(Arc::clone(entry), *tier)
             }
-            Fetched::Ready(entry, _) => FlightResult::Filled(Arc::clone(entry), Outcome::Miss),
+            Fetched::Ready(entry, _) => FlightResult::Filled(Arc::clone(entry), Outcome::Coalesced),
             Fetched::Uncacheable(_) => FlightResult::Uncacheable,
             Fetched::Failed(failure) => FlightResult::Failed(failure.shared.clone()),
             // The followers need a whole answer, or this one is not theirs (they fill again,
@@ -433,12 +440,13 @@ impl Filler {
                 fleet.count(LockEvent::Contended);
             }
             // The follower is registered already: a fill that lands between this look and
-            // the wait still wakes it.
+            // the wait still wakes it. What the holder stored answers this request without
+            // a fetch of its own: coalesced, as a follower of this process's flight is.
             if let Some(entry) = self.fresh_in_l2(job).await {
                 self.metrics
                     .lock_wait
                     .observe(started.elapsed().as_secs_f64());
-                return Fetched::Ready(entry, Outcome::Miss);
+                return Fetched::Ready(entry, Outcome::Coalesced);
             }
             if Instant::now() >= deadline {
                 return self.lock_wait_timed_out(job, started).await;
@@ -456,7 +464,7 @@ impl Filler {
                         self.metrics
                             .lock_wait
                             .observe(started.elapsed().as_secs_f64());
-                        return Fetched::Ready(entry, Outcome::Miss);
+                        return Fetched::Ready(entry, Outcome::Coalesced);
                     }
                 }
                 Wake::Failed => {
