@@ -86,6 +86,12 @@ impl Keyspace {
         }
     }
 
+    /// The keys on Redlock's masters (`[locks.<name>] backend = "redlock"`): servers of
+    /// their own, so the default prefix; only the serialized-write keys are used there.
+    pub(crate) fn redlock() -> Self {
+        Keyspace::new("cg:")
+    }
+
     /// `<p>{<base>}:<suffix>`.
     fn tagged(&self, base: u128, suffix: &str) -> String {
         format!("{}{{{base:032x}}}:{suffix}", self.prefix)

@@ -500,7 +500,7 @@ impl RedisStore {
         let elapsed = began.elapsed();
         let elapsed_ms = u64::try_from(elapsed.as_millis())
             .unwrap_or(u64::MAX)
-            .saturating_add(u64::from(elapsed.subsec_nanos() % 1_000_000 != 0));
+            .saturating_add(u64::from(!elapsed.subsec_nanos().is_multiple_of(1_000_000)));
         Ok(invalidated >= now.saturating_sub(elapsed_ms))
     }
 
@@ -525,7 +525,7 @@ impl RedisStore {
     ) -> Result<(), Unavailable> {
         let index = self.keys.route_index(tag, shard).index;
         let score = expiry.to_string();
-        let cmd = if (base >> 6) % scripts::ROUTE_KEEP_EVERY == 0 {
+        let cmd = if (base >> 6).is_multiple_of(scripts::ROUTE_KEEP_EVERY) {
             let mut cmd = redis::cmd("EVAL");
             cmd.arg(scripts::ROUTE_ADD)
                 .arg(1)

@@ -11,7 +11,7 @@ use std::time::Duration;
 use redis::Script;
 use tokio::time::Instant;
 
-use super::{AcquireError, Grant};
+use super::{AcquireError, Grant, Handle};
 use crate::coord::events::{Event, EventKind, Waiters};
 use crate::coord::{Keyspace, RedisConn, scripts};
 use crate::metrics::RedisOp;
@@ -111,6 +111,8 @@ impl RedisLocks {
                         expires: sent + lease,
                         resource,
                         owner,
+                        handle: Handle::None,
+                        key: String::new(),
                     });
                 }
                 (_, pttl) => {
