@@ -41,26 +41,18 @@
 
 mod common;
 
-use std::net::SocketAddr;
 use std::time::Duration;
 
 use common::fleet::{Fleet, spawn_fleet_each, wait_coordinated};
 use common::history::{Epoch, History, WriteLog, check_exclusion, check_fencing};
 use common::jepsen::{self, Backend, Nemesis, RunConfig, Topology};
-use common::shop::{FENCING_TOKEN, Scope, Shop, seat, write_request};
-use common::{CgConfig, HttpClient, RedisServer, TcpProxy, metrics, poll_until, route, url};
+use common::lock_faults::{self, FAULT_AT, LEASE, SHOP_WRITE, WAIT_TIMEOUT, seats};
+use common::shop::{FENCING_TOKEN, Scope, Shop, write_request};
+use common::{CgConfig, HttpClient, RedisServer, TcpProxy, route, url};
 use tokio::task::JoinHandle;
 
-const LEASE: Duration = Duration::from_secs(1);
-const WAIT_TIMEOUT: Duration = Duration::from_secs(2);
-/// A write's time at the origin (its transaction).
-const SHOP_WRITE: Duration = Duration::from_millis(40);
-/// When every nemesis strikes.
-const FAULT_AT: Duration = Duration::from_secs(1);
 /// An origin slower than the lease.
 const SLOW_WRITE: Duration = Duration::from_millis(2500);
-/// How long the nemesis waits for the lock to change hands after a fault.
-const TAKEOVER_BOUND: Duration = Duration::from_secs(20);
 /// The first seat's writes at the origin while the held write is delivered: long enough
 /// that it meets another holder's write there however the machine schedules them.
 const DELIVERY_WRITE: Duration = Duration::from_millis(400);
@@ -70,11 +62,6 @@ const DELIVERY_WINDOW: Duration = Duration::from_millis(1500);
 /// here may wait seconds for a CPU): bench/serialize.sh measures the tight bounds; the
 /// checkers take no slack.
 const LOAD_SLACK: Duration = Duration::from_secs(8);
-
-/// The seats the clients write; the victim's held write is to the first.
-fn seats() -> [String; 2] {
-    [seat("t1", "1A"), seat("t1", "1B")]
-}
 
 fn seat_route() -> String {
     route(
@@ -330,50 +317,13 @@ async fn run(topology: Topology, fault: Fault, fencing: bool) -> Verdict {
     }
 }
 
-/// Writes granted on instance `i` so far.
-async fn granted(client: &HttpClient, admin: SocketAddr) -> f64 {
-    metrics(client, admin).await.sum(
-        "cacheguard_serialized_writes_total",
-        &[("route", "seat-update"), ("result", "granted")],
-    )
-}
-
 /// Holds the victim's link to the origin and has the victim take the first seat's lock
-/// for a write of its own: once this returns, the victim holds the lock and its write is
-/// on its way. Returns the time (on the shop's epoch) from which another holder's write is
-/// a newer one.
+/// for a write of its own (see `lock_faults::hold_victim`). Returns the time (on the
+/// shop's epoch) from which another holder's write is a newer one.
 async fn strand(n: &Nemesis, fx: &mut Fixtures) -> Duration {
-    fx.link.blackhole();
-    let client = HttpClient::new();
-    let (addr, admin) = (fx.fleet.addrs()[0], fx.fleet.admin_addrs()[0]);
-    let seat = seats()[0].clone();
-    // The clients contend for the seat too: a write that times out waiting is sent again.
-    for attempt in 0..5 {
-        let before = granted(&client, admin).await;
-        let (writer, path) = (client.clone(), seat.clone());
-        let write = tokio::spawn(async move {
-            let target = url(addr, &path);
-            let put = writer.request(
-                http::Method::PUT,
-                &target,
-                &[("content-type", "application/json")],
-                common::client::full_body(format!("{{\"held\":{attempt}}}")),
-            );
-            let _ = tokio::time::timeout(Duration::from_secs(30), put).await;
-        });
-        let got = poll_until(WAIT_TIMEOUT * 2, Duration::from_millis(5), || {
-            let client = client.clone();
-            async move { (granted(&client, admin).await > before).then_some(()) }
-        })
-        .await;
-        if got.is_some() {
-            n.start("instance 0 holds seat 1A, its write held on the way to the origin");
-            fx.held = Some(write);
-            return fx.shop.epoch().elapsed();
-        }
-        write.abort();
-    }
-    panic!("instance 0 was never granted the seat");
+    let (since, write) = lock_faults::hold_victim(n, &fx.link, &fx.fleet, &fx.shop).await;
+    fx.held = Some(write);
+    since
 }
 
 /// Waits until another instance's write to the first seat (begun after `since`) was
@@ -381,27 +331,9 @@ async fn strand(n: &Nemesis, fx: &mut Fixtures) -> Duration {
 /// seat's writes take [`DELIVERY_WRITE`] at the origin: the held write (stale) meets
 /// another there, which an origin without the token check shows as an overlap.
 async fn deliver(n: &Nemesis, fx: &Fixtures, since: Duration) -> tokio::time::Instant {
-    let seat = seats()[0].clone();
     fx.shop
-        .set_latency(Scope::Path(seat.clone()), DELIVERY_WRITE);
-    let taken = poll_until(TAKEOVER_BOUND, Duration::from_millis(2), || {
-        let newer = fx
-            .shop
-            .write_log()
-            .writes
-            .iter()
-            .any(|w| w.resource == seat && w.accepted && w.start > since);
-        let busy = fx.shop.in_flight() > 0;
-        async move { (newer && busy).then_some(()) }
-    })
-    .await;
-    assert!(
-        taken.is_some(),
-        "no other instance wrote the seat within {TAKEOVER_BOUND:?} of the fault\n{}",
-        fx.fleet.output()
-    );
-    fx.link.restore();
-    n.heal("the held write let through to the origin");
+        .set_latency(Scope::Path(seats()[0].clone()), DELIVERY_WRITE);
+    lock_faults::release_victim(n, &fx.link, &fx.fleet, &fx.shop, since).await;
     tokio::time::Instant::now()
 }
 

@@ -162,9 +162,23 @@ async fn granted(client: &HttpClient, admin: SocketAddr) -> f64 {
 /// its own: once this returns, the victim holds the lock and its write is on its way.
 /// Returns the time (on the shop's epoch) from which another holder's write is newer.
 pub async fn strand(n: &Nemesis, fx: &mut Fixtures) -> Duration {
-    fx.link.blackhole();
+    let (since, write) = hold_victim(n, &fx.link, &fx.fleet, &fx.shop).await;
+    fx.held = Some(write);
+    since
+}
+
+/// [`strand`] on any run's parts: instance 0 of `fleet` reaches `shop` through `link`.
+/// Returns the time from which another holder's write is newer, and the held write (keep
+/// it until the run ends).
+pub async fn hold_victim(
+    n: &Nemesis,
+    link: &TcpProxy,
+    fleet: &Fleet,
+    shop: &Shop,
+) -> (Duration, JoinHandle<()>) {
+    link.blackhole();
     let client = HttpClient::new();
-    let (addr, admin) = (fx.fleet.addrs()[0], fx.fleet.admin_addrs()[0]);
+    let (addr, admin) = (fleet.addrs()[0], fleet.admin_addrs()[0]);
     let seat = seats()[0].clone();
     // The clients contend for the seat too: a write that times out waiting is sent again.
     for attempt in 0..5 {
@@ -187,38 +201,44 @@ pub async fn strand(n: &Nemesis, fx: &mut Fixtures) -> Duration {
         .await;
         if got.is_some() {
             n.start("instance 0 holds seat 1A, its write held on the way to the origin");
-            fx.held = Some(write);
-            return fx.shop.epoch().elapsed();
+            return (shop.epoch().elapsed(), write);
         }
         write.abort();
     }
-    panic!(
-        "instance 0 was never granted the seat\n{}",
-        fx.fleet.output()
-    );
+    panic!("instance 0 was never granted the seat\n{}", fleet.output());
 }
 
 /// Waits until another instance's write to the first seat (begun after `since`) was
 /// accepted and a write is at the shop, then lets the held write through.
 pub async fn deliver(n: &Nemesis, fx: &Fixtures, since: Duration) {
+    release_victim(n, &fx.link, &fx.fleet, &fx.shop, since).await;
+}
+
+/// [`deliver`] on any run's parts.
+pub async fn release_victim(
+    n: &Nemesis,
+    link: &TcpProxy,
+    fleet: &Fleet,
+    shop: &Shop,
+    since: Duration,
+) {
     let seat = seats()[0].clone();
     let taken = poll_until(TAKEOVER_BOUND, Duration::from_millis(2), || {
-        let newer = fx
-            .shop
+        let newer = shop
             .write_log()
             .writes
             .iter()
             .any(|w| w.resource == seat && w.accepted && w.start > since);
-        let busy = fx.shop.in_flight() > 0;
+        let busy = shop.in_flight() > 0;
         async move { (newer && busy).then_some(()) }
     })
     .await;
     assert!(
         taken.is_some(),
         "no other instance wrote the seat within {TAKEOVER_BOUND:?} of the fault\n{}",
-        fx.fleet.output()
+        fleet.output()
     );
-    fx.link.restore();
+    link.restore();
     n.heal("the held write let through to the origin");
 }
 
