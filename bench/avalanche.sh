@@ -66,7 +66,7 @@ bench_defaults REPS=3 KEYS=10000 TTL_S=10 JITTER=0.5 RATE=5000 FILL_RATE=5000 ST
     CONNECTIONS=256 DELAY_MS=20 CAP_RPS=1000 CAP_CONCURRENCY=32 TARGETS="cg-j0 cg-j05 cg-cap nginx varnish"
 bench_defaults RS_L1="hot all" RS_KEYS=5000 RS_RATE=2000 RS_TOTAL_S=35 RS_KILL_AT_S=10 RS_DOWN_S=2 \
     RS_MAX_RPS=400 RS_MAX_CONCURRENCY=16 RS_CONNECTIONS=128 SCENARIOS="expiry restart" BASE_PORT=29480
-# 500 ms, as in tests/avalanche.rs: on this shared 2-core machine a stall can hold a Redis
+# 500 ms, as in tests/it/avalanche.rs: on this shared 2-core machine a stall can hold a Redis
 # answer past a shorter timeout and open the breaker before the kill.
 bench_defaults REDIS_COMMAND_TIMEOUT=500ms
 VARNISH_GRACE_S=10

@@ -4,25 +4,25 @@
 # side by side with the results that version publishes:
 #
 #   0.4.5    the npm package http-cache-tests 0.4.5 (the version the test command runs,
-#            tests/cache_tests.rs)
+#            tests/it/cache_tests.rs)
 #   dev      the suite's development version: the repository http-tests/cache-tests (BSD-3-Clause)
 #            at commit DEV_COMMIT below, which reads RFC 9111 more closely (370 tests),
 #            vendored under its licence in bench/cache-tests-dev (or another copy of its files,
 #            CACHE_TESTS_DEV_DIR), run from a copy in the target dir with its npm dependencies
 #
 # For each version:
-#   suite    its origin server (through tests/cache_tests/origin.mjs, which keeps it on
+#   suite    its origin server (through tests/it/cache_tests/origin.mjs, which keeps it on
 #            127.0.0.1), one per target on its own port, started fresh with an empty scratch dir
 #            as its working dir (it serves files from there); its command-line client (the whole
-#            suite, ~20 s) against the target, invoked as tests/cache_tests.rs invokes it
+#            suite, ~20 s) against the target, invoked as tests/it/cache_tests.rs invokes it
 #   nginx    Debian's nginx proxy_cache with the config the suite's authors use (that version's
 #            docker/nginx/nginx.conf; see NGINX_TMPL below for what is adapted)
 #   varnish  Debian's Varnish with the builtin VCL and only a backend (what a user gets by
 #            default), started like bench/lib.sh's start_varnish
-#   cacheguard  release build, embedded mode (no Redis), the config of tests/cache_tests.rs
-#            (CgConfig::with_upstream defaults plus tests/cache_tests/routes.toml: every GET
+#   cacheguard  release build, embedded mode (no Redis), the config of tests/it/cache_tests.rs
+#            (CgConfig::with_upstream defaults plus tests/it/cache_tests/routes.toml: every GET
 #            cached by the origin's freshness, every write forwarded and invalidating its path)
-#   score    tests/cache_tests/score.mjs (the version's own determineTestResult: kinds and
+#   score    tests/it/cache_tests/score.mjs (the version's own determineTestResult: kinds and
 #            dependencies applied) on each run, and on the results that version publishes
 #            (results/*.json of its non-browser caches, per its results/index.mjs) too
 #
@@ -57,7 +57,7 @@ PACKAGE_VERSION=0.4.5
 # The suite's development version: http-tests/cache-tests at this commit (2026-07-20,
 # "Merge pull request #201"), as vendored in bench/cache-tests-dev.
 DEV_COMMIT=b55b8bda3dbb8c927c04e85bd8d496a8caa3e4ba
-CLIENT_TIMEOUT_S=150 # tests/cache_tests.rs CLIENT_DEADLINE
+CLIENT_TIMEOUT_S=150 # tests/it/cache_tests.rs CLIENT_DEADLINE
 LIVE_TARGETS="nginx varnish cacheguard"
 check_list SUITES "suite version" 0.4.5 dev
 
@@ -72,9 +72,9 @@ ensure_apt_tools nginx:nginx varnishd:varnish node:nodejs npm:npm curl:curl jq:j
 require_tools awk sort join mktemp id ss timeout env
 require_free_ports "${BENCH_PORTS[@]}"
 
-ORIGIN_JS=$ROOT/tests/cache_tests/origin.mjs
-SCORE_JS=$ROOT/tests/cache_tests/score.mjs
-[[ -f $ORIGIN_JS && -f $SCORE_JS ]] || die "tests/cache_tests/origin.mjs or score.mjs missing"
+ORIGIN_JS=$ROOT/tests/it/cache_tests/origin.mjs
+SCORE_JS=$ROOT/tests/it/cache_tests/score.mjs
+[[ -f $ORIGIN_JS && -f $SCORE_JS ]] || die "tests/it/cache_tests/origin.mjs or score.mjs missing"
 
 # Per version: the suite's directory, its client (relative to it), a label, where it came from.
 declare -A PKG_OF CLI_OF SUITE_LABEL SOURCE_OF
@@ -233,8 +233,8 @@ backend default {
 }
 EOF
 
-# cacheguard: what tests/cache_tests.rs runs in embedded mode, i.e. CgConfig::with_upstream's
-# sections (tests/common/mod.rs) and the test's ROUTES, on the bench ports.
+# cacheguard: what tests/it/cache_tests.rs runs in embedded mode, i.e. CgConfig::with_upstream's
+# sections (tests/it/common.rs) and the test's ROUTES, on the bench ports.
 cg_cache_tests_config() {
     cat <<EOF
 [server]
@@ -263,7 +263,7 @@ l1 = "hot"
 lease = "5s"
 
 EOF
-    cat "$ROOT/tests/cache_tests/routes.toml"
+    cat "$ROOT/tests/it/cache_tests/routes.toml"
 }
 
 # --- running the suites ------------------------------------------------------------------
@@ -289,7 +289,7 @@ start_suite_origin() {
 }
 
 # client_exec BASE_URL RESULTS: the suite's client against BASE_URL, bounded by
-# CLIENT_TIMEOUT_S, its stdout (the results JSON) into RESULTS; as tests/cache_tests.rs runs it:
+# CLIENT_TIMEOUT_S, its stdout (the results JSON) into RESULTS; as tests/it/cache_tests.rs runs it:
 # from the suite's dir, base URL and an empty test id (every test) in npm's variables (the
 # client ignores --base).
 client_exec() {
@@ -384,7 +384,7 @@ run_version() {
     save_metrics "${ADMIN_OF[cacheguard-$SUITE]}" "$SOUT/cacheguard/metrics-end.txt"
     stop_pid "$proxy_pid"
     stop_pid "$origin_pid"
-    LABEL_OF[$SUITE/cacheguard]="$("$CG_BIN" --version 2>/dev/null || echo cacheguard), embedded, the config of tests/cache_tests.rs"
+    LABEL_OF[$SUITE/cacheguard]="$("$CG_BIN" --version 2>/dev/null || echo cacheguard), embedded, the config of tests/it/cache_tests.rs"
 
     # The version's published results: each file is the client's output as the authors recorded
     # it (older product versions, and for 0.4.5 an older suite). Results for tests this version no
@@ -473,7 +473,7 @@ headline() {
     echo
     echo "The public HTTP-cache test suite, unmodified, against three reverse proxies on this machine"
     echo "(one after another, each with a fresh suite origin and an empty cache, all on 127.0.0.1),"
-    echo "scored with that version's own scoring (tests/cache_tests/score.mjs: its determineTestResult,"
+    echo "scored with that version's own scoring (tests/it/cache_tests/score.mjs: its determineTestResult,"
     echo "test kinds and dependencies applied), next to the results that version publishes, scored the same way."
     echo
     for suite in $SUITES; do
@@ -508,7 +508,7 @@ headline() {
             (($(awk '$1 == "#" && $2 == "retry" { print $3 }' "$OUT/$suite/cacheguard/score.txt") > 0)); then
             echo "- cacheguard retries: on a cached route the origin receives no client request header outside the cache key,"
             echo "  so it never sees the client's Req-Num header and numbers requests itself; the suite scores a test in which"
-            echo "  the origin saw two or more requests as a retry, whatever the answers were (see tests/cache_tests.rs)."
+            echo "  the origin saw two or more requests as a retry, whatever the answers were (see tests/it/cache_tests.rs)."
         fi
         cg_errors=$(grep -c "Answered with cacheguard's own error" "$OUT/$suite/cacheguard/cacheguard.log" 2>/dev/null || true)
         if ((${cg_errors:-0} > 0)); then
@@ -533,7 +533,7 @@ headline() {
     echo "- Published rows: each version's results/*.json as its authors recorded them (the product versions shown are"
     echo "  from its results/index.mjs; browsers left out), scored by that version's scoring."
     echo "- Where 0.4.5 and the development version disagree (the Age parsing tests, and the stale-close tests 0.4.5"
-    echo "  scores wrongly), cacheguard follows RFC 9111 and the development version: tests/cache_tests.rs lists them."
+    echo "  scores wrongly), cacheguard follows RFC 9111 and the development version: tests/it/cache_tests.rs lists them."
     echo
     env_summary
     echo

@@ -44,7 +44,7 @@
 #            (reconcile 500ms, reservation_ttl 3s, upstream.timeout 1s); `loadgen buyers`:
 #            FLOOD_CLIENTS clients paced FLOOD_PACE_MS, round-robin over the instances and four
 #            fresh resources with FLOOD_STOCK units, with Idempotency-Keys, for
-#            FLOOD_DURATION_S (tests/flash_sale.rs runs 5 s + a tail over 600 units). Two
+#            FLOOD_DURATION_S (tests/it/flash_sale.rs runs 5 s + a tail over 600 units). Two
 #            nemeses, FLOOD_REPS runs each, alternating: `none`, and `redis-kill` (kill -9 of
 #            redis-server KILL_AT_S into the run, restarted empty KILL_DOWN_S later). Flood
 #            factor = buy requests the shop received ÷ units it sold. Also checked: oversell

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Fuzz run: the bounded fuzz tests of tests/fuzz.rs (release build), for minutes instead of the
+# Fuzz run: the bounded fuzz tests of tests/it/fuzz.rs (release build), for minutes instead of the
 # suite's seconds:
 #
 #   requests  an embedded cacheguard (item route + write route) in front of the in-process test
@@ -37,8 +37,14 @@ mkdir -p "$ROOT/bench/results"
 LOG=${FUZZ_LOG:-$ROOT/bench/results/fuzz-$(date -u +%Y%m%dT%H%M%SZ).log}
 
 log "building (release) and fuzzing for ${CG_FUZZ_SECS}s per test; log: $LOG"
+# The fuzz tests are the module `fuzz` of the one test binary; libtest's filters select any
+# test that matches one of them, so the tests of that module matching TEST_FILTER are listed
+# first and run by their exact names.
+mapfile -t TESTS < <(cargo test --release --test it -- --list --format=terse 2>/dev/null |
+    sed -n 's/: test$//p' | grep '^fuzz::' | grep -F -- "${1:-}")
+((${#TESTS[@]} > 0)) || die "no test of tests/it/fuzz.rs matches '${1:-}'"
 status=0
-CG_FUZZ_SECS=$CG_FUZZ_SECS cargo test --release --test fuzz -- --nocapture "$@" 2>&1 |
+CG_FUZZ_SECS=$CG_FUZZ_SECS cargo test --release --test it -- --nocapture --exact "${TESTS[@]}" 2>&1 |
     tee "$LOG" || status=$?
 
 echo

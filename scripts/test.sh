@@ -14,9 +14,9 @@ if ! command -v redis-server >/dev/null 2>&1; then
 fi
 # The redis-server package may start a system instance on 6379; tests never use it (each
 # test starts its own server on a free port), so it is left alone.
-# redis-cli builds and reshards the test clusters (tests/cluster.rs); openssl makes the
-# certificates of the TLS test (tests/redis_tls.rs); faketime brings libfaketime, which the
-# harness preloads to skew one instance's wall clock (tests/flash_sale.rs).
+# redis-cli builds and reshards the test clusters (tests/it/cluster.rs); openssl makes the
+# certificates of the TLS test (tests/it/redis_tls.rs); faketime brings libfaketime, which the
+# harness preloads to skew one instance's wall clock (tests/it/flash_sale.rs).
 for tool in redis-cli:redis-tools openssl:openssl faketime:faketime; do
     if ! command -v "${tool%%:*}" >/dev/null 2>&1; then
         echo "== installing ${tool#*:}"
@@ -26,7 +26,7 @@ for tool in redis-cli:redis-tools openssl:openssl faketime:faketime; do
 done
 
 # The lock services serialized writes may use instead of Redis, real in their tests
-# (src/coord/locks, tests/lock_etcd.rs, tests/lock_zookeeper.rs): etcd, and ZooKeeper with the
+# (src/coord/locks, tests/it/lock_etcd.rs, tests/it/lock_zookeeper.rs): etcd, and ZooKeeper with the
 # JRE it runs on. The packages may start system instances on 2379 and 2181; the tests start
 # their own on free loopback ports, so those are left alone. protoc builds etcd's gRPC API
 # (the etcd-client crate compiles etcd's .proto files).
@@ -39,7 +39,7 @@ for tool in etcd:etcd-server /usr/share/java/zookeeper.jar:zookeeper java:defaul
     fi
 done
 
-# Real MariaDB for the MySQL lock service's tests (tests/common/mariadb.rs starts its own
+# Real MariaDB for the MySQL lock service's tests (tests/it/common/mariadb.rs starts its own
 # servers on free loopback ports, data in temporary directories; a system instance the
 # package may start is left alone).
 if [ ! -x /usr/sbin/mariadbd ] || [ ! -x /usr/bin/mariadb-install-db ]; then
@@ -48,7 +48,7 @@ if [ ! -x /usr/sbin/mariadbd ] || [ ! -x /usr/bin/mariadb-install-db ]; then
     DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq mariadb-server >/dev/null
 fi
 
-# Real Prometheus and promtool for tests/dashboards.rs (every dashboard panel and alert
+# Real Prometheus and promtool for tests/it/dashboards.rs (every dashboard panel and alert
 # expression in dashboards/ is evaluated by a real Prometheus).
 if ! command -v prometheus >/dev/null 2>&1 || ! command -v promtool >/dev/null 2>&1; then
     echo "== installing prometheus"
@@ -58,7 +58,7 @@ fi
 # Likewise the prometheus package may start a system instance on 9090; the test runs its own
 # on a free loopback port.
 
-# Node.js for tests/cache_tests.rs, which runs the public HTTP-cache test suite (the npm
+# Node.js for tests/it/cache_tests.rs, which runs the public HTTP-cache test suite (the npm
 # package http-cache-tests: its origin server, its client and its scoring are node programs).
 if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then
     echo "== installing nodejs and npm"
@@ -66,7 +66,7 @@ if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then
     DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq nodejs npm >/dev/null
 fi
 
-# Debian's chromium for tests/status_page.rs, which opens the admin listener's status page in
+# Debian's chromium for tests/it/status_page.rs, which opens the admin listener's status page in
 # a headless browser (its script, its charts, JavaScript off, a screenshot).
 if ! command -v chromium >/dev/null 2>&1; then
     echo "== installing chromium"
@@ -84,7 +84,7 @@ mkdir -p "$target_dir"
 echo "== disk free where the build goes ($target_dir): $(df -h --output=avail "$target_dir" | tail -1 | tr -d ' ')"
 
 # The HTTP-cache test suite, pinned, installed under the target directory (nothing from npm is
-# checked in); tests/cache_tests.rs looks for it there. Skipped when that version is in place.
+# checked in); tests/it/cache_tests.rs looks for it there. Skipped when that version is in place.
 cache_tests_version=0.4.5
 cache_tests_prefix="$target_dir/cache-tests"
 cache_tests_package="$cache_tests_prefix/node_modules/http-cache-tests"

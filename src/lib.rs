@@ -45,7 +45,7 @@ mod worker;
 mod test_redis;
 // The integration tests' MariaDB fixture, shared with the unit tests of the MySQL lock.
 #[cfg(test)]
-#[path = "../tests/common/mariadb.rs"]
+#[path = "../tests/it/common/mariadb.rs"]
 #[allow(dead_code, unreachable_pub)]
 mod test_mariadb;
 

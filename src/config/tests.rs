@@ -1,6 +1,6 @@
 //! Unit tests of config loading: the documented example, defaults, every kind of error
 //! message (with its exact `file:line: key:` prefix), environment overrides and query
-//! policies. The binary's `--check-config` is tested in `tests/config_errors.rs`.
+//! policies. The binary's `--check-config` is tested in `tests/it/config_errors.rs`.
 
 use std::collections::HashMap;
 use std::time::Duration;

@@ -3,7 +3,7 @@
 //! PID on `Drop`. Restarts keep the data directory (tokens must keep growing across them).
 //!
 //! One file for both test harnesses: the unit tests of `coord/locks` use it as a module,
-//! and `tests/common` includes it by path (`#[path]`), so it names no `crate::` item.
+//! and `tests/it/common` includes it by path (`#[path]`), so it names no `crate::` item.
 #![allow(dead_code, unreachable_pub, clippy::unwrap_used)]
 
 use std::net::TcpListener;
