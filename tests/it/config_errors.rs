@@ -15,7 +15,7 @@ const ENV_OVERRIDES: [&str; 4] = [
 ];
 
 fn check_config(path: &Path) -> Output {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_cacheguard"));
+    let mut command = Command::new(crate::common::process::binary());
     command.arg("--check-config").arg(path);
     for name in ENV_OVERRIDES {
         command.env_remove(name);

@@ -1995,7 +1995,7 @@ fn catch_quiet<T>(f: impl FnOnce() -> T) -> Result<T, String> {
 /// exit code (`None`: killed by a signal or by us after 30 s), stdout and stderr.
 fn check_config(path: &Path, dir: &Path) -> (Option<i32>, String, String) {
     let (out_path, err_path) = (dir.join("stdout"), dir.join("stderr"));
-    let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_cacheguard"));
+    let mut command = std::process::Command::new(crate::common::process::binary());
     command
         .arg("--check-config")
         .arg(path)

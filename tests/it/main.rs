@@ -2,8 +2,9 @@
 //! --test it <module>::` runs one of them). One binary links the crate and its dependencies
 //! once, where a binary per file linked them some fifty times.
 //!
-//! They share one process and run two at a time across modules: a test that needs a process
-//! of its own, or must not overlap the other heavy ones, says so ([`common::alone`]).
+//! They share one process, and libtest runs them side by side (one per core) whatever their
+//! module: a test that needs a process of its own, or must not overlap the other heavy ones,
+//! says so ([`common::alone`]).
 
 mod common;
 
