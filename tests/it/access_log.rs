@@ -19,8 +19,6 @@
 //! - [`a_client_cannot_break_a_line`]: quotes, backslashes, tabs and non-ASCII bytes from
 //!   the client are escaped.
 
-use crate::common;
-
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -31,6 +29,7 @@ use serde_json::Value;
 use tokio::io::AsyncReadExt;
 use tokio::time::Instant;
 
+use crate::common;
 use crate::common::*;
 
 /// Bound on waiting for lines to reach the file.

@@ -21,8 +21,6 @@
 
 #![allow(clippy::unwrap_used)]
 
-use crate::common;
-
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -34,6 +32,7 @@ use tokio_util::sync::CancellationToken;
 
 use cacheguard::Running;
 
+use crate::common;
 use crate::common::entry::StoredEntry;
 use crate::common::load::{latency_summary, percentile, strict_latency};
 use crate::common::{

@@ -10,10 +10,9 @@
 
 #![allow(clippy::unwrap_used)]
 
-use crate::common;
-
 use std::time::Duration;
 
+use crate::common;
 use crate::common::{CgConfig, HttpClient, RedisServer, TestOrigin, item_route, post, url};
 
 /// Fills made: `CG_BIG_KEYS_FILLS`, default 12,000 (at least 10,430, so every key the

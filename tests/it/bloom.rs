@@ -8,8 +8,6 @@
 
 #![allow(clippy::unwrap_used)]
 
-use crate::common;
-
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -19,6 +17,7 @@ use bytes::Bytes;
 use serde_json::Value;
 use tokio::time::Instant;
 
+use crate::common;
 use crate::common::client::parse_response;
 use crate::common::prom::{Exposition, check_histogram};
 use crate::common::{

@@ -33,8 +33,6 @@
 //! with its requests and answers printed, from the package directory against a running
 //! cacheguard: `npm_config_base=http://127.0.0.1:PORT npm_package_config_id=ID node cli.mjs`.
 
-use crate::common;
-
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::net::SocketAddr;
@@ -44,6 +42,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+use crate::common;
 use crate::common::{CgConfig, RedisServer, free_port};
 
 /// The version of `http-cache-tests` the expectations were recorded with.

@@ -8,14 +8,13 @@
 
 #![allow(clippy::unwrap_used)]
 
-use crate::common;
-
 use std::collections::BTreeMap;
 use std::time::Duration;
 
 use serde_json::Value;
 use tokio::time::Instant;
 
+use crate::common;
 use crate::common::fleet::{spawn_fleet, wait_coordinated};
 use crate::common::load::{Load, burst, open_warm, outcomes};
 use crate::common::redis_server::{connect, query_port, redis_url, scan_keys};

@@ -8,13 +8,12 @@
 //!
 //! Every test has its own origin, Redis and instances, so tests run beside each other.
 
-use crate::common;
-
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::common;
 use crate::common::*;
 use tokio::time::Instant;
 

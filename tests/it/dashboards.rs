@@ -18,8 +18,6 @@
 //!   expression is evaluated through Prometheus's HTTP API: each must succeed and return
 //!   data, and each alert must be pending or firing. All failures are reported at once.
 
-use crate::common;
-
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -29,6 +27,7 @@ use std::time::Duration;
 use serde_json::Value;
 use tokio::time::Instant;
 
+use crate::common;
 use crate::common::{
     CgConfig, HttpClient, IdsFault, RedisServer, Resp, TcpProxy, TestOrigin, bloom_table,
     buy_route, free_port, item_route, kv_routes, metric, no_poke, orders, poll_until, post, put,

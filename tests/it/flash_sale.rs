@@ -20,10 +20,9 @@
 //! every assertion above is made. [`harness_without_gate_sees_the_flood`] always runs
 //! without the gate and checks that the flood factor sees the flood.
 
-use crate::common;
-
 use std::time::Duration;
 
+use crate::common;
 use crate::common::fleet::Fleet;
 use crate::common::history::{
     Epoch, History, Outcome, SaleLog, check_oversell, check_phantom, check_undersell, flood_factor,

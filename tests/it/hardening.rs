@@ -5,11 +5,10 @@
 //! not send them; origin answers come from a raw TCP origin where hyper would not write
 //! them.
 
-use crate::common;
-
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use crate::common;
 use crate::common::{
     CgConfig, HttpClient, RawOrigin, RedisServer, TestOrigin, item_route, item_write_routes,
     raw_until_closed, route, status_of, url,

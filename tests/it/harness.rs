@@ -2,14 +2,13 @@
 //! fixtures observe what the other tests rely on (so those tests can fail), e.g. that the
 //! origin records hop-by-hop and spoofed headers when they do reach it.
 
-use crate::common;
-
 use std::time::Duration;
 
 use bytes::Bytes;
 use http::Method;
 use tokio::time::Instant;
 
+use crate::common;
 use crate::common::client::channel_body;
 use crate::common::{
     HOP_REQUEST, HOP_RESPONSE, HttpClient, RedisServer, TestOrigin, concurrently, default_body,

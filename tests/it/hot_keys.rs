@@ -8,8 +8,6 @@
 //! Load comes from [`Load`], a pipelined HTTP/1.1 client over raw keep-alive connections (a
 //! fraction of the CPU of a full client per request, which a debug build on two cores needs).
 
-use crate::common;
-
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -20,6 +18,7 @@ use serde_json::Value;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
+use crate::common;
 use crate::common::hot::{Load, as_u64, hot_list, hotkeys};
 use crate::common::prom::Exposition;
 use crate::common::redis_server::command_calls;

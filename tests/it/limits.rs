@@ -2,8 +2,6 @@
 //! origin timeout, 502 when the origin is unreachable, and the origin guard (503 +
 //! `Retry-After` when no slot is free within `queue_timeout`). Big entries pass uncached.
 
-use crate::common;
-
 use std::net::SocketAddr;
 use std::time::Duration;
 
@@ -11,6 +9,7 @@ use bytes::Bytes;
 use http::Method;
 use tokio::time::Instant;
 
+use crate::common;
 use crate::common::client::{TestBody, channel_body, full_body};
 use crate::common::{CgConfig, HttpClient, Resp, TestOrigin, concurrently, free_port, url};
 

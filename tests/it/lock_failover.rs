@@ -4,14 +4,13 @@
 
 #![allow(clippy::unwrap_used)]
 
-use crate::common;
-
 use std::net::SocketAddr;
 use std::time::Duration;
 
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
+use crate::common;
 use crate::common::fleet::{
     lock_events_sum, shutdown_all, spawn_fleet, start_coordinated, wait_coordinated,
     wait_for_lock_waiters,

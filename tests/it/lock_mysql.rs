@@ -6,10 +6,9 @@
 //! start. The lock's own behaviour (grants, renewal, loss, tokens across restarts,
 //! concurrent takers, waiters without connections) is tested in `src/coord/locks/mysql.rs`.
 
-use crate::common;
-
 use std::time::Duration;
 
+use crate::common;
 use crate::common::history::Epoch;
 use crate::common::lock_faults::{self, Expect, FAULT_AT, LEASE};
 use crate::common::shop::{Shop, seat};

@@ -7,10 +7,9 @@
 //! unreachable at start, or refusing the login, named in the log. The lock's own behaviour (validity, majority,
 //! tokens across empty restarts) is tested in `src/coord/locks/redlock.rs`.
 
-use crate::common;
-
 use std::time::Duration;
 
+use crate::common;
 use crate::common::history::Epoch;
 use crate::common::lock_faults::{self, Expect, FAULT_AT, LEASE};
 use crate::common::shop::{Shop, seat};

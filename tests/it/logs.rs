@@ -1,10 +1,9 @@
 //! Logs: human by default, one JSON object per line with `--log-format json`, and
 //! no log line per request on the hit path.
 
-use crate::common;
-
 use std::time::Duration;
 
+use crate::common;
 use crate::common::*;
 
 /// With `--log-format json` every log line is a JSON object with a level and a message; 300

@@ -1,13 +1,12 @@
 //! Unmatched paths are proxied untouched and never cached: bodies stream through both
 //! ways, status and end-to-end headers pass back, hop-by-hop headers are stripped.
 
-use crate::common;
-
 use std::time::Duration;
 
 use bytes::Bytes;
 use http::Method;
 
+use crate::common;
 use crate::common::client::{channel_body, full_body};
 use crate::common::{
     CgConfig, HOP_REQUEST, HOP_RESPONSE, HttpClient, TestOrigin, hop_names, poll_until, post_hop,

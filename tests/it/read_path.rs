@@ -1,11 +1,10 @@
 //! The read path: miss → store → hit, single-flight of concurrent misses, negative caching,
 //! `Age`, and how the query string takes part in the key. Embedded and shared mode.
 
-use crate::common;
-
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::common;
 use crate::common::{
     CgConfig, HttpClient, ITEM_ROUTE, RedisServer, TestOrigin, concurrently, config_toml,
     default_body, item_route, route, start_cacheguard, url,

@@ -22,11 +22,10 @@
 //! Each holds in embedded mode and in shared mode with `l1` off, hot and all (the Vary
 //! rules on a Redis Cluster too), read back through a second instance where there is one.
 
-use crate::common;
-
 use std::net::{IpAddr, Ipv4Addr};
 use std::time::Duration;
 
+use crate::common;
 use crate::common::*;
 use http::Method;
 

@@ -8,14 +8,13 @@
 
 #![allow(clippy::unwrap_used)]
 
-use crate::common;
-
 use std::net::SocketAddr;
 use std::time::Duration;
 
 use serde_json::Value;
 use tokio::time::Instant;
 
+use crate::common;
 use crate::common::load::Load;
 use crate::common::redis_sentinel::DOWN_AFTER;
 use crate::common::{

@@ -4,11 +4,10 @@
 //! restart without persistence), waits bounded in time and count, and Redis down per
 //! policy. The same under faults, judged by the history checkers, is in `tests/it/serialize_faults.rs`.
 
-use crate::common;
-
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use crate::common;
 use crate::common::history::{Epoch, check_exclusion, check_fencing};
 use crate::common::shop::{FENCING_TOKEN, Fault, Scope, Shop, seat};
 use crate::common::{

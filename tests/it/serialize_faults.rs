@@ -39,10 +39,9 @@
 //!
 //! Short runs (a 1 s lease, about six seconds of load each): longer ones belong in bench/.
 
-use crate::common;
-
 use std::time::Duration;
 
+use crate::common;
 use crate::common::fleet::{Fleet, spawn_fleet_each, wait_coordinated};
 use crate::common::history::{Epoch, History, WriteLog, check_exclusion, check_fencing};
 use crate::common::jepsen::{self, Backend, Nemesis, RunConfig, Topology};

@@ -1,11 +1,10 @@
 //! Shared mode: several instances share one Redis as L2; stored TTLs are jittered and
 //! include the grace period; a cold key is fetched once across instances.
 
-use crate::common;
-
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::common;
 use crate::common::{
     CgConfig, HttpClient, RedisServer, TestOrigin, bounded_parallel, concurrently, default_body,
     url,

@@ -6,8 +6,6 @@
 
 #![allow(clippy::unwrap_used)]
 
-use crate::common;
-
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -15,6 +13,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+use crate::common;
 use crate::common::fleet::{shutdown_all, start_coordinated};
 use crate::common::load::{
     burst, hit_floor, latency_summary, open_warm, outcomes, percentile, strict_latency,

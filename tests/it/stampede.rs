@@ -12,8 +12,6 @@
 
 #![allow(clippy::unwrap_used)]
 
-use crate::common;
-
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
@@ -21,6 +19,7 @@ use std::time::Duration;
 
 use serde_json::Value;
 
+use crate::common;
 use crate::common::fleet::{
     lock_events_sum, shutdown_all, spawn_fleet, start_coordinated, wait_coordinated,
 };

@@ -5,11 +5,10 @@
 //! `--check-config` refuses. The same gate under faults,
 //! judged by the history checkers, is `tests/it/flash_sale.rs`.
 
-use crate::common;
-
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use crate::common;
 use crate::common::history::Epoch;
 use crate::common::redis_server::{command_calls, reset_command_stats};
 use crate::common::shop::{Fault, Scope, Shop, orders_path, seat};

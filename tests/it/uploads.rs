@@ -2,8 +2,6 @@
 //! total deadline) and in memory (a write's body beyond `server.body_buffer_bytes` waits in
 //! an anonymous temporary file, not in RAM), on write routes and on pass-through.
 
-use crate::common;
-
 use std::net::SocketAddr;
 use std::path::Path;
 use std::time::Duration;
@@ -16,6 +14,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::time::Instant;
 
+use crate::common;
 use crate::common::{CgConfig, HttpClient, RedisServer, TestOrigin, item_write_routes, status_of, url};
 
 /// What a trickling client saw: the answer's bytes, when its head came (from the first

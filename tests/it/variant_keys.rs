@@ -6,10 +6,9 @@
 //! an L2 miss; so every case is also read through a second instance, and with `l1` off or
 //! `hot` the storing instance's own repeat must come from Redis as well.
 
-use crate::common;
-
 use std::time::Duration;
 
+use crate::common;
 use crate::common::load::Load;
 use crate::common::{
     CgConfig, HttpClient, RedisCluster, RedisServer, SharedRedis, TestOrigin, item_route,

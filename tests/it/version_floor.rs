@@ -6,13 +6,12 @@
 //! the route's `l1` off, hot or all. Reads and writes go round-robin over three instances
 //! (one in embedded mode), and the history checker (`check_version_floor`) judges them.
 
-use crate::common;
-
 use std::net::SocketAddr;
 use std::time::Duration;
 
 use tokio::time::Instant;
 
+use crate::common;
 use crate::common::history::{Epoch, check_version_floor};
 use crate::common::jepsen::{self, RunConfig};
 use crate::common::shop::{Scope, Shop, VersionAnswer, read_request, seat, write_request};
