@@ -481,7 +481,8 @@ fn check(
             changed.push(format!("  {id}: not in the expectations -> {now}"));
         }
     }
-    let rebless = "record the new results with CACHE_TESTS_BLESS=1 cargo test --test it cache_tests::";
+    let rebless =
+        "record the new results with CACHE_TESTS_BLESS=1 cargo test --test it cache_tests::";
     if !newly_pass.is_empty() {
         eprintln!(
             "cache-tests {mode}: newly passing: {} ({rebless}):\n{}",

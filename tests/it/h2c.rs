@@ -2,11 +2,12 @@
 #![allow(clippy::unwrap_used)]
 
 use bytes::Bytes;
-use crate::common::{CgConfig, TestOrigin, default_body};
 use http_body_util::{BodyExt, Empty};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
+
+use crate::common::{CgConfig, TestOrigin, default_body};
 
 #[tokio::test]
 async fn h2c_prior_knowledge_is_served_and_cached() {

@@ -22,7 +22,9 @@ use crate::common;
 use crate::common::hot::{Load, as_u64, hot_list, hotkeys};
 use crate::common::prom::Exposition;
 use crate::common::redis_server::command_calls;
-use crate::common::{CgConfig, HttpClient, RedisServer, TestOrigin, item_route, metrics, route, url};
+use crate::common::{
+    CgConfig, HttpClient, RedisServer, TestOrigin, item_route, metrics, route, url,
+};
 
 const HOT_PATH: &str = "/api/items/hot";
 

@@ -70,9 +70,15 @@ mod version_floor;
 fn every_test_file_is_a_module_of_this_binary() {
     let tests = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests");
     let rs_files = |dir: &std::path::Path| -> Vec<String> {
-        let entries = std::fs::read_dir(dir).unwrap_or_else(|e| panic!("read {}: {e}", dir.display()));
+        let entries =
+            std::fs::read_dir(dir).unwrap_or_else(|e| panic!("read {}: {e}", dir.display()));
         let mut names: Vec<String> = entries
-            .map(|e| e.expect("a directory entry").file_name().to_string_lossy().into_owned())
+            .map(|e| {
+                e.expect("a directory entry")
+                    .file_name()
+                    .to_string_lossy()
+                    .into_owned()
+            })
             .filter_map(|name| name.strip_suffix(".rs").map(str::to_owned))
             .collect();
         names.sort();

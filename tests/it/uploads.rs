@@ -15,7 +15,9 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::time::Instant;
 
 use crate::common;
-use crate::common::{CgConfig, HttpClient, RedisServer, TestOrigin, item_write_routes, status_of, url};
+use crate::common::{
+    CgConfig, HttpClient, RedisServer, TestOrigin, item_write_routes, status_of, url,
+};
 
 /// What a trickling client saw: the answer's bytes, when its head came (from the first
 /// byte sent), and whether the server closed the connection within 3 s after it.
