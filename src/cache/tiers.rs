@@ -16,13 +16,19 @@
 //!           copy was read or its fetch began (checked again after the insert)
 //! ```
 //!
+//! The tiers also remember which request headers an origin varies a URL's answers on
+//! ([`Tiers::vary_names`]): every copy they see of a URL's own key whose `Vary` selected it
+//! teaches the names (see [`Tiers::learn_vary`]), so the read path can look up the request's
+//! own Vary variant (`key::selected`) first, with one L2 read.
+//!
 //! What the tiers cannot know themselves comes through two small traits implemented by
 //! the layers above: whether a key is hot ([`HotSet`]: hot keys are kept in L1 whatever
 //! the route's policy) and whether an invalidation is owed to Redis ([`OwedSet`]).
 
 use std::sync::Arc;
+use std::time::Duration;
 
-use http::HeaderMap;
+use http::{HeaderMap, HeaderName};
 
 use super::l1::L1;
 use super::l2::{self, L2};
@@ -70,7 +76,19 @@ pub(crate) struct Tiers {
     hot: Arc<dyn HotSet>,
     owed: Arc<dyn OwedSet>,
     metrics: Metrics,
+    /// URL key hash → the request headers its origin answers vary on (see
+    /// [`Tiers::vary_names`]).
+    vary: moka::sync::Cache<u128, Arc<[HeaderName]>>,
 }
+
+/// URLs whose `Vary` names are remembered at once. One forgotten costs its next request
+/// one more L2 read (the URL's own key, which teaches them again).
+const VARY_URLS: u64 = 65_536;
+
+/// How long `Vary` names are remembered: an origin that stops varying (or varies on other
+/// headers) is seen again within this time. Until then its answers are stored per variant
+/// still: more copies, never a wrong one (each copy's own selection is checked on read).
+const VARY_TTL: Duration = Duration::from_secs(300);
 
 impl Tiers {
     pub(crate) fn new(
@@ -88,6 +106,41 @@ impl Tiers {
             hot,
             owed,
             metrics,
+            vary: moka::sync::Cache::builder()
+                .max_capacity(VARY_URLS)
+                .time_to_live(VARY_TTL)
+                .build(),
+        }
+    }
+
+    /// The request headers the origin's answers for the URL key `url` vary on (and the
+    /// route does not key), if a copy of that key taught them here: the read path then
+    /// looks up the request's Vary variant (`key::selected`) instead of the URL's key. A
+    /// stale name list only costs a miss: every copy's own selection is checked on read.
+    pub(crate) fn vary_names(&self, url: &CacheKey) -> Option<Arc<[HeaderName]>> {
+        if url.is_selected() {
+            return None;
+        }
+        self.vary.get(&url.hash)
+    }
+
+    /// Learns from `entry`, a copy of `key` read or stored, the headers its origin varies
+    /// on: only a URL's own key teaches (a Vary variant's key was made from them).
+    pub(crate) fn learn_vary(&self, key: &CacheKey, entry: &Entry) {
+        if key.is_selected() || entry.selecting.is_empty() || !entry.matches(key) {
+            return;
+        }
+        let names: Vec<HeaderName> = entry
+            .selecting
+            .iter()
+            .map(|(name, _)| name.clone())
+            .collect();
+        if self
+            .vary
+            .get(&key.hash)
+            .is_none_or(|known| *known != *names)
+        {
+            self.vary.insert(key.hash, names.into());
         }
     }
 
@@ -169,7 +222,7 @@ impl Tiers {
         if l1 != L1Policy::Off
             && !skip_l1
             && let Some(copy) = self.l1.get(key).await
-            && copy.entry.selects(request)
+            && self.selects(key, &copy.entry, request)
         {
             if copy.verified || !self.redis_up() {
                 if let Some(fresh) = found.add(copy.entry, now, Outcome::HitL1) {
@@ -181,7 +234,7 @@ impl Tiers {
         }
         let since = self.since();
         match self.l2_read(key).await {
-            L2Read::Hit(entry) if entry.selects(request) => {
+            L2Read::Hit(entry) if self.selects(key, &entry, request) => {
                 if entry.freshness(now) == Freshness::Fresh && self.keeps_in_l1(l1, key.hash) {
                     self.keep(key, Arc::clone(&entry), since).await;
                 }
@@ -227,13 +280,20 @@ impl Tiers {
     ) -> Option<Arc<Entry>> {
         let since = self.since();
         let entry = self.l2_copy(key).await?;
-        if entry.freshness(now_ms()) != Freshness::Fresh || !entry.selects(request) {
+        if entry.freshness(now_ms()) != Freshness::Fresh || !self.selects(key, &entry, request) {
             return None;
         }
         if self.keeps_in_l1(l1, key.hash) {
             self.keep(key, Arc::clone(&entry), since).await;
         }
         Some(entry)
+    }
+
+    /// Whether `entry`, a copy of `key`, selects `request`; it teaches its `Vary` names
+    /// either way.
+    fn selects(&self, key: &CacheKey, entry: &Entry, request: &HeaderMap) -> bool {
+        self.learn_vary(key, entry);
+        entry.selects(request)
     }
 
     /// L2's copy of `key`, unless an invalidation of it is owed to Redis.
