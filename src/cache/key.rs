@@ -13,8 +13,16 @@
 //! hash tag, so a write invalidates them together and the variants are found from the base
 //! (an index kept next to it) without scanning Redis. A request without query or `vary`
 //! values is its own base.
+//!
+//! A *Vary variant* ([`selected`]) is one more level: on a `freshness = "origin"` route an
+//! origin answer whose `Vary` names headers the route does not key is stored under the
+//! URL's key extended with those names and the request's normalized values of them (as
+//! `Entry::selects` compares them). It has the URL key's base, so it is a variant of the
+//! path like a query variant: same generation, hash tag and variant index.
 
-use http::HeaderMap;
+use http::{HeaderMap, HeaderName, HeaderValue};
+
+use super::entry::selecting_value;
 
 use crate::config::{QueryPolicy, RouteConfig};
 
@@ -75,13 +83,27 @@ impl CacheKey {
 /// A header name cannot contain a space, so these lines never read as a keyed header's.
 /// Same base as `url` (a purge of the path drops it); its `url` is `url`'s hash.
 pub(crate) fn selected(url: &CacheKey, names: &[HeaderName], headers: &HeaderMap) -> CacheKey {
+    selected_by(
+        url,
+        names
+            .iter()
+            .map(|name| (name, selecting_value(headers, name))),
+    )
+}
+
+/// The Vary variant of `url` whose selecting headers have these (normalized) values: the
+/// one a stored copy with this `Entry::selecting` answers.
+pub(crate) fn selected_by<'a>(
+    url: &CacheKey,
+    selection: impl IntoIterator<Item = (&'a HeaderName, Option<HeaderValue>)>,
+) -> CacheKey {
     let mut full = url.full.clone();
-    for name in names {
+    for (name, value) in selection {
         full.push_str("\nvary ");
         full.push_str(name.as_str());
         // Absent is not the empty value: no `=`. Non-UTF-8 bytes are escaped, as in
         // `derive`: they never collide with text.
-        if let Some(value) = selecting_value(headers, name) {
+        if let Some(value) = value {
             full.push('=');
             full.push_str(
                 &String::from_utf8_lossy(value.as_bytes())

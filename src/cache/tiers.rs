@@ -16,10 +16,11 @@
 //!           copy was read or its fetch began (checked again after the insert)
 //! ```
 //!
-//! The tiers also remember which request headers an origin varies a URL's answers on
-//! ([`Tiers::vary_names`]): every copy they see of a URL's own key whose `Vary` selected it
-//! teaches the names (see [`Tiers::learn_vary`]), so the read path can look up the request's
-//! own Vary variant (`key::selected`) first, with one L2 read.
+//! The tiers also remember which request headers an origin varies a URL's answers on, and
+//! which variant the URL's own key holds ([`Tiers::vary_spec`]): every copy they see of a
+//! URL's own key whose `Vary` selected it teaches both (see [`Tiers::learn_vary`]), so the
+//! read path looks up the request's own Vary variant (`key::selected`), or the URL's key
+//! when it holds that variant: one L2 read.
 //!
 //! What the tiers cannot know themselves comes through two small traits implemented by
 //! the layers above: whether a key is hot ([`HotSet`]: hot keys are kept in L1 whatever
@@ -30,6 +31,7 @@ use std::time::Duration;
 
 use http::{HeaderMap, HeaderName};
 
+use super::key;
 use super::l1::L1;
 use super::l2::{self, L2};
 use super::marks::{LocalMarks, Standing};
@@ -76,9 +78,19 @@ pub(crate) struct Tiers {
     hot: Arc<dyn HotSet>,
     owed: Arc<dyn OwedSet>,
     metrics: Metrics,
-    /// URL key hash → the request headers its origin answers vary on (see
-    /// [`Tiers::vary_names`]).
-    vary: moka::sync::Cache<u128, Arc<[HeaderName]>>,
+    /// URL key hash → what its copies taught of the origin's `Vary` (see
+    /// [`Tiers::vary_spec`]).
+    vary: moka::sync::Cache<u128, VarySpec>,
+}
+
+/// What a copy of a URL's own key taught of its origin's `Vary`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct VarySpec {
+    /// The request headers its answers vary on (and the route does not key).
+    pub(crate) names: Arc<[HeaderName]>,
+    /// The hash of the Vary variant whose answer the URL's own key holds: the first fetched
+    /// before the names were known there (`key::selected_by` of its selection).
+    pub(crate) held: u128,
 }
 
 /// URLs whose `Vary` names are remembered at once. One forgotten costs its next request
@@ -113,11 +125,12 @@ impl Tiers {
         }
     }
 
-    /// The request headers the origin's answers for the URL key `url` vary on (and the
-    /// route does not key), if a copy of that key taught them here: the read path then
-    /// looks up the request's Vary variant (`key::selected`) instead of the URL's key. A
-    /// stale name list only costs a miss: every copy's own selection is checked on read.
-    pub(crate) fn vary_names(&self, url: &CacheKey) -> Option<Arc<[HeaderName]>> {
+    /// What a copy of the URL key `url` taught here of its origin's `Vary`: the request
+    /// headers its answers vary on (and the route does not key), and which variant `url`
+    /// itself holds. The read path then looks up the request's Vary variant
+    /// (`key::selected`), or `url` when it holds that one. A stale spec only costs a miss:
+    /// every copy's own selection is checked on read.
+    pub(crate) fn vary_spec(&self, url: &CacheKey) -> Option<VarySpec> {
         if url.is_selected() {
             return None;
         }
@@ -125,22 +138,22 @@ impl Tiers {
     }
 
     /// Learns from `entry`, a copy of `key` read or stored, the headers its origin varies
-    /// on: only a URL's own key teaches (a Vary variant's key was made from them).
+    /// on and which variant `key` holds: only a URL's own key teaches (a Vary variant's key
+    /// was made from them).
     pub(crate) fn learn_vary(&self, key: &CacheKey, entry: &Entry) {
         if key.is_selected() || entry.selecting.is_empty() || !entry.matches(key) {
             return;
         }
-        let names: Vec<HeaderName> = entry
+        let selection = entry
             .selecting
             .iter()
-            .map(|(name, _)| name.clone())
-            .collect();
-        if self
-            .vary
-            .get(&key.hash)
-            .is_none_or(|known| *known != *names)
-        {
-            self.vary.insert(key.hash, names.into());
+            .map(|(name, value)| (name, value.clone()));
+        let spec = VarySpec {
+            names: entry.selecting.iter().map(|(name, _)| name.clone()).collect(),
+            held: key::selected_by(key, selection).hash,
+        };
+        if self.vary.get(&key.hash).as_ref() != Some(&spec) {
+            self.vary.insert(key.hash, spec);
         }
     }
 

@@ -120,15 +120,22 @@ impl ReadPath {
 
     /// On a `freshness = "origin"` route whose origin varies this URL's answers on headers
     /// the route does not key (as a copy of the URL's key taught this process), the
-    /// request's own Vary variant of `derived` (`key::selected`). `None` otherwise, and for
-    /// a key that is a Vary variant already.
-    fn vary_variant(&self, route: &Route, derived: &Derived, headers: &HeaderMap) -> Option<Derived> {
+    /// request's own Vary variant of `derived` (`key::selected`). `None` otherwise: the
+    /// names are not known here, the URL's own key holds the request's variant, or
+    /// `derived` is a Vary variant already.
+    fn vary_variant(
+        &self,
+        route: &Route,
+        derived: &Derived,
+        headers: &HeaderMap,
+    ) -> Option<Derived> {
         if route.config.freshness != FreshnessSource::Origin {
             return None;
         }
-        let names = self.tiers.vary_names(&derived.key)?;
-        Some(Derived {
-            key: key::selected(&derived.key, &names, headers),
+        let spec = self.tiers.vary_spec(&derived.key)?;
+        let selected = key::selected(&derived.key, &spec.names, headers);
+        (selected.hash != spec.held).then(|| Derived {
+            key: selected,
             forward_path_and_query: derived.forward_path_and_query.clone(),
         })
     }
@@ -181,8 +188,8 @@ impl ReadPath {
             }
             Cached::Miss(kept) => {
                 // The URL's key held another variant's copy, which taught its Vary names
-                // just now: the request's own variant is read instead (once: a variant key
-                // has no variant of its own).
+                // (or that it holds that variant) just now: the request's own variant is
+                // read instead (once: a variant key has no variant of its own).
                 if kept.is_none()
                     && let Some(selected) = self.vary_variant(route, &derived, &parts.headers)
                 {
