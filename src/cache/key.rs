@@ -416,6 +416,10 @@ mod tests {
             }
             assert_ne!(fr.hash, en.hash);
             assert_ne!(none.hash, empty.hash, "absent is not empty");
+            // What a stored copy's selection makes is the variant of its requests.
+            let copy_fr = [(&names[0], Some(HeaderValue::from_static("fr")))];
+            assert_eq!(selected_by(&url, copy_fr), fr);
+            assert_eq!(selected_by(&url, [(&names[0], None)]), none);
             // Normalized as `Entry::selects` compares: `a, b` and `a,b` are one variant.
             let mut spaced = HeaderMap::new();
             spaced.insert("accept-language", HeaderValue::from_static("fr, en"));
