@@ -149,7 +149,11 @@ impl Tiers {
             .iter()
             .map(|(name, value)| (name, value.clone()));
         let spec = VarySpec {
-            names: entry.selecting.iter().map(|(name, _)| name.clone()).collect(),
+            names: entry
+                .selecting
+                .iter()
+                .map(|(name, _)| name.clone())
+                .collect(),
             held: key::selected_by(key, selection).hash,
         };
         if self.vary.get(&key.hash).as_ref() != Some(&spec) {
