@@ -903,6 +903,7 @@ async fn vary_variants_in_one_mode(
         wrong.extend(check(&resp, language, "alternating load"));
     }
     let fetched = origin.count(&path) - before;
+    eprintln!("{mode}: alternating fr/en: {hits} hits of {LOAD}, {fetched} origin fetches");
     if hits * 100 < LOAD * 95 || fetched * 100 > LOAD as u64 * 5 {
         wrong.push(format!(
             "{mode}: alternating fr/en: {hits} hits of {LOAD}, {fetched} origin fetches \
