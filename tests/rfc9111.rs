@@ -829,15 +829,11 @@ async fn a_forwarded_validator_answers_its_client_only_and_the_waiters_share_one
 const TOKEN: &str = "rfc9111-admin-token-0123456789";
 
 /// `POST /admin/purge` of `path` on `admin`.
-async fn purge(client: &HttpClient, admin: std::net::SocketAddr, path: &str) -> Resp {
-    let bearer = format!("Bearer {TOKEN}");
-    post(
+async fn purge_path(client: &HttpClient, admin: std::net::SocketAddr, path: &str) -> Resp {
+    purge(
         client,
-        &url(admin, "/admin/purge"),
-        &[
-            ("authorization", bearer.as_str()),
-            ("content-type", "application/json"),
-        ],
+        admin,
+        Some(TOKEN),
         &format!(r#"{{"keys": ["{path}"]}}"#),
     )
     .await
@@ -953,7 +949,7 @@ async fn vary_variants_in_one_mode(
     }
 
     // A purge of the path drops every variant: both languages are fetched again.
-    let purged = purge(&client, admin, &path).await;
+    let purged = purge_path(&client, admin, &path).await;
     if purged.status != 200 {
         wrong.push(format!("{mode}: purge: {purged}"));
     }
