@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use common::prom::{self, check_histogram};
 use common::{
-    CgConfig, HttpClient, RedisServer, Resp, TestOrigin, concurrently, metric, poll_until, post,
-    scrape, url,
+    CgConfig, HttpClient, RedisServer, Resp, TestOrigin, concurrently, metric, poll_until, scrape,
+    url,
 };
 use tokio::time::Instant;
 
