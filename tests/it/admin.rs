@@ -6,6 +6,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::common;
 use crate::common::prom::{self, check_histogram};
 use crate::common::{
     CgConfig, HttpClient, RedisServer, Resp, TestOrigin, concurrently, metric, poll_until, scrape,
