@@ -18,12 +18,12 @@ use std::time::Duration;
 
 use common::lock_servers::{ZooKeeperServer, free_port};
 use common::serialized::{
-    self, FAULT_AT, LEASE, Setup, answered_within, pause_holder, policy_route, refused_at_start,
-    strand, timed_put,
+    self, FAULT_AT, LEASE, Setup, answered_within, counted, pause_holder_for, policy_route,
+    refused_at_start, strand, timed_put,
 };
 use common::shop::{Fault, Scope, Shop, seat};
 use common::{
-    CgConfig, HttpClient, RedisServer, TcpProxy, history::Epoch, metric, poll_until, process,
+    CgConfig, HttpClient, RedisServer, TcpProxy, history::Epoch, poll_until, process,
     spawn_cacheguard_process,
 };
 use zookeeper_client::{Acls, CreateMode};
@@ -56,7 +56,7 @@ fn setup(shared: bool, fencing: bool) -> Setup<'static> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_fault_embedded() {
     let zk = ZooKeeperServer::shared().await;
-    serialized::run(
+    serialized::run_with(
         setup(false, true),
         |c| with_zookeeper(c, &zk.connect(), "/no-fault-embedded"),
         async |_, _| {},
@@ -71,7 +71,7 @@ async fn no_fault_embedded() {
 async fn no_fault_shared() {
     let zk = ZooKeeperServer::shared().await;
     let redis = RedisServer::start().await;
-    serialized::run(
+    serialized::run_with(
         setup(true, true),
         |c| with_zookeeper(c.redis(&redis), &zk.connect(), "/no-fault-shared"),
         async |_, _| {},
@@ -89,7 +89,7 @@ async fn zookeeper_killed_and_restarted() {
     let mut zk = ZooKeeperServer::start().await;
     let connect = zk.connect();
     let mut killed_at = Duration::ZERO;
-    let verdict = serialized::run(
+    let verdict = serialized::run_with(
         setup(false, true),
         |c| with_zookeeper(c, &connect, "/killed"),
         async |n, fx| {
@@ -116,12 +116,12 @@ async fn zookeeper_killed_and_restarted() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn holder_session_expired() {
     let zk = ZooKeeperServer::shared().await;
-    serialized::run(
+    serialized::run_with(
         setup(false, true),
         |c| with_zookeeper(c, &zk.connect(), "/holder-session-expired"),
         async |n, fx| {
             n.at(FAULT_AT).await;
-            pause_holder(&n, fx, SESSION * 2).await;
+            pause_holder_for(&n, fx, SESSION * 2).await;
         },
     )
     .await
@@ -132,12 +132,12 @@ async fn holder_session_expired() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn holder_session_expired_bites() {
     let zk = ZooKeeperServer::shared().await;
-    serialized::run(
+    serialized::run_with(
         setup(false, false),
         |c| with_zookeeper(c, &zk.connect(), "/holder-session-expired-bites"),
         async |n, fx| {
             n.at(FAULT_AT).await;
-            pause_holder(&n, fx, SESSION * 2).await;
+            pause_holder_for(&n, fx, SESSION * 2).await;
         },
     )
     .await
@@ -150,7 +150,7 @@ async fn holder_session_expired_bites() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn holder_paused_past_its_lease_within_its_session_keeps_the_lock() {
     let zk = ZooKeeperServer::shared().await;
-    serialized::run(
+    serialized::run_with(
         setup(false, true),
         |c| with_zookeeper(c, &zk.connect(), "/holder-paused-within-session"),
         async |n, fx| {
@@ -328,18 +328,6 @@ async fn zookeeper_down_or_silent_answers_per_policy_within_the_wait() {
     }
 }
 
-/// The seat route's writes counted with `result` by the instance whose admin listener is
-/// `admin`.
-async fn counted(admin: std::net::SocketAddr, result: &str) -> f64 {
-    metric(
-        &HttpClient::new(),
-        admin,
-        "cacheguard_serialized_writes_total",
-        &[("route", "seat-update"), ("result", result)],
-    )
-    .await
-}
-
 /// A ZooKeeper that accepts connections and never answers: the test's fault proxy in front
 /// of the real server, blackholed (every connection accepted and held, not a byte either
 /// way). For each `on_redis_error`:
@@ -430,7 +418,7 @@ async fn a_silent_zookeeper_at_start_or_at_run_time_answers_per_policy() {
             let (client, addr, admin) = (client.clone(), cg.addr(), cg.admin_addr());
             async move {
                 let status = common::put(&client, addr, &seat("t1", "1A")).await.status;
-                (status == 200 && counted(admin, "granted").await > 0.0).then_some(())
+                (status == 200 && counted(&client, admin, "granted").await > 0.0).then_some(())
             }
         })
         .await;
@@ -441,7 +429,7 @@ async fn a_silent_zookeeper_at_start_or_at_run_time_answers_per_policy() {
         );
 
         silent.blackhole();
-        let before = counted(cg.admin_addr(), result).await;
+        let before = counted(&client, cg.admin_addr(), result).await;
         answered_within(
             cg.addr(),
             4,
@@ -451,12 +439,12 @@ async fn a_silent_zookeeper_at_start_or_at_run_time_answers_per_policy() {
         )
         .await;
         assert_eq!(
-            counted(cg.admin_addr(), result).await - before,
+            counted(&client, cg.admin_addr(), result).await - before,
             4.0,
             "{policy}: the writes while ZooKeeper was silent"
         );
         assert_eq!(
-            counted(cg.admin_addr(), "timeout").await,
+            counted(&client, cg.admin_addr(), "timeout").await,
             0.0,
             "{policy}: a silent ZooKeeper counted as a lock held by another"
         );

@@ -46,7 +46,7 @@ use std::time::Duration;
 use common::fleet::{Fleet, spawn_fleet_each, wait_coordinated};
 use common::history::{Epoch, History, WriteLog, check_exclusion, check_fencing};
 use common::jepsen::{self, Backend, Nemesis, RunConfig, Topology};
-use common::lock_faults::{self, FAULT_AT, LEASE, SHOP_WRITE, WAIT_TIMEOUT, seats};
+use common::serialized::{self, FAULT_AT, LEASE, SHOP_WRITE, WAIT_TIMEOUT, seats};
 use common::shop::{FENCING_TOKEN, Scope, Shop, write_request};
 use common::{CgConfig, HttpClient, RedisServer, TcpProxy, route, url};
 use tokio::task::JoinHandle;
@@ -318,10 +318,10 @@ async fn run(topology: Topology, fault: Fault, fencing: bool) -> Verdict {
 }
 
 /// Holds the victim's link to the origin and has the victim take the first seat's lock
-/// for a write of its own (see `lock_faults::hold_victim`). Returns the time (on the
+/// for a write of its own (see `serialized::hold_victim`). Returns the time (on the
 /// shop's epoch) from which another holder's write is a newer one.
 async fn strand(n: &Nemesis, fx: &mut Fixtures) -> Duration {
-    let (since, write) = lock_faults::hold_victim(n, &fx.link, &fx.fleet, &fx.shop).await;
+    let (since, write) = serialized::hold_victim(n, &fx.link, &fx.fleet, &fx.shop).await;
     fx.held = Some(write);
     since
 }
@@ -333,7 +333,7 @@ async fn strand(n: &Nemesis, fx: &mut Fixtures) -> Duration {
 async fn deliver(n: &Nemesis, fx: &Fixtures, since: Duration) -> tokio::time::Instant {
     fx.shop
         .set_latency(Scope::Path(seats()[0].clone()), DELIVERY_WRITE);
-    lock_faults::release_victim(n, &fx.link, &fx.fleet, &fx.shop, since).await;
+    serialized::release_victim(n, &fx.link, &fx.fleet, &fx.shop, since).await;
     tokio::time::Instant::now()
 }
 
