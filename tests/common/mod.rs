@@ -562,6 +562,16 @@ pub async fn join_within<T>(handles: Vec<JoinHandle<T>>, timeout: Duration, what
         .unwrap_or_else(|_| panic!("{what} did not finish within {timeout:?}"))
 }
 
+/// `POST /admin/purge` with `body` (JSON) on `admin`, with the admin token `auth` if any.
+pub async fn purge(client: &HttpClient, admin: SocketAddr, auth: Option<&str>, body: &str) -> Resp {
+    let header = auth.map(|t| format!("Bearer {t}"));
+    let headers: Vec<(&str, &str)> = header
+        .as_deref()
+        .map(|h| vec![("authorization", h), ("content-type", "application/json")])
+        .unwrap_or_else(|| vec![("content-type", "application/json")]);
+    post(client, &url(admin, "/admin/purge"), &headers, body).await
+}
+
 /// POST `body` to `url` with extra headers; panics on a transport error.
 pub async fn post(client: &HttpClient, url: &str, headers: &[(&str, &str)], body: &str) -> Resp {
     client
