@@ -4,7 +4,9 @@
 //! - [`RedisServer`]: a real `redis-server` on a free loopback port (always the real server).
 //! - [`RedisCluster`]: a real six-node Redis Cluster (three primaries, three replicas).
 //! - [`MariaDb`]: a real MariaDB server (the MySQL lock service's tests).
-//! - [`lock_faults`]: serialized writes on a `[locks.<name>]` service under a nemesis.
+//! - [`serialized`]: serialized writes under a nemesis on any lock service (a
+//!   `[locks.<name>]` section or the shared Redis), with the exclusion and fencing checkers,
+//!   and the checks of a lock service down, silent or refused.
 //! - [`TestOrigin`]: the fake origin API (counters, in-flight gauge, per-path behaviour);
 //!   [`RawOrigin`]: one that writes the same raw bytes for every request.
 //! - [`CgConfig`] / [`config_toml`] + [`start_cacheguard`]: an in-process cacheguard.
@@ -21,8 +23,7 @@
 //!   undersell, flood factor; exclusion, fencing); [`jepsen`]: the runner (clients
 //!   round-robin over a fleet, a nemesis schedule); [`shop`]: the flash-sale origin.
 //! - [`lock_servers`]: real `etcd` and ZooKeeper servers for the lock services (the file the
-//!   unit tests of `src/coord/locks` use too); [`serialized`]: [`lock_faults`]'s runs with any
-//!   instance config (shared mode), an origin without a token check, a service down.
+//!   unit tests of `src/coord/locks` use too).
 //! - [`alone`]: what the one test process does not share: a test that measures this process
 //!   runs in one of its own ([`in_own_process`]); heavy tests take one lock ([`heavy`]).
 //!
@@ -37,7 +38,6 @@ pub mod history;
 pub mod hot;
 pub mod jepsen;
 pub mod load;
-pub mod lock_faults;
 #[path = "../../src/coord/locks/test_servers.rs"]
 pub mod lock_servers;
 pub mod mariadb;
