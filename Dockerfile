@@ -30,17 +30,21 @@ COPY config ./config
 # scripts/check-image-build.sh (run by the test command) fails on any build here that gives
 # the proxy `test-util`. The target dir is a cache mount, so each binary is copied out of it
 # in the step that builds it.
-RUN --mount=type=cache,target=/usr/local/cargo/registry,sharing=locked \
-    --mount=type=cache,target=/usr/local/cargo/git,sharing=locked \
-    --mount=type=cache,target=/src/target,sharing=locked \
+# Builds running at once share the caches: cargo locks the target dir itself, but its lock
+# on the registry is in $CARGO_HOME, outside the mount, so that mount is `sharing=locked`.
+# One locked mount per RUN, and the last: podman before 4.4 (buildah before 1.29) releases
+# only the last locked mount of a RUN, and the next RUN waits forever for the others.
+RUN --mount=type=cache,target=/usr/local/cargo/git \
+    --mount=type=cache,target=/src/target \
+    --mount=type=cache,target=/usr/local/cargo/registry,sharing=locked \
     cargo build --release --locked --bin cacheguard \
     && install -D -m 0755 target/release/cacheguard /out/cacheguard
 # The demo is an example, so it builds with the dev-dependencies (rusqlite with a bundled
 # SQLite: the image's gcc compiles it), tokio's `test-util` included: that costs the demo
 # API nothing that matters, and a second compile of the crates that depend on tokio.
-RUN --mount=type=cache,target=/usr/local/cargo/registry,sharing=locked \
-    --mount=type=cache,target=/usr/local/cargo/git,sharing=locked \
-    --mount=type=cache,target=/src/target,sharing=locked \
+RUN --mount=type=cache,target=/usr/local/cargo/git \
+    --mount=type=cache,target=/src/target \
+    --mount=type=cache,target=/usr/local/cargo/registry,sharing=locked \
     cargo build --release --locked --example demo \
     && install -D -m 0755 target/release/examples/demo /out/cacheguard-demo
 
