@@ -196,16 +196,18 @@ async fn start_event_bus(
 }
 
 /// The read path over `tiers`: the hot-key gate and the filler share the in-process
-/// flights and the hit-for-miss set.
+/// flights and the hit-for-miss set. The flights are not joined once their key was
+/// invalidated (`marks`).
 fn read_path(
     config: &Config,
     tiers: Arc<Tiers>,
+    marks: &Arc<LocalMarks>,
     hot: &Arc<HotKeys>,
     store: Option<RedisStore>,
     origin: &Arc<Origin>,
     metrics: &Metrics,
 ) -> Arc<ReadPath> {
-    let flights = Arc::new(Flights::default());
+    let flights = Arc::new(Flights::new(Arc::clone(marks)));
     let uncacheable = moka::sync::Cache::builder()
         .max_capacity(100_000)
         .time_to_live(config.lock.uncacheable_ttl)
@@ -221,7 +223,7 @@ fn read_path(
         filler: Arc::new(Filler {
             tiers,
             flights,
-            lone: Arc::default(),
+            lone: Arc::new(Flights::new(Arc::clone(marks))),
             fleet: store.map(|store| FleetLock::new(store, metrics.clone())),
             lock: ArcSwap::from_pointee(config.lock.clone()),
             uncacheable,
@@ -434,7 +436,15 @@ impl App {
             Arc::clone(&invalidator) as _,
             metrics.clone(),
         ));
-        let read = read_path(&config, tiers, &hot, dist.clone(), &origin, &metrics);
+        let read = read_path(
+            &config,
+            tiers,
+            &marks,
+            &hot,
+            dist.clone(),
+            &origin,
+            &metrics,
+        );
         let routes = Arc::new(ArcSwap::from_pointee(routes));
         let passthrough = Arc::new(Passthrough {
             origin: Arc::clone(&origin),

@@ -7,6 +7,7 @@
 //! - [`l1`]: the in-process moka cache, bounded by bytes.
 //! - [`l2`]: entries in Redis, through `coord`.
 //! - [`marks`]: local invalidation marks, the generation check of L1 copies.
+//! - [`version`]: row versions the origin tells, and the floors writes set with them.
 //! - [`tiers`]: L1 over L2 behind one gate: every lookup and every copy into L1 of the
 //!   read path goes through it.
 
@@ -18,6 +19,7 @@ pub(crate) mod l2;
 pub(crate) mod marks;
 pub(crate) mod tiers;
 pub(crate) mod ttl;
+pub(crate) mod version;
 
 pub(crate) use entry::{Entry, Freshness};
 pub(crate) use key::CacheKey;

@@ -93,6 +93,10 @@ pub(crate) enum ProxyError {
     /// A serialized write's lock service did not answer (`on_redis_error = "reject"`).
     #[error("write lock unavailable")]
     WriteLockUnavailable(u64),
+    /// A read on a route with `version`: the origin's answers stayed older than a write's
+    /// version floor (a replica that did not catch up) within `upstream.timeout`.
+    #[error("the origin's answer stayed older than a recent write")]
+    VersionBehind,
     #[error("internal error")]
     Internal,
 }
@@ -104,9 +108,10 @@ impl ProxyError {
                 StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE
             }
             ProxyError::BodyTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
-            ProxyError::Shed(_) | ProxyError::LockWait(_) | ProxyError::BodySpool(_) => {
-                StatusCode::SERVICE_UNAVAILABLE
-            }
+            ProxyError::Shed(_)
+            | ProxyError::LockWait(_)
+            | ProxyError::BodySpool(_)
+            | ProxyError::VersionBehind => StatusCode::SERVICE_UNAVAILABLE,
             ProxyError::OriginTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
             ProxyError::UploadTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             ProxyError::OriginConnect(_) => StatusCode::BAD_GATEWAY,
@@ -156,6 +161,7 @@ impl ProxyError {
             ProxyError::WriteQueueFull(_) => "write_queue_full",
             ProxyError::WriteLockWait(_) => "write_lock_wait",
             ProxyError::WriteLockUnavailable(_) => "write_lock_unavailable",
+            ProxyError::VersionBehind => "version_behind",
             ProxyError::Internal => "internal",
         }
     }
@@ -193,7 +199,8 @@ impl ProxyError {
             | ProxyError::HotKeyLimited
             | ProxyError::IdempotencyInFlight
             | ProxyError::StockUnavailable
-            | ProxyError::StockNotLoaded => Some(1),
+            | ProxyError::StockNotLoaded
+            | ProxyError::VersionBehind => Some(1),
             ProxyError::TooManyVariants(seconds)
             | ProxyError::WriteQueueFull(seconds)
             | ProxyError::WriteLockWait(seconds)

@@ -261,6 +261,9 @@ pub enum FillRefusal {
     LockTaken,
     /// A write's quarantine (its `double_delete_delay`) was running.
     Quarantine,
+    /// Its version is below the key's version floor (a write's, or a newer stored
+    /// answer's), or it has none while there is a floor: a replica behind the write.
+    OlderVersion,
     /// The answer's `Vary` names a request header the route neither keys nor forwards
     /// (or is `*`): a stored copy could reach a client it was not made for.
     Vary,
@@ -272,6 +275,7 @@ impl FillRefusal {
             FillRefusal::Generation => "generation",
             FillRefusal::LockTaken => "lock_taken",
             FillRefusal::Quarantine => "quarantine",
+            FillRefusal::OlderVersion => "older_version",
             FillRefusal::Vary => "vary",
         }
     }
@@ -352,6 +356,7 @@ pub struct Metrics {
     uncacheable: IntCounterVec,
     revalidations: IntCounterVec,
     oversized: IntCounterVec,
+    version_unparsed: IntCounterVec,
     new_variants: IntCounterVec,
     origin_retries: IntCounterVec,
     coalesced: IntCounterVec,
@@ -614,6 +619,15 @@ impl Metrics {
             Opts::new(
                 "cacheguard_oversized_responses_total",
                 "Origin answers larger than max_entry_bytes, served but not stored.",
+            ),
+            &["route"],
+        )?;
+        let version_unparsed = IntCounterVec::new(
+            Opts::new(
+                "cacheguard_version_unparsed_total",
+                "Origin answers on a route with `version` whose version header was missing \
+                 or did not parse: never trusted (a fill over a floor is refused, a write \
+                 sets no floor).",
             ),
             &["route"],
         )?;
@@ -960,7 +974,9 @@ impl Metrics {
             Opts::new(
                 "cacheguard_fill_refused_total",
                 "Fetched answers that were not stored, by reason: refused by the fill script \
-                 (generation, lock_taken, quarantine) or by their own Vary (vary).",
+                 (generation, lock_taken, quarantine), older than the key's version floor \
+                 (older_version: neither stored nor served, fetched again), or by their own \
+                 Vary (vary).",
             ),
             &["reason"],
         )?;
@@ -1152,6 +1168,7 @@ impl Metrics {
             FillRefusal::Generation,
             FillRefusal::LockTaken,
             FillRefusal::Quarantine,
+            FillRefusal::OlderVersion,
             FillRefusal::Vary,
         ] {
             fill_refused.with_label_values(&[refusal.as_str()]);
@@ -1181,6 +1198,7 @@ impl Metrics {
         registry.register(Box::new(uncacheable.clone()))?;
         registry.register(Box::new(revalidations.clone()))?;
         registry.register(Box::new(oversized.clone()))?;
+        registry.register(Box::new(version_unparsed.clone()))?;
         registry.register(Box::new(new_variants.clone()))?;
         registry.register(Box::new(origin_retries.clone()))?;
         registry.register(Box::new(coalesced.clone()))?;
@@ -1228,6 +1246,7 @@ impl Metrics {
             uncacheable,
             revalidations,
             oversized,
+            version_unparsed,
             new_variants,
             origin_retries,
             coalesced,
@@ -1365,7 +1384,11 @@ impl Metrics {
             refused_vary: self
                 .fill_refused
                 .with_label_values(&[FillRefusal::Vary.as_str()]),
+            refused_older: self
+                .fill_refused
+                .with_label_values(&[FillRefusal::OlderVersion.as_str()]),
             oversized: self.oversized.with_label_values(&[route]),
+            version_unparsed: self.version_unparsed.with_label_values(&[route]),
             new_variants: NewVariant::ALL
                 .map(|v| self.new_variants.with_label_values(&[route, v.as_str()])),
             origin_retries: self.origin_retries.with_label_values(&[route]),
@@ -1435,6 +1458,7 @@ impl Metrics {
                 &self.shed,
                 &self.uncacheable,
                 &self.oversized,
+                &self.version_unparsed,
                 &self.origin_retries,
                 &self.coalesced,
                 &self.stale_served,
@@ -1603,7 +1627,11 @@ pub struct RouteMetrics {
     revalidations: [IntCounter; 3],
     /// `fill_refused{reason="vary"}` (not per route: the counter has no route label).
     pub refused_vary: IntCounter,
+    /// `fill_refused{reason="older_version"}` (likewise).
+    pub refused_older: IntCounter,
     pub oversized: IntCounter,
+    /// Answers whose version header was missing or did not parse (routes with `version`).
+    pub version_unparsed: IntCounter,
     new_variants: [IntCounter; 4],
     pub origin_retries: IntCounter,
     pub coalesced: IntCounter,
@@ -1876,11 +1904,37 @@ impl StockFamilies {
     }
 }
 
+/// One stock gate's counters at one moment ([`StockMetrics::counts`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct StockCounts {
+    /// By decision, in [`StockOutcome::ALL`] order.
+    pub(crate) requests: [u64; StockOutcome::ALL.len()],
+    /// By what the origin's answer meant, in [`StockSettled::ALL`] order.
+    pub(crate) settled: [u64; StockSettled::ALL.len()],
+    pub(crate) reconciles_ok: u64,
+    pub(crate) reconciles_failed: u64,
+    /// The last reconcile's change to the gate's count (signed).
+    pub(crate) last_delta: i64,
+    pub(crate) redis_errors: u64,
+    pub(crate) sold_out_marks: u64,
+}
+
+impl StockCounts {
+    pub(crate) fn request(&self, outcome: StockOutcome) -> u64 {
+        self.requests[outcome as usize]
+    }
+
+    /// Sold-out answers, from this instance's marks and from Redis.
+    pub(crate) fn sold_out(&self) -> u64 {
+        self.request(StockOutcome::SoldOutLocal) + self.request(StockOutcome::SoldOutRedis)
+    }
+}
+
 /// One stock gate's metric handles.
 #[derive(Clone, Debug)]
 pub(crate) struct StockMetrics {
-    requests: [IntCounter; 11],
-    settled: [IntCounter; 4],
+    requests: [IntCounter; StockOutcome::ALL.len()],
+    settled: [IntCounter; StockSettled::ALL.len()],
     pub(crate) reconciles_ok: IntCounter,
     pub(crate) reconciles_failed: IntCounter,
     pub(crate) reconciles_skipped: IntCounter,
@@ -1898,6 +1952,19 @@ impl StockMetrics {
 
     pub(crate) fn settled(&self, result: StockSettled) {
         self.settled[result as usize].inc();
+    }
+
+    /// The gate's counters now (for the status page; the metric families stay the record).
+    pub(crate) fn counts(&self) -> StockCounts {
+        StockCounts {
+            requests: self.requests.each_ref().map(IntCounter::get),
+            settled: self.settled.each_ref().map(IntCounter::get),
+            reconciles_ok: self.reconciles_ok.get(),
+            reconciles_failed: self.reconciles_failed.get(),
+            last_delta: self.delta.get(),
+            redis_errors: self.redis_errors.get(),
+            sold_out_marks: self.sold_out_marks.get(),
+        }
     }
 
     /// A reconcile moved the gate's count by `delta` units (summed over its segments).

@@ -33,6 +33,7 @@ pub(crate) mod write;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use http::{HeaderValue, Method, Request, Response, Version, header};
@@ -117,8 +118,8 @@ pub(crate) struct Proxy {
 }
 
 /// Applies other instances' key events to this instance's cache: an `invalidate` drops
-/// the base key and its variants from L1 (and ends their hot-key L1 grace), a `hot`
-/// promotes the key here too.
+/// the base key and its variants from L1 (and ends their hot-key L1 grace) and raises its
+/// version floor here when it carries one, a `hot` promotes the key here too.
 #[derive(Debug)]
 pub(crate) struct CacheEvents {
     pub(crate) l1: L1,
@@ -130,8 +131,14 @@ impl BusListener for CacheEvents {
     fn on_key_event(&self, event: Event) {
         match event.kind {
             EventKind::Invalidate => {
-                // Marked at once (a fill finishing right now must not keep its copy); the
-                // L1 removal itself is async.
+                // The floor first, then the mark, at once (a fill finishing right now must
+                // not keep its copy, a request arriving now must not join a flight begun
+                // before, and the one it leads goes by the floor); the L1 removal itself is
+                // async.
+                if let Some((version, ttl_ms)) = event.floor {
+                    self.marks
+                        .raise_floor(event.hash, version, Duration::from_millis(ttl_ms));
+                }
                 self.marks.mark_key(event.hash);
                 let (l1, hot) = (self.l1.clone(), Arc::clone(&self.hot));
                 tokio::spawn(async move { invalidate::drop_base(&l1, &hot, event.hash).await });

@@ -7,6 +7,10 @@
 //! - [`own_answers_are_logged_with_their_reason`]: 400, 405, 413, 414, 429, 431, 502, 503
 //!   and 504, each with the reason cacheguard gave. (A 500 is only made when a fill task
 //!   panics: not reachable from outside.)
+//! - [`stock_gate_answers_are_logged_in_both_formats`]: a stock gate's sale, replay
+//!   (`REPLAYED`), sold-out answers (`SOLDOUT`, from Redis or the ledger and from memory) and
+//!   idempotency refusals, in JSON and combined, embedded and shared mode.
+//! - [`a_serialized_write_is_logged_with_its_origin_time`].
 //! - [`formats_parse_and_the_query_is_written_only_when_asked`].
 //! - [`sampling_keeps_the_fraction_and_every_own_answer_and_5xx`].
 //! - [`a_blocked_writer_never_slows_requests`]: the log is a FIFO nobody reads.
@@ -547,6 +551,153 @@ async fn own_answers_are_logged_with_their_reason() {
         "{timed_out}"
     );
     assert!(json_lines(&file, "/slow-b", 1).await[0]["origin_us"].is_null());
+    cg.shutdown().await;
+}
+
+// === stock gates ===
+
+/// One request of the sale and the line it must leave: status, `X-Cache` word, reason,
+/// and whether the origin was asked.
+struct SaleLine {
+    status: u16,
+    cache: &'static str,
+    reason: Option<&'static str>,
+    origin: bool,
+}
+
+/// The sale of one seat, as lines: the buy (the origin sells), its retry with the same key
+/// (replayed), two buys without a key (sold out: by the ledger, then from this instance's
+/// memory), the key with another body (422) and a key that is no key (400).
+async fn sell_one_seat(client: &HttpClient, addr: SocketAddr) -> Vec<(SaleLine, u64)> {
+    let target = url(addr, &orders("t1", "a"));
+    let line = |status, cache, reason, origin| SaleLine {
+        status,
+        cache,
+        reason,
+        origin,
+    };
+    let requests = [
+        (Some("k1"), "a", line(200, "BYPASS", None, true)),
+        (Some("k1"), "a", line(200, "REPLAYED", None, false)),
+        (None, "", line(409, "SOLDOUT", None, false)),
+        (None, "", line(409, "SOLDOUT", None, false)),
+        (
+            Some("k1"),
+            "b",
+            line(422, "BYPASS", Some("idempotency_mismatch"), false),
+        ),
+        (
+            Some("no key"),
+            "",
+            line(400, "BYPASS", Some("bad_idempotency_key"), false),
+        ),
+    ];
+    let mut sent = Vec::new();
+    for (key, body, expect) in requests {
+        let headers: Vec<(&str, &str)> = key.map(|k| ("idempotency-key", k)).into_iter().collect();
+        let r = post(client, &target, &headers, body).await;
+        assert_eq!(
+            (r.status.as_u16(), r.x_cache().as_str()),
+            (expect.status, expect.cache),
+            "{key:?} {body:?}: {r}"
+        );
+        sent.push((expect, r.body.len() as u64));
+    }
+    sent
+}
+
+/// A stock gate's answers are logged like every other: `SOLDOUT` with the gate's status
+/// (409), `REPLAYED` with the first answer's (200), neither with origin time or a reason;
+/// its idempotency refusals with theirs. In JSON and combined, in embedded mode (the
+/// ledger in memory) and shared mode (in Redis).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stock_gate_answers_are_logged_in_both_formats() {
+    let redis = RedisServer::start().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let client = HttpClient::new();
+    let path = orders("t1", "a");
+    for shared in [false, true] {
+        for format in ["json", "combined"] {
+            let what = format!("{format}, shared {shared}");
+            let origin = TestOrigin::start().await;
+            set_seats(&origin, "t1", "a", 1);
+            let file = dir.path().join(format!("{format}-{shared}.log"));
+            let mut cfg =
+                CgConfig::new(&origin).routes(&(buy_route("seats") + &stock_table("seats", "")));
+            if shared {
+                cfg = cfg
+                    .redis(&redis)
+                    .set_str("redis", "key_prefix", &format!("{format}:"));
+            }
+            let cg = logging(cfg, format, &file).start().await;
+            let sent = sell_one_seat(&client, cg.addr()).await;
+            assert_eq!(origin.seats("/trains/t1/seats/a"), Some(0), "{what}");
+            let lines = wait_lines(&file, &format!("{} lines ({what})", sent.len()), |l| {
+                l.len() >= sent.len()
+            })
+            .await;
+            let mut wrong = Vec::new();
+            for (line, (e, bytes)) in lines.iter().zip(&sent) {
+                let ok = if format == "json" {
+                    let l = json(line);
+                    l["path"] == path.as_str()
+                        && l["method"] == "POST"
+                        && l["status"] == e.status
+                        && l["cache"] == e.cache
+                        && l["route"] == "buy"
+                        && l["reason"] == e.reason.map_or(Value::Null, Value::from)
+                        && l["bytes"] == *bytes
+                        && l["origin_us"].is_u64() == e.origin
+                } else {
+                    let l = combined(line);
+                    l.request == format!("POST {path} HTTP/1.1")
+                        && l.status == e.status
+                        && l.bytes == *bytes
+                        && l.extra["cache"] == e.cache
+                        && l.extra["route"] == "buy"
+                        && l.extra["reason"] == e.reason.unwrap_or("-")
+                        && (l.extra["ot"] != "-") == e.origin
+                };
+                if !ok {
+                    wrong.push(format!("{} {}: {line}", e.status, e.cache));
+                }
+            }
+            assert!(
+                wrong.is_empty(),
+                "{what}: lines not as expected:\n{}",
+                wrong.join("\n")
+            );
+            cg.shutdown().await;
+        }
+    }
+}
+
+/// A serialized write is forwarded from a task of its own too (the resource's lock held
+/// while it is at the origin): its line has the origin time, as every forwarded write's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_serialized_write_is_logged_with_its_origin_time() {
+    let origin = TestOrigin::start().await;
+    origin.set_delay("/things/1", Duration::from_millis(50));
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("access.log");
+    let routes = route(
+        "thing-write",
+        "/things/{id}",
+        "PUT",
+        r#"serialize = { key = "/things/{id}", fence_header = "fencing-token" }"#,
+    );
+    let cg = logging(CgConfig::new(&origin).routes(&routes), "json", &file)
+        .start()
+        .await;
+    let client = HttpClient::new();
+    let r = put(&client, cg.addr(), "/things/1").await;
+    assert_eq!(r.status, 200, "{r}");
+    let line = &json_lines(&file, "/things/1", 1).await[0];
+    assert_eq!(line["route"], "thing-write", "{line}");
+    assert!(
+        line["origin_us"].as_u64().is_some_and(|us| us >= 50_000),
+        "a serialized write's line without its origin time: {line}"
+    );
     cg.shutdown().await;
 }
 

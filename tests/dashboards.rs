@@ -12,7 +12,9 @@
 //!   protection and every alert condition (a Redis cut for one instance, a restart with a
 //!   damaged journal record, a Bloom source that is down, an origin answering 500 under lock
 //!   contention, a burst past the origin guard, a hot key, a dead consumer of the
-//!   invalidation stream, a dead scrape target). Then every panel target and every alert
+//!   invalidation stream, a dead scrape target, a flash sale on a stock gate: sold out,
+//!   replays, 409 and 422, not_sold and in-doubt answers, a restock, sources that give no
+//!   count, buys while Redis is cut). Then every panel target and every alert
 //!   expression is evaluated through Prometheus's HTTP API: each must succeed and return
 //!   data, and each alert must be pending or firing. All failures are reported at once.
 
@@ -29,8 +31,8 @@ use tokio::time::Instant;
 
 use common::{
     CgConfig, HttpClient, IdsFault, RedisServer, Resp, TcpProxy, TestOrigin, bloom_table,
-    free_port, item_route, kv_routes, metric, no_poke, poll_until, post, put, route, url,
-    wait_metric,
+    buy_route, free_port, item_route, kv_routes, metric, no_poke, orders, poll_until, post, put,
+    route, set_seats, stock_table, url, wait_metric,
 };
 
 const TOKEN: &str = "dashboards-admin-token-0123";
@@ -511,6 +513,23 @@ fn dashboard_and_rule_files_are_well_formed() {
         }
     }
 
+    // A hit ratio's denominator leaves out what no cache could have answered: bypasses and
+    // a stock gate's own answers (a flash sale's crowd would otherwise sink it to 0).
+    for t in &targets {
+        let denominators = t.raw.matches("outcome!").count();
+        let right = t
+            .raw
+            .matches(r#"outcome!~"bypass|sold_out|replayed""#)
+            .count();
+        if denominators != right {
+            problems.push(format!(
+                "{}: a hit ratio over answers that are not cache answers (want outcome!~\"bypass|sold_out|replayed\"): {}",
+                t.name(),
+                t.raw
+            ));
+        }
+    }
+
     // Grafana provisioning.
     let datasource = read("dashboards/provisioning/datasources/prometheus.yml");
     for needle in [
@@ -752,8 +771,8 @@ impl Drop for Prometheus {
 // === the fleet ===
 
 /// The fleet's routes: `item` (checked against the `items` filter) and `item-create`
-/// (adds to it), `thing` (warmed up at start), the KV routes, and the filters `items` and
-/// `ghost`.
+/// (adds to it), `thing` (warmed up at start), the KV routes, the filters `items` and
+/// `ghost`, and `buy`, bound to the stock gate [`GATE`].
 fn routes() -> String {
     [
         item_route(r#"bloom = { filter = "items", param = "id" }"#),
@@ -781,9 +800,13 @@ fn routes() -> String {
             "1s",
             &format!("{{ url = {GHOST_IDS_PATH:?} }}"),
         ),
+        buy_route(GATE),
+        stock_table(GATE, r#"reconcile = "1s""#),
     ]
     .concat()
 }
+
+const GATE: &str = "seats";
 
 const ITEM_IDS: u64 = 400;
 const GHOST_IDS_PATH: &str = "/internal/ghost-ids";
@@ -878,6 +901,91 @@ fn count(statuses: &[u16], status: u16) -> usize {
     statuses.iter().filter(|s| **s == status).count()
 }
 
+/// The seats the flash sale sells: `t1/a` (10, the sale), `t1/b` (5, keyed buys), `t1/c`
+/// (5, a slow buy), `t1/d` (3, buys the origin refuses with a `not_sold` 422), `t1/e` (3,
+/// buys it fails with 500: in doubt) and `t2/a` (1000, bought while Redis is cut). Seats
+/// `t1/x*` have no count at the origin: their loads fail.
+fn seats_on_sale(origin: &TestOrigin) {
+    for (train, kind, n) in [
+        ("t1", "a", 10),
+        ("t1", "b", 5),
+        ("t1", "c", 5),
+        ("t1", "d", 3),
+        ("t1", "e", 3),
+        ("t2", "a", 1000),
+    ] {
+        set_seats(origin, train, kind, n);
+    }
+    origin.set_status(&orders("t1", "d"), 422);
+    origin.set_status(&orders("t1", "e"), 500);
+    origin.set_delay(&orders("t1", "c"), Duration::from_millis(600));
+}
+
+/// A flash sale on the stock gate over both instances: every decision, settlement and
+/// reconcile result the stock panels chart, and enough failed loads for the reconcile alert.
+async fn flash_sale(client: &HttpClient, origin: &TestOrigin, a: SocketAddr, b: SocketAddr) {
+    let buy = |addr: SocketAddr, train: &str, kind: &str, key: Option<&str>, body: &str| {
+        let (client, target) = (client.clone(), url(addr, &orders(train, kind)));
+        let key = key.map(str::to_owned);
+        let body = body.to_owned();
+        async move {
+            let headers: Vec<(&str, &str)> = key
+                .as_deref()
+                .map(|k| ("idempotency-key", k))
+                .into_iter()
+                .collect();
+            post(&client, &target, &headers, &body).await
+        }
+    };
+    // The sale: 10 seats, 30 buyers over both instances.
+    let mut statuses = BTreeMap::<String, u32>::new();
+    for n in 0..30 {
+        let r = buy(if n % 2 == 0 { a } else { b }, "t1", "a", None, "").await;
+        *statuses
+            .entry(format!("{} {}", r.status.as_u16(), r.x_cache()))
+            .or_default() += 1;
+    }
+    eprintln!("the sale: {statuses:?}");
+    assert_eq!(origin.seats("/trains/t1/seats/a"), Some(0), "{statuses:?}");
+    assert!(
+        statuses.keys().any(|k| k.ends_with("SOLDOUT")),
+        "{statuses:?}"
+    );
+    // Idempotency keys: a buy, its replay on the other instance, its key with another body,
+    // a key that is none; a retry while the first is still at the (slow) origin.
+    assert_eq!(buy(a, "t1", "b", Some("k1"), "x").await.status, 200);
+    assert_eq!(
+        buy(b, "t1", "b", Some("k1"), "x").await.x_cache(),
+        "REPLAYED"
+    );
+    assert_eq!(buy(b, "t1", "b", Some("k1"), "y").await.status, 422);
+    assert_eq!(buy(a, "t1", "b", Some("no key"), "x").await.status, 400);
+    let slow = tokio::spawn(buy(a, "t1", "c", Some("k2"), "x"));
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(buy(b, "t1", "c", Some("k2"), "x").await.status, 409);
+    assert_eq!(slow.await.expect("the slow buy").status, 200);
+    // The origin's answers: nothing sold (the unit goes back), and in doubt.
+    assert_eq!(buy(a, "t1", "d", None, "").await.status, 422);
+    assert_eq!(buy(b, "t1", "e", None, "").await.status, 500);
+    // A restock of the sold-out seats: once the marks lapse (the gate's reconcile, 1 s), a
+    // buy asks Redis, finds none and nothing in flight, and the reconcile that follows
+    // takes the origin's new count (a positive delta).
+    set_seats(origin, "t1", "a", 4);
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let restocked = poll_until(
+        Duration::from_secs(10),
+        Duration::from_millis(100),
+        || async { (buy(a, "t1", "a", None, "").await.status == 200).then_some(()) },
+    )
+    .await;
+    assert!(restocked.is_some(), "the restock never reached the gate");
+    // Seats whose source gives no count: each load fails (503 not_loaded).
+    for n in 0..6 {
+        let kind = format!("x{n}");
+        assert_eq!(buy(b, "t1", &kind, None, "").await.status, 503);
+    }
+}
+
 /// The test's Prometheus config: both instances and one dead target, every second.
 fn prometheus_config(targets: &[String], rules: &Path) -> String {
     let targets: Vec<String> = targets.iter().map(|t| format!("'{t}'")).collect();
@@ -911,6 +1019,7 @@ async fn every_panel_and_alert_expression_returns_data() {
     origin.enable_kv();
     origin.set_kv_tags(true);
     origin.set_status(GHOST_IDS_PATH, 503);
+    seats_on_sale(&origin);
 
     // Fixed ports, so Prometheus can be started first (its scrape manager takes about 5 s
     // to begin) and A keeps its `instance` label across its restart.
@@ -1092,6 +1201,9 @@ async fn every_panel_and_alert_expression_returns_data() {
     );
     step("both instances scraped");
 
+    flash_sale(&client, &origin, a_listen, b_listen).await;
+    step("flash sale");
+
     // --- lock takeovers: A holds each key's lock and its fetch fails (a 500 too large to
     // leave in Redis for the waiters), so B's waiter takes over ---
     let takeover: Vec<String> = (0..A_MAX_CONCURRENCY)
@@ -1166,6 +1278,29 @@ async fn every_panel_and_alert_expression_returns_data() {
         let written = put(&client, a_listen, &path).await;
         assert_eq!(written.status, 200, "PUT {path} with Redis cut: {written}");
     }
+    // Buys the gate cannot decide without Redis: refused (on_redis_error = "reject"), and
+    // scraped before A restarts with its counters at 0.
+    for n in 0..10 {
+        let r = post(&client, &url(a_listen, &orders("t2", "a")), &[], "").await;
+        assert_eq!(r.status, 503, "buy {n} with Redis cut: {r}");
+    }
+    let scraped = poll_until(
+        Duration::from_secs(15),
+        Duration::from_millis(200),
+        || async {
+            let errors = prom
+                .query(&client, "max(cacheguard_stock_redis_errors_total) >= 6")
+                .await
+                .ok()?;
+            (!errors.is_empty()).then_some(())
+        },
+    )
+    .await;
+    assert!(
+        scraped.is_some(),
+        "Prometheus never saw A's stock Redis errors:\n{}",
+        prom.log()
+    );
     wait_metric(
         &client,
         a_admin,
@@ -1510,7 +1645,7 @@ async fn every_dashboard_and_alert_series_exists_right_after_start() {
         wanted.extend(selectors(&target.raw));
     }
     wanted.extend(selectors(&read("dashboards/alerts.yml")));
-    let routes = ["item", "item-create", "thing", "kv", "kv-write"];
+    let routes = ["item", "item-create", "thing", "kv", "kv-write", "buy"];
     for family in PER_ROUTE {
         for route in routes {
             wanted.insert((

@@ -472,11 +472,15 @@ fn gate_config_is_the_designed_toml() {
 async fn harness_without_gate_sees_the_flood() {
     let verdict = flash_sale(Topology::Standalone, Fault::None, 3, false).await;
     verdict.assert(false, None);
-    let successes = verdict.history.summary().count(Outcome::Ok) as u64;
-    assert_eq!(
-        successes,
-        verdict.log.sold(),
-        "every sale answered, no fault"
+    let summary = verdict.history.summary();
+    let successes = summary.count(Outcome::Ok) as u64;
+    let unknown = summary.count(Outcome::Info) as u64;
+    // No fault: every sale is answered as one, but for a request that timed out on a
+    // loaded machine (its outcome unknown to the client).
+    assert!(
+        successes <= verdict.log.sold() && verdict.log.sold() <= successes + unknown,
+        "every sale answered, no fault: {successes} successes, {unknown} unknown, {} sold",
+        verdict.log.sold()
     );
     let flood = flood_factor(&verdict.log);
     assert!(

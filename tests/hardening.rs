@@ -8,16 +8,11 @@
 mod common;
 
 use std::net::SocketAddr;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpListener;
-
 use common::{
-    CgConfig, HttpClient, RedisServer, TestOrigin, item_route, item_write_routes, raw_until_closed,
-    route, status_of, url,
+    CgConfig, HttpClient, RawOrigin, RedisServer, TestOrigin, item_route, item_write_routes,
+    raw_until_closed, route, status_of, url,
 };
 
 /// Sends `bytes` on a new connection and returns what came back within `wait` (the status
@@ -267,60 +262,6 @@ async fn client_claims_about_target_and_method_never_reach_the_origin() {
     cg.shutdown().await;
 }
 
-/// A TCP origin that answers every request with `answer`, counting requests.
-struct RawOrigin {
-    addr: SocketAddr,
-    requests: Arc<AtomicU64>,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl RawOrigin {
-    async fn start(answer: Vec<u8>) -> RawOrigin {
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-        let addr = listener.local_addr().expect("addr");
-        let requests = Arc::new(AtomicU64::new(0));
-        let counted = Arc::clone(&requests);
-        let answer = Arc::new(answer);
-        let task = tokio::spawn(async move {
-            while let Ok((mut stream, _)) = listener.accept().await {
-                let (counted, answer) = (Arc::clone(&counted), Arc::clone(&answer));
-                tokio::spawn(async move {
-                    let mut head = Vec::new();
-                    let mut buf = [0u8; 4096];
-                    loop {
-                        match stream.read(&mut buf).await {
-                            Ok(0) | Err(_) => return,
-                            Ok(n) => head.extend_from_slice(&buf[..n]),
-                        }
-                        while let Some(end) = head.windows(4).position(|w| w == b"\r\n\r\n") {
-                            head.drain(..end + 4);
-                            counted.fetch_add(1, Ordering::SeqCst);
-                            if stream.write_all(&answer).await.is_err() {
-                                return;
-                            }
-                        }
-                    }
-                });
-            }
-        });
-        RawOrigin {
-            addr,
-            requests,
-            task,
-        }
-    }
-
-    fn requests(&self) -> u64 {
-        self.requests.load(Ordering::SeqCst)
-    }
-}
-
-impl Drop for RawOrigin {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
-}
-
 /// An origin answer with both `Content-Length` and `Transfer-Encoding` (RFC 9112 §6.3), or
 /// with more than 16 informational answers before its final one, gets 502 and is never
 /// stored (each request asks the origin again), on a cached route (embedded and shared)
@@ -345,7 +286,7 @@ async fn origin_answers_with_untrustworthy_framing_are_refused() {
         ("3 hints", hints(3), false),
     ] {
         let origin = RawOrigin::start(answer).await;
-        let upstream = format!("http://{}", origin.addr);
+        let upstream = origin.url();
         for (mode, cfg) in [
             ("embedded", CgConfig::with_upstream(&upstream)),
             ("shared", CgConfig::with_upstream(&upstream).redis(&redis)),

@@ -200,7 +200,8 @@ mod checkers {
 
     use super::common::history::{
         History, Op, Sale, SaleLog, StockRecord, WriteLog, WriteRecord, check_exclusion,
-        check_fencing, check_oversell, check_phantom, check_undersell, flood_factor,
+        check_fencing, check_oversell, check_phantom, check_undersell, check_version_floor,
+        flood_factor,
     };
 
     const SEAT: &str = "/trains/t1/seats/a";
@@ -472,6 +473,59 @@ mod checkers {
         assert_eq!(report.wrongly_refused.len(), 1, "{report}");
         assert_eq!(report.missing_token.len(), 1, "{report}");
         assert!(report.to_string().contains("1 token decreases"), "{report}");
+    }
+
+    /// Client `p`'s `f` ("write", "read") of `resource` over `[start, end]` ms, answered
+    /// 200 with `x-row-version: version` (none when `None`).
+    fn versioned(p: usize, f: &str, resource: &str, span: (u64, u64), version: Option<u64>) -> Op {
+        let op = Op::new(p, f, resource, "").span(span.0, span.1).status(200);
+        match version {
+            Some(v) => op.header("x-row-version", &v.to_string()),
+            None => op,
+        }
+    }
+
+    #[test]
+    fn version_floor_passes_reads_at_or_after_the_clients_own_writes() {
+        let history = History::of(vec![
+            versioned(0, "write", SEAT, (0, 10), Some(1)),
+            versioned(0, "read", SEAT, (20, 30), Some(1)),
+            versioned(0, "write", SEAT, (40, 50), Some(2)),
+            versioned(0, "read", SEAT, (60, 70), Some(3)), // someone else wrote since
+            versioned(0, "read", "/other", (60, 70), Some(0)), // per resource
+            // Began before client 0's write completed: concurrent, either version will do.
+            versioned(1, "read", SEAT, (45, 80), Some(1)),
+            // Client 2's write timed out: it did not see it complete.
+            versioned(2, "write", SEAT, (0, 10), Some(9)).error("timed out"),
+            versioned(2, "read", SEAT, (20, 30), Some(1)),
+        ]);
+        let report = check_version_floor(&history, "write", "read", "x-row-version");
+        assert!(report.ok(), "{report}");
+        assert!(report.behind_any.is_empty(), "{report}");
+        assert_eq!((report.writes, report.reads), (2, 5), "{report}");
+    }
+
+    #[test]
+    fn version_floor_catches_stale_reads_and_answers_without_a_version() {
+        let history = History::of(vec![
+            versioned(0, "write", SEAT, (0, 10), Some(1)),
+            versioned(0, "write", SEAT, (20, 30), Some(2)),
+            versioned(0, "read", SEAT, (40, 50), Some(1)), // its own write was 2
+            // Another client, after client 0's write of 2 completed: behind it.
+            versioned(1, "read", SEAT, (35, 45), Some(1)),
+            versioned(1, "read", SEAT, (50, 60), None),
+        ]);
+        let report = check_version_floor(&history, "write", "read", "x-row-version");
+        assert!(!report.ok());
+        assert_eq!(report.stale.len(), 1, "{report}");
+        assert_eq!(
+            (report.stale[0].written, report.stale[0].seen),
+            (2, 1),
+            "{report}"
+        );
+        assert_eq!(report.behind_any.len(), 2, "{report}");
+        assert_eq!(report.unversioned.len(), 1, "{report}");
+        assert!(report.to_string().contains("1 stale reads"), "{report}");
     }
 }
 

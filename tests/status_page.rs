@@ -2,12 +2,15 @@
 //! `redis-server` in shared mode and a real origin.
 //!
 //! - `status_json_has_every_field_and_the_page_escapes_client_strings` reads the page and
-//!   its JSON over HTTP: every field is there, paths and keys chosen by clients are escaped,
-//!   and neither the admin token nor the Redis password shows.
+//!   its JSON over HTTP: every field is there (a stock gate's decisions after a sale, a
+//!   replay and a key reused with another body among them), paths and keys chosen by clients
+//!   are escaped, and neither the admin token nor the Redis password shows.
 //! - `the_page_in_a_real_browser` opens the page in Debian's `chromium`, headless, under a
-//!   background load with one hot key: the charts fill, the hit ratio, the hot key and the
-//!   breaker state are on the page; with Redis killed the page says the breaker is open;
-//!   with JavaScript off the numbers are still there and no chart was drawn. It saves a
+//!   background load with one hot key and a crowd buying sold-out seats: the charts fill
+//!   (the stock gate's admitted and sold-out lines among them), the hit ratio, the hot key,
+//!   the gate's numbers and the breaker state are on the page; with Redis killed the page
+//!   says the breaker is open; with JavaScript off the numbers are still there and no chart
+//!   was drawn. It saves a
 //!   screenshot to `target/test-artifacts/status-page.png`.
 //!
 //! The browser is driven through its command line only: `--dump-dom` with
@@ -31,8 +34,8 @@ use tokio::time::Instant;
 use common::hot::{hot_list, hotkeys};
 use common::load::Load;
 use common::{
-    CgConfig, HttpClient, RedisServer, TestOrigin, bloom_table, empty_body, item_route, poll_until,
-    raw_request, route, url,
+    CgConfig, HttpClient, RedisServer, TestOrigin, bloom_table, buy_route, empty_body, item_route,
+    orders, poll_until, post, raw_request, route, set_seats, stock_table, url,
 };
 
 const HOT_PATH: &str = "/api/items/hot";
@@ -43,6 +46,9 @@ const REDIS_PASSWORD: &str = "redis-pass-3be4f2";
 const NASTY_PATH: &str = r#"/api/items/x"onmouseover="alert(1)"'&"#;
 /// A header value keyed into the cache key (the route varies on it), so into hot keys.
 const NASTY_TAG: &str = "<script>alert(1)</script>";
+/// The stock gate, and the seats its resource has at the origin.
+const GATE: &str = "seats";
+const SEATS: u64 = 5;
 
 // === the setup both tests share ===
 
@@ -62,7 +68,7 @@ async fn redis_with_password() -> RedisServer {
 }
 
 /// Shared mode on `redis` (its password in the URL), an admin token, quick hot keys, an
-/// origin rate cap and one Bloom filter; `item` varies on `x-tag`.
+/// origin rate cap, one Bloom filter and one stock gate (`buy`); `item` varies on `x-tag`.
 fn config(origin: &TestOrigin, redis: &RedisServer) -> CgConfig {
     let bloom_route = route(
         "other",
@@ -87,12 +93,88 @@ fn config(origin: &TestOrigin, redis: &RedisServer) -> CgConfig {
         .routes(
             &(item_route(r#"vary = ["x-tag"]"#)
                 + &bloom_route
-                + &bloom_table("ids", 1000, 0.01, "10m", r#"{ url = "/internal/ids" }"#)),
+                + &bloom_table("ids", 1000, 0.01, "10m", r#"{ url = "/internal/ids" }"#)
+                + &buy_route(GATE)
+                + &stock_table(GATE, "")),
         )
 }
 
+/// The origin: items, ids for the filter, and [`SEATS`] seats on train t1.
 async fn origin() -> TestOrigin {
-    TestOrigin::builder().ids(["1", "2", "3"]).start().await
+    let origin = TestOrigin::builder().ids(["1", "2", "3"]).start().await;
+    set_seats(&origin, "t1", "a", SEATS);
+    origin
+}
+
+/// One buy of a seat on train t1, with an idempotency key when given.
+async fn buy(
+    client: &HttpClient,
+    addr: std::net::SocketAddr,
+    key: Option<&str>,
+    body: &str,
+) -> u16 {
+    let headers: Vec<(&str, &str)> = key.map(|k| ("idempotency-key", k)).into_iter().collect();
+    post(client, &url(addr, &orders("t1", "a")), &headers, body)
+        .await
+        .status
+        .as_u16()
+}
+
+/// Keeps buying seats on train t1 while it lives (every 50 ms): after the first few, the
+/// gate answers sold out.
+fn crowd(addr: std::net::SocketAddr) -> Repeating {
+    Repeating::start(
+        addr,
+        Method::POST,
+        orders("t1", "a"),
+        &[],
+        Duration::from_millis(50),
+    )
+}
+
+/// Keeps `/api/items/hot` with `x-tag: <script>…` hot while it lives: requests in a row,
+/// far above `threshold_rps` however slow the build.
+fn nasty_hot_key(addr: std::net::SocketAddr) -> Repeating {
+    Repeating::start(
+        addr,
+        Method::GET,
+        HOT_PATH.to_owned(),
+        &[("x-tag", NASTY_TAG)],
+        Duration::ZERO,
+    )
+}
+
+/// One request sent again and again (after `pause` each time) while it lives, for at most
+/// two minutes.
+struct Repeating(tokio::task::JoinHandle<()>);
+
+impl Repeating {
+    fn start(
+        addr: std::net::SocketAddr,
+        method: Method,
+        path: String,
+        headers: &[(&'static str, &'static str)],
+        pause: Duration,
+    ) -> Repeating {
+        let headers = headers.to_vec();
+        Repeating(tokio::spawn(async move {
+            let client = HttpClient::new();
+            let deadline = Instant::now() + Duration::from_secs(120);
+            while Instant::now() < deadline {
+                // Errors only while the instance shuts down, before this is dropped.
+                let _ = client
+                    .request(method.clone(), &url(addr, &path), &headers, empty_body())
+                    .await;
+                tokio::time::sleep(pause).await;
+            }
+        }))
+    }
+}
+
+impl Drop for Repeating {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 /// An answer cacheguard makes itself for [`NASTY_PATH`]: a GET that declares a body over
@@ -109,36 +191,6 @@ async fn own_answer_for_nasty_path(addr: std::net::SocketAddr) {
     .await
     .expect("GET the nasty path");
     assert_eq!(r.status, 413, "{r}");
-}
-
-/// Keeps `/api/items/hot` with `x-tag: <script>…` hot while it lives: requests in a row,
-/// far above `threshold_rps` however slow the build, for at most two minutes.
-struct NastyHotKey(tokio::task::JoinHandle<()>);
-
-impl NastyHotKey {
-    fn start(addr: std::net::SocketAddr) -> NastyHotKey {
-        NastyHotKey(tokio::spawn(async move {
-            let client = HttpClient::new();
-            let deadline = Instant::now() + Duration::from_secs(120);
-            while Instant::now() < deadline {
-                // Errors only while the instance shuts down, before this is dropped.
-                let _ = client
-                    .request(
-                        Method::GET,
-                        &url(addr, HOT_PATH),
-                        &[("x-tag", NASTY_TAG)],
-                        empty_body(),
-                    )
-                    .await;
-            }
-        }))
-    }
-}
-
-impl Drop for NastyHotKey {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
 }
 
 async fn wait_hot(client: &HttpClient, admin: std::net::SocketAddr, what: &str) {
@@ -205,8 +257,19 @@ async fn status_json_has_every_field_and_the_page_escapes_client_strings() {
     let (addr, admin) = (cg.addr(), cg.admin_addr());
     let client = HttpClient::new();
 
+    // The sale: a keyed buy, its replay, its key with another body (422), then more buys
+    // than there are seats.
+    assert_eq!(buy(&client, addr, Some("k1"), "a").await, 200);
+    assert_eq!(buy(&client, addr, Some("k1"), "a").await, 200, "the replay");
+    assert_eq!(buy(&client, addr, Some("k1"), "b").await, 422);
+    let mut statuses = Vec::new();
+    for _ in 0..3 * SEATS {
+        statuses.push(buy(&client, addr, None, "").await);
+    }
+    assert!(statuses.contains(&409), "never sold out: {statuses:?}");
+    // After the 422: the newest of cacheguard's own answers.
     own_answer_for_nasty_path(addr).await;
-    let _hot = NastyHotKey::start(addr);
+    let _hot = nasty_hot_key(addr);
     wait_hot(&client, admin, NASTY_TAG).await;
     wait_samples(&client, admin, 2).await;
 
@@ -230,6 +293,7 @@ async fn status_json_has_every_field_and_the_page_escapes_client_strings() {
             "hot_keys",
             "hot_keys_total",
             "recent_errors",
+            "stock",
             "history",
         ],
     );
@@ -263,6 +327,8 @@ async fn status_json_has_every_field_and_the_page_escapes_client_strings() {
             "reject",
             "negative",
             "revalidated",
+            "sold_out",
+            "replayed",
         ],
     );
     assert!(item["total"].as_u64() >= Some(20), "{item}");
@@ -344,6 +410,62 @@ async fn status_json_has_every_field_and_the_page_escapes_client_strings() {
     );
     assert_eq!(error["path"], NASTY_PATH);
     assert_eq!(error["status"], 413);
+    let gate = &s["stock"][0];
+    assert_fields(
+        gate,
+        "stock[0]",
+        &[
+            "name",
+            "admitted_per_second",
+            "sold_out_per_second",
+            "decisions",
+            "settled",
+            "reconciles",
+            "reconciles_failed",
+            "reconcile_delta",
+            "redis_errors",
+        ],
+    );
+    assert_eq!(gate["name"], GATE);
+    assert_fields(
+        &gate["decisions"],
+        "stock[0].decisions",
+        &[
+            "admitted",
+            "retried",
+            "sold_out_local",
+            "sold_out_redis",
+            "replayed",
+            "in_flight",
+            "mismatch",
+            "bad_key",
+            "unavailable",
+            "ungated",
+            "not_loaded",
+        ],
+    );
+    assert_fields(
+        &gate["settled"],
+        "stock[0].settled",
+        &["sold", "returned", "origin_sold_out", "in_doubt"],
+    );
+    let decisions = &gate["decisions"];
+    assert_eq!(decisions["admitted"], SEATS, "{gate}");
+    let sold_out = decisions["sold_out_local"].as_u64().unwrap_or(0)
+        + decisions["sold_out_redis"].as_u64().unwrap_or(0);
+    assert_eq!(
+        sold_out,
+        statuses.iter().filter(|s| **s == 409).count() as u64,
+        "{gate}"
+    );
+    assert_eq!(decisions["replayed"], 1, "{gate}");
+    assert_eq!(decisions["mismatch"], 1, "{gate}");
+    assert_eq!(gate["settled"]["sold"], decisions["admitted"], "{gate}");
+    assert!(
+        gate["reconciles"].as_u64() >= Some(1),
+        "the first load: {gate}"
+    );
+    assert_eq!(item_outcome(&s, "buy", "sold_out"), sold_out, "{s}");
     let history = s["history"].as_array().expect("history");
     let last = history.last().expect("a sample");
     assert_fields(
@@ -363,6 +485,11 @@ async fn status_json_has_every_field_and_the_page_escapes_client_strings() {
         &last["routes"]["item"],
         "history[last].routes.item",
         &["rps", "hit_ratio"],
+    );
+    assert_fields(
+        &last["gates"][GATE],
+        "history[last].gates.seats",
+        &["admitted", "sold_out"],
     );
     // Only what is newer than `since`.
     let t = last["t"].as_u64().expect("t");
@@ -418,6 +545,8 @@ async fn status_json_has_every_field_and_the_page_escapes_client_strings() {
         );
         assert!(page.contains(r#"<td id="breaker-state" data-state="closed">closed</td>"#));
         assert!(page.contains(r#"<tr data-route="item">"#));
+        assert!(page.contains(r#"<tr data-gate="seats"><td class="name">seats</td>"#));
+        assert!(page.contains(r#"<svg id="chart-stock-0""#));
         for secret in [ADMIN_TOKEN, REDIS_PASSWORD] {
             assert!(!page.contains(secret), "{path} shows a secret");
         }
@@ -433,6 +562,15 @@ async fn status_json_has_every_field_and_the_page_escapes_client_strings() {
         .expect("POST /status");
     assert_eq!(r.status, 405, "{r}");
     cg.shutdown().await;
+}
+
+/// Route `route`'s count of answers with `outcome` in a `/status.json` document.
+fn item_outcome(s: &Value, route: &str, outcome: &str) -> u64 {
+    s["routes"]
+        .as_array()
+        .and_then(|routes| routes.iter().find(|r| r["name"] == route))
+        .and_then(|r| r["outcomes"][outcome].as_u64())
+        .unwrap_or(0)
 }
 
 // === in a browser ===
@@ -636,6 +774,14 @@ fn points(dom: &str, chart: &str, series: &str) -> usize {
         .sum()
 }
 
+/// The sold-out rate cell of a stock gate's row (0 when it shows none).
+fn sold_out_rate(row: &str) -> f64 {
+    let cell = section(row, "sold-out-rate\">", "</td>");
+    cell["sold-out-rate\">".len()..cell.len() - "</td>".len()]
+        .parse()
+        .unwrap_or(0.0)
+}
+
 /// Whether `text` reads like `93.4%`.
 fn is_percent(text: &str) -> bool {
     text.strip_suffix('%')
@@ -671,6 +817,7 @@ async fn the_page_in_a_real_browser() {
     .pause(Duration::from_millis(10))
     .duration(Duration::from_secs(150))
     .start();
+    let _crowd = crowd(addr);
     own_answer_for_nasty_path(addr).await;
     wait_hot(&client, admin, HOT_PATH).await;
 
@@ -713,6 +860,17 @@ async fn the_page_in_a_real_browser() {
         );
     }
     assert!(points(&dom, "chart-rps", "item") >= MIN_POINTS - 1);
+    for series in ["admitted", "sold out"] {
+        assert!(
+            points(&dom, "chart-stock-0", series) >= MIN_POINTS - 1,
+            "the stock gate's {series} line is too short"
+        );
+    }
+    let gate = section(&dom, "<tr data-gate=\"seats\"", "</tr>");
+    assert!(
+        sold_out_rate(gate) > 0.0,
+        "the crowd's sold-out answers per second: {gate}"
+    );
     assert!(points(&dom, "chart-redis", "redis up") >= MIN_POINTS);
     let ratio = hit_ratio(&dom, "item");
     assert!(is_percent(&ratio), "hit ratio of item: {ratio:?}");
@@ -766,6 +924,11 @@ async fn the_page_in_a_real_browser() {
     assert_eq!(text_of(&plain, "breaker-state"), "closed");
     assert!(section(&plain, "<ol id=\"hot-keys\"", "</ol>").contains(HOT_PATH));
     assert!(text_of(&plain, "origin-max-rps") == "500");
+    let gate = section(&plain, "<tr data-gate=\"seats\"", "</tr>");
+    assert!(
+        sold_out_rate(gate) > 0.0,
+        "the gate's sold-out rate, JavaScript off: {gate}"
+    );
 
     // Redis dies: the page says the breaker is open within a few seconds.
     redis.kill();

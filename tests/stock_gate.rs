@@ -1,7 +1,8 @@
 //! The stock gate's own promises, one at a time, against the flash-sale shop
 //! (`common::shop`) and real Redis servers: sold out from memory, units given back,
-//! idempotency keys, a source that gives no count, Redis down, the sold-out mark on other
-//! instances, and the configurations `--check-config` refuses. The same gate under faults,
+//! idempotency keys, a source that gives no count, one load for the crowd at a sale's
+//! opening, Redis down, the sold-out mark on other instances, and the configurations
+//! `--check-config` refuses. The same gate under faults,
 //! judged by the history checkers, is `tests/flash_sale.rs`.
 
 mod common;
@@ -308,6 +309,48 @@ async fn a_source_without_a_count_admits_nothing() {
 
 /// Redis down: `reject` answers 503 with Retry-After and the origin sees nothing;
 /// `forward` lets the origin decide and counts every ungated buy.
+/// The crowd at a sale's opening finds the resource unloaded all at once. The first buy
+/// loads it from the shop's count; the others wait for that load and take it. They used to
+/// ask the source once each, one after another (a reconcile per buyer, in turn): 40 buyers,
+/// 40 source requests, the last buyer served seconds late. Embedded and shared mode (the
+/// load is the gate's, whatever the ledger).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_opening_crowd_loads_the_resource_once() {
+    const BUYERS: usize = 40;
+    let redis = RedisServer::start().await;
+    for shared in [false, true] {
+        let resource = seat("t1", "a");
+        let shop = Shop::start(Epoch::now(), &[(resource.clone(), 1_000)]).await;
+        // A count slow enough that the whole crowd arrives while it is asked.
+        shop.set_latency(Scope::Stock, Duration::from_millis(100));
+        let cg = config(&shop, shared.then_some(&redis), "").start().await;
+        let client = HttpClient::new();
+        let addr = cg.addr();
+        let statuses = common::concurrently(BUYERS, Duration::from_secs(30), |i| {
+            let (client, resource) = (client.clone(), resource.clone());
+            async move {
+                let body = format!("{{\"n\":{i}}}");
+                buy(&client, addr, &resource, None, &body)
+                    .await
+                    .status
+                    .as_u16()
+            }
+        })
+        .await;
+        assert!(
+            statuses.iter().all(|s| *s == 201),
+            "shared={shared}: {statuses:?}"
+        );
+        // Every request the shop had but the buys: the gate's loads of the count.
+        let loads = shop.requests() - BUYERS as u64;
+        assert_eq!(
+            loads, 1,
+            "shared={shared}: the count was asked {loads} times for {BUYERS} buyers at the opening"
+        );
+        cg.shutdown().await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_down_rejects_or_forwards_as_configured() {
     for (policy, status) in [("reject", 503), ("forward", 201)] {

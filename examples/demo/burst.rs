@@ -89,7 +89,8 @@ impl Outcome {
     }
 }
 
-/// Resets and reads the demo API's DB counter (always directly at the API).
+/// Resets and reads the demo API's counters, of database queries and of buy transactions
+/// (always directly at the API).
 #[derive(Clone)]
 pub struct Counter {
     client: HttpClient,
@@ -102,14 +103,22 @@ impl Counter {
     }
 
     pub async fn reset(&self) -> anyhow::Result<()> {
-        self.call(Method::POST, "/stats/reset").await.map(|_| ())
+        self.call(Method::POST, "/stats/reset", "db_queries")
+            .await
+            .map(|_| ())
     }
 
+    /// Database queries since the last reset.
     pub async fn read(&self) -> anyhow::Result<u64> {
-        self.call(Method::GET, "/stats").await
+        self.call(Method::GET, "/stats", "db_queries").await
     }
 
-    async fn call(&self, method: Method, path: &str) -> anyhow::Result<u64> {
+    /// Buy transactions since the last reset.
+    pub async fn buy_transactions(&self) -> anyhow::Result<u64> {
+        self.call(Method::GET, "/stats", "buy_transactions").await
+    }
+
+    async fn call(&self, method: Method, path: &str, field: &str) -> anyhow::Result<u64> {
         let uri: Uri = format!("http://{}{path}", self.api).parse()?;
         let req = Request::builder()
             .method(method)
@@ -125,9 +134,9 @@ impl Counter {
             bail!("demo API {path} answered {status}");
         }
         let v: serde_json::Value = serde_json::from_slice(&body).context("demo API /stats body")?;
-        v.get("db_queries")
+        v.get(field)
             .and_then(serde_json::Value::as_u64)
-            .with_context(|| format!("demo API {path}: no db_queries in {v}"))
+            .with_context(|| format!("demo API {path}: no {field} in {v}"))
     }
 }
 

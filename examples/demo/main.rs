@@ -4,7 +4,8 @@
 //! bundled, Redis is optional):
 //!
 //! 1. starts a small SQLite-backed JSON API in-process (`origin.rs`: 10 000 items, 20 ms per
-//!    database query, an atomic counter of queries exposed at `/stats`);
+//!    database query, trains' seats sold with a conditional decrement, atomic counters of
+//!    queries and buy transactions exposed at `/stats`);
 //! 2. starts cacheguard in front of it from the embedded [`DEMO_CONFIG`] (embedded mode; set
 //!    `CACHEGUARD_REDIS_URL=redis://127.0.0.1:6379` to run in shared mode with Redis as L2);
 //! 3. fires a short, bounded burst (`burst.rs`) first directly at the API, then through
@@ -17,12 +18,18 @@
 //!      once and are then answered from the negative cache;
 //! 4. prints a table of requests, DB queries and errors per path, the `X-Cache` breakdown
 //!    seen through cacheguard, and a read-after-write check;
-//! 5. keeps running (cacheguard URL, admin URL, status page and curl lines are printed)
+//! 5. runs a **flash sale** (`sale.rs`): 1000 seats of a train, 100 000 buy attempts from
+//!    256 buyers at once, straight at the API and then through cacheguard's `[[stock]]`
+//!    gate, and prints for each the database's buy transactions (100 000 straight at the
+//!    API; about 1000 through cacheguard, which answers the rest "sold out" itself), the
+//!    seats sold and the seats oversold (0: the API decrements conditionally). With
+//!    `--exit` it sends 5 000 attempts per path instead, and says so;
+//! 6. keeps running (cacheguard URL, admin URL, status page and curl lines are printed)
 //!    until Ctrl-C, or exits right away with `--exit` (as CI runs it). The exit status is
 //!    non-zero when any request failed (transport error, 5xx or a wrong answer).
 //!
-//! Options: `--items N`, `--db-delay-ms MS`, `--concurrency N`, `--exit`. `RUST_LOG` sets
-//! cacheguard's log level (default `warn`).
+//! Options: `--items N`, `--db-delay-ms MS`, `--concurrency N`, `--sale-attempts N`, `--exit`.
+//! `RUST_LOG` sets cacheguard's log level (default `warn`).
 //!
 //! `--origin-only [--listen ADDR]` runs just the SQLite-backed demo API (step 1) on `ADDR`
 //! (default `127.0.0.1:9000`) until SIGTERM or SIGINT: no cacheguard, no burst. It is the
@@ -32,6 +39,7 @@
 mod burst;
 mod origin;
 mod report;
+mod sale;
 
 use std::net::SocketAddr;
 use std::process::ExitCode;
@@ -46,6 +54,7 @@ use hyper::{Method, Request, StatusCode, Uri};
 use crate::burst::{Counter, Expect, HttpClient, Phase};
 use crate::origin::{ApiOptions, DemoApi};
 use crate::report::Row;
+use crate::sale::SaleOutcome;
 
 /// The cacheguard configuration the demo runs with (see `config/cacheguard.toml` for every
 /// key). `@UPSTREAM_URL@` becomes the demo API's address and both listeners bind
@@ -104,6 +113,24 @@ match = "/api/items/{id}"
 methods = ["PUT", "PATCH", "DELETE"]
 invalidate = ["/api/items/{id}"]
 double_delete_delay = "1s"
+
+# The flash sale: a train's seats counted at the edge (in memory here; in Redis in shared
+# mode). Loaded from the API's own count, reconciled with it every 5 s; once they are gone,
+# buyers get the sold-out answer from cacheguard and the database never sees them.
+[[stock]]
+name = "seats"
+key = "/trains/{train}/seats/{type}"
+source = { path = "/internal/stock/{train}/{type}", json = "/remaining" }
+reconcile = "5s"
+reservation_ttl = "30s"        # above upstream.timeout: a buy in flight keeps its seat
+sold_out = { status = 409, body = '{"type":"sold-out"}', content_type = "application/json" }
+
+# Buying a seat takes one of the gate's units before the API is asked.
+[[routes]]
+name = "buy"
+match = "/trains/{train}/seats/{type}/orders"
+methods = ["POST"]
+stock = { gate = "seats", units = 1 }
 "#;
 
 /// Requests in the stampede phase (all for one cold id).
@@ -125,18 +152,21 @@ struct Args {
     /// Items seeded in the demo database (ids 1..=N).
     #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(100..=10_000_000))]
     items: u64,
-    /// Artificial latency of each item read in the demo database, in milliseconds.
+    /// Artificial latency of each item read and each buy in the demo database, in milliseconds.
     #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u64).range(0..=5_000))]
     db_delay_ms: u64,
     /// Requests in flight at once during the burst (keep-alive connections per path).
     #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..=512))]
     concurrency: u64,
+    /// Buy attempts per path in the flash sale (default 100000; 5000 with --exit).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=10_000_000))]
+    sale_attempts: Option<u64>,
     /// Shut down and exit right after printing the results (for CI).
     #[arg(long)]
     exit: bool,
     /// Run only the SQLite-backed demo API on --listen, without cacheguard and without the
     /// burst, until SIGTERM or SIGINT (the origin of the container setup).
-    #[arg(long, conflicts_with_all = ["exit", "concurrency"])]
+    #[arg(long, conflicts_with_all = ["exit", "concurrency", "sale_attempts"])]
     origin_only: bool,
     /// Address the demo API listens on with --origin-only, "ip:port".
     #[arg(
@@ -256,7 +286,11 @@ async fn run_origin_only(args: &Args) -> anyhow::Result<ExitCode> {
         args.items, args.db_delay_ms
     );
     println!("  GET /api/items/{{id}}, PUT /api/items/{{id}}, GET /internal/item-ids,");
-    println!("  GET /stats (database queries so far), POST /stats/reset");
+    println!(
+        "  PUT|GET /trains/{{train}}/seats/{{type}}, POST /trains/{{train}}/seats/{{type}}/orders,"
+    );
+    println!("  GET /internal/stock/{{train}}/{{type}},");
+    println!("  GET /stats (database queries and buy transactions so far), POST /stats/reset");
     println!("  SIGTERM or Ctrl-C stops it");
     stop.await;
     println!("demo API: shutting down");
@@ -369,7 +403,7 @@ async fn burst_and_report(
     println!("cacheguard demo");
     println!("  mode:        {mode}");
     println!(
-        "  origin:      SQLite demo API, {} items, {} ms per query, at http://{}",
+        "  origin:      SQLite demo API, {} items, {} ms per query or buy, at http://{}",
         args.items,
         args.db_delay_ms,
         api.addr()
@@ -413,13 +447,94 @@ async fn burst_and_report(
         Ok(line) => println!("read after write via cacheguard: {line}"),
         Err(e) => println!("read after write via cacheguard: could not check: {e:#}"),
     }
-    let ok = rows
-        .iter()
-        .all(|r| r.direct.errors() == 0 && r.cached.errors() == 0);
+    println!();
+    let sale_ok = flash_sale(args, api, proxy).await?;
+    let ok = sale_ok
+        && rows
+            .iter()
+            .all(|r| r.direct.errors() == 0 && r.cached.errors() == 0);
     if !ok {
         println!("\nFAILED: some requests failed (see errors above)");
     }
     Ok(ok)
+}
+
+/// The flash sale, straight at the API and then through cacheguard (`sale.rs`), and its
+/// table. Returns whether both went right: only sales, "sold out" and "busy, retry"
+/// answered, nothing oversold, every buyer told "sold" has an order.
+async fn flash_sale(args: &Args, api: &DemoApi, proxy: SocketAddr) -> anyhow::Result<bool> {
+    let attempts = args.sale_attempts.unwrap_or(if args.exit {
+        sale::SMOKE_ATTEMPTS
+    } else {
+        sale::ATTEMPTS
+    });
+    let client = burst::client(sale::CROWD);
+    let counter = Counter::new(client.clone(), api.addr());
+    // A train per path, so each sale starts with every seat and a gate that never saw it
+    // (`<pid>-2` is the one sold through cacheguard: the "try" lines name it).
+    let run = std::process::id();
+    let direct = sale::run(
+        &client,
+        &counter,
+        api.addr(),
+        api.addr(),
+        &format!("{run}-1"),
+        attempts,
+        sale::CROWD,
+    )
+    .await?;
+    let gated = sale::run(
+        &client,
+        &counter,
+        api.addr(),
+        proxy,
+        &format!("{run}-2"),
+        attempts,
+        sale::CROWD,
+    )
+    .await?;
+    println!(
+        "Flash sale: {} seats, {attempts} buy attempts from {} buyers at once",
+        sale::SEATS,
+        sale::CROWD
+    );
+    println!(
+        "(POST /trains/{{train}}/seats/{}/orders; the API sells with a conditional decrement",
+        sale::SEAT_TYPE
+    );
+    println!("in one transaction; through cacheguard a [[stock]] gate counts the seats first):");
+    if args.exit && args.sale_attempts.is_none() {
+        println!(
+            "  (--exit: {attempts} attempts per path instead of {}, to keep the smoke run short)",
+            sale::ATTEMPTS
+        );
+    }
+    print!(
+        "{}",
+        report::sale_table(&[("straight to the API", &direct), ("via cacheguard", &gated)])
+    );
+    println!("  X-Cache via cacheguard: {}", report::sale_x_cache(&gated));
+    println!(
+        "  buy transactions per seat sold: {} straight, {} via cacheguard",
+        per_seat(&direct),
+        per_seat(&gated)
+    );
+    let ok = direct.ok() && gated.ok();
+    if !ok {
+        println!("  FAILED: an error, a seat oversold, or a buyer told \"sold\" without an order");
+    }
+    Ok(ok)
+}
+
+/// Buy transactions per seat sold, as `1.00`.
+fn per_seat(outcome: &SaleOutcome) -> String {
+    if outcome.seats_sold == 0 {
+        return "\u{2013}".to_owned();
+    }
+    format!(
+        "{:.2}",
+        outcome.buy_transactions as f64 / outcome.seats_sold as f64
+    )
 }
 
 /// PUTs a new name for a hot item through cacheguard, then GETs it through cacheguard.
@@ -472,6 +587,7 @@ async fn filters_loaded(admin: SocketAddr) -> bool {
     false
 }
 
+/// Sends `req` and reads the whole answer (within 10 s): its status, `X-Cache` and body.
 async fn send(
     client: &HttpClient,
     req: Request<Full<Bytes>>,
@@ -505,8 +621,16 @@ fn print_try_it(api: SocketAddr, proxy: SocketAddr, admin: SocketAddr, items: u6
             "404 at once: REJECT (the Bloom filter knows it does not exist)",
         ),
         (
+            format!(
+                "curl -i -X POST http://{proxy}/trains/{}-2/seats/{}/orders",
+                std::process::id(),
+                sale::SEAT_TYPE
+            ),
+            "the flash sale's train: 409 at once, SOLDOUT (the gate knows)",
+        ),
+        (
             format!("curl -s http://{api}/stats"),
-            "DB queries so far (the API itself)",
+            "DB queries and buy transactions so far (the API itself)",
         ),
         (
             format!("curl -s http://{admin}/metrics | grep ^cacheguard_"),

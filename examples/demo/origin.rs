@@ -1,20 +1,28 @@
 //! `DemoApi`: a small SQLite-backed JSON API, the origin cacheguard protects in the demo.
 //!
-//! An in-memory SQLite database (rusqlite, `bundled`) holds `items(id, name, price)`.
-//! Every statement run against it increments one atomic counter, so the demo can show how
-//! many database queries each burst really caused.
+//! An in-memory SQLite database (rusqlite, `bundled`) holds `items(id, name, price)`, and
+//! for the flash sale `seats(train, type, seats, remaining)` and `orders(id, train, type)`.
+//! Every statement run for an item increments one atomic counter, and every buy
+//! transaction another, so the demo can show how many database queries and buy
+//! transactions each burst really caused.
 //!
 //! | method | path | answer |
 //! |---|---|---|
 //! | GET | `/api/items/{id}` | 200 `{"id","name","price"}`, or 404 `{"error"}` (still one query) |
 //! | PUT | `/api/items/{id}` | body `{"name","price"}`: 200 updated / 201 created |
 //! | GET | `/internal/item-ids` | every id, one per line, streamed in pages |
-//! | GET | `/stats` | `{"db_queries": N}` |
-//! | POST | `/stats/reset` | sets the counter to 0, answers `{"db_queries": 0}` |
+//! | PUT | `/trains/{train}/seats/{type}` | body `{"seats": N}`: puts N seats on sale (200) |
+//! | GET | `/trains/{train}/seats/{type}` | `{"seats","remaining","sold"}` (`sold`: orders taken) |
+//! | POST | `/trains/{train}/seats/{type}/orders` | buys one seat: 201 `{"order"}`, or 409 `{"type":"sold-out"}` |
+//! | GET | `/internal/stock/{train}/{type}` | `{"remaining": N}`: what a stock gate loads and reconciles from |
+//! | GET | `/stats` | `{"db_queries": N, "buy_transactions": M}` |
+//! | POST | `/stats/reset` | sets both counters to 0 |
 //!
-//! Item reads wait `db_delay` (an async sleep, standing in for the latency of a real
-//! database query) and then run one `SELECT` on the blocking pool under a
-//! `Mutex<Connection>`.
+//! Item reads and buys wait `db_delay` (an async sleep, standing in for the latency of a
+//! real database) and then run on the blocking pool under a `Mutex<Connection>`. A buy is
+//! one transaction with a conditional decrement, as a shop behind a stock gate keeps it:
+//! `UPDATE seats SET remaining = remaining - 1 WHERE … AND remaining >= 1`, and an order
+//! row when it sold; it never sells a seat it does not have.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -67,6 +75,8 @@ pub struct DemoApi {
 struct State {
     db: Mutex<Connection>,
     queries: Arc<AtomicU64>,
+    /// Buy transactions begun (sold or not).
+    buys: AtomicU64,
     db_delay: Duration,
 }
 
@@ -100,6 +110,7 @@ impl DemoApi {
         let state = Arc::new(State {
             db: Mutex::new(conn),
             queries,
+            buys: AtomicU64::new(0),
             db_delay: opts.db_delay,
         });
         let listener = TcpListener::bind(listen)
@@ -131,7 +142,12 @@ impl DemoApi {
 fn seed(items: i64) -> anyhow::Result<Connection> {
     let mut conn = Connection::open_in_memory().context("opening in-memory SQLite")?;
     conn.execute_batch(
-        "CREATE TABLE items (id INTEGER PRIMARY KEY, name TEXT NOT NULL, price REAL NOT NULL);",
+        "CREATE TABLE items (id INTEGER PRIMARY KEY, name TEXT NOT NULL, price REAL NOT NULL);
+         CREATE TABLE seats (train TEXT NOT NULL, type TEXT NOT NULL, seats INTEGER NOT NULL,
+                             remaining INTEGER NOT NULL CHECK (remaining >= 0),
+                             PRIMARY KEY (train, type));
+         CREATE TABLE orders (id INTEGER PRIMARY KEY, train TEXT NOT NULL, type TEXT NOT NULL,
+                              reservation TEXT);",
     )?;
     let tx = conn.transaction()?;
     {
@@ -186,6 +202,7 @@ async fn handle(state: &Arc<State>, req: Request<Incoming>) -> Response<Body> {
         "/stats" if method == Method::GET => stats(state),
         "/stats/reset" if method == Method::POST => {
             state.queries.store(0, Ordering::Relaxed);
+            state.buys.store(0, Ordering::Relaxed);
             stats(state)
         }
         "/internal/item-ids" if method == Method::GET => item_ids(state),
@@ -205,8 +222,197 @@ async fn handle(state: &Arc<State>, req: Request<Incoming>) -> Response<Body> {
                     _ => method_not_allowed("GET, HEAD, PUT"),
                 }
             }
-            None => json_response(StatusCode::NOT_FOUND, &json!({"error": "no such route"})),
+            None => match Seats::of_path(&path) {
+                Some((seats, Seats::Orders)) if method == Method::POST => {
+                    buy_seat(state, seats, req).await
+                }
+                Some((seats, Seats::Resource)) if method == Method::GET => {
+                    seat_count(state, seats).await
+                }
+                Some((seats, Seats::Resource)) if method == Method::PUT => {
+                    put_on_sale(state, seats, req).await
+                }
+                Some((seats, Seats::Source)) if method == Method::GET => {
+                    seat_count(state, seats).await
+                }
+                Some((_, Seats::Orders)) => method_not_allowed("POST"),
+                Some((_, Seats::Resource)) => method_not_allowed("GET, PUT"),
+                Some((_, Seats::Source)) => method_not_allowed("GET"),
+                None => json_response(StatusCode::NOT_FOUND, &json!({"error": "no such route"})),
+            },
         },
+    }
+}
+
+/// Which seats path a request names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Seats {
+    /// `/trains/{train}/seats/{type}`
+    Resource,
+    /// `/trains/{train}/seats/{type}/orders`
+    Orders,
+    /// `/internal/stock/{train}/{type}`
+    Source,
+}
+
+/// A train's seats of one type.
+#[derive(Clone, Debug)]
+struct SeatKey {
+    train: String,
+    kind: String,
+}
+
+impl Seats {
+    fn of_path(path: &str) -> Option<(SeatKey, Seats)> {
+        let parts: Vec<&str> = path.trim_start_matches('/').split('/').collect();
+        let key = |train: &str, kind: &str| {
+            (!train.is_empty() && !kind.is_empty()).then(|| SeatKey {
+                train: train.to_owned(),
+                kind: kind.to_owned(),
+            })
+        };
+        match parts.as_slice() {
+            ["trains", train, "seats", kind] => Some((key(train, kind)?, Seats::Resource)),
+            ["trains", train, "seats", kind, "orders"] => Some((key(train, kind)?, Seats::Orders)),
+            ["internal", "stock", train, kind] => Some((key(train, kind)?, Seats::Source)),
+            _ => None,
+        }
+    }
+}
+
+/// What a buy transaction did.
+enum Bought {
+    Order(i64),
+    SoldOut,
+    NoTrain,
+}
+
+/// One buy: one transaction with a conditional decrement, counted in `buy_transactions`.
+async fn buy_seat(state: &Arc<State>, seats: SeatKey, req: Request<Incoming>) -> Response<Body> {
+    let reservation = req
+        .headers()
+        .get("stock-reservation")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
+    if !state.db_delay.is_zero() {
+        tokio::time::sleep(state.db_delay).await;
+    }
+    let st = state.clone();
+    let sold = tokio::task::spawn_blocking(move || {
+        st.buys.fetch_add(1, Ordering::Relaxed);
+        let mut db = lock(&st);
+        let tx = db.transaction()?;
+        let taken = tx.execute(
+            "UPDATE seats SET remaining = remaining - 1 \
+             WHERE train = ?1 AND type = ?2 AND remaining >= 1",
+            params![seats.train, seats.kind],
+        )?;
+        let bought = if taken == 1 {
+            tx.execute(
+                "INSERT INTO orders (train, type, reservation) VALUES (?1, ?2, ?3)",
+                params![seats.train, seats.kind, reservation],
+            )?;
+            Bought::Order(tx.last_insert_rowid())
+        } else {
+            // Sold out, or no such train: which one, for the answer.
+            let exists = tx
+                .query_row(
+                    "SELECT 1 FROM seats WHERE train = ?1 AND type = ?2",
+                    params![seats.train, seats.kind],
+                    |_| Ok(()),
+                )
+                .optional()?;
+            if exists.is_some() {
+                Bought::SoldOut
+            } else {
+                Bought::NoTrain
+            }
+        };
+        tx.commit()?;
+        Ok::<Bought, rusqlite::Error>(bought)
+    })
+    .await;
+    match sold {
+        Ok(Ok(Bought::Order(order))) => {
+            json_response(StatusCode::CREATED, &json!({"order": order}))
+        }
+        Ok(Ok(Bought::SoldOut)) => {
+            json_response(StatusCode::CONFLICT, &json!({"type": "sold-out"}))
+        }
+        Ok(Ok(Bought::NoTrain)) => {
+            json_response(StatusCode::NOT_FOUND, &json!({"error": "no such train"}))
+        }
+        Ok(Err(e)) => internal_error(&e.to_string()),
+        Err(e) => internal_error(&e.to_string()),
+    }
+}
+
+/// `{"seats", "remaining", "sold"}` of a train's seats (one query, not a buy).
+async fn seat_count(state: &Arc<State>, seats: SeatKey) -> Response<Body> {
+    let st = state.clone();
+    let row = tokio::task::spawn_blocking(move || {
+        st.queries.fetch_add(1, Ordering::Relaxed);
+        lock(&st)
+            .query_row(
+                "SELECT s.seats, s.remaining, \
+                        (SELECT COUNT(*) FROM orders o WHERE o.train = s.train AND o.type = s.type) \
+                 FROM seats s WHERE s.train = ?1 AND s.type = ?2",
+                params![seats.train, seats.kind],
+                |r| Ok((r.get::<_, i64>(0)?, r.get::<_, i64>(1)?, r.get::<_, i64>(2)?)),
+            )
+            .optional()
+    })
+    .await;
+    match row {
+        Ok(Ok(Some((total, remaining, sold)))) => json_response(
+            StatusCode::OK,
+            &json!({"seats": total, "remaining": remaining, "sold": sold}),
+        ),
+        Ok(Ok(None)) => json_response(StatusCode::NOT_FOUND, &json!({"error": "no such train"})),
+        Ok(Err(e)) => internal_error(&e.to_string()),
+        Err(e) => internal_error(&e.to_string()),
+    }
+}
+
+/// `PUT` `{"seats": N}`: N seats on sale, none sold yet (its earlier orders are dropped).
+async fn put_on_sale(state: &Arc<State>, seats: SeatKey, req: Request<Incoming>) -> Response<Body> {
+    let parsed = match json_body(req).await {
+        Ok(v) => v,
+        Err(answer) => return answer,
+    };
+    let Some(n) = parsed
+        .get("seats")
+        .and_then(serde_json::Value::as_i64)
+        .filter(|n| *n >= 0)
+    else {
+        return json_response(
+            StatusCode::BAD_REQUEST,
+            &json!({"error": "expected {\"seats\": a number of seats}"}),
+        );
+    };
+    let st = state.clone();
+    let result = tokio::task::spawn_blocking(move || {
+        let mut db = lock(&st);
+        let tx = db.transaction()?;
+        tx.execute(
+            "INSERT INTO seats (train, type, seats, remaining) VALUES (?1, ?2, ?3, ?3) \
+             ON CONFLICT (train, type) DO UPDATE SET seats = ?3, remaining = ?3",
+            params![seats.train, seats.kind, n],
+        )?;
+        tx.execute(
+            "DELETE FROM orders WHERE train = ?1 AND type = ?2",
+            params![seats.train, seats.kind],
+        )?;
+        tx.commit()
+    })
+    .await;
+    match result {
+        Ok(Ok(())) => json_response(
+            StatusCode::OK,
+            &json!({"seats": n, "remaining": n, "sold": 0}),
+        ),
+        Ok(Err(e)) => internal_error(&e.to_string()),
+        Err(e) => internal_error(&e.to_string()),
     }
 }
 
@@ -255,27 +461,32 @@ async fn get_item(state: &Arc<State>, id: i64) -> Response<Body> {
     }
 }
 
-async fn put_item(state: &Arc<State>, id: i64, req: Request<Incoming>) -> Response<Body> {
+/// The request's body as JSON, or the 400 to answer.
+async fn json_body(req: Request<Incoming>) -> Result<serde_json::Value, Response<Body>> {
     let body = match Limited::new(req.into_body(), MAX_BODY_BYTES)
         .collect()
         .await
     {
         Ok(b) => b.to_bytes(),
         Err(e) => {
-            return json_response(
+            return Err(json_response(
                 StatusCode::BAD_REQUEST,
                 &json!({"error": format!("could not read body: {e}")}),
-            );
+            ));
         }
     };
-    let parsed: serde_json::Value = match serde_json::from_slice(&body) {
+    serde_json::from_slice(&body).map_err(|e| {
+        json_response(
+            StatusCode::BAD_REQUEST,
+            &json!({"error": format!("body is not JSON: {e}")}),
+        )
+    })
+}
+
+async fn put_item(state: &Arc<State>, id: i64, req: Request<Incoming>) -> Response<Body> {
+    let parsed = match json_body(req).await {
         Ok(v) => v,
-        Err(e) => {
-            return json_response(
-                StatusCode::BAD_REQUEST,
-                &json!({"error": format!("body is not JSON: {e}")}),
-            );
-        }
+        Err(answer) => return answer,
     };
     let (Some(name), Some(price)) = (
         parsed
@@ -362,7 +573,10 @@ fn item_ids(state: &Arc<State>) -> Response<Body> {
 fn stats(state: &State) -> Response<Body> {
     json_response(
         StatusCode::OK,
-        &json!({"db_queries": state.queries.load(Ordering::Relaxed)}),
+        &json!({
+            "db_queries": state.queries.load(Ordering::Relaxed),
+            "buy_transactions": state.buys.load(Ordering::Relaxed),
+        }),
     )
 }
 

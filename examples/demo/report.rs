@@ -4,6 +4,7 @@ use std::fmt::Write as _;
 use std::time::Duration;
 
 use crate::burst::Outcome;
+use crate::sale::SaleOutcome;
 
 /// One phase's results on both paths.
 pub struct Row {
@@ -87,6 +88,52 @@ pub fn x_cache_table(rows: &[Row]) -> String {
         cells.push(line);
     }
     render(&cells, None)
+}
+
+/// The flash sale on each path: attempts, what the database did, what buyers were told.
+pub fn sale_table(rows: &[(&str, &SaleOutcome)]) -> String {
+    let header = [
+        "path",
+        "attempts",
+        "buy transactions",
+        "seats sold",
+        "oversold",
+        "told sold",
+        "told sold out",
+        "told busy",
+        "errors",
+        "time",
+    ];
+    let mut cells: Vec<Vec<String>> = vec![header.iter().map(|s| (*s).to_owned()).collect()];
+    for (path, o) in rows {
+        cells.push(vec![
+            (*path).to_owned(),
+            if o.sent == o.planned {
+                o.sent.to_string()
+            } else {
+                format!("{} of {}", o.sent, o.planned)
+            },
+            o.buy_transactions.to_string(),
+            o.seats_sold.to_string(),
+            o.oversold().to_string(),
+            o.told_sold.to_string(),
+            o.sold_out.to_string(),
+            o.busy.to_string(),
+            o.errors.to_string(),
+            ms(o.elapsed),
+        ]);
+    }
+    render(&cells, None)
+}
+
+/// `SOLDOUT 99000, BYPASS 1000`: the `X-Cache` values of a sale, the most frequent first.
+pub fn sale_x_cache(outcome: &SaleOutcome) -> String {
+    let mut seen: Vec<(&String, &u64)> = outcome.x_cache.iter().collect();
+    seen.sort_by(|a, b| b.1.cmp(a.1).then(a.0.cmp(b.0)));
+    seen.iter()
+        .map(|(k, v)| format!("{k} {v}"))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// Lines explaining any errors, or nothing.

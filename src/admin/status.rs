@@ -14,7 +14,10 @@
 //! bus; each Bloom filter's fill and load state (`/admin/bloom`); the journal's depth; lock
 //! waits; the hot keys (`/admin/hotkeys`); the last answers cacheguard made itself, as
 //! logged (the [`OwnAnswerLog`](crate::proxy::own_answer::OwnAnswerLog) ring, paths without
-//! queries).
+//! queries); per stock gate, its decisions, settlements, reconciles and Redis errors
+//! (`cacheguard_stock_*`, read through
+//! [`Gates::snapshot`](crate::protect::stock::Gates::snapshot)) with a chart of admitted against
+//! sold-out buys.
 //! Never the admin token, a Redis password, a Bloom source URL or an error's detail.
 //!
 //! Rates in the tables are over the last [`RATE_WINDOW`]; counts are since start. The
@@ -31,12 +34,13 @@ use std::time::Duration;
 use serde::{Serialize, Serializer};
 use tokio_util::sync::CancellationToken;
 
-use self::history::{Counts, History, Reading, hit_ratio, per_second, total};
+use self::history::{Counts, GateCounts, History, Reading, hit_ratio, per_second, total};
 use crate::clock;
 use crate::coord::RedisConn;
 use crate::coord::redis::Topology;
-use crate::metrics::{LockEvent, Outcome};
+use crate::metrics::{LockEvent, Outcome, StockCounts, StockOutcome, StockSettled};
 use crate::protect::bloom::FilterStatus;
+use crate::protect::stock::GateSnapshot;
 use crate::proxy::PASSTHROUGH;
 use crate::proxy::own_answer::RecentAnswer;
 use crate::reload::Live;
@@ -115,6 +119,13 @@ impl Status {
             max_concurrency: u64::try_from(max_concurrency).unwrap_or(u64::MAX),
             max_rps: u64::from(max_rps),
             redis_up: self.live.redis.as_ref().map(RedisConn::is_up),
+            gates: self
+                .live
+                .gates
+                .snapshot()
+                .into_iter()
+                .map(|g| (g.name, gate_counts(&g.counts)))
+                .collect(),
         }
     }
 
@@ -157,6 +168,16 @@ impl Status {
             max_rps: now.max_rps,
             requests_total: now.origin_requests,
         };
+        let stock = self
+            .live
+            .gates
+            .snapshot()
+            .into_iter()
+            .map(|gate| {
+                let before = reference.as_ref().and_then(|r| r.gate(&gate.name));
+                GateRow::of(gate, before.map(|b| b.counts), span)
+            })
+            .collect();
         let hot = self.live.hot.status();
         Snapshot {
             now_unix_ms: now_ms,
@@ -194,6 +215,7 @@ impl Status {
                 })
                 .collect(),
             recent_errors: self.live.proxy.own_answers.recent(),
+            stock,
         }
     }
 
@@ -241,6 +263,14 @@ impl Status {
     }
 }
 
+/// What the history keeps of a gate's counters.
+fn gate_counts(counts: &StockCounts) -> GateCounts {
+    GateCounts {
+        admitted: counts.request(StockOutcome::Admitted),
+        sold_out: counts.sold_out(),
+    }
+}
+
 fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
@@ -284,9 +314,20 @@ fn sample_json(sample: &history::Sample) -> serde_json::Value {
             )
         })
         .collect();
+    let gates: serde_json::Map<String, serde_json::Value> = sample
+        .gates
+        .iter()
+        .map(|g| {
+            (
+                g.name.to_string(),
+                serde_json::json!({ "admitted": g.admitted_rps, "sold_out": g.sold_out_rps }),
+            )
+        })
+        .collect();
     serde_json::json!({
         "t": sample.at_ms,
         "routes": routes,
+        "gates": gates,
         "origin_rps": sample.origin_rps,
         "origin_in_flight": sample.origin_in_flight,
         "max_concurrency": sample.max_concurrency,
@@ -316,6 +357,8 @@ pub(crate) struct Snapshot {
     pub(crate) hot_keys_total: usize,
     /// Newest first.
     pub(crate) recent_errors: Vec<RecentAnswer>,
+    /// The stock gates, by name.
+    pub(crate) stock: Vec<GateRow>,
 }
 
 #[derive(Debug, Serialize)]
@@ -338,6 +381,79 @@ fn by_outcome<S: Serializer>(counts: &Counts, serializer: S) -> Result<S::Ok, S:
         Outcome::ALL
             .iter()
             .map(|o| (o.as_str(), counts[*o as usize])),
+    )
+}
+
+/// One stock gate: its counters since start (`cacheguard_stock_*` of this instance) and its
+/// rates over the last [`RATE_WINDOW`].
+#[derive(Debug, Serialize)]
+pub(crate) struct GateRow {
+    pub(crate) name: String,
+    pub(crate) admitted_per_second: Option<f64>,
+    /// Sold-out answers, here and from Redis.
+    pub(crate) sold_out_per_second: Option<f64>,
+    /// Buys by what the gate decided (`cacheguard_stock_requests_total`'s outcomes).
+    #[serde(serialize_with = "by_decision")]
+    pub(crate) decisions: [u64; StockOutcome::ALL.len()],
+    /// Admitted buys by what the origin's answer meant (`cacheguard_stock_settled_total`).
+    #[serde(serialize_with = "by_settlement")]
+    pub(crate) settled: [u64; StockSettled::ALL.len()],
+    pub(crate) reconciles: u64,
+    pub(crate) reconciles_failed: u64,
+    /// The last reconcile's change to the gate's count: positive when the origin had more
+    /// than the gate thought.
+    pub(crate) reconcile_delta: i64,
+    pub(crate) redis_errors: u64,
+}
+
+impl GateRow {
+    /// The row of `gate`, with rates against its counts `before` (taken `span_ms` ago).
+    fn of(gate: GateSnapshot, before: Option<GateCounts>, span_ms: u64) -> Self {
+        let counts = &gate.counts;
+        let now = gate_counts(counts);
+        GateRow {
+            admitted_per_second: before.and_then(|b| per_second(b.admitted, now.admitted, span_ms)),
+            sold_out_per_second: before.and_then(|b| per_second(b.sold_out, now.sold_out, span_ms)),
+            decisions: counts.requests,
+            settled: counts.settled,
+            reconciles: counts.reconciles_ok + counts.reconciles_failed,
+            reconciles_failed: counts.reconciles_failed,
+            reconcile_delta: counts.last_delta,
+            redis_errors: counts.redis_errors,
+            name: gate.name,
+        }
+    }
+
+    pub(crate) fn decision(&self, outcome: StockOutcome) -> u64 {
+        self.decisions[outcome as usize]
+    }
+
+    pub(crate) fn settlement(&self, result: StockSettled) -> u64 {
+        self.settled[result as usize]
+    }
+}
+
+/// Decisions as `{"admitted": …, "sold_out_local": …, …}`.
+fn by_decision<S: Serializer>(
+    counts: &[u64; StockOutcome::ALL.len()],
+    serializer: S,
+) -> Result<S::Ok, S::Error> {
+    serializer.collect_map(
+        StockOutcome::ALL
+            .iter()
+            .map(|o| (o.as_str(), counts[*o as usize])),
+    )
+}
+
+/// Settlements as `{"sold": …, "returned": …, …}`.
+fn by_settlement<S: Serializer>(
+    counts: &[u64; StockSettled::ALL.len()],
+    serializer: S,
+) -> Result<S::Ok, S::Error> {
+    serializer.collect_map(
+        StockSettled::ALL
+            .iter()
+            .map(|r| (r.as_str(), counts[*r as usize])),
     )
 }
 

@@ -11,6 +11,11 @@
 //! value may be a token or a quoted string, unknown directives are ignored, and a
 //! delta-seconds value that does not parse makes its directive count as present with no
 //! usable value (`max-age=abc` is treated as stale, RFC 9111 §4.2.1).
+//!
+//! `CDN-Cache-Control` is the exception: RFC 9213 defines it as a Structured Field
+//! Dictionary (RFC 9651), parsed here with the `sfv` crate. A value that is not one, or in
+//! which a cache directive has the wrong type (`max-age="60"`, `no-store=1`), is ignored
+//! as a whole, as if the field were absent (RFC 9213 §2.2).
 
 use http::header::{self, HeaderMap, HeaderName};
 
@@ -37,12 +42,18 @@ pub(crate) struct ResponseControl {
     pub(crate) max_age: Option<Option<u64>>,
     pub(crate) stale_while_revalidate: Option<u64>,
     pub(crate) stale_if_error: Option<u64>,
+    /// What the fields aimed at this cache say (`Surrogate-Control`, `CDN-Cache-Control`).
+    pub(crate) targeted: TargetedControl,
 }
 
 impl ResponseControl {
-    /// The directives of every `Cache-Control` field line of `headers`.
+    /// The directives of every `Cache-Control` field line of `headers`, and those of the
+    /// fields aimed at this cache.
     pub(crate) fn parse(headers: &HeaderMap) -> Self {
-        let mut control = ResponseControl::default();
+        let mut control = ResponseControl {
+            targeted: TargetedControl::parse(headers),
+            ..ResponseControl::default()
+        };
         for (name, value) in directives(headers, &header::CACHE_CONTROL) {
             let seconds = || value.as_deref().map(delta_seconds);
             match name.as_str() {
@@ -78,7 +89,71 @@ impl ResponseControl {
     /// (§5.2.2.8) and `s-maxage` (§5.2.2.10, which implies `proxy-revalidate`). This rules
     /// out grace, stale-while-revalidate and stale-if-error alike.
     pub(crate) fn forbids_stale(&self) -> bool {
-        self.must_revalidate || self.proxy_revalidate || self.s_maxage.is_some()
+        self.must_revalidate
+            || self.proxy_revalidate
+            || self.s_maxage.is_some()
+            || self.targeted.forbids_stale
+    }
+
+    /// Whether a field aimed at this cache replaces what `Cache-Control` says of freshness
+    /// and storage: in `freshness = "origin"` mode (`origin_mode`), when it gives a
+    /// `max-age` (RFC 9213 §2.1). `private` in `Cache-Control` still holds.
+    pub(crate) fn targeted_rules(&self, origin_mode: bool) -> bool {
+        origin_mode && self.targeted.max_age.is_some()
+    }
+
+    /// Whether the answer must be revalidated before each use (`no-cache`): a field aimed
+    /// at this cache says so, or `Cache-Control` does and no targeted field replaces it
+    /// (see [`ResponseControl::targeted_rules`]).
+    pub(crate) fn no_cache(&self, origin_mode: bool) -> bool {
+        self.targeted.no_cache || (self.no_cache && !self.targeted_rules(origin_mode))
+    }
+}
+
+/// The directives the fields aimed at this cache give it: `Surrogate-Control` (Edge
+/// Architecture: its untargeted directives and those targeted at [`SURROGATE_TARGET`]),
+/// then `CDN-Cache-Control` (RFC 9213). The `max-age` is the first field's that has one;
+/// the restrictions hold when either field says them, the stricter reading of two fields.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct TargetedControl {
+    /// A `Surrogate-Control` `max-age` that does not parse is 0: stale.
+    pub(crate) max_age: Option<u64>,
+    /// Never stored, whatever `Cache-Control` says.
+    pub(crate) no_store: bool,
+    /// Never reused without a revalidation, whatever `Cache-Control` says.
+    pub(crate) no_cache: bool,
+    /// Never stored by a shared cache, whatever `Cache-Control` says.
+    pub(crate) private: bool,
+    /// `must-revalidate`, `proxy-revalidate` or `s-maxage`: never served stale.
+    pub(crate) forbids_stale: bool,
+}
+
+impl TargetedControl {
+    fn parse(headers: &HeaderMap) -> TargetedControl {
+        let mut control = TargetedControl::default();
+        for (name, value) in surrogate_directives(headers) {
+            control.apply(&name, || {
+                value.as_deref().and_then(delta_seconds).or(Some(0))
+            });
+        }
+        if let Some(cdn) = cdn_directives(headers) {
+            for (name, max_age) in cdn {
+                control.apply(&name, || max_age);
+            }
+        }
+        control
+    }
+
+    /// Notes directive `name`; `max_age` gives its value when it is a `max-age`.
+    fn apply(&mut self, name: &str, max_age: impl FnOnce() -> Option<u64>) {
+        match name {
+            "max-age" if self.max_age.is_none() => self.max_age = max_age(),
+            "no-store" => self.no_store = true,
+            "no-cache" => self.no_cache = true,
+            "private" => self.private = true,
+            "must-revalidate" | "proxy-revalidate" | "s-maxage" => self.forbids_stale = true,
+            _ => {}
+        }
     }
 }
 
@@ -165,13 +240,14 @@ pub(crate) fn delta_seconds(value: &str) -> Option<u64> {
 /// `max-age`, then `Expires` minus `Date`. `None`: the answer gives no freshness at all.
 ///
 /// An invalid value counts as already stale (0), as RFC 9111 asks for `Expires` and
-/// `max-age`; so does an `Expires` that does not parse.
+/// `max-age`; so does an `Expires` that does not parse (an invalid `CDN-Cache-Control` is
+/// ignored instead: see [`TargetedControl`]).
 pub(crate) fn origin_lifetime_secs(
     headers: &HeaderMap,
     control: &ResponseControl,
     response_time_ms: u64,
 ) -> Option<u64> {
-    if let Some(max_age) = targeted_max_age(headers) {
+    if let Some(max_age) = control.targeted.max_age {
         return Some(max_age);
     }
     if let Some(s_maxage) = control.s_maxage {
@@ -216,44 +292,102 @@ pub(crate) const SURROGATE_TARGET: &str = "cacheguard";
 /// The `Surrogate-Capability` request header a fetch carries in origin mode.
 pub(crate) const SURROGATE_CAPABILITY_VALUE: &str = "cacheguard=\"Surrogate/1.0\"";
 
-/// The directives of the targeted fields (`Surrogate-Control`, then `CDN-Cache-Control`)
-/// aimed at this cache: untargeted ones, and those targeted at [`SURROGATE_TARGET`]
-/// (`max-age=60;cacheguard`), the target removed. Those aimed at another surrogate are left
-/// out.
-fn targeted_directives(headers: &HeaderMap) -> Vec<(String, Option<String>)> {
+/// The directives of `Surrogate-Control` aimed at this cache: untargeted ones, and those
+/// targeted at [`SURROGATE_TARGET`] (`max-age=60;cacheguard`), the target removed. Those
+/// aimed at another surrogate are left out.
+fn surrogate_directives(headers: &HeaderMap) -> Vec<(String, Option<String>)> {
     let ours = |target: &str| target.trim().eq_ignore_ascii_case(SURROGATE_TARGET);
     let mut out = Vec::new();
-    for field in [&SURROGATE_CONTROL, &CDN_CACHE_CONTROL] {
-        for (name, value) in directives(headers, field) {
-            let (name, value) = match (name.split_once(';'), value) {
-                (Some((name, target)), None) if ours(target) => (name.to_owned(), None),
-                (Some(_), _) => continue,
-                (None, Some(value)) => match value.split_once(';') {
-                    Some((value, target)) if ours(target) => (name, Some(value.to_owned())),
-                    Some(_) => continue,
-                    None => (name, Some(value)),
-                },
-                (None, None) => (name, None),
-            };
-            out.push((name, value));
-        }
+    for (name, value) in directives(headers, &SURROGATE_CONTROL) {
+        let (name, value) = match (name.split_once(';'), value) {
+            (Some((name, target)), None) if ours(target) => (name.to_owned(), None),
+            (Some(_), _) => continue,
+            (None, Some(value)) => match value.split_once(';') {
+                Some((value, target)) if ours(target) => (name, Some(value.to_owned())),
+                Some(_) => continue,
+                None => (name, Some(value)),
+            },
+            (None, None) => (name, None),
+        };
+        out.push((name, value));
     }
     out
 }
 
-/// The `max-age` a targeted field gives this cache (an invalid one is 0: stale).
-pub(crate) fn targeted_max_age(headers: &HeaderMap) -> Option<u64> {
-    targeted_directives(headers)
-        .into_iter()
-        .find(|(name, _)| name == "max-age")
-        .map(|(_, value)| value.as_deref().and_then(delta_seconds).unwrap_or(0))
+/// The cache directives of `CDN-Cache-Control` (RFC 9213) that are set, each with its
+/// delta-seconds value when it has one (`max-age=60`; larger than [`MAX_DELTA_SECONDS`]
+/// saturates). Its field lines are one Structured Field Dictionary (RFC 9651 §3.2, lines
+/// joined by commas); parameters are ignored, and a Boolean `?0` leaves a directive unset.
+///
+/// `None` — the field is to be ignored as a whole — when it is absent or empty, when it
+/// does not parse as a Dictionary (`&&&`, `max-age =60`, an upper-case key), or when a
+/// cache directive of RFC 9111 has a value of another type than its own (`max-age="60"`,
+/// an inner list, a negative age). Unknown directives are allowed, whatever their value.
+fn cdn_directives(headers: &HeaderMap) -> Option<Vec<(String, Option<u64>)>> {
+    use sfv::{BareItem, ListEntry};
+
+    let mut dictionary = sfv::Dictionary::new();
+    for line in headers.get_all(&CDN_CACHE_CONTROL) {
+        dictionary = sfv::Parser::new(line.as_bytes())
+            .parse_dictionary_with_visitor(dictionary)
+            .ok()?;
+    }
+    if dictionary.is_empty() {
+        return None;
+    }
+    let mut out = Vec::new();
+    for (name, member) in &dictionary {
+        let name = name.as_str();
+        let Some(kind) = DirectiveType::of(name) else {
+            continue;
+        };
+        let ListEntry::Item(item) = member else {
+            return None;
+        };
+        let (set, seconds) = match (kind, &item.bare_item) {
+            (DirectiveType::Seconds, BareItem::Integer(n)) => {
+                let n = u64::try_from(*n).ok()?;
+                (true, Some(n.min(MAX_DELTA_SECONDS)))
+            }
+            (DirectiveType::Flag | DirectiveType::FlagOrFields, BareItem::Boolean(set)) => {
+                (*set, None)
+            }
+            // `no-cache="Set-Cookie"`, `private="x"`: a field list; the whole answer is
+            // treated so, as for `Cache-Control`.
+            (DirectiveType::FlagOrFields, BareItem::String(_)) => (true, None),
+            _ => return None,
+        };
+        if set {
+            out.push((name.to_owned(), seconds));
+        }
+    }
+    Some(out)
 }
 
-/// Whether a targeted field says `no-store` to this cache: it overrides `Cache-Control`.
-pub(crate) fn targeted_no_store(headers: &HeaderMap) -> bool {
-    targeted_directives(headers)
-        .iter()
-        .any(|(name, _)| name == "no-store")
+/// The value type a cache directive of RFC 9111 §5.2.2 has in a Structured Field
+/// (RFC 9213 §2.2).
+#[derive(Clone, Copy)]
+enum DirectiveType {
+    /// An Integer of seconds, not negative.
+    Seconds,
+    /// A Boolean (no value).
+    Flag,
+    /// A Boolean, or a String listing field names.
+    FlagOrFields,
+}
+
+impl DirectiveType {
+    fn of(name: &str) -> Option<DirectiveType> {
+        Some(match name {
+            "max-age" | "s-maxage" | "stale-while-revalidate" | "stale-if-error" => {
+                DirectiveType::Seconds
+            }
+            "no-store" | "must-revalidate" | "proxy-revalidate" | "public" | "must-understand"
+            | "no-transform" | "immutable" => DirectiveType::Flag,
+            "no-cache" | "private" => DirectiveType::FlagOrFields,
+            _ => return None,
+        })
+    }
 }
 
 /// An HTTP-date as seconds since the Unix epoch.
@@ -263,7 +397,7 @@ fn http_date_secs(value: &http::HeaderValue) -> Option<u64> {
 }
 
 pub(crate) static SURROGATE_CONTROL: HeaderName = HeaderName::from_static("surrogate-control");
-pub(crate) static CDN_CACHE_CONTROL: HeaderName = HeaderName::from_static("cdn-cache-control");
+static CDN_CACHE_CONTROL: HeaderName = HeaderName::from_static("cdn-cache-control");
 
 /// What an answer's `Vary` names.
 #[derive(Debug, PartialEq, Eq)]
@@ -309,27 +443,32 @@ impl Vary {
 /// the larger of its apparent age (arrival time minus its `Date`) and its `Age` plus the
 /// time the request took. `Age` as sent by the origin or a cache upstream is kept this
 /// way, so a downstream cache never keeps the copy fresh longer than the origin allowed.
-///
-/// `None` when the `Age` is not valid: not exactly one field line holding one
-/// delta-seconds (two lines, a list, a fraction, a sign, a parameter). Such an answer's
-/// age is unknown; RFC 9111 lets a cache treat it as stale.
-pub(crate) fn initial_age_secs(
-    headers: &HeaderMap,
-    response_time_ms: u64,
-    delay_ms: u64,
-) -> Option<u64> {
-    let mut lines = headers.get_all(header::AGE).iter();
-    let age_value = match (lines.next(), lines.next()) {
-        (None, _) => 0,
-        (Some(line), None) => delta_seconds(line.to_str().ok()?)?,
-        (Some(_), Some(_)) => return None,
-    };
-    let corrected_age = age_value.saturating_add(delay_ms / 1000);
+pub(crate) fn initial_age_secs(headers: &HeaderMap, response_time_ms: u64, delay_ms: u64) -> u64 {
+    let corrected_age = age_value(headers)
+        .unwrap_or(0)
+        .saturating_add(delay_ms / 1000);
     let apparent_age = headers
         .get(header::DATE)
         .and_then(http_date_secs)
         .map_or(0, |date| (response_time_ms / 1000).saturating_sub(date));
-    Some(apparent_age.max(corrected_age).min(MAX_DELTA_SECONDS))
+    apparent_age.max(corrected_age).min(MAX_DELTA_SECONDS)
+}
+
+/// The `Age` of an answer (RFC 9111 §5.1): a list-valued `Age` (several members on a line,
+/// or several lines) counts by its first member, and an invalid one (`abc`, `-7200`,
+/// `7200.0`, empty) is ignored: `None`, as if there were no `Age`. An age is not taken as
+/// stale for being unreadable: the origin's own lifetime still bounds the copy.
+///
+/// A member's parameters are dropped (`7200;foo=bar` is 7200). RFC 9111 has `Age` as a
+/// bare delta-seconds, so a strict reading would ignore such a value; a parameter extends
+/// a valid age rather than breaking it, and keeping the number is the conservative reading
+/// (the older copy is the one served less), which both versions of the public cache test
+/// suite expect.
+fn age_value(headers: &HeaderMap) -> Option<u64> {
+    let first_line = headers.get(header::AGE)?.to_str().ok()?;
+    let first_member = first_line.split(',').next()?;
+    let number = first_member.split(';').next()?;
+    delta_seconds(number)
 }
 
 #[cfg(test)]
@@ -441,19 +580,29 @@ pub(crate) mod tests {
             life(&[("expires", "Thu, 01 Jan 1970 00:02:30 GMT")]),
             Some(50)
         );
-        assert!(targeted_no_store(&headers(&[(
-            "surrogate-control",
-            "no-store"
-        )])));
-        let sc = |v: &'static str| headers(&[("surrogate-control", v)]);
-        assert_eq!(targeted_max_age(&sc("max-age=10;cacheguard")), Some(10));
-        assert_eq!(targeted_max_age(&sc("max-age=10;other")), None);
+        let targeted = |pairs: &[(&'static str, &'static str)]| {
+            ResponseControl::parse(&headers(pairs)).targeted
+        };
+        assert!(targeted(&[("surrogate-control", "no-store")]).no_store);
+        let sc = |v: &'static str| targeted(&[("surrogate-control", v)]);
+        assert_eq!(sc("max-age=10;cacheguard").max_age, Some(10));
+        assert_eq!(sc("max-age=10;other").max_age, None);
+        assert_eq!(sc("max-age=10;other, max-age=5").max_age, Some(5));
+        assert_eq!(sc("max-age=x").max_age, Some(0), "invalid: stale");
+        assert!(sc("no-store;cacheguard").no_store);
+        assert!(!sc("no-store;other").no_store);
         assert_eq!(
-            targeted_max_age(&sc("max-age=10;other, max-age=5")),
-            Some(5)
+            targeted(&[
+                ("surrogate-control", "max-age=5"),
+                ("cdn-cache-control", "max-age=60, private")
+            ]),
+            TargetedControl {
+                max_age: Some(5),
+                private: true,
+                ..TargetedControl::default()
+            },
+            "the first field's max-age, either field's restrictions"
         );
-        assert!(targeted_no_store(&sc("no-store;cacheguard")));
-        assert!(!targeted_no_store(&sc("no-store;other")));
         let modified = headers(&[
             ("date", "Thu, 01 Jan 1970 00:16:40 GMT"),
             ("last-modified", "Thu, 01 Jan 1970 00:00:00 GMT"),
@@ -465,19 +614,121 @@ pub(crate) mod tests {
     #[test]
     fn initial_age_keeps_the_upstream_age() {
         let h = headers(&[("age", "2000")]);
-        assert_eq!(initial_age_secs(&h, 1_000_000, 0), Some(2000));
-        assert_eq!(initial_age_secs(&h, 1_000_000, 3_500), Some(2003));
-        assert_eq!(initial_age_secs(&HeaderMap::new(), 1_000_000, 0), Some(0));
-        for bad in ["x", "0, 0", "7200.0", "-1", "1;a=b", ""] {
-            let h = headers(&[("age", bad)]);
-            assert_eq!(initial_age_secs(&h, 5_000, 0), None, "Age: {bad}");
-        }
-        let two = headers(&[("age", "0"), ("age", "0")]);
-        assert_eq!(initial_age_secs(&two, 5_000, 0), None, "two lines");
+        assert_eq!(initial_age_secs(&h, 1_000_000, 0), 2000);
+        assert_eq!(initial_age_secs(&h, 1_000_000, 3_500), 2003);
+        assert_eq!(initial_age_secs(&HeaderMap::new(), 1_000_000, 0), 0);
         // Apparent age from Date, when larger.
         let dated = headers(&[("date", "Thu, 01 Jan 1970 00:00:10 GMT"), ("age", "5")]);
-        assert_eq!(initial_age_secs(&dated, 100_000, 0), Some(90));
+        assert_eq!(initial_age_secs(&dated, 100_000, 0), 90);
         // A Date in the future is no negative age.
-        assert_eq!(initial_age_secs(&dated, 1_000, 0), Some(5));
+        assert_eq!(initial_age_secs(&dated, 1_000, 0), 5);
+        let huge = headers(&[("age", "2147483649")]);
+        assert_eq!(initial_age_secs(&huge, 5_000, 0), MAX_DELTA_SECONDS);
+    }
+
+    /// RFC 9111 §5.1: a list-valued `Age` counts by its first member, an invalid one is
+    /// ignored (no age, not stale). The public cache test suite's newer version expects
+    /// this; its 0.4.5 took both as stale.
+    #[test]
+    fn a_list_age_counts_by_its_first_member_and_an_invalid_one_is_ignored() {
+        let age = |pairs: &[(&'static str, &'static str)]| age_value(&headers(pairs));
+        for (value, expected) in [
+            ("0, 7200", Some(0)),
+            ("7200, 0", Some(7200)),
+            ("7200,0", Some(7200)),
+            ("0, 0", Some(0)),
+            (" 60 ", Some(60)),
+            ("7200;foo=bar", Some(7200)),
+            ("7200;foo=111", Some(7200)),
+            ("abc", None),
+            ("-7200", None),
+            ("7200.0", None),
+            ("", None),
+            (", 7200", None),
+        ] {
+            assert_eq!(age(&[("age", value)]), expected, "Age: {value}");
+        }
+        assert_eq!(age(&[("age", "0"), ("age", "7200")]), Some(0));
+        assert_eq!(age(&[("age", "7200"), ("age", "0")]), Some(7200));
+        assert_eq!(age(&[("age", "abc"), ("age", "7200")]), None);
+        let ignored = headers(&[("age", "abc")]);
+        assert_eq!(initial_age_secs(&ignored, 5_000, 0), 0, "not stale");
+    }
+
+    /// RFC 9213: `CDN-Cache-Control` is a Structured Field Dictionary; one that is not,
+    /// or whose cache directives have the wrong types, is ignored whole.
+    #[test]
+    fn cdn_cache_control_is_a_structured_dictionary() {
+        let cdn = |lines: &[&'static str]| {
+            let pairs: Vec<_> = lines.iter().map(|l| ("cdn-cache-control", *l)).collect();
+            ResponseControl::parse(&headers(&pairs)).targeted
+        };
+        let max_age = |n: u64| TargetedControl {
+            max_age: Some(n),
+            ..TargetedControl::default()
+        };
+        assert_eq!(cdn(&["max-age=3600"]), max_age(3600));
+        assert_eq!(cdn(&["foobar, max-age=3600"]), max_age(3600));
+        assert_eq!(cdn(&["max-age=3600;cacheguard"]), max_age(3600));
+        assert_eq!(cdn(&["max-age=99999999999"]), max_age(MAX_DELTA_SECONDS));
+        assert!(cdn(&["max-age=60", "private"]).private);
+        assert!(cdn(&["private"]).private);
+        assert!(cdn(&["no-cache"]).no_cache);
+        assert!(cdn(&["no-cache=\"set-cookie\""]).no_cache);
+        assert!(cdn(&["no-store"]).no_store);
+        assert!(
+            !cdn(&["no-store=?0"]).no_store,
+            "a false Boolean sets nothing"
+        );
+        assert!(cdn(&["must-revalidate, max-age=5"]).forbids_stale);
+        assert_eq!(cdn(&["ext=(a b), x=\"y\", max-age=1"]), max_age(1));
+        for invalid in [
+            "max-age=10000, &&&&&",
+            "max-age=\"10000\"",
+            "max-age =100",
+            "max-age= 100",
+            "MaX-aGe=3600",
+            "max-age=-1",
+            "max-age=1.5",
+            "max-age=(1 2)",
+            "no-store=1",
+            "private=tok",
+            "",
+        ] {
+            assert_eq!(
+                cdn(&[invalid]),
+                TargetedControl::default(),
+                "CDN-Cache-Control: {invalid}"
+            );
+        }
+        assert_eq!(
+            cdn(&["max-age=60", "no-store=\"x\""]),
+            TargetedControl::default(),
+            "a bad line spoils the whole field"
+        );
+        // Ignored, it leaves Cache-Control in charge.
+        let both = headers(&[
+            ("cdn-cache-control", "max-age=\"10000\""),
+            ("cache-control", "no-store"),
+        ]);
+        let control = ResponseControl::parse(&both);
+        assert!(control.no_store && control.targeted.max_age.is_none());
+    }
+
+    #[test]
+    fn targeted_no_cache_and_max_age_against_cache_control() {
+        let parse =
+            |pairs: &[(&'static str, &'static str)]| ResponseControl::parse(&headers(pairs));
+        let cdn_no_cache = parse(&[
+            ("cdn-cache-control", "no-cache"),
+            ("cache-control", "max-age=10000"),
+        ]);
+        assert!(cdn_no_cache.no_cache(true) && cdn_no_cache.no_cache(false));
+        let replaced = parse(&[
+            ("cdn-cache-control", "max-age=60"),
+            ("cache-control", "no-cache"),
+        ]);
+        assert!(replaced.targeted_rules(true) && !replaced.no_cache(true));
+        assert!(!replaced.targeted_rules(false) && replaced.no_cache(false));
     }
 }

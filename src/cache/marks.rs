@@ -10,6 +10,15 @@
 //! A write also quarantines its keys here for its `double_delete_delay`, as it does in Redis:
 //! meanwhile nothing fetched for them is kept (the origin's replica may lag behind it).
 //!
+//! A write on a route with `version` sets its keys' version *floor* here instead (as it does
+//! in Redis), and so does another instance's write, heard on the bus: for the floor's life,
+//! a fill of those keys is served and kept only when its answer carries a version at or
+//! above it (see `cache/version.rs`). This is what the fills of this process alone go by
+//! (embedded mode, Redis down, a cluster slot being migrated); with Redis, a fill takes the
+//! higher of this and the floor in Redis. A floor dropped for room becomes a quarantine of
+//! every key until the floor's end (the coarse fallback of the quarantines, below): its
+//! keys' fills are then kept nowhere, as after a write without `version`.
+//!
 //! What the marks cannot know is covered by a floor, the one coarse fallback: a copy known
 //! valid only from before the floor is [`Standing::Unverified`] (checked against Redis
 //! before it is served, while Redis answers) and a fill that began before it is not kept.
@@ -23,6 +32,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
+use moka::Expiry;
 use moka::notification::RemovalCause;
 use moka::sync::Cache;
 use prometheus::IntCounter;
@@ -50,8 +60,50 @@ pub(crate) struct LocalMarks {
     quarantine: Cache<u128, Instant>,
     /// Copies and fills from before this position are not trusted (see the module docs).
     floor: Arc<AtomicU64>,
-    /// A quarantine dropped for room is extended to every key until its end.
+    /// A quarantine (or a version floor) dropped for room is extended to every key until
+    /// its end.
     quarantine_all: Arc<Mutex<Option<Instant>>>,
+    /// Base key → its version floor, each expiring at its own end.
+    floors: Cache<u128, HeldFloor>,
+}
+
+/// A version floor held here: `version` until `until` (on tokio's clock, so paused time
+/// moves it; the table's own expiry, on moka's clock, only frees the room).
+#[derive(Clone, Copy, Debug)]
+struct HeldFloor {
+    version: u128,
+    until: tokio::time::Instant,
+    /// How long it had left when last set: the table's expiry.
+    left: Duration,
+}
+
+/// Each floor leaves the table when it ends.
+struct FloorExpiry;
+
+impl Expiry<u128, HeldFloor> for FloorExpiry {
+    fn expire_after_create(&self, _: &u128, floor: &HeldFloor, _: Instant) -> Option<Duration> {
+        Some(floor.left)
+    }
+
+    fn expire_after_update(
+        &self,
+        _: &u128,
+        floor: &HeldFloor,
+        _: Instant,
+        _: Option<Duration>,
+    ) -> Option<Duration> {
+        Some(floor.left)
+    }
+}
+
+/// Extends the quarantine of every key to `until` (a quarantine or a floor was dropped
+/// for room), and counts the drop.
+fn quarantine_all_until(all: &Mutex<Option<Instant>>, until: Instant, overflow: &IntCounter) {
+    let mut all = all.lock().unwrap_or_else(PoisonError::into_inner);
+    if all.is_none_or(|current| current < until) {
+        *all = Some(until);
+    }
+    overflow.inc();
 }
 
 impl LocalMarks {
@@ -78,14 +130,22 @@ impl LocalMarks {
         let on_key = seq_table(&floor, &overflow);
         let on_tag = seq_table(&floor, &overflow);
         let on_quarantine = {
-            let all = Arc::clone(&quarantine_all);
+            let (all, overflow) = (Arc::clone(&quarantine_all), overflow.clone());
             move |_: Arc<u128>, until: Instant, cause: RemovalCause| {
                 if cause == RemovalCause::Size {
-                    let mut all = all.lock().unwrap_or_else(PoisonError::into_inner);
-                    if all.is_none_or(|current| current < until) {
-                        *all = Some(until);
-                    }
-                    overflow.inc();
+                    quarantine_all_until(&all, until, &overflow);
+                }
+            }
+        };
+        // A floor dropped for room: nothing of any key is kept until it would have ended.
+        let on_floor = {
+            let all = Arc::clone(&quarantine_all);
+            move |_: Arc<u128>, floor: HeldFloor, cause: RemovalCause| {
+                if cause == RemovalCause::Size {
+                    let left = floor
+                        .until
+                        .saturating_duration_since(tokio::time::Instant::now());
+                    quarantine_all_until(&all, Instant::now() + left, &overflow);
                 }
             }
         };
@@ -108,7 +168,36 @@ impl LocalMarks {
                 .build(),
             floor,
             quarantine_all,
+            floors: Cache::builder()
+                .max_capacity(capacity)
+                .expire_after(FloorExpiry)
+                .eviction_listener(on_floor)
+                .build(),
         }
+    }
+
+    /// Raises the version floor of `base` to `version` for `ttl` from now: the floor kept
+    /// is the higher of the two, until the later end.
+    pub(crate) fn raise_floor(&self, base: u128, version: u128, ttl: Duration) {
+        let now = tokio::time::Instant::now();
+        let until = now + ttl;
+        self.floors.entry(base).and_upsert_with(|held| {
+            let (version, until) = match held.map(|e| e.into_value()) {
+                Some(old) if old.until > now => (old.version.max(version), old.until.max(until)),
+                _ => (version, until),
+            };
+            HeldFloor {
+                version,
+                until,
+                left: until - now,
+            }
+        });
+    }
+
+    /// The version floor of `base` this process knows of, while it lasts.
+    pub(crate) fn floor(&self, base: u128) -> Option<u128> {
+        let held = self.floors.get(&base)?;
+        (tokio::time::Instant::now() < held.until).then_some(held.version)
     }
 
     /// Keeps answers for `base` out of L1 for `length` from now (a longer quarantine that
@@ -208,6 +297,44 @@ mod tests {
         assert!(!marks.allows(3, &[], snap), "the longer quarantine is kept");
         std::thread::sleep(Duration::from_millis(60));
         assert!(marks.allows(3, &[], snap));
+    }
+
+    /// On paused time: a floor lasts its ttl, a raise keeps the higher version and the
+    /// later end, and a lower one changes neither.
+    #[tokio::test(start_paused = true)]
+    async fn a_floor_keeps_the_highest_version_until_the_latest_end() {
+        let marks = LocalMarks::new(Duration::from_secs(60), counter());
+        assert_eq!(marks.floor(1), None);
+        marks.raise_floor(1, 7, Duration::from_secs(10));
+        assert_eq!(marks.floor(1), Some(7));
+        assert_eq!(marks.floor(2), None, "per base key");
+        marks.raise_floor(1, 5, Duration::from_secs(2));
+        assert_eq!(marks.floor(1), Some(7), "a lower version does not lower it");
+        tokio::time::advance(Duration::from_secs(9)).await;
+        marks.raise_floor(1, 9, Duration::from_secs(5));
+        assert_eq!(marks.floor(1), Some(9));
+        tokio::time::advance(Duration::from_secs(4)).await;
+        assert_eq!(marks.floor(1), Some(9), "the later end is kept");
+        tokio::time::advance(Duration::from_secs(1)).await;
+        assert_eq!(marks.floor(1), None, "ended");
+        marks.raise_floor(1, 3, Duration::from_secs(1));
+        assert_eq!(marks.floor(1), Some(3), "an ended floor is not raised from");
+    }
+
+    /// More floors than the table holds: each one dropped quarantines every key until it
+    /// would have ended, so no fill is kept that it would have refused.
+    #[test]
+    fn a_floor_dropped_for_room_quarantines_every_key() {
+        let overflow = counter();
+        let marks = LocalMarks::with_capacity(Duration::from_secs(60), 100, overflow.clone());
+        for base in 0..10_000u128 {
+            marks.raise_floor(base, 1, Duration::from_secs(30));
+        }
+        marks.floors.run_pending_tasks();
+        assert!(marks.floors.entry_count() <= 100);
+        assert!(overflow.get() > 0, "drops are counted");
+        let after = marks.snapshot();
+        assert!(!marks.allows(123_456, &[], after), "every key quarantined");
     }
 
     fn counter() -> IntCounter {

@@ -26,7 +26,7 @@ use http::HeaderMap;
 
 use super::l1::L1;
 use super::l2::{self, L2};
-use super::marks::LocalMarks;
+use super::marks::{LocalMarks, Standing};
 use super::{CacheKey, Entry, Freshness};
 use crate::clock::now_ms;
 use crate::config::L1Policy;
@@ -105,6 +105,18 @@ impl Tiers {
     /// hand it to [`Tiers::keep`].
     pub(crate) fn since(&self) -> u64 {
         self.marks.snapshot()
+    }
+
+    /// The version floor of base key `base` this process knows of (its own writes', and
+    /// those other instances' `invalidate` events carried).
+    pub(crate) fn floor(&self, base: u128) -> Option<u128> {
+        self.marks.floor(base)
+    }
+
+    /// Whether `key` (or one of `tags`) was invalidated here since the marks' position
+    /// `since` (or invalidations may have been missed since).
+    pub(crate) fn invalidated_since(&self, key: &CacheKey, tags: &[String], since: u64) -> bool {
+        self.marks.standing(key.base, tags, since) != Standing::Valid
     }
 
     /// Whether a route with policy `l1` keeps everything in L1. In embedded mode, and

@@ -267,6 +267,8 @@ fn example_file_documents_every_key() {
         "stock",
         "gate",
         "units",
+        "version",
+        "version_floor_ttl",
     ];
     for key in keys {
         assert!(

@@ -5,8 +5,10 @@
 //! invalidate(items)
 //!   ├─ here, at once: mark (LocalMarks), drop from L1 (base + variants, or by tag),
 //!   │                 end a hot key's L1 grace
+//!   │                 a write's version floor: raised here (LocalMarks)
 //!   └─ Redis (shared mode): key → INVALIDATE (generation bump, delete entry, variants and
-//!                           locks, publish `invalidate`: every instance drops its L1 copies)
+//!                           locks, raise the version floor, publish `invalidate` with the
+//!                           floor: every instance drops its L1 copies and knows the floor)
 //!                           tag → TAG_MARK (record the time, list the tagged base keys),
 //!                           then INVALIDATE each, then forget them from the tag's index
 //!      failed (Redis down, timeout) → appended to the journal before the caller goes on,
@@ -25,10 +27,11 @@ use std::time::Duration;
 use tokio::sync::Notify;
 use tracing::{error, warn};
 
-use super::journal::{Journal, Owed};
+use super::journal::{Journal, Owed, OwedFloor};
 use crate::cache::l1::L1;
 use crate::cache::marks::LocalMarks;
 use crate::cache::tiers::OwedSet;
+use crate::cache::version::Floor;
 use crate::coord::redis::Unavailable;
 use crate::coord::store::RedisStore;
 use crate::metrics::Metrics;
@@ -37,13 +40,34 @@ use crate::protect::hotkeys::HotKeys;
 /// One thing to invalidate.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub(crate) enum Invalidation {
-    /// A base key and all its variants; the generation must outlive any fill of it.
+    /// A base key and all its variants; the generation must outlive any fill of it. With
+    /// a write's version `floor` (a write route with `version` whose answer told one):
+    /// fills older than it are refused from now on, for its ttl.
     Key {
         base: u128,
         generation_ttl: Duration,
+        floor: Option<Floor>,
     },
     /// Every entry carrying the tag.
     Tag(String),
+}
+
+impl Invalidation {
+    /// This invalidation, raising the key's version floor to `floor` (a tag has none).
+    pub(crate) fn with_floor(self, floor: Floor) -> Invalidation {
+        match self {
+            Invalidation::Key {
+                base,
+                generation_ttl,
+                ..
+            } => Invalidation::Key {
+                base,
+                generation_ttl,
+                floor: Some(floor),
+            },
+            tag @ Invalidation::Tag(_) => tag,
+        }
+    }
 }
 
 pub(crate) use crate::metrics::InvalidationSource as Source;
@@ -337,7 +361,12 @@ impl Invalidator {
 
     async fn apply_local(&self, item: &Invalidation, quarantine: Duration) {
         match item {
-            Invalidation::Key { base, .. } => {
+            Invalidation::Key { base, floor, .. } => {
+                // The floor before the mark: a fill that sees the mark and starts again
+                // sees the floor too.
+                if let Some(floor) = floor {
+                    self.marks.raise_floor(*base, floor.version, floor.ttl);
+                }
                 self.marks.mark_key(*base);
                 self.marks.quarantine(*base, quarantine);
                 drop_base(&self.l1, &self.hot, *base).await;
@@ -361,7 +390,12 @@ impl Invalidator {
             Invalidation::Key {
                 base,
                 generation_ttl,
-            } => dist.invalidate(*base, *generation_ttl, quarantine).await,
+                floor,
+            } => {
+                let floor = floor.map(|f| (f.version, f.ttl));
+                dist.invalidate(*base, *generation_ttl, quarantine, floor)
+                    .await
+            }
             Invalidation::Tag(tag) => {
                 let members = dist.tag_mark(tag, self.horizon).await?;
                 for member in &members {
@@ -369,7 +403,8 @@ impl Invalidator {
                         .get(..32)
                         .and_then(|hex| u128::from_str_radix(hex, 16).ok());
                     if let Some(base) = base {
-                        dist.invalidate(base, self.horizon, quarantine).await?;
+                        dist.invalidate(base, self.horizon, quarantine, None)
+                            .await?;
                     }
                 }
                 dist.tag_forget(tag, &members).await
@@ -409,26 +444,41 @@ pub(crate) async fn drop_base(l1: &L1, hot: &HotKeys, base: u128) {
 }
 
 fn to_owed(item: &Invalidation) -> Owed {
+    let millis = |d: &Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
     match item {
         Invalidation::Key {
             base,
             generation_ttl,
+            floor,
         } => Owed::Key {
             base: format!("{base:032x}"),
-            generation_ttl_ms: u64::try_from(generation_ttl.as_millis()).unwrap_or(u64::MAX),
+            generation_ttl_ms: millis(generation_ttl),
+            floor: floor.map(|f| OwedFloor {
+                version: f.version.to_string(),
+                ttl_ms: millis(&f.ttl),
+            }),
         },
         Invalidation::Tag(tag) => Owed::Tag { tag: tag.clone() },
     }
 }
 
+/// `None` for a record that does not read (a damaged base, or floor).
 fn from_owed(owed: &Owed) -> Option<Invalidation> {
     match owed {
         Owed::Key {
             base,
             generation_ttl_ms,
+            floor,
         } => Some(Invalidation::Key {
             base: u128::from_str_radix(base, 16).ok()?,
             generation_ttl: Duration::from_millis(*generation_ttl_ms),
+            floor: match floor {
+                Some(floor) => Some(Floor {
+                    version: floor.version.parse().ok()?,
+                    ttl: Duration::from_millis(floor.ttl_ms),
+                }),
+                None => None,
+            },
         }),
         Owed::Tag { tag } => Some(Invalidation::Tag(tag.clone())),
     }
@@ -450,6 +500,15 @@ mod tests {
             Invalidation::Key {
                 base: 0x0123_4567_89ab_cdef_0011_2233_4455_6677,
                 generation_ttl: Duration::from_millis(123_456),
+                floor: None,
+            },
+            Invalidation::Key {
+                base: 7,
+                generation_ttl: Duration::from_millis(1),
+                floor: Some(Floor {
+                    version: u128::MAX,
+                    ttl: Duration::from_secs(10),
+                }),
             },
             Invalidation::Tag("item-7".into()),
         ];
@@ -459,9 +518,22 @@ mod tests {
         assert_eq!(
             from_owed(&Owed::Key {
                 base: "zz".into(),
-                generation_ttl_ms: 1
+                generation_ttl_ms: 1,
+                floor: None,
             }),
             None
+        );
+        assert_eq!(
+            from_owed(&Owed::Key {
+                base: "7".into(),
+                generation_ttl_ms: 1,
+                floor: Some(OwedFloor {
+                    version: "x".into(),
+                    ttl_ms: 1
+                }),
+            }),
+            None,
+            "a damaged floor is not replayed as no floor"
         );
     }
 }

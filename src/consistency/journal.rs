@@ -15,6 +15,7 @@
 //! ```text
 //! 5e0c83d1 {"op":"owe","id":7,"at_ms":1763790000000,"owed":{"kind":"key","base":"<32 hex digits>","generation_ttl_ms":180000}}
 //! 0b6f2a9e {"op":"owe","id":8,"at_ms":1763790000004,"owed":{"kind":"tag","tag":"user:42"}}
+//! 6b1d0f44 {"op":"owe","id":9,"at_ms":1763790000009,"owed":{"kind":"key","base":"<32 hex digits>","generation_ttl_ms":180000,"floor":{"version":"42","ttl_ms":10000}}}
 //! 9a41c0f2 {"op":"done","id":7}
 //! ```
 //!
@@ -99,13 +100,24 @@ const COMPACT_RATIO: u64 = 4;
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub(crate) enum Owed {
     /// Every variant of one base key: its xxh3-128 hash as 32 lowercase hex digits, and how
-    /// long the key's generation must live, in ms.
+    /// long the key's generation must live, in ms; with a write's version floor, when it
+    /// had one (records from before floors have none).
     Key {
         base: String,
         generation_ttl_ms: u64,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        floor: Option<OwedFloor>,
     },
     /// Every entry that carried this surrogate key (tag).
     Tag { tag: String },
+}
+
+/// A write's version floor in a journal record: the version as decimal digits (a JSON
+/// number would lose a large one), and how long it holds, in ms from when it is applied.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub(crate) struct OwedFloor {
+    pub(crate) version: String,
+    pub(crate) ttl_ms: u64,
 }
 
 /// When an append is durable.
@@ -1165,6 +1177,7 @@ mod tests {
         Owed::Key {
             base: format!("{n:032x}"),
             generation_ttl_ms: 180_000,
+            floor: None,
         }
     }
 
@@ -1223,6 +1236,51 @@ mod tests {
         );
     }
 
+    /// A write's floor is kept with its record across a restart, as digits (a large
+    /// version survives); a record written before floors reads as one without.
+    #[tokio::test]
+    async fn a_floor_survives_a_restart_and_older_records_have_none() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("journal");
+        let floored = Owed::Key {
+            base: format!("{:032x}", 5),
+            generation_ttl_ms: 180_000,
+            floor: Some(OwedFloor {
+                version: u128::MAX.to_string(),
+                ttl_ms: 10_000,
+            }),
+        };
+        let journal = open(&path);
+        bounded(journal.append(vec![floored.clone(), key(6)]))
+            .await
+            .unwrap();
+        drop(journal);
+        let text = fs::read_to_string(&path).unwrap();
+        assert!(
+            text.contains(&format!(
+                r#""floor":{{"version":"{}","ttl_ms":10000}}"#,
+                u128::MAX
+            )),
+            "{text}"
+        );
+        assert!(
+            !text.lines().nth(1).unwrap().contains("floor"),
+            "none written for a record without: {text}"
+        );
+        assert_eq!(values(&open(&path)), vec![floored, key(6)]);
+        // A line as the version before floors wrote it.
+        let old = dir.path().join("old");
+        fs::write(
+            &old,
+            format!(
+                "{{\"op\":\"owe\",\"id\":1,\"at_ms\":1,\"owed\":{{\"kind\":\"key\",\"base\":\"{:032x}\",\"generation_ttl_ms\":180000}}}}\n",
+                6
+            ),
+        )
+        .unwrap();
+        assert_eq!(values(&open(&old)), vec![key(6)]);
+    }
+
     #[tokio::test]
     async fn done_records_are_gone_after_a_restart() {
         let dir = tempfile::tempdir().unwrap();
@@ -1264,6 +1322,7 @@ mod tests {
         let longer = Owed::Key {
             base: format!("{:032x}", 1),
             generation_ttl_ms: 360_000,
+            floor: None,
         };
         bounded(journal.append(vec![longer])).await.unwrap();
         assert_eq!(lines(&path), 3);

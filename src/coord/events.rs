@@ -5,7 +5,9 @@
 //! waiters read L2), `released` (a lock was dropped without a fill: one waiter takes over),
 //! `uncacheable` (the answer must not be shared: waiters fetch for themselves), `failed`
 //! (the fetch failed: waiters answer with the copy of the failure left in Redis),
-//! `invalidate` (a base key was invalidated: every instance drops its L1 copies), `hot` (a
+//! `invalidate` (a base key was invalidated: every instance drops its L1 copies; a write's
+//! version floor follows as `<version> <ttl ms>`, which instances before floors ignore:
+//! they read three fields), `hot` (a
 //! key is hot on the sender: promote it here too), and
 //! `bloom_add <instance> <filter> <id as hex>` (an id was created: every instance adds it to
 //! its Bloom filter), and `stock <soldout|restock> <instance> <resource> <segment> <units>`
@@ -79,28 +81,43 @@ pub(crate) struct Event {
     pub(crate) kind: EventKind,
     pub(crate) instance: u64,
     pub(crate) hash: u128,
+    /// `invalidate` of a write with a version: its floor (the version, and how long it
+    /// holds in ms), so every instance knows it (see `cache/version.rs`).
+    pub(crate) floor: Option<(u128, u64)>,
 }
 
 impl Event {
     pub(crate) fn encode(&self) -> String {
-        format!(
+        let mut text = format!(
             "{} {:016x} {:032x}",
             self.kind.as_str(),
             self.instance,
             self.hash
-        )
+        );
+        if let Some((version, ttl_ms)) = self.floor {
+            text.push_str(&format!(" {version} {ttl_ms}"));
+        }
+        text
     }
 
-    /// `None` for anything malformed or of a type this version does not know.
+    /// `None` for anything malformed or of a type this version does not know. A floor that
+    /// does not parse is dropped (the invalidation itself stands).
     pub(crate) fn decode(text: &str) -> Option<Event> {
         let mut parts = text.split_ascii_whitespace();
         let kind = EventKind::parse(parts.next()?)?;
         let instance = u64::from_str_radix(parts.next()?, 16).ok()?;
         let hash = u128::from_str_radix(parts.next()?, 16).ok()?;
+        let floor = match (kind, parts.next(), parts.next()) {
+            (EventKind::Invalidate, Some(version), Some(ttl_ms)) => {
+                version.parse().ok().zip(ttl_ms.parse().ok())
+            }
+            _ => None,
+        };
         Some(Event {
             kind,
             instance,
             hash,
+            floor,
         })
     }
 }
@@ -669,8 +686,31 @@ mod tests {
             kind: EventKind::Fill,
             instance: 0xabc,
             hash: u128::MAX - 5,
+            floor: None,
         };
         assert_eq!(Event::decode(&e.encode()), Some(e));
+        let floored = Event {
+            kind: EventKind::Invalidate,
+            floor: Some((u128::MAX, 10_000)),
+            ..e
+        };
+        assert_eq!(Event::decode(&floored.encode()), Some(floored));
+        // What an instance from before floors reads of it: the invalidation.
+        let text = floored.encode();
+        let old: Vec<&str> = text.split_ascii_whitespace().take(3).collect();
+        assert_eq!(
+            Event::decode(&old.join(" ")),
+            Some(Event {
+                floor: None,
+                ..floored
+            })
+        );
+        let garbled = format!("{} 12x 5", old.join(" "));
+        assert_eq!(
+            Event::decode(&garbled).map(|e| (e.kind, e.floor)),
+            Some((EventKind::Invalidate, None)),
+            "a floor that does not parse is dropped, the invalidation stands"
+        );
         assert_eq!(Event::decode(""), None);
         assert_eq!(Event::decode("fill zz 12"), None);
         assert_eq!(Event::decode("bogus 1 2"), None);

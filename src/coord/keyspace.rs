@@ -7,6 +7,8 @@
 //! <p>{<base>}:gen          generation, shared by the base and all its variants
 //! <p>{<base>}:vars         sorted set of the variants' hashes (score: entry expiry)
 //! <p>{<base>}:q            a write's quarantine (fills store nothing while it lives)
+//! <p>{<base>}:floor        the version floor of a route with `version` (a fill older than
+//!                          it stores nothing), set by a write's answer and by fills
 //! <p>{<base>}:fail[:<hash>] a failed fetch's answer, for the lock's waiters (seconds)
 //! <p>tag:{<t>}:keys        sorted set of the base keys a surrogate key (tag) covers
 //! <p>tag:{<t>}:at          Redis time (ms) of the tag's last invalidation
@@ -118,6 +120,13 @@ impl Keyspace {
             failure: self.tagged(base, "fail"),
             variant: None,
         }
+    }
+
+    /// The version floor of base key `base` (shared by its variants). Not one of
+    /// [`KeyNames`]: only the fills and writes of a route with `version` name it, so the
+    /// others build no name for it.
+    pub(crate) fn floor(&self, base: u128) -> String {
+        self.tagged(base, "floor")
     }
 
     /// `<p>{<base>}:`, from which the invalidation script names the variants' keys
@@ -258,6 +267,8 @@ mod tests {
         assert_eq!(variant.vars, base.vars);
         assert_eq!(variant.quarantine, base.quarantine);
         assert!(variant.entry.starts_with(&space.variant_prefix(1)));
+        assert_eq!(space.floor(1), format!("cg:{{{:032x}}}:floor", 1));
+        assert!(space.floor(1).starts_with(&space.variant_prefix(1)));
     }
 
     #[test]

@@ -15,6 +15,14 @@
 //! an `allkeys-*` policy (or expired) may have carried a write that happened since, so its
 //! absence never reads as "unchanged". There is no "absent = 0": after an eviction the
 //! next fill creates a fresh random value, which no earlier fill read.
+//!
+//! A route with `version` also has a version floor per base key (`cg:{<base>}:floor`,
+//! named only by the scripts of such routes): a write raises it to its answer's version
+//! ([`INVALIDATE`]), a fill stores nothing older than it and raises it to its own version
+//! ([`FILL`]), and a fill reads it before its fetch in the same round trip as the lock or
+//! the generation ([`ACQUIRE`], [`BEGIN`]). Versions are canonical decimal strings (no
+//! leading zeros; `-` is an answer without one), compared by length, then digit by digit:
+//! exact at any size (no doubles) and whatever the server's collation.
 
 /// Lua: Redis's clock in ms since the Unix epoch.
 macro_rules! now_ms {
@@ -39,6 +47,40 @@ end
     };
 }
 
+/// Lua: `older(a, b)`, whether version `a` is below version `b` (canonical decimal
+/// strings), and `raise_floor(key, version, life)`, which keeps the higher version in the
+/// floor `key` for the longer of its remaining life and `life` ms.
+macro_rules! floors {
+    () => {
+        r"
+local function older(a, b)
+  if #a ~= #b then
+    return #a < #b
+  end
+  for i = 1, #a do
+    local x, y = string.byte(a, i), string.byte(b, i)
+    if x ~= y then
+      return x < y
+    end
+  end
+  return false
+end
+local function raise_floor(key, version, life)
+  local floor = redis.call('GET', key)
+  local pttl = redis.call('PTTL', key)
+  if not floor or older(floor, version) then
+    if pttl > life then
+      life = pttl
+    end
+    redis.call('SET', key, version, 'PX', life)
+  elseif pttl >= 0 and pttl < life then
+    redis.call('PEXPIRE', key, life)
+  end
+end
+"
+    };
+}
+
 use std::sync::LazyLock;
 
 use redis::Script;
@@ -46,16 +88,19 @@ use redis::Script;
 /// Takes the fill lock for a key, and reads the key's generation in the same step
 /// (creating it when there is none: see the module docs).
 ///
-/// - `KEYS[1]` lock, `KEYS[2]` generation, `KEYS[3]` entry
+/// - `KEYS[1]` lock, `KEYS[2]` generation, `KEYS[3]` entry, `KEYS[4]` the version floor
+///   (named only when `ARGV[6]` is `1`)
 /// - `ARGV[1]` token (random per acquisition), `ARGV[2]` lease in ms, `ARGV[3]` a fresh
 ///   random generation, `ARGV[4]` how long a generation must last at least, in ms (longer
 ///   than any fetch), `ARGV[5]` `1` when an entry already there answers instead (a cold
-///   miss: a fill may have landed since the caller looked)
-/// - returns `{2, '', 0, 0, 0}` when `ARGV[5]` is `1` and the entry exists (nothing taken),
-///   `{1, generation, 0, now, 0}` when acquired, `{0, generation, pttl, now, repaired}`
-///   when another holder has it (`pttl` is its remaining lease in ms); `now` is Redis's
-///   clock. A lock with no expiry (never set by cacheguard: another client, or a bug)
-///   would stall the key for ever: it is given a lease here, and `repaired` is 1.
+///   miss: a fill may have landed since the caller looked), `ARGV[6]` `1` to read the
+///   version floor (a route with `version`)
+/// - returns `{2, '', 0, 0, 0, ''}` when `ARGV[5]` is `1` and the entry exists (nothing
+///   taken), `{1, generation, 0, now, 0, floor}` when acquired, `{0, generation, pttl,
+///   now, repaired, floor}` when another holder has it (`pttl` is its remaining lease in
+///   ms); `now` is Redis's clock, `floor` the version floor (`''`: none, or not asked). A
+///   lock with no expiry (never set by cacheguard: another client, or a bug) would stall
+///   the key for ever: it is given a lease here, and `repaired` is 1.
 ///
 /// The entry check spares a cold miss's leader a read of its own before it locks: one
 /// command instead of two.
@@ -70,35 +115,45 @@ pub(crate) static ACQUIRE: LazyLock<Script> = LazyLock::new(|| Script::new(ACQUI
 pub(crate) const ACQUIRE_SOURCE: &str = concat!(
     r"
 if ARGV[5] == '1' and redis.call('EXISTS', KEYS[3]) == 1 then
-  return {2, '', 0, 0, 0}
+  return {2, '', 0, 0, 0, ''}
 end
 ",
     now_ms!(),
     generation!(),
     r"
+local floor = ''
+if ARGV[6] == '1' then
+  floor = redis.call('GET', KEYS[4]) or ''
+end
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
-  return {1, gen, 0, now, 0}
+  return {1, gen, 0, now, 0, floor}
 end
 local pttl = redis.call('PTTL', KEYS[1])
 if pttl < 0 then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  return {0, gen, tonumber(ARGV[2]), now, 1}
+  return {0, gen, tonumber(ARGV[2]), now, 1, floor}
 end
-return {0, gen, pttl, now, 0}
+return {0, gen, pttl, now, 0, floor}
 ",
 );
 
-/// Begins a fill without the lock: reads the generation (creating it when there is none)
-/// and Redis's clock.
+/// Begins a fill without the lock: reads the generation (creating it when there is none),
+/// Redis's clock, and the version floor when asked.
 ///
-/// - `KEYS[1]` unused, `KEYS[2]` generation; `ARGV[3]`, `ARGV[4]` as for [`ACQUIRE`]
-/// - returns `{generation, now}`.
+/// - `KEYS[1]` unused, `KEYS[2]` generation, `KEYS[3]` the version floor (named only when
+///   `ARGV[5]` is `1`); `ARGV[3]`, `ARGV[4]` as for [`ACQUIRE`], `ARGV[5]` `1` to read the
+///   floor
+/// - returns `{generation, now, floor}` (`floor`: `''` when none, or not asked).
 pub(crate) static BEGIN: LazyLock<Script> = LazyLock::new(|| {
     Script::new(concat!(
         now_ms!(),
         generation!(),
         r"
-return {gen, now}
+local floor = ''
+if ARGV[5] == '1' then
+  floor = redis.call('GET', KEYS[3]) or ''
+end
+return {gen, now, floor}
 ",
     ))
 });
@@ -147,17 +202,25 @@ return 0
 /// Stores a fetched entry, releases the lock and wakes the waiters, in one round trip.
 ///
 /// - `KEYS[1]` entry, `KEYS[2]` lock, `KEYS[3]` generation, `KEYS[4]` variant index,
-///   `KEYS[5]` the base's write quarantine
+///   `KEYS[5]` the base's write quarantine, `KEYS[6]` the base's version floor (named only
+///   when `ARGV[9]` is not empty)
 /// - `ARGV[1]` token, `ARGV[2]` generation read at acquisition, `ARGV[3]` encoded entry,
 ///   `ARGV[4]` entry TTL in ms, `ARGV[5]` channel, `ARGV[6]` `fill` message, `ARGV[7]`
-///   `released` message, `ARGV[8]` the variant's hash (empty for a base key)
+///   `released` message, `ARGV[8]` the variant's hash (empty for a base key), `ARGV[9]`
+///   the answer's version on a route with `version` (`-`: it carries none; empty: the
+///   route has no `version`)
 /// - returns 1 stored; 0 refused because the generation changed or is gone (an
-///   invalidation overtook the fetch, or its trace was evicted); -1 refused because another holder took the lock (ours expired and someone
-///   else is fetching a newer answer); -2 refused because a write quarantines the key (its
-///   answer may come from a replica that has not caught up with the write yet).
+///   invalidation overtook the fetch, or its trace was evicted); -1 refused because
+///   another holder took the lock (ours expired and someone else is fetching a newer
+///   answer); -2 refused because a write quarantines the key (its answer may come from a
+///   replica that has not caught up with the write yet); -3 refused because the answer's
+///   version is below the key's floor, or it has none while there is a floor (a fill
+///   stored a newer version since the fetch began).
 ///
-/// The entry is stored only if the generation is unchanged, the key is not quarantined and
-/// no other holder has the lock. The lock is deleted only if it is still ours. Waiters get `fill` when there is
+/// The entry is stored only if the generation is unchanged, the key is not quarantined, its
+/// version reaches the floor and no other holder has the lock; a stored version raises the
+/// floor to itself, for the entry's life (so no later fill stores an older one). The lock
+/// is deleted only if it is still ours. Waiters get `fill` when there is
 /// something to read, `released` (so one of them takes over) when nothing was stored
 /// because of an invalidation — also when the invalidation already deleted our lock, or
 /// the waiters of a variant (whose events carry the variant's hash, not the base's) would
@@ -166,12 +229,18 @@ return 0
 pub(crate) static FILL: LazyLock<Script> = LazyLock::new(|| {
     Script::new(concat!(
         now_ms!(),
+        floors!(),
         r"
 local gen = redis.call('GET', KEYS[3]) or ''
 local holder = redis.call('GET', KEYS[2])
 local ours = holder == ARGV[1]
 local quarantined = redis.call('EXISTS', KEYS[5]) == 1
-if gen ~= ARGV[2] or quarantined then
+local behind = false
+if ARGV[9] ~= '' then
+  local floor = redis.call('GET', KEYS[6])
+  behind = floor and (ARGV[9] == '-' or older(ARGV[9], floor))
+end
+if gen ~= ARGV[2] or quarantined or behind then
   if ours then
     redis.call('DEL', KEYS[2])
   end
@@ -181,7 +250,10 @@ if gen ~= ARGV[2] or quarantined then
   if gen ~= ARGV[2] then
     return 0
   end
-  return -2
+  if quarantined then
+    return -2
+  end
+  return -3
 end
 if holder and not ours then
   return -1
@@ -194,6 +266,9 @@ if ARGV[8] ~= '' then
   if redis.call('PTTL', KEYS[4]) < ttl then
     redis.call('PEXPIRE', KEYS[4], ttl)
   end
+end
+if ARGV[9] ~= '' and ARGV[9] ~= '-' then
+  raise_floor(KEYS[6], ARGV[9], tonumber(ARGV[4]))
 end
 if ours then
   redis.call('DEL', KEYS[2])
@@ -210,16 +285,23 @@ return 1
 /// `invalidate` so every instance drops its L1 copies.
 ///
 /// - `KEYS[1]` entry, `KEYS[2]` lock, `KEYS[3]` generation, `KEYS[4]` variant index,
-///   `KEYS[5]` write quarantine, all of the base key
+///   `KEYS[5]` write quarantine, `KEYS[6]` version floor (named only when `ARGV[6]` is not
+///   empty), all of the base key
 /// - `ARGV[1]` generation ttl in ms, `ARGV[2]` channel (empty: the caller publishes),
 ///   `ARGV[3]` invalidate message,
 ///   `ARGV[4]` the base's key prefix `cg:{<base>}:` (variant keys are built from it; they
 ///   share the hash tag, so the script stays single-slot), `ARGV[5]` quarantine in ms (0 =
 ///   none; a longer quarantine already set is kept): until it ends, [`FILL`] stores nothing
-///   for the key
+///   for the key, `ARGV[6]` a write's version (empty: none) and `ARGV[7]` how long its
+///   floor lasts, in ms: the floor is raised to it (the higher version, the longer life
+///   are kept), so [`FILL`] stores nothing older
 /// - returns the number of variants deleted.
+///
+/// The floor is raised in the same step as the generation bump and the deletes: no fill
+/// can store between them an answer older than the write.
 pub(crate) static INVALIDATE: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
+    Script::new(concat!(
+        floors!(),
         r"
 redis.call('INCR', KEYS[3])
 redis.call('PEXPIRE', KEYS[3], ARGV[1])
@@ -233,12 +315,15 @@ local q = tonumber(ARGV[5])
 if q > 0 and redis.call('PTTL', KEYS[5]) < q then
   redis.call('SET', KEYS[5], '1', 'PX', q)
 end
+if ARGV[6] ~= '' then
+  raise_floor(KEYS[6], ARGV[6], tonumber(ARGV[7]))
+end
 if ARGV[2] ~= '' then
   redis.call('PUBLISH', ARGV[2], ARGV[3])
 end
 return #vars
 ",
-    )
+    ))
 });
 
 /// Lists a stored entry's base key under a tag, and reads when the tag was last

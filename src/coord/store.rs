@@ -20,6 +20,15 @@ use crate::coord::redis::Unavailable;
 use crate::coord::{KeyNames, Keyspace, RedisConn, scripts};
 use crate::metrics::{LockEvent, RedisOp};
 
+/// Whether a fill reads and keeps its key's version floor (its route has `version`): the
+/// floor is then read in the lock's round trip and checked again by the fill script. Off,
+/// the scripts name no floor key and read nothing more.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum FloorCheck {
+    Off,
+    On,
+}
+
 /// A held lease on one key.
 #[derive(Clone, Debug)]
 pub(crate) struct Lease {
@@ -29,8 +38,32 @@ pub(crate) struct Lease {
     /// Redis's clock when the lease was taken: the fill is refused if a tag the answer
     /// carries was invalidated at or after it.
     pub(crate) started_ms: u64,
+    /// The key's version floor when the lease was taken (with [`FloorCheck::On`]).
+    pub(crate) floor: Option<u128>,
     hash: u128,
     names: KeyNames,
+    /// The floor's key name, with [`FloorCheck::On`].
+    floor_key: Option<String>,
+}
+
+/// The keys of the fill and invalidation scripts: the key's entry, lock, generation,
+/// variant index and quarantine, then its version floor when `floor` names it; with how
+/// many of them are named.
+fn script_keys<'a>(names: &'a KeyNames, floor: Option<&'a str>) -> ([&'a str; 6], usize) {
+    let all = [
+        names.entry.as_str(),
+        &names.lock,
+        &names.generation,
+        &names.vars,
+        &names.quarantine,
+        floor.unwrap_or_default(),
+    ];
+    (all, if floor.is_some() { 6 } else { 5 })
+}
+
+/// A floor as a script returns it: `''` for none.
+fn parse_floor(floor: &str) -> Option<u128> {
+    floor.parse().ok()
 }
 
 /// The answer to a lock attempt.
@@ -55,6 +88,9 @@ pub(crate) enum FillOutcome {
     LockTaken,
     /// A write quarantines the key: the answer may come from a lagging replica.
     Quarantined,
+    /// The answer's version is below the key's floor (or it has none while there is a
+    /// floor): a newer answer was stored since the fetch began.
+    OlderVersion,
 }
 
 /// Clock skew allowed between two Redis Cluster nodes when a tag's invalidation time (one
@@ -188,57 +224,64 @@ impl RedisStore {
             kind,
             instance: self.bus.instance,
             hash,
+            floor: None,
         }
         .encode()
         .into_bytes()
     }
 
-    /// `SET lock token NX PX lease`, reading the generation in the same round trip; with
-    /// `or_entry`, nothing is taken when the entry exists already ([`Acquired::Present`]).
+    /// `SET lock token NX PX lease`, reading the generation (and with [`FloorCheck::On`] the
+    /// version floor) in the same round trip; with `or_entry`, nothing is taken when the
+    /// entry exists already ([`Acquired::Present`]).
     pub(crate) async fn acquire(
         &self,
         base: u128,
         hash: u128,
         or_entry: bool,
+        check: FloorCheck,
     ) -> Result<Acquired, Unavailable> {
         let names = self.keys.key(base, hash);
         let token = format!("{:032x}", rand::random::<u128>());
-        let keys = [
+        let floor_key = (check == FloorCheck::On).then(|| self.keys.floor(base));
+        let all = [
             names.lock.as_str(),
-            names.generation.as_str(),
-            names.entry.as_str(),
+            &names.generation,
+            &names.entry,
+            floor_key.as_deref().unwrap_or_default(),
         ];
+        let keys = &all[..if floor_key.is_some() { 4 } else { 3 }];
         let (fresh, life) = self.generation_args();
-        let args: [&[u8]; 5] = [
+        let args: [&[u8]; 6] = [
             token.as_bytes(),
             &self.lease_ms(),
             fresh.as_bytes(),
             life.as_bytes(),
             if or_entry { b"1" } else { b"0" },
+            if floor_key.is_some() { b"1" } else { b"0" },
         ];
-        let (won, generation, pttl, now, repaired): (i64, String, i64, u64, i64) =
-            if self.wait_replicas > 0 {
-                let (answer, acked): ((i64, String, i64, u64, i64), i64) = self
-                    .redis
-                    .run_script_replicated(
-                        RedisOp::Lock,
-                        scripts::ACQUIRE_SOURCE,
-                        &keys,
-                        &args,
-                        self.wait_replicas,
-                        self.wait_replicas_timeout,
-                    )
-                    .await?;
-                let (won, ..) = answer;
-                if won == 1 && acked < i64::from(self.wait_replicas) {
-                    self.redis.metrics().lock_event(LockEvent::Unreplicated);
-                }
-                answer
-            } else {
-                self.redis
-                    .run_script(RedisOp::Lock, &scripts::ACQUIRE, &keys, &args)
-                    .await?
-            };
+        type Answer = (i64, String, i64, u64, i64, String);
+        let (won, generation, pttl, now, repaired, floor): Answer = if self.wait_replicas > 0 {
+            let (answer, acked): (Answer, i64) = self
+                .redis
+                .run_script_replicated(
+                    RedisOp::Lock,
+                    scripts::ACQUIRE_SOURCE,
+                    keys,
+                    &args,
+                    self.wait_replicas,
+                    self.wait_replicas_timeout,
+                )
+                .await?;
+            let (won, ..) = answer;
+            if won == 1 && acked < i64::from(self.wait_replicas) {
+                self.redis.metrics().lock_event(LockEvent::Unreplicated);
+            }
+            answer
+        } else {
+            self.redis
+                .run_script(RedisOp::Lock, &scripts::ACQUIRE, keys, &args)
+                .await?
+        };
         if won == 2 {
             Ok(Acquired::Present)
         } else if won == 1 {
@@ -246,8 +289,10 @@ impl RedisStore {
                 token,
                 generation,
                 started_ms: now,
+                floor: parse_floor(&floor),
                 hash,
                 names,
+                floor_key,
             })))
         } else {
             if repaired == 1 {
@@ -267,30 +312,56 @@ impl RedisStore {
 
     /// A lease for storing without the lock (no fleet coordination available): it holds no
     /// lock — its token matches none — so its fill stores only while nobody holds the lock
-    /// and the generation read here is unchanged.
+    /// and the generation read here is unchanged (and, with [`FloorCheck::On`], its answer
+    /// reaches the key's version floor, also read here).
     pub(crate) async fn unlocked_lease(
         &self,
         base: u128,
         hash: u128,
+        check: FloorCheck,
     ) -> Result<Lease, Unavailable> {
         let names = self.keys.key(base, hash);
+        let floor_key = (check == FloorCheck::On).then(|| self.keys.floor(base));
+        let all = [
+            names.lock.as_str(),
+            &names.generation,
+            floor_key.as_deref().unwrap_or_default(),
+        ];
+        let keys = &all[..if floor_key.is_some() { 3 } else { 2 }];
         let (fresh, life) = self.generation_args();
-        let (generation, now): (String, u64) = self
+        let (generation, now, floor): (String, u64, String) = self
             .redis
             .run_script(
                 RedisOp::Lock,
                 &scripts::BEGIN,
-                &[&names.lock, &names.generation],
-                &[b"".as_slice(), b"", fresh.as_bytes(), life.as_bytes()],
+                keys,
+                &[
+                    b"".as_slice(),
+                    b"",
+                    fresh.as_bytes(),
+                    life.as_bytes(),
+                    if floor_key.is_some() { b"1" } else { b"0" },
+                ],
             )
             .await?;
         Ok(Lease {
             token: "-".to_owned(),
             generation,
             started_ms: now,
+            floor: parse_floor(&floor),
             hash,
             names,
+            floor_key,
         })
+    }
+
+    /// The version floor of base key `base` in Redis (a fetch that takes no lease reads it
+    /// on its own: one `GET`, only on routes with `version`).
+    pub(crate) async fn floor(&self, base: u128) -> Result<Option<u128>, Unavailable> {
+        let mut cmd = redis::cmd("GET");
+        cmd.arg(self.keys.floor(base));
+        let floor: Option<String> = self.redis.query(RedisOp::Lock, &cmd).await?;
+        Ok(floor.as_deref().and_then(parse_floor))
     }
 
     /// Extends the lease; `Ok(false)` means it was lost (expired, or someone else holds it).
@@ -311,18 +382,34 @@ impl RedisStore {
     /// [`scripts::INVALIDATE`]). `generation_ttl` must outlast any fill that could still be
     /// running with the old generation.
     /// A non-zero `quarantine` keeps fills of the key from storing anything for that long.
+    /// A `floor` (a write's version and how long it holds) raises the key's version floor:
+    /// fills older than it store nothing. It travels in the `invalidate` event too, so
+    /// every instance knows it.
     pub(crate) async fn invalidate(
         &self,
         base: u128,
         generation_ttl: Duration,
         quarantine: Duration,
+        floor: Option<(u128, Duration)>,
     ) -> Result<(), Unavailable> {
         // Variant keys are built in the script from this prefix (same hash tag).
         let prefix = self.keys.variant_prefix(base);
         let names = self.keys.base(base);
         let ttl_ms = generation_ttl.as_millis().max(1).to_string();
         let quarantine_ms = quarantine.as_millis().to_string();
-        let message = self.message(EventKind::Invalidate, base);
+        let floor_ms =
+            floor.map(|(_, ttl)| u64::try_from(ttl.as_millis().max(1)).unwrap_or(u64::MAX));
+        let message = Event {
+            kind: EventKind::Invalidate,
+            instance: self.bus.instance,
+            hash: base,
+            floor: floor.zip(floor_ms).map(|((version, _), ms)| (version, ms)),
+        }
+        .encode()
+        .into_bytes();
+        let floor_key = floor.map(|_| self.keys.floor(base));
+        let floor_version = floor.map(|(version, _)| version.to_string());
+        let floor_ms = floor_ms.map(|ms| ms.to_string());
         // On a cluster a PUBLISH inside the script reaches the other nodes' subscribers
         // over the cluster bus, after the script has answered: a write could return before
         // another instance heard of it. There the event is published on its own, routed
@@ -334,23 +421,21 @@ impl RedisStore {
         } else {
             self.bus.channel.as_bytes()
         };
+        let (all, named) = script_keys(&names, floor_key.as_deref());
+        let keys = &all[..named];
         self.redis
             .run_script::<i64>(
                 RedisOp::Invalidate,
                 &scripts::INVALIDATE,
-                &[
-                    &names.entry,
-                    &names.lock,
-                    &names.generation,
-                    &names.vars,
-                    &names.quarantine,
-                ],
+                keys,
                 &[
                     ttl_ms.as_bytes(),
                     channel,
                     &message,
                     prefix.as_bytes(),
                     quarantine_ms.as_bytes(),
+                    floor_version.as_deref().unwrap_or("").as_bytes(),
+                    floor_ms.as_deref().unwrap_or("").as_bytes(),
                 ],
             )
             .await?;
@@ -518,22 +603,25 @@ impl RedisStore {
     }
 
     /// Stores `encoded` for `ttl` if the generation is unchanged and the lock is not
-    /// someone else's; releases the lock; wakes the waiters.
+    /// someone else's (and, with the lease's [`FloorCheck::On`], `version` reaches the
+    /// key's floor, which it raises); releases the lock; wakes the waiters. `version` is
+    /// the answer's as the script takes it (`-`: none; see `cache/version.rs`).
     pub(crate) async fn fill(
         &self,
         lease: &Lease,
         encoded: &[u8],
         ttl: Duration,
+        version: Option<&str>,
     ) -> Result<FillOutcome, Unavailable> {
         let names = &lease.names;
         let ttl_ms = ttl.as_millis().max(1).to_string();
-        let keys = [
-            names.entry.as_str(),
-            &names.lock,
-            &names.generation,
-            &names.vars,
-            &names.quarantine,
-        ];
+        // The floor is named (and the version passed) only on a route with `version`.
+        let (floor, version) = match (&lease.floor_key, version) {
+            (Some(floor), Some(version)) => (Some(floor.as_str()), version),
+            _ => (None, ""),
+        };
+        let (all, named) = script_keys(names, floor);
+        let keys = &all[..named];
         let fill = self.message(EventKind::Fill, lease.hash);
         let released = self.message(EventKind::Released, lease.hash);
         let args = [
@@ -545,6 +633,7 @@ impl RedisStore {
             &fill,
             &released,
             names.variant.as_deref().unwrap_or("").as_bytes(),
+            version.as_bytes(),
         ];
         // A large entry goes on the bulk connection: its transfer must not time out at
         // command_timeout (nor count toward the breaker when slow), nor hold up the small
@@ -555,20 +644,21 @@ impl RedisStore {
                 .bulk_script(
                     RedisOp::Fill,
                     &scripts::FILL,
-                    &keys,
+                    keys,
                     &args,
                     LARGE_VALUE_TIMEOUT,
                 )
                 .await?
         } else {
             self.redis
-                .run_script(RedisOp::Fill, &scripts::FILL, &keys, &args)
+                .run_script(RedisOp::Fill, &scripts::FILL, keys, &args)
                 .await?
         };
         Ok(match stored {
             1 => FillOutcome::Stored,
             0 => FillOutcome::GenerationChanged,
             -2 => FillOutcome::Quarantined,
+            -3 => FillOutcome::OlderVersion,
             _ => FillOutcome::LockTaken,
         })
     }

@@ -11,6 +11,13 @@
 //! ([`Waited::TimedOut`]) and the caller answers per `lock.on_timeout`. The first follower
 //! of a flight to time out is told it is the first, so a flight's timeouts are logged once.
 //!
+//! A flight is joined only while its key has not been invalidated here since it began (the
+//! local marks, [`LocalMarks`], say so: this process's own writes and the `invalidate`
+//! events of other instances'). A request that arrives after an invalidation must not be
+//! given an answer fetched before it: it leads a new flight instead, which replaces the old
+//! one in the table (the old leader still answers the followers it had, which arrived
+//! before the invalidation; its `finish` removes only its own slot).
+//!
 //! Across instances the same shape repeats on the Redis lock: see [`fleet`].
 
 pub(crate) mod fleet;
@@ -23,6 +30,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use crate::cache::Entry;
+use crate::cache::marks::{LocalMarks, Standing};
 use crate::metrics::Outcome;
 
 /// How a flight ended, as seen by its followers. `F` is the shareable copy of a failed
@@ -72,6 +80,9 @@ struct Slot<F> {
     kind: FlightKind,
     /// A follower has timed out waiting on this flight.
     timed_out: AtomicBool,
+    /// The key's base key, and the local marks' position when the flight began.
+    base: u128,
+    since: u64,
 }
 
 /// The table of flights in progress, one per key hash.
@@ -79,12 +90,16 @@ struct Slot<F> {
 pub(crate) struct Flights<F> {
     // A std mutex: it is held only to look up or remove a map entry, never across an await.
     in_progress: Mutex<HashMap<u128, Arc<Slot<F>>>>,
+    /// What this process knows was invalidated: a flight begun before its key's
+    /// invalidation is not joined. `None`: every flight is joined (tests).
+    marks: Option<Arc<LocalMarks>>,
 }
 
 impl<F> Default for Flights<F> {
     fn default() -> Self {
         Flights {
             in_progress: Mutex::new(HashMap::new()),
+            marks: None,
         }
     }
 }
@@ -119,14 +134,25 @@ pub(crate) enum Waited<F> {
 }
 
 impl<F> Flights<F> {
-    /// Joins the flight for `hash`, becoming its leader (of a `kind` flight) when there is
-    /// none.
-    pub(crate) fn join(self: &Arc<Self>, hash: u128, kind: FlightKind) -> Role<F> {
+    /// A table whose flights are not joined once their key was invalidated (`marks`).
+    pub(crate) fn new(marks: Arc<LocalMarks>) -> Self {
+        Flights {
+            in_progress: Mutex::new(HashMap::new()),
+            marks: Some(marks),
+        }
+    }
+
+    /// Joins the flight for `hash` (of base key `base`), becoming its leader (of a `kind`
+    /// flight) when there is none, or when the one there began before its key was
+    /// invalidated here.
+    pub(crate) fn join(self: &Arc<Self>, hash: u128, base: u128, kind: FlightKind) -> Role<F> {
         let mut map = self
             .in_progress
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        if let Some(slot) = map.get(&hash) {
+        if let Some(slot) = map.get(&hash)
+            && !self.overtaken(slot)
+        {
             return Role::Follower(Follower {
                 rx: slot.tx.subscribe(),
                 slot: Arc::clone(slot),
@@ -136,6 +162,8 @@ impl<F> Flights<F> {
             tx: watch::Sender::new(None),
             kind,
             timed_out: AtomicBool::new(false),
+            base,
+            since: self.marks.as_ref().map_or(0, |m| m.snapshot()),
         });
         map.insert(hash, Arc::clone(&slot));
         Role::Leader(Leader {
@@ -154,7 +182,16 @@ impl<F> Flights<F> {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .get(&hash)
-            .is_some_and(|slot| slot.kind == FlightKind::Foreground)
+            .is_some_and(|slot| slot.kind == FlightKind::Foreground && !self.overtaken(slot))
+    }
+
+    /// Whether `slot`'s key was invalidated here since its flight began (or invalidations
+    /// may have been missed since: a gap in the event bus). One atomic load when nothing
+    /// was marked since.
+    fn overtaken(&self, slot: &Slot<F>) -> bool {
+        self.marks
+            .as_ref()
+            .is_some_and(|m| m.standing(slot.base, &[], slot.since) != Standing::Valid)
     }
 
     /// Number of flights in progress (for tests and metrics).
@@ -235,7 +272,7 @@ mod tests {
             let (flights, leaders, barrier) = (flights.clone(), leaders.clone(), barrier.clone());
             tasks.push(tokio::spawn(async move {
                 barrier.wait().await;
-                match flights.join(42, FlightKind::Foreground) {
+                match flights.join(42, 42, FlightKind::Foreground) {
                     Role::Leader(l) => {
                         leaders.fetch_add(1, Ordering::SeqCst);
                         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -261,10 +298,10 @@ mod tests {
     #[tokio::test]
     async fn dropped_leader_releases_followers() {
         let flights = Arc::new(Flights::<()>::default());
-        let Role::Leader(leader) = flights.join(1, FlightKind::Foreground) else {
+        let Role::Leader(leader) = flights.join(1, 1, FlightKind::Foreground) else {
             panic!("first join must lead")
         };
-        let Role::Follower(follower) = flights.join(1, FlightKind::Foreground) else {
+        let Role::Follower(follower) = flights.join(1, 1, FlightKind::Foreground) else {
             panic!("second join must follow")
         };
         drop(leader);
@@ -273,16 +310,63 @@ mod tests {
             Waited::Done(FlightResult::Abandoned)
         ));
         assert!(matches!(
-            flights.join(1, FlightKind::Foreground),
+            flights.join(1, 1, FlightKind::Foreground),
             Role::Leader(_)
         ));
+    }
+
+    /// A request that arrives after its key was invalidated here leads a new flight, not
+    /// the one begun before (whose answer may predate the write); the old leader still
+    /// answers its own followers and leaves the new flight in the table.
+    #[tokio::test]
+    async fn a_flight_begun_before_an_invalidation_is_not_joined() {
+        let marks = Arc::new(LocalMarks::new(
+            Duration::from_secs(60),
+            prometheus::IntCounter::new("overflow", "overflow").expect("counter"),
+        ));
+        let flights = Arc::new(Flights::<()>::new(Arc::clone(&marks)));
+        let Role::Leader(old) = flights.join(11, 10, FlightKind::Foreground) else {
+            panic!("first join must lead")
+        };
+        let Role::Follower(before) = flights.join(11, 10, FlightKind::Foreground) else {
+            panic!("a join before the invalidation follows")
+        };
+        marks.mark_key(99);
+        assert!(
+            matches!(
+                flights.join(11, 10, FlightKind::Foreground),
+                Role::Follower(_)
+            ),
+            "another key's invalidation changes nothing"
+        );
+        marks.mark_key(10);
+        assert!(!flights.foreground_in_progress(11));
+        let Role::Leader(new) = flights.join(11, 10, FlightKind::Foreground) else {
+            panic!("a join after the invalidation leads a new flight")
+        };
+        let Role::Follower(after) = flights.join(11, 10, FlightKind::Foreground) else {
+            panic!("the new flight is joined")
+        };
+        old.finish(FlightResult::Uncacheable);
+        let deadline = Instant::now() + Duration::from_secs(1);
+        assert!(matches!(
+            before.wait(deadline).await,
+            Waited::Done(FlightResult::Uncacheable)
+        ));
+        assert!(flights.foreground_in_progress(11), "the new flight stays");
+        new.finish(FlightResult::Abandoned);
+        assert!(matches!(
+            after.wait(deadline).await,
+            Waited::Done(FlightResult::Abandoned)
+        ));
+        assert_eq!(flights.len(), 0);
     }
 
     #[test]
     fn only_foreground_flights_are_joined_without_looking() {
         let flights = Arc::new(Flights::<()>::default());
-        let _refresh = flights.join(1, FlightKind::Background);
-        let _miss = flights.join(2, FlightKind::Foreground);
+        let _refresh = flights.join(1, 1, FlightKind::Background);
+        let _miss = flights.join(2, 2, FlightKind::Foreground);
         assert!(!flights.foreground_in_progress(1));
         assert!(flights.foreground_in_progress(2));
         assert!(!flights.foreground_in_progress(3));
@@ -294,7 +378,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn each_follower_waits_until_its_own_deadline() {
         let flights = Arc::new(Flights::<()>::default());
-        let Role::Leader(leader) = flights.join(7, FlightKind::Foreground) else {
+        let Role::Leader(leader) = flights.join(7, 7, FlightKind::Foreground) else {
             panic!("first join must lead")
         };
         let started = Instant::now();
@@ -305,7 +389,7 @@ mod tests {
             let flights = Arc::clone(&flights);
             waiting.push(tokio::spawn(async move {
                 tokio::time::sleep(Duration::from_millis(joined_at)).await;
-                let Role::Follower(follower) = flights.join(7, FlightKind::Foreground) else {
+                let Role::Follower(follower) = flights.join(7, 7, FlightKind::Foreground) else {
                     panic!("a join during the flight must follow")
                 };
                 let waited = follower.wait(Instant::now() + wait_timeout).await;

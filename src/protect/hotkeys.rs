@@ -443,6 +443,7 @@ impl HotKeys {
                 kind: EventKind::Hot,
                 instance: self.instance,
                 hash: *hash,
+                floor: None,
             };
             if redis.publish(channel, &event.encode()).await.is_err() {
                 return;

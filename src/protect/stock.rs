@@ -75,7 +75,7 @@ use crate::clock::now_ms;
 use crate::config::{OnRedisError, StockConfig, UpstreamConfig, fill_pattern};
 use crate::coord::events::{BusListener, StockEvent, StockLevel};
 use crate::coord::{Keyspace, RedisConn, keyspace};
-use crate::metrics::{Metrics, StockMetrics, StockOutcome, StockSettled};
+use crate::metrics::{Metrics, StockCounts, StockMetrics, StockOutcome, StockSettled};
 
 /// A resource's keys expire after this long without a write (or after 4 ×
 /// `reservation_ttl` / `reconcile` when longer): a resource nobody buys is forgotten, and
@@ -159,6 +159,20 @@ impl Gates {
         self.by_name.get(name)
     }
 
+    /// Every gate's counters now, by name (the status page reads them).
+    pub(crate) fn snapshot(&self) -> Vec<GateSnapshot> {
+        let mut gates: Vec<GateSnapshot> = self
+            .by_name
+            .values()
+            .map(|gate| GateSnapshot {
+                name: gate.name.clone(),
+                counts: gate.metrics.counts(),
+            })
+            .collect();
+        gates.sort_by(|a, b| a.name.cmp(&b.name));
+        gates
+    }
+
     /// Starts each gate's periodic reconciles; they end with `stop`.
     pub(crate) fn spawn(&self, stop: &CancellationToken) {
         for gate in self.by_name.values() {
@@ -200,6 +214,13 @@ impl BusListener for Gates {
             }
         }
     }
+}
+
+/// One gate's counters at one moment, read-only ([`Gates::snapshot`]).
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct GateSnapshot {
+    pub(crate) name: String,
+    pub(crate) counts: StockCounts,
 }
 
 fn idle(config: &StockConfig) -> Duration {
@@ -260,6 +281,9 @@ pub(crate) struct Resource {
     again: AtomicBool,
     /// Until when (ms) a failed load holds further buys off the origin.
     failed_until: AtomicU64,
+    /// Reconciles of the resource that succeeded here: a buy that found it unloaded takes
+    /// one that ended since (counted before its buy) as its own load.
+    reconciled: AtomicU64,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -279,6 +303,7 @@ impl Resource {
             reconciling: tokio::sync::Mutex::new(()),
             again: AtomicBool::new(false),
             failed_until: AtomicU64::new(0),
+            reconciled: AtomicU64::new(0),
         }
     }
 
@@ -422,8 +447,9 @@ pub(crate) enum Settlement {
 /// Why a reconcile runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Why {
-    /// A buy found the resource unloaded: waited for.
-    Load,
+    /// A buy found the resource unloaded: waited for. `reconciled`: the resource's count of
+    /// successful reconciles from before that buy.
+    Load { reconciled: u64 },
     /// After an in-doubt outcome or expired reservations: in the background, now.
     Soon,
     /// The periodic pass: one instance at a time (a turn in Redis).
@@ -516,10 +542,11 @@ impl Gate {
                 record,
             };
             let mut sent = Instant::now();
+            let reconciled = resource.reconciled.load(Ordering::Acquire);
             let mut answer = self.ledger.buy(resource.id, segment, &request).await;
             if matches!(answer, Ok(Buy::Unloaded)) && !loaded {
                 loaded = true;
-                if !self.load(resource).await {
+                if !self.load(resource, reconciled).await {
                     return self.refused(StockOutcome::NotLoaded, Admission::NotLoaded);
                 }
                 sent = Instant::now();
@@ -920,12 +947,14 @@ impl Gate {
         }
     }
 
-    /// Loads a resource that was never loaded (or expired). `false`: it could not be.
-    async fn load(self: &Arc<Self>, resource: &Arc<Resource>) -> bool {
+    /// Loads a resource a buy found unloaded (never loaded, or expired); `reconciled` is the
+    /// resource's count of successful reconciles from before that buy. `false`: it could not
+    /// be loaded.
+    async fn load(self: &Arc<Self>, resource: &Arc<Resource>, reconciled: u64) -> bool {
         if resource.failed_until.load(Ordering::Relaxed) > now_ms() {
             return false;
         }
-        self.reconcile(resource, Why::Load).await
+        self.reconcile(resource, Why::Load { reconciled }).await
     }
 
     /// Reconciles `resource` in the background, now.
@@ -938,7 +967,21 @@ impl Gate {
     /// `false` when the origin or Redis did not answer.
     async fn reconcile(self: &Arc<Self>, resource: &Arc<Resource>, why: Why) -> bool {
         let _turn = match why {
-            Why::Load => resource.reconciling.lock().await,
+            // The crowd at a sale's opening finds the resource unloaded all at once: the
+            // first buy loads it, and the others take its result instead of asking the
+            // origin's source once each, one after another. A reconcile that succeeded
+            // since a buy found the resource unloaded has loaded it: another one now,
+            // with buys in flight, could only count some of them twice.
+            Why::Load { reconciled } => {
+                let turn = resource.reconciling.lock().await;
+                if resource.reconciled.load(Ordering::Acquire) != reconciled {
+                    return true;
+                }
+                if resource.failed_until.load(Ordering::Relaxed) > now_ms() {
+                    return false;
+                }
+                turn
+            }
             Why::Soon | Why::Periodic => match resource.reconciling.try_lock() {
                 Ok(guard) => guard,
                 Err(_) => {
@@ -1063,6 +1106,7 @@ impl Gate {
             }
         }
         resource.failed_until.store(0, Ordering::Relaxed);
+        resource.reconciled.fetch_add(1, Ordering::Release);
         self.metrics.reconciled(delta);
         debug!(message = "Stock reconciled.", gate = %self.name, resource = %path, remaining, delta);
         true

@@ -10,9 +10,11 @@
 //! anything else (several ranges, another unit, a malformed header) ─▶ the whole 200
 //! ```
 //!
-//! Conditionals and ranges are never forwarded on a cached fetch (see
-//! `origin::end_to_end`): the origin always answers in full, and one stored answer serves
-//! every client's conditional and range requests.
+//! Conditionals and ranges are not forwarded with a client's end-to-end headers (see
+//! `origin::end_to_end`): one stored answer serves every client's conditional and range
+//! requests. The one exception is a miss with nothing stored on a `freshness = "origin"`
+//! route, whose fetch carries the client's `If-None-Match` / `If-Modified-Since`
+//! (`FillJob::forwarding_validators`); the origin's `304` then goes to that client as it is.
 
 use http::header::{self, HeaderMap, HeaderValue};
 use http::{Response, StatusCode};

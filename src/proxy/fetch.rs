@@ -1,10 +1,25 @@
 //! One origin fetch for a cached route: through the origin guard, with only the keyed
 //! inputs forwarded, the body read for storage (bounded by `max_entry_bytes`), then
 //! classified. Storing is the caller's business (`fill.rs`).
+//!
+//! On a route with `version`, the answer's version is read too, and must reach the key's
+//! version floor (see `cache/version.rs`): an answer older than a recent write's (its
+//! replica has not caught up yet) is neither stored nor served, but fetched again, with a
+//! short backoff, until the replica has caught up or `upstream.timeout` is spent:
+//!
+//! ```text
+//! fetch ─▶ a failure (5xx, timeout, shed) ─▶ as it is: nothing to judge
+//!       ─▶ version ≥ floor (or no floor) ─▶ the answer (stored at once by the caller)
+//!       ─▶ older, or none while there is a floor ─▶ fill_refused{reason="older_version"},
+//!             dropped; again after 10 ms, 20, 40 … 200 ms, each try through the guard
+//!             ─▶ upstream.timeout spent since the first try ─▶ 503 (version_behind)
+//! ```
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use tokio::time::Instant as Deadline;
 
 use bytes::{Bytes, BytesMut};
 use http::header::{self, HeaderMap, HeaderName};
@@ -20,12 +35,12 @@ use super::respond::{self, strip_hop_by_hop};
 use super::route::Route;
 use super::upstream::UpstreamBody;
 use crate::cache::control::{
-    CDN_CACHE_CONTROL, MAX_DELTA_SECONDS, ResponseControl, SURROGATE_CAPABILITY_VALUE,
-    SURROGATE_CONTROL, Vary, heuristic_lifetime_secs, initial_age_secs, origin_lifetime_secs,
-    targeted_max_age, targeted_no_store,
+    ResponseControl, SURROGATE_CAPABILITY_VALUE, SURROGATE_CONTROL, Vary, heuristic_lifetime_secs,
+    initial_age_secs, origin_lifetime_secs,
 };
 use crate::cache::entry::selecting_value;
 use crate::cache::key::Derived;
+use crate::cache::version::Version;
 use crate::cache::{CacheKey, Entry, ttl};
 use crate::clock::now_ms;
 use crate::config::{FreshnessSource, RouteConfig};
@@ -51,6 +66,9 @@ pub(crate) struct FillJob {
     /// The stored copy this fetch revalidates: its `ETag` / `Last-Modified` go along as
     /// `If-None-Match` / `If-Modified-Since`, and a `304` refreshes it.
     pub(crate) stored: Option<Arc<Entry>>,
+    /// The client's own `If-None-Match` / `If-Modified-Since`, sent along when nothing is
+    /// stored (see [`FillJob::forwarding_validators`]); empty otherwise.
+    pub(crate) validators: HeaderMap,
 }
 
 impl FillJob {
@@ -81,7 +99,34 @@ impl FillJob {
             client,
             background: false,
             stored: None,
+            validators: HeaderMap::new(),
         }
+    }
+
+    /// A miss with nothing stored: on a `freshness = "origin"` route the client's own
+    /// validators (`If-None-Match`, `If-Modified-Since` of `headers`) go with the fetch, so
+    /// the origin can answer `304` as it would without a cache in between. That `304` is
+    /// this client's answer alone ([`Classified::NotModified`]). A route with its own
+    /// lifetimes sends the origin nothing of the client's beyond the key: its fetch stays
+    /// whole, and the client's conditional is answered from the stored `200`
+    /// (`conditional.rs`).
+    pub(crate) fn forwarding_validators(mut self, headers: &HeaderMap) -> Self {
+        if self.route.config.freshness == FreshnessSource::Origin {
+            for name in [header::IF_NONE_MATCH, header::IF_MODIFIED_SINCE] {
+                for value in headers.get_all(&name) {
+                    self.validators.append(name.clone(), value.clone());
+                }
+            }
+        }
+        self
+    }
+
+    /// This fill without the client's validators: for a fetch whose answer other requests
+    /// share.
+    pub(crate) fn without_validators(&self) -> Self {
+        let mut job = self.clone();
+        job.validators.clear();
+        job
     }
 
     /// This fill revalidates `stored`, when it has a validator (`ETag`, `Last-Modified`).
@@ -102,6 +147,11 @@ pub(crate) enum Classified {
     /// A good answer that must not be shared (per-user, status outside the allowlist, too
     /// large): goes to one client only.
     Uncacheable(Response<Body>),
+    /// The origin's `304` to the validators of the client whose request led the fetch (a
+    /// miss with nothing stored, see [`FillJob::forwarding_validators`]): that client's
+    /// answer alone. Nothing is stored, and the requests waiting on the fill need a whole
+    /// answer, so for them the fill ended without one.
+    NotModified(Response<Body>),
     /// Origin 5xx, timeout, unreachable, or shed: never stored.
     Failed(Failure),
 }
@@ -215,21 +265,101 @@ impl SharedFailure {
     }
 }
 
+/// The first wait before an answer older than the floor is fetched again; each next one is
+/// twice as long, up to [`FLOOR_RETRY_MAX`].
+const FLOOR_RETRY_FIRST: Duration = Duration::from_millis(10);
+const FLOOR_RETRY_MAX: Duration = Duration::from_millis(200);
+
 /// Fetches `job` from the origin through the origin guard and classifies the answer; a
-/// revalidation is counted by its result.
-pub(crate) async fn from_origin(origin: &Origin, job: &FillJob) -> Classified {
-    let classified = fetch(origin, job).await;
+/// revalidation is counted by its result. On a route with `version`, with the answer's
+/// version, which reaches `floor` (the key's version floor, if it has one): an older
+/// answer is fetched again until one reaches it, or the answer is a 503 (see the module
+/// docs). `None` for a failure, and on a route without `version` (one fetch, as always).
+pub(crate) async fn from_origin(
+    origin: &Origin,
+    job: &FillJob,
+    floor: Option<u128>,
+) -> (Classified, Option<Version>) {
+    let timeout = origin.upstream.load().timeout;
+    let (classified, version) = match &job.route.config.version {
+        None => (fetch(origin, job, timeout).await, None),
+        Some(_) => reaching(origin, job, floor, timeout).await,
+    };
     if job.stored.is_some() {
         job.route.metrics.revalidated(match &classified {
             Classified::Storable(_, Outcome::Revalidated, _) => Revalidation::NotModified,
-            Classified::Storable(..) | Classified::Uncacheable(_) => Revalidation::Modified,
+            // (A revalidation sends the stored validators, never the client's: no
+            // `NotModified` here.)
+            Classified::Storable(..) | Classified::Uncacheable(_) | Classified::NotModified(_) => {
+                Revalidation::Modified
+            }
             Classified::Failed(_) => Revalidation::Failed,
         });
     }
-    classified
+    (classified, version)
 }
 
-async fn fetch(origin: &Origin, job: &FillJob) -> Classified {
+/// Fetches until an answer's version reaches `floor`, within `budget` from now.
+async fn reaching(
+    origin: &Origin,
+    job: &FillJob,
+    floor: Option<u128>,
+    budget: Duration,
+) -> (Classified, Option<Version>) {
+    let metrics = &job.route.metrics;
+    let deadline = Deadline::now() + budget;
+    let mut wait = FLOOR_RETRY_FIRST;
+    loop {
+        let left = deadline.saturating_duration_since(Deadline::now());
+        let classified = fetch(origin, job, left).await;
+        let version = answer_version(job, &classified);
+        if version == Some(Version::Unparsed) {
+            metrics.version_unparsed.inc();
+        }
+        // A failure carries no version to judge: it is the answer as it is.
+        if version.is_none_or(|v| v.reaches(floor)) {
+            return (classified, version);
+        }
+        metrics.refused_older.inc();
+        drop(classified);
+        if Deadline::now() + wait >= deadline {
+            tracing::debug!(
+                message = "The origin's answers stayed older than the key's version floor.",
+                route = %job.route.config.name,
+                floor = ?floor,
+                version = ?version,
+            );
+            return (
+                Classified::Failed(Failure::own(&ProxyError::VersionBehind)),
+                version,
+            );
+        }
+        tokio::time::sleep(wait).await;
+        wait = (wait * 2).min(FLOOR_RETRY_MAX);
+    }
+}
+
+/// The version an answer carries, on a route with `version`; `None` for a failure.
+fn answer_version(job: &FillJob, classified: &Classified) -> Option<Version> {
+    let source = job.route.config.version.as_ref()?;
+    match classified {
+        Classified::Storable(entry, ..) => Some(Version::read(
+            entry
+                .header_lines()
+                .filter(|(name, _)| name == source.header())
+                .map(|(_, value)| value),
+            source,
+        )),
+        // A client's own 304 confirms its copy only as far as the version it names.
+        Classified::Uncacheable(response) | Classified::NotModified(response) => {
+            Some(Version::of(response.headers(), source))
+        }
+        Classified::Failed(_) => None,
+    }
+}
+
+/// One fetch, its answer read within `timeout`.
+async fn fetch(origin: &Origin, job: &FillJob, timeout: Duration) -> Classified {
     let route = &job.route;
     let limit = route.config.max_entry_bytes;
     let (slot, reservation) = match origin.guard.load_full().acquire_buffered(limit).await {
@@ -243,7 +373,6 @@ async fn fetch(origin: &Origin, job: &FillJob) -> Classified {
 
     let started = Instant::now();
     let upstream = origin.upstream.load_full();
-    let timeout = upstream.timeout;
     let read = tokio::time::timeout(timeout, async {
         let (response, retried) = upstream
             .send_idempotent(|| cached_fetch_request(origin, job))
@@ -301,6 +430,13 @@ async fn fetch(origin: &Origin, job: &FillJob) -> Classified {
             origin_response(head, body.into_body(reservation), Outcome::Bypass),
             Outcome::Bypass,
         ));
+    }
+    // The origin's 304 to the client's own validators: that client's answer alone.
+    if head.status == StatusCode::NOT_MODIFIED && job.stored.is_none() && !job.validators.is_empty()
+    {
+        let mut response = origin_response(head, body.into_body(reservation), Outcome::Bypass);
+        strip_surrogate_control(response.headers_mut());
+        return Classified::NotModified(response);
     }
     let complete = match body {
         ReadBody::Complete(bytes) => bytes,
@@ -364,7 +500,7 @@ async fn fetch(origin: &Origin, job: &FillJob) -> Classified {
             let body = Body::full(reservation.hold(complete));
             let mut response = origin_response(head, body, Outcome::Bypass);
             if route.config.freshness == FreshnessSource::Origin {
-                strip_targeted(response.headers_mut());
+                strip_surrogate_control(response.headers_mut());
             }
             Classified::Uncacheable(response)
         }
@@ -399,6 +535,10 @@ fn cached_fetch_request(
             if let Some(value) = stored.header(&validator) {
                 headers.insert(condition, value);
             }
+        }
+    } else {
+        for (name, value) in &job.validators {
+            headers.append(name.clone(), value.clone());
         }
     }
     if job.route.config.freshness == FreshnessSource::Origin {
@@ -498,21 +638,20 @@ fn lifetime(
     } else {
         route.ttl
     };
-    let age = initial_age_secs(headers, stored_at_ms, u64::from(fetch_ms));
+    // An invalid `Age` is ignored (RFC 9111 §5.1): the age is then the apparent one.
+    let initial_age_secs = initial_age_secs(headers, stored_at_ms, u64::from(fetch_ms));
+    let origin_mode = route.freshness == FreshnessSource::Origin;
+    let no_cache = control.no_cache(origin_mode);
     let rng = &mut rand::rng();
-    let (initial_age_secs, ttl, grace, error_grace) = match route.freshness {
-        // An invalid `Age` is ignored: the route's lifetime does not depend on it.
+    let (ttl, grace, error_grace) = match route.freshness {
         FreshnessSource::Route => (
-            age.unwrap_or(0),
             ttl::jittered(cap, route.jitter, rng),
             route.grace,
             route.grace,
         ),
         FreshnessSource::Origin => {
-            // An answer whose age is unknown is stale.
-            let initial_age_secs = age.unwrap_or(MAX_DELTA_SECONDS);
             // `no-cache` needs no lifetime: it is revalidated on every use.
-            let no_cache = control.no_cache.then_some(0);
+            let no_cache = no_cache.then_some(0);
             let lifetime = no_cache
                 .or_else(|| origin_lifetime_secs(headers, control, stored_at_ms))
                 .or_else(|| {
@@ -530,17 +669,12 @@ fn lifetime(
                 .stale_if_error
                 .map_or(route.grace, Duration::from_secs)
                 .min(route.grace);
-            (
-                initial_age_secs,
-                ttl::shortened(left, route.jitter, rng),
-                grace,
-                error_grace,
-            )
+            (ttl::shortened(left, route.jitter, rng), grace, error_grace)
         }
     };
     // `no-cache` (stored in origin mode only with a validator): never used without a
     // successful revalidation, so stale on arrival and never served stale.
-    let (ttl, grace, error_grace) = if control.no_cache {
+    let (ttl, grace, error_grace) = if no_cache {
         (Duration::ZERO, Duration::ZERO, Duration::ZERO)
     } else if negative || control.forbids_stale() {
         (ttl, Duration::ZERO, Duration::ZERO)
@@ -585,7 +719,7 @@ fn new_entry(job: &FillJob, head: Head, body: Bytes, fetch_ms: u32, life: Lifeti
     }
     if route.freshness == FreshnessSource::Origin {
         // Aimed at this cache, not at the clients (nor at caches after it).
-        strip_targeted(&mut origin_headers);
+        strip_surrogate_control(&mut origin_headers);
     }
     // The key and the kept lines are copied into one buffer: hyper's header values are
     // slices of the connection's read buffer (8 KiB and more), which an entry must not
@@ -711,11 +845,11 @@ enum NotShared {
     NoFreshness,
 }
 
-/// Removes the fields aimed at this cache (`Surrogate-Control`, `CDN-Cache-Control`) from an
-/// answer passed on.
-fn strip_targeted(headers: &mut HeaderMap) {
+/// Removes `Surrogate-Control` from an answer passed on: the Edge Architecture has a
+/// surrogate consume it. `CDN-Cache-Control` goes on: RFC 9213 aims it at every CDN cache on
+/// the path, and one in front of cacheguard needs it as much.
+fn strip_surrogate_control(headers: &mut HeaderMap) {
     headers.remove(&SURROGATE_CONTROL);
-    headers.remove(&CDN_CACHE_CONTROL);
 }
 
 /// Whether an origin answer may be stored and shared by `route` (whose keyed request
@@ -750,21 +884,21 @@ fn storable(
     if !status_ok || headers.contains_key(header::SET_COOKIE) {
         return Err(NotShared::Policy);
     }
-    // A `no-store` aimed at this cache (`Surrogate-Control`, `CDN-Cache-Control`) is
-    // obeyed whatever the route's freshness source: the origin said this cache must not
-    // keep it.
-    if targeted_no_store(headers) {
+    // A `no-store` or `private` aimed at this cache (`Surrogate-Control`,
+    // `CDN-Cache-Control`) is obeyed whatever the route's freshness source: the origin said
+    // this cache must not keep it.
+    if control.targeted.no_store || control.targeted.private {
         return Err(NotShared::Policy);
     }
     // In origin mode a `max-age` aimed at this cache (Surrogate-Control, CDN-Cache-Control)
     // overrides what `Cache-Control` says to caches in general; `private` still holds.
-    let targeted = origin_mode && targeted_max_age(headers).is_some();
+    let targeted = control.targeted_rules(origin_mode);
     // `no-cache` needs a revalidation on every use: in origin mode an answer with a
     // validator is stored and revalidated each time (see `lifetime`); otherwise it is not
     // stored. `must-understand` on a status cacheguard understands overrides `no-store`.
     let no_store = control.no_store && !control.must_understand;
-    let no_cache = control.no_cache && !(origin_mode && has_validator(headers));
-    if control.private || (!targeted && (no_store || no_cache)) {
+    let no_cache = control.no_cache(origin_mode) && !(origin_mode && has_validator(headers));
+    if control.private || (!targeted && no_store) || no_cache {
         return Err(NotShared::Policy);
     }
     let keyed = route.vary.as_slice();

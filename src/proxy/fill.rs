@@ -26,6 +26,18 @@
 //! Stale-while-revalidate and early refreshes use the same path in the background.
 //! Waiting is event-driven: the only timers are the holder's lease end and the wait
 //! timeout. Nothing polls.
+//!
+//! On a route with `version`, every fetch that serves an origin answer knows the key's
+//! version floor before it starts (the higher of this process's, [`LocalMarks`]-kept, and
+//! Redis's: read in the lock's or the lock-free fill's round trip, or with one `GET` for a
+//! fetch that takes neither), and its answer reaches it (see `fetch.rs`); the fill script
+//! checks it again as it stores. An answer an invalidation overtook during its fetch (the
+//! store refused it: the generation changed, a tag was invalidated, or a newer version was
+//! stored since) answers the request that fetched it, which began before, but not the
+//! followers of its flight, which may have arrived after the write was answered: they
+//! take the flight as abandoned and fill again, under the new floor.
+//!
+//! [`LocalMarks`]: crate::cache::marks::LocalMarks
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -42,13 +54,14 @@ use super::origin::Origin;
 use super::respond;
 use super::route::Route;
 use crate::cache::tiers::{Cached, Tiers};
+use crate::cache::version::Version;
 use crate::cache::{CacheKey, Entry};
 use crate::clock::now_ms;
 use crate::config::{L1Policy, LockConfig, OnTimeout};
 use crate::coord::events::EventKind;
 use crate::coord::keyspace::route_shard;
 use crate::coord::redis::{Unavailable, add_commands, count_commands};
-use crate::coord::store::FillOutcome;
+use crate::coord::store::{FillOutcome, FloorCheck};
 use crate::error::ProxyError;
 use crate::metrics::{FillRefusal, LockEvent, Metrics, Outcome};
 use crate::protect::flight::FlightKind;
@@ -70,8 +83,15 @@ const MAX_FLIGHT_ATTEMPTS: usize = 3;
 pub(crate) enum Fetched {
     /// Answer from this entry (stored, or found stored by another fill), with this outcome.
     Ready(Arc<Entry>, Outcome),
+    /// On a route with `version`: a fetched answer that an invalidation overtook (see the
+    /// module docs). It answers the request that fetched it (a miss), not the followers
+    /// of its flight.
+    Overtaken(Arc<Entry>),
     /// For this client only: not shareable.
     Uncacheable(Response<Body>),
+    /// The origin's `304` to the leading client's own validators: its answer alone; for
+    /// the requests waiting on the fill, it ended without an answer.
+    NotModified(Response<Body>),
     /// The origin failed (or cacheguard answered an error itself).
     Failed(Failure),
     /// A background refresh found another instance already refreshing; nothing to answer.
@@ -83,7 +103,10 @@ impl Fetched {
     fn respond(self, head: bool) -> (Response<Body>, Outcome) {
         match self {
             Fetched::Ready(entry, outcome) => respond::hit(&entry, outcome, head),
-            Fetched::Uncacheable(response) => (response, Outcome::Bypass),
+            Fetched::Overtaken(entry) => respond::hit(&entry, Outcome::Miss, head),
+            Fetched::Uncacheable(response) | Fetched::NotModified(response) => {
+                (response, Outcome::Bypass)
+            }
             Fetched::Failed(failure) => (failure.response, failure.outcome),
             // Only background fills skip, and nobody awaits their answer.
             Fetched::Skipped => (
@@ -126,7 +149,7 @@ impl Filler {
     /// A miss: one fill per key in this process, shared with every concurrent miss.
     pub(crate) async fn fill(
         self: &Arc<Self>,
-        job: FillJob,
+        mut job: FillJob,
         head: bool,
     ) -> (Response<Body>, Outcome) {
         if self.uncacheable.contains_key(&job.key.hash) {
@@ -139,7 +162,10 @@ impl Filler {
         // origin, another instance's fill), over all its rounds.
         let deadline = Instant::now() + self.lock.load().wait_timeout;
         for _ in 0..MAX_FLIGHT_ATTEMPTS {
-            match self.flights.join(job.key.hash, FlightKind::Foreground) {
+            match self
+                .flights
+                .join(job.key.hash, job.key.base, FlightKind::Foreground)
+            {
                 Role::Leader(leader) => {
                     // The fill runs in its own task: if this client hangs up, the fetch its
                     // followers (here and on other instances) wait on still completes.
@@ -155,12 +181,21 @@ impl Filler {
                             if let Some(waited) = origin {
                                 origin_waited(waited);
                             }
+                            if let Fetched::NotModified(_) = fetched {
+                                // The origin confirmed this client's copy, and the key is
+                                // still not stored: one whole fetch in the background
+                                // fills it for the requests after it.
+                                self.refresh_in_background(job.without_validators(), false);
+                            }
                             fetched.respond(head)
                         }
                         Err(_) => (respond::error(&ProxyError::Internal), Outcome::Error),
                     };
                 }
                 Role::Follower(follower) => {
+                    // Only the request that leads at its first join sends its validators:
+                    // a follower may lead the next round, whose answer is shared.
+                    job.validators.clear();
                     if !counted {
                         job.route.metrics.coalesced.inc();
                         counted = true;
@@ -227,7 +262,10 @@ impl Filler {
         if self.refresh_backoff.contains_key(&job.key.hash) {
             return false;
         }
-        let Role::Leader(leader) = self.flights.join(job.key.hash, FlightKind::Background) else {
+        let joined = self
+            .flights
+            .join(job.key.hash, job.key.base, FlightKind::Background);
+        let Role::Leader(leader) = joined else {
             return false;
         };
         job.background = true;
@@ -309,7 +347,11 @@ impl Filler {
             Fetched::Ready(entry, _) => FlightResult::Filled(Arc::clone(entry), Outcome::Miss),
             Fetched::Uncacheable(_) => FlightResult::Uncacheable,
             Fetched::Failed(failure) => FlightResult::Failed(failure.shared.clone()),
-            Fetched::Skipped => FlightResult::Abandoned,
+            // The followers need a whole answer, or this one is not theirs (they fill again,
+            // under the floor the invalidation set): one of them leads next.
+            Fetched::Overtaken(_) | Fetched::Skipped | Fetched::NotModified(_) => {
+                FlightResult::Abandoned
+            }
         });
         fetched
     }
@@ -333,7 +375,13 @@ impl Filler {
         loop {
             let max_waiters = self.lock.load().max_waiters;
             let claimed = fleet
-                .claim(job.key.base, job.key.hash, max_waiters, or_entry)
+                .claim(
+                    job.key.base,
+                    job.key.hash,
+                    max_waiters,
+                    or_entry,
+                    floor_check(job),
+                )
                 .await;
             or_entry = false;
             let mut follower = match claimed {
@@ -357,6 +405,13 @@ impl Filler {
                             .lock_wait
                             .observe(started.elapsed().as_secs_f64());
                         debug!(message = "Lock taken over after waiting.", route = %job.route.config.name);
+                        // Waited on another holder (perhaps one whose validators the origin
+                        // answered 304): the waiters of the fleet need a whole answer.
+                        if !job.validators.is_empty() {
+                            return self
+                                .fetch_as_owner(&job.without_validators(), *permit)
+                                .await;
+                        }
                     } else {
                         fleet.count(LockEvent::Acquired);
                     }
@@ -452,22 +507,29 @@ impl Filler {
     }
 
     /// The lock holder's fetch: the lease is renewed while the origin works, then one
-    /// script stores (if the generation is unchanged), releases and publishes.
+    /// script stores (if the generation is unchanged), releases and publishes. On a route
+    /// with `version`, the answer reaches the floor read with the lock.
     async fn fetch_as_owner(&self, job: &FillJob, permit: FillPermit) -> Fetched {
         let since = self.tiers.since();
-        let classified = permit
-            .hold_while(fetch::from_origin(&self.origin, job), &self.metrics)
+        let floor = self.floor_with(job, permit.floor());
+        let (classified, version) = permit
+            .hold_while(fetch::from_origin(&self.origin, job, floor), &self.metrics)
             .await;
         match classified {
             Classified::Storable(entry, outcome, reservation) => {
                 let entry = Arc::new(entry);
-                self.store(job, &entry, Some(permit), since).await;
-                Fetched::Ready(fetch::served(entry, reservation), outcome)
+                let kept = self.store(job, &entry, Some(permit), since, version).await;
+                ready(kept, fetch::served(entry, reservation), outcome)
             }
             Classified::Uncacheable(response) => {
                 permit.release(EventKind::Uncacheable).await;
                 self.remember_uncacheable(&job.key);
                 Fetched::Uncacheable(response)
+            }
+            Classified::NotModified(response) => {
+                // The waiters on other instances contend again; one of them fetches.
+                permit.release(EventKind::Released).await;
+                Fetched::NotModified(response)
             }
             Classified::Failed(failure) => {
                 // The waiters answer with a copy of the failure; without one, one of them
@@ -484,28 +546,36 @@ impl Filler {
     /// A fill without the fleet lock (embedded mode, Redis or the bus down, hit-for-miss
     /// keys): fetch, then store generation-checked when Redis is there.
     pub(crate) async fn fetch_and_store(&self, job: &FillJob) -> Fetched {
-        // The generation is read before the fetch, like a lock holder's.
+        // The generation (and version floor) is read before the fetch, like a lock
+        // holder's.
         let unlocked = match &self.fleet {
-            Some(fleet) => fleet.unlocked(job.key.base, job.key.hash).await.ok(),
+            Some(fleet) => fleet
+                .unlocked(job.key.base, job.key.hash, floor_check(job))
+                .await
+                .ok(),
             None => None,
         };
         self.fetch_and_keep(job, unlocked).await
     }
 
     /// Fetches, then stores through `unlocked` (generation-checked) or, without it, keeps
-    /// the answer in L1 only (see [`Filler::store`]).
+    /// the answer in L1 only (see [`Filler::store`]). Without `unlocked`, the version
+    /// floor is the one this process knows.
     async fn fetch_and_keep(&self, job: &FillJob, unlocked: Option<FillPermit>) -> Fetched {
         let since = self.tiers.since();
-        match fetch::from_origin(&self.origin, job).await {
+        let floor = self.floor_with(job, unlocked.as_ref().and_then(FillPermit::floor));
+        let (classified, version) = fetch::from_origin(&self.origin, job, floor).await;
+        match classified {
             Classified::Storable(entry, outcome, reservation) => {
                 let entry = Arc::new(entry);
-                self.store(job, &entry, unlocked, since).await;
-                Fetched::Ready(fetch::served(entry, reservation), outcome)
+                let kept = self.store(job, &entry, unlocked, since, version).await;
+                ready(kept, fetch::served(entry, reservation), outcome)
             }
             Classified::Uncacheable(response) => {
                 self.remember_uncacheable(&job.key);
                 Fetched::Uncacheable(response)
             }
+            Classified::NotModified(response) => Fetched::NotModified(response),
             Classified::Failed(failure) => Fetched::Failed(failure),
         }
     }
@@ -531,7 +601,10 @@ impl Filler {
     async fn fetch_alone_together(&self, job: &FillJob) -> Fetched {
         let deadline = Instant::now() + self.lone_wait_limit();
         for _ in 0..MAX_FLIGHT_ATTEMPTS {
-            let follower = match self.lone.join(job.key.hash, FlightKind::Foreground) {
+            let joined = self
+                .lone
+                .join(job.key.hash, job.key.base, FlightKind::Foreground);
+            let follower = match joined {
                 Role::Leader(leader) => {
                     let fetched = self.fetch_alone(job).await;
                     leader.finish(match &fetched {
@@ -540,7 +613,9 @@ impl Filler {
                         }
                         Fetched::Uncacheable(_) => FlightResult::Uncacheable,
                         Fetched::Failed(failure) => FlightResult::Failed(failure.shared.clone()),
-                        Fetched::Skipped => FlightResult::Abandoned,
+                        Fetched::Overtaken(_) | Fetched::Skipped | Fetched::NotModified(_) => {
+                            FlightResult::Abandoned
+                        }
                     });
                     return fetched;
                 }
@@ -570,13 +645,22 @@ impl Filler {
     }
 
     /// A fetch for one client that stores nothing: the lock holder is still at work (wait
-    /// timeout), or the key's answer is not shareable.
+    /// timeout), or the key's answer is not shareable. On a route with `version` it reads
+    /// the floor first (one `GET` while Redis answers), as it takes no lease that would.
     async fn fetch_alone(&self, job: &FillJob) -> Fetched {
-        match fetch::from_origin(&self.origin, job).await {
+        let known = match &self.fleet {
+            Some(fleet) if job.route.config.version.is_some() && fleet.is_available() => {
+                fleet.floor(job.key.base).await.ok().flatten()
+            }
+            _ => None,
+        };
+        let floor = self.floor_with(job, known);
+        match fetch::from_origin(&self.origin, job, floor).await.0 {
             Classified::Storable(entry, _, reservation) => {
                 Fetched::Ready(fetch::served(Arc::new(entry), reservation), Outcome::Bypass)
             }
             Classified::Uncacheable(response) => Fetched::Uncacheable(response),
+            Classified::NotModified(response) => Fetched::NotModified(response),
             Classified::Failed(failure) => Fetched::Failed(failure),
         }
     }
@@ -584,16 +668,20 @@ impl Filler {
     /// Stores a fetched entry: its tags (the route's own and the origin's surrogate keys)
     /// into their indexes, then L2 through the fill script (when Redis is there), then L1
     /// when the route keeps it there. An answer an invalidation overtook — the key's
-    /// generation changed, a tag of it was invalidated after the fetch began, or a local
-    /// mark says so — goes to the requests that asked for it, but is kept nowhere.
+    /// generation changed, a tag of it was invalidated after the fetch began, a newer
+    /// version was stored since, or a local mark says so — goes to the requests that asked
+    /// for it, but is kept nowhere; on a route with `version`, only to the one that
+    /// fetched it ([`Kept::Own`]). `version` is the answer's (a route with `version`).
     async fn store(
         &self,
         job: &FillJob,
         entry: &Arc<Entry>,
         permit: Option<FillPermit>,
         since: u64,
-    ) {
+        version: Option<Version>,
+    ) -> Kept {
         let mut keep = true;
+        let mut overtaken = false;
         // Filled without Redis (no lease: the breaker was open): L1 is the only copy,
         // whatever the breaker says by now.
         let in_l1 = permit.is_none() && self.tiers.shared() && job.route.config.l1 != L1Policy::Off;
@@ -608,7 +696,10 @@ impl Filler {
                 Err(e) => Err(e),
                 Ok(false) => match permit.large_value_turn(entry.body_len()).await {
                     Ok(_turn) => match entry.encode() {
-                        Ok(bytes) => permit.fill(&bytes, life).await,
+                        Ok(bytes) => {
+                            let version = version.map(Version::to_arg);
+                            permit.fill(&bytes, life, version.as_deref()).await
+                        }
                         Err(_) => Ok(FillOutcome::Stored),
                     },
                     Err(e) => Err(e),
@@ -619,6 +710,7 @@ impl Filler {
                 Ok(FillOutcome::GenerationChanged) => {
                     self.metrics.fill_refused(FillRefusal::Generation);
                     keep = false;
+                    overtaken = true;
                 }
                 Ok(FillOutcome::LockTaken) => {
                     self.metrics.fill_refused(FillRefusal::LockTaken);
@@ -627,11 +719,32 @@ impl Filler {
                     self.metrics.fill_refused(FillRefusal::Quarantine);
                     keep = false;
                 }
+                Ok(FillOutcome::OlderVersion) => {
+                    job.route.metrics.refused_older.inc();
+                    keep = false;
+                    overtaken = true;
+                }
             }
+        } else if job.route.config.version.is_some() {
+            // No script to say so: the local marks do (this process's writes and the
+            // invalidations it heard of).
+            overtaken = self.tiers.invalidated_since(&job.key, &entry.tags, since);
         }
         if keep && (in_l1 || self.tiers.keeps_in_l1(job.route.config.l1, job.key.hash)) {
             self.tiers.keep(&job.key, Arc::clone(entry), since).await;
         }
+        if overtaken && job.route.config.version.is_some() {
+            Kept::Own
+        } else {
+            Kept::Shared
+        }
+    }
+
+    /// The version floor a fetch of `job` must reach: on a route with `version`, the
+    /// higher of the one this process knows and `known` (read in Redis before the fetch).
+    fn floor_with(&self, job: &FillJob, known: Option<u128>) -> Option<u128> {
+        job.route.config.version.as_ref()?;
+        self.tiers.floor(job.key.base).max(known)
     }
 
     async fn fresh_in_l2(&self, job: &FillJob) -> Option<Arc<Entry>> {
@@ -644,6 +757,33 @@ impl Filler {
     /// later requests neither wait on each other nor on a lock.
     fn remember_uncacheable(&self, key: &CacheKey) {
         self.uncacheable.insert(key.hash, ());
+    }
+}
+
+/// Whom a fetched answer may answer, once stored (see [`Filler::store`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kept {
+    /// Every request that waited on its fill.
+    Shared,
+    /// Only the request that fetched it: an invalidation overtook it (a route with
+    /// `version`).
+    Own,
+}
+
+/// A fetched answer's [`Fetched`], by whom it may answer.
+fn ready(kept: Kept, entry: Arc<Entry>, outcome: Outcome) -> Fetched {
+    match kept {
+        Kept::Shared => Fetched::Ready(entry, outcome),
+        Kept::Own => Fetched::Overtaken(entry),
+    }
+}
+
+/// Whether `job`'s fill reads and keeps the key's version floor: its route has `version`.
+fn floor_check(job: &FillJob) -> FloorCheck {
+    if job.route.config.version.is_some() {
+        FloorCheck::On
+    } else {
+        FloorCheck::Off
     }
 }
 

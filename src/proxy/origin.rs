@@ -40,8 +40,9 @@ pub(crate) fn set_forwarded(headers: &mut HeaderMap, client: SocketAddr, keep: &
 /// `freshness = "origin"` mode: what cacheguard sets itself (`Host`, the forwarding
 /// headers), what would let one client's request rewrite what is fetched for everybody
 /// (method and path overrides), what is per user (such requests are never cached), what
-/// the cache answers itself (conditionals, ranges), and a body's framing (a GET body is
-/// never forwarded).
+/// the cache answers itself (conditionals, ranges: a miss with nothing stored sends the
+/// client's validators on its own, see `FillJob::forwarding_validators`), and a body's
+/// framing (a GET body is never forwarded).
 const NOT_FORWARDED_ON_FETCH: [&str; 25] = [
     "host",
     "surrogate-capability",

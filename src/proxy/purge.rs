@@ -154,6 +154,7 @@ impl Proxy {
             items.extend(bases.into_iter().map(|base| Invalidation::Key {
                 base,
                 generation_ttl: self.invalidator.horizon(),
+                floor: None,
             }));
         }
         outcome.tags = request.tags.len();

@@ -155,8 +155,12 @@ impl ReadPath {
                         Budget::Refused(refused) => return refused,
                     }
                 }
-                let (response, outcome) =
-                    Box::pin(self.filler.fill(job().revalidating(kept.clone()), head)).await;
+                let job = match &kept {
+                    Some(_) => job().revalidating(kept.clone()),
+                    // Nothing stored: the client's validators may go along (origin mode).
+                    None => job().forwarding_validators(&parts.headers),
+                };
+                let (response, outcome) = Box::pin(self.filler.fill(job, head)).await;
                 match kept {
                     // Stale-if-error: the origin failed, a copy within its error grace
                     // answers instead.

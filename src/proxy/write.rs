@@ -22,6 +22,26 @@
 //! The generation bump is what makes step 1 safe against a fill already in flight: its
 //! store is refused. An invalidation Redis cannot take is journaled before the answer is
 //! released (see `consistency/invalidate.rs`): the write itself always goes through.
+//!
+//! # Version floor
+//!
+//! A write route with `version` replaces the guess (a quarantine as long as the replica
+//! might lag) with the database's own word, for the keys whose read route has `version`
+//! too (of the same kind: integers, or dates):
+//!
+//! 1. before forwarding: the keys are invalidated, without a quarantine;
+//! 2. after the answer, when it carries a version *v* (a status below 500, a header that
+//!    parses): the keys are invalidated again and their **floor** raised to *v* for
+//!    `version_floor_ttl`, in the same script, before the client gets the answer; no third
+//!    delete. From then on a fill of them stores and serves only an answer of version ≥
+//!    *v* (an older one is fetched again: see `proxy/fetch.rs`), and the first such answer
+//!    is stored at once. An answer stored between 1 and 2 is deleted by 2.
+//!
+//! An answer without a usable version (a 5xx, a missing or garbled header: counted in
+//! `cacheguard_version_unparsed_total`) sets no floor: those keys then get the quarantine
+//! of step 2 and the third delete, as above. Keys whose read route has no `version`, tags
+//! and the paths an answer names always do. The floor travels in the `invalidate` event,
+//! so every instance knows it for its fills without Redis.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -34,6 +54,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use super::access_log::{origin_waited, timing_origin};
 use super::body::Body;
 use super::passthrough::Passthrough;
 use super::respond;
@@ -41,7 +62,8 @@ use super::route::{Route, RouteTable};
 use super::spool::Spooled;
 use super::stock;
 use crate::cache::key::{self, normalized_params};
-use crate::config::{OnRedisError, fill_pattern};
+use crate::cache::version::{Floor, Version};
+use crate::config::{OnRedisError, VersionSource, fill_pattern};
 use crate::consistency::invalidate::{Invalidation, Invalidator, Source};
 use crate::consistency::tags;
 use crate::error::ProxyError;
@@ -126,19 +148,22 @@ impl WritePath {
             Err(answer) => return answer,
         };
         let host = request.headers().get(header::HOST).cloned();
-        let mut targets = self.invalidation_targets(route, params);
-        if !targets.is_empty() {
-            self.invalidator
-                .invalidate(&targets, Source::Write, quarantine)
-                .await;
-        }
+        let Targets {
+            floored,
+            mut quarantined,
+        } = self.invalidation_targets(route, params);
+        // Keys a floor will guard take no quarantine now: what a fill stores before the
+        // answer is deleted by the second invalidation.
+        self.invalidate(&floored, Duration::ZERO).await;
+        self.invalidate(&quarantined, quarantine).await;
         let mut response = if reservation.is_none() && lock.is_none() {
             self.forward(route, request, client).await
         } else {
             // Forwarded from a task of its own: a client that hangs up neither leaves the
             // units reserved nor lets the next write in while this one is at the origin.
+            // The time it waited on the origin is this request's (the access log's).
             let (this, route) = (Arc::clone(self), Arc::clone(route));
-            let write = tokio::spawn(async move {
+            let write = tokio::spawn(timing_origin(async move {
                 let forward = this.forward(&route, request, client);
                 let response = match (lock, &route.serialized) {
                     (Some(held), Some(metrics)) => {
@@ -150,26 +175,41 @@ impl WritePath {
                     Some(reservation) => reservation.settle(response).await,
                     None => response,
                 }
-            });
+            }));
             match write.await {
-                Ok(response) => response,
+                Ok((response, waited)) => {
+                    if let Some(waited) = waited {
+                        origin_waited(waited);
+                    }
+                    response
+                }
                 Err(_) => respond::error(&ProxyError::Internal),
             }
         };
         let answered = Instant::now();
-        targets.extend(
+        quarantined.extend(
             tags::take(response.headers_mut())
                 .tags
                 .into_iter()
                 .map(Invalidation::Tag),
         );
-        targets.extend(self.named_by_answer(&response, host.as_ref()));
-        if targets.is_empty() {
+        quarantined.extend(self.named_by_answer(&response, host.as_ref()));
+        // The answer's version floors the keys a floor guards; without one, they fall
+        // back to the quarantine and the third delete.
+        match floor_of(route, &response) {
+            Some(floor) if !floored.is_empty() => {
+                let floored: Vec<Invalidation> = floored
+                    .into_iter()
+                    .map(|target| target.with_floor(floor))
+                    .collect();
+                self.invalidate(&floored, Duration::ZERO).await;
+            }
+            _ => quarantined.extend(floored),
+        }
+        if quarantined.is_empty() {
             return response;
         }
-        self.invalidator
-            .invalidate(&targets, Source::Write, quarantine)
-            .await;
+        self.invalidate(&quarantined, quarantine).await;
         if !delay.is_zero() {
             let this = Arc::clone(self);
             self.deferred.spawn_on(
@@ -180,13 +220,22 @@ impl WritePath {
                         () = this.stop.cancelled() => {}
                     }
                     this.invalidator
-                        .invalidate(&targets, Source::Write, Duration::ZERO)
+                        .invalidate(&quarantined, Source::Write, Duration::ZERO)
                         .await;
                 },
                 &self.background,
             );
         }
         response
+    }
+
+    /// Invalidates a write's `targets` (none: nothing to do), with `quarantine`.
+    async fn invalidate(&self, targets: &[Invalidation], quarantine: Duration) {
+        if !targets.is_empty() {
+            self.invalidator
+                .invalidate(targets, Source::Write, quarantine)
+                .await;
+        }
     }
 
     /// On a serialized route, waits for the lock on the resource the write names and puts
@@ -306,22 +355,37 @@ impl WritePath {
     }
 
     /// The base keys a write on `route` with `params` invalidates: its `invalidate`
-    /// patterns filled from the write's path parameters, each with all its variants.
-    fn invalidation_targets(
-        &self,
-        route: &Route,
-        params: &[(String, String)],
-    ) -> Vec<Invalidation> {
-        route
-            .config
-            .invalidate
-            .iter()
-            .filter_map(|pattern| self.path_target(&fill_pattern(pattern, params)))
-            .collect()
+    /// patterns filled from the write's path parameters, each with all its variants; split
+    /// by whether the write's answer can floor them (the write route and the key's read
+    /// route both have `version`, of one kind).
+    fn invalidation_targets(&self, route: &Route, params: &[(String, String)]) -> Targets {
+        let mut targets = Targets::default();
+        for pattern in &route.config.invalidate {
+            let path = fill_pattern(pattern, params);
+            let Some((target, read_version)) = self.read_target(&path) else {
+                continue;
+            };
+            let floored = match (&route.config.version, &read_version) {
+                (Some(write), Some(read)) => same_kind(write, read),
+                _ => false,
+            };
+            if floored {
+                targets.floored.push(target);
+            } else {
+                targets.quarantined.push(target);
+            }
+        }
+        targets
     }
 
     /// The invalidation of `path` (every cached variant of it), if a read route caches it.
     pub(crate) fn path_target(&self, path: &str) -> Option<Invalidation> {
+        self.read_target(path).map(|(target, _)| target)
+    }
+
+    /// [`WritePath::path_target`], with how the read route that caches `path` reads
+    /// versions (its `version`).
+    fn read_target(&self, path: &str) -> Option<(Invalidation, Option<VersionSource>)> {
         let routes = self.routes.load();
         let matched = routes.find(&Method::GET, path)?;
         let read = &matched.route.config;
@@ -329,10 +393,50 @@ impl WritePath {
             return None;
         }
         let base = key::base(read, path);
-        Some(Invalidation::Key {
+        let target = Invalidation::Key {
             base: base.base,
             generation_ttl: self.invalidator.horizon(),
-        })
+            floor: None,
+        };
+        Some((target, read.version.clone()))
+    }
+}
+
+/// A write's keys, by what keeps older answers out of them after it.
+#[derive(Debug, Default)]
+struct Targets {
+    /// Keys the answer's version floors (see the module docs).
+    floored: Vec<Invalidation>,
+    /// Keys a quarantine and the third delete guard.
+    quarantined: Vec<Invalidation>,
+}
+
+/// Whether two routes' versions compare: both integers, or both dates.
+fn same_kind(a: &VersionSource, b: &VersionSource) -> bool {
+    matches!(
+        (a, b),
+        (VersionSource::Integer(_), VersionSource::Integer(_))
+            | (VersionSource::Date(_), VersionSource::Date(_))
+    )
+}
+
+/// The floor a write's answer sets, on a route with `version`: its version, for
+/// `version_floor_ttl`. None for a 5xx (the write's outcome is unknown) or an answer whose
+/// version is missing or does not parse (counted: it is never trusted).
+fn floor_of(route: &Route, response: &Response<Body>) -> Option<Floor> {
+    let source = route.config.version.as_ref()?;
+    if response.status().is_server_error() {
+        return None;
+    }
+    match Version::of(response.headers(), source) {
+        Version::At(version) => Some(Floor {
+            version,
+            ttl: route.config.version_floor_ttl,
+        }),
+        Version::Unparsed => {
+            route.metrics.version_unparsed.inc();
+            None
+        }
     }
 }
 

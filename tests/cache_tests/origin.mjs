@@ -1,7 +1,10 @@
-// The suite's own origin server (server/server.mjs of http-cache-tests), listening on
-// 127.0.0.1 only: the server calls `listen(port)`, which would take every interface.
+// The suite's own origin server (server/server.mjs of the npm package http-cache-tests,
+// test-engine/server/server.mjs of the development repository http-tests/cache-tests),
+// listening on 127.0.0.1 only: the server calls `listen(port)`, which would take every
+// interface.
 //
 // Usage: node origin.mjs PACKAGE_DIR PORT
+import fs from 'node:fs'
 import http from 'node:http'
 import os from 'node:os'
 import path from 'node:path'
@@ -23,4 +26,6 @@ process.env.npm_config_protocol = 'http'
 process.env.npm_config_port = port
 process.env.npm_config_pidfile = os.devNull
 
-await import(pathToFileURL(path.join(packageDir, 'server', 'server.mjs')).href)
+const development = path.join(packageDir, 'test-engine', 'server', 'server.mjs')
+const server = fs.existsSync(development) ? development : path.join(packageDir, 'server', 'server.mjs')
+await import(pathToFileURL(server).href)

@@ -1,8 +1,12 @@
 // Scores a run of the suite's command-line client exactly as the suite itself does: each
-// test's result goes through the suite's `determineTestResult` (lib/display.mjs), which
-// applies the test's kind (required, optimal, check) and its dependencies.
+// test's result goes through the suite's `determineTestResult`, which applies the test's
+// kind (required, optimal, check) and its dependencies.
 //
 // Usage: node score.mjs PACKAGE_DIR RESULTS_JSON
+//
+// PACKAGE_DIR is either the npm package http-cache-tests 0.4.5 (lib/display.mjs; its client
+// runs the surrogate-control suite too) or a copy of the development repository
+// http-tests/cache-tests (test-engine/lib/results.mjs; its client runs tests/index.mjs only).
 //
 // Prints one line per test of the suite, `<id> <result>`, sorted by id, where the result is
 // one of the suite's categories: pass, fail (a required test failed), optional-fail, yes and
@@ -19,11 +23,12 @@ if (!packageDir || !resultsFile) {
   process.exit(2)
 }
 const load = file => import(pathToFileURL(path.join(packageDir, file)).href)
+const development = fs.existsSync(path.join(packageDir, 'test-engine', 'lib', 'results.mjs'))
 
 const suites = (await load('tests/index.mjs')).default
-// The command-line client runs the surrogate-control suite as well (cli.mjs).
-suites.push((await load('tests/surrogate-control.mjs')).default)
-const { determineTestResult } = await load('lib/display.mjs')
+// The package's command-line client runs the surrogate-control suite as well (cli.mjs).
+if (!development) suites.push((await load('tests/surrogate-control.mjs')).default)
+const { determineTestResult } = await load(development ? 'test-engine/lib/results.mjs' : 'lib/display.mjs')
 const results = JSON.parse(fs.readFileSync(resultsFile, 'utf8'))
 
 // `determineTestResult` returns one entry of the suite's result table; its third member is

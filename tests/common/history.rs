@@ -13,7 +13,9 @@
 //! offending operations, a `Display` that explains a failure):
 //!
 //! - stock: [`check_oversell`], [`check_phantom`], [`check_undersell`], [`flood_factor`];
-//! - write serialisation: [`check_exclusion`], [`check_fencing`].
+//! - write serialisation: [`check_exclusion`], [`check_fencing`];
+//! - version floor (read-your-writes through a cache in front of a lagging replica):
+//!   [`check_version_floor`].
 //!
 //! Nothing here knows cacheguard: the runner (`jepsen.rs`) and the shop (`shop.rs`) fill
 //! these types, and a later feature's tests can fill them the same way.
@@ -1176,6 +1178,155 @@ pub fn check_fencing(log: &WriteLog) -> FencingReport {
                 (false, true) => report.stale_refused += 1,
                 (false, false) => report.wrongly_refused.push(w.clone()),
             }
+        }
+    }
+    report
+}
+
+// === the version-floor checker ===
+
+/// A read that returned an older version of its resource than a write that had completed
+/// before the read began.
+#[derive(Clone, Debug)]
+pub struct StaleRead {
+    pub write: Op,
+    pub read: Op,
+    /// The write's version, and the read's.
+    pub written: u64,
+    pub seen: u64,
+}
+
+impl fmt::Display for StaleRead {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "read version {} < {}: {}\n      after {}",
+            self.seen, self.written, self.read, self.write
+        )
+    }
+}
+
+/// See [`check_version_floor`].
+#[derive(Clone, Debug)]
+pub struct VersionFloorReport {
+    /// Writes that completed `ok`, and reads that completed `ok`, each with a version.
+    pub writes: usize,
+    pub reads: usize,
+    /// `ok` operations whose answer carried no version (the header missing or garbled).
+    pub unversioned: Vec<Op>,
+    /// Reads older than a write *their own client* had seen complete (read-your-writes).
+    pub stale: Vec<StaleRead>,
+    /// Reads older than a write *any* client had seen complete before the read began (a
+    /// superset of `stale`: what a reader could learn of another's write by other means).
+    pub behind_any: Vec<StaleRead>,
+}
+
+impl VersionFloorReport {
+    /// No stale read, and every `ok` answer carried a version.
+    pub fn ok(&self) -> bool {
+        self.stale.is_empty() && self.unversioned.is_empty()
+    }
+}
+
+impl fmt::Display for VersionFloorReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "version floor: {} stale reads (older than the client's own completed write), \
+             {} behind another client's completed write, {} answers without a version; of \
+             {} reads after {} writes",
+            self.stale.len(),
+            self.behind_any.len(),
+            self.unversioned.len(),
+            self.reads,
+            self.writes
+        )?;
+        list(f, &self.stale)?;
+        list(f, &self.behind_any)?;
+        list(f, &self.unversioned)
+    }
+}
+
+/// **Version floor**: with versions that only grow per resource (a row version), no read
+/// returns an older version than a write its client saw complete. Writes are the `ok`
+/// operations doing `write_f`, reads those doing `read_f`; each answer's version is in its
+/// `header` (kept in the history). A write whose outcome is unknown was not seen complete
+/// and sets nothing. Also reported: reads older than *any* client's write completed before
+/// the read began (`behind_any`).
+pub fn check_version_floor(
+    history: &History,
+    write_f: &str,
+    read_f: &str,
+    header: &str,
+) -> VersionFloorReport {
+    let mut report = VersionFloorReport {
+        writes: 0,
+        reads: 0,
+        unversioned: Vec::new(),
+        stale: Vec::new(),
+        behind_any: Vec::new(),
+    };
+    let version = |op: &Op| {
+        op.header_value(header)
+            .and_then(|v| v.trim().parse::<u64>().ok())
+    };
+    // Every completed write per resource, by when it completed.
+    let mut completed: BTreeMap<&str, Vec<(Duration, u64, &Op)>> = BTreeMap::new();
+    // Per client and resource, the last write it saw complete (its ops run one at a time).
+    let mut own: HashMap<(usize, &str), (u64, &Op)> = HashMap::new();
+    let mut ops: Vec<&Op> = history.ops.iter().collect();
+    ops.sort_by_key(|op| op.index);
+    for op in ops {
+        if op.outcome() != Outcome::Ok || (op.f() != write_f && op.f() != read_f) {
+            continue;
+        }
+        let Some(v) = version(op) else {
+            report.unversioned.push(op.clone());
+            continue;
+        };
+        let key = (op.call.process, op.resource());
+        if op.f() == write_f {
+            report.writes += 1;
+            if let Some(end) = op.end {
+                completed
+                    .entry(op.resource())
+                    .or_default()
+                    .push((end, v, op));
+            }
+            own.insert(key, (v, op));
+            continue;
+        }
+        report.reads += 1;
+        if let Some((written, write)) = own.get(&key)
+            && v < *written
+        {
+            report.stale.push(StaleRead {
+                write: (*write).clone(),
+                read: op.clone(),
+                written: *written,
+                seen: v,
+            });
+        }
+    }
+    for read in history.ops_of(read_f) {
+        let Some(seen) = version(read).filter(|_| read.outcome() == Outcome::Ok) else {
+            continue;
+        };
+        let newest = completed
+            .get(read.resource())
+            .into_iter()
+            .flatten()
+            .filter(|(end, _, _)| *end < read.start)
+            .max_by_key(|(_, v, _)| *v);
+        if let Some((_, written, write)) = newest
+            && seen < *written
+        {
+            report.behind_any.push(StaleRead {
+                write: (*write).clone(),
+                read: read.clone(),
+                written: *written,
+                seen,
+            });
         }
     }
     report

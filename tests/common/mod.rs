@@ -2,7 +2,8 @@
 //!
 //! - [`RedisServer`]: a real `redis-server` on a free loopback port (always the real server).
 //! - [`RedisCluster`]: a real six-node Redis Cluster (three primaries, three replicas).
-//! - [`TestOrigin`]: the fake origin API (counters, in-flight gauge, per-path behaviour).
+//! - [`TestOrigin`]: the fake origin API (counters, in-flight gauge, per-path behaviour);
+//!   [`RawOrigin`]: one that writes the same raw bytes for every request.
 //! - [`CgConfig`] / [`config_toml`] + [`start_cacheguard`]: an in-process cacheguard.
 //! - [`HttpClient`]: keep-alive client; [`raw_request`] for exact headers.
 //! - [`spawn_cacheguard_process`]: the real binary as a child process.
@@ -30,6 +31,7 @@ pub mod load;
 pub mod origin;
 pub mod process;
 pub mod prom;
+pub mod raw_origin;
 pub mod redis_cluster;
 pub mod redis_sentinel;
 pub mod redis_server;
@@ -53,6 +55,7 @@ pub use origin::{IdsFault, IdsFormat, TestOrigin, default_body};
 pub use process::{
     CacheguardProcess, spawn_cacheguard_process, spawn_cacheguard_process_with_args,
 };
+pub use raw_origin::RawOrigin;
 pub use redis_cluster::RedisCluster;
 pub use redis_sentinel::RedisSentinel;
 pub use redis_server::RedisServer;
@@ -110,6 +113,40 @@ pub fn bloom_table(
         q(name),
         q(refresh)
     )
+}
+
+/// A `[[stock]]` gate `name` over the seats of a train (`/trains/{train}/seats/{type}`),
+/// counted from the origin's `GET /internal/stock/{train}/{type}` (`{"remaining": N}`, see
+/// [`set_seats`]), with `settings` added (TOML lines; may be empty).
+pub fn stock_table(name: &str, settings: &str) -> String {
+    format!(
+        "\n[[stock]]\nname = {}\nkey = \"/trains/{{train}}/seats/{{type}}\"\n\
+         source = {{ path = \"/internal/stock/{{train}}/{{type}}\", json = \"/remaining\" }}\n{}\n",
+        q(name),
+        settings.trim()
+    )
+}
+
+/// The buy route `POST /trains/{train}/seats/{type}/orders`, taking one unit of `gate`.
+pub fn buy_route(gate: &str) -> String {
+    route(
+        "buy",
+        "/trains/{train}/seats/{type}/orders",
+        "POST",
+        &format!("stock = {{ gate = {}, units = 1 }}", q(gate)),
+    )
+}
+
+/// The order path of seat type `kind` of `train` (the path of [`buy_route`]).
+pub fn orders(train: &str, kind: &str) -> String {
+    format!("/trains/{train}/seats/{kind}/orders")
+}
+
+/// Puts `remaining` seats of `kind` on `train` on sale at `origin`
+/// ([`TestOrigin::set_seats`]: the count a [`stock_table`] gate loads, and buys that
+/// decrement it).
+pub fn set_seats(origin: &TestOrigin, train: &str, kind: &str, remaining: u64) {
+    origin.set_seats(&format!("/trains/{train}/seats/{kind}"), remaining);
 }
 
 /// The KV origin's routes: `GET /kv/{key}` cached (with route-level `l1` when given), and

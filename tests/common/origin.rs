@@ -86,6 +86,8 @@ struct State {
     ids_completed: AtomicU64,
     items_api: Mutex<Option<ItemsApi>>,
     kv: Mutex<KvStore>,
+    /// Seats left per resource path (`/trains/t1/seats/a`), see [`TestOrigin::set_seats`].
+    seats: Mutex<HashMap<String, u64>>,
 }
 
 /// The origin's existing ids: in order (for `/internal/ids`) and as a set (for look-ups).
@@ -530,6 +532,21 @@ impl TestOrigin {
         }
     }
 
+    /// Puts `remaining` seats on sale at `resource` (`/trains/{train}/seats/{type}`), the
+    /// origin side of a stock gate: `GET /internal/stock/{train}/{type}` answers
+    /// `{"remaining": N}`, and `POST <resource>/orders` sells one seat with a conditional
+    /// decrement (`200 {"order":K}`) or answers `409 {"type":"sold-out"}` when none is left.
+    /// Per-path settings (status, body, echo) still take precedence (a buy they answer sells
+    /// nothing); delays apply as usual.
+    pub fn set_seats(&self, resource: &str, remaining: u64) {
+        lock(&self.state.seats).insert(resource.to_owned(), remaining);
+    }
+
+    /// Seats left at `resource` (`None`: not on sale).
+    pub fn seats(&self, resource: &str) -> Option<u64> {
+        lock(&self.state.seats).get(resource).copied()
+    }
+
     /// Turns the versioned KV store on (off by default). Every key exists, at version 0
     /// until its first write; `<key>` is one path segment, taken as it appears in the path.
     ///
@@ -672,6 +689,9 @@ async fn handle(
         Some(kv_response(&state, kv).await)
     } else if plain && let Some(api) = items_api {
         items_response(&state, api, &parts.method, &path)
+            .or_else(|| seats_response(&state, &parts.method, &path))
+    } else if plain {
+        seats_response(&state, &parts.method, &path)
     } else {
         None
     };
@@ -722,6 +742,38 @@ async fn handle(
         resp.headers_mut().remove(http::header::CONTENT_TYPE);
     }
     resp
+}
+
+/// A JSON answer.
+fn json(status: StatusCode, body: String) -> Response<OriginBody> {
+    let mut resp = Response::new(full(body));
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    resp
+}
+
+/// The seats of [`TestOrigin::set_seats`]: their count, and buys. `None` for any other path.
+fn seats_response(state: &State, method: &Method, path: &str) -> Option<Response<OriginBody>> {
+    let mut seats = lock(&state.seats);
+    if let Some(rest) = path.strip_prefix("/internal/stock/")
+        && *method == Method::GET
+    {
+        let left = *seats.get(&format!("/trains/{}", rest.replacen('/', "/seats/", 1)))?;
+        return Some(json(StatusCode::OK, format!("{{\"remaining\": {left}}}")));
+    }
+    let resource = path
+        .strip_suffix("/orders")
+        .filter(|_| *method == Method::POST)?;
+    let left = seats.get_mut(resource)?;
+    Some(if *left > 0 {
+        *left -= 1;
+        json(StatusCode::OK, format!("{{\"order\": {left}}}"))
+    } else {
+        json(StatusCode::CONFLICT, "{\"type\":\"sold-out\"}".to_owned())
+    })
 }
 
 /// `GET /internal/ids` as configured by the ids endpoint settings.
@@ -848,15 +900,6 @@ fn items_response(
     method: &Method,
     path: &str,
 ) -> Option<Response<OriginBody>> {
-    let json = |status: StatusCode, body: String| {
-        let mut resp = Response::new(full(body));
-        *resp.status_mut() = status;
-        resp.headers_mut().insert(
-            http::header::CONTENT_TYPE,
-            HeaderValue::from_static("application/json"),
-        );
-        resp
-    };
     if path == ITEMS_COLLECTION && method == Method::POST {
         let id = {
             let mut ids = lock(&state.ids);

@@ -11,6 +11,11 @@
 //! - `PUT|PATCH|DELETE /trains/{t}/seats/{s}`: a write to that resource, logged with its
 //!   `fencing-token` and `Fencing-Key` and its interval at the origin; in fencing mode
 //!   ([`Shop::set_fencing`]) a token below the highest accepted (or none) is refused, `409`.
+//!   An accepted write moves the row to its next version, answered in `x-row-version`.
+//! - `GET /trains/{t}/seats/{s}`: the row as a read replica has it, lagging
+//!   [`Shop::set_replica_lag`] behind the writes: the version committed at or before
+//!   `now − lag` (0 before any), as `{"resource":…,"version":n}` and `x-row-version: n`.
+//!   [`Shop::set_version_answer`] makes reads or writes send a garbled version, or none.
 //!
 //! Faults, per [`Scope`]: added latency ([`Shop::set_latency`]), and [`Fault`]s: hang until
 //! [`Shop::release`], answer a 5xx, or commit the sale and then hang (the in-doubt case).
@@ -55,6 +60,8 @@ pub enum Scope {
     Stock,
     /// Every write to a seat (`PUT`/`PATCH`/`DELETE`).
     Writes,
+    /// Every read of a seat (`GET`).
+    Reads,
     /// One exact path.
     Path(String),
 }
@@ -75,11 +82,24 @@ pub enum Fault {
     CommitThenStatus(u16),
 }
 
+/// What the shop puts in `x-row-version` (see [`Shop::set_version_answer`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum VersionAnswer {
+    /// The row's version.
+    #[default]
+    Exact,
+    /// No `x-row-version` at all.
+    Missing,
+    /// `x-row-version: v<n>` (not an integer).
+    Garbled,
+}
+
 #[derive(Debug)]
 enum Kind {
     Buy { resource: String },
     Stock { resource: String },
     Write { resource: String },
+    Read { resource: String },
     Other,
 }
 
@@ -100,6 +120,9 @@ impl Kind {
                     resource: seat(t, s),
                 }
             }
+            (&Method::GET, ["trains", t, "seats", s]) => Kind::Read {
+                resource: seat(t, s),
+            },
             _ => Kind::Other,
         }
     }
@@ -109,6 +132,7 @@ impl Kind {
             Kind::Buy { .. } => Some(Scope::Buys),
             Kind::Stock { .. } => Some(Scope::Stock),
             Kind::Write { .. } => Some(Scope::Writes),
+            Kind::Read { .. } => Some(Scope::Reads),
             Kind::Other => None,
         }
     }
@@ -134,6 +158,10 @@ struct Ledger {
     writes: Vec<WriteRecord>,
     /// Per resource: the highest token accepted, and the row version.
     fences: HashMap<String, (Option<u64>, u64)>,
+    /// Per resource: each version with when it was committed, in order.
+    versions: HashMap<String, Vec<(Duration, u64)>>,
+    /// Reads answered, per resource.
+    reads: HashMap<String, u64>,
 }
 
 #[derive(Debug, Default)]
@@ -143,6 +171,11 @@ struct Knobs {
     /// `Some(header)`: refuse writes whose token (in `header`) is below the highest
     /// accepted.
     fencing: Option<String>,
+    /// How far behind the writes a read sees the rows.
+    replica_lag: Duration,
+    /// What reads and writes say in `x-row-version`.
+    read_version: VersionAnswer,
+    write_version: VersionAnswer,
 }
 
 impl Knobs {
@@ -269,6 +302,39 @@ impl Shop {
     /// checking.
     pub fn set_fencing(&self, header: Option<&str>) {
         lock(&self.state.knobs).fencing = header.map(str::to_ascii_lowercase);
+    }
+
+    /// Reads see the rows as they were `lag` ago (a replica that far behind the primary).
+    pub fn set_replica_lag(&self, lag: Duration) {
+        lock(&self.state.knobs).replica_lag = lag;
+    }
+
+    /// What `x-row-version` says from now on, in answers to reads (`Scope::Reads`) or to
+    /// writes (`Scope::Writes`).
+    pub fn set_version_answer(&self, scope: Scope, answer: VersionAnswer) {
+        let mut knobs = lock(&self.state.knobs);
+        match scope {
+            Scope::Reads => knobs.read_version = answer,
+            Scope::Writes => knobs.write_version = answer,
+            other => panic!("versions are answered to reads and writes, not {other:?}"),
+        }
+    }
+
+    /// The version of `resource` now (at the primary): 0 before any write.
+    pub fn version(&self, resource: &str) -> u64 {
+        lock(&self.state.ledger)
+            .fences
+            .get(resource)
+            .map_or(0, |(_, version)| *version)
+    }
+
+    /// Reads of `resource` answered so far.
+    pub fn reads(&self, resource: &str) -> u64 {
+        lock(&self.state.ledger)
+            .reads
+            .get(resource)
+            .copied()
+            .unwrap_or(0)
     }
 
     /// Adds `units` to `resource` (a restock; the resource is created if new).
@@ -405,12 +471,15 @@ async fn transaction(
     received: Duration,
 ) -> Response<ShopBody> {
     let kind = Kind::of(method, path);
-    let (latency, fault, fencing) = {
+    let (latency, fault, fencing, lag, read_version, write_version) = {
         let knobs = lock(&state.knobs);
         (
             Knobs::pick(&knobs.latency, path, kind.scope()),
             Knobs::pick(&knobs.faults, path, kind.scope()),
             knobs.fencing.clone(),
+            knobs.replica_lag,
+            knobs.read_version,
+            knobs.write_version,
         )
     };
     if let Kind::Buy { resource } = &kind
@@ -432,7 +501,10 @@ async fn transaction(
             Some(record) => json(200, format!(r#"{{"remaining":{}}}"#, record.remaining)),
             None => problem(404, "unknown-resource", "no such resource"),
         },
-        Kind::Write { resource } => write(state, &resource, headers, received, fencing),
+        Kind::Write { resource } => {
+            write(state, &resource, headers, received, fencing, write_version)
+        }
+        Kind::Read { resource } => read(state, &resource, lag, read_version),
         Kind::Other => problem(404, "not-found", "no such path"),
     };
     match fault {
@@ -511,6 +583,38 @@ fn buy(
     json(201, format!(r#"{{"order":"{order}"}}"#))
 }
 
+/// The row `resource` at `version`, with `x-row-version` as `answer` says.
+fn row(resource: &str, version: u64, answer: VersionAnswer) -> Response<ShopBody> {
+    let mut resp = json(
+        200,
+        format!(r#"{{"resource":"{resource}","version":{version}}}"#),
+    );
+    let header = match answer {
+        VersionAnswer::Exact => Some(version.to_string()),
+        VersionAnswer::Garbled => Some(format!("v{version}")),
+        VersionAnswer::Missing => None,
+    };
+    if let Some(v) = header.and_then(|h| HeaderValue::from_str(&h).ok()) {
+        resp.headers_mut().insert("x-row-version", v);
+    }
+    resp
+}
+
+/// A read of `resource` from a replica `lag` behind: the last version committed by then.
+fn read(state: &State, resource: &str, lag: Duration, answer: VersionAnswer) -> Response<ShopBody> {
+    let seen = state.epoch.elapsed().saturating_sub(lag);
+    let mut ledger = lock(&state.ledger);
+    *ledger.reads.entry(resource.to_string()).or_default() += 1;
+    let version = ledger.versions.get(resource).map_or(0, |versions| {
+        versions
+            .iter()
+            .rev()
+            .find(|(at, _)| *at <= seen)
+            .map_or(0, |(_, v)| *v)
+    });
+    row(resource, version, answer)
+}
+
 /// A write to `resource`, checked against the highest token in fencing mode.
 fn write(
     state: &State,
@@ -518,6 +622,7 @@ fn write(
     headers: &HeaderMap,
     received: Duration,
     fencing: Option<String>,
+    answer: VersionAnswer,
 ) -> Response<ShopBody> {
     let header_name = fencing.as_deref().unwrap_or(FENCING_TOKEN);
     let token = header(headers, header_name).and_then(|t| t.trim().parse::<u64>().ok());
@@ -534,6 +639,14 @@ fn write(
         *highest = token.max(*highest);
         *version += 1;
     }
+    let version = *version;
+    if accepted {
+        ledger
+            .versions
+            .entry(resource.to_string())
+            .or_default()
+            .push((state.epoch.elapsed(), version));
+    }
     let status = if accepted { 200 } else { 409 };
     ledger.writes.push(WriteRecord {
         seq: ledger.writes.len() as u64,
@@ -548,14 +661,7 @@ fn write(
     if !accepted {
         return problem(409, "stale-token", "a newer fencing token was accepted");
     }
-    let mut resp = json(
-        200,
-        format!(r#"{{"resource":"{resource}","version":{version}}}"#),
-    );
-    if let Ok(v) = HeaderValue::from_str(&version.to_string()) {
-        resp.headers_mut().insert("x-row-version", v);
-    }
-    resp
+    row(resource, version, answer)
 }
 
 /// A client's buy of one unit of `resource` with idempotency key `key`, for the runner.
@@ -571,6 +677,19 @@ pub fn buy_request(resource: &str, key: &str) -> super::jepsen::Request {
             ("content-type".to_string(), "application/json".to_string()),
         ],
         body: r#"{"units":1}"#.to_string(),
+    }
+}
+
+/// A client's read of `resource` (`GET`), for the runner.
+pub fn read_request(resource: &str) -> super::jepsen::Request {
+    super::jepsen::Request {
+        f: "read".to_string(),
+        resource: resource.to_string(),
+        value: String::new(),
+        method: Method::GET,
+        path: resource.to_string(),
+        headers: Vec::new(),
+        body: String::new(),
     }
 }
 

@@ -4,16 +4,18 @@
 //! A [`Reading`] is what the counters say at one moment (cumulative answers per route, origin
 //! requests so far, gauges); [`History::record`] turns it into a [`Sample`] by comparing it
 //! with the sample before: requests per second and hit ratio over the interval. Memory is
-//! bounded by [`CAPACITY`] samples of one small record per route (the routes are those of the
-//! route table at that moment, so a reload that adds or removes routes shows from the next
-//! sample on): about 100 bytes per route per sample, 300 KiB for ten routes.
+//! bounded by [`CAPACITY`] samples of one small record per route and per stock gate (the
+//! routes are those of the route table at that moment, so a reload that adds or removes
+//! routes shows from the next sample on): about 100 bytes per route or gate per sample,
+//! 300 KiB for ten.
 //!
 //! Time is tokio's: [`run`] ticks on `tokio::time::interval` and stamps samples with
 //! [`clock::now_ms`], so the tests below move both with paused time.
 //!
 //! The hit ratio is `hit_l1 + hit_l2` over every outcome but `bypass` (uncacheable by
-//! design), as the dashboard's L1 and L2 lines add up; stale, revalidated, negative and
-//! rejected answers count in the denominator only.
+//! design) and a stock gate's own answers (`sold_out`, `replayed`: buys, which no cache
+//! could have answered), as the dashboard's L1 and L2 lines add up; stale, revalidated,
+//! negative and rejected answers count in the denominator only.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -33,6 +35,18 @@ pub(crate) const CAPACITY: usize = 300;
 /// A route's answers so far, by outcome, in [`Outcome::ALL`] order.
 pub(crate) type Counts = [u64; Outcome::ALL.len()];
 
+/// Outcomes that are not answers a cache could have given: out of the hit ratio.
+const NOT_CACHEABLE: [Outcome; 3] = [Outcome::Bypass, Outcome::SoldOut, Outcome::Replayed];
+
+/// A stock gate's buys so far, as its chart draws them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct GateCounts {
+    /// Buys that took units (forwarded to the origin).
+    pub(crate) admitted: u64,
+    /// Buys answered sold out, from this instance's marks or from Redis.
+    pub(crate) sold_out: u64,
+}
+
 /// The counters and gauges the page charts, read at one moment.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub(crate) struct Reading {
@@ -47,6 +61,8 @@ pub(crate) struct Reading {
     pub(crate) max_rps: u64,
     /// Whether Redis is in the request path (breaker closed); `None` in embedded mode.
     pub(crate) redis_up: Option<bool>,
+    /// Every stock gate, with its buys so far.
+    pub(crate) gates: Vec<(String, GateCounts)>,
 }
 
 /// One route in one sample.
@@ -63,6 +79,17 @@ pub(crate) struct RouteSample {
     pub(crate) hit_ratio: Option<f64>,
 }
 
+/// One stock gate in one sample.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct GateSample {
+    /// Shared with the same gate's entry in the samples before.
+    pub(crate) name: Arc<str>,
+    pub(crate) counts: GateCounts,
+    /// Per second over the interval since the sample before; `None` in the first sample.
+    pub(crate) admitted_rps: Option<f64>,
+    pub(crate) sold_out_rps: Option<f64>,
+}
+
 /// One sample: a [`Reading`] with its rates.
 #[derive(Clone, Debug, PartialEq)]
 pub(crate) struct Sample {
@@ -76,12 +103,18 @@ pub(crate) struct Sample {
     pub(crate) max_concurrency: u64,
     pub(crate) max_rps: u64,
     pub(crate) redis_up: Option<bool>,
+    pub(crate) gates: Vec<GateSample>,
 }
 
 impl Sample {
     /// The entry of route `name`, if the route was in the table then.
     pub(crate) fn route(&self, name: &str) -> Option<&RouteSample> {
         self.routes.iter().find(|r| &*r.name == name)
+    }
+
+    /// The entry of stock gate `name`.
+    pub(crate) fn gate(&self, name: &str) -> Option<&GateSample> {
+        self.gates.iter().find(|g| &*g.name == name)
     }
 }
 
@@ -123,6 +156,21 @@ impl History {
                 }
             })
             .collect();
+        let gates = reading
+            .gates
+            .into_iter()
+            .map(|(name, counts)| {
+                let prior = before.and_then(|b| b.gate(&name));
+                GateSample {
+                    name: prior.map_or_else(|| Arc::from(name), |p| Arc::clone(&p.name)),
+                    admitted_rps: prior
+                        .and_then(|p| per_second(p.counts.admitted, counts.admitted, ms)),
+                    sold_out_rps: prior
+                        .and_then(|p| per_second(p.counts.sold_out, counts.sold_out, ms)),
+                    counts,
+                }
+            })
+            .collect();
         let sample = Sample {
             at_ms,
             routes,
@@ -133,6 +181,7 @@ impl History {
             max_concurrency: reading.max_concurrency,
             max_rps: reading.max_rps,
             redis_up: reading.redis_up,
+            gates,
         };
         if self.samples.len() == self.capacity {
             self.samples.pop_front();
@@ -186,7 +235,7 @@ pub(crate) fn hit_ratio(before: &Counts, after: &Counts) -> Option<f64> {
     let hits = delta(Outcome::HitL1) + delta(Outcome::HitL2);
     let cacheable: u64 = Outcome::ALL
         .into_iter()
-        .filter(|o| *o != Outcome::Bypass)
+        .filter(|o| !NOT_CACHEABLE.contains(o))
         .map(delta)
         .sum();
     (cacheable > 0).then(|| hits as f64 / cacheable as f64)
@@ -241,6 +290,7 @@ mod tests {
             max_concurrency: 64,
             max_rps: 100,
             redis_up: Some(true),
+            gates: Vec::new(),
         }
     }
 
@@ -257,6 +307,43 @@ mod tests {
         assert_eq!(hit_ratio(&before, &after), Some(0.8));
         assert_eq!(hit_ratio(&after, &after), None);
         assert_eq!(hit_ratio(&before, &counts(&[(Outcome::Bypass, 9)])), None);
+    }
+
+    /// A flash sale's crowd answered sold out (and replays of completed buys) are buys, not
+    /// cache misses: they leave a route's hit ratio alone.
+    #[test]
+    fn stock_answers_are_not_in_the_hit_ratio() {
+        let before = counts(&[]);
+        let sale = counts(&[
+            (Outcome::HitL1, 3),
+            (Outcome::Miss, 1),
+            (Outcome::SoldOut, 1_000),
+            (Outcome::Replayed, 10),
+        ]);
+        assert_eq!(hit_ratio(&before, &sale), Some(0.75));
+        let buys_only = counts(&[(Outcome::SoldOut, 1_000), (Outcome::Bypass, 10)]);
+        assert_eq!(hit_ratio(&before, &buys_only), None);
+    }
+
+    #[test]
+    fn gates_get_rates_of_admitted_and_sold_out() {
+        let gate = |admitted, sold_out| {
+            let mut r = reading(&[], 0);
+            r.gates = vec![("seats".to_owned(), GateCounts { admitted, sold_out })];
+            r
+        };
+        let mut history = History::default();
+        history.record(2000, gate(10, 0));
+        history.record(4000, gate(30, 500));
+        let samples: Vec<&Sample> = history.since(0).collect();
+        let first = samples[0].gate("seats").expect("the gate");
+        assert_eq!((first.admitted_rps, first.sold_out_rps), (None, None));
+        let second = samples[1].gate("seats").expect("the gate");
+        assert_eq!(
+            (second.admitted_rps, second.sold_out_rps),
+            (Some(10.0), Some(250.0))
+        );
+        assert!(Arc::ptr_eq(&first.name, &second.name));
     }
 
     #[test]

@@ -8,14 +8,14 @@
 
 use std::time::{Duration, UNIX_EPOCH};
 
-use super::{BloomRow, HotRow, RouteRow, Snapshot};
-use crate::metrics::Outcome;
+use super::{BloomRow, GateRow, HotRow, RouteRow, Snapshot};
+use crate::metrics::{Outcome, StockOutcome, StockSettled};
 use crate::proxy::own_answer::RecentAnswer;
 
 const TEMPLATE: &str = include_str!("page.html");
 
 /// The routes table's outcome columns, in the order the page's script uses.
-const COLUMNS: [Outcome; 9] = [
+const COLUMNS: [Outcome; 11] = [
     Outcome::HitL1,
     Outcome::HitL2,
     Outcome::Miss,
@@ -25,6 +25,8 @@ const COLUMNS: [Outcome; 9] = [
     Outcome::Reject,
     Outcome::Bypass,
     Outcome::Error,
+    Outcome::SoldOut,
+    Outcome::Replayed,
 ];
 
 /// Markup safe to put into the page.
@@ -137,6 +139,8 @@ fn slot_value(s: &Snapshot, nonce: &str, slot: &str) -> Option<Html> {
         }),
         "hot_keys" => hot_keys(&s.hot_keys),
         "error_rows" => error_rows(&s.recent_errors),
+        "stock_rows" => stock_rows(&s.stock),
+        "stock_charts" => stock_charts(&s.stock),
         _ => return None,
     })
 }
@@ -156,6 +160,68 @@ fn route_rows(routes: &[RouteRow]) -> Html {
         }
         html.cell("num", &r.total.to_string());
         html.push_tag("</tr>");
+    }
+    html
+}
+
+/// The stock gates table: the same cells, in the same order, as the page's script writes.
+fn stock_rows(gates: &[GateRow]) -> Html {
+    let mut html = Html::default();
+    if gates.is_empty() {
+        html.push_tag("<tr class=\"none\"><td colspan=\"18\">no stock gates configured</td></tr>");
+    }
+    for g in gates {
+        html.push_tag("<tr data-gate=\"");
+        html.push_text(&g.name);
+        html.push_tag("\">");
+        html.cell("name", &g.name);
+        html.cell("num admitted-rate", &rate(g.admitted_per_second));
+        html.cell("num sold-out-rate", &rate(g.sold_out_per_second));
+        let numbers = [
+            g.decision(StockOutcome::Admitted),
+            g.decision(StockOutcome::SoldOutLocal),
+            g.decision(StockOutcome::SoldOutRedis),
+            g.settlement(StockSettled::Sold),
+            g.settlement(StockSettled::Returned),
+            g.settlement(StockSettled::InDoubt),
+        ];
+        for n in numbers {
+            html.cell("num", &n.to_string());
+        }
+        html.cell("num delta", &signed(g.reconcile_delta));
+        let numbers = [
+            g.reconciles,
+            g.reconciles_failed,
+            g.redis_errors,
+            g.decision(StockOutcome::Replayed),
+            g.decision(StockOutcome::InFlight),
+            g.decision(StockOutcome::Mismatch),
+            g.decision(StockOutcome::Unavailable) + g.decision(StockOutcome::NotLoaded),
+            g.decision(StockOutcome::Ungated),
+        ];
+        for n in numbers {
+            html.cell("num", &n.to_string());
+        }
+        html.push_tag("</tr>");
+    }
+    html
+}
+
+/// One chart per stock gate (drawn by the script; the `i`th gate's is `chart-stock-i`).
+fn stock_charts(gates: &[GateRow]) -> Html {
+    let mut html = Html::default();
+    for (i, g) in gates.iter().enumerate() {
+        html.push_tag("<figure data-gate=\"");
+        html.push_text(&g.name);
+        html.push_tag("\"><figcaption>Stock gate <code>");
+        html.push_text(&g.name);
+        html.push_tag(
+            "</code>: admitted vs sold out per second</figcaption><svg id=\"chart-stock-",
+        );
+        html.push_text(&i.to_string());
+        html.push_tag(
+            "\" class=\"chart\" viewBox=\"0 0 560 150\" role=\"img\" aria-label=\"admitted and sold-out buys per second\"></svg></figure>",
+        );
     }
     html
 }
@@ -256,6 +322,15 @@ fn rate(rps: Option<f64>) -> String {
     rps.map_or_else(|| "\u{2013}".to_owned(), |r| format!("{r:.1}"))
 }
 
+/// A signed count: `+3`, `-2`, `0`.
+fn signed(n: i64) -> String {
+    if n > 0 {
+        format!("+{n}")
+    } else {
+        n.to_string()
+    }
+}
+
 fn percent(ratio: Option<f64>, digits: usize) -> String {
     ratio.map_or_else(
         || "\u{2013}".to_owned(),
@@ -353,6 +428,30 @@ mod tests {
                 status: 413,
                 reason: "body_too_large",
             }],
+            stock: vec![gate(NASTY)],
+        }
+    }
+
+    /// A gate with every counter set to a different number.
+    fn gate(name: &str) -> GateRow {
+        let mut decisions = [0; StockOutcome::ALL.len()];
+        for (i, outcome) in StockOutcome::ALL.iter().enumerate() {
+            decisions[*outcome as usize] = 100 + i as u64;
+        }
+        let mut settled = [0; StockSettled::ALL.len()];
+        for (i, result) in StockSettled::ALL.iter().enumerate() {
+            settled[*result as usize] = 200 + i as u64;
+        }
+        GateRow {
+            name: name.to_owned(),
+            admitted_per_second: Some(25.04),
+            sold_out_per_second: None,
+            decisions,
+            settled,
+            reconciles: 31,
+            reconciles_failed: 2,
+            reconcile_delta: -4,
+            redis_errors: 7,
         }
     }
 
@@ -375,11 +474,54 @@ mod tests {
     }
 
     #[test]
+    fn a_gate_row_has_every_number_in_the_columns_order() {
+        let mut s = snapshot();
+        s.stock = vec![gate("seats")];
+        let page = render(&s, "n0nce");
+        // admitted/s, sold out/s; admitted, sold out here, sold out Redis; sold, returned,
+        // in doubt; the last delta; reconciles, failed; Redis errors; replayed, 409, 422,
+        // 503 (unavailable + not loaded), ungated.
+        let cells = [
+            "25.0", "\u{2013}", "100", "102", "103", "200", "201", "203", "-4", "31", "2", "7",
+            "104", "105", "106", "218", "109",
+        ];
+        let row = page
+            .split("<tr data-gate=\"seats\">")
+            .nth(1)
+            .and_then(|rest| rest.split("</tr>").next())
+            .unwrap_or_else(|| panic!("no row for the gate"));
+        let found: Vec<&str> = row
+            .split("</td>")
+            .filter_map(|cell| cell.rsplit('>').next())
+            .filter(|text| !text.is_empty())
+            .skip(1)
+            .collect();
+        assert_eq!(found, cells);
+        assert!(page.contains("<svg id=\"chart-stock-0\""));
+        assert!(page.contains("<th class=\"num\">sold_out</th><th class=\"num\">replayed</th>"));
+        assert_eq!(signed(3), "+3");
+        assert_eq!(signed(0), "0");
+    }
+
+    #[test]
+    fn no_gates_says_so() {
+        let mut s = snapshot();
+        s.stock = Vec::new();
+        let page = render(&s, "n0nce");
+        assert!(page.contains("no stock gates configured"));
+        assert!(!page.contains("<svg id=\"chart-stock-"));
+    }
+
+    #[test]
     fn client_chosen_text_is_escaped() {
         let page = render(&snapshot(), "n0nce");
         let escaped = "&lt;script&gt;alert(1)&lt;/script&gt;&quot;&#39;&amp;";
         assert!(page.contains(&format!("<code>items /api/items/{escaped}</code>")));
         assert!(page.contains(&format!("<td class=\"path\">/api/items/{escaped}</td>")));
+        assert!(page.contains(&format!(
+            "<tr data-gate=\"{escaped}\"><td class=\"name\">{escaped}</td>"
+        )));
+        assert!(page.contains(&format!("<figure data-gate=\"{escaped}\">")));
         assert!(!page.contains("<script>alert"));
         // Our own script is the only one.
         assert_eq!(page.matches("<script").count(), 1);

@@ -160,6 +160,7 @@ impl RedisLocks {
             kind: EventKind::Released,
             instance: self.instance,
             hash: grant.resource,
+            floor: None,
         }
         .encode();
         // The fill lock's release: compare-and-delete, then wake the waiters.

@@ -29,7 +29,7 @@ use tracing::warn;
 
 use crate::coord::events::{EventKind, WaitHandle};
 use crate::coord::redis::Unavailable;
-use crate::coord::store::{Acquired, FillOutcome, Lease, RedisStore};
+use crate::coord::store::{Acquired, FillOutcome, FloorCheck, Lease, RedisStore};
 use crate::metrics::{LockEvent, Metrics};
 
 /// Slack after a holder's lease end before a waiter contends again, so the expiry has
@@ -117,15 +117,17 @@ impl FleetLock {
     /// Not cancel-safe in one respect: cancelled after Redis granted the lock, the lock
     /// stays taken until its lease ends, when a waiter takes over. Fills run in their own
     /// task, so this only happens at shutdown.
-    /// At most `max_waiters` keys are waited on at once in this process.
+    /// At most `max_waiters` keys are waited on at once in this process. With
+    /// [`FloorCheck::On`], a won claim knows the key's version floor ([`FillPermit::floor`]).
     pub(crate) async fn claim(
         &self,
         base: u128,
         hash: u128,
         max_waiters: usize,
         or_entry: bool,
+        check: FloorCheck,
     ) -> Result<Claim, Unavailable> {
-        match self.store.acquire(base, hash, or_entry).await? {
+        match self.store.acquire(base, hash, or_entry, check).await? {
             Acquired::Present => Ok(Claim::Present),
             Acquired::Won(lease) => Ok(Claim::Leader(Box::new(FillPermit {
                 store: self.store.clone(),
@@ -143,14 +145,25 @@ impl FleetLock {
     }
 
     /// A permit to store without the lock (see [`FillPermit`]); it reads the generation
-    /// now, so take it before the fetch starts.
-    pub(crate) async fn unlocked(&self, base: u128, hash: u128) -> Result<FillPermit, Unavailable> {
+    /// (and with [`FloorCheck::On`] the version floor) now, so take it before the fetch
+    /// starts.
+    pub(crate) async fn unlocked(
+        &self,
+        base: u128,
+        hash: u128,
+        check: FloorCheck,
+    ) -> Result<FillPermit, Unavailable> {
         Ok(FillPermit {
             store: self.store.clone(),
-            lease: self.store.unlocked_lease(base, hash).await?,
+            lease: self.store.unlocked_lease(base, hash, check).await?,
             locked: false,
             done: false,
         })
+    }
+
+    /// The version floor of base key `base` in Redis, for a fetch that takes no permit.
+    pub(crate) async fn floor(&self, base: u128) -> Result<Option<u128>, Unavailable> {
+        self.store.floor(base).await
     }
 
     /// The copy of a failed fetch's answer its holder left for the waiters of `hash` (see
@@ -166,6 +179,12 @@ impl FleetLock {
 }
 
 impl FillPermit {
+    /// The key's version floor when the permit was taken (asked for with
+    /// [`FloorCheck::On`]): the fetch's answer must reach it.
+    pub(crate) fn floor(&self) -> Option<u128> {
+        self.lease.floor
+    }
+
     /// Runs `work` (the fetch) while renewing the lease every lease/3, so a slow origin
     /// does not let the lock expire under it. A renewal that finds the lock lost is counted
     /// and logged; the work goes on (its fill will be refused if another holder stored).
@@ -220,15 +239,18 @@ impl FillPermit {
     }
 
     /// Stores `encoded` for `ttl` if the generation is unchanged and nobody else holds the
-    /// lock, releases the lock and wakes the waiters (one script). A fill that fails (Redis
-    /// timed out, or a cluster slot being migrated refused the script) releases the lock
-    /// on its own, so the waiters take over now rather than at the lease's end.
+    /// lock (and its `version` reaches the key's floor, on a route with `version`; see
+    /// [`RedisStore::fill`]), releases the lock and wakes the waiters (one script). A fill
+    /// that fails (Redis timed out, or a cluster slot being migrated refused the script)
+    /// releases the lock on its own, so the waiters take over now rather than at the
+    /// lease's end.
     pub(crate) async fn fill(
         mut self,
         encoded: &[u8],
         ttl: Duration,
+        version: Option<&str>,
     ) -> Result<FillOutcome, Unavailable> {
-        let filled = self.store.fill(&self.lease, encoded, ttl).await;
+        let filled = self.store.fill(&self.lease, encoded, ttl, version).await;
         if filled.is_err() {
             self.release_with(EventKind::Released, None).await;
         } else {
@@ -458,9 +480,21 @@ mod tests {
 
     /// Claims `hash` until this instance leads (bounded), and returns its permit.
     async fn lead(fleet: &FleetLock, hash: u128, within: Duration) -> Box<FillPermit> {
+        lead_checked(fleet, hash, within, FloorCheck::Off).await
+    }
+
+    /// [`lead`], reading the version floor with `check`.
+    async fn lead_checked(
+        fleet: &FleetLock,
+        hash: u128,
+        within: Duration,
+        check: FloorCheck,
+    ) -> Box<FillPermit> {
         let deadline = Instant::now() + within;
         loop {
-            if let Ok(Claim::Leader(permit)) = fleet.claim(hash, hash, usize::MAX, false).await {
+            if let Ok(Claim::Leader(permit)) =
+                fleet.claim(hash, hash, usize::MAX, false, check).await
+            {
                 return permit;
             }
             assert!(
@@ -480,7 +514,7 @@ mod tests {
         let permit = lead(&fleet, 1, Duration::ZERO).await;
         assert!(
             matches!(
-                fleet.claim(1, 1, usize::MAX, false).await,
+                fleet.claim(1, 1, usize::MAX, false, FloorCheck::Off).await,
                 Ok(Claim::Follower(_))
             ),
             "a second claim follows while the permit lives"
@@ -499,7 +533,7 @@ mod tests {
         let redis = TestRedis::start().await;
         let fleet = fleet_on(&redis).await;
         let permit = lead(&fleet, 2, Duration::ZERO).await;
-        let stored = permit.fill(b"entry", Duration::from_secs(60)).await;
+        let stored = permit.fill(b"entry", Duration::from_secs(60), None).await;
         assert_eq!(stored.expect("redis"), FillOutcome::Stored);
         let mut conn = redis.conn().await;
         let entry: Option<Vec<u8>> = redis::cmd("GET")
@@ -511,12 +545,91 @@ mod tests {
         let next = lead(&fleet, 2, Duration::ZERO).await;
         assert!(
             matches!(
-                fleet.claim(2, 2, usize::MAX, false).await,
+                fleet.claim(2, 2, usize::MAX, false, FloorCheck::Off).await,
                 Ok(Claim::Follower(_))
             ),
             "the next holder's lock was released by the filled permit"
         );
         next.release(EventKind::Released).await;
+    }
+
+    /// Against a real redis-server: the version floor is read with the lock, set by a
+    /// write's invalidation (a lower one never lowers it), kept by the fill script (an
+    /// answer below it, or without a version, is refused; one at or above is stored and
+    /// raises it), compared as numbers however long; a route without `version` ignores it.
+    #[tokio::test]
+    async fn the_floor_is_read_with_the_lock_and_kept_by_the_fill_script() {
+        let redis = TestRedis::start().await;
+        let fleet = fleet_on(&redis).await;
+        let (key, on, now) = (3, FloorCheck::On, Duration::ZERO);
+        let life = Duration::from_secs(60);
+        let floored = |version: u128| Some((version, Duration::from_secs(10)));
+        let permit = lead_checked(&fleet, key, now, on).await;
+        assert_eq!(permit.floor(), None, "no write yet");
+        permit.release(EventKind::Released).await;
+        // 99 is above 100 as text: compared as numbers.
+        fleet
+            .store
+            .invalidate(key, life, Duration::ZERO, floored(99))
+            .await
+            .expect("invalidate");
+        let fill = |version: &str| {
+            let (fleet, version) = (fleet.clone(), version.to_owned());
+            async move {
+                let permit = lead_checked(&fleet, key, Duration::from_secs(2), on).await;
+                let floor = permit.floor();
+                let outcome = permit.fill(b"entry", life, Some(&version)).await;
+                (floor, outcome.expect("redis"))
+            }
+        };
+        assert_eq!(fill("98").await, (Some(99), FillOutcome::OlderVersion));
+        assert_eq!(
+            fill("-").await,
+            (Some(99), FillOutcome::OlderVersion),
+            "none"
+        );
+        assert_eq!(fill("100").await, (Some(99), FillOutcome::Stored));
+        assert_eq!(
+            fill("99").await,
+            (Some(100), FillOutcome::OlderVersion),
+            "older than the stored entry's"
+        );
+        fleet
+            .store
+            .invalidate(key, life, Duration::ZERO, floored(50))
+            .await
+            .expect("invalidate");
+        let big = "1".repeat(38);
+        fleet
+            .store
+            .invalidate(
+                key,
+                life,
+                Duration::ZERO,
+                floored(big.parse().expect("u128")),
+            )
+            .await
+            .expect("invalidate");
+        let (floor, outcome) = fill(&"9".repeat(37)).await;
+        assert_eq!(
+            floor.map(|f| f.to_string()),
+            Some(big),
+            "a lower write kept none"
+        );
+        assert_eq!(outcome, FillOutcome::OlderVersion);
+        // A route without `version`: no floor read, none checked.
+        let permit = lead_checked(&fleet, key, Duration::from_secs(2), FloorCheck::Off).await;
+        assert_eq!(permit.floor(), None);
+        let stored = permit.fill(b"entry", life, None).await.expect("redis");
+        assert_eq!(stored, FillOutcome::Stored);
+        // The lock-free fill reads it too.
+        let unlocked = fleet.unlocked(key, key, on).await.expect("redis");
+        assert!(unlocked.floor().is_some());
+        assert_eq!(
+            fleet.floor(key).await.expect("redis"),
+            unlocked.floor(),
+            "a fetch without a permit reads the same"
+        );
     }
 
     #[tokio::test(start_paused = true)]
