@@ -186,11 +186,12 @@ stand_in() {
     "$maker" "$name"
 }
 
-# `build_stand_in NAME CONTEXT`: builds CONTEXT/Containerfile as NAME, quietly unless it fails.
+# `build_stand_in NAME CONTEXT [BUILD OPTION...]`: builds CONTEXT/Containerfile as NAME,
+# quietly unless it fails.
 build_stand_in() {
     local log
     log="$work/build-$(tr -c 'a-z0-9.\n-' - <<<"$1").log"
-    if ! nice -n 10 "$engine" build ${engine_build_flags[@]+"${engine_build_flags[@]}"} \
+    if ! nice -n 10 "$engine" build ${engine_build_flags[@]+"${engine_build_flags[@]}"} "${@:3}" \
         --label "$stand_in_label=$1" -t "$1" -f "$2/Containerfile" "$2" >"$log" 2>&1; then
         tail -20 "$log" >&2
         fail "could not build the stand-in $1 (log: $log)"
@@ -225,7 +226,18 @@ make_debian() {
 rust_image="docker.io/library/rust:$rust_version-$debian_release"
 make_rust() {
     local name=$1 context="$work/rust-stand-in"
-    local sysroot host
+    local sysroot host inputs
+    # Remade only when what goes into it changed (copying the toolchain and vendoring the
+    # crates take a minute or two): the toolchain, Cargo.lock, this recipe, the Debian image.
+    inputs="$({
+        rustc -vV
+        cat Cargo.lock
+        declare -f make_rust
+        ctr image inspect -f '{{.Id}}' "$debian_image"
+    } | sha256sum | cut -d' ' -f1)"
+    if [ "$(ctr image inspect -f "{{index .Config.Labels \"$stand_in_label.inputs\"}}" "$name" 2>/dev/null)" = "$inputs" ]; then
+        return 0
+    fi
     sysroot="$(rustc --print sysroot)"
     host="$(rustc -vV | sed -n 's/^host: //p')"
     local toolchain="$rust_version-$host"
@@ -270,7 +282,7 @@ RUN mkdir -p /usr/local/cargo/bin \\
 COPY vendor /usr/local/cargo/vendor
 COPY cargo-config.toml /usr/local/cargo/config.toml
 EOF
-    build_stand_in "$name" "$context"
+    build_stand_in "$name" "$context" --label "$stand_in_label.inputs=$inputs"
     rm -rf "$context"
 }
 
@@ -302,6 +314,7 @@ fi
 step "building $image from the Dockerfile (a release build: minutes the first time)"
 build_started=$SECONDS
 build_log="$work/image-build.log"
+previous_image="$(ctr image inspect -f '{{.Id}}' "$image" 2>/dev/null || true)"
 if [ "$engine" = docker ]; then
     build=(env DOCKER_BUILDKIT=1 docker build)
 else
@@ -310,6 +323,10 @@ fi
 if ! nice -n 10 "${build[@]}" -t "$image" -f Dockerfile . >"$build_log" 2>&1; then
     tail -30 "$build_log" >&2
     fail "the image does not build (log: $build_log)"
+fi
+# The image this build replaced, untagged now: removed, so that runs do not pile up images.
+if [ -n "$previous_image" ] && [ "$previous_image" != "$(ctr image inspect -f '{{.Id}}' "$image")" ]; then
+    ctr rmi "$previous_image" >/dev/null 2>&1 || true
 fi
 build_finished=$SECONDS
 echo "   built in $((build_finished - build_started)) s"
