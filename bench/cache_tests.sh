@@ -6,10 +6,9 @@
 #   0.4.5    the npm package http-cache-tests 0.4.5 (the version the test command runs,
 #            tests/cache_tests.rs)
 #   dev      the suite's development version: the repository http-tests/cache-tests (BSD-3-Clause)
-#            at commit DEV_COMMIT below, which reads RFC 9111 more closely (370 tests). Its code
-#            is never part of this repository: it is taken from a git repository of it
-#            (CACHE_TESTS_REPO, archived at DEV_COMMIT into the target dir) or from a copy of its
-#            files (CACHE_TESTS_DEV_DIR), and its npm dependencies are installed beside it
+#            at commit DEV_COMMIT below, which reads RFC 9111 more closely (370 tests),
+#            vendored under its licence in bench/cache-tests-dev (or another copy of its files,
+#            CACHE_TESTS_DEV_DIR), run from a copy in the target dir with its npm dependencies
 #
 # For each version:
 #   suite    its origin server (through tests/cache_tests/origin.mjs, which keeps it on
@@ -37,11 +36,9 @@
 #        CACHE_TESTS_DIR=path (another copy of http-cache-tests 0.4.5; by default the copy
 #        scripts/test.sh installs, target/cache-tests/node_modules/http-cache-tests, installed
 #        here the same way when it is missing)
-#        CACHE_TESTS_REPO=path (a git repository of http-tests/cache-tests holding DEV_COMMIT;
-#        default /work/.mirror/http-tests+cache-tests/repo); the files at DEV_COMMIT are
-#        extracted with `git archive` into target/cache-tests-dev/<commit>/, once
-#        CACHE_TESTS_DEV_DIR=path (instead: a copy of the repository's files at DEV_COMMIT,
-#        used as it is)
+#        CACHE_TESTS_DEV_DIR=path (a copy of the development version's files, used as it is;
+#        by default the copy vendored in bench/cache-tests-dev at DEV_COMMIT is copied into
+#        target/cache-tests-dev/<commit>/, once, and its npm dependencies installed there)
 #        KEEP_TMP=1 (keep the scratch dir with the nginx prefixes, the varnishd workdirs, ...)
 #
 # Writes bench/results/cache-tests-<UTC timestamp>/<version>/ (per target: the client's
@@ -55,11 +52,10 @@ set -euo pipefail
 # shellcheck source=bench/lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
-bench_defaults BASE_PORT=29880 SUITES="0.4.5 dev" \
-    CACHE_TESTS_REPO=/work/.mirror/http-tests+cache-tests/repo
+bench_defaults BASE_PORT=29880 SUITES="0.4.5 dev"
 PACKAGE_VERSION=0.4.5
-# The suite's development version: http-tests/cache-tests at this commit (2026-07-20, the
-# newest the mirror holds: "Merge pull request #201").
+# The suite's development version: http-tests/cache-tests at this commit (2026-07-20,
+# "Merge pull request #201"), as vendored in bench/cache-tests-dev.
 DEV_COMMIT=b55b8bda3dbb8c927c04e85bd8d496a8caa3e4ba
 CLIENT_TIMEOUT_S=150 # tests/cache_tests.rs CLIENT_DEADLINE
 LIVE_TARGETS="nginx varnish cacheguard"
@@ -108,10 +104,9 @@ prepare_package() {
     SOURCE_OF[0.4.5]=$pkg
 }
 
-# The development version, pinned to DEV_COMMIT: CACHE_TESTS_DEV_DIR as it is, or the files of
-# CACHE_TESTS_REPO at DEV_COMMIT, extracted once into the target dir; then its npm dependencies
-# (undici, for the interim-answer tests) installed beside it when missing. Nothing of it is
-# written into this repository.
+# The development version, pinned to DEV_COMMIT: CACHE_TESTS_DEV_DIR as it is, or the copy
+# vendored in bench/cache-tests-dev, copied once into the target dir (so that its npm
+# dependencies, undici for the interim-answer tests, are installed outside the repository).
 prepare_dev() {
     local dir
     if [[ -n ${CACHE_TESTS_DEV_DIR:-} ]]; then
@@ -120,17 +115,18 @@ prepare_dev() {
             die "CACHE_TESTS_DEV_DIR=$dir does not hold the suite's development version (no test-engine/cli.mjs)"
         SOURCE_OF[dev]="$dir (CACHE_TESTS_DEV_DIR, as given; expected at ${DEV_COMMIT:0:7})"
     else
-        git -C "$CACHE_TESTS_REPO" cat-file -e "$DEV_COMMIT^{commit}" 2>/dev/null ||
-            die "the suite's development version is not available here: CACHE_TESTS_REPO=$CACHE_TESTS_REPO is not a git repository holding http-tests/cache-tests commit ${DEV_COMMIT:0:7}. Point CACHE_TESTS_REPO at a clone of that repository, or CACHE_TESTS_DEV_DIR at a copy of its files at that commit, or run the npm package alone with SUITES=0.4.5."
+        local vendored
+        vendored=$(realpath "$(dirname "${BASH_SOURCE[0]}")/cache-tests-dev")
+        [[ -f $vendored/test-engine/cli.mjs ]] ||
+            die "the vendored development suite is missing: $vendored/test-engine/cli.mjs"
         dir=$(realpath -m "${CARGO_TARGET_DIR:-target}/cache-tests-dev/${DEV_COMMIT:0:12}")
         if [[ ! -f $dir/test-engine/cli.mjs ]]; then
-            log "extracting http-tests/cache-tests ${DEV_COMMIT:0:7} from $CACHE_TESTS_REPO into $dir (git archive)"
+            log "copying the vendored development suite ${DEV_COMMIT:0:7} into $dir"
             rm -rf "$dir"
             mkdir -p "$dir"
-            git -C "$CACHE_TESTS_REPO" archive "$DEV_COMMIT" | tar -x -C "$dir" ||
-                die "git archive $DEV_COMMIT from $CACHE_TESTS_REPO failed"
+            cp -R "$vendored/." "$dir/" || die "copying $vendored into $dir failed"
         fi
-        SOURCE_OF[dev]="$CACHE_TESTS_REPO at $DEV_COMMIT (extracted into $dir)"
+        SOURCE_OF[dev]="bench/cache-tests-dev (vendored at $DEV_COMMIT; copied into $dir)"
     fi
     if [[ ! -d $dir/node_modules/undici ]]; then
         log "installing the development suite's npm dependencies into $dir"

@@ -49,7 +49,7 @@ const SHOP_LATENCY: Duration = Duration::from_millis(20);
 /// The shop's time to sell just before an instance is killed (many buys in flight).
 const MID_BUY_LATENCY: Duration = Duration::from_millis(300);
 
-/// The gate as stock-design.md declares it, with short intervals for short runs.
+/// The gate as README's "Flash sales" section declares it, with short intervals for short runs.
 fn stock_table(segments: u32) -> String {
     format!(
         r#"
@@ -441,7 +441,7 @@ async fn scenario(topology: Topology, nemesis: Fault, flood_max: Option<f64>) {
 
 // === the harness checks itself: no gate, the shop alone decides ===
 
-/// The gate's config is the TOML of stock-design.md (it parses, with the designed keys),
+/// The gate's config is the TOML README shows (it parses, with the documented keys),
 /// so flipping [`STOCK_GATE`] tests the gate as users will write it.
 #[test]
 fn gate_config_is_the_designed_toml() {
