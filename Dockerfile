@@ -17,6 +17,10 @@ ARG DEBIAN_RELEASE=bookworm
 
 # ---- build -------------------------------------------------------------------------------
 FROM rust:${RUST_VERSION}-${DEBIAN_RELEASE} AS build
+# protoc: the etcd lock service's client compiles etcd's gRPC definitions at build time.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends protobuf-compiler \
+    && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 # rust-toolchain.toml is deliberately not copied: it pins the same 1.95.0 this image has, but
 # also asks rustup for clippy and rustfmt, which a release build does not need.

@@ -31,7 +31,10 @@
 #            event bus's reads). Reported per request: the commands cacheguard sent (MONITOR, without the
 #            calls made inside Lua scripts), the commandstats calls (which count those inner
 #            calls too) with a per-command breakdown, and cacheguard's own
-#            cacheguard_request_redis_commands_total / cacheguard_requests_total.
+#            cacheguard_request_redis_commands_total / cacheguard_requests_total. Then, without
+#            MONITOR (whose own output costs Redis CPU), REDIS_N more never-seen ids and the
+#            same again: redis-server's CPU (INFO cpu used_cpu_sys + used_cpu_user) per cold
+#            miss and per L2 hit, net of an idle window as long.
 #   d. memory per cached entry  one fresh instance per target, filled with MEM_KEYS distinct
 #            1 KiB keys (wrk + bench/distinct.lua): cacheguard embedded with `l1_max_bytes =
 #            MEM_L1_MAX_BYTES`, nginx proxy_cache with a keys_zone and max_size for MEM_KEYS
@@ -310,6 +313,31 @@ window_counts() {
         }' "$1.cmdstats"
 }
 
+# redis_cpu_s: redis-server's CPU so far (INFO cpu: used_cpu_sys + used_cpu_user), seconds.
+redis_cpu_s() {
+    "${REDIS_CLI[@]}" info cpu | tr -d '\r' |
+        awk -F: '$1 == "used_cpu_sys" || $1 == "used_cpu_user" { t += $2 } END { printf "%.6f", t }'
+}
+
+# redis_cpu_batch MODE PHASE IDS: every id of IDS once, without MONITOR, then an idle window
+# as long; redis-server's CPU of each into redis-cpu.tsv.
+redis_cpu_batch() {
+    local mode=$1 phase=$2 ids=$3 p="$OUT/c/$1-$2-cpu" c0 c1 c2 t0 cmd_s n
+    n=$(wc -l <"$ids")
+    log "c. l1 = $mode: $phase, Redis CPU: $n requests, then an idle window as long"
+    c0=$(redis_cpu_s)
+    t0=$EPOCHREALTIME
+    run_list "$p.json" "$ids"
+    cmd_s=$(awk -v a="$EPOCHREALTIME" -v b="$t0" 'BEGIN { printf "%.3f", a - b }')
+    sleep "$SETTLE_S"
+    c1=$(redis_cpu_s)
+    sleep "$(awk -v a="$cmd_s" -v b="$SETTLE_S" 'BEGIN { printf "%.3f", a + b }')"
+    c2=$(redis_cpu_s)
+    printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$mode" "$phase" "$n" "$(json_counts "$p.json")" \
+        "$(awk -v a="$c1" -v b="$c0" 'BEGIN { printf "%.6f", a - b }')" \
+        "$(awk -v a="$c2" -v b="$c1" 'BEGIN { printf "%.6f", a - b }')" >>"$OUT/redis-cpu.tsv"
+}
+
 # run_list JSON IDS: every id of IDS once through the section-c instance (loadgen list).
 run_list() {
     run_bg "$1" timeout --signal=TERM 120 "$LOADGEN_BIN" list --url "http://127.0.0.1:$CGC_PORT/items/{id}" \
@@ -350,6 +378,7 @@ redis_batch() {
 
 if has c; then
     printf 'mode\tphase\twindow\tsource\tcommand\tcount\n' >"$OUT/redis.tsv"
+    printf 'mode\tphase\trequests\tx_cache\tbatch_cpu_s\tidle_cpu_s\n' >"$OUT/redis-cpu.tsv"
     : >"$OUT/c/batches.tmp"
     first=1000001
     for mode in $L1_MODES; do
@@ -362,6 +391,10 @@ if has c; then
         first=$((first + REDIS_N))
         redis_batch "$mode" miss "$OUT/c/$mode-ids.txt" MISS
         redis_batch "$mode" hit "$OUT/c/$mode-ids.txt" HIT-L2
+        seq "$first" $((first + REDIS_N - 1)) >"$OUT/c/$mode-cpu-ids.txt"
+        first=$((first + REDIS_N))
+        redis_cpu_batch "$mode" miss "$OUT/c/$mode-cpu-ids.txt"
+        redis_cpu_batch "$mode" hit "$OUT/c/$mode-cpu-ids.txt"
         stop_pid "${PID_OF[cg-c-$mode]}"
     done
     {
@@ -559,6 +592,12 @@ c_breakdown() {
         END { for (c in t) if (t[c] / n >= 0.005 || t[c] / n <= -0.005) printf "%s %.2f\n", c, t[c] / n }' "$OUT/redis.tsv" |
         sort -k2,2gr -k1,1 | awk '{ printf "%s%s %s", (NR > 1 ? ", " : ""), $1, $2 }'
 }
+# c_cpu MODE PHASE: redis-server's CPU µs per request (batch − idle, without MONITOR).
+c_cpu() {
+    [[ -f $OUT/redis-cpu.tsv ]] || return 0
+    awk -F'\t' -v m="$1" -v p="$2" 'NR > 1 && $1 == m && $2 == p && $3 > 0 {
+            printf "%.1f", ($5 - $6) * 1e6 / $3 }' "$OUT/redis-cpu.tsv"
+}
 # c_metric MODE PHASE: cacheguard_request_redis_commands_total / cacheguard_requests_total over
 # the batch.
 c_metric() {
@@ -626,11 +665,11 @@ P99_CG2=$(q "$(med "$OUT/stampede.tsv" p99_ms cg2 c="$STAMPEDE_C")" "$STAMPEDE_D
     row "**b. CPU µs per hit, all processes** (cacheguard L2: + redis-server)" "${cells[@]}"
     ratio_row "$OUT/cpu.tsv" total_us_per_req "$TARGETS"
     for mode in $L1_MODES; do
-        row "c. Redis commands per cold miss, \`l1 = \"$mode\"\` (sent by cacheguard; its metric)" "n/a" "n/a" "n/a" "0 (no Redis)" \
-            "$(r2 "$(c_total "$mode" miss client)") ($(r2 "$(c_metric "$mode" miss)"))"
+        row "c. Redis commands per cold miss, \`l1 = \"$mode\"\` (sent by cacheguard; its metric; executed by Redis; Redis CPU µs)" "n/a" "n/a" "n/a" "0 (no Redis)" \
+            "$(r2 "$(c_total "$mode" miss client)") ($(r2 "$(c_metric "$mode" miss)")); $(r2 "$(c_total "$mode" miss commandstats)"); $(c_cpu "$mode" miss) µs"
     done
-    row "c. Redis commands per L2 hit, \`l1 = \"off\"\` (sent by cacheguard; its metric)" "n/a" "n/a" "n/a" "0 (no Redis)" \
-        "$(r2 "$(c_total off hit client)") ($(r2 "$(c_metric off hit)"))"
+    row "c. Redis commands per L2 hit, \`l1 = \"off\"\` (sent by cacheguard; its metric; executed by Redis; Redis CPU µs)" "n/a" "n/a" "n/a" "0 (no Redis)" \
+        "$(r2 "$(c_total off hit client)") ($(r2 "$(c_metric off hit)")); $(r2 "$(c_total off hit commandstats)"); $(c_cpu off hit) µs"
     cells=("")
     for t in nginx varnish cg-l1; do cells+=("$(vcell 3 "$OUT/memory.tsv" kib_per_entry "$t")"); done
     row "d. KiB of memory (Pss) per cached 1 KiB entry, $(fmt_int "$MEM_KEYS") keys" "${cells[@]}" ""
@@ -712,14 +751,16 @@ P99_CG2=$(q "$(med "$OUT/stampede.tsv" p99_ms cg2 c="$STAMPEDE_C")" "$STAMPEDE_D
         echo "${SETTLE_S} s, \`INFO commandstats\`. Per request, net of the idle window:"
         echo "**sent** = the commands cacheguard sent (MONITOR, without the calls made inside Lua scripts);"
         echo "**commandstats** = INFO commandstats calls, which count the calls made inside scripts as well;"
-        echo "**metric** = cacheguard's \`cacheguard_request_redis_commands_total\` / \`cacheguard_requests_total\` over the batch."
+        echo "**metric** = cacheguard's \`cacheguard_request_redis_commands_total\` / \`cacheguard_requests_total\` over the batch;"
+        echo "**Redis CPU** = redis-server's used_cpu_sys + used_cpu_user (\`INFO cpu\`) per request, from a second batch of"
+        echo "$REDIS_N other ids (and the same again for hits) run without MONITOR, net of an idle window as long."
         echo
-        echo "| l1 | batch | X-Cache | window s | sent | sent, per command | commandstats | commandstats, per command | metric | idle window: sent |"
-        echo "|---|---|---|---|---|---|---|---|---|---|"
+        echo "| l1 | batch | X-Cache | window s | sent | sent, per command | commandstats | commandstats, per command | metric | Redis CPU µs | idle window: sent |"
+        echo "|---|---|---|---|---|---|---|---|---|---|---|"
         for mode in $L1_MODES; do
             for phase in miss hit; do
                 idle=$(awk -F'\t' -v m="$mode" -v p="$phase" 'NR > 1 && $1 == m && $2 == p && $3 == "idle" && $4 == "client" { printf "%s%s %s", (n++ ? ", " : ""), $5, $6 }' "$OUT/redis.tsv")
-                echo "| $mode | $phase | $(tsv_col "$OUT/redis-batches.tsv" x_cache mode="$mode" phase="$phase") | $(tsv_col "$OUT/redis-batches.tsv" window_s mode="$mode" phase="$phase") | **$(r2 "$(c_total "$mode" "$phase" client)")** | $(c_breakdown "$mode" "$phase" client) | $(r2 "$(c_total "$mode" "$phase" commandstats)") | $(c_breakdown "$mode" "$phase" commandstats) | $(r2 "$(c_metric "$mode" "$phase")") | ${idle:-none} |"
+                echo "| $mode | $phase | $(tsv_col "$OUT/redis-batches.tsv" x_cache mode="$mode" phase="$phase") | $(tsv_col "$OUT/redis-batches.tsv" window_s mode="$mode" phase="$phase") | **$(r2 "$(c_total "$mode" "$phase" client)")** | $(c_breakdown "$mode" "$phase" client) | $(r2 "$(c_total "$mode" "$phase" commandstats)") | $(c_breakdown "$mode" "$phase" commandstats) | $(r2 "$(c_metric "$mode" "$phase")") | $(c_cpu "$mode" "$phase") | ${idle:-none} |"
             done
         done
     fi

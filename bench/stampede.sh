@@ -152,10 +152,17 @@ declare -A LABEL=(
 RAW=$OUT/raw.tsv
 {
     printf 'c\ttarget\trep\tid\torigin_cold\torigin_total\torigin_max_inflight\tready\tcount\tok\tnon2xx\terrors'
-    printf '\tsetup_failures\tp50_ms\tp99_ms\tmax_ms\tsend_skew_ms\tx_cache\tafter_x_cache\tlock_events\tlog_warnings\n'
+    printf '\tsetup_failures\tp50_ms\tp99_ms\tmax_ms\tsend_skew_ms\tx_cache\tafter_x_cache\tlock_events\tlog_warnings\tcg_outcomes\n'
 } >"$RAW"
 
 next_id=$FIRST_COLD_ID
+
+# outcome_delta BEFORE AFTER OUTCOME: the change of cacheguard_requests_total{outcome}
+# between two /metrics dumps, summed over the routes.
+outcome_delta() {
+    local sum='index($1, "cacheguard_requests_total{outcome=\"" o "\"") == 1 { v += $2 } END { printf "%.0f", v + 0 }'
+    echo $(($(awk -v o="$3" "$sum" "$2") - $(awk -v o="$3" "$sum" "$1")))
+}
 
 # run_one C TARGET REP: one stampede, parsed into raw.tsv.
 run_one() {
@@ -191,13 +198,16 @@ run_one() {
     local after=()
     for inst in ${INSTANCES[$target]}; do after+=("$(x_cache "${URL_OF[$inst]}$path")"); done
 
-    local lock_events="-" log_warn="-"
+    local lock_events="-" log_warn="-" cg_outcomes="-"
     if ((is_cg)); then
-        local parts=() resub sum_warn=0 mb ma
+        local parts=() resub sum_warn=0 mb ma misses=0 coalesced=0
         for inst in ${INSTANCES[$target]}; do
             mb=$OUT/runs/$tag-metrics-$inst-before.txt
             ma=$OUT/runs/$tag-metrics-$inst-after.txt
             save_metrics "${ADMIN_OF[$inst]}" "$ma"
+            # the stampede's answers as cacheguard counted them (the GET after it is a hit)
+            misses=$((misses + $(outcome_delta "$mb" "$ma" miss)))
+            coalesced=$((coalesced + $(outcome_delta "$mb" "$ma" coalesced)))
             # this run's log lines
             sum_warn=$((sum_warn + $(log_since "${LOG_OF[$inst]}" "${LOG_MARK[$inst]}" "$OUT/runs/$tag-$inst.log")))
             if [[ $target != cgemb1 ]]; then
@@ -214,6 +224,7 @@ run_one() {
             echo "${parts[*]}"
         )
         log_warn=$sum_warn
+        cg_outcomes="miss=$misses coalesced=$coalesced"
     fi
 
     local fields=(.ready .count .ok .non_2xx .errors .setup_failures .latency_ms.p50 .latency_ms.p99 .latency_ms.max .send_skew_ms)
@@ -224,16 +235,16 @@ run_one() {
     )] | map(if . == null then \"nan\" else tostring end) | join(\"\t\")" "$json") || die "cannot parse $json"
     local xc
     xc=$(json_counts "$json")
-    printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$c" "$target" "$rep" "$id" "$origin_cold" \
+    printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$c" "$target" "$rep" "$id" "$origin_cold" \
         "$origin_total" "$origin_max" "$vals" "$xc" "$(
             IFS=,
             echo "${after[*]}"
-        )" "$lock_events" "$log_warn" >>"$RAW"
+        )" "$lock_events" "$log_warn" "$cg_outcomes" >>"$RAW"
 
     local ready ok non2xx errors setup_f p50 p99 max skew
     IFS=$'\t' read -r ready _ ok non2xx errors setup_f p50 p99 max skew <<<"$vals"
-    printf '  %-9s origin %-4s  p50 %8.1f  p99 %8.1f  max %8.1f ms  ok %s/%s  skew %s ms  X-Cache %s  %s\n' \
-        "$target" "$origin_cold" "$p50" "$p99" "$max" "$ok" "$c" "$skew" "$xc" "$lock_events" >&2
+    printf '  %-9s origin %-4s  p50 %8.1f  p99 %8.1f  max %8.1f ms  ok %s/%s  skew %s ms  X-Cache %s  %s  %s\n' \
+        "$target" "$origin_cold" "$p50" "$p99" "$max" "$ok" "$c" "$skew" "$xc" "$lock_events" "$cg_outcomes" >&2
     ((ready == c)) || log "WARNING: $tag: only $ready of $c connections were ready before the release"
     ((errors == 0 && non2xx == 0 && setup_f == 0)) ||
         log "WARNING: $tag: $errors errors, $non2xx non-2xx, $setup_f setup failures (see $json)"
@@ -299,11 +310,13 @@ P99_LIMIT=$(awk -v d="$DELAY_MS" 'BEGIN { printf "%.1f", d * 1.1 }')
     echo "- ready connections before the release: $(awk -F'\t' 'NR > 1 && $8 != $1 { n++ } END { print (n + 0 == 0) ? "all C in every run" : n " runs had fewer than C" }' "$RAW")."
     if [[ " $TARGETS " == *" cg"* ]]; then
         echo
-        echo "### cacheguard lock events per run (deltas of \`cacheguard_lock_events_total\`; bus = \`cacheguard_event_bus_subscribed\` after the run)"
+        echo "### cacheguard lock events and answers per run (deltas of \`cacheguard_lock_events_total\` and of \`cacheguard_requests_total\` by outcome, summed over the instances; bus = \`cacheguard_event_bus_subscribed\` after the run)"
         echo
-        echo "| C | target | rep | origin requests | lock events | WARN/ERROR log lines |"
-        echo "|---|---|---|---|---|---|"
-        awk -F'\t' 'NR > 1 && $2 ~ /^cg/ { printf "| %s | %s | %s | %s | %s | %s |\n", $1, $2, $3, $5, $20, $21 }' "$RAW"
+        echo "A stampede should be one \`miss\` (the request that fetched) and C - 1 \`coalesced\` (answered by that fetch, X-Cache \`HIT-COALESCED\`), save for requests that arrived after the copy was stored (hits)."
+        echo
+        echo "| C | target | rep | origin requests | answers | lock events | WARN/ERROR log lines |"
+        echo "|---|---|---|---|---|---|---|"
+        awk -F'\t' 'NR > 1 && $2 ~ /^cg/ { printf "| %s | %s | %s | %s | %s | %s | %s |\n", $1, $2, $3, $5, $22, $20, $21 }' "$RAW"
         echo
         for inst in cgA cgB; do
             echo "- $inst: \`cacheguard_event_bus_resubscriptions_total\` = $(metric "$OUT/metrics-$inst-end.txt" cacheguard_event_bus_resubscriptions_total) at the end, after about $((SECONDS - CG_STARTED)) s up (resub=N above: re-subscriptions during that run)."

@@ -26,6 +26,29 @@ for tool in redis-cli:redis-tools openssl:openssl faketime:faketime; do
     fi
 done
 
+# The lock services serialized writes may use instead of Redis, real in their tests
+# (src/coord/locks, tests/lock_etcd.rs, tests/lock_zookeeper.rs): etcd, and ZooKeeper with the
+# JRE it runs on. The packages may start system instances on 2379 and 2181; the tests start
+# their own on free loopback ports, so those are left alone. protoc builds etcd's gRPC API
+# (the etcd-client crate compiles etcd's .proto files).
+for tool in etcd:etcd-server /usr/share/java/zookeeper.jar:zookeeper java:default-jre-headless protoc:protobuf-compiler; do
+    path="${tool%%:*}"
+    if ! { [ -e "$path" ] || command -v "$path" >/dev/null 2>&1; }; then
+        echo "== installing ${tool#*:}"
+        as_root apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq "${tool#*:}" >/dev/null
+    fi
+done
+
+# Real MariaDB for the MySQL lock service's tests (tests/common/mariadb.rs starts its own
+# servers on free loopback ports, data in temporary directories; a system instance the
+# package may start is left alone).
+if [ ! -x /usr/sbin/mariadbd ] || [ ! -x /usr/bin/mariadb-install-db ]; then
+    echo "== installing mariadb-server"
+    as_root apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq mariadb-server >/dev/null
+fi
+
 # Real Prometheus and promtool for tests/dashboards.rs (every dashboard panel and alert
 # expression in dashboards/ is evaluated by a real Prometheus).
 if ! command -v prometheus >/dev/null 2>&1 || ! command -v promtool >/dev/null 2>&1; then

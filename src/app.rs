@@ -271,6 +271,22 @@ pub struct Running {
     source: Option<Arc<Source>>,
 }
 
+/// The `[locks.<name>]` services, by name. One that cannot be reached now is logged and
+/// kept: it answers as a lock service that does not answer until it can be reached, and its
+/// routes follow their `on_redis_error` (see `coord/locks.rs`).
+async fn connect_locks(
+    configs: &[crate::config::LockBackendConfig],
+) -> std::collections::HashMap<String, LockService> {
+    let mut services = std::collections::HashMap::new();
+    for config in configs {
+        services.insert(
+            config.name.clone(),
+            crate::coord::locks::connect(config).await,
+        );
+    }
+    services
+}
+
 /// How long shutdown waits for the delayed deletes it runs early.
 const DEFERRED_GRACE: Duration = Duration::from_secs(5);
 
@@ -465,7 +481,7 @@ impl App {
             _ => LockService::Memory(MemoryLocks::new()),
         };
         let write = Arc::new(WritePath {
-            serializer: Serializer::new(locks),
+            serializer: Serializer::new(locks, connect_locks(&config.locks).await),
             routes: Arc::clone(&routes),
             invalidator: Arc::clone(&invalidator),
             filters: Arc::clone(&filters),

@@ -80,6 +80,8 @@ pub struct Config {
     pub access_log: AccessLogConfig,
     /// Stock gates (`[[stock]]`), in file order.
     pub stock: Vec<StockConfig>,
+    /// Lock services of serialized writes (`[locks.<name>]`), by name.
+    pub locks: Vec<LockBackendConfig>,
     /// What the file allows but is likely wrong, `file:line: key: message` like an error;
     /// see [`Config::warnings`].
     warnings: Vec<ConfigProblem>,
@@ -505,6 +507,99 @@ pub struct SerializeConfig {
     pub retry_after: Duration,
     /// The `[locks.<name>]` backend; `None`: the shared Redis.
     pub lock: Option<String>,
+}
+
+/// One `[locks.<name>]` lock service.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LockBackendConfig {
+    pub name: String,
+    pub backend: LockBackend,
+}
+
+/// A lock service and how to reach it. `Debug` never shows a password.
+#[derive(Clone, PartialEq)]
+pub enum LockBackend {
+    Etcd {
+        /// `http://host:port` of each member.
+        endpoints: Vec<String>,
+        /// Lock keys live under it: `<prefix><resource path>`.
+        prefix: String,
+        username: Option<String>,
+        password: Option<String>,
+        connect_timeout: Duration,
+    },
+    ZooKeeper {
+        /// `host:port[,host:port…]`.
+        connect: String,
+        /// Lock nodes live under it: `<path><resource path>/…` (Curator's layout).
+        path: String,
+        session_timeout: Duration,
+    },
+    Mysql {
+        /// `mysql://user:password@host:port/database`.
+        url: String,
+        table: String,
+    },
+    Redlock {
+        /// Independent Redis masters (`redis://…`), at least three.
+        urls: Vec<String>,
+        drift: f64,
+    },
+}
+
+impl std::fmt::Debug for LockBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            LockBackend::Etcd {
+                endpoints,
+                prefix,
+                username,
+                password,
+                connect_timeout,
+            } => f
+                .debug_struct("Etcd")
+                .field("endpoints", endpoints)
+                .field("prefix", prefix)
+                .field("username", username)
+                .field("password", &password.as_ref().map(|_| "***"))
+                .field("connect_timeout", connect_timeout)
+                .finish(),
+            LockBackend::ZooKeeper {
+                connect,
+                path,
+                session_timeout,
+            } => f
+                .debug_struct("ZooKeeper")
+                .field("connect", connect)
+                .field("path", path)
+                .field("session_timeout", session_timeout)
+                .finish(),
+            LockBackend::Mysql { url, table } => f
+                .debug_struct("Mysql")
+                .field("url", &values::redact_url(url))
+                .field("table", table)
+                .finish(),
+            LockBackend::Redlock { urls, drift } => {
+                let urls: Vec<String> = urls.iter().map(|u| values::redact_url(u)).collect();
+                f.debug_struct("Redlock")
+                    .field("urls", &urls)
+                    .field("drift", drift)
+                    .finish()
+            }
+        }
+    }
+}
+
+impl LockBackend {
+    /// The word users write in `backend`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            LockBackend::Etcd { .. } => "etcd",
+            LockBackend::ZooKeeper { .. } => "zookeeper",
+            LockBackend::Mysql { .. } => "mysql",
+            LockBackend::Redlock { .. } => "redlock",
+        }
+    }
 }
 
 /// Where a row's version is read from an origin answer.

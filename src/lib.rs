@@ -43,6 +43,11 @@ mod worker;
 
 #[cfg(test)]
 mod test_redis;
+// The integration tests' MariaDB fixture, shared with the unit tests of the MySQL lock.
+#[cfg(test)]
+#[path = "../tests/common/mariadb.rs"]
+#[allow(dead_code, unreachable_pub)]
+mod test_mariadb;
 
 pub use app::{App, Running};
 pub use config::Config;

@@ -21,7 +21,14 @@ use prometheus::{
 pub enum Outcome {
     HitL1,
     HitL2,
+    /// This request's own origin fetch (it led the key's fill), or a copy it found nowhere
+    /// else: the one request of a stampede that went to the origin.
     Miss,
+    /// Answered by another request's fill of the same key, without an origin fetch of its
+    /// own: a follower of this process's flight, or a waiter on another instance's fleet
+    /// lock that read what the holder stored (`X-Cache: HIT-COALESCED`). A waiter that gave
+    /// up and fetched itself is not one (`BYPASS`).
+    Coalesced,
     Negative,
     /// A copy past its ttl (within grace), served while one request refreshes it.
     Stale,
@@ -99,10 +106,11 @@ impl Revalidation {
 }
 
 impl Outcome {
-    pub const ALL: [Outcome; 11] = [
+    pub const ALL: [Outcome; 12] = [
         Outcome::HitL1,
         Outcome::HitL2,
         Outcome::Miss,
+        Outcome::Coalesced,
         Outcome::Negative,
         Outcome::Stale,
         Outcome::Bypass,
@@ -119,6 +127,7 @@ impl Outcome {
             Outcome::HitL1 => "hit_l1",
             Outcome::HitL2 => "hit_l2",
             Outcome::Miss => "miss",
+            Outcome::Coalesced => "coalesced",
             Outcome::Negative => "negative",
             Outcome::Stale => "stale",
             Outcome::Bypass => "bypass",
@@ -136,6 +145,9 @@ impl Outcome {
             Outcome::HitL1 => "HIT-L1",
             Outcome::HitL2 => "HIT-L2",
             Outcome::Miss => "MISS",
+            // A hit to whoever reads `HIT*` (as nginx's and Varnish's waiters are), and told
+            // apart from a stored copy's.
+            Outcome::Coalesced => "HIT-COALESCED",
             Outcome::Negative => "NEGATIVE",
             Outcome::Stale => "STALE",
             Outcome::Bypass | Outcome::Error => "BYPASS",
@@ -634,7 +646,9 @@ impl Metrics {
         let coalesced = IntCounterVec::new(
             Opts::new(
                 "cacheguard_coalesced_requests_total",
-                "Requests that waited for another request's origin fetch instead of their own.",
+                "Requests that waited for another request's origin fetch in this process \
+                 instead of their own, counted when they began waiting (those answered by it \
+                 are cacheguard_requests_total{outcome=\"coalesced\"}).",
             ),
             &["route"],
         )?;
@@ -1617,8 +1631,8 @@ impl FilterMetrics {
 /// Handles for one route (or for the pass-through pseudo-route `_passthrough`).
 #[derive(Debug)]
 pub struct RouteMetrics {
-    outcomes: [IntCounter; 11],
-    redis_commands: [IntCounter; 11],
+    outcomes: [IntCounter; Outcome::ALL.len()],
+    redis_commands: [IntCounter; Outcome::ALL.len()],
     duration: Histogram,
     origin: [IntCounter; 7],
     origin_duration: Histogram,
@@ -1689,6 +1703,22 @@ impl RouteMetrics {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A coalesced answer reads as a hit to whatever matches `HIT*`, and as none of the
+    /// others; every outcome has a label of its own.
+    #[test]
+    fn coalesced_is_a_hit_of_its_own() {
+        assert_eq!(Outcome::Coalesced.header_value(), "HIT-COALESCED");
+        assert_eq!(Outcome::Coalesced.as_str(), "coalesced");
+        let words: BTreeSet<_> = Outcome::ALL.iter().map(|o| o.header_value()).collect();
+        // Bypass and Error share `BYPASS`.
+        assert_eq!(words.len(), Outcome::ALL.len() - 1);
+        let labels: BTreeSet<_> = Outcome::ALL.iter().map(|o| o.as_str()).collect();
+        assert_eq!(labels.len(), Outcome::ALL.len());
+        for (i, o) in Outcome::ALL.iter().enumerate() {
+            assert_eq!(o.index(), i, "{o:?}: ALL is in declaration order");
+        }
+    }
 
     #[test]
     fn route_handles_share_families() {

@@ -18,7 +18,7 @@ use tokio::time::Instant;
 
 use common::fleet::{spawn_fleet, wait_coordinated};
 use common::load::{Load, burst, open_warm, outcomes};
-use common::redis_server::{connect, redis_url, scan_keys};
+use common::redis_server::{connect, query_port, redis_url, scan_keys};
 use common::{
     CgConfig, HttpClient, RedisCluster, TestOrigin, admin_redis, default_body, metric, scrape, url,
 };
@@ -589,8 +589,9 @@ async fn held_lock(cluster: &RedisCluster) -> (String, u16) {
 }
 
 /// The slot of the lock a fill holds now, left half-migrated: `MIGRATING` on its primary,
-/// `IMPORTING` on another, the key's generation already moved there. Returns the lock,
-/// the slot, and the ports of the two primaries (from, to).
+/// `IMPORTING` on another, the key's generation (as an earlier invalidation leaves it: a
+/// base key's fill creates none) already moved there. Returns the lock, the slot, and the
+/// ports of the two primaries (from, to).
 async fn half_migrate_held_lock(cluster: &RedisCluster) -> (String, u16, u16, u16) {
     let (lock, source) = held_lock(cluster).await;
     let slot = cluster.keyslot(&lock).await;
@@ -600,10 +601,19 @@ async fn half_migrate_held_lock(cluster: &RedisCluster) -> (String, u16, u16, u1
         .into_iter()
         .find(|p| *p != source)
         .unwrap();
+    let generation = lock.replace(":lock", ":gen");
+    let set: Option<String> = query_port(
+        source,
+        redis::cmd("SET")
+            .arg(&generation)
+            .arg("1")
+            .arg("PX")
+            .arg(600_000),
+    )
+    .await;
+    assert_eq!(set.as_deref(), Some("OK"), "SET {generation}");
     cluster.begin_migration(slot, source, target).await;
-    cluster
-        .migrate(source, target, &[lock.replace(":lock", ":gen")])
-        .await;
+    cluster.migrate(source, target, &[generation]).await;
     (lock, slot, source, target)
 }
 

@@ -28,10 +28,10 @@ use common::fleet::Fleet;
 use common::history::{
     Epoch, History, Outcome, SaleLog, check_oversell, check_phantom, check_undersell, flood_factor,
 };
-use common::jepsen::{self, Nemesis, RunConfig};
+use common::jepsen::{self, Backend, Nemesis, RunConfig, Topology};
 use common::process::faketime_env;
 use common::shop::{Fault as ShopFault, Scope, Shop, buy_request, seat};
-use common::{CgConfig, HttpClient, RedisCluster, RedisSentinel, RedisServer, TcpProxy, route};
+use common::{CgConfig, HttpClient, route};
 
 /// Whether the buy route is gated (`[[stock]]` + `stock = { gate = "seats", units = 1 }`).
 /// Set it to `true` once the stock gate is merged: every test then asserts the gate's
@@ -101,17 +101,6 @@ fn stock() -> Vec<(String, u64)> {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Topology {
-    /// One instance, no Redis (the gate's in-process ledger).
-    Embedded,
-    /// Redis behind a [`TcpProxy`] (so it can be slowed and blackholed).
-    Standalone,
-    /// A Sentinel set whose replica can be made to lag.
-    Sentinel,
-    Cluster,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Fault {
     None,
     /// SIGSTOP of one instance for longer than `reservation_ttl`, then SIGCONT.
@@ -155,40 +144,6 @@ impl Fault {
 
     fn retries(self) -> u32 {
         if self == Fault::RetriesInDoubt { 3 } else { 0 }
-    }
-}
-
-/// The Redis of a run, kept alive for its length.
-enum Backend {
-    None,
-    Standalone { redis: RedisServer, proxy: TcpProxy },
-    Sentinel(RedisSentinel),
-    Cluster(RedisCluster),
-}
-
-impl Backend {
-    async fn start(topology: Topology) -> Backend {
-        match topology {
-            Topology::Embedded => Backend::None,
-            Topology::Standalone => {
-                let redis = RedisServer::start().await;
-                let proxy = TcpProxy::start(redis.addr()).await;
-                Backend::Standalone { redis, proxy }
-            }
-            Topology::Sentinel => Backend::Sentinel(RedisSentinel::start_lagging().await),
-            Topology::Cluster => Backend::Cluster(RedisCluster::start().await),
-        }
-    }
-
-    fn configure(&self, cfg: CgConfig) -> CgConfig {
-        match self {
-            Backend::None => cfg,
-            Backend::Standalone { proxy, .. } => cfg
-                .set_str("redis", "url", &proxy.redis_url())
-                .set_str("redis", "command_timeout", "200ms"),
-            Backend::Sentinel(set) => cfg.redis_sentinel(set),
-            Backend::Cluster(cluster) => cfg.redis_cluster(cluster),
-        }
     }
 }
 

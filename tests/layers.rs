@@ -19,6 +19,7 @@ const LAYERS: &[&[&str]] = &[
         "metrics",
         "shutdown",
         "test_redis",
+        "test_mariadb",
     ],
     &["coord"],
     &["cache"],

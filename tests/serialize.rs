@@ -11,7 +11,9 @@ use std::time::Duration;
 
 use common::history::{Epoch, check_exclusion, check_fencing};
 use common::shop::{FENCING_TOKEN, Fault, Scope, Shop, seat};
-use common::{CgConfig, HttpClient, RedisCluster, RedisServer, Resp, metrics, route, url};
+use common::{
+    CgConfig, HttpClient, RedisCluster, RedisServer, Resp, TcpProxy, metrics, route, url,
+};
 use tokio::time::Instant;
 
 fn seat_route(settings: &str) -> String {
@@ -246,4 +248,61 @@ async fn redis_down_rejects_or_forwards_as_configured() {
         );
         cg.shutdown().await;
     }
+}
+
+/// A release Redis did not take (its connection cut as the origin answered) is tried again
+/// while the lease lasts: the next write to the resource goes through soon after Redis is
+/// back, instead of waiting out the whole lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_redis_missed_is_tried_again() {
+    let resource = seat("t5", "1A");
+    let shop = Shop::start(Epoch::now(), &[]).await;
+    shop.set_fencing(Some(FENCING_TOKEN));
+    shop.set_latency(Scope::Writes, Duration::from_millis(300));
+    let redis = RedisServer::start().await;
+    let proxy = TcpProxy::start(redis.addr()).await;
+    let cg = config(&shop, "lease = \"3s\", wait_timeout = \"1500ms\"")
+        .set_str("redis", "url", &proxy.redis_url())
+        .set_str("redis", "command_timeout", "200ms")
+        .start()
+        .await;
+    let client = HttpClient::new();
+    let first = {
+        let (client, addr, path) = (client.clone(), cg.addr(), resource.clone());
+        tokio::spawn(async move { put(&client, addr, &path, "{\"a\":1}").await })
+    };
+    // The write is at the origin: Redis goes away before it answers, and comes back after.
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    proxy.cut();
+    let answered = first.await.expect("first write");
+    assert_eq!(answered.status.as_u16(), 200, "{answered:?}");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    proxy.restore();
+    // Until the instance reaches Redis again, writes are refused at once (unavailable): the
+    // first one that gets past that is timed.
+    let mut attempt = 0;
+    let (second, waited) = loop {
+        let started = Instant::now();
+        let resp = put(&client, cg.addr(), &resource, "{\"a\":2}").await;
+        let waited = started.elapsed();
+        let unavailable = resp.status.as_u16() == 503
+            && String::from_utf8_lossy(&resp.body).contains("unavailable");
+        attempt += 1;
+        if !unavailable || attempt == 40 {
+            break (resp, waited);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(
+        second.status.as_u16(),
+        200,
+        "the first write's lock was still held after {waited:?}: {second:?}"
+    );
+    assert!(
+        waited < Duration::from_secs(1),
+        "the second write waited {waited:?} for a lock nobody held"
+    );
+    let fencing = check_fencing(&shop.write_log());
+    assert!(fencing.ok() && fencing.accepted == 2, "{fencing}");
+    cg.shutdown().await;
 }

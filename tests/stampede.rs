@@ -1,13 +1,25 @@
 //! Breakdown protection (Stampede): a cold key hit by hundreds of concurrent requests spread
 //! over several instances sharing one Redis makes exactly one origin request, and the
 //! waiters on the other instances are woken by the `fill` event (pub/sub), not by polling.
+//!
+//! What the waiters are told: the one request that fetched is a `MISS`, every request its
+//! fill answered is `HIT-COALESCED` (outcome `coalesced`), in `X-Cache`,
+//! `cacheguard_requests_total`, the access log and the status page; in embedded and shared
+//! mode, each `l1` policy ([`one_instance_stampede_is_one_miss_and_the_rest_coalesced_embedded`],
+//! [`one_instance_stampede_is_one_miss_and_the_rest_coalesced_shared`]), and across
+//! instances, whose waiters on the fleet lock read what the holder stored
+//! ([`stampede_over_two_instances_is_visible_in_lock_metrics`], on a cluster too).
 
 #![allow(clippy::unwrap_used)]
 
 mod common;
 
+use std::collections::BTreeMap;
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
+
+use serde_json::Value;
 
 use common::fleet::{
     lock_events_sum, shutdown_all, spawn_fleet, start_coordinated, wait_coordinated,
@@ -17,8 +29,8 @@ use common::load::{
 };
 use common::redis_server::{command_calls, reset_command_stats};
 use common::{
-    CgConfig, HttpClient, RedisCluster, RedisServer, SharedRedis, TestOrigin, concurrently,
-    default_body, metrics, on_started, url,
+    CgConfig, HttpClient, RedisCluster, RedisServer, Resp, SharedRedis, TestOrigin, concurrently,
+    default_body, metrics, on_started, poll_until, url,
 };
 
 const ORIGIN_DELAY: Duration = Duration::from_millis(300);
@@ -103,6 +115,15 @@ async fn cold_key_stampede_over_three_processes_makes_one_origin_request() {
         bad.is_empty(),
         "every client must get 200 with the one fetched body; answers: {:?}\nfirst bad: {bad:#?}",
         outcomes(&shots)
+    );
+    // The one request that fetched is the one MISS; the fill answered the others
+    // (HIT-COALESCED), but for any that arrived after it stored (a hit on the copy).
+    let answers = x_cache_tally(shots.iter().filter_map(|s| s.result.as_ref().ok()));
+    eprintln!("X-Cache of the 600: {answers:?}");
+    assert_eq!(answers.get("MISS"), Some(&1), "{answers:?}");
+    assert!(
+        answers.get("HIT-COALESCED").is_some_and(|&n| n >= 2),
+        "the waiters (in each instance, and on the fleet lock) are coalesced: {answers:?}"
     );
     // Let anything late reach the origin before counting.
     tokio::time::sleep(Duration::from_millis(200)).await;
@@ -272,14 +293,37 @@ async fn stampede_in_lock_metrics(redis: &impl SharedRedis) {
     );
     assert_eq!(ea.value_or_zero("cacheguard_lock_waiters"), 0.0);
     assert_eq!(eb.value_or_zero("cacheguard_lock_waiters"), 0.0);
-    let misses = ea.sum(
-        "cacheguard_requests_total",
-        &[("route", "item"), ("outcome", "miss")],
-    ) + eb.sum(
-        "cacheguard_requests_total",
-        &[("route", "item"), ("outcome", "miss")],
+    // One request fetched; the 99 others, on both instances (the other instance's waited on
+    // the fleet lock, then read what the holder stored), were answered by its fill.
+    let counted = |outcome: &str| {
+        ea.sum(
+            "cacheguard_requests_total",
+            &[("route", "item"), ("outcome", outcome)],
+        ) + eb.sum(
+            "cacheguard_requests_total",
+            &[("route", "item"), ("outcome", outcome)],
+        )
+    };
+    let answers = x_cache_tally(results.iter().flatten());
+    assert_eq!(
+        (counted("miss"), counted("coalesced")),
+        (1.0, 99.0),
+        "one miss, 99 coalesced; X-Cache: {answers:?}"
     );
-    assert_eq!(misses, 100.0, "every request counted as a miss");
+    assert_eq!(
+        answers,
+        BTreeMap::from([("HIT-COALESCED".to_owned(), 99), ("MISS".to_owned(), 1)]),
+    );
+    // Each instance had coalesced answers: the waiting one's too.
+    for (name, e) in [("A", &ea), ("B", &eb)] {
+        assert!(
+            e.sum(
+                "cacheguard_requests_total",
+                &[("route", "item"), ("outcome", "coalesced")]
+            ) >= 49.0,
+            "instance {name}: its waiters must be coalesced; X-Cache: {answers:?}"
+        );
+    }
 
     shutdown_all([a, b]).await;
 }
@@ -338,4 +382,167 @@ async fn the_first_lookups_of_a_stampede_cost_one_redis_read_per_instance() {
         3 * PER_INSTANCE
     );
     common::fleet::shutdown_all(fleet).await;
+}
+
+/// How many answers carried each `X-Cache` value.
+fn x_cache_tally<'a>(answers: impl IntoIterator<Item = &'a Resp>) -> BTreeMap<String, usize> {
+    let mut tally = BTreeMap::new();
+    for r in answers {
+        *tally.entry(r.x_cache()).or_default() += 1;
+    }
+    tally
+}
+
+/// Concurrent GETs of one cold key on one instance.
+const CROWD: usize = 20;
+/// Slow enough that every request of the crowd arrives while the one fetch runs, on a loaded
+/// box too (a late one would be a hit on the stored copy, and fail the exact count).
+const SLOW_ORIGIN: Duration = Duration::from_secs(1);
+
+/// Embedded mode, each `l1` policy (with `off` nothing is stored: the crowd still shares the
+/// one fetch).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_instance_stampede_is_one_miss_and_the_rest_coalesced_embedded() {
+    for l1 in ["off", "hot", "all"] {
+        let origin = TestOrigin::start().await;
+        one_miss_and_the_rest_coalesced(CgConfig::new(&origin), &origin, l1).await;
+    }
+}
+
+/// Shared mode (standalone Redis), each `l1` policy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_instance_stampede_is_one_miss_and_the_rest_coalesced_shared() {
+    let redis = RedisServer::start().await;
+    for l1 in ["off", "hot", "all"] {
+        let origin = TestOrigin::start().await;
+        let cfg = CgConfig::new(&origin)
+            .redis(&redis)
+            .set_str("redis", "command_timeout", "2s");
+        one_miss_and_the_rest_coalesced(cfg, &origin, l1).await;
+    }
+}
+
+/// [`CROWD`] concurrent GETs of one cold key against a slow origin: one origin request,
+/// one `MISS` (the leader, with the origin time in its log line) and `CROWD - 1`
+/// `HIT-COALESCED` (none with origin time), counted as such in `cacheguard_requests_total`,
+/// the access log, `/status.json` (where they are hits: the route's hit ratio is
+/// (CROWD - 1) / CROWD) and the status page's table.
+async fn one_miss_and_the_rest_coalesced(cfg: CgConfig, origin: &TestOrigin, l1: &str) {
+    let path = format!("/api/items/coalesced-{l1}");
+    origin.set_delay(&path, SLOW_ORIGIN);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let log = dir.path().join("access.log");
+    let cg = cfg
+        .l1(l1)
+        .set_str("lock", "wait_timeout", "10s")
+        .set_str("access_log", "format", "json")
+        .set_str("access_log", "path", &log.display().to_string())
+        .start()
+        .await;
+    let client = HttpClient::new();
+    let answers = concurrently(CROWD, Duration::from_secs(20), |_| {
+        let (client, u) = (client.clone(), url(cg.addr(), &path));
+        async move { client.try_get(&u).await }
+    })
+    .await;
+    let expected = default_body(&path, 1);
+    for (i, r) in answers.iter().enumerate() {
+        let r = r
+            .as_ref()
+            .unwrap_or_else(|e| panic!("l1 = {l1}: client {i}: {e}"));
+        assert_eq!(r.status, 200, "l1 = {l1}: client {i}: {r}");
+        assert_eq!(r.body, expected, "l1 = {l1}: client {i}: {r}");
+    }
+    assert_eq!(origin.count(&path), 1, "l1 = {l1}: one origin request");
+    let tally = x_cache_tally(answers.iter().flatten());
+    assert_eq!(
+        tally,
+        BTreeMap::from([
+            ("HIT-COALESCED".to_owned(), CROWD - 1),
+            ("MISS".to_owned(), 1)
+        ]),
+        "l1 = {l1}: X-Cache of {CROWD} concurrent misses"
+    );
+
+    let e = metrics(&client, cg.admin_addr()).await;
+    let counted = |outcome| {
+        e.sum(
+            "cacheguard_requests_total",
+            &[("route", "item"), ("outcome", outcome)],
+        )
+    };
+    assert_eq!(
+        (counted("miss"), counted("coalesced")),
+        (1.0, (CROWD - 1) as f64),
+        "l1 = {l1}: cacheguard_requests_total"
+    );
+
+    let lines = log_lines(&log, &path, CROWD).await;
+    let logged: Vec<(String, bool)> = lines
+        .iter()
+        .map(|l| {
+            (
+                l["cache"].as_str().unwrap_or("?").to_owned(),
+                l["origin_us"].is_u64(),
+            )
+        })
+        .collect();
+    let with = |cache: &str, origin: bool| {
+        logged
+            .iter()
+            .filter(|l| **l == (cache.to_owned(), origin))
+            .count()
+    };
+    assert_eq!(
+        (with("MISS", true), with("HIT-COALESCED", false)),
+        (1, CROWD - 1),
+        "l1 = {l1}: access log (cache, origin time): {logged:?}"
+    );
+
+    let status = client.get(&url(cg.admin_addr(), "/status.json")).await;
+    assert_eq!(status.status, 200, "{status}");
+    let status: Value = serde_json::from_slice(&status.body).expect("/status.json");
+    let item = status["routes"]
+        .as_array()
+        .and_then(|routes| routes.iter().find(|r| r["name"] == "item"))
+        .unwrap_or_else(|| panic!("no item route: {status}"));
+    assert_eq!(
+        (
+            item["outcomes"]["miss"].as_u64(),
+            item["outcomes"]["coalesced"].as_u64()
+        ),
+        (Some(1), Some(CROWD as u64 - 1)),
+        "l1 = {l1}: /status.json: {item}"
+    );
+    let ratio = item["hit_ratio_since_start"].as_f64().unwrap_or(0.0);
+    let want = (CROWD - 1) as f64 / CROWD as f64;
+    assert!(
+        (ratio - want).abs() < 1e-9,
+        "l1 = {l1}: coalesced answers are hits: hit ratio {ratio}, want {want}: {item}"
+    );
+    let page = client.get(&url(cg.admin_addr(), "/status")).await;
+    assert_eq!(page.status, 200, "{page}");
+    assert!(
+        page.text().contains(">coalesced<"),
+        "l1 = {l1}: the status page has no coalesced column"
+    );
+    cg.shutdown().await;
+}
+
+/// The JSON access-log lines for `path` once there are `n` of them (10 s at most).
+async fn log_lines(log: &Path, path: &str, n: usize) -> Vec<Value> {
+    let read = || -> Vec<Value> {
+        std::fs::read_to_string(log)
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+            .filter(|l| l["path"] == path)
+            .collect()
+    };
+    let found = poll_until(Duration::from_secs(10), Duration::from_millis(20), || {
+        let lines = read();
+        async move { (lines.len() >= n).then_some(lines) }
+    })
+    .await;
+    found.unwrap_or_else(|| panic!("{n} access-log lines for {path}: {:?}", read()))
 }

@@ -320,6 +320,7 @@ async fn status_json_has_every_field_and_the_page_escapes_client_strings() {
         &[
             "hit_l1",
             "hit_l2",
+            "coalesced",
             "miss",
             "stale",
             "bypass",

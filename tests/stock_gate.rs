@@ -351,27 +351,33 @@ async fn the_opening_crowd_loads_the_resource_once() {
     }
 }
 
+/// A shop with `units` of `resource`, cacheguard in front of it in shared mode with
+/// `on_redis_error = policy`, and one unit sold through it (the gate is loaded).
+async fn one_sold(
+    resource: &str,
+    units: u64,
+    policy: &str,
+) -> (Shop, RedisServer, cacheguard::Running, HttpClient) {
+    let shop = Shop::start(Epoch::now(), &[(resource.to_owned(), units)]).await;
+    let redis = RedisServer::start().await;
+    let cg = config(
+        &shop,
+        Some(&redis),
+        &format!("on_redis_error = \"{policy}\"\n"),
+    )
+    .start()
+    .await;
+    let client = HttpClient::new();
+    let first = buy(&client, cg.addr(), resource, None, "{}").await;
+    assert_eq!(first.status.as_u16(), 201, "{policy}: {first:?}");
+    (shop, redis, cg, client)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_down_rejects_or_forwards_as_configured() {
     for (policy, status) in [("reject", 503), ("forward", 201)] {
         let resource = seat("t4", "a");
-        let shop = Shop::start(Epoch::now(), &[(resource.clone(), 10)]).await;
-        let mut redis = RedisServer::start().await;
-        let cg = config(
-            &shop,
-            Some(&redis),
-            &format!("on_redis_error = \"{policy}\"\n"),
-        )
-        .start()
-        .await;
-        let client = HttpClient::new();
-        assert_eq!(
-            buy(&client, cg.addr(), &resource, None, "{}")
-                .await
-                .status
-                .as_u16(),
-            201
-        );
+        let (shop, mut redis, cg, client) = one_sold(&resource, 10, policy).await;
         redis.kill();
         for _ in 0..3 {
             let resp = buy(&client, cg.addr(), &resource, None, "{}").await;
@@ -392,6 +398,53 @@ async fn redis_down_rejects_or_forwards_as_configured() {
         )
         .await;
         assert_eq!(counted, 3.0, "{policy}");
+        cg.shutdown().await;
+    }
+}
+
+/// A crowd refused while the Redis breaker is open leaves nothing behind: Redis was not
+/// asked, so there is no unit to give back and no task that keeps trying to. (Each refusal
+/// used to start one, retrying for `reservation_ttl`: a flash sale's crowd during an outage
+/// piled up tasks by the thousand, and their retries, let loose when the breaker closed,
+/// timed out and opened it again.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn buys_refused_while_redis_is_down_leave_no_retries() {
+    const CROWD: usize = 40;
+    for (policy, status) in [("reject", 503), ("forward", 201)] {
+        let resource = seat("t6", "a");
+        let (_shop, mut redis, cg, client) = one_sold(&resource, 1000, policy).await;
+        redis.kill();
+        // The breaker's own check finds Redis gone; no buy is sent before it has.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while metrics(&client, cg.admin_addr())
+            .await
+            .value_or_zero("cacheguard_redis_breaker_open")
+            < 1.0
+        {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{policy}: the breaker did not open"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        for _ in 0..CROWD {
+            let resp = buy(&client, cg.addr(), &resource, None, "{}").await;
+            assert_eq!(resp.status.as_u16(), status, "{policy}: {resp:?}");
+        }
+        let errors = |m: common::prom::Exposition| {
+            m.sum("cacheguard_stock_redis_errors_total", &[("gate", "seats")])
+        };
+        let after = errors(metrics(&client, cg.admin_addr()).await);
+        // Retries of a give-back start 50 ms after it failed and double: within this wait
+        // every one of them would have tried four times or more.
+        tokio::time::sleep(Duration::from_millis(1600)).await;
+        let later = errors(metrics(&client, cg.admin_addr()).await);
+        assert!(
+            later - after <= 2.0,
+            "{policy}: {} Redis errors after the crowd was answered (from {after} to {later}): \
+             the refusals left tasks retrying",
+            later - after
+        );
         cg.shutdown().await;
     }
 }

@@ -55,6 +55,36 @@ pub(super) struct RawConfig {
     /// Stock gates (`[[stock]]`), bound to write routes by `stock = { gate, units }`.
     #[serde(default)]
     pub(super) stock: Vec<Spanned<RawStock>>,
+    /// Lock services for serialized writes (`[locks.<name>]`), picked per route.
+    #[serde(default)]
+    pub(super) locks: std::collections::BTreeMap<String, Spanned<RawLockBackend>>,
+}
+
+/// `[locks.<name>]`: a lock service, by `backend`. One flat table (serde cannot keep
+/// spans inside a tagged enum): which keys each backend takes is checked in
+/// `validate/locks.rs`, each misplaced key with its line.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawLockBackend {
+    /// `etcd`, `zookeeper`, `mysql` or `redlock`.
+    pub(super) backend: Spanned<String>,
+    // etcd
+    pub(super) endpoints: Option<Spanned<Vec<Spanned<String>>>>,
+    pub(super) prefix: Option<Spanned<String>>,
+    pub(super) username: Option<Spanned<String>>,
+    pub(super) password: Option<Spanned<String>>,
+    pub(super) connect_timeout: Option<Spanned<HumanDuration>>,
+    // zookeeper
+    pub(super) connect: Option<Spanned<String>>,
+    pub(super) path: Option<Spanned<String>>,
+    pub(super) session_timeout: Option<Spanned<HumanDuration>>,
+    // mysql
+    pub(super) url: Option<Spanned<String>>,
+    pub(super) table: Option<Spanned<String>>,
+    // redlock
+    pub(super) urls: Option<Spanned<Vec<Spanned<String>>>>,
+    /// Clock drift allowed, as a fraction of the lease (Redlock's drift factor).
+    pub(super) drift: Option<Spanned<f64>>,
 }
 
 /// `[access_log]`: one line per proxied request.

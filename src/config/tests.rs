@@ -116,8 +116,8 @@ fn example_file_parses_with_the_documented_values() {
     assert_eq!(config.lock.wait_timeout, Duration::from_secs(3));
     assert_eq!(config.lock.on_timeout, OnTimeout::Origin);
 
-    let [item, write, create, buy] = config.routes.as_slice() else {
-        panic!("expected four routes, got {:#?}", config.routes);
+    let [item, write, create, buy, seat_update] = config.routes.as_slice() else {
+        panic!("expected five routes, got {:#?}", config.routes);
     };
     assert_eq!(item.name, "item");
     assert_eq!(item.pattern, "/api/items/{id}");
@@ -174,6 +174,34 @@ fn example_file_parses_with_the_documented_values() {
         buy.stock.as_ref().map(|s| (s.gate.as_str(), s.units)),
         Some(("seats", 1))
     );
+    let serialize = seat_update
+        .serialize
+        .as_ref()
+        .expect("the seat-update route is serialized");
+    assert_eq!(serialize.key, "/trains/{train}/seats/{seat}");
+    assert_eq!(
+        (
+            serialize.lease,
+            serialize.wait_timeout,
+            serialize.max_waiters,
+            serialize.retry_after
+        ),
+        (
+            Duration::from_secs(5),
+            Duration::from_secs(2),
+            256,
+            Duration::from_secs(1)
+        ),
+        "the documented defaults"
+    );
+    assert_eq!(
+        serialize
+            .fence_header
+            .as_ref()
+            .map(http::HeaderName::as_str),
+        Some("fencing-token")
+    );
+    assert_eq!(serialize.on_redis_error, super::OnRedisError::Reject);
 }
 
 #[test]
@@ -267,6 +295,11 @@ fn example_file_documents_every_key() {
         "stock",
         "gate",
         "units",
+        "serialize",
+        "fence_header",
+        "max_waiters",
+        "retry_after",
+        "lock",
         "version",
         "version_floor_ttl",
     ];
@@ -2166,5 +2199,189 @@ fn the_spool_directory_must_take_a_file() {
     assert_eq!(
         problem(&with_minimal("[server]\nbody_spool_dir = \"\"\n")),
         "test.toml:4: server.body_spool_dir: expected a directory path, got \"\""
+    );
+}
+
+// === lock services ===
+
+#[test]
+fn lock_services_load_and_routes_pick_them() {
+    let config = load(&with_minimal(
+        "[locks.orders-etcd]\nbackend = \"etcd\"\nendpoints = [\"http://127.0.0.1:2379\"]\n\
+         [locks.orders-zk]\nbackend = \"zookeeper\"\nconnect = \"127.0.0.1:2181\"\n\
+         [locks.orders-db]\nbackend = \"mysql\"\nurl = \"mysql://u:secret@127.0.0.1:3306/app\"\n\
+         [locks.orders-rl]\nbackend = \"redlock\"\n\
+         urls = [\"redis://127.0.0.1:7001\", \"redis://127.0.0.1:7002\", \"redis://127.0.0.1:7003\"]\n\
+         [[routes]]\nname = \"w\"\nmatch = \"/w/{id}\"\nmethods = [\"PUT\"]\n\
+         serialize = { key = \"/w/{id}\", fence_header = \"fencing-token\", lock = \"orders-zk\" }\n",
+    ))
+    .unwrap();
+    let kinds: Vec<(&str, &str)> = config
+        .locks
+        .iter()
+        .map(|l| (l.name.as_str(), l.backend.kind()))
+        .collect();
+    assert_eq!(
+        kinds,
+        [
+            ("orders-db", "mysql"),
+            ("orders-etcd", "etcd"),
+            ("orders-rl", "redlock"),
+            ("orders-zk", "zookeeper")
+        ]
+    );
+    assert!(
+        !format!("{:?}", config.locks).contains("secret"),
+        "a password is never shown"
+    );
+    assert_eq!(
+        config.routes[0]
+            .serialize
+            .as_ref()
+            .and_then(|s| s.lock.as_deref()),
+        Some("orders-zk")
+    );
+}
+
+#[test]
+fn lock_service_errors_name_the_line_and_key() {
+    assert_eq!(
+        problem(&with_minimal(
+            "[locks.rl]\nbackend = \"redlock\"\nurls = [\"redis://127.0.0.1:7001\", \"redis://127.0.0.1:7002\"]\n"
+        )),
+        "test.toml:5: locks.rl.urls: expected at least 3 servers, got 2"
+    );
+    assert_eq!(
+        problem(&with_minimal(
+            "[locks.e]\nbackend = \"etcd\"\nendpoints = [\"127.0.0.1:2379\"]\n"
+        )),
+        "test.toml:5: locks.e.endpoints[0]: expected a URL like \"http://127.0.0.1:…\", got \
+         \"127.0.0.1:2379\""
+    );
+    let unknown = problem(&with_minimal(
+        "[locks.z]\nbackend = \"zookeeper\"\nconnect = \"127.0.0.1:2181\"\ntable = \"x\"\n",
+    ));
+    assert!(unknown.starts_with("test.toml:"), "{unknown}");
+    assert!(unknown.contains("table"), "{unknown}");
+    assert_eq!(
+        problem(&with_minimal(
+            "[[routes]]\nname = \"w\"\nmatch = \"/w/{id}\"\nmethods = [\"PUT\"]\n\
+             serialize = { key = \"/w/{id}\", fence_header = \"f\", lock = \"nope\" }\n"
+        )),
+        "test.toml:7: routes[0].serialize.lock: expected the name of a [locks.<name>] section, \
+         but none is defined, got \"nope\""
+    );
+}
+
+#[test]
+fn a_zookeeper_route_lease_is_at_most_the_session_timeout() {
+    let zk = "[locks.zk]\nbackend = \"zookeeper\"\nconnect = \"127.0.0.1:2181\"\n\
+              session_timeout = \"3s\"\n\
+              [[routes]]\nname = \"w\"\nmatch = \"/w/{id}\"\nmethods = [\"PUT\"]\n";
+    assert_eq!(
+        problem(&with_minimal(&format!(
+            "{zk}serialize = {{ key = \"/w/{{id}}\", fence_header = \"f\", lock = \"zk\", \
+             lease = \"4s\" }}\n"
+        ))),
+        "test.toml:11: routes[0].serialize.lease: expected a lease of at most \
+         locks.zk.session_timeout (\"3s\"): a ZooKeeper lock lasts as long as its session, \
+         which the server ends that long after it last heard from this instance, got \"4s\""
+    );
+    // The default lease (5s) is over a 3s session too; 3s is fine.
+    assert!(
+        problem(&with_minimal(&format!(
+            "{zk}serialize = {{ key = \"/w/{{id}}\", fence_header = \"f\", lock = \"zk\" }}\n"
+        )))
+        .contains("routes[0].serialize.lease: expected a lease of at most")
+    );
+    assert!(
+        load(&with_minimal(&format!(
+            "{zk}serialize = {{ key = \"/w/{{id}}\", fence_header = \"f\", lock = \"zk\", \
+             lease = \"3s\" }}\n"
+        )))
+        .is_ok()
+    );
+}
+
+#[test]
+fn etcd_and_zookeeper_addresses_and_credentials_are_checked_before_connecting() {
+    let etcd = |rest: &str| {
+        problem(&with_minimal(&format!(
+            "[locks.e]\nbackend = \"etcd\"\n{rest}"
+        )))
+    };
+    assert_eq!(
+        etcd("endpoints = [\"http://127.0.0.1:2379\", \"http://127.0.0.1\"]\n"),
+        "test.toml:5: locks.e.endpoints[1]: expected http://host:port like \
+         \"http://127.0.0.1:2379\" (no port in \"127.0.0.1\"), got \"http://127.0.0.1\""
+    );
+    assert_eq!(
+        etcd("endpoints = [\"http://127.0.0.1:99999\"]\n"),
+        "test.toml:5: locks.e.endpoints[0]: expected http://host:port like \
+         \"http://127.0.0.1:2379\" (port \"99999\" is not a port from 1 to 65535), got \
+         \"http://127.0.0.1:99999\""
+    );
+    assert_eq!(
+        etcd("endpoints = [\"http://127.0.0.1:2379\"]\nusername = \"root\"\n"),
+        "test.toml:6: locks.e.username: expected a password too: etcd authenticates with both"
+    );
+    assert_eq!(
+        etcd("endpoints = [\"http://127.0.0.1:2379\"]\npassword = \"s3cret\"\n"),
+        "test.toml:6: locks.e.password: expected a username too: etcd authenticates with both"
+    );
+    let zk = |connect: &str| {
+        problem(&with_minimal(&format!(
+            "[locks.z]\nbackend = \"zookeeper\"\nconnect = \"{connect}\"\n"
+        )))
+    };
+    assert_eq!(
+        zk("zk1:2181,zk2"),
+        "test.toml:5: locks.z.connect: expected host:port[,host:port…][/chroot] like \
+         \"127.0.0.1:2181\" (no port in \"zk2\"), got \"zk1:2181,zk2\""
+    );
+    assert_eq!(
+        zk(""),
+        "test.toml:5: locks.z.connect: expected host:port[,host:port…][/chroot] like \
+         \"127.0.0.1:2181\" (no server), got \"\""
+    );
+    for fine in [
+        "127.0.0.1:2181",
+        "zk1:2181,zk2:2181,[::1]:2181/apps",
+        "tcp://zk1:2181",
+    ] {
+        assert!(
+            load(&with_minimal(&format!(
+                "[locks.z]\nbackend = \"zookeeper\"\nconnect = \"{fine}\"\n"
+            )))
+            .is_ok(),
+            "{fine}"
+        );
+    }
+    assert!(
+        load(&with_minimal(
+            "[locks.e]\nbackend = \"etcd\"\nendpoints = [\"http://[::1]:2379/\"]\n\
+             username = \"u\"\npassword = \"p\"\n"
+        ))
+        .is_ok()
+    );
+}
+
+#[test]
+fn mysql_and_redlock_urls_are_checked_by_their_clients() {
+    let bad_port = problem(&with_minimal(
+        "[locks.db]\nbackend = \"mysql\"\nurl = \"mysql://u:secret@127.0.0.1:notaport/app\"\n",
+    ));
+    assert!(
+        bad_port.starts_with("test.toml:5: locks.db.url: expected a URL like \"mysql://"),
+        "{bad_port}"
+    );
+    assert!(!bad_port.contains("secret"), "{bad_port}");
+    let bad_master = problem(&with_minimal(
+        "[locks.rl]\nbackend = \"redlock\"\nurls = [\"redis://127.0.0.1:7001\", \
+         \"redis://127.0.0.1:x\", \"redis://127.0.0.1:7003\"]\n",
+    ));
+    assert!(
+        bad_master.starts_with("test.toml:5: locks.rl.urls[1]: expected a Redis URL"),
+        "{bad_master}"
     );
 }

@@ -40,8 +40,9 @@ use super::{
     QueryPolicy, RedisConfig, RedisMode, RouteBloom, RouteConfig, ServerConfig, SourceFormat,
     StreamConfig, UpstreamConfig, Vars, WarmupConfig, env,
 };
-use super::{CLIENT_CLAIMS, METHOD_OVERRIDES, StockConfig};
+use super::{CLIENT_CLAIMS, LockBackendConfig, METHOD_OVERRIDES, StockConfig};
 
+mod locks;
 mod stock;
 mod write;
 
@@ -580,7 +581,8 @@ impl Checker<'_> {
         let bloom = self.blooms(&raw.bloom, &upstream);
         let hot_keys = self.hot_keys(&raw.hot_keys);
         let stock = self.stocks(&raw.stock, &upstream);
-        let routes = self.routes(&raw.routes, &cache, &bloom, &stock, redis.as_ref());
+        let locks = self.locks(&raw.locks);
+        let routes = self.routes(&raw.routes, &cache, &bloom, &stock, redis.as_ref(), &locks);
         self.buffered_fits(raw, &upstream, &cache, &routes);
         let journal = self.journal(&raw.journal);
         let prefix = redis.as_ref().map_or("cg:", |r| r.key_prefix.as_str());
@@ -601,6 +603,7 @@ impl Checker<'_> {
             stream,
             access_log,
             stock,
+            locks,
             warnings: Vec::new(),
         }
     }
@@ -1382,11 +1385,12 @@ impl Checker<'_> {
         filters: &[BloomConfig],
         gates: &[StockConfig],
         redis: Option<&RedisConfig>,
+        locks: &[LockBackendConfig],
     ) -> Vec<RouteConfig> {
         let routes: Vec<RouteConfig> = raw
             .iter()
             .enumerate()
-            .map(|(i, route)| self.route(i, route, cache, filters, gates, redis))
+            .map(|(i, route)| self.route(i, route, cache, filters, gates, redis, locks))
             .collect();
         self.unique_names(raw);
         self.distinct_methods(raw, &routes);
@@ -1394,6 +1398,10 @@ impl Checker<'_> {
         routes
     }
 
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "the route's index, text and the config's sections it refers to"
+    )]
     fn route(
         &mut self,
         i: usize,
@@ -1402,6 +1410,7 @@ impl Checker<'_> {
         filters: &[BloomConfig],
         gates: &[StockConfig],
         redis: Option<&RedisConfig>,
+        locks: &[LockBackendConfig],
     ) -> RouteConfig {
         let raw = spanned.get_ref();
         let key = |field: &str| format!("routes[{i}].{field}");
@@ -1440,7 +1449,7 @@ impl Checker<'_> {
         let bloom_add = self.bloom_add(i, raw, is_read, filters);
         let warmup = self.warmup(i, raw, is_read);
         let stock = self.route_stock(i, raw, is_read, gates);
-        let serialize = self.serialize(i, raw, is_read, redis);
+        let serialize = self.serialize(i, raw, is_read, redis, locks);
         let (version, version_floor_ttl) = self.version(i, raw, is_read);
 
         RouteConfig {

@@ -111,6 +111,20 @@ pub(super) fn check_redis_url(value: &str) -> Result<(), String> {
         .map_err(|error| format!("{expected} ({error})"))
 }
 
+/// A `mysql://` URL the MySQL client can use.
+pub(super) fn check_mysql_url(value: &str) -> Result<(), String> {
+    value
+        .parse::<sqlx::mysql::MySqlConnectOptions>()
+        .map(|_| ())
+        .map_err(|error| {
+            format!(
+                "expected a URL like \"mysql://user:password@127.0.0.1:3306/database\", got \
+                 {:?} ({error})",
+                redact_url(value)
+            )
+        })
+}
+
 pub(super) fn check_token(value: &str) -> Result<(), String> {
     if value.is_empty() {
         Err("expected a non-empty string (omit the token to refuse mutating admin calls)".into())

@@ -4,6 +4,7 @@
 //! <p>{<base>}:v            entry of a base key (route and path, no query, no `vary` values)
 //! <p>{<base>}:v:<hash>     entry of one of its variants (query or `vary` values)
 //! <p>{<base>}:lock[:<hash>] fill lock of the base key [of a variant]
+//! <p>{<base>}:wait[:<hash>] set by a waiter that found that lock held: its fill publishes
 //! <p>{<base>}:gen          generation, shared by the base and all its variants
 //! <p>{<base>}:vars         sorted set of the variants' hashes (score: entry expiry)
 //! <p>{<base>}:q            a write's quarantine (fills store nothing while it lives)
@@ -12,7 +13,8 @@
 //! <p>{<base>}:fail[:<hash>] a failed fetch's answer, for the lock's waiters (seconds)
 //! <p>tag:{<t>}:keys        sorted set of the base keys a surrogate key (tag) covers
 //! <p>tag:{<t>}:at          Redis time (ms) of the tag's last invalidation
-//! <p>tag:{<t>.<s>}:keys    shard `<s>` of a route's index (see [`ROUTE_SHARDS`])
+//! <p>tag:{<t>.<s>}:keys    shard `<s>` of a route's index (see [`ROUTE_SHARDS`]), no expiry
+//!                          (expired members are dropped as members are listed)
 //! <p>tag:{<t>.<s>}:at      Redis time (ms) of the last pattern purge, per shard
 //! <p>bloom:<filter>        a Bloom filter's snapshot header; `:adds` its recent creates
 //! <p>bloom:<filter>:part:<i> part `i` of the snapshot (≤ 512 KiB each, one slot each)
@@ -56,6 +58,8 @@ pub(crate) struct Keyspace {
 pub(crate) struct KeyNames {
     pub(crate) entry: String,
     pub(crate) lock: String,
+    /// Marked by the waiters that found the lock held: the fill wakes them.
+    pub(crate) waited: String,
     pub(crate) generation: String,
     pub(crate) vars: String,
     /// Set by a write for its `double_delete_delay`: fills store nothing meanwhile.
@@ -82,6 +86,12 @@ impl Keyspace {
         }
     }
 
+    /// The keys on Redlock's masters (`[locks.<name>] backend = "redlock"`): servers of
+    /// their own, so the default prefix; only the serialized-write keys are used there.
+    pub(crate) fn redlock() -> Self {
+        Keyspace::new("cg:")
+    }
+
     /// `<p>{<base>}:<suffix>`.
     fn tagged(&self, base: u128, suffix: &str) -> String {
         format!("{}{{{base:032x}}}:{suffix}", self.prefix)
@@ -103,6 +113,7 @@ impl Keyspace {
         if hash != base {
             names.entry = self.entry(base, hash);
             names.lock = self.tagged(base, &format!("lock:{hash:032x}"));
+            names.waited = self.tagged(base, &format!("wait:{hash:032x}"));
             names.failure = self.tagged(base, &format!("fail:{hash:032x}"));
             names.variant = Some(format!("{hash:032x}"));
         }
@@ -114,6 +125,7 @@ impl Keyspace {
         KeyNames {
             entry: self.entry(base, base),
             lock: self.tagged(base, "lock"),
+            waited: self.tagged(base, "wait"),
             generation: self.tagged(base, "gen"),
             vars: self.tagged(base, "vars"),
             quarantine: self.tagged(base, "q"),

@@ -734,6 +734,21 @@ impl RedisConn {
         if !self.is_up() {
             return Err(Unavailable::Down);
         }
+        self.run_past_breaker(op, key, attempt).await
+    }
+
+    /// [`RedisConn::run`] sent even while the breaker is open (see
+    /// [`RedisConn::run_script_past_breaker`]).
+    async fn run_past_breaker<T, F, Fut>(
+        &self,
+        op: RedisOp,
+        key: Option<&[u8]>,
+        attempt: F,
+    ) -> Result<T, Unavailable>
+    where
+        F: Fn(DataConn) -> Fut,
+        Fut: Future<Output = Result<T, RedisError>>,
+    {
         let Some(conn) = self.shared() else {
             self.failed("no Redis connection to use");
             return Err(Unavailable::Down);
@@ -802,6 +817,27 @@ impl RedisConn {
         let invocation = &invocation(script, keys, args);
         let key = keys.first().map(|key| key.as_bytes());
         self.run(op, key, |mut conn| async move {
+            invocation.invoke_async(&mut conn).await
+        })
+        .await
+    }
+
+    /// [`RedisConn::run_script`], sent even while the breaker is open: for the few commands
+    /// that keep a lock already held (a write lock's renewal and release). The breaker spares
+    /// requests the wait on a Redis that fails and spares that Redis their load; a renewal is
+    /// neither (one per held lock each lease/3, off any answer's path), and refusing it would
+    /// give up a lock a short outage was promised not to cost: the lock lapses only when
+    /// Redis stays unreachable for the lease. Still bounded by `command_timeout`.
+    pub(crate) async fn run_script_past_breaker<T: FromRedisValue>(
+        &self,
+        op: RedisOp,
+        script: &Script,
+        keys: &[&str],
+        args: &[&[u8]],
+    ) -> Result<T, Unavailable> {
+        let invocation = &invocation(script, keys, args);
+        let key = keys.first().map(|key| key.as_bytes());
+        self.run_past_breaker(op, key, |mut conn| async move {
             invocation.invoke_async(&mut conn).await
         })
         .await
@@ -1196,6 +1232,13 @@ impl RedisConn {
             .hysteresis
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Opens the breaker as enough failures would (for unit tests of what an open breaker
+    /// lets through).
+    #[cfg(test)]
+    pub(crate) fn open_breaker(&self) {
+        self.mark_down("opened by a test");
     }
 
     fn mark_down(&self, why: &str) {

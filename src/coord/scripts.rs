@@ -6,8 +6,10 @@
 //! variant `cg:{<base>}:v:<hash>`, `cg:{<base>}:lock:<hash>`, indexed in `cg:{<base>}:vars`.
 //! Tags: `cg:tag:{<t>}:keys` and `cg:tag:{<t>}:at` (see [`super::keyspace`]).
 //!
-//! Times come from Redis (`TIME`), one clock for every instance: a fill compares the time
-//! its fetch began with the time a tag was last invalidated.
+//! Times come from Redis (`TIME`), one clock for every instance: a tag's invalidation time
+//! is its node's clock, and a fill that carries the tag compares it with the same node's
+//! clock read as it lists itself under the tag, less the time (measured by the filler) since
+//! before its lock was asked for. No script of a cold miss reads the clock otherwise.
 //!
 //! A generation is a random integer, created by the first fill that finds none and moved
 //! on (`INCR`) by every invalidation. A fill reads it before its fetch and is refused when
@@ -15,6 +17,17 @@
 //! an `allkeys-*` policy (or expired) may have carried a write that happened since, so its
 //! absence never reads as "unchanged". There is no "absent = 0": after an eviction the
 //! next fill creates a fresh random value, which no earlier fill read.
+//!
+//! The lock of a base key needs no generation: [`INVALIDATE`] deletes it in the same step
+//! as it moves the generation on, so a base key's lock that is still the holder's when it
+//! fills proves that no invalidation ran since it was taken (a lock gone for any other
+//! reason — its lease lapsed, evicted, a failover — refuses the fill too). A variant's lock
+//! is deleted by an invalidation only once the variant is listed in its base's index,
+//! which its first fill does: variants, and fills without the lock, read the generation.
+//!
+//! Waiters on another instance's fetch mark the lock's `wait` key as they find it held;
+//! [`FILL`] publishes `fill` only when that mark is there (or the lock is not the filler's):
+//! a fill nobody waits on wakes nobody.
 //!
 //! A route with `version` also has a version floor per base key (`cg:{<base>}:floor`,
 //! named only by the scripts of such routes): a write raises it to its answer's version
@@ -31,15 +44,15 @@ macro_rules! now_ms {
     };
 }
 
-/// Lua: the key's generation (`KEYS[2]`) in `gen`, created as `ARGV[3]` when absent, and
-/// kept for at least `ARGV[4]` ms: it must outlive the fetch that reads it now.
+/// Lua: the key's generation (`KEYS[2]`) into `gen` (declared by the caller), created as
+/// `ARGV[3]` when absent, and kept for at least `ARGV[4]` ms: it must outlive the fetch that
+/// reads it now. `SET NX GET` reads and creates in one command (Redis 7).
 macro_rules! generation {
     () => {
         r"
-local gen = redis.call('GET', KEYS[2])
+gen = redis.call('SET', KEYS[2], ARGV[3], 'NX', 'PX', ARGV[4], 'GET')
 if not gen then
   gen = ARGV[3]
-  redis.call('SET', KEYS[2], gen, 'PX', ARGV[4])
 elseif redis.call('PTTL', KEYS[2]) < tonumber(ARGV[4]) then
   redis.call('PEXPIRE', KEYS[2], ARGV[4])
 end
@@ -85,29 +98,31 @@ use std::sync::LazyLock;
 
 use redis::Script;
 
-/// Takes the fill lock for a key, and reads the key's generation in the same step
+/// Takes the fill lock for a key, and for a variant reads its generation in the same step
 /// (creating it when there is none: see the module docs).
 ///
-/// - `KEYS[1]` lock, `KEYS[2]` generation, `KEYS[3]` entry, `KEYS[4]` the version floor
-///   (named only when `ARGV[6]` is `1`)
+/// - `KEYS[1]` lock, `KEYS[2]` generation, `KEYS[3]` entry, `KEYS[4]` the lock's waiters'
+///   mark, `KEYS[5]` the version floor (named only when `ARGV[6]` is `1`)
 /// - `ARGV[1]` token (random per acquisition), `ARGV[2]` lease in ms, `ARGV[3]` a fresh
-///   random generation, `ARGV[4]` how long a generation must last at least, in ms (longer
-///   than any fetch), `ARGV[5]` `1` when an entry already there answers instead (a cold
-///   miss: a fill may have landed since the caller looked), `ARGV[6]` `1` to read the
-///   version floor (a route with `version`)
-/// - returns `{2, '', 0, 0, 0, ''}` when `ARGV[5]` is `1` and the entry exists (nothing
-///   taken), `{1, generation, 0, now, 0, floor}` when acquired, `{0, generation, pttl,
-///   now, repaired, floor}` when another holder has it (`pttl` is its remaining lease in
-///   ms); `now` is Redis's clock, `floor` the version floor (`''`: none, or not asked). A
-///   lock with no expiry (never set by cacheguard: another client, or a bug) would stall
-///   the key for ever: it is given a lease here, and `repaired` is 1.
+///   random generation, `ARGV[4]` how long a generation (and a waiters' mark) must last at
+///   least, in ms (longer than any fetch), `ARGV[5]` `1` when an entry already there
+///   answers instead (a cold miss: a fill may have landed since the caller looked),
+///   `ARGV[6]` `1` to read the version floor (a route with `version`), `ARGV[7]` `1` to
+///   read the generation (a variant; a base key's lock fences its fill by itself)
+/// - returns `{2, '', 0, 0, ''}` when `ARGV[5]` is `1` and the entry exists (nothing
+///   taken), `{1, generation, 0, 0, floor}` when acquired (`generation` `''` when not
+///   asked), `{0, '', pttl, repaired, floor}` when another holder has it (`pttl` is its
+///   remaining lease in ms; the waiters' mark is set, so its fill wakes this waiter);
+///   `floor` is the version floor (`''`: none, or not asked). A lock with no expiry (never
+///   set by cacheguard: another client, or a bug) would stall the key for ever: it is
+///   given a lease here, and `repaired` is 1.
 ///
 /// The entry check spares a cold miss's leader a read of its own before it locks: one
 /// command instead of two.
 ///
-/// Reading the generation here, before the fetch starts, is what lets [`FILL`] refuse an
-/// answer that an invalidation overtook while it was being fetched; `now` lets the filler
-/// refuse it when a tag it carries was invalidated since (see [`TAG_ADD`]).
+/// Reading the generation here (or, for a base key, holding the lock that every
+/// invalidation deletes), before the fetch starts, is what lets [`FILL`] refuse an answer
+/// that an invalidation overtook while it was being fetched.
 pub(crate) static ACQUIRE: LazyLock<Script> = LazyLock::new(|| Script::new(ACQUIRE_SOURCE));
 
 /// The source of [`ACQUIRE`], for `EVAL` in a pipeline (see
@@ -115,45 +130,48 @@ pub(crate) static ACQUIRE: LazyLock<Script> = LazyLock::new(|| Script::new(ACQUI
 pub(crate) const ACQUIRE_SOURCE: &str = concat!(
     r"
 if ARGV[5] == '1' and redis.call('EXISTS', KEYS[3]) == 1 then
-  return {2, '', 0, 0, 0, ''}
+  return {2, '', 0, 0, ''}
 end
-",
-    now_ms!(),
-    generation!(),
-    r"
 local floor = ''
 if ARGV[6] == '1' then
-  floor = redis.call('GET', KEYS[4]) or ''
+  floor = redis.call('GET', KEYS[5]) or ''
 end
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
-  return {1, gen, 0, now, 0, floor}
+  local gen = ''
+  if ARGV[7] == '1' then
+",
+    generation!(),
+    r"
+  end
+  return {1, gen, 0, 0, floor}
 end
+redis.call('SET', KEYS[4], '1', 'PX', ARGV[4])
 local pttl = redis.call('PTTL', KEYS[1])
 if pttl < 0 then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  return {0, gen, tonumber(ARGV[2]), now, 1, floor}
+  return {0, '', tonumber(ARGV[2]), 1, floor}
 end
-return {0, gen, pttl, now, 0, floor}
+return {0, '', pttl, 0, floor}
 ",
 );
 
 /// Begins a fill without the lock: reads the generation (creating it when there is none),
-/// Redis's clock, and the version floor when asked.
+/// and the version floor when asked.
 ///
 /// - `KEYS[1]` unused, `KEYS[2]` generation, `KEYS[3]` the version floor (named only when
 ///   `ARGV[5]` is `1`); `ARGV[3]`, `ARGV[4]` as for [`ACQUIRE`], `ARGV[5]` `1` to read the
 ///   floor
-/// - returns `{generation, now, floor}` (`floor`: `''` when none, or not asked).
+/// - returns `{generation, floor}` (`floor`: `''` when none, or not asked).
 pub(crate) static BEGIN: LazyLock<Script> = LazyLock::new(|| {
     Script::new(concat!(
-        now_ms!(),
+        "local gen\n",
         generation!(),
         r"
 local floor = ''
 if ARGV[5] == '1' then
   floor = redis.call('GET', KEYS[3]) or ''
 end
-return {gen, now, floor}
+return {gen, floor}
 ",
     ))
 });
@@ -202,52 +220,65 @@ return 0
 /// Stores a fetched entry, releases the lock and wakes the waiters, in one round trip.
 ///
 /// - `KEYS[1]` entry, `KEYS[2]` lock, `KEYS[3]` generation, `KEYS[4]` variant index,
-///   `KEYS[5]` the base's write quarantine, `KEYS[6]` the base's version floor (named only
-///   when `ARGV[9]` is not empty)
-/// - `ARGV[1]` token, `ARGV[2]` generation read at acquisition, `ARGV[3]` encoded entry,
-///   `ARGV[4]` entry TTL in ms, `ARGV[5]` channel, `ARGV[6]` `fill` message, `ARGV[7]`
-///   `released` message, `ARGV[8]` the variant's hash (empty for a base key), `ARGV[9]`
-///   the answer's version on a route with `version` (`-`: it carries none; empty: the
-///   route has no `version`)
+///   `KEYS[5]` the base's write quarantine, `KEYS[6]` the lock's waiters' mark, `KEYS[7]`
+///   the base's version floor (named only when `ARGV[9]` is not empty)
+/// - `ARGV[1]` token, `ARGV[2]` generation read at acquisition (empty: a base key's lock,
+///   which fences the fill by itself), `ARGV[3]` encoded entry, `ARGV[4]` entry TTL in ms,
+///   `ARGV[5]` channel, `ARGV[6]` `fill` message, `ARGV[7]` `released` message, `ARGV[8]`
+///   the variant's hash (empty for a base key), `ARGV[9]` the answer's version on a route
+///   with `version` (`-`: it carries none; empty: the route has no `version`)
 /// - returns 1 stored; 0 refused because the generation changed or is gone (an
-///   invalidation overtook the fetch, or its trace was evicted); -1 refused because
-///   another holder took the lock (ours expired and someone else is fetching a newer
-///   answer); -2 refused because a write quarantines the key (its answer may come from a
-///   replica that has not caught up with the write yet); -3 refused because the answer's
-///   version is below the key's floor, or it has none while there is a floor (a fill
-///   stored a newer version since the fetch began).
+///   invalidation overtook the fetch, or its trace was evicted) — for a fill fenced by its
+///   lock, because the lock is gone; -1 refused because another holder took the lock (ours
+///   expired and someone else is fetching a newer answer); -2 refused because a write
+///   quarantines the key (its answer may come from a replica that has not caught up with
+///   the write yet); -3 refused because the answer's version is below the key's floor, or
+///   it has none while there is a floor (a fill stored a newer version since the fetch
+///   began).
 ///
-/// The entry is stored only if the generation is unchanged, the key is not quarantined, its
-/// version reaches the floor and no other holder has the lock; a stored version raises the
-/// floor to itself, for the entry's life (so no later fill stores an older one). The lock
-/// is deleted only if it is still ours. Waiters get `fill` when there is
-/// something to read, `released` (so one of them takes over) when nothing was stored
-/// because of an invalidation — also when the invalidation already deleted our lock, or
-/// the waiters of a variant (whose events carry the variant's hash, not the base's) would
-/// sleep until the lease ran out. A variant is listed in the base's index, scored by its
-/// expiry; expired members are dropped on the way.
+/// Everything it checks is read with one `MGET` (all keys share the base's hash tag). The
+/// entry is stored only if the generation is unchanged (the lock still ours, for a fill
+/// fenced by it), the key is not quarantined, its version reaches the floor and no other
+/// holder has the lock; a stored version raises the floor to itself, for the entry's life
+/// (so no later fill stores an older one). The lock (and its waiters' mark) is deleted
+/// only if it is still ours. Waiters get `fill` when there is something to read — from a
+/// holder only when one marked the lock as it waited (nobody else waits on it) —,
+/// `released` (so one of them takes over) when nothing was stored because of an
+/// invalidation — also when the invalidation already deleted our lock, or the waiters of a
+/// variant (whose events carry the variant's hash, not the base's) would sleep until the
+/// lease ran out. A variant is listed in the base's index, scored by its expiry (the only
+/// step that reads Redis's clock); expired members are dropped on the way.
 pub(crate) static FILL: LazyLock<Script> = LazyLock::new(|| {
     Script::new(concat!(
-        now_ms!(),
         floors!(),
         r"
-local gen = redis.call('GET', KEYS[3]) or ''
-local holder = redis.call('GET', KEYS[2])
-local ours = holder == ARGV[1]
-local quarantined = redis.call('EXISTS', KEYS[5]) == 1
-local behind = false
+local read
 if ARGV[9] ~= '' then
-  local floor = redis.call('GET', KEYS[6])
-  behind = floor and (ARGV[9] == '-' or older(ARGV[9], floor))
+  read = redis.call('MGET', KEYS[3], KEYS[2], KEYS[5], KEYS[6], KEYS[7])
+else
+  read = redis.call('MGET', KEYS[3], KEYS[2], KEYS[5], KEYS[6])
 end
-if gen ~= ARGV[2] or quarantined or behind then
+local gen, holder = read[1], read[2]
+local quarantined, waited = read[3] ~= false, read[4] ~= false
+local ours = holder == ARGV[1]
+local changed
+if ARGV[2] == '' then
+  changed = not holder
+else
+  changed = gen ~= ARGV[2]
+end
+local behind = false
+if ARGV[9] ~= '' and read[5] then
+  behind = ARGV[9] == '-' or older(ARGV[9], read[5])
+end
+if changed or quarantined or behind then
   if ours then
-    redis.call('DEL', KEYS[2])
+    redis.call('DEL', KEYS[2], KEYS[6])
   end
   if ours or not holder then
     redis.call('PUBLISH', ARGV[5], ARGV[7])
   end
-  if gen ~= ARGV[2] then
+  if changed then
     return 0
   end
   if quarantined then
@@ -260,6 +291,9 @@ if holder and not ours then
 end
 redis.call('SET', KEYS[1], ARGV[3], 'PX', ARGV[4])
 if ARGV[8] ~= '' then
+",
+        now_ms!(),
+        r"
   local ttl = tonumber(ARGV[4])
   redis.call('ZADD', KEYS[4], now + ttl, ARGV[8])
   redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now)
@@ -268,12 +302,14 @@ if ARGV[8] ~= '' then
   end
 end
 if ARGV[9] ~= '' and ARGV[9] ~= '-' then
-  raise_floor(KEYS[6], ARGV[9], tonumber(ARGV[4]))
+  raise_floor(KEYS[7], ARGV[9], tonumber(ARGV[4]))
 end
 if ours then
-  redis.call('DEL', KEYS[2])
+  redis.call('DEL', KEYS[2], KEYS[6])
 end
-redis.call('PUBLISH', ARGV[5], ARGV[6])
+if waited or not ours then
+  redis.call('PUBLISH', ARGV[5], ARGV[6])
+end
 return 1
 ",
     ))
@@ -332,7 +368,8 @@ return #vars
 ///
 /// - `KEYS[1]` the tag's index, `KEYS[2]` its invalidation time
 /// - `ARGV[1]` member (`<base hex> <path>`), `ARGV[2]` the entry's life in ms
-/// - returns the tag's last invalidation time in ms (0 if none).
+/// - returns `{at, now}`: the tag's last invalidation time in ms (0 if none), and this
+///   node's clock, which `at` was read on too.
 pub(crate) static TAG_ADD: LazyLock<Script> = LazyLock::new(|| {
     Script::new(concat!(
         now_ms!(),
@@ -343,10 +380,32 @@ redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 if redis.call('PTTL', KEYS[1]) < life then
   redis.call('PEXPIRE', KEYS[1], life)
 end
-return tonumber(redis.call('GET', KEYS[2]) or '0')
+return {tonumber(redis.call('GET', KEYS[2]) or '0'), now}
 ",
     ))
 });
+
+/// Lists a base key in its shard of its route's index, and keeps the shard: drops the
+/// members whose entries expired and takes off any expiry (a shard has none: members are
+/// listed by a plain `ZADD` too, which could not extend one). One listing in
+/// [`ROUTE_KEEP_EVERY`] runs this; the others are a plain `ZADD GT`. Sent with `EVAL` (its
+/// source, not its digest): used this rarely, a process's first use would otherwise cost
+/// a refused `EVALSHA` and a `SCRIPT LOAD` on each node.
+///
+/// - `KEYS[1]` the shard; `ARGV[1]` member (`<base hex> <path>`), `ARGV[2]` its score: the
+///   latest its entry can expire, in Unix ms
+pub(crate) const ROUTE_ADD: &str = concat!(
+    now_ms!(),
+    r"
+redis.call('ZADD', KEYS[1], 'GT', ARGV[2], ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+redis.call('PERSIST', KEYS[1])
+return 1
+",
+);
+
+/// One route listing in this many keeps its shard ([`ROUTE_ADD`]), chosen by the base key.
+pub(crate) const ROUTE_KEEP_EVERY: u128 = 32;
 
 /// Records that a tag is invalidated now, without listing its index (a pattern purge scans
 /// the index itself, in chunks).

@@ -34,10 +34,12 @@ pub(crate) enum FloorCheck {
 pub(crate) struct Lease {
     token: String,
     /// The key's generation when the lease was taken; the fill is refused if it changed.
+    /// Empty for a base key's lock, which fences its fill by itself (see `scripts.rs`).
     generation: String,
-    /// Redis's clock when the lease was taken: the fill is refused if a tag the answer
-    /// carries was invalidated at or after it.
-    pub(crate) started_ms: u64,
+    /// Just before the lease was asked for: a fill is refused if a tag the answer carries
+    /// was invalidated since (see [`RedisStore::tag_add`]). A real interval between two
+    /// Redis events, so `std`'s clock, not tokio's (which a paused test stops).
+    pub(crate) began: std::time::Instant,
     /// The key's version floor when the lease was taken (with [`FloorCheck::On`]).
     pub(crate) floor: Option<u128>,
     hash: u128,
@@ -46,9 +48,9 @@ pub(crate) struct Lease {
     floor_key: Option<String>,
 }
 
-/// The keys of the fill and invalidation scripts: the key's entry, lock, generation,
-/// variant index and quarantine, then its version floor when `floor` names it; with how
-/// many of them are named.
+/// The keys of the invalidation script: the key's entry, lock, generation, variant index
+/// and quarantine, then its version floor when `floor` names it; with how many of them are
+/// named.
 fn script_keys<'a>(names: &'a KeyNames, floor: Option<&'a str>) -> ([&'a str; 6], usize) {
     let all = [
         names.entry.as_str(),
@@ -59,6 +61,22 @@ fn script_keys<'a>(names: &'a KeyNames, floor: Option<&'a str>) -> ([&'a str; 6]
         floor.unwrap_or_default(),
     ];
     (all, if floor.is_some() { 6 } else { 5 })
+}
+
+/// The keys of the fill script: the key's entry, lock, generation, variant index,
+/// quarantine and the lock's waiters' mark, then its version floor when `floor` names it;
+/// with how many of them are named.
+fn fill_keys<'a>(names: &'a KeyNames, floor: Option<&'a str>) -> ([&'a str; 7], usize) {
+    let all = [
+        names.entry.as_str(),
+        &names.lock,
+        &names.generation,
+        &names.vars,
+        &names.quarantine,
+        &names.waited,
+        floor.unwrap_or_default(),
+    ];
+    (all, if floor.is_some() { 7 } else { 6 })
 }
 
 /// A floor as a script returns it: `''` for none.
@@ -92,12 +110,6 @@ pub(crate) enum FillOutcome {
     /// floor): a newer answer was stored since the fetch began.
     OlderVersion,
 }
-
-/// Clock skew allowed between two Redis Cluster nodes when a tag's invalidation time (one
-/// node's `TIME`) is compared with a fill's start (another node's `TIME`). NTP keeps hosts
-/// within a few milliseconds of each other; a skew beyond this could let a fill that began
-/// after a tag invalidation on the skewed clock store its answer.
-const CLUSTER_CLOCK_MARGIN_MS: u64 = 50;
 
 /// How long a failed fetch's answer is kept for the waiters woken by its `failed` event:
 /// they read it at once; this only has to outlast the event's delivery.
@@ -207,6 +219,11 @@ impl RedisStore {
         &self.bus.waiters
     }
 
+    /// How long a generation read at a fetch's start is kept: longer than any fetch.
+    pub(crate) fn generation_life(&self) -> Duration {
+        self.generation_life
+    }
+
     /// `ARGV[3]` and `ARGV[4]` of the scripts that read a generation at a fetch's start.
     fn generation_args(&self) -> (String, String) {
         (
@@ -240,6 +257,7 @@ impl RedisStore {
         or_entry: bool,
         check: FloorCheck,
     ) -> Result<Acquired, Unavailable> {
+        let began = std::time::Instant::now();
         let names = self.keys.key(base, hash);
         let token = format!("{:032x}", rand::random::<u128>());
         let floor_key = (check == FloorCheck::On).then(|| self.keys.floor(base));
@@ -247,20 +265,24 @@ impl RedisStore {
             names.lock.as_str(),
             &names.generation,
             &names.entry,
+            &names.waited,
             floor_key.as_deref().unwrap_or_default(),
         ];
-        let keys = &all[..if floor_key.is_some() { 4 } else { 3 }];
+        let keys = &all[..if floor_key.is_some() { 5 } else { 4 }];
         let (fresh, life) = self.generation_args();
-        let args: [&[u8]; 6] = [
+        let args: [&[u8]; 7] = [
             token.as_bytes(),
             &self.lease_ms(),
             fresh.as_bytes(),
             life.as_bytes(),
             if or_entry { b"1" } else { b"0" },
             if floor_key.is_some() { b"1" } else { b"0" },
+            // A variant's lock is not deleted by an invalidation before the variant is
+            // listed: its fill checks the generation (see `scripts.rs`).
+            if hash == base { b"0" } else { b"1" },
         ];
-        type Answer = (i64, String, i64, u64, i64, String);
-        let (won, generation, pttl, now, repaired, floor): Answer = if self.wait_replicas > 0 {
+        type Answer = (i64, String, i64, i64, String);
+        let (won, generation, pttl, repaired, floor): Answer = if self.wait_replicas > 0 {
             let (answer, acked): (Answer, i64) = self
                 .redis
                 .run_script_replicated(
@@ -288,7 +310,7 @@ impl RedisStore {
             Ok(Acquired::Won(Box::new(Lease {
                 token,
                 generation,
-                started_ms: now,
+                began,
                 floor: parse_floor(&floor),
                 hash,
                 names,
@@ -320,6 +342,7 @@ impl RedisStore {
         hash: u128,
         check: FloorCheck,
     ) -> Result<Lease, Unavailable> {
+        let began = std::time::Instant::now();
         let names = self.keys.key(base, hash);
         let floor_key = (check == FloorCheck::On).then(|| self.keys.floor(base));
         let all = [
@@ -329,7 +352,7 @@ impl RedisStore {
         ];
         let keys = &all[..if floor_key.is_some() { 3 } else { 2 }];
         let (fresh, life) = self.generation_args();
-        let (generation, now, floor): (String, u64, String) = self
+        let (generation, floor): (String, String) = self
             .redis
             .run_script(
                 RedisOp::Lock,
@@ -347,7 +370,7 @@ impl RedisStore {
         Ok(Lease {
             token: "-".to_owned(),
             generation,
-            started_ms: now,
+            began,
             floor: parse_floor(&floor),
             hash,
             names,
@@ -447,23 +470,24 @@ impl RedisStore {
         Ok(())
     }
 
-    /// Lists `member` (`<base hex> <path>`) under `tag` for `life` (in the shard `shard` of
-    /// a route's index, when given), and tells whether the tag (that shard) was invalidated
-    /// at or after `since_ms` (then the entry must not be stored).
+    /// Lists `member` (`<base hex> <path>`) under surrogate key `tag` for `life`, and tells
+    /// whether the tag was invalidated since `began` (then the entry must not be stored).
+    ///
+    /// The tag's invalidation time and the clock it is compared with are both its node's
+    /// (`TIME`, read by the script). The fetch began after `began`, and the script ran
+    /// before its answer came back, so the node's clock when the fetch began was at least
+    /// its clock now less the time elapsed since `began`: an invalidation at or after that
+    /// refuses the fill — a few milliseconds early at worst, never late.
     pub(crate) async fn tag_add(
         &self,
         tag: &str,
-        shard: Option<u16>,
         member: &str,
         life: Duration,
-        since_ms: u64,
+        began: std::time::Instant,
     ) -> Result<bool, Unavailable> {
-        let TagKeys { index, at } = match shard {
-            Some(shard) => self.keys.route_index(tag, shard),
-            None => self.keys.tag(tag),
-        };
+        let TagKeys { index, at } = self.keys.tag(tag);
         let life_ms = life.as_millis().max(1).to_string();
-        let invalidated: u64 = self
+        let (invalidated, now): (u64, u64) = self
             .redis
             .run_script(
                 RedisOp::Tag,
@@ -472,15 +496,50 @@ impl RedisStore {
                 &[member.as_bytes(), life_ms.as_bytes()],
             )
             .await?;
-        // On a cluster the tag's time comes from its node's clock and `since_ms` from the
-        // key's node: allow for their skew by refusing a little early (a fill that began
-        // just after a tag invalidation then stores nothing, which costs one miss).
-        let margin = if self.redis.mode() == RedisMode::Cluster {
-            CLUSTER_CLOCK_MARGIN_MS
+        // Whole milliseconds, rounded up: `now` and `invalidated` are both rounded down.
+        let elapsed = began.elapsed();
+        let elapsed_ms = u64::try_from(elapsed.as_millis())
+            .unwrap_or(u64::MAX)
+            .saturating_add(u64::from(!elapsed.subsec_nanos().is_multiple_of(1_000_000)));
+        Ok(invalidated >= now.saturating_sub(elapsed_ms))
+    }
+
+    /// Lists `member` (`<base hex> <path>`, of base key `base`) in its shard `shard` of the
+    /// index of the route whose implicit tag is `tag`, with `expiry` (Unix ms, this
+    /// process's clock) as its score: the latest its entry can expire, so the shard keeps it
+    /// at least that long. `ZADD GT`: a later expiry another fill listed is kept. One
+    /// listing in [`scripts::ROUTE_KEEP_EVERY`] (chosen by the base, so it is spread over
+    /// the shards) also drops the shard's expired members ([`scripts::ROUTE_ADD`]); the
+    /// others are one `ZADD`.
+    ///
+    /// Listed before the fetch starts: a pattern purge that scans the shard afterwards finds
+    /// the key and invalidates it, which refuses the fill; one that scanned it before ran
+    /// before the fetch, whose answer is then newer than the purge.
+    pub(crate) async fn route_add(
+        &self,
+        tag: &str,
+        shard: u16,
+        base: u128,
+        member: &str,
+        expiry: u64,
+    ) -> Result<(), Unavailable> {
+        let index = self.keys.route_index(tag, shard).index;
+        let score = expiry.to_string();
+        let cmd = if (base >> 6).is_multiple_of(scripts::ROUTE_KEEP_EVERY) {
+            let mut cmd = redis::cmd("EVAL");
+            cmd.arg(scripts::ROUTE_ADD)
+                .arg(1)
+                .arg(&index)
+                .arg(member)
+                .arg(&score);
+            cmd
         } else {
-            0
+            let mut cmd = redis::cmd("ZADD");
+            cmd.arg(&index).arg("GT").arg(&score).arg(member);
+            cmd
         };
-        Ok(invalidated.saturating_add(margin) >= since_ms)
+        self.redis.query::<i64>(RedisOp::Tag, &cmd).await?;
+        Ok(())
     }
 
     /// Records that `tag` is invalidated now and returns its index's live members.
@@ -620,7 +679,7 @@ impl RedisStore {
             (Some(floor), Some(version)) => (Some(floor.as_str()), version),
             _ => (None, ""),
         };
-        let (all, named) = script_keys(names, floor);
+        let (all, named) = fill_keys(names, floor);
         let keys = &all[..named];
         let fill = self.message(EventKind::Fill, lease.hash);
         let released = self.message(EventKind::Released, lease.hash);

@@ -31,10 +31,13 @@ use crate::coord::keyspace::serialized_resource;
 use crate::coord::locks::{AcquireError, Grant, LockService};
 use crate::metrics::{SerializeMetrics, SerializeOutcome};
 
-/// The serialized writes of this instance: the lock service and the local queues.
+/// The serialized writes of this instance: the lock services and the local queues.
 #[derive(Debug)]
 pub(crate) struct Serializer {
-    locks: LockService,
+    /// The shared Redis's locks (the process's own in embedded mode).
+    default: Arc<LockService>,
+    /// The `[locks.<name>]` services, by name.
+    named: HashMap<String, Arc<LockService>>,
     queues: Mutex<HashMap<u128, Arc<Queue>>>,
 }
 
@@ -61,6 +64,7 @@ pub(crate) enum Refusal {
 /// The lock on one resource, held for one write.
 #[derive(Debug)]
 pub(crate) struct Held {
+    service: Arc<LockService>,
     grant: Grant,
     lease: Duration,
     _turn: OwnedSemaphorePermit,
@@ -90,11 +94,26 @@ impl Drop for Place {
 }
 
 impl Serializer {
-    pub(crate) fn new(locks: LockService) -> Arc<Self> {
+    pub(crate) fn new(default: LockService, named: HashMap<String, LockService>) -> Arc<Self> {
         Arc::new(Serializer {
-            locks,
+            default: Arc::new(default),
+            named: named
+                .into_iter()
+                .map(|(name, service)| (name, Arc::new(service)))
+                .collect(),
             queues: Mutex::new(HashMap::new()),
         })
+    }
+
+    /// The lock service a route's `serialize.lock` names (the shared Redis's without one).
+    /// Names were checked against `[locks.<name>]` at config load; one added by a reload
+    /// without a restart is not connected, and such a route's writes are refused as with a
+    /// lock service that does not answer.
+    fn service(&self, config: &SerializeConfig) -> Option<&Arc<LockService>> {
+        match &config.lock {
+            None => Some(&self.default),
+            Some(name) => self.named.get(name),
+        }
     }
 
     /// Waits for the lock on `path` (see the module docs).
@@ -111,6 +130,10 @@ impl Serializer {
         let started = Instant::now();
         let deadline = started + config.wait_timeout;
         let resource = serialized_resource(path);
+        let Some(service) = self.service(config).cloned() else {
+            metrics.outcome(SerializeOutcome::Unavailable);
+            return Err(Refusal::Unavailable);
+        };
         let place = {
             let mut queues = self.queues.lock().unwrap_or_else(PoisonError::into_inner);
             let queue = queues.entry(resource).or_insert_with(|| {
@@ -146,7 +169,10 @@ impl Serializer {
         // and tried again: the write must reach the origin with time for a renewal.
         let margin = config.lease / 3;
         loop {
-            let grant = match self.locks.acquire(resource, config.lease, deadline).await {
+            let grant = match service
+                .acquire(resource, path, config.lease, deadline)
+                .await
+            {
                 Ok(grant) => grant,
                 Err(AcquireError::Timeout) => {
                     metrics.outcome(SerializeOutcome::Timeout);
@@ -161,6 +187,7 @@ impl Serializer {
                 metrics.waited(started.elapsed());
                 metrics.outcome(SerializeOutcome::Granted);
                 return Ok(Held {
+                    service,
                     grant,
                     lease: config.lease,
                     _turn: turn,
@@ -168,7 +195,7 @@ impl Serializer {
                 });
             }
             metrics.late_grants.inc();
-            self.locks.release(grant).await;
+            service.release(&grant).await;
             if Instant::now() >= deadline {
                 metrics.outcome(SerializeOutcome::Timeout);
                 return Err(Refusal::Timeout);
@@ -176,30 +203,67 @@ impl Serializer {
         }
     }
 
-    /// Runs `write` while holding `held`, renewing the lease every third of it, then
-    /// releases the lock. A renewal that finds the lock lost is counted: the write goes on
-    /// (it may already be at the origin), and only the origin's token check can refuse it.
+    /// Runs `write` while holding `held`, renewing the lease a third of it after the grant
+    /// or the last renewal was sent, then releases the lock: in a task of its own, so the
+    /// write's answer does not wait for the release's round trip (and a release Redis did
+    /// not take is tried again while the lease lasts). The turn here is given up once the
+    /// release was tried, so the next write of this instance asks Redis after it, as every
+    /// other instance's waiter does (woken by the release's event).
+    ///
+    /// A renewal that fails (Redis did not answer within `command_timeout`) is tried again
+    /// a twelfth of the lease later, and so on while the write is at the origin: the lease
+    /// is at least 3 × `command_timeout`, so after one renewal that timed out there is time
+    /// for the next before the lease ends, and a Redis that was out of reach for less than
+    /// the lease leaves the lock held. Only a renewal that finds the lock gone (another
+    /// owner, or none) ends the renewals; it is counted, and the write goes on (it may
+    /// already be at the origin): only the origin's token check can refuse it then.
     pub(crate) async fn hold<F: Future>(
-        &self,
+        self: &Arc<Self>,
         mut held: Held,
         write: F,
         metrics: &SerializeMetrics,
     ) -> F::Output {
         let every = held.lease / 3;
+        let retry = held.lease / 12;
         let mut write = std::pin::pin!(write);
+        // `expires` is the lease's end as of the last grant or renewal sent.
+        let mut next = held.grant.expires - (held.lease - every);
         let mut lost = false;
         let output = loop {
             tokio::select! {
                 output = &mut write => break output,
-                () = tokio::time::sleep(every) => {
-                    if !lost && !matches!(self.locks.renew(&mut held.grant, held.lease).await, Ok(true)) {
-                        lost = true;
-                        metrics.lost.inc();
+                () = tokio::time::sleep_until(next), if !lost => {
+                    match held.service.renew(&mut held.grant, held.lease).await {
+                        Ok(true) => next = held.grant.expires - (held.lease - every),
+                        Ok(false) => {
+                            lost = true;
+                            metrics.lost.inc();
+                        }
+                        Err(_) => next = Instant::now() + retry,
                     }
                 }
             }
         };
-        self.locks.release(held.grant).await;
+        tokio::spawn(async move {
+            let Held {
+                service,
+                grant,
+                lease,
+                _turn: turn,
+                _place: place,
+            } = held;
+            let mut released = service.release(&grant).await;
+            drop((turn, place));
+            // A release the backend did not take leaves the resource locked for everyone
+            // until the lease ends: it is tried again (compare-and-delete, so a late one is
+            // harmless) a twelfth of the lease later, while the lease lasts. The next write
+            // here need not wait for that: it finds the lock held in the backend, and waits
+            // there. The grant is dropped last (a ZooKeeper node is deleted then).
+            while !released && Instant::now() < grant.expires {
+                tokio::time::sleep(lease / 12).await;
+                released = service.release(&grant).await;
+            }
+        });
         output
     }
 }
@@ -232,7 +296,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn writes_to_one_resource_go_one_at_a_time_in_order_with_growing_tokens() {
-        let serializer = Serializer::new(LockService::Memory(MemoryLocks::new()));
+        let serializer = Serializer::new(LockService::Memory(MemoryLocks::new()), HashMap::new());
         let metrics = Metrics::unregistered().serialize.for_route("r");
         let order = Arc::new(Mutex::new(Vec::new()));
         let mut tasks = Vec::new();
@@ -265,6 +329,8 @@ mod tests {
         for task in tasks {
             tokens.push(task.await.unwrap());
         }
+        // The last release (and with it the queue's last place) runs in a task of its own.
+        tokio::time::sleep(Duration::from_millis(1)).await;
         let order = order.lock().unwrap().clone();
         let expected: Vec<(i32, &str)> = (0..5).flat_map(|i| [(i, "start"), (i, "end")]).collect();
         assert_eq!(order, expected, "one at a time, in arrival order");
@@ -277,7 +343,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn waits_are_bounded_in_time_and_count() {
-        let serializer = Serializer::new(LockService::Memory(MemoryLocks::new()));
+        let serializer = Serializer::new(LockService::Memory(MemoryLocks::new()), HashMap::new());
         let metrics = Metrics::unregistered().serialize.for_route("r");
         let first = serializer
             .acquire(&config(1, 200), "/r/1", &metrics)

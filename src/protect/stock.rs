@@ -74,6 +74,7 @@ use crate::cache::key::normalized_params;
 use crate::clock::now_ms;
 use crate::config::{OnRedisError, StockConfig, UpstreamConfig, fill_pattern};
 use crate::coord::events::{BusListener, StockEvent, StockLevel};
+use crate::coord::redis::Unavailable;
 use crate::coord::{Keyspace, RedisConn, keyspace};
 use crate::metrics::{Metrics, StockCounts, StockMetrics, StockOutcome, StockSettled};
 
@@ -543,7 +544,14 @@ impl Gate {
             };
             let mut sent = Instant::now();
             let reconciled = resource.reconciled.load(Ordering::Acquire);
-            let mut answer = self.ledger.buy(resource.id, segment, &request).await;
+            // With the breaker open the script is not sent: nothing is taken, so nothing is
+            // to be given back (a crowd refused during an outage leaves no task behind).
+            let asked = self.ledger.up();
+            let mut answer = if asked {
+                self.ledger.buy(resource.id, segment, &request).await
+            } else {
+                Err(Unavailable::Down)
+            };
             if matches!(answer, Ok(Buy::Unloaded)) && !loaded {
                 loaded = true;
                 if !self.load(resource, reconciled).await {
@@ -557,9 +565,11 @@ impl Gate {
                 Ok(answer) => answer,
                 Err(_) => {
                     self.metrics.redis_errors.inc();
-                    // The script may have run: whatever it took goes back.
-                    let claim = key.filter(|_| checks_record).zip(home);
-                    self.cancel(resource, segment, member, units, claim);
+                    // Sent, the script may have run: whatever it took goes back.
+                    if asked {
+                        let claim = key.filter(|_| checks_record).zip(home);
+                        self.cancel(resource, segment, member, units, claim);
+                    }
                     return match config.on_redis_error {
                         OnRedisError::Reject => {
                             self.refused(StockOutcome::Unavailable, Admission::Unavailable)

@@ -12,8 +12,10 @@
 //!      ─▶ Redis usable?
 //!           no  ─▶ fetch_and_store: fetch, store (generation-checked), L1
 //!           yes ─▶ claim the key's fleet lock (protect/flight/fleet.rs)
-//!                   leader   ─▶ fetch while the lease is renewed, then FILL (store if the
-//!                               generation is unchanged + release + publish)
+//!                   leader   ─▶ list the key in its route's index (a pattern purge finds
+//!                               it from now on), fetch while the lease is renewed, then
+//!                               FILL (store if no invalidation overtook it + release +
+//!                               publish when a waiter marked the lock)
 //!                   follower ─▶ look in L2; wait for the key's event or the holder's lease
 //!                               end; then read L2, or claim again, or fetch alone; give up
 //!                               after lock.wait_timeout (lock.on_timeout)
@@ -22,6 +24,12 @@
 //!      that give up in this process while such a fetch runs share it (a flight of their
 //!      own, `lone`): one at a time per key per instance, not one per waiter.
 //! ```
+//!
+//! What the requests report: the one whose fetch it was answers `MISS`; every request a
+//! fill answered without a fetch of its own — a follower of the in-process flight, a
+//! waiter on another instance's lock that read what it stored, and that waiter's own
+//! followers — answers `HIT-COALESCED` (`Outcome::Coalesced`); a waiter that gave up and
+//! fetched (`lock.on_timeout`) answers `BYPASS`.
 //!
 //! Stale-while-revalidate and early refreshes use the same path in the background.
 //! Waiting is event-driven: the only timers are the holder's lease end and the wait
@@ -339,12 +347,13 @@ impl Filler {
         let fetched = self.fill_unflighted(&job, locks_look).await;
         leader.finish(match &fetched {
             // A copy found in Redis as the lock was asked for is a hit for the followers
-            // too, one fetched alone (stored nowhere) their bypass; anything else fetched
-            // is their miss.
+            // too, one fetched alone (stored nowhere) their bypass; anything else (this
+            // leader's fetch, or another instance's fill it waited on) answers them without
+            // a fetch of their own: coalesced.
             Fetched::Ready(entry, tier @ (Outcome::HitL1 | Outcome::HitL2 | Outcome::Bypass)) => {
                 FlightResult::Filled(Arc::clone(entry), *tier)
             }
-            Fetched::Ready(entry, _) => FlightResult::Filled(Arc::clone(entry), Outcome::Miss),
+            Fetched::Ready(entry, _) => FlightResult::Filled(Arc::clone(entry), Outcome::Coalesced),
             Fetched::Uncacheable(_) => FlightResult::Uncacheable,
             Fetched::Failed(failure) => FlightResult::Failed(failure.shared.clone()),
             // The followers need a whole answer, or this one is not theirs (they fill again,
@@ -433,12 +442,13 @@ impl Filler {
                 fleet.count(LockEvent::Contended);
             }
             // The follower is registered already: a fill that lands between this look and
-            // the wait still wakes it.
+            // the wait still wakes it. What the holder stored answers this request without
+            // a fetch of its own: coalesced, as a follower of this process's flight is.
             if let Some(entry) = self.fresh_in_l2(job).await {
                 self.metrics
                     .lock_wait
                     .observe(started.elapsed().as_secs_f64());
-                return Fetched::Ready(entry, Outcome::Miss);
+                return Fetched::Ready(entry, Outcome::Coalesced);
             }
             if Instant::now() >= deadline {
                 return self.lock_wait_timed_out(job, started).await;
@@ -456,7 +466,7 @@ impl Filler {
                         self.metrics
                             .lock_wait
                             .observe(started.elapsed().as_secs_f64());
-                        return Fetched::Ready(entry, Outcome::Miss);
+                        return Fetched::Ready(entry, Outcome::Coalesced);
                     }
                 }
                 Wake::Failed => {
@@ -509,7 +519,13 @@ impl Filler {
     /// The lock holder's fetch: the lease is renewed while the origin works, then one
     /// script stores (if the generation is unchanged), releases and publishes. On a route
     /// with `version`, the answer reaches the floor read with the lock.
-    async fn fetch_as_owner(&self, job: &FillJob, permit: FillPermit) -> Fetched {
+    async fn fetch_as_owner(&self, job: &FillJob, mut permit: FillPermit) -> Fetched {
+        if list_in_route(job, &mut permit).await.is_err() {
+            // Not listed, so a pattern purge could miss what it would store: store nothing
+            // in Redis, and let the waiters take over.
+            permit.release(EventKind::Released).await;
+            return self.fetch_and_keep(job, None).await;
+        }
         let since = self.tiers.since();
         let floor = self.floor_with(job, permit.floor());
         let (classified, version) = permit
@@ -548,13 +564,19 @@ impl Filler {
     pub(crate) async fn fetch_and_store(&self, job: &FillJob) -> Fetched {
         // The generation (and version floor) is read before the fetch, like a lock
         // holder's.
-        let unlocked = match &self.fleet {
+        let mut unlocked = match &self.fleet {
             Some(fleet) => fleet
                 .unlocked(job.key.base, job.key.hash, floor_check(job))
                 .await
                 .ok(),
             None => None,
         };
+        if let Some(permit) = unlocked.as_mut()
+            && list_in_route(job, permit).await.is_err()
+        {
+            // Not listed: a pattern purge could miss it, so it is kept out of Redis.
+            unlocked = None;
+        }
         self.fetch_and_keep(job, unlocked).await
     }
 
@@ -665,8 +687,8 @@ impl Filler {
         }
     }
 
-    /// Stores a fetched entry: its tags (the route's own and the origin's surrogate keys)
-    /// into their indexes, then L2 through the fill script (when Redis is there), then L1
+    /// Stores a fetched entry: its surrogate keys into their indexes (its route's index
+    /// listed it before the fetch), then L2 through the fill script (when Redis is there), then L1
     /// when the route keeps it there. An answer an invalidation overtook — the key's
     /// generation changed, a tag of it was invalidated after the fetch began, a newer
     /// version was stored since, or a local mark says so — goes to the requests that asked
@@ -685,9 +707,9 @@ impl Filler {
         // Filled without Redis (no lease: the breaker was open): L1 is the only copy,
         // whatever the breaker says by now.
         let in_l1 = permit.is_none() && self.tiers.shared() && job.route.config.l1 != L1Policy::Off;
-        if let Some(permit) = permit {
+        if let Some(mut permit) = permit {
             let life = Duration::from_millis(entry.remaining_life_ms(now_ms()));
-            let outcome = match index_tags(job, entry, &permit, life).await {
+            let outcome = match index_tags(job, entry, &mut permit, life).await {
                 Ok(true) => {
                     // A tag was invalidated after the fetch began: waiters take over.
                     permit.release(EventKind::Released).await;
@@ -787,21 +809,62 @@ fn floor_check(job: &FillJob) -> FloorCheck {
     }
 }
 
-/// Lists the entry's base key under the route's tag (for pattern purges) and under each
-/// surrogate key, before the fill stores it. `Ok(true)`: one of its tags was invalidated
-/// after the fetch began, so the answer may predate it and must not be stored.
+/// The member that lists `job`'s base key in an index: `<base hex> <path>`.
+fn index_member(job: &FillJob) -> String {
+    format!("{:032x} {}", job.key.base, job.key.path())
+}
+
+/// The longest an entry of `route` can live in Redis: its longest ttl (the larger of `ttl`
+/// and `negative_ttl`, jittered up; an origin's own lifetime is capped by `ttl`) plus its
+/// `grace` (which bounds the stale windows and the time a copy is kept for revalidation).
+fn longest_life(route: &crate::config::RouteConfig) -> Duration {
+    let ttl = route.ttl.max(route.negative_ttl).as_secs_f64() * (1.0 + route.jitter);
+    Duration::try_from_secs_f64(ttl)
+        .unwrap_or(Duration::MAX)
+        .saturating_add(route.grace)
+}
+
+/// Lists `job`'s base key in its route's index (what a pattern purge searches) before the
+/// fetch starts, until the latest its entry can expire: now, plus the longest a fill can
+/// take, plus the longest an entry of the route lives (see `RedisStore::route_add`).
+async fn list_in_route(job: &FillJob, permit: &mut FillPermit) -> Result<(), Unavailable> {
+    let until = now_ms()
+        .saturating_add(millis(permit.longest_fill()))
+        .saturating_add(millis(longest_life(&job.route.config)));
+    let tag = route_tag(&job.route.config.name);
+    let base = job.key.base;
+    permit
+        .route_add(&tag, route_shard(base), base, &index_member(job), until)
+        .await
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// Lists the entry's base key under each surrogate key before the fill stores it, and in
+/// its route's index again if it would outlive its listing there (never with the route's
+/// own lifetimes). `Ok(true)`: one of its tags was invalidated after the fetch began, so
+/// the answer may predate it and must not be stored.
 async fn index_tags(
     job: &FillJob,
     entry: &Entry,
-    permit: &FillPermit,
+    permit: &mut FillPermit,
     life: Duration,
 ) -> Result<bool, Unavailable> {
-    let member = format!("{:032x} {}", job.key.base, job.key.path());
-    let route_tag = route_tag(&job.route.config.name);
-    let shard = route_shard(job.key.base);
-    let tags = std::iter::once((route_tag.as_str(), Some(shard)))
-        .chain(entry.tags.iter().map(|tag| (tag.as_str(), None)));
-    let checks = tags.map(|(tag, shard)| permit.tag_add(tag, shard, &member, life));
+    let member = index_member(job);
+    let expiry = now_ms().saturating_add(millis(life));
+    if permit.listed_until().is_none_or(|until| until < expiry) {
+        let tag = route_tag(&job.route.config.name);
+        let base = job.key.base;
+        permit
+            .route_add(&tag, route_shard(base), base, &member, expiry)
+            .await?;
+    }
+    let checks = entry
+        .tags
+        .iter()
+        .map(|tag| permit.tag_add(tag, &member, life));
     let mut overtaken = false;
     for check in futures_util::future::join_all(checks).await {
         overtaken |= check?;

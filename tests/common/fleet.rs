@@ -114,10 +114,18 @@ fn distinct_ports(n: usize) -> Vec<u16> {
 /// Starts `n` cacheguard processes from `cfg` (each with its own fixed loopback ports),
 /// all at once, and waits until each answers `/healthz`.
 pub async fn spawn_fleet(cfg: &CgConfig, n: usize) -> Fleet {
+    spawn_fleet_each(&vec![cfg.clone(); n]).await
+}
+
+/// As [`spawn_fleet`], instance `i` from `cfgs[i]` (e.g. one of them reaching the origin
+/// through a fault proxy of its own).
+pub async fn spawn_fleet_each(cfgs: &[CgConfig]) -> Fleet {
     let dir = tempfile::tempdir().expect("tempdir for fleet configs");
-    let ports = distinct_ports(2 * n);
-    let configs: Vec<PathBuf> = (0..n)
-        .map(|i| {
+    let ports = distinct_ports(2 * cfgs.len());
+    let configs: Vec<PathBuf> = cfgs
+        .iter()
+        .enumerate()
+        .map(|(i, cfg)| {
             cfg.clone()
                 .listen_on(ports[2 * i], ports[2 * i + 1])
                 .write_to(&dir.path().join(format!("cacheguard-{i}.toml")))

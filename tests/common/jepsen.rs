@@ -14,7 +14,10 @@
 //! ```
 //!
 //! The runner owns nothing but its clients: the nemesis future borrows the fixtures it
-//! acts on (fleet, Redis, proxy, origin) from the test, which keeps them.
+//! acts on (fleet, Redis, proxy, origin) from the test, which keeps them. [`Backend`] is
+//! the Redis of a run in each [`Topology`] (standalone behind a [`TcpProxy`], Sentinel
+//! with a replica that can lag, Cluster), started and configured the same way for every
+//! suite.
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -28,7 +31,7 @@ use tokio_util::sync::CancellationToken;
 use super::client::{HttpClient, full_body};
 use super::fleet::{Fleet, spawn_fleet, wait_coordinated};
 use super::history::{Completion, Epoch, History, Invocation, Outcome, Phase, Recorder};
-use super::{CgConfig, join_within};
+use super::{CgConfig, RedisCluster, RedisSentinel, RedisServer, TcpProxy, join_within};
 
 /// One HTTP operation a client makes. Retrying it sends it again as it is.
 #[derive(Clone, Debug)]
@@ -252,4 +255,51 @@ pub async fn start_fleet(cfg: &CgConfig, n: usize, shared: bool) -> Fleet {
         wait_coordinated(&HttpClient::new(), &fleet.admin_addrs()).await;
     }
     fleet
+}
+
+/// The Redis topology a run's fleet shares.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Topology {
+    /// One instance, no Redis (in-process state only).
+    Embedded,
+    /// Redis behind a [`TcpProxy`] (so it can be slowed and blackholed).
+    Standalone,
+    /// A Sentinel set whose replica can be made to lag.
+    Sentinel,
+    Cluster,
+}
+
+/// The Redis of a run, kept alive for its length; the nemesis acts on it.
+pub enum Backend {
+    None,
+    Standalone { redis: RedisServer, proxy: TcpProxy },
+    Sentinel(RedisSentinel),
+    Cluster(RedisCluster),
+}
+
+impl Backend {
+    pub async fn start(topology: Topology) -> Backend {
+        match topology {
+            Topology::Embedded => Backend::None,
+            Topology::Standalone => {
+                let redis = RedisServer::start().await;
+                let proxy = TcpProxy::start(redis.addr()).await;
+                Backend::Standalone { redis, proxy }
+            }
+            Topology::Sentinel => Backend::Sentinel(RedisSentinel::start_lagging().await),
+            Topology::Cluster => Backend::Cluster(RedisCluster::start().await),
+        }
+    }
+
+    /// `cfg` in shared mode on this Redis (`command_timeout` 200ms), or as it is.
+    pub fn configure(&self, cfg: CgConfig) -> CgConfig {
+        match self {
+            Backend::None => cfg,
+            Backend::Standalone { proxy, .. } => cfg
+                .set_str("redis", "url", &proxy.redis_url())
+                .set_str("redis", "command_timeout", "200ms"),
+            Backend::Sentinel(set) => cfg.redis_sentinel(set),
+            Backend::Cluster(cluster) => cfg.redis_cluster(cluster),
+        }
+    }
 }

@@ -2,6 +2,8 @@
 //!
 //! - [`RedisServer`]: a real `redis-server` on a free loopback port (always the real server).
 //! - [`RedisCluster`]: a real six-node Redis Cluster (three primaries, three replicas).
+//! - [`MariaDb`]: a real MariaDB server (the MySQL lock service's tests).
+//! - [`lock_faults`]: serialized writes on a `[locks.<name>]` service under a nemesis.
 //! - [`TestOrigin`]: the fake origin API (counters, in-flight gauge, per-path behaviour);
 //!   [`RawOrigin`]: one that writes the same raw bytes for every request.
 //! - [`CgConfig`] / [`config_toml`] + [`start_cacheguard`]: an in-process cacheguard.
@@ -17,6 +19,9 @@
 //! - [`history`]: Jepsen-style operation histories and their checkers (oversell, phantom,
 //!   undersell, flood factor; exclusion, fencing); [`jepsen`]: the runner (clients
 //!   round-robin over a fleet, a nemesis schedule); [`shop`]: the flash-sale origin.
+//! - [`lock_servers`]: real `etcd` and ZooKeeper servers for the lock services (the file the
+//!   unit tests of `src/coord/locks` use too); [`serialized`]: [`lock_faults`]'s runs with any
+//!   instance config (shared mode), an origin without a token check, a service down.
 //!
 //! Every fixture owns what it started and stops it on `Drop` (by PID for processes).
 #![allow(dead_code, unused_imports, unreachable_pub)]
@@ -28,6 +33,10 @@ pub mod history;
 pub mod hot;
 pub mod jepsen;
 pub mod load;
+pub mod lock_faults;
+#[path = "../../src/coord/locks/test_servers.rs"]
+pub mod lock_servers;
+pub mod mariadb;
 pub mod origin;
 pub mod process;
 pub mod prom;
@@ -35,6 +44,7 @@ pub mod raw_origin;
 pub mod redis_cluster;
 pub mod redis_sentinel;
 pub mod redis_server;
+pub mod serialized;
 pub mod shared;
 pub mod shop;
 pub mod tcp_proxy;
@@ -51,6 +61,7 @@ pub use client::{
     HttpClient, Resp, empty_body, raw_bytes, raw_request, raw_request_from, raw_until_closed,
     stalled_get, status_of,
 };
+pub use mariadb::MariaDb;
 pub use origin::{IdsFault, IdsFormat, TestOrigin, default_body};
 pub use process::{
     CacheguardProcess, spawn_cacheguard_process, spawn_cacheguard_process_with_args,

@@ -284,6 +284,22 @@ where
     H: Fn(SocketAddr, Request<Incoming>) -> Fut + Clone + Send + 'static,
     Fut: Future<Output = Response<OriginBody>> + Send + 'static,
 {
+    serve_http1_with(listener, false, handle)
+}
+
+/// As [`serve_http1`]; with `half_close`, a request whose client closes its side once the
+/// request is sent (or dies then) is still handled, as a database still runs a transaction
+/// that reached it before its client went away (hyper's default closes the connection, and
+/// drops the request, at that EOF).
+pub fn serve_http1_with<H, Fut>(
+    listener: TcpListener,
+    half_close: bool,
+    handle: H,
+) -> JoinHandle<()>
+where
+    H: Fn(SocketAddr, Request<Incoming>) -> Fut + Clone + Send + 'static,
+    Fut: Future<Output = Response<OriginBody>> + Send + 'static,
+{
     tokio::spawn(async move {
         let mut connections = JoinSet::new();
         loop {
@@ -298,6 +314,7 @@ where
                             async move { Ok::<_, Infallible>(answer.await) }
                         });
                         let _ = hyper::server::conn::http1::Builder::new()
+                            .half_close(half_close)
                             .serve_connection(TokioIo::new(stream), service)
                             .await;
                     });

@@ -12,13 +12,26 @@ use tokio::time::Instant;
 use super::redis_server::{connect, query_port, redis_urls, spawn_with};
 
 const NODES: usize = 6;
+
+/// Every node's arguments, besides [`spawn_node`]'s.
+const NODE_ARGS: &[&str] = &[
+    "--cluster-node-timeout",
+    "2000",
+    // A replica may take over however long ago it last heard its primary: failover tests
+    // must not depend on replication timing.
+    "--cluster-replica-validity-factor",
+    "0",
+    // Replicas sync at once (the default waits 5 s for more replicas).
+    "--repl-diskless-sync-delay",
+    "0",
+];
 const FORM_DEADLINE: Duration = Duration::from_secs(30);
 
 /// One cluster node.
 struct Node {
     port: u16,
     child: Option<Child>,
-    _dir: TempDir,
+    dir: TempDir,
 }
 
 pub struct RedisCluster {
@@ -65,27 +78,12 @@ impl RedisCluster {
         while nodes.len() < NODES {
             let dir = tempfile::tempdir().expect("tempdir for a cluster node");
             let port = free_cluster_port();
-            let started = spawn_node(
-                port,
-                dir.path(),
-                &[
-                    "--cluster-node-timeout",
-                    "2000",
-                    // A replica may take over however long ago it last heard its primary:
-                    // failover tests must not depend on replication timing.
-                    "--cluster-replica-validity-factor",
-                    "0",
-                    // Replicas sync at once (the default waits 5 s for more replicas).
-                    "--repl-diskless-sync-delay",
-                    "0",
-                ],
-            )
-            .await;
+            let started = spawn_node(port, dir.path(), NODE_ARGS).await;
             if let Ok(child) = started {
                 nodes.push(Node {
                     port,
                     child: Some(child),
-                    _dir: dir,
+                    dir,
                 });
             }
         }
@@ -414,6 +412,47 @@ impl RedisCluster {
             .status()
             .expect("run kill");
         assert!(status.success(), "kill {sig} {pid} failed");
+    }
+
+    /// The replica of the primary on `port`, as that primary sees it.
+    pub async fn replica_of(&self, primary: u16) -> Option<u16> {
+        let id = self.node_id(primary).await;
+        self.nodes(primary).await.lines().find_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            if !fields.get(2)?.contains("slave") || *fields.get(3)? != id {
+                return None;
+            }
+            let addr = fields.get(1)?.split('@').next()?;
+            addr.rsplit(':').next()?.parse().ok()
+        })
+    }
+
+    /// Starts the node on `port` again after [`RedisCluster::kill`], on its files: it keeps
+    /// its cluster config (`nodes.conf`: its id, role and slots) but, without persistence,
+    /// none of its data. Back within the node timeout (2 s), nobody failed it over.
+    pub async fn start_again(&mut self, port: u16) {
+        let node = self
+            .nodes
+            .iter_mut()
+            .find(|n| n.port == port)
+            .unwrap_or_else(|| panic!("no node on {port}"));
+        assert!(node.child.is_none(), "the node on {port} is running");
+        let deadline = Instant::now() + FORM_DEADLINE;
+        loop {
+            match spawn_node(port, node.dir.path(), NODE_ARGS).await {
+                Ok(child) => {
+                    node.child = Some(child);
+                    return;
+                }
+                Err(e) => {
+                    assert!(
+                        Instant::now() < deadline,
+                        "could not start the node on {port} again: {e}"
+                    );
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        }
     }
 
     /// SIGKILL the node on `port`, by PID.

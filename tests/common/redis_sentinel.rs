@@ -28,7 +28,9 @@ pub const DOWN_AFTER: Duration = Duration::from_millis(1000);
 struct Proc {
     port: u16,
     child: Option<Child>,
-    _dir: TempDir,
+    /// A data node's extra arguments, to start it again as it was (empty: no persistence).
+    args: Vec<String>,
+    dir: TempDir,
 }
 
 impl Proc {
@@ -67,7 +69,8 @@ async fn start_data(extra: &[&str]) -> Proc {
             return Proc {
                 port,
                 child: Some(child),
-                _dir: dir,
+                args: extra.iter().map(|a| a.to_string()).collect(),
+                dir,
             };
         }
     }
@@ -131,7 +134,8 @@ impl RedisSentinel {
                 this.sentinels.push(Proc {
                     port,
                     child: Some(child),
-                    _dir: dir,
+                    args: Vec::new(),
+                    dir,
                 });
             }
         }
@@ -265,6 +269,55 @@ impl RedisSentinel {
     pub fn kill(&mut self, port: u16) {
         if let Some(node) = self.data.iter_mut().find(|p| p.port == port) {
             node.kill();
+        }
+    }
+
+    /// SIGSTOP (`pause`) or SIGCONT the data node on `port`, by PID: stopped, it keeps its
+    /// sockets open and answers nothing, as if blackholed.
+    pub fn signal(&self, port: u16, pause: bool) {
+        let pid = self
+            .data
+            .iter()
+            .find(|p| p.port == port)
+            .and_then(|p| p.child.as_ref())
+            .map(Child::id)
+            .unwrap_or_else(|| panic!("no running data node on {port}"));
+        let sig = if pause { "-STOP" } else { "-CONT" };
+        let status = std::process::Command::new("kill")
+            .arg(sig)
+            .arg(pid.to_string())
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill {sig} {pid} failed");
+    }
+
+    /// SIGKILLs both data nodes, then starts each again on its port with its arguments
+    /// (the primary first): without persistence both come back empty, the replica
+    /// replicating the empty primary, before the sentinels judge the primary down (when
+    /// the restart takes less than [`DOWN_AFTER`]).
+    pub async fn restart_data_empty(&mut self) {
+        for node in &mut self.data {
+            node.kill();
+        }
+        let deadline = Instant::now() + FORM_DEADLINE;
+        for node in &mut self.data {
+            let args: Vec<&str> = node.args.iter().map(String::as_str).collect();
+            loop {
+                match spawn_with(node.port, node.dir.path(), &args).await {
+                    Ok(child) => {
+                        node.child = Some(child);
+                        break;
+                    }
+                    Err(e) => {
+                        assert!(
+                            Instant::now() < deadline,
+                            "could not restart the data node on {}: {e}",
+                            node.port
+                        );
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                    }
+                }
+            }
         }
     }
 

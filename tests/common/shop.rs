@@ -40,7 +40,7 @@ use tokio::sync::{oneshot, watch};
 use tokio::task::{JoinHandle, JoinSet};
 
 use super::history::{Epoch, Sale, SaleLog, StockRecord, WriteLog, WriteRecord};
-use super::origin::{OriginBody, full, serve_http1};
+use super::origin::{OriginBody, full, serve_http1_with};
 
 /// Longest a hung request waits for [`Shop::release`] before it goes on anyway (every
 /// wait is bounded).
@@ -254,7 +254,8 @@ impl Shop {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind shop");
         let addr = listener.local_addr().expect("shop local addr");
         let accept_state = state.clone();
-        let task = serve_http1(listener, move |_peer, req| {
+        // A write whose instance died once it was sent still reaches its transaction.
+        let task = serve_http1_with(listener, true, move |_peer, req| {
             handle(accept_state.clone(), req)
         });
         Shop { addr, state, task }

@@ -12,9 +12,11 @@
 //! Time is tokio's: [`run`] ticks on `tokio::time::interval` and stamps samples with
 //! [`clock::now_ms`], so the tests below move both with paused time.
 //!
-//! The hit ratio is `hit_l1 + hit_l2` over every outcome but `bypass` (uncacheable by
-//! design) and a stock gate's own answers (`sold_out`, `replayed`: buys, which no cache
-//! could have answered), as the dashboard's L1 and L2 lines add up; stale, revalidated,
+//! The hit ratio is `hit_l1 + hit_l2 + coalesced` over every outcome but `bypass`
+//! (uncacheable by design) and a stock gate's own answers (`sold_out`, `replayed`: buys,
+//! which no cache could have answered), as the dashboard's L1, L2 and coalesced lines add
+//! up: a hit is an answer without an origin fetch of its own, so the requests a stampede's
+//! one fill answered count (as nginx and Varnish count their waiters). Stale, revalidated,
 //! negative and rejected answers count in the denominator only.
 
 use std::collections::VecDeque;
@@ -232,7 +234,7 @@ pub(crate) fn hit_ratio(before: &Counts, after: &Counts) -> Option<f64> {
         let i = o as usize;
         after[i].saturating_sub(before[i])
     };
-    let hits = delta(Outcome::HitL1) + delta(Outcome::HitL2);
+    let hits = delta(Outcome::HitL1) + delta(Outcome::HitL2) + delta(Outcome::Coalesced);
     let cacheable: u64 = Outcome::ALL
         .into_iter()
         .filter(|o| !NOT_CACHEABLE.contains(o))
@@ -307,6 +309,15 @@ mod tests {
         assert_eq!(hit_ratio(&before, &after), Some(0.8));
         assert_eq!(hit_ratio(&after, &after), None);
         assert_eq!(hit_ratio(&before, &counts(&[(Outcome::Bypass, 9)])), None);
+    }
+
+    /// A stampede's waiters, answered by its one fill, are hits: 1 miss and 9 coalesced
+    /// answers are a 90% hit ratio, not 0%.
+    #[test]
+    fn coalesced_answers_are_hits() {
+        let before = counts(&[]);
+        let stampede = counts(&[(Outcome::Miss, 1), (Outcome::Coalesced, 9)]);
+        assert_eq!(hit_ratio(&before, &stampede), Some(0.9));
     }
 
     /// A flash sale's crowd answered sold out (and replays of completed buys) are buys, not

@@ -15,9 +15,10 @@ use crate::proxy::own_answer::RecentAnswer;
 const TEMPLATE: &str = include_str!("page.html");
 
 /// The routes table's outcome columns, in the order the page's script uses.
-const COLUMNS: [Outcome; 11] = [
+const COLUMNS: [Outcome; 12] = [
     Outcome::HitL1,
     Outcome::HitL2,
+    Outcome::Coalesced,
     Outcome::Miss,
     Outcome::Stale,
     Outcome::Revalidated,

@@ -7,7 +7,7 @@ use toml::Spanned;
 
 use super::{Checker, pattern_params, show};
 use crate::config::raw::RawRoute;
-use crate::config::{OnRedisError, RedisConfig, SerializeConfig, VersionSource};
+use crate::config::{LockBackendConfig, OnRedisError, RedisConfig, SerializeConfig, VersionSource};
 
 /// Defaults, also named in messages and the README.
 pub(in crate::config) mod defaults {
@@ -28,6 +28,7 @@ impl Checker<'_> {
         raw: &RawRoute,
         is_read: bool,
         redis: Option<&RedisConfig>,
+        locks: &[LockBackendConfig],
     ) -> Option<SerializeConfig> {
         let spanned = raw.serialize.as_ref()?;
         let serialize = spanned.get_ref();
@@ -138,14 +139,46 @@ impl Checker<'_> {
             .retry_after
             .as_ref()
             .map_or(defaults::RETRY_AFTER, |r| r.get_ref().0);
-        if let Some(lock) = &serialize.lock {
+        if let Some(lock) = &serialize.lock
+            && !locks.iter().any(|l| &l.name == lock.get_ref())
+        {
+            let known: Vec<String> = locks.iter().map(|l| format!("{:?}", l.name)).collect();
+            let expected = if known.is_empty() {
+                "the name of a [locks.<name>] section, but none is defined".to_owned()
+            } else {
+                format!(
+                    "the name of a [locks.<name>] section ({})",
+                    known.join(", ")
+                )
+            };
             self.report(
                 lock.span(),
                 key(".lock"),
+                format!("expected {expected}, got {:?}", lock.get_ref()),
+            );
+        }
+        // A ZooKeeper lock is held by its session: the session is the lease, and a route's
+        // lease longer than it would promise a hold the server does not keep.
+        if let Some(lock) = &serialize.lock
+            && let Some(crate::config::LockBackend::ZooKeeper {
+                session_timeout, ..
+            }) = locks
+                .iter()
+                .find(|l| &l.name == lock.get_ref())
+                .map(|l| &l.backend)
+            && lease > *session_timeout
+        {
+            let span = serialize.lease.as_ref().map_or(lock.span(), Spanned::span);
+            self.report(
+                span,
+                key(".lease"),
                 format!(
-                    "expected the name of a [locks.<name>] section, but none is defined, got \
-                     {:?}",
-                    lock.get_ref()
+                    "expected a lease of at most locks.{}.session_timeout ({}): a ZooKeeper \
+                     lock lasts as long as its session, which the server ends that long after \
+                     it last heard from this instance, got {}",
+                    lock.get_ref(),
+                    show(*session_timeout),
+                    show(lease)
                 ),
             );
         }

@@ -6,7 +6,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use tokio::time::Instant;
 
-use super::{Grant, next_token};
+use super::{Grant, Handle, next_token};
 
 /// Resources whose last token is remembered; a forgotten one restarts from the clock.
 const MAX_RESOURCES: u64 = 100_000;
@@ -41,6 +41,8 @@ impl MemoryLocks {
             expires: Instant::now() + lease,
             resource,
             owner: String::new(),
+            handle: Handle::None,
+            key: String::new(),
         }
     }
 }

@@ -11,7 +11,7 @@ use std::time::Duration;
 use redis::Script;
 use tokio::time::Instant;
 
-use super::{AcquireError, Grant};
+use super::{AcquireError, Grant, Handle};
 use crate::coord::events::{Event, EventKind, Waiters};
 use crate::coord::{Keyspace, RedisConn, scripts};
 use crate::metrics::RedisOp;
@@ -111,6 +111,8 @@ impl RedisLocks {
                         expires: sent + lease,
                         resource,
                         owner,
+                        handle: Handle::None,
+                        key: String::new(),
                     });
                 }
                 (_, pttl) => {
@@ -140,7 +142,7 @@ impl RedisLocks {
         let sent = Instant::now();
         let renewed: i64 = self
             .redis
-            .run_script(
+            .run_script_past_breaker(
                 RedisOp::Serialize,
                 &scripts::RENEW,
                 &[&names.lock],
@@ -154,7 +156,8 @@ impl RedisLocks {
         Ok(renewed == 1)
     }
 
-    pub(super) async fn release(&self, grant: Grant) {
+    /// `false` when Redis did not answer (the lock may still be held).
+    pub(super) async fn release(&self, grant: &Grant) -> bool {
         let names = self.keys.serialized(grant.resource);
         let message = Event {
             kind: EventKind::Released,
@@ -164,9 +167,8 @@ impl RedisLocks {
         }
         .encode();
         // The fill lock's release: compare-and-delete, then wake the waiters.
-        let _ = self
-            .redis
-            .run_script::<i64>(
+        self.redis
+            .run_script_past_breaker::<i64>(
                 RedisOp::Serialize,
                 &scripts::RELEASE,
                 &[&names.lock, &names.lock],
@@ -178,10 +180,76 @@ impl RedisLocks {
                     b"0",
                 ],
             )
-            .await;
+            .await
+            .is_ok()
     }
 }
 
 fn millis(duration: Duration) -> u64 {
     u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::metrics::Metrics;
+    use crate::test_redis::TestRedis;
+    use prometheus::IntGauge;
+
+    async fn locks_on(redis: &TestRedis) -> (RedisLocks, RedisConn) {
+        let toml = format!(
+            "[upstream]\nurl = \"http://127.0.0.1:9\"\n[redis]\nurl = \"{}\"\n\
+             [[routes]]\nname = \"r\"\nmatch = \"/r/{{id}}\"\n",
+            redis.url()
+        );
+        let vars = std::collections::HashMap::<String, String>::new();
+        let config = crate::config::Config::from_toml(&toml, "test.toml", &vars).expect("config");
+        let redis_config = config.redis.as_ref().expect("shared mode");
+        let conn = RedisConn::start(
+            redis_config,
+            Metrics::unregistered(),
+            tokio_util::sync::CancellationToken::new(),
+        )
+        .await
+        .expect("redis");
+        let keys = Keyspace::new(&redis_config.key_prefix);
+        let waiters = Waiters::new(IntGauge::new("waiters", "test").expect("gauge"));
+        (RedisLocks::new(conn.clone(), keys, waiters, 1), conn)
+    }
+
+    /// Against a real redis-server: with the breaker open (a short outage opened it, Redis
+    /// answers again but no probe has closed it yet), a held lock is still renewed and
+    /// released: the lock lapses only when Redis stays unreachable for the lease, as
+    /// documented, not whenever the breaker opens.
+    #[tokio::test]
+    async fn a_held_lock_is_renewed_and_released_while_the_breaker_is_open() {
+        let redis = TestRedis::start().await;
+        let (locks, conn) = locks_on(&redis).await;
+        let lease = Duration::from_secs(5);
+        let mut grant = locks
+            .acquire(7, lease, Instant::now() + Duration::from_secs(2))
+            .await
+            .expect("granted");
+        conn.open_breaker();
+        assert!(!conn.is_up(), "the breaker is open");
+        assert!(
+            matches!(locks.renew(&mut grant, lease).await, Ok(true)),
+            "a renewal is refused while the breaker is open: the lock would lapse"
+        );
+        let lock = locks.keys.serialized(7).lock;
+        let mut raw = redis.conn().await;
+        let held: Option<String> = redis::cmd("GET")
+            .arg(&lock)
+            .query_async(&mut raw)
+            .await
+            .expect("GET");
+        assert_eq!(held.as_deref(), Some(grant.owner.as_str()));
+        assert!(locks.release(&grant).await, "the release was refused");
+        let held: Option<String> = redis::cmd("GET")
+            .arg(&lock)
+            .query_async(&mut raw)
+            .await
+            .expect("GET");
+        assert_eq!(held, None, "the release did not reach Redis");
+    }
 }

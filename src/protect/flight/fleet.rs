@@ -72,6 +72,8 @@ pub(crate) struct FillPermit {
     locked: bool,
     /// `fill` or `release` ran: the lock is no longer ours to release.
     done: bool,
+    /// Until when (Unix ms) the key is listed in its route's index, once listed.
+    listed_until: Option<u64>,
 }
 
 /// A waiter on another instance's fetch of one key.
@@ -134,6 +136,7 @@ impl FleetLock {
                 lease: *lease,
                 locked: true,
                 done: false,
+                listed_until: None,
             }))),
             Acquired::Held { remaining } => {
                 Ok(match self.store.waiters().try_register(hash, max_waiters) {
@@ -158,6 +161,7 @@ impl FleetLock {
             lease: self.store.unlocked_lease(base, hash, check).await?,
             locked: false,
             done: false,
+            listed_until: None,
         })
     }
 
@@ -211,19 +215,48 @@ impl FillPermit {
         .await
     }
 
-    /// Lists `member` (`<base hex> <path>`) under `tag` (in shard `shard` of a route's
-    /// index, when given) for `life`; `Ok(true)` when the tag was invalidated since the
-    /// permit was taken (then the answer must not be stored).
+    /// Lists `member` (`<base hex> <path>`) under surrogate key `tag` for `life`;
+    /// `Ok(true)` when the tag was invalidated since the permit was taken (then the answer
+    /// must not be stored).
     pub(crate) async fn tag_add(
         &self,
         tag: &str,
-        shard: Option<u16>,
         member: &str,
         life: Duration,
     ) -> Result<bool, Unavailable> {
         self.store
-            .tag_add(tag, shard, member, life, self.lease.started_ms)
+            .tag_add(tag, member, life, self.lease.began)
             .await
+    }
+
+    /// Lists `member` (of base key `base`) in shard `shard` of the index of the route whose
+    /// implicit tag is `tag`, until `expiry` (Unix ms) at least: before the fetch starts
+    /// (see [`RedisStore::route_add`]).
+    pub(crate) async fn route_add(
+        &mut self,
+        tag: &str,
+        shard: u16,
+        base: u128,
+        member: &str,
+        expiry: u64,
+    ) -> Result<(), Unavailable> {
+        self.store
+            .route_add(tag, shard, base, member, expiry)
+            .await?;
+        self.listed_until = self.listed_until.max(Some(expiry));
+        Ok(())
+    }
+
+    /// Until when (Unix ms) the key is listed in its route's index, once
+    /// [`FillPermit::route_add`] listed it.
+    pub(crate) fn listed_until(&self) -> Option<u64> {
+        self.listed_until
+    }
+
+    /// How long after the permit's fetch begins the fetch may still be storing: the
+    /// longest fetch, plus slack (what a generation read now is kept for).
+    pub(crate) fn longest_fill(&self) -> Duration {
+        self.store.generation_life()
     }
 
     /// The turn to encode and store a value of `size` bytes (see
@@ -551,6 +584,58 @@ mod tests {
             "the next holder's lock was released by the filled permit"
         );
         next.release(EventKind::Released).await;
+    }
+
+    /// Against a real redis-server: a fill that an invalidation overtook is refused — a base
+    /// key's by its lock alone (the invalidation deletes it; no generation was read), a
+    /// variant's, not yet listed in its base's index (so its lock survives), by its
+    /// generation — and a base key's whose lock is gone (its lease lapsed) is refused too.
+    #[tokio::test]
+    async fn an_invalidation_during_the_fetch_refuses_a_base_key_and_a_variant() {
+        let redis = TestRedis::start().await;
+        let fleet = fleet_on(&redis).await;
+        let life = Duration::from_secs(60);
+        let invalidate = |base: u128| {
+            let fleet = fleet.clone();
+            async move {
+                fleet
+                    .store
+                    .invalidate(base, life, Duration::ZERO, None)
+                    .await
+                    .expect("invalidate");
+            }
+        };
+        let permit = lead(&fleet, 7, Duration::ZERO).await;
+        invalidate(7).await;
+        let outcome = permit.fill(b"entry", life, None).await.expect("redis");
+        assert_eq!(outcome, FillOutcome::GenerationChanged, "a base key");
+
+        let Ok(Claim::Leader(variant)) =
+            fleet.claim(7, 8, usize::MAX, false, FloorCheck::Off).await
+        else {
+            panic!("the variant's lock is free");
+        };
+        invalidate(7).await;
+        let outcome = variant.fill(b"entry", life, None).await.expect("redis");
+        assert_eq!(outcome, FillOutcome::GenerationChanged, "a variant");
+
+        let permit = lead(&fleet, 9, Duration::ZERO).await;
+        let mut conn = redis.conn().await;
+        let _: i64 = redis::cmd("DEL")
+            .arg(crate::coord::Keyspace::new("cg:").key(9, 9).lock)
+            .query_async(&mut conn)
+            .await
+            .expect("DEL");
+        let outcome = permit.fill(b"entry", life, None).await.expect("redis");
+        assert_eq!(outcome, FillOutcome::GenerationChanged, "a lapsed lock");
+        let entries: i64 = redis::cmd("EXISTS")
+            .arg(crate::coord::Keyspace::new("cg:").entry(7, 7))
+            .arg(crate::coord::Keyspace::new("cg:").entry(7, 8))
+            .arg(crate::coord::Keyspace::new("cg:").entry(9, 9))
+            .query_async(&mut conn)
+            .await
+            .expect("EXISTS");
+        assert_eq!(entries, 0, "nothing stored");
     }
 
     /// Against a real redis-server: the version floor is read with the lock, set by a

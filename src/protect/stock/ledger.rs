@@ -15,6 +15,15 @@ pub(crate) enum Ledger {
 }
 
 impl Ledger {
+    /// Whether a command would be sent now: false while the Redis breaker is open (a
+    /// command then fails at once, unsent). Memory is always up.
+    pub(crate) fn up(&self) -> bool {
+        match self {
+            Ledger::Redis(redis) => redis.up(),
+            Ledger::Memory(_) => true,
+        }
+    }
+
     pub(crate) async fn buy(
         &self,
         resource: u128,

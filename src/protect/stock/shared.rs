@@ -201,6 +201,11 @@ impl RedisLedger {
         RedisLedger { redis, keys }
     }
 
+    /// False while the breaker is open: a command would fail unsent.
+    pub(crate) fn up(&self) -> bool {
+        self.redis.is_up()
+    }
+
     fn segment(&self, resource: u128, segment: u16) -> StockKeys {
         self.keys.stock(resource, segment)
     }

@@ -21,6 +21,7 @@
 //!   until its first write.
 //!   - `PUT /kv/{key}` (body read and ignored): after `--kv-write-delay-ms`, commits the next
 //!     version on the primary and answers `200` `{"key":"<key>","version":N}` with the new N.
+//!     `PATCH` and `DELETE` are the same write.
 //!   - `GET /kv/{key}` (`HEAD` alike): reads, on arrival, the version the replica shows (the
 //!     newest one committed at least `--replica-lag-ms` ago), waits `--kv-read-delay-ms` and
 //!     answers `200` `{"key":"<key>","version":N}` with what it read: a slow read racing a
@@ -30,6 +31,24 @@
 //!     `/stats/reset` zeroes those counters but keeps the versions.
 //!   - Keys live in 64 mutex-guarded shards; each key keeps only the commits younger than
 //!     the lag (the rest are folded into the version the replica shows).
+//!
+//! - With `--shop`: a flash-sale origin for the stock-gate bench (bench/flash_sale.sh), the
+//!   source of truth a cacheguard `[[stock]]` gate fronts. Resources are
+//!   `/trains/{train}/seats/{type}`; one not seen before has `--shop-stock` units.
+//!   - `POST <resource>/orders` (body read and ignored; any resource path, so that an
+//!     ungated route can buy too): after
+//!     `--shop-delay-ms` (the database transaction), a conditional decrement of one unit:
+//!     `201 {"order":N}` when one was left, else `409` problem+json (sold out).
+//!   - `GET /internal/stock/{t}/{s}`: `{"remaining":N}` (the gate's source).
+//!   - `PUT /shop/stock/{t}/{s}` with a decimal body: that resource now has that many units
+//!     (its counters start again).
+//!   - `GET /shop/stats`: per resource (the first 1000) and in all: the units at the start,
+//!     left, buy requests, sold, refused, and the unix ms of the first and last sale and of
+//!     the moment it sold out.
+//!
+//!   Shop requests are counted in `/shop/stats` only (not in `total`/`paths`: they are
+//!   many, and the counters there cost a lock and an allocation each); `/stats/reset` leaves
+//!   them alone.
 //!
 //! The stats endpoints and `/internal/ids` are not counted in `total`/`paths` (so `total`
 //! stays "API requests that reached the origin"); `/stats` reports the id-list downloads
@@ -93,6 +112,15 @@ struct Args {
     /// KV: answers carry `Surrogate-Key: kv-<key> kv-all`.
     #[arg(long, requires = "kv")]
     kv_tags: bool,
+    /// Serve the flash-sale shop (buys, the stock source, /shop/stats).
+    #[arg(long)]
+    shop: bool,
+    /// Shop: the units of a resource not seen before.
+    #[arg(long, default_value_t = 1000, requires = "shop")]
+    shop_stock: u64,
+    /// Shop: time a buy takes before it decides (its database transaction), in ms.
+    #[arg(long, default_value_t = 0, requires = "shop")]
+    shop_delay_ms: u64,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -184,6 +212,215 @@ impl KvStore {
                 .entry(key.to_owned())
                 .or_default()
                 .commit(now, self.lag),
+        }
+    }
+}
+
+/// One resource of the shop.
+#[derive(Clone, Copy, Default)]
+struct ShopItem {
+    initial: u64,
+    remaining: u64,
+    buys: u64,
+    sold: u64,
+    refused: u64,
+    first_sale_ms: Option<u64>,
+    last_sale_ms: Option<u64>,
+    sold_out_ms: Option<u64>,
+}
+
+impl ShopItem {
+    fn with(units: u64) -> Self {
+        ShopItem {
+            initial: units,
+            remaining: units,
+            ..ShopItem::default()
+        }
+    }
+
+    fn json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "initial": self.initial,
+            "remaining": self.remaining,
+            "buys": self.buys,
+            "sold": self.sold,
+            "refused": self.refused,
+            "first_sale_unix_ms": self.first_sale_ms,
+            "last_sale_unix_ms": self.last_sale_ms,
+            "sold_out_unix_ms": self.sold_out_ms,
+        })
+    }
+}
+
+/// The flash-sale shop (`--shop`): stock per resource with a conditional decrement.
+struct Shop {
+    default_units: u64,
+    delay: Duration,
+    items: Mutex<HashMap<String, ShopItem>>,
+}
+
+/// What a shop request is, by method and path.
+enum ShopRequest<'a> {
+    Buy(&'a str),
+    Stock(&'a str),
+    Set(&'a str),
+    Stats,
+}
+
+impl ShopRequest<'_> {
+    fn of<'a>(method: &Method, path: &'a str) -> Option<ShopRequest<'a>> {
+        if path == "/shop/stats" && method == Method::GET {
+            return Some(ShopRequest::Stats);
+        }
+        if let Some(rest) = path.strip_prefix("/internal/stock/") {
+            return (method == Method::GET).then_some(ShopRequest::Stock(rest));
+        }
+        if let Some(rest) = path.strip_prefix("/shop/stock/") {
+            return (method == Method::PUT).then_some(ShopRequest::Set(rest));
+        }
+        let resource = path.strip_suffix("/orders")?;
+        (method == Method::POST && !resource.is_empty()).then_some(ShopRequest::Buy(resource))
+    }
+}
+
+impl Shop {
+    fn new(args: &Args) -> Self {
+        Shop {
+            default_units: args.shop_stock,
+            delay: Duration::from_millis(args.shop_delay_ms),
+            items: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// `/trains/{t}/seats/{s}` of the `{t}/{s}` in a stock path.
+    fn resource(rest: &str) -> Option<String> {
+        let (train, kind) = rest.split_once('/')?;
+        (!train.is_empty() && !kind.is_empty() && !kind.contains('/'))
+            .then(|| format!("/trains/{train}/seats/{kind}"))
+    }
+
+    /// One buy of one unit of `resource`: `Some(order number)` when it sold.
+    fn buy(&self, resource: &str) -> Option<u64> {
+        let mut items = lock(&self.items);
+        let default_units = self.default_units;
+        let item = match items.get_mut(resource) {
+            Some(item) => item,
+            None => items
+                .entry(resource.to_owned())
+                .or_insert_with(|| ShopItem::with(default_units)),
+        };
+        item.buys += 1;
+        if item.remaining == 0 {
+            item.refused += 1;
+            return None;
+        }
+        let now = unix_ms();
+        item.remaining -= 1;
+        item.sold += 1;
+        item.first_sale_ms.get_or_insert(now);
+        item.last_sale_ms = Some(now);
+        if item.remaining == 0 {
+            item.sold_out_ms = Some(now);
+        }
+        Some(item.sold)
+    }
+
+    fn remaining(&self, resource: String) -> u64 {
+        let default_units = self.default_units;
+        lock(&self.items)
+            .entry(resource)
+            .or_insert_with(|| ShopItem::with(default_units))
+            .remaining
+    }
+
+    fn stats(&self) -> String {
+        let items = lock(&self.items);
+        let mut total = ShopItem::default();
+        for item in items.values() {
+            total.initial += item.initial;
+            total.remaining += item.remaining;
+            total.buys += item.buys;
+            total.sold += item.sold;
+            total.refused += item.refused;
+        }
+        let mut listed: Vec<(&String, &ShopItem)> = items.iter().collect();
+        listed.sort_by(|a, b| a.0.cmp(b.0));
+        let per_item: serde_json::Map<String, serde_json::Value> = listed
+            .into_iter()
+            .take(1000)
+            .map(|(path, item)| (path.clone(), item.json()))
+            .collect();
+        serde_json::json!({
+            "resources": items.len(),
+            "initial": total.initial,
+            "remaining": total.remaining,
+            "buys": total.buys,
+            "sold": total.sold,
+            "refused": total.refused,
+            "items": per_item,
+        })
+        .to_string()
+    }
+}
+
+/// A request's whole body, at most `limit` bytes (`None` when longer or broken off).
+async fn read_body(req: Request<Incoming>, limit: usize) -> Option<Bytes> {
+    Limited::new(req.into_body(), limit)
+        .collect()
+        .await
+        .ok()
+        .map(|body| body.to_bytes())
+}
+
+/// A shop request (`--shop`).
+async fn shop_handle(
+    shop: &Shop,
+    req: Request<Incoming>,
+    what: ShopRequest<'_>,
+) -> Response<RespBody> {
+    match what {
+        ShopRequest::Stats => json_response(StatusCode::OK, shop.stats()),
+        ShopRequest::Stock(rest) => match Shop::resource(rest) {
+            Some(resource) => json_response(
+                StatusCode::OK,
+                format!("{{\"remaining\":{}}}", shop.remaining(resource)),
+            ),
+            None => json_response(StatusCode::NOT_FOUND, r#"{"error":"no such resource"}"#),
+        },
+        ShopRequest::Set(rest) => {
+            let Some(resource) = Shop::resource(rest) else {
+                return json_response(StatusCode::NOT_FOUND, r#"{"error":"no such resource"}"#);
+            };
+            let units = read_body(req, 64).await.and_then(|body| {
+                std::str::from_utf8(&body)
+                    .ok()
+                    .and_then(|t| t.trim().parse::<u64>().ok())
+            });
+            let Some(units) = units else {
+                return json_response(StatusCode::BAD_REQUEST, r#"{"error":"body: a number"}"#);
+            };
+            lock(&shop.items).insert(resource, ShopItem::with(units));
+            json_response(StatusCode::OK, format!("{{\"units\":{units}}}"))
+        }
+        ShopRequest::Buy(resource) => {
+            // read (and drop) the body, so the connection stays usable
+            if read_body(req, 1 << 16).await.is_none() {
+                return json_response(StatusCode::BAD_REQUEST, r#"{"error":"bad body"}"#);
+            }
+            if !shop.delay.is_zero() {
+                tokio::time::sleep(shop.delay).await;
+            }
+            match shop.buy(resource) {
+                Some(order) => json_response(StatusCode::CREATED, format!("{{\"order\":{order}}}")),
+                None => {
+                    let mut resp = json_response(StatusCode::CONFLICT, r#"{"type":"sold-out"}"#);
+                    resp.headers_mut().insert(
+                        CONTENT_TYPE,
+                        HeaderValue::from_static("application/problem+json"),
+                    );
+                    resp
+                }
+            }
         }
     }
 }
@@ -336,6 +573,7 @@ struct State {
     stats: Stats,
     timeline: Timeline,
     kv: Option<KvStore>,
+    shop: Option<Shop>,
 }
 
 /// `{"id":N,"name":"item N","payload":"xxx…"}` of exactly `n` bytes (at least the frame).
@@ -473,6 +711,12 @@ async fn handle(
         _ => {}
     }
 
+    if let Some(shop) = &state.shop
+        && let Some(what) = ShopRequest::of(req.method(), &path)
+    {
+        return Ok(shop_handle(shop, req, what).await);
+    }
+
     stats.total.fetch_add(1, Ordering::SeqCst);
     state.timeline.count();
     *stats
@@ -557,13 +801,11 @@ async fn kv_handle(kv: &KvStore, req: Request<Incoming>, key: &str) -> Response<
             }
             kv_answer(kv, key, version)
         }
-        Method::PUT => {
+        // PATCH and DELETE are writes like PUT (so one instance can serve one method
+        // through one route and another through another: bench/serialize.sh).
+        Method::PUT | Method::PATCH | Method::DELETE => {
             // read (and drop) the body, so the connection stays usable; bounded
-            if Limited::new(req.into_body(), 1 << 20)
-                .collect()
-                .await
-                .is_err()
-            {
+            if read_body(req, 1 << 20).await.is_none() {
                 return json_response(StatusCode::BAD_REQUEST, r#"{"error":"bad body"}"#);
             }
             if !kv.write_delay.is_zero() {
@@ -578,8 +820,10 @@ async fn kv_handle(kv: &KvStore, req: Request<Incoming>, key: &str) -> Response<
                 StatusCode::METHOD_NOT_ALLOWED,
                 r#"{"error":"method not allowed"}"#,
             );
-            resp.headers_mut()
-                .insert(ALLOW, HeaderValue::from_static("GET, HEAD, PUT"));
+            resp.headers_mut().insert(
+                ALLOW,
+                HeaderValue::from_static("GET, HEAD, PUT, PATCH, DELETE"),
+            );
             resp
         }
     }
@@ -610,13 +854,21 @@ async fn serve(args: Args) -> std::io::Result<()> {
             args.replica_lag_ms, args.kv_read_delay_ms, args.kv_write_delay_ms, args.kv_tags
         );
     }
+    if args.shop {
+        eprintln!(
+            "bench-origin: shop at /trains/{{t}}/seats/{{s}}/orders ({} units per new resource, {} ms per buy)",
+            args.shop_stock, args.shop_delay_ms
+        );
+    }
     let timeline = Timeline::new(args.timeline_bucket_ms);
     let kv = args.kv.then(|| KvStore::new(&args));
+    let shop = args.shop.then(|| Shop::new(&args));
     let state = Arc::new(State {
         args,
         stats: Stats::default(),
         timeline,
         kv,
+        shop,
     });
     loop {
         let (stream, _) = match listener.accept().await {

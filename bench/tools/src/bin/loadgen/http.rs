@@ -83,7 +83,12 @@ pub fn get(t: &Target, path: &str) -> Request<Empty<Bytes>> {
 }
 
 pub fn put(t: &Target, path: &str) -> Request<Empty<Bytes>> {
-    request(Method::PUT, t, path)
+    write(Method::PUT, t, path)
+}
+
+/// A write (`method` with an empty body) of `path`.
+pub fn write(method: Method, t: &Target, path: &str) -> Request<Empty<Bytes>> {
+    request(method, t, path)
         .header(hyper::header::CONTENT_LENGTH, "0")
         .body(Empty::new())
         .expect("valid request")
@@ -99,12 +104,16 @@ pub async fn tcp_connect(addr: SocketAddr) -> Result<TcpStream, String> {
     Ok(stream)
 }
 
-/// The HTTP/1.1 handshake on `io`; the connection itself is driven by a task of its own.
-pub async fn handshake<T>(io: T) -> Result<Sender, String>
+/// The HTTP/1.1 handshake on `io`, for requests with bodies of type `B` (`Empty` for
+/// `Sender`); the connection itself is driven by a task of its own.
+pub async fn handshake<T, B>(io: T) -> Result<http1::SendRequest<B>, String>
 where
     T: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    B: hyper::body::Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
-    let (sender, conn) = http1::handshake::<_, Empty<Bytes>>(TokioIo::new(io))
+    let (sender, conn) = http1::handshake::<_, B>(TokioIo::new(io))
         .await
         .map_err(|e| format!("handshake: {e}"))?;
     tokio::spawn(async move {

@@ -109,16 +109,51 @@
 //!    from the start, sorted) and of the last one (`last_stale_read_s`), latencies, and `timeline`: per `--bucket-ms` bucket of send
 //!    time, reads and writes answered 2xx, other statuses, errors, stale reads and X-Cache.
 //!    `start_unix_ms` is the wall-clock time of the start, to line it up with a fault log.
+//!
+//! `loadgen buyers --url http://IP:PORT [--url URL2 ...] --resource /trains/t/seats/a
+//!  [--resource R2 ...] [--clients 12] [--pace-ms 15] --duration-s D [--idempotency-keys]
+//!  [--ops-out FILE]`
+//!
+//! A flash sale's buyers (bench/flash_sale.sh, the flood runs), shaped like the Jepsen-style
+//! tests' clients: C client tasks, each one buy at a time; client p's k-th buy goes to
+//! instance (p + k) mod U and POSTs `{}` to `<resource (p + k) mod R>/orders`, with an
+//! `Idempotency-Key` when asked; then it pauses `--pace-ms`. Each buy is bounded by
+//! `--timeout-s`; a connection that failed is replaced. Prints one JSON object (counts by
+//! status, X-Cache, error and resource, latencies, the run's wall-clock start and end);
+//! `--ops-out` writes every buy (wall-clock send and answer times in unix ms, client,
+//! instance, resource, status (0: no answer), X-Cache, error) for the script's checkers.
+//!
+//! `loadgen soldout-probe --buy-url http://A --probe-url http://B [--probe-url C ...]
+//!  --origin http://O --redis IP:PORT [--channel cg:events] [--reps 100]`
+//!
+//! How long a stock gate's sold-out mark takes to reach the other instances: per rep, the
+//! last unit of a fresh resource is bought through A while B, C, ... are probed, each with
+//! a tight loop of buy heads (`Expect: 100-continue`, no body) that find the mark (`409`,
+//! `X-Cache: SOLDOUT`) or not (`100 Continue`: closed before the body, so the probe never
+//! reaches Redis nor marks anything); a subscriber on the bus's Redis channel stamps the
+//! `stock soldout` message. Times are from the send of the last buy, on one clock. See
+//! `soldout.rs`.
+//!
+//! `loadgen writes --url http://IP:PORT [--url URL2 ...] [--path-template /kv/{key}]
+//!  [--method PUT] [--connections 8] [--keys 1] [--warmup-s 1] [--duration-s 5]`
+//!
+//! Closed-loop writes for the serialized-writes bench (bench/serialize.sh): C keep-alive
+//! connections per URL, each writing the next key of one shared counter (`j mod keys`) as
+//! soon as its last write answered; the 2xx rate of the measured window and the latencies
+//! of all, 2xx and 503 answers (see `writes.rs`).
 
+mod buyers;
 mod cycle;
 mod http;
 mod list;
 mod open_loop;
 mod rate;
 mod soak;
+mod soldout;
 mod stale;
 mod stampede;
 mod stats;
+mod writes;
 
 use clap::{Parser, Subcommand};
 
@@ -143,6 +178,132 @@ enum Cmd {
     Stale(StaleArgs),
     /// Paced writers and readers of a versioned KV origin for minutes, with a timeline.
     Soak(SoakArgs),
+    /// A flash sale's buyers: paced POSTs round-robin over instances and resources.
+    Buyers(BuyersArgs),
+    /// How long a stock gate's sold-out mark takes to reach the other instances.
+    SoldoutProbe(SoldOutArgs),
+    /// Closed-loop writes over one or many keys and instances (serialized writes).
+    Writes(WritesArgs),
+}
+
+#[derive(Parser, Debug)]
+struct BuyersArgs {
+    /// Base URL of one instance (http://IP:PORT); repeat for several.
+    #[arg(long = "url", required = true)]
+    urls: Vec<String>,
+    /// A resource on sale (`/trains/{t}/seats/{s}`; buys POST `<resource>/orders`); repeat.
+    #[arg(long = "resource", required = true)]
+    resources: Vec<String>,
+    /// Client tasks, each one buy at a time.
+    #[arg(long, default_value_t = 12)]
+    clients: usize,
+    /// Pause between a client's buys, in ms.
+    #[arg(long, default_value_t = 15)]
+    pace_ms: u64,
+    /// Run time in seconds (no buy starts after it).
+    #[arg(long)]
+    duration_s: f64,
+    /// Buys per client, at most.
+    #[arg(long, default_value_t = 100_000)]
+    max_ops: u64,
+    /// Per-buy timeout (connect, send, whole answer), in seconds.
+    #[arg(long, default_value_t = 2.0)]
+    timeout_s: f64,
+    /// Send an `Idempotency-Key` with every buy (`<key-tag>-p<client>-<n>`).
+    #[arg(long)]
+    idempotency_keys: bool,
+    /// The run's part of the idempotency keys (a fresh tag gives fresh keys).
+    #[arg(long, default_value = "run")]
+    key_tag: String,
+    /// Write every buy here, one TSV line each, in order of sending.
+    #[arg(long)]
+    ops_out: Option<std::path::PathBuf>,
+    /// Tokio worker threads.
+    #[arg(long, default_value_t = 1)]
+    threads: usize,
+}
+
+#[derive(Parser, Debug)]
+struct SoldOutArgs {
+    /// Base URL of instance A, which sells the last unit (http://IP:PORT).
+    #[arg(long)]
+    buy_url: String,
+    /// Base URL of an instance to watch for the mark; repeat.
+    #[arg(long = "probe-url", required = true)]
+    probe_urls: Vec<String>,
+    /// Base URL of the bench-origin shop (its stock is set per rep).
+    #[arg(long)]
+    origin: String,
+    /// The Redis of the event bus, IP:PORT (the side channel subscribes there).
+    #[arg(long)]
+    redis: String,
+    /// The event bus channel (`<redis.key_prefix>events`).
+    #[arg(long, default_value = "cg:events")]
+    channel: String,
+    /// The resource of rep n; `{rep}` is replaced by n.
+    #[arg(long, default_value = "/trains/mark-{rep}/seats/a")]
+    resource_template: String,
+    /// Reps (one resource each).
+    #[arg(long, default_value_t = 100)]
+    reps: u64,
+    /// Number of the first rep (a fresh number gives fresh resources on a running fleet).
+    #[arg(long, default_value_t = 0)]
+    first_rep: u64,
+    /// Pause between probes of one instance, in microseconds.
+    #[arg(long, default_value_t = 100)]
+    gap_us: u64,
+    /// Probes of one instance per rep, at most.
+    #[arg(long, default_value_t = 5000)]
+    max_probes: u64,
+    /// Longest an instance is probed per rep, in ms (a rep past it counts as not reached).
+    #[arg(long, default_value_t = 1000)]
+    max_wait_ms: u64,
+    /// Connections opened per instance before each rep's clock starts.
+    #[arg(long, default_value_t = 64)]
+    pool: usize,
+    /// Pause after the first buy of a rep and between reps, in ms.
+    #[arg(long, default_value_t = 20)]
+    pause_ms: u64,
+    /// No rep starts after this many seconds.
+    #[arg(long, default_value_t = 300.0)]
+    max_duration_s: f64,
+    /// Tokio worker threads (the probing itself runs on threads of its own).
+    #[arg(long, default_value_t = 1)]
+    threads: usize,
+}
+
+#[derive(Parser, Debug, Clone)]
+struct WritesArgs {
+    /// Base URL of one instance (http://IP:PORT); repeat for several.
+    #[arg(long = "url", required = true)]
+    urls: Vec<String>,
+    /// Path of one key; `{key}` is replaced by the key.
+    #[arg(long, default_value = "/kv/{key}")]
+    path_template: String,
+    /// The write's method: PUT, PATCH, DELETE or POST (an empty body).
+    #[arg(long, default_value = "PUT")]
+    method: String,
+    /// Keep-alive connections per URL, each one write at a time.
+    #[arg(long, default_value_t = 8)]
+    connections: usize,
+    /// Number of keys, `<key-prefix>0` .. `<key-prefix><keys - 1>`, written in turn.
+    #[arg(long, default_value_t = 1)]
+    keys: u64,
+    /// Prefix of the key names.
+    #[arg(long, default_value = "k")]
+    key_prefix: String,
+    /// Seconds sent before the measured window, left out of every figure.
+    #[arg(long, default_value_t = 1.0)]
+    warmup_s: f64,
+    /// The measured window, in seconds.
+    #[arg(long, default_value_t = 5.0)]
+    duration_s: f64,
+    /// Per-request timeout (ready, send, whole answer), in seconds.
+    #[arg(long, default_value_t = 10.0)]
+    timeout_s: f64,
+    /// Tokio worker threads.
+    #[arg(long, default_value_t = 1)]
+    threads: usize,
 }
 
 #[derive(Parser, Debug)]
@@ -383,6 +544,9 @@ fn main() {
         Cmd::Cycle(a) => a.threads,
         Cmd::Stale(a) => a.threads,
         Cmd::Soak(a) => a.threads,
+        Cmd::Buyers(a) => a.threads,
+        Cmd::SoldoutProbe(a) => a.threads,
+        Cmd::Writes(a) => a.threads,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(threads.max(1))
@@ -396,6 +560,9 @@ fn main() {
         Cmd::Cycle(args) => rt.block_on(cycle::cycle(args)),
         Cmd::Stale(args) => rt.block_on(stale::stale(args)),
         Cmd::Soak(args) => rt.block_on(soak::soak(args)),
+        Cmd::Buyers(args) => rt.block_on(buyers::buyers(args)),
+        Cmd::SoldoutProbe(args) => rt.block_on(soldout::soldout_probe(args)),
+        Cmd::Writes(args) => rt.block_on(writes::writes(args)),
     };
     // do not wait for abandoned tasks (requests still in flight after the drain deadline)
     rt.shutdown_background();
