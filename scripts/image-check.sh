@@ -32,8 +32,9 @@
 #
 # What is checked (each a failure of the test command):
 #   - the image builds; the shipped proxy binary has no tokio `test-util` (the string of
-#     `time::pause()`'s refusal, linked only with that feature, is absent from the proxy and
-#     present in the demo, which is built with it: the demo shows the probe still works);
+#     `time::pause()`'s refusal, linked only with that feature, is absent from the image's
+#     proxy and present in cacheguard's unit-test binary, which `cargo test` builds with it
+#     and which pauses time: the control shows the probe still works);
 #   - `--check-config` of the shipped config: accepted with CACHEGUARD_ADMIN_TOKEN, refused
 #     (naming admin.token) without;
 #   - the image's own entrypoint and command, as its own user (uid 10001, not root), on the
@@ -331,16 +332,25 @@ fi
 build_finished=$SECONDS
 echo "   built in $((build_finished - build_started)) s"
 
-# The shipped proxy is built without tokio's test-util (the demo, with it, is the control).
+# The shipped proxy is built without tokio's test-util. The control: cacheguard's unit-test
+# binary, built with it (the test command's `cargo test` has built it already; run alone,
+# this builds it), must hold the probe's string, else tokio changed and the probe with it.
 # shellcheck disable=SC2016 # backquotes of the message itself
 pause_refusal='requires the `current_thread` Tokio runtime'
+control="$(cargo test --locked --lib --no-run --message-format=json 2>"$work/control-build.log" |
+    sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -1)"
+[ -n "$control" ] || {
+    tail -20 "$work/control-build.log" >&2
+    fail "could not build cacheguard's unit-test binary (the control of the test-util probe)"
+}
+grep -qaF "$pause_refusal" "$control" ||
+    fail "the probe for tokio's test-util no longer finds it in cacheguard's unit-test binary" \
+        "($control, built with it): tokio changed; update the probe"
 in_image() { ctr run --rm --network none --entrypoint "$1" "$image" "${@:2}"; }
-in_image grep -qaF "$pause_refusal" /usr/local/bin/cacheguard-demo ||
-    fail "the probe for tokio's test-util no longer finds it in the demo binary (built with it):" \
-        "tokio changed; update the probe"
 if in_image grep -qaF "$pause_refusal" /usr/local/bin/cacheguard; then
     fail "the image's proxy binary is built with tokio's test-util (see scripts/check-image-build.sh)"
 fi
+echo "   the image's proxy has no tokio test-util (probe: absent there, present in $(basename "$control"))"
 
 # ---- the image alone ------------------------------------------------------------------------
 step "--check-config of the shipped config"

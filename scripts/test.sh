@@ -100,8 +100,9 @@ fi
 echo "== cargo fmt --check"
 cargo fmt --all -- --check
 
-echo "== cargo clippy --all-targets -- -D warnings"
-cargo clippy --all-targets --locked -- -D warnings
+echo "== cargo clippy --workspace --all-targets -- -D warnings"
+# --workspace: the demo (demo/) too; plain cargo commands mean the cacheguard package only.
+cargo clippy --workspace --all-targets --locked -- -D warnings
 
 echo "== cargo test"
 cargo test --all-targets --locked
@@ -119,7 +120,7 @@ echo "== image build check (the Dockerfile's proxy binary gets no tokio test-uti
 scripts/check-image-build.sh
 
 echo "== demo smoke run"
-cargo run --locked --example demo -- --exit
+cargo run --locked -p cacheguard-demo -- --exit
 
 echo "== image check (the image built from the Dockerfile and run: alone, in the compose stack, as the Kubernetes example's Pod)"
 # Podman and stand-ins for the base images where no Docker daemon and no registry are there
