@@ -330,7 +330,8 @@ if [ -n "$previous_image" ] && [ "$previous_image" != "$(ctr image inspect -f '{
     ctr rmi "$previous_image" >/dev/null 2>&1 || true
 fi
 build_finished=$SECONDS
-echo "   built in $((build_finished - build_started)) s"
+echo "   built in $((build_finished - build_started)) s (cargo in the container:" \
+    "$(sed -n 's/.*Finished \(.*\)/\1/p' "$build_log" | tail -1 | grep . || echo "nothing to rebuild"))"
 
 # The shipped proxy is built without tokio's test-util. The control: cacheguard's unit-test
 # binary, built with it (the test command's `cargo test` has built it already; run alone,

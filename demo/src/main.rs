@@ -145,7 +145,7 @@ const SHUTDOWN_LIMIT: Duration = Duration::from_secs(15);
 
 #[derive(Parser, Debug)]
 #[command(
-    name = "demo",
+    name = "cacheguard-demo",
     about = "cacheguard in front of a SQLite-backed API: stampede, hot set and penetration, with and without cacheguard"
 )]
 struct Args {
