@@ -17,9 +17,11 @@ ARG DEBIAN_RELEASE=bookworm
 
 # ---- build -------------------------------------------------------------------------------
 FROM rust:${RUST_VERSION}-${DEBIAN_RELEASE} AS build
-# protoc: the etcd lock service's client compiles etcd's gRPC definitions at build time.
+# protoc: the etcd lock service's client compiles etcd's gRPC definitions at build time; they
+# import protobuf's well-known types (google/protobuf/descriptor.proto...), which are in
+# libprotobuf-dev, a package protoc only recommends.
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends protobuf-compiler \
+    && apt-get install -y --no-install-recommends protobuf-compiler libprotobuf-dev \
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 # rust-toolchain.toml is deliberately not copied: it pins the same 1.95.0 this image has, but
