@@ -366,6 +366,7 @@ pub struct Metrics {
     origin_duration: HistogramVec,
     shed: IntCounterVec,
     uncacheable: IntCounterVec,
+    vary_variants: IntCounterVec,
     revalidations: IntCounterVec,
     oversized: IntCounterVec,
     version_unparsed: IntCounterVec,
@@ -606,6 +607,16 @@ impl Metrics {
             Opts::new(
                 "cacheguard_uncacheable_responses_total",
                 "Origin answers on cached routes that were not stored (status, private, cookie).",
+            ),
+            &["route"],
+        )?;
+        let vary_variants = IntCounterVec::new(
+            Opts::new(
+                "cacheguard_vary_variants_stored_total",
+                "Vary variants stored on freshness = \"origin\" routes: answers whose Vary \
+                 names request headers the route does not key, stored under the request's \
+                 own variant key by a fill that found none stored (each new one is a \
+                 variant in its path's budget: see cacheguard_new_variants_total).",
             ),
             &["route"],
         )?;
@@ -1210,6 +1221,7 @@ impl Metrics {
         registry.register(Box::new(origin_duration.clone()))?;
         registry.register(Box::new(shed.clone()))?;
         registry.register(Box::new(uncacheable.clone()))?;
+        registry.register(Box::new(vary_variants.clone()))?;
         registry.register(Box::new(revalidations.clone()))?;
         registry.register(Box::new(oversized.clone()))?;
         registry.register(Box::new(version_unparsed.clone()))?;
@@ -1258,6 +1270,7 @@ impl Metrics {
             origin_duration,
             shed,
             uncacheable,
+            vary_variants,
             revalidations,
             oversized,
             version_unparsed,
@@ -1393,6 +1406,7 @@ impl Metrics {
             origin_duration: self.origin_duration.with_label_values(&[route]),
             shed: self.shed.with_label_values(&[route]),
             uncacheable: self.uncacheable.with_label_values(&[route]),
+            vary_variants_stored: self.vary_variants.with_label_values(&[route]),
             revalidations: Revalidation::ALL
                 .map(|r| self.revalidations.with_label_values(&[route, r.as_str()])),
             refused_vary: self
@@ -1471,6 +1485,7 @@ impl Metrics {
             for family in [
                 &self.shed,
                 &self.uncacheable,
+                &self.vary_variants,
                 &self.oversized,
                 &self.version_unparsed,
                 &self.origin_retries,
@@ -1638,6 +1653,8 @@ pub struct RouteMetrics {
     origin_duration: Histogram,
     pub shed: IntCounter,
     pub uncacheable: IntCounter,
+    /// Vary variants stored (origin mode): see `cacheguard_vary_variants_stored_total`.
+    pub vary_variants_stored: IntCounter,
     revalidations: [IntCounter; 3],
     /// `fill_refused{reason="vary"}` (not per route: the counter has no route label).
     pub refused_vary: IntCounter,

@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use common::prom::{self, check_histogram};
 use common::{
-    CgConfig, HttpClient, RedisServer, Resp, TestOrigin, concurrently, metric, poll_until, post,
-    scrape, url,
+    CgConfig, HttpClient, RedisServer, Resp, TestOrigin, concurrently, metric, poll_until, scrape,
+    url,
 };
 use tokio::time::Instant;
 
@@ -330,17 +330,7 @@ const TOKEN: &str = "purge-secret-0123456789abcdef";
 
 /// `POST /admin/purge` with `body` and the admin token.
 async fn purge(client: &HttpClient, admin: std::net::SocketAddr, body: &str) -> Resp {
-    let bearer = format!("Bearer {TOKEN}");
-    post(
-        client,
-        &url(admin, "/admin/purge"),
-        &[
-            ("authorization", bearer.as_str()),
-            ("content-type", "application/json"),
-        ],
-        body,
-    )
-    .await
+    common::purge(client, admin, Some(TOKEN), body).await
 }
 
 /// Purges are rate-limited per token: of 100 pattern purges of `/*` sent at once with

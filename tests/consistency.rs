@@ -780,20 +780,6 @@ async fn writes_during_a_redis_outage_are_journaled_and_survive_a_restart() {
 
 // === 5. purge API ===
 
-async fn purge(
-    client: &HttpClient,
-    admin: std::net::SocketAddr,
-    auth: Option<&str>,
-    body: &str,
-) -> Resp {
-    let header = auth.map(|t| format!("Bearer {t}"));
-    let headers: Vec<(&str, &str)> = header
-        .as_deref()
-        .map(|h| vec![("authorization", h), ("content-type", "application/json")])
-        .unwrap_or_else(|| vec![("content-type", "application/json")]);
-    post(client, &url(admin, "/admin/purge"), &headers, body).await
-}
-
 /// Purge by key, by pattern and by tag reaches L1 and L2 on every instance; without a
 /// token → 401, with a wrong one → 403, and then nothing is purged.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use common::lock_servers::{EtcdServer, free_port};
 use common::serialized::{
-    self, FAULT_AT, LEASE, Setup, answered_within, pause_holder, policy_route, refused_at_start,
+    self, FAULT_AT, LEASE, Setup, answered_within, pause_holder_for, policy_route, refused_at_start,
 };
 use common::shop::Shop;
 use common::{CgConfig, RedisServer, history::Epoch};
@@ -43,7 +43,7 @@ fn setup(shared: bool, fencing: bool) -> Setup<'static> {
 async fn no_fault_embedded() {
     let etcd = EtcdServer::start().await;
     let endpoints = [etcd.url()];
-    serialized::run(
+    serialized::run_with(
         setup(false, true),
         |c| with_etcd(c, &endpoints),
         async |_, _| {},
@@ -58,7 +58,7 @@ async fn no_fault_shared() {
     let etcd = EtcdServer::start().await;
     let redis = RedisServer::start().await;
     let endpoints = [etcd.url()];
-    serialized::run(
+    serialized::run_with(
         setup(true, true),
         |c| with_etcd(c.redis(&redis), &endpoints),
         async |_, _| {},
@@ -77,7 +77,7 @@ async fn etcd_killed_and_restarted() {
     let mut etcd = EtcdServer::start().await;
     let endpoints = [etcd.url()];
     let mut killed_at = Duration::ZERO;
-    let verdict = serialized::run(
+    let verdict = serialized::run_with(
         setup(false, true),
         |c| with_etcd(c, &endpoints),
         async |n, fx| {
@@ -104,12 +104,12 @@ async fn etcd_killed_and_restarted() {
 async fn holder_paused_past_its_lease() {
     let etcd = EtcdServer::start().await;
     let endpoints = [etcd.url()];
-    serialized::run(
+    serialized::run_with(
         setup(false, true),
         |c| with_etcd(c, &endpoints),
         async |n, fx| {
             n.at(FAULT_AT).await;
-            pause_holder(&n, fx, LEASE * 3).await;
+            pause_holder_for(&n, fx, LEASE * 3).await;
         },
     )
     .await
@@ -122,12 +122,12 @@ async fn holder_paused_past_its_lease() {
 async fn holder_paused_past_its_lease_bites() {
     let etcd = EtcdServer::start().await;
     let endpoints = [etcd.url()];
-    serialized::run(
+    serialized::run_with(
         setup(false, false),
         |c| with_etcd(c, &endpoints),
         async |n, fx| {
             n.at(FAULT_AT).await;
-            pause_holder(&n, fx, LEASE * 3).await;
+            pause_holder_for(&n, fx, LEASE * 3).await;
         },
     )
     .await
@@ -140,7 +140,7 @@ async fn holder_paused_past_its_lease_bites() {
 async fn a_cluster_member_killed_and_restarted() {
     let mut members = EtcdServer::cluster(3).await;
     let endpoints: Vec<String> = members.iter().map(EtcdServer::url).collect();
-    serialized::run(
+    serialized::run_with(
         setup(false, true),
         |c| with_etcd(c, &endpoints),
         async |n, _| {

@@ -1,5 +1,5 @@
 //! Serialized writes on the MySQL/MariaDB lock service (`backend = "mysql"`), against a real
-//! MariaDB (Debian's `mariadb-server`): the history checkers of `common::lock_faults`
+//! MariaDB (Debian's `mariadb-server`): the history checkers of `common::serialized`
 //! (exclusion, fencing, nothing hangs) without faults, through a `kill -9` and restart of
 //! MariaDB, and with the holder paused past its lease; MariaDB down per `on_redis_error`;
 //! and a misconfigured lock service (bad password, unreachable, no lock table) named at
@@ -11,7 +11,7 @@ mod common;
 use std::time::Duration;
 
 use common::history::Epoch;
-use common::lock_faults::{self, Expect, FAULT_AT, LEASE};
+use common::serialized::{self, Expect, FAULT_AT, LEASE};
 use common::shop::{Shop, seat};
 use common::{HttpClient, MariaDb, spawn_cacheguard_process};
 use tokio::time::Instant;
@@ -26,8 +26,8 @@ fn lock(db: &MariaDb) -> Vec<(&'static str, String)> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_fault() {
     let db = MariaDb::start().await;
-    let mut fx = lock_faults::start(&lock(&db), "reject").await;
-    let verdict = lock_faults::run(&mut fx, lock_faults::no_faults).await;
+    let mut fx = serialized::start(&lock(&db), "reject").await;
+    let verdict = serialized::run(&mut fx, serialized::no_faults).await;
     verdict.assert(Expect::default());
     assert_eq!(verdict.refused(), 0, "no write refused without a fault");
 }
@@ -38,8 +38,8 @@ async fn no_fault() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mariadb_killed_and_restarted() {
     let mut db = MariaDb::start().await;
-    let mut fx = lock_faults::start(&lock(&db), "reject").await;
-    let verdict = lock_faults::run(&mut fx, async |n, _| {
+    let mut fx = serialized::start(&lock(&db), "reject").await;
+    let verdict = serialized::run(&mut fx, async |n, _| {
         n.at(FAULT_AT).await;
         n.start("kill -9 mariadb");
         db.kill();
@@ -63,8 +63,8 @@ async fn mariadb_killed_and_restarted() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn holder_paused_past_its_lease() {
     let db = MariaDb::start().await;
-    let mut fx = lock_faults::start(&lock(&db), "reject").await;
-    let verdict = lock_faults::run(&mut fx, lock_faults::pause_holder).await;
+    let mut fx = serialized::start(&lock(&db), "reject").await;
+    let verdict = serialized::run(&mut fx, serialized::pause_holder).await;
     verdict.assert(Expect {
         stale_write: true,
         ..Expect::default()
@@ -78,7 +78,7 @@ async fn mariadb_down_rejects_or_forwards_as_configured() {
     let mut db = MariaDb::start().await;
     let lock = lock(&db);
     db.kill();
-    lock_faults::assert_down_per_policy(&lock, Duration::from_secs(1)).await;
+    serialized::assert_down_per_policy(&lock, Duration::from_secs(1)).await;
 }
 
 /// A lock service that cannot be used is named at start with what is wrong (a refused
@@ -115,7 +115,7 @@ async fn misconfigured_lock_service_is_named_at_start() {
             ("backend", "\"mysql\"".to_owned()),
             ("url", format!("{url:?}")),
         ];
-        let path = lock_faults::config(&shop.url(), &lock, "reject")
+        let path = serialized::config(&shop.url(), &lock, "reject")
             .on_free_ports()
             .write_to(&dir.path().join(format!("cg-{i}.toml")));
         let process = spawn_cacheguard_process(&path).await;

@@ -1,6 +1,6 @@
 //! Serialized writes on the Redlock lock service (`backend = "redlock"`) over independent
 //! real Redis masters (`redis-server` processes): the history checkers of
-//! `common::lock_faults` (exclusion, fencing, nothing hangs) without faults, through a
+//! `common::serialized` (exclusion, fencing, nothing hangs) without faults, through a
 //! `kill -9` and empty restart of one master, with a minority of five masters down (grants
 //! go on), with a majority down (writes refused within the wait, then served again), and
 //! with the holder paused past its lease; a majority down per `on_redis_error`; masters
@@ -12,7 +12,7 @@ mod common;
 use std::time::Duration;
 
 use common::history::Epoch;
-use common::lock_faults::{self, Expect, FAULT_AT, LEASE};
+use common::serialized::{self, Expect, FAULT_AT, LEASE};
 use common::shop::{Shop, seat};
 use common::{HttpClient, RedisServer, spawn_cacheguard_process};
 
@@ -35,8 +35,8 @@ fn lock(masters: &[RedisServer]) -> Vec<(&'static str, String)> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_fault() {
     let servers = masters(3).await;
-    let mut fx = lock_faults::start(&lock(&servers), "reject").await;
-    let verdict = lock_faults::run(&mut fx, lock_faults::no_faults).await;
+    let mut fx = serialized::start(&lock(&servers), "reject").await;
+    let verdict = serialized::run(&mut fx, serialized::no_faults).await;
     verdict.assert(Expect::default());
     assert_eq!(verdict.refused(), 0, "no write refused without a fault");
 }
@@ -46,8 +46,8 @@ async fn no_fault() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_master_killed_and_restarted_empty() {
     let mut servers = masters(3).await;
-    let mut fx = lock_faults::start(&lock(&servers), "reject").await;
-    let verdict = lock_faults::run(&mut fx, async |n, _| {
+    let mut fx = serialized::start(&lock(&servers), "reject").await;
+    let verdict = serialized::run(&mut fx, async |n, _| {
         n.at(FAULT_AT).await;
         n.start("kill -9 master 0");
         servers[0].kill();
@@ -65,10 +65,10 @@ async fn one_master_killed_and_restarted_empty() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn minority_down() {
     let mut servers = masters(5).await;
-    let mut fx = lock_faults::start(&lock(&servers), "reject").await;
+    let mut fx = serialized::start(&lock(&servers), "reject").await;
     let mut window = (Duration::ZERO, Duration::ZERO);
     let epoch = fx.shop.epoch();
-    let verdict = lock_faults::run(&mut fx, async |n, _| {
+    let verdict = serialized::run(&mut fx, async |n, _| {
         n.at(FAULT_AT).await;
         n.start("kill -9 masters 0 and 1 of 5");
         window.0 = epoch.elapsed();
@@ -100,8 +100,8 @@ async fn minority_down() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn majority_down() {
     let mut servers = masters(3).await;
-    let mut fx = lock_faults::start(&lock(&servers), "reject").await;
-    let verdict = lock_faults::run(&mut fx, async |n, _| {
+    let mut fx = serialized::start(&lock(&servers), "reject").await;
+    let verdict = serialized::run(&mut fx, async |n, _| {
         n.at(FAULT_AT).await;
         n.start("kill -9 masters 0 and 1 of 3");
         servers[0].kill();
@@ -127,8 +127,8 @@ async fn majority_down() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn holder_paused_past_its_lease() {
     let servers = masters(3).await;
-    let mut fx = lock_faults::start(&lock(&servers), "reject").await;
-    let verdict = lock_faults::run(&mut fx, lock_faults::pause_holder).await;
+    let mut fx = serialized::start(&lock(&servers), "reject").await;
+    let verdict = serialized::run(&mut fx, serialized::pause_holder).await;
     verdict.assert(Expect {
         stale_write: true,
         ..Expect::default()
@@ -143,7 +143,7 @@ async fn majority_down_rejects_or_forwards_as_configured() {
     let lock = lock(&servers);
     servers[0].kill();
     servers[1].kill();
-    lock_faults::assert_down_per_policy(&lock, Duration::from_millis(500)).await;
+    serialized::assert_down_per_policy(&lock, Duration::from_millis(500)).await;
 }
 
 /// Masters that do not answer at start are named: a minority as a warning (grants go
@@ -155,7 +155,7 @@ async fn masters_down_at_start_are_named() {
     let dir = tempfile::tempdir().expect("tempdir");
     let client = HttpClient::new();
     servers[0].kill();
-    let path = lock_faults::config(&shop.url(), &lock(&servers), "reject")
+    let path = serialized::config(&shop.url(), &lock(&servers), "reject")
         .on_free_ports()
         .write_to(&dir.path().join("minority.toml"));
     let process = spawn_cacheguard_process(&path).await;
@@ -168,7 +168,7 @@ async fn masters_down_at_start_are_named() {
     let resp = common::put(&client, process.addr(), &seat("t1", "1A")).await;
     assert_eq!(resp.status.as_u16(), 200, "{resp:?}");
     servers[1].kill();
-    let path = lock_faults::config(&shop.url(), &lock(&servers), "reject")
+    let path = serialized::config(&shop.url(), &lock(&servers), "reject")
         .on_free_ports()
         .write_to(&dir.path().join("majority.toml"));
     let process = spawn_cacheguard_process(&path).await;
@@ -208,7 +208,7 @@ async fn a_refused_login_is_named_at_start() {
             ("backend", "\"redlock\"".to_owned()),
             ("urls", format!("[{}]", quoted.join(", "))),
         ];
-        let path = lock_faults::config(&shop.url(), &lock, "reject")
+        let path = serialized::config(&shop.url(), &lock, "reject")
             .on_free_ports()
             .write_to(&dir.path().join(format!("cg-{i}.toml")));
         let process = spawn_cacheguard_process(&path).await;

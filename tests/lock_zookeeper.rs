@@ -9,7 +9,8 @@
 //! ZooKeeper lock is the session's: it stays). The Java-free proof that Curator's
 //! `InterProcessMutex` and cacheguard exclude each other, node by node. Then what a down
 //! or unreachable ZooKeeper does to a request: answered within `wait_timeout` and a margin,
-//! 503 or forwarded per `on_redis_error`, and a clear log line at start.
+//! 503 or forwarded per `on_redis_error`, and a clear log line at start; the same for a
+//! ZooKeeper that accepts connections and never answers, at start and at run time.
 
 mod common;
 
@@ -17,11 +18,14 @@ use std::time::Duration;
 
 use common::lock_servers::{ZooKeeperServer, free_port};
 use common::serialized::{
-    self, FAULT_AT, LEASE, Setup, answered_within, pause_holder, policy_route, refused_at_start,
-    strand, timed_put,
+    self, FAULT_AT, LEASE, Setup, answered_within, counted, pause_holder_for, policy_route,
+    refused_at_start, strand, timed_put,
 };
 use common::shop::{Fault, Scope, Shop, seat};
-use common::{CgConfig, HttpClient, RedisServer, history::Epoch, poll_until};
+use common::{
+    CgConfig, HttpClient, RedisServer, TcpProxy, history::Epoch, poll_until, process,
+    spawn_cacheguard_process,
+};
 use zookeeper_client::{Acls, CreateMode};
 
 const LOCK: &str = "orders-zk";
@@ -52,7 +56,7 @@ fn setup(shared: bool, fencing: bool) -> Setup<'static> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_fault_embedded() {
     let zk = ZooKeeperServer::shared().await;
-    serialized::run(
+    serialized::run_with(
         setup(false, true),
         |c| with_zookeeper(c, &zk.connect(), "/no-fault-embedded"),
         async |_, _| {},
@@ -67,7 +71,7 @@ async fn no_fault_embedded() {
 async fn no_fault_shared() {
     let zk = ZooKeeperServer::shared().await;
     let redis = RedisServer::start().await;
-    serialized::run(
+    serialized::run_with(
         setup(true, true),
         |c| with_zookeeper(c.redis(&redis), &zk.connect(), "/no-fault-shared"),
         async |_, _| {},
@@ -85,7 +89,7 @@ async fn zookeeper_killed_and_restarted() {
     let mut zk = ZooKeeperServer::start().await;
     let connect = zk.connect();
     let mut killed_at = Duration::ZERO;
-    let verdict = serialized::run(
+    let verdict = serialized::run_with(
         setup(false, true),
         |c| with_zookeeper(c, &connect, "/killed"),
         async |n, fx| {
@@ -112,12 +116,12 @@ async fn zookeeper_killed_and_restarted() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn holder_session_expired() {
     let zk = ZooKeeperServer::shared().await;
-    serialized::run(
+    serialized::run_with(
         setup(false, true),
         |c| with_zookeeper(c, &zk.connect(), "/holder-session-expired"),
         async |n, fx| {
             n.at(FAULT_AT).await;
-            pause_holder(&n, fx, SESSION * 2).await;
+            pause_holder_for(&n, fx, SESSION * 2).await;
         },
     )
     .await
@@ -128,12 +132,12 @@ async fn holder_session_expired() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn holder_session_expired_bites() {
     let zk = ZooKeeperServer::shared().await;
-    serialized::run(
+    serialized::run_with(
         setup(false, false),
         |c| with_zookeeper(c, &zk.connect(), "/holder-session-expired-bites"),
         async |n, fx| {
             n.at(FAULT_AT).await;
-            pause_holder(&n, fx, SESSION * 2).await;
+            pause_holder_for(&n, fx, SESSION * 2).await;
         },
     )
     .await
@@ -146,7 +150,7 @@ async fn holder_session_expired_bites() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn holder_paused_past_its_lease_within_its_session_keeps_the_lock() {
     let zk = ZooKeeperServer::shared().await;
-    serialized::run(
+    serialized::run_with(
         setup(false, true),
         |c| with_zookeeper(c, &zk.connect(), "/holder-paused-within-session"),
         async |n, fx| {
@@ -321,6 +325,129 @@ async fn zookeeper_down_or_silent_answers_per_policy_within_the_wait() {
         let reached = if policy == "reject" { 1 } else { 9 };
         assert_eq!(shop.write_log().writes.len(), reached, "{policy}");
         cg.shutdown().await;
+    }
+}
+
+/// A ZooKeeper that accepts connections and never answers: the test's fault proxy in front
+/// of the real server, blackholed (every connection accepted and held, not a byte either
+/// way). For each `on_redis_error`:
+///
+/// - `--check-config` passes at once and connects nowhere (it cannot know);
+/// - silent at start: the process is up all the same (the session is not waited for
+///   forever), logs the lock unreachable with its name and connect string, and answers
+///   writes per policy within the wait;
+/// - silent at run time (the proxy blackholed while the session is connected, before the
+///   client concludes the connection lost): a lock request that is never answered is the
+///   lock service unavailable, answered per policy, not a lock held by another (which is
+///   503 whatever the policy, and counted `timeout`). No write is ever counted `timeout`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_zookeeper_at_start_or_at_run_time_answers_per_policy() {
+    let zk = ZooKeeperServer::shared().await;
+    let server: std::net::SocketAddr = zk.connect().parse().expect("a socket address");
+    let wait = Duration::from_millis(400);
+    let bound = wait + Duration::from_secs(1);
+    let client = HttpClient::new();
+    for (policy, status, result) in [("reject", 503, "unavailable"), ("forward", 200, "ungated")] {
+        let silent = TcpProxy::start(server).await;
+        silent.blackhole();
+        let connect = silent.addr().to_string();
+        let shop = Shop::start(Epoch::now(), &[]).await;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let root = format!("/silent-{policy}");
+        let config = with_zookeeper(CgConfig::with_upstream(&shop.url()), &connect, &root)
+            .routes(&policy_route(LOCK, policy, wait))
+            .on_free_ports()
+            .write_to(&dir.path().join("cacheguard.toml"));
+
+        let started = tokio::time::Instant::now();
+        let checked = std::process::Command::new(process::binary())
+            .arg("--check-config")
+            .arg(&config)
+            .output()
+            .expect("run cacheguard --check-config");
+        let took = started.elapsed();
+        let stdout = String::from_utf8_lossy(&checked.stdout);
+        assert!(
+            checked.status.success() && stdout.contains("config OK"),
+            "{checked:?}"
+        );
+        assert!(
+            took < Duration::from_secs(5),
+            "--check-config took {took:?}"
+        );
+        assert_eq!(
+            silent.accepted(),
+            0,
+            "--check-config connected to ZooKeeper"
+        );
+
+        let started = tokio::time::Instant::now();
+        let cg = spawn_cacheguard_process(&config).await;
+        let took = started.elapsed();
+        assert!(
+            took < Duration::from_secs(8),
+            "{policy}: started after {took:?}"
+        );
+        let needles = ["Lock service unreachable", LOCK, connect.as_str()];
+        let logged = poll_until(Duration::from_secs(10), Duration::from_millis(50), || {
+            let output = cg.output();
+            async move { needles.iter().all(|n| output.contains(n)).then_some(()) }
+        })
+        .await;
+        assert!(
+            logged.is_some(),
+            "{policy}: no {needles:?} in\n{}",
+            cg.output()
+        );
+        assert!(
+            silent.accepted() > 0,
+            "{policy}: the silent server was never tried"
+        );
+        answered_within(
+            cg.addr(),
+            2,
+            status,
+            bound,
+            &format!("{policy}, silent at start"),
+        )
+        .await;
+
+        // Heard again: the session opens in the background and writes are granted.
+        silent.restore();
+        let granted = poll_until(Duration::from_secs(20), Duration::from_millis(100), || {
+            let (client, addr, admin) = (client.clone(), cg.addr(), cg.admin_addr());
+            async move {
+                let status = common::put(&client, addr, &seat("t1", "1A")).await.status;
+                (status == 200 && counted(&client, admin, "granted").await > 0.0).then_some(())
+            }
+        })
+        .await;
+        assert!(
+            granted.is_some(),
+            "{policy}: never granted\n{}",
+            cg.output()
+        );
+
+        silent.blackhole();
+        let before = counted(&client, cg.admin_addr(), result).await;
+        answered_within(
+            cg.addr(),
+            4,
+            status,
+            bound,
+            &format!("{policy}, silent at run time"),
+        )
+        .await;
+        assert_eq!(
+            counted(&client, cg.admin_addr(), result).await - before,
+            4.0,
+            "{policy}: the writes while ZooKeeper was silent"
+        );
+        assert_eq!(
+            counted(&client, cg.admin_addr(), "timeout").await,
+            0.0,
+            "{policy}: a silent ZooKeeper counted as a lock held by another"
+        );
     }
 }
 

@@ -19,6 +19,11 @@
 //!   the origin's `304` answers that client alone, the requests waiting on the same fill
 //!   get the whole answer, and the key is filled.
 //!
+//! - `Vary` in origin mode: every variant of a URL (its answer for each value of the
+//!   headers its `Vary` names) is kept as its own entry, within the path's variant budget,
+//!   served only to its own requests, dropped with its path by a purge; two variants never
+//!   share a fill, and one variant's concurrent misses do.
+//!
 //! Each holds in embedded mode and in shared mode with `l1` off, hot and all (the Vary
 //! rules on a Redis Cluster too), read back through a second instance where there is one.
 
@@ -818,4 +823,255 @@ async fn conditional_leader_in_one_mode(
 async fn a_forwarded_validator_answers_its_client_only_and_the_waiters_share_one_fetch() {
     let cluster = RedisCluster::start().await;
     in_every_mode("60s", &[("hot", &cluster)], conditional_leader_in_one_mode).await;
+}
+
+/// The admin token of the Vary variant tests' instances (their purges).
+const TOKEN: &str = "rfc9111-admin-token-0123456789";
+
+/// `POST /admin/purge` of `path` on `admin`.
+async fn purge_path(client: &HttpClient, admin: std::net::SocketAddr, path: &str) -> Resp {
+    purge(
+        client,
+        admin,
+        Some(TOKEN),
+        &format!(r#"{{"keys": ["{path}"]}}"#),
+    )
+    .await
+}
+
+/// Whether `resp` is the answer in `language` (the origin's `lang` field).
+fn in_language(resp: &Resp, language: &str) -> bool {
+    resp.status == 200 && resp.text().contains(&format!("\"lang\":\"{language}\""))
+}
+
+/// A configuration of the Vary variant tests: `[cache] max_variants = 2` (the two
+/// languages of the load fit; a third is beyond the budget), and an admin token.
+fn vary_cfg(cfg: &CgConfig) -> CgConfig {
+    cfg.clone()
+        .set("cache", "max_variants", "2")
+        .set_str("admin", "token", TOKEN)
+}
+
+/// In one mode, on an origin-mode route whose origin answers in the request's
+/// `Accept-Language` with `Vary: Accept-Language` (a header the route does not key):
+///
+/// - after one request of each, an alternating `fr`, `en` load of 200 requests is answered
+///   from the cache (≥ 95% hits at X-Cache and at the origin's count), every answer in its
+///   own language, through every instance;
+/// - more languages than the path's budget are not all stored: two within it
+///   (`cacheguard_vary_variants_stored_total`), the first asks beyond it answered uncached
+///   (BYPASS, `cacheguard_new_variants_total{outcome="uncached"}`), a repeat admitted;
+/// - a purge of the path drops every variant.
+async fn vary_variants_in_one_mode(
+    origin: &TestOrigin,
+    mode: &str,
+    cfg: &CgConfig,
+    shared: bool,
+) -> Vec<String> {
+    const LOAD: usize = 200;
+    let client = HttpClient::new();
+    let tag = mode.replace([',', ' ', '='], "");
+    let instances = Instances::start(&vary_cfg(cfg), shared).await;
+    let first = instances.all[0].addr();
+    let admin = instances.all[0].admin_addr();
+    let mut wrong = Vec::new();
+    let check = |resp: &Resp, language: &str, what: &str| {
+        (!in_language(resp, language))
+            .then(|| format!("{mode}: {what}: asked in {language}, answered: {resp}"))
+    };
+    let path = format!("/api/fresh/{tag}-lang");
+    origin.set_by_language(&path);
+    origin.set_headers(
+        &path,
+        [("Vary", "Accept-Language"), ("Cache-Control", "max-age=60")],
+    );
+    for language in ["fr", "en"] {
+        let warm = get(first, &path, &[("accept-language", language)]).await;
+        wrong.extend(check(&warm, language, "warm-up"));
+    }
+    let before = origin.count(&path);
+    let mut hits = 0;
+    for i in 0..LOAD {
+        let language = ["fr", "en"][i % 2];
+        let addr = instances.all[(i / 2) % instances.all.len()].addr();
+        let resp = get(addr, &path, &[("accept-language", language)]).await;
+        hits += usize::from(resp.is_hit());
+        wrong.extend(check(&resp, language, "alternating load"));
+    }
+    let fetched = origin.count(&path) - before;
+    eprintln!("{mode}: alternating fr/en: {hits} hits of {LOAD}, {fetched} origin fetches");
+    if hits * 100 < LOAD * 95 || fetched * 100 > LOAD as u64 * 5 {
+        wrong.push(format!(
+            "{mode}: alternating fr/en: {hits} hits of {LOAD}, {fetched} origin fetches \
+             (expected ≥ 95% hits)"
+        ));
+    }
+
+    // Bounded: a third language is the path's third variant beyond `max_variants = 2` (the
+    // URL's own key held the first fetched); its first ask is fetched and stored nowhere,
+    // its repeat admitted and stored.
+    let bounded = format!("/api/fresh/{tag}-bounded");
+    origin.set_by_language(&bounded);
+    origin.set_headers(
+        &bounded,
+        [("Vary", "Accept-Language"), ("Cache-Control", "max-age=60")],
+    );
+    const STORED: &str = "cacheguard_vary_variants_stored_total";
+    const NEW: &str = "cacheguard_new_variants_total";
+    let fresh = [("route", "fresh")];
+    let uncached = [("route", "fresh"), ("outcome", "uncached")];
+    let stored_before = metric(&client, admin, STORED, &fresh).await;
+    let uncached_before = metric(&client, admin, NEW, &uncached).await;
+    let languages = ["de", "fr", "en", "it", "es", "nl"];
+    for language in languages {
+        let resp = get(first, &bounded, &[("accept-language", language)]).await;
+        wrong.extend(check(&resp, language, "bounded, first ask"));
+    }
+    let stored_now = metric(&client, admin, STORED, &fresh).await - stored_before;
+    let uncached_now = metric(&client, admin, NEW, &uncached).await - uncached_before;
+    if stored_now != 2.0 || uncached_now != 3.0 {
+        wrong.push(format!(
+            "{mode}: {} languages on a budget of 2: {stored_now} variants stored, \
+             {uncached_now} fetched uncached (expected 2 and 3)",
+            languages.len()
+        ));
+    }
+    let repeat = get(first, &bounded, &[("accept-language", "it")]).await;
+    wrong.extend(check(&repeat, "it", "bounded, repeat"));
+    let again = get(first, &bounded, &[("accept-language", "it")]).await;
+    wrong.extend(check(&again, "it", "bounded, repeat again"));
+    let stored_now = metric(&client, admin, STORED, &fresh).await - stored_before;
+    if !again.is_hit() || stored_now != 3.0 {
+        wrong.push(format!(
+            "{mode}: a repeat beyond the budget was not admitted and stored ({stored_now} \
+             stored): {again}"
+        ));
+    }
+
+    // A purge of the path drops every variant: both languages are fetched again.
+    let purged = purge_path(&client, admin, &path).await;
+    if purged.status != 200 {
+        wrong.push(format!("{mode}: purge: {purged}"));
+    }
+    let before = origin.count(&path);
+    for language in ["fr", "en"] {
+        let resp = get(first, &path, &[("accept-language", language)]).await;
+        wrong.extend(check(&resp, language, "after the purge"));
+        if resp.is_hit() {
+            wrong.push(format!(
+                "{mode}: a variant survived the purge of its path: {resp}"
+            ));
+        }
+    }
+    if origin.count(&path) - before != 2 {
+        wrong.push(format!(
+            "{mode}: after the purge, {} origin fetches for fr and en (expected 2)",
+            origin.count(&path) - before
+        ));
+    }
+    instances.shutdown().await;
+    wrong
+}
+
+/// Regression: on a `freshness = "origin"` route, an answer varying on an unkeyed header
+/// was kept for one variant only (the latest), so an alternating fr/en load refetched on
+/// every switch (hit ratio ~0). Now every variant is kept, within the path's budget, and a
+/// purge drops them all: embedded and shared, `l1` off, hot and all, on a Redis Cluster too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_vary_variant_is_kept_within_the_budget() {
+    let cluster = RedisCluster::start().await;
+    in_every_mode(
+        "60s",
+        &[("off", &cluster), ("hot", &cluster), ("all", &cluster)],
+        vary_variants_in_one_mode,
+    )
+    .await;
+}
+
+/// In one mode: concurrent misses of `fr` and `en` on a cold URL each get their own
+/// language; once the origin's `Vary` is known, concurrent misses of one variant share one
+/// fetch, and two variants never share one.
+async fn vary_coalescing_in_one_mode(
+    origin: &TestOrigin,
+    mode: &str,
+    cfg: &CgConfig,
+    shared: bool,
+) -> Vec<String> {
+    let tag = mode.replace([',', ' ', '='], "");
+    let cfg = vary_cfg(cfg).set_str("lock", "wait_timeout", "10s");
+    let instances = Instances::start(&cfg, shared).await;
+    let mut wrong = Vec::new();
+    let concurrent = |path: &str, addrs: Vec<std::net::SocketAddr>| {
+        let path = path.to_owned();
+        async move {
+            let mut tasks = Vec::new();
+            for addr in addrs {
+                for language in ["fr", "en", "fr", "en"] {
+                    let path = path.clone();
+                    tasks.push((
+                        language,
+                        tokio::spawn(async move {
+                            get(addr, &path, &[("accept-language", language)]).await
+                        }),
+                    ));
+                }
+            }
+            let mut answers = Vec::new();
+            for (language, task) in tasks {
+                answers.push((language, task.await.expect("request")));
+            }
+            answers
+        }
+    };
+    for (phase, warm) in [("cold", false), ("known", true)] {
+        let path = format!("/api/fresh/{tag}-{phase}");
+        origin.set_by_language(&path);
+        origin.set_headers(
+            &path,
+            [("Vary", "Accept-Language"), ("Cache-Control", "max-age=60")],
+        );
+        origin.set_delay(&path, Duration::from_millis(500));
+        if warm {
+            // A first answer (de) teaches the instance the origin's Vary.
+            let de = get(instances.all[0].addr(), &path, &[("accept-language", "de")]).await;
+            if !in_language(&de, "de") {
+                wrong.push(format!("{mode}: {phase}: de: {de}"));
+            }
+        }
+        let before = origin.count(&path);
+        let addrs = match warm {
+            true => vec![instances.all[0].addr()],
+            false => instances.all.iter().map(|r| r.addr()).collect(),
+        };
+        for (language, resp) in concurrent(&path, addrs).await {
+            if !in_language(&resp, language) {
+                wrong.push(format!(
+                    "{mode}: {phase}: concurrent {language} answered: {resp}"
+                ));
+            }
+        }
+        let fetched = origin.count(&path) - before;
+        if warm && fetched != 2 {
+            wrong.push(format!(
+                "{mode}: {phase}: {fetched} origin fetches for concurrent fr and en \
+                 (expected 2: one per variant)"
+            ));
+        }
+        if !warm && fetched > 2 * instances.all.len() as u64 {
+            wrong.push(format!(
+                "{mode}: {phase}: {fetched} origin fetches for concurrent fr and en on {} \
+                 instances",
+                instances.all.len()
+            ));
+        }
+    }
+    instances.shutdown().await;
+    wrong
+}
+
+/// Two variants of one URL never coalesce into one answer; two requests of one variant do.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_misses_of_two_vary_variants_each_get_their_own() {
+    let cluster = RedisCluster::start().await;
+    in_every_mode("60s", &[("hot", &cluster)], vary_coalescing_in_one_mode).await;
 }

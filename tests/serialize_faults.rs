@@ -43,13 +43,13 @@ mod common;
 
 use std::time::Duration;
 
-use common::fleet::{Fleet, spawn_fleet_each, wait_coordinated};
-use common::history::{Epoch, History, WriteLog, check_exclusion, check_fencing};
-use common::jepsen::{self, Backend, Nemesis, RunConfig, Topology};
-use common::lock_faults::{self, FAULT_AT, LEASE, SHOP_WRITE, WAIT_TIMEOUT, seats};
-use common::shop::{FENCING_TOKEN, Scope, Shop, write_request};
-use common::{CgConfig, HttpClient, RedisServer, TcpProxy, route, url};
-use tokio::task::JoinHandle;
+use common::fleet::{Fleet, wait_coordinated};
+use common::jepsen::{Backend, Nemesis, RunConfig, Topology};
+use common::serialized::{
+    self, Answers, FAULT_AT, Fixtures, LEASE, SHOP_WRITE, Verdict, WAIT_TIMEOUT, seats,
+};
+use common::shop::Scope;
+use common::{CgConfig, HttpClient, RedisServer, TcpProxy, url};
 
 /// An origin slower than the lease.
 const SLOW_WRITE: Duration = Duration::from_millis(2500);
@@ -62,20 +62,6 @@ const DELIVERY_WINDOW: Duration = Duration::from_millis(1500);
 /// here may wait seconds for a CPU): bench/serialize.sh measures the tight bounds; the
 /// checkers take no slack.
 const LOAD_SLACK: Duration = Duration::from_secs(8);
-
-fn seat_route() -> String {
-    route(
-        "seat-update",
-        "/trains/{train}/seats/{seat}",
-        "PUT",
-        &format!(
-            "serialize = {{ key = \"/trains/{{train}}/seats/{{seat}}\", lease = \"{}ms\", \
-             wait_timeout = \"{}ms\", max_waiters = 64, fence_header = \"{FENCING_TOKEN}\" }}",
-            LEASE.as_millis(),
-            WAIT_TIMEOUT.as_millis()
-        ),
-    )
-}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Fault {
@@ -197,26 +183,6 @@ async fn signal_lock_primary(backend: &Backend, port: Option<u16>, pause: bool) 
     }
 }
 
-/// Everything a run acts on; the nemesis borrows it.
-struct Fixtures {
-    shop: Shop,
-    /// Instance 0's way to the origin.
-    link: TcpProxy,
-    fleet: Fleet,
-    backend: Backend,
-    /// The victim's write, held on its way (kept until the run ends).
-    held: Option<JoinHandle<()>>,
-}
-
-/// What a run left behind.
-struct Verdict {
-    history: History,
-    log: WriteLog,
-    output: String,
-    /// `cacheguard_serialized_leases_lost_total` per instance (`-`: not answering).
-    leases_lost: String,
-}
-
 /// The leases each instance counted lost (a renewal that found the lock gone): a holder
 /// starved of CPU past its lease on a loaded machine loses it as a paused one does.
 async fn leases_lost(fleet: &Fleet) -> String {
@@ -249,81 +215,28 @@ async fn leases_lost(fleet: &Fleet) -> String {
 }
 
 /// One run: the backend, the shop (fencing or not), three instances (the victim behind its
-/// link), the clients and the nemesis.
+/// link, all on the backend's lock), the clients and the nemesis.
 async fn run(topology: Topology, fault: Fault, fencing: bool) -> Verdict {
-    let backend = Backend::start(topology).await;
-    let epoch = Epoch::now();
-    let shop = Shop::start(epoch, &[]).await;
-    shop.set_latency(Scope::Writes, SHOP_WRITE);
-    shop.set_fencing(fencing.then_some(FENCING_TOKEN));
-    let link = TcpProxy::start(shop.addr()).await;
-    let cfg = |upstream: String| {
+    let mut backend = Backend::start(topology).await;
+    let config = |upstream: &str| {
         backend
-            .configure(CgConfig::with_upstream(&upstream))
+            .configure(CgConfig::with_upstream(upstream))
             .set_str("upstream", "timeout", "15s")
-            .routes(&seat_route())
+            .routes(&serialized::seat_route(None, None))
     };
-    let fleet = spawn_fleet_each(&[
-        cfg(format!("http://{}", link.addr())),
-        cfg(shop.url()),
-        cfg(shop.url()),
-    ])
-    .await;
-    wait_coordinated(&HttpClient::new(), &fleet.admin_addrs()).await;
-    let targets = fleet.addrs()[1..].to_vec();
-    let mut fx = Fixtures {
-        shop,
-        link,
-        fleet,
-        backend,
-        held: None,
-    };
-    let config = RunConfig {
-        clients: 6,
-        duration: Duration::from_secs(3),
+    let mut fx = serialized::start_with(config, fencing, true).await;
+    let clients = RunConfig {
         tail: Duration::from_millis(1500),
-        pace: Duration::from_millis(10),
         // Above the longest a write may take: a wait, then a slow origin.
         request_timeout: WAIT_TIMEOUT + SLOW_WRITE + LOAD_SLACK,
-        keep_headers: vec!["retry-after"],
-        ..RunConfig::default()
+        ..serialized::clients()
     };
-    let seats = seats();
-    let history = jepsen::run(
-        &config,
-        epoch,
-        &targets,
-        // Client p writes one seat, through instance 1 and 2 in turn (the runner's
-        // round-robin): each seat is written through both at once.
-        move |p, k| write_request(&seats[p % seats.len()], &format!("{{\"p\":{p},\"k\":{k}}}")),
-        |n| strike(n, fault, &mut fx),
-    )
+    let mut verdict = serialized::run_clients(&mut fx, &clients, async |n, fx| {
+        strike(n, fault, fx, &mut backend).await;
+    })
     .await;
-    fx.link.restore();
-    fx.shop.heal();
-    let idle = fx.shop.wait_idle(Duration::from_secs(10)).await;
-    assert!(
-        idle,
-        "the shop still has writes in flight 10s after the run"
-    );
-    if let Some(held) = fx.held.take() {
-        held.abort();
-    }
-    Verdict {
-        log: fx.shop.write_log(),
-        history,
-        leases_lost: leases_lost(&fx.fleet).await,
-        output: fx.fleet.output(),
-    }
-}
-
-/// Holds the victim's link to the origin and has the victim take the first seat's lock
-/// for a write of its own (see `lock_faults::hold_victim`). Returns the time (on the
-/// shop's epoch) from which another holder's write is a newer one.
-async fn strand(n: &Nemesis, fx: &mut Fixtures) -> Duration {
-    let (since, write) = lock_faults::hold_victim(n, &fx.link, &fx.fleet, &fx.shop).await;
-    fx.held = Some(write);
-    since
+    verdict.notes = leases_lost(&fx.fleet).await;
+    verdict
 }
 
 /// Waits until another instance's write to the first seat (begun after `since`) was
@@ -333,7 +246,7 @@ async fn strand(n: &Nemesis, fx: &mut Fixtures) -> Duration {
 async fn deliver(n: &Nemesis, fx: &Fixtures, since: Duration) -> tokio::time::Instant {
     fx.shop
         .set_latency(Scope::Path(seats()[0].clone()), DELIVERY_WRITE);
-    lock_faults::release_victim(n, &fx.link, &fx.fleet, &fx.shop, since).await;
+    serialized::deliver(n, fx, since).await;
     tokio::time::Instant::now()
 }
 
@@ -345,12 +258,12 @@ async fn settle(fx: &Fixtures, delivered: tokio::time::Instant) {
 }
 
 /// The nemesis's schedule for `fault`.
-async fn strike(n: Nemesis, fault: Fault, fx: &mut Fixtures) {
+async fn strike(n: Nemesis, fault: Fault, fx: &mut Fixtures, backend: &mut Backend) {
     n.at(FAULT_AT).await;
     match fault {
         Fault::None => {}
         Fault::PauseHolder => {
-            let since = strand(&n, fx).await;
+            let since = serialized::strand(&n, fx).await;
             let paused = n.elapsed();
             n.start("SIGSTOP instance 0 for 2 × lease");
             fx.fleet.pause(0);
@@ -361,29 +274,29 @@ async fn strike(n: Nemesis, fault: Fault, fx: &mut Fixtures) {
             settle(fx, delivered).await;
         }
         Fault::KillHolder => {
-            let since = strand(&n, fx).await;
+            let since = serialized::strand(&n, fx).await;
             n.start("kill -9 instance 0");
             fx.fleet.kill(0);
             let delivered = deliver(&n, fx, since).await;
             settle(fx, delivered).await;
         }
         Fault::KillRedis => {
-            let since = strand(&n, fx).await;
+            let since = serialized::strand(&n, fx).await;
             n.start("kill -9 redis");
-            restart_redis_empty(&mut fx.backend).await;
+            restart_redis_empty(backend).await;
             n.heal("redis restarted empty");
             let delivered = deliver(&n, fx, since).await;
             settle(fx, delivered).await;
         }
         Fault::LaggingFailover => {
-            let Backend::Sentinel(set) = &fx.backend else {
+            let Backend::Sentinel(set) = &*backend else {
                 unreachable!("LaggingFailover runs on Sentinel")
             };
             n.start("replica link blackholed");
             set.lag_replica();
-            let since = strand(&n, fx).await;
+            let since = serialized::strand(&n, fx).await;
             n.start("failover to the lagging replica");
-            let Backend::Sentinel(set) = &fx.backend else {
+            let Backend::Sentinel(set) = &*backend else {
                 unreachable!("LaggingFailover runs on Sentinel")
             };
             set.fail_over_to_lagging_replica(10).await;
@@ -393,13 +306,11 @@ async fn strike(n: Nemesis, fault: Fault, fx: &mut Fixtures) {
         }
         Fault::RedisSlowThenBlackhole => {
             n.start("redis +40ms each way");
-            standalone(&mut fx.backend)
-                .1
-                .set_delay(Duration::from_millis(40));
+            standalone(backend).1.set_delay(Duration::from_millis(40));
             n.at(FAULT_AT + Duration::from_secs(1)).await;
-            let since = strand(&n, fx).await;
+            let since = serialized::strand(&n, fx).await;
             n.start("redis blackholed for 1.5 × lease");
-            let proxy = standalone(&mut fx.backend).1;
+            let proxy = standalone(backend).1;
             proxy.blackhole();
             tokio::time::sleep(LEASE * 3 / 2).await;
             proxy.set_delay(Duration::ZERO);
@@ -409,11 +320,11 @@ async fn strike(n: Nemesis, fault: Fault, fx: &mut Fixtures) {
             settle(fx, delivered).await;
         }
         Fault::RedisPausedPastTheLease => {
-            let since = strand(&n, fx).await;
+            let since = serialized::strand(&n, fx).await;
             n.start("the lock's redis primary SIGSTOPped for 1.5 × lease");
-            let port = signal_lock_primary(&fx.backend, None, true).await;
+            let port = signal_lock_primary(backend, None, true).await;
             tokio::time::sleep(LEASE * 3 / 2).await;
-            signal_lock_primary(&fx.backend, Some(port), false).await;
+            signal_lock_primary(backend, Some(port), false).await;
             n.heal("SIGCONT the redis primary");
             let delivered = deliver(&n, fx, since).await;
             settle(fx, delivered).await;
@@ -431,7 +342,7 @@ async fn strike(n: Nemesis, fault: Fault, fx: &mut Fixtures) {
             // Writes are at the origin now, renewing their leases.
             n.at(FAULT_AT + Duration::from_millis(500)).await;
             n.start("redis blackholed for 600ms");
-            let proxy = standalone(&mut fx.backend).1;
+            let proxy = standalone(backend).1;
             proxy.blackhole();
             tokio::time::sleep(Duration::from_millis(600)).await;
             proxy.restore();
@@ -452,102 +363,25 @@ async fn strike(n: Nemesis, fault: Fault, fx: &mut Fixtures) {
     }
 }
 
-impl Verdict {
-    fn fail(&self, what: &str, report: &str) -> ! {
-        panic!(
-            "{what}\n{report}\n--- cacheguard output ---\n{}",
-            self.output
-        )
-    }
-
-    /// The checkers' verdict for `fault` against a fencing origin (`fencing`) or one that
-    /// checks nothing.
-    fn assert(&self, fault: Fault, fencing: bool) {
-        let exclusion = check_exclusion(&self.log);
-        let tokens = check_fencing(&self.log);
-        let report = format!(
-            "{}\n{exclusion}{tokens}{}\n",
-            self.history.summary(),
-            self.leases_lost
-        );
-        eprintln!("{fault:?}, fencing {fencing}:\n{report}");
-        if !fencing {
-            // The nemesis bites: the stale write is accepted, out of order, overlapping.
-            if tokens.decreases.is_empty() {
-                self.fail(
-                    "no stale write was accepted: the nemesis did not bite",
-                    &report,
-                );
-            }
-            if exclusion.overlaps_accepted() == 0 {
-                self.fail("no two accepted writes overlapped", &report);
-            }
-            return;
-        }
-        if !tokens.ok() {
-            self.fail("fencing: a token decreased or was wrongly refused", &report);
-        }
-        if fault.takes_the_lock() {
-            if tokens.stale_refused == 0 {
-                self.fail("the nemesis provoked no stale write", &report);
-            }
-        } else {
-            if !exclusion.ok() {
-                self.fail("two writes to one seat overlapped at the origin", &report);
-            }
-            if tokens.refused > 0 {
-                self.fail(
-                    "the origin refused a write without a fault to explain it",
-                    &report,
-                );
-            }
-        }
-        self.assert_clients(fault, &report);
-    }
-
-    /// Every client write ended with an answer within bounds, and writes went on after the
-    /// last fault.
-    fn assert_clients(&self, fault: Fault, report: &str) {
-        // The wait, a Redis call in flight at its deadline (command_timeout), and room for
-        // a loaded machine's scheduling.
-        let longest = WAIT_TIMEOUT + LOAD_SLACK;
-        for op in &self.history.ops {
-            let Some(end) = op.end else {
-                self.fail(&format!("a write never completed: {op}"), report);
-            };
-            match op.result.status {
-                Some(200) => {}
-                // Refused waiting, or the lock service unreachable: within the wait bound.
-                Some(503) if end - op.start <= longest => {
-                    if op.header_value("retry-after").is_none() {
-                        self.fail(&format!("a 503 without Retry-After: {op}"), report);
-                    }
-                }
-                // A restarted instance refuses connections for a moment.
-                None if fault == Fault::ClockSkew => {}
-                _ => self.fail(&format!("unexpected answer: {op}"), report),
-            }
-        }
-        let after = self.history.last_fault_end().unwrap_or_default();
-        let later = self
-            .log
-            .writes
-            .iter()
-            .filter(|w| w.accepted && w.start > after)
-            .count();
-        if later == 0 {
-            self.fail("no write was accepted after the last fault", report);
-        }
-    }
+/// The checkers' verdict for `fault` against a fencing origin (`fencing`) or one that
+/// checks nothing: a 503 within the wait, a Redis call in flight at its deadline
+/// (command_timeout) and room for a loaded machine's scheduling; a restarted instance
+/// (`ClockSkew`) refuses connections for a moment.
+fn assert(verdict: &Verdict, fault: Fault, fencing: bool) {
+    let answers = Answers {
+        longest_refusal: WAIT_TIMEOUT + LOAD_SLACK,
+        unanswered: fault == Fault::ClockSkew,
+    };
+    verdict.check_answers(fault.takes_the_lock(), fencing, answers);
 }
 
 async fn scenario(topology: Topology, fault: Fault) {
-    run(topology, fault, true).await.assert(fault, true);
+    assert(&run(topology, fault, true).await, fault, true);
 }
 
 /// The same nemesis against an origin that checks no token.
 async fn bites(topology: Topology, fault: Fault) {
-    run(topology, fault, false).await.assert(fault, false);
+    assert(&run(topology, fault, false).await, fault, false);
 }
 
 // === no faults: exclusion 0 in every topology ===

@@ -13,8 +13,16 @@
 //! hash tag, so a write invalidates them together and the variants are found from the base
 //! (an index kept next to it) without scanning Redis. A request without query or `vary`
 //! values is its own base.
+//!
+//! A *Vary variant* ([`selected`]) is one more level: on a `freshness = "origin"` route an
+//! origin answer whose `Vary` names headers the route does not key is stored under the
+//! URL's key extended with those names and the request's normalized values of them (as
+//! `Entry::selects` compares them). It has the URL key's base, so it is a variant of the
+//! path like a query variant: same generation, hash tag and variant index.
 
-use http::HeaderMap;
+use http::{HeaderMap, HeaderName, HeaderValue};
+
+use super::entry::selecting_value;
 
 use crate::config::{QueryPolicy, RouteConfig};
 
@@ -27,6 +35,9 @@ pub(crate) struct CacheKey {
     pub(crate) hash: u128,
     /// xxh3-128 of the base key (route and path only); equal to `hash` for the base itself.
     pub(crate) base: u128,
+    /// xxh3-128 of the URL's key this one was [`selected`] from by an origin's `Vary`;
+    /// equal to `hash` for a URL's own key.
+    pub(crate) url: u128,
 }
 
 /// What the read path needs from one parse of the request.
@@ -45,6 +56,7 @@ impl CacheKey {
             full,
             hash,
             base: hash,
+            url: hash,
         }
     }
 
@@ -56,6 +68,56 @@ impl CacheKey {
     /// Whether this key is a variant (query or `vary` values) of another, its base.
     pub(crate) fn is_variant(&self) -> bool {
         self.hash != self.base
+    }
+
+    /// Whether this key is a Vary variant of a URL's key (see [`selected`]).
+    pub(crate) fn is_selected(&self) -> bool {
+        self.hash != self.url
+    }
+}
+
+/// The Vary variant of the URL key `url` for a request with `headers`, whose origin
+/// answers vary on `names` (headers the route does not key): `url`'s text, then a line
+/// `vary <name>=<value>` per name, with the value normalized as a `Vary` selection compares
+/// it (`Entry::selects`), so two requests one stored answer selects share the variant.
+/// A header name cannot contain a space, so these lines never read as a keyed header's.
+/// Same base as `url` (a purge of the path drops it); its `url` is `url`'s hash.
+pub(crate) fn selected(url: &CacheKey, names: &[HeaderName], headers: &HeaderMap) -> CacheKey {
+    selected_by(
+        url,
+        names
+            .iter()
+            .map(|name| (name, selecting_value(headers, name))),
+    )
+}
+
+/// The Vary variant of `url` whose selecting headers have these (normalized) values: the
+/// one a stored copy with this `Entry::selecting` answers.
+pub(crate) fn selected_by<'a>(
+    url: &CacheKey,
+    selection: impl IntoIterator<Item = (&'a HeaderName, Option<HeaderValue>)>,
+) -> CacheKey {
+    let mut full = url.full.clone();
+    for (name, value) in selection {
+        full.push_str("\nvary ");
+        full.push_str(name.as_str());
+        // Absent is not the empty value: no `=`. Non-UTF-8 bytes are escaped, as in
+        // `derive`: they never collide with text.
+        if let Some(value) = value {
+            full.push('=');
+            full.push_str(
+                &String::from_utf8_lossy(value.as_bytes())
+                    .escape_default()
+                    .to_string(),
+            );
+        }
+    }
+    let hash = xxhash_rust::xxh3::xxh3_128(full.as_bytes());
+    CacheKey {
+        full,
+        hash,
+        base: url.base,
+        url: url.hash,
     }
 }
 
@@ -327,6 +389,45 @@ mod tests {
             assert_ne!(variant.hash, plain.hash);
         }
         assert_ne!(derive(&r, "/api/items/2", None, &en).key.base, plain.hash);
+    }
+
+    #[test]
+    fn vary_variants_are_variants_of_their_url_keys_base() {
+        let r = route(QueryPolicy::Sorted, &[]);
+        let names = [HeaderName::from_static("accept-language")];
+        let with = |value: Option<&'static str>| {
+            let mut h = HeaderMap::new();
+            if let Some(value) = value {
+                h.insert("accept-language", HeaderValue::from_static(value));
+            }
+            h
+        };
+        for query in [None, Some("a=1")] {
+            let url = derive(&r, "/api/items/1", query, &HeaderMap::new()).key;
+            assert!(!url.is_selected());
+            let fr = selected(&url, &names, &with(Some("fr")));
+            let en = selected(&url, &names, &with(Some("en")));
+            let none = selected(&url, &names, &with(None));
+            let empty = selected(&url, &names, &with(Some("")));
+            for v in [&fr, &en, &none, &empty] {
+                assert!(v.is_selected() && v.is_variant());
+                assert_eq!((v.base, v.url), (url.base, url.hash));
+                assert_eq!(route_and_path(&v.full), Some(("item", "/api/items/1")));
+            }
+            assert_ne!(fr.hash, en.hash);
+            assert_ne!(none.hash, empty.hash, "absent is not empty");
+            // What a stored copy's selection makes is the variant of its requests.
+            let copy_fr = [(&names[0], Some(HeaderValue::from_static("fr")))];
+            assert_eq!(selected_by(&url, copy_fr), fr);
+            assert_eq!(selected_by(&url, [(&names[0], None)]), none);
+            // Normalized as `Entry::selects` compares: `a, b` and `a,b` are one variant.
+            let mut spaced = HeaderMap::new();
+            spaced.insert("accept-language", HeaderValue::from_static("fr, en"));
+            assert_eq!(
+                selected(&url, &names, &spaced),
+                selected(&url, &names, &with(Some("fr,en")))
+            );
+        }
     }
 
     #[test]

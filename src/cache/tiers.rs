@@ -16,14 +16,22 @@
 //!           copy was read or its fetch began (checked again after the insert)
 //! ```
 //!
+//! The tiers also remember which request headers an origin varies a URL's answers on, and
+//! which variant the URL's own key holds ([`Tiers::vary_spec`]): every copy they see of a
+//! URL's own key whose `Vary` selected it teaches both (see [`Tiers::learn_vary`]), so the
+//! read path looks up the request's own Vary variant (`key::selected`), or the URL's key
+//! when it holds that variant: one L2 read.
+//!
 //! What the tiers cannot know themselves comes through two small traits implemented by
 //! the layers above: whether a key is hot ([`HotSet`]: hot keys are kept in L1 whatever
 //! the route's policy) and whether an invalidation is owed to Redis ([`OwedSet`]).
 
 use std::sync::Arc;
+use std::time::Duration;
 
-use http::HeaderMap;
+use http::{HeaderMap, HeaderName};
 
+use super::key;
 use super::l1::L1;
 use super::l2::{self, L2};
 use super::marks::{LocalMarks, Standing};
@@ -70,7 +78,29 @@ pub(crate) struct Tiers {
     hot: Arc<dyn HotSet>,
     owed: Arc<dyn OwedSet>,
     metrics: Metrics,
+    /// URL key hash → what its copies taught of the origin's `Vary` (see
+    /// [`Tiers::vary_spec`]).
+    vary: moka::sync::Cache<u128, VarySpec>,
 }
+
+/// What a copy of a URL's own key taught of its origin's `Vary`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct VarySpec {
+    /// The request headers its answers vary on (and the route does not key).
+    pub(crate) names: Arc<[HeaderName]>,
+    /// The hash of the Vary variant whose answer the URL's own key holds: the first fetched
+    /// before the names were known there (`key::selected_by` of its selection).
+    pub(crate) held: u128,
+}
+
+/// URLs whose `Vary` names are remembered at once. One forgotten costs its next request
+/// one more L2 read (the URL's own key, which teaches them again).
+const VARY_URLS: u64 = 65_536;
+
+/// How long `Vary` names are remembered: an origin that stops varying (or varies on other
+/// headers) is seen again within this time. Until then its answers are stored per variant
+/// still: more copies, never a wrong one (each copy's own selection is checked on read).
+const VARY_TTL: Duration = Duration::from_secs(300);
 
 impl Tiers {
     pub(crate) fn new(
@@ -88,6 +118,46 @@ impl Tiers {
             hot,
             owed,
             metrics,
+            vary: moka::sync::Cache::builder()
+                .max_capacity(VARY_URLS)
+                .time_to_live(VARY_TTL)
+                .build(),
+        }
+    }
+
+    /// What a copy of the URL key `url` taught here of its origin's `Vary`: the request
+    /// headers its answers vary on (and the route does not key), and which variant `url`
+    /// itself holds. The read path then looks up the request's Vary variant
+    /// (`key::selected`), or `url` when it holds that one. A stale spec only costs a miss:
+    /// every copy's own selection is checked on read.
+    pub(crate) fn vary_spec(&self, url: &CacheKey) -> Option<VarySpec> {
+        if url.is_selected() {
+            return None;
+        }
+        self.vary.get(&url.hash)
+    }
+
+    /// Learns from `entry`, a copy of `key` read or stored, the headers its origin varies
+    /// on and which variant `key` holds: only a URL's own key teaches (a Vary variant's key
+    /// was made from them).
+    pub(crate) fn learn_vary(&self, key: &CacheKey, entry: &Entry) {
+        if key.is_selected() || entry.selecting.is_empty() || !entry.matches(key) {
+            return;
+        }
+        let selection = entry
+            .selecting
+            .iter()
+            .map(|(name, value)| (name, value.clone()));
+        let spec = VarySpec {
+            names: entry
+                .selecting
+                .iter()
+                .map(|(name, _)| name.clone())
+                .collect(),
+            held: key::selected_by(key, selection).hash,
+        };
+        if self.vary.get(&key.hash).as_ref() != Some(&spec) {
+            self.vary.insert(key.hash, spec);
         }
     }
 
@@ -169,7 +239,7 @@ impl Tiers {
         if l1 != L1Policy::Off
             && !skip_l1
             && let Some(copy) = self.l1.get(key).await
-            && copy.entry.selects(request)
+            && self.selects(key, &copy.entry, request)
         {
             if copy.verified || !self.redis_up() {
                 if let Some(fresh) = found.add(copy.entry, now, Outcome::HitL1) {
@@ -181,7 +251,7 @@ impl Tiers {
         }
         let since = self.since();
         match self.l2_read(key).await {
-            L2Read::Hit(entry) if entry.selects(request) => {
+            L2Read::Hit(entry) if self.selects(key, &entry, request) => {
                 if entry.freshness(now) == Freshness::Fresh && self.keeps_in_l1(l1, key.hash) {
                     self.keep(key, Arc::clone(&entry), since).await;
                 }
@@ -227,13 +297,20 @@ impl Tiers {
     ) -> Option<Arc<Entry>> {
         let since = self.since();
         let entry = self.l2_copy(key).await?;
-        if entry.freshness(now_ms()) != Freshness::Fresh || !entry.selects(request) {
+        if entry.freshness(now_ms()) != Freshness::Fresh || !self.selects(key, &entry, request) {
             return None;
         }
         if self.keeps_in_l1(l1, key.hash) {
             self.keep(key, Arc::clone(&entry), since).await;
         }
         Some(entry)
+    }
+
+    /// Whether `entry`, a copy of `key`, selects `request`; it teaches its `Vary` names
+    /// either way.
+    fn selects(&self, key: &CacheKey, entry: &Entry, request: &HeaderMap) -> bool {
+        self.learn_vary(key, entry);
+        entry.selects(request)
     }
 
     /// L2's copy of `key`, unless an invalidation of it is owed to Redis.

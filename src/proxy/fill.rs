@@ -704,6 +704,7 @@ impl Filler {
     ) -> Kept {
         let mut keep = true;
         let mut overtaken = false;
+        let mut stored = false;
         // Filled without Redis (no lease: the breaker was open): L1 is the only copy,
         // whatever the breaker says by now.
         let in_l1 = permit.is_none() && self.tiers.shared() && job.route.config.l1 != L1Policy::Off;
@@ -728,7 +729,8 @@ impl Filler {
                 },
             };
             match outcome {
-                Ok(FillOutcome::Stored) | Err(_) => {}
+                Ok(FillOutcome::Stored) => stored = true,
+                Err(_) => {}
                 Ok(FillOutcome::GenerationChanged) => {
                     self.metrics.fill_refused(FillRefusal::Generation);
                     keep = false;
@@ -753,7 +755,15 @@ impl Filler {
             overtaken = self.tiers.invalidated_since(&job.key, &entry.tags, since);
         }
         if keep && (in_l1 || self.tiers.keeps_in_l1(job.route.config.l1, job.key.hash)) {
-            self.tiers.keep(&job.key, Arc::clone(entry), since).await;
+            stored |= self.tiers.keep(&job.key, Arc::clone(entry), since).await;
+        }
+        if stored {
+            // A URL's key stored with a `Vary` selection: the next request of another
+            // variant goes to its own variant key.
+            self.tiers.learn_vary(&job.key, entry);
+            if job.key.is_selected() && job.stored.is_none() && !job.background {
+                job.route.metrics.vary_variants_stored.inc();
+            }
         }
         if overtaken && job.route.config.version.is_some() {
             Kept::Own

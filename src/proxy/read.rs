@@ -4,11 +4,15 @@
 //! ```text
 //! per-user request? ─▶ forwarded untouched (BYPASS)                     origin.rs
 //! derive the key (one parse: key + forwarded URL)                        cache/key.rs
+//! origin mode, the origin varies the URL on unkeyed headers (names known here)?
+//!      ─▶ the request's own Vary variant key instead                      cache/key.rs
 //! hot key? ─▶ its L1 copy, a 429, or straight to the key's fill          hot.rs
 //! a fill of the key runs here? ─▶ join it without looking                fill.rs
 //! L1, then L2 ─▶ fresh: HIT-L1 / HIT-L2 / NEGATIVE (maybe an early refresh)
 //!             ─▶ stale: STALE at once, one refresh in the background    cache/tiers.rs
 //!             ─▶ a miss, but a copy within its error grace: it answers if the fill fails
+//!             ─▶ a miss on the URL's key whose copy (another variant's) just taught
+//!                the Vary names: once more from the hot-key gate, with the variant key
 //! a variant new in its path's window, beyond the budget
 //!      ─▶ asked for before: on to the fill; a first ask: fetched
 //!         uncached (BYPASS); over the overflow rate: 429               protect/variants.rs
@@ -40,10 +44,11 @@ use super::origin::Origin;
 use super::respond;
 use super::route::Route;
 use super::upstream::UpstreamBody;
-use crate::cache::key;
+use crate::cache::key::{self, Derived};
 use crate::cache::tiers::{Cached, Tiers};
 use crate::cache::{CacheKey, Freshness};
 use crate::clock::now_ms;
+use crate::config::FreshnessSource;
 use crate::coord::redis::count_commands;
 use crate::error::ProxyError;
 use crate::metrics::{NewVariant, Outcome};
@@ -101,13 +106,49 @@ impl ReadPath {
             ))
             .await;
         }
-        let head = parts.method == Method::HEAD;
         let derived = key::derive(
             &route.config,
             parts.uri.path(),
             parts.uri.query(),
             &parts.headers,
         );
+        let derived = self
+            .vary_variant(route, &derived, &parts.headers)
+            .unwrap_or(derived);
+        Box::pin(self.read_key(route, &parts, derived, client)).await
+    }
+
+    /// On a `freshness = "origin"` route whose origin varies this URL's answers on headers
+    /// the route does not key (as a copy of the URL's key taught this process), the
+    /// request's own Vary variant of `derived` (`key::selected`). `None` otherwise: the
+    /// names are not known here, the URL's own key holds the request's variant, or
+    /// `derived` is a Vary variant already.
+    fn vary_variant(
+        &self,
+        route: &Route,
+        derived: &Derived,
+        headers: &HeaderMap,
+    ) -> Option<Derived> {
+        if route.config.freshness != FreshnessSource::Origin {
+            return None;
+        }
+        let spec = self.tiers.vary_spec(&derived.key)?;
+        let selected = key::selected(&derived.key, &spec.names, headers);
+        (selected.hash != spec.held).then(|| Derived {
+            key: selected,
+            forward_path_and_query: derived.forward_path_and_query.clone(),
+        })
+    }
+
+    /// The read of `derived`'s key, from the hot-key gate on.
+    async fn read_key(
+        &self,
+        route: &Arc<Route>,
+        parts: &Parts,
+        derived: Derived,
+        client: SocketAddr,
+    ) -> (Response<Body>, Outcome) {
+        let head = parts.method == Method::HEAD;
         let job = || FillJob::new(route, &derived, &parts.headers, client);
         let gate = self
             .gate
@@ -146,6 +187,14 @@ impl ReadPath {
                 respond::hit(&entry, Outcome::Stale, head)
             }
             Cached::Miss(kept) => {
+                // The URL's key held another variant's copy, which taught its Vary names
+                // (or that it holds that variant) just now: the request's own variant is
+                // read instead (once: a variant key has no variant of its own).
+                if kept.is_none()
+                    && let Some(selected) = self.vary_variant(route, &derived, &parts.headers)
+                {
+                    return Box::pin(self.read_key(route, parts, selected, client)).await;
+                }
                 if kept.is_none() {
                     match variant_budget(route, &derived.key) {
                         Budget::Fill => {}

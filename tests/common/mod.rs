@@ -3,7 +3,9 @@
 //! - [`RedisServer`]: a real `redis-server` on a free loopback port (always the real server).
 //! - [`RedisCluster`]: a real six-node Redis Cluster (three primaries, three replicas).
 //! - [`MariaDb`]: a real MariaDB server (the MySQL lock service's tests).
-//! - [`lock_faults`]: serialized writes on a `[locks.<name>]` service under a nemesis.
+//! - [`serialized`]: serialized writes under a nemesis on any lock service (a
+//!   `[locks.<name>]` section or the shared Redis), with the exclusion and fencing checkers,
+//!   and the checks of a lock service down, silent or refused.
 //! - [`TestOrigin`]: the fake origin API (counters, in-flight gauge, per-path behaviour);
 //!   [`RawOrigin`]: one that writes the same raw bytes for every request.
 //! - [`CgConfig`] / [`config_toml`] + [`start_cacheguard`]: an in-process cacheguard.
@@ -20,8 +22,7 @@
 //!   undersell, flood factor; exclusion, fencing); [`jepsen`]: the runner (clients
 //!   round-robin over a fleet, a nemesis schedule); [`shop`]: the flash-sale origin.
 //! - [`lock_servers`]: real `etcd` and ZooKeeper servers for the lock services (the file the
-//!   unit tests of `src/coord/locks` use too); [`serialized`]: [`lock_faults`]'s runs with any
-//!   instance config (shared mode), an origin without a token check, a service down.
+//!   unit tests of `src/coord/locks` use too).
 //!
 //! Every fixture owns what it started and stops it on `Drop` (by PID for processes).
 #![allow(dead_code, unused_imports, unreachable_pub)]
@@ -33,7 +34,6 @@ pub mod history;
 pub mod hot;
 pub mod jepsen;
 pub mod load;
-pub mod lock_faults;
 #[path = "../../src/coord/locks/test_servers.rs"]
 pub mod lock_servers;
 pub mod mariadb;
@@ -560,6 +560,16 @@ pub async fn join_within<T>(handles: Vec<JoinHandle<T>>, timeout: Duration, what
     tokio::time::timeout(timeout, all)
         .await
         .unwrap_or_else(|_| panic!("{what} did not finish within {timeout:?}"))
+}
+
+/// `POST /admin/purge` with `body` (JSON) on `admin`, with the admin token `auth` if any.
+pub async fn purge(client: &HttpClient, admin: SocketAddr, auth: Option<&str>, body: &str) -> Resp {
+    let header = auth.map(|t| format!("Bearer {t}"));
+    let headers: Vec<(&str, &str)> = header
+        .as_deref()
+        .map(|h| vec![("authorization", h), ("content-type", "application/json")])
+        .unwrap_or_else(|| vec![("content-type", "application/json")]);
+    post(client, &url(admin, "/admin/purge"), &headers, body).await
 }
 
 /// POST `body` to `url` with extra headers; panics on a transport error.

@@ -50,6 +50,8 @@ pub struct Behaviour {
     /// Count the request body's bytes but keep none of them (a large upload must not cost
     /// the test process its size): the recorded request's body is empty.
     pub discard_body: bool,
+    /// The default body names the request's `Accept-Language` (see [`language_body`]).
+    pub by_language: bool,
 }
 
 /// One request as the origin saw it.
@@ -445,6 +447,12 @@ impl TestOrigin {
         self.update(path, |b| b.echo = true);
     }
 
+    /// Answer requests to `path` in their `Accept-Language`: the default body with the
+    /// request's value in it ([`language_body`]).
+    pub fn set_by_language(&self, path: &str) {
+        self.update(path, |b| b.by_language = true);
+    }
+
     /// Requests to `path` have their body counted ([`TestOrigin::body_bytes_received`]) and
     /// dropped as it arrives.
     pub fn set_discard_body(&self, path: &str) {
@@ -620,6 +628,11 @@ pub fn default_body(path: &str, n: u64) -> String {
     format!(r#"{{"path":"{path}","n":{n}}}"#)
 }
 
+/// The body of the `n`th request to `path` answered in `language` (its `Accept-Language`).
+pub fn language_body(path: &str, language: &str, n: u64) -> String {
+    format!(r#"{{"path":"{path}","lang":"{language}","n":{n}}}"#)
+}
+
 /// The origin's response body.
 pub type OriginBody = UnsyncBoxBody<Bytes, std::io::Error>;
 
@@ -729,6 +742,16 @@ async fn handle(
             } else if path == "/internal/ids" {
                 let ids = lock(&state.ids).list.join("\n");
                 (Bytes::from(ids), HeaderValue::from_static("text/plain"))
+            } else if behaviour.by_language {
+                let language = parts
+                    .headers
+                    .get(http::header::ACCEPT_LANGUAGE)
+                    .and_then(|v| v.to_str().ok())
+                    .unwrap_or("");
+                (
+                    Bytes::from(language_body(&path, language, n)),
+                    HeaderValue::from_static("application/json"),
+                )
             } else {
                 (
                     Bytes::from(default_body(&path, n)),

@@ -16,21 +16,50 @@ use crate::coord::locks::test_servers::{ZooKeeperServer, free_port};
 use crate::coord::locks::{AcquireError, Grant, Handle, LockService, testing};
 
 const LEASE: Duration = Duration::from_secs(1);
+/// The session of the tests that wait for a session to be suspended or to expire.
 const SESSION: Duration = Duration::from_secs(2);
+/// The session of the tests that end a session on purpose (or not at all): a machine
+/// under load must not end or suspend it. A 2 s session cannot promise that: its client
+/// concludes the connection lost after 0.8 s without a byte from the server (2/5 of the
+/// session), which a starved test process or JVM outlasts at a load of 6 to 9, and a
+/// request under way then fails (`Unavailable`) although nothing was wrong.
+const LONG_SESSION: Duration = Duration::from_secs(10);
+/// How long a session may take to open on a loaded machine.
+const OPEN_BOUND: Duration = Duration::from_secs(20);
 
 fn settings(connect: String) -> ZooKeeperSettings {
+    settings_with(connect, SESSION)
+}
+
+fn settings_with(connect: String, session_timeout: Duration) -> ZooKeeperSettings {
     ZooKeeperSettings {
         name: "orders-zk".into(),
         connect,
         path: "/cacheguard/locks".into(),
-        session_timeout: SESSION,
+        session_timeout,
     }
 }
 
 async fn instance(server: &ZooKeeperServer) -> Arc<LockService> {
-    Arc::new(LockService::ZooKeeper(
-        ZooKeeperLocks::connect(settings(server.connect())).await,
-    ))
+    instance_with(server, SESSION).await
+}
+
+/// A lock service on `server` with sessions of `session`, once its session is open: the
+/// service's `connect` waits `START_WAIT` at most (then goes on, and acquires fail until
+/// the session opens), which a loaded machine may outlast.
+async fn instance_with(server: &ZooKeeperServer, session: Duration) -> Arc<LockService> {
+    let service = LockService::ZooKeeper(
+        ZooKeeperLocks::connect(settings_with(server.connect(), session)).await,
+    );
+    let deadline = Instant::now() + OPEN_BOUND;
+    while locks_of(&service).session().is_err() {
+        assert!(
+            Instant::now() < deadline,
+            "no ZooKeeper session within {OPEN_BOUND:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Arc::new(service)
 }
 
 async fn acquire(service: &LockService, path: &str, wait: Duration) -> Result<Grant, AcquireError> {
@@ -143,23 +172,49 @@ async fn curators_layout_grants_exclude_and_a_release_hands_over_with_a_larger_t
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_expired_session_is_a_lost_grant_and_a_new_session_follows() {
     let server = ZooKeeperServer::shared().await;
-    let (a, b) = (instance(&server).await, instance(&server).await);
-    let mut first = acquire(&a, "/t2/seats/1", LEASE).await.unwrap();
+    // The session is ended on purpose below; nothing else may end or suspend it.
+    let (a, b) = (
+        instance_with(&server, LONG_SESSION).await,
+        instance_with(&server, LONG_SESSION).await,
+    );
+    // Nobody holds the seat: the wait only bounds the server's answers.
+    let mut first = acquire(&a, "/t2/seats/1", LONG_SESSION).await.unwrap();
     let waiter = {
         let b = Arc::clone(&b);
-        tokio::spawn(async move { acquire(&b, "/t2/seats/1", Duration::from_secs(10)).await })
+        tokio::spawn(async move { acquire(&b, "/t2/seats/1", 2 * LONG_SESSION).await })
     };
     // Expire a's session the classic way: open it from another client, and close that.
+    // A race: the server closes a session's other connection when a client takes the
+    // session, and a's client reconnects at once and takes it back, so the thief's connect
+    // may fail (it tries until its deadline: `Timeout`), or its close be cut off. Tried
+    // again until a's node is gone (the server closed the session).
     let session = locks_of(&a).session.load_full().unwrap().session().clone();
-    let thief = zookeeper_client::Client::connector()
-        .with_session(session)
-        .connect(&server.connect())
-        .await
-        .unwrap();
-    drop(thief);
+    let node = node_of(&first).to_owned();
+    let connect = server.connect();
+    let watcher = server.client(LONG_SESSION).await;
+    let deadline = Instant::now() + OPEN_BOUND;
+    let mut tries = 0;
+    while watcher.check_stat(&node).await.unwrap().is_some() {
+        assert!(
+            Instant::now() < deadline,
+            "a's session still open after {tries} tries to close it"
+        );
+        tries += 1;
+        let thief = zookeeper_client::Client::connector()
+            .with_session(session.clone())
+            .with_fail_eagerly()
+            .connect(&connect);
+        if let Ok(Ok(thief)) = tokio::time::timeout(SESSION, thief).await {
+            drop(thief);
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    eprintln!("a's session closed at try {tries}");
     let second = waiter.await.unwrap().unwrap();
     assert!(second.token > first.token);
-    let deadline = Instant::now() + Duration::from_secs(5);
+    // a learns it within a session timeout: told by the server that its session expired,
+    // or, hearing nothing, disconnected after 2/5 of it.
+    let deadline = Instant::now() + LONG_SESSION;
     while a.renew(&mut first, LEASE).await != Ok(false) {
         assert!(
             Instant::now() < deadline,
@@ -168,10 +223,11 @@ async fn an_expired_session_is_a_lost_grant_and_a_new_session_follows() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     // The service opens a new session on its own, and locks again.
+    let handed = second.token;
     b.release(&second).await;
     drop(second);
-    let third = testing::acquire_again(&a, "/t2/seats/1", LEASE, Duration::from_secs(10)).await;
-    assert!(third.token > first.token);
+    let third = testing::acquire_again(&a, "/t2/seats/1", LEASE, OPEN_BOUND).await;
+    assert!(third.token > handed, "{handed} then {}", third.token);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
