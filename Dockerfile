@@ -17,36 +17,35 @@ ARG DEBIAN_RELEASE=bookworm
 
 # ---- build -------------------------------------------------------------------------------
 FROM rust:${RUST_VERSION}-${DEBIAN_RELEASE} AS build
-# protoc: the etcd lock service's client compiles etcd's gRPC definitions at build time.
+# protoc: the etcd lock service's client compiles etcd's gRPC definitions at build time; they
+# import protobuf's well-known types (google/protobuf/descriptor.proto...), which are in
+# libprotobuf-dev, a package protoc only recommends.
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends protobuf-compiler \
+    && apt-get install -y --no-install-recommends protobuf-compiler libprotobuf-dev \
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 # rust-toolchain.toml is deliberately not copied: it pins the same 1.95.0 this image has, but
 # also asks rustup for clippy and rustfmt, which a release build does not need.
 COPY Cargo.toml Cargo.lock ./
 COPY src ./src
-COPY examples ./examples
+COPY demo ./demo
 COPY config ./config
-# The proxy, in a cargo invocation of its own: cargo resolves features once per invocation,
-# and one that also builds an example (which uses the dev-dependencies) would unify tokio's
-# `test-util` into the proxy's tokio, so that every `Instant::now()` takes a mutex.
-# scripts/check-image-build.sh (run by the test command) fails on any build here that gives
-# the proxy `test-util`. The target dir is a cache mount, so each binary is copied out of it
-# in the step that builds it.
-RUN --mount=type=cache,target=/usr/local/cargo/registry,sharing=locked \
-    --mount=type=cache,target=/usr/local/cargo/git,sharing=locked \
-    --mount=type=cache,target=/src/target,sharing=locked \
-    cargo build --release --locked --bin cacheguard \
-    && install -D -m 0755 target/release/cacheguard /out/cacheguard
-# The demo is an example, so it builds with the dev-dependencies (rusqlite with a bundled
-# SQLite: the image's gcc compiles it), tokio's `test-util` included: that costs the demo
-# API nothing that matters, and a second compile of the crates that depend on tokio.
-RUN --mount=type=cache,target=/usr/local/cargo/registry,sharing=locked \
-    --mount=type=cache,target=/usr/local/cargo/git,sharing=locked \
-    --mount=type=cache,target=/src/target,sharing=locked \
-    cargo build --release --locked --example demo \
-    && install -D -m 0755 target/release/examples/demo /out/cacheguard-demo
+# The proxy and the demo in one cargo invocation, so that every dependency is compiled once.
+# The demo is a package of its own with normal dependencies only, so the proxy's tokio gets
+# none of the dev-dependencies' features (`test-util` would make every `Instant::now()` take
+# a mutex); scripts/check-image-build.sh (run by the test command) fails on any build here
+# that gives the proxy `test-util`. The target dir is a cache mount, so the binaries are
+# copied out of it in the step that builds them.
+# Builds running at once share the caches: cargo locks the target dir itself, but its lock
+# on the registry is in $CARGO_HOME, outside the mount, so that mount is `sharing=locked`.
+# One locked mount per RUN, and the last: podman before 4.4 (buildah before 1.29) releases
+# only the last locked mount of a RUN, and the next RUN waits forever for the others.
+# The demo's SQLite is bundled: the image's gcc compiles it.
+RUN --mount=type=cache,target=/usr/local/cargo/git \
+    --mount=type=cache,target=/src/target \
+    --mount=type=cache,target=/usr/local/cargo/registry,sharing=locked \
+    cargo build --release --locked -p cacheguard -p cacheguard-demo \
+    && install -D -m 0755 target/release/cacheguard target/release/cacheguard-demo -t /out
 
 # ---- runtime -----------------------------------------------------------------------------
 # debian-slim rather than distroless: the HEALTHCHECK needs an HTTP client in the image

@@ -3,11 +3,12 @@
 #
 # Usage: scripts/check-image-build.sh [DOCKERFILE]   (default: the repository's Dockerfile)
 #
-# Why: tokio's `test-util` (paused time, for the unit tests) is a dev-dependency feature. A
-# `cargo build` that selects an example (the demo) builds with the dev-dependencies, and cargo
-# resolves features once per invocation, so building the proxy in the same command as the demo
-# unifies `test-util` into the proxy's tokio: every `Instant::now()` then takes a mutex. The
-# Dockerfile must build the proxy in a cargo invocation of its own.
+# Why: tokio's `test-util` (paused time, for the unit tests) is a dev-dependency feature, and
+# cargo resolves features once per invocation: a `cargo build` that selects anything built
+# with cacheguard's dev-dependencies (an example, `--tests`, `--all-targets`) unifies
+# `test-util` into the proxy's tokio, and every `Instant::now()` then takes a mutex. The
+# Dockerfile builds the proxy and the demo in one invocation, which is right only because the
+# demo is a package of its own (demo/, normal dependencies only): this keeps it so.
 #
 # How: every `cargo build` of the Dockerfile's RUN instructions is run here with the same
 # target selection and `--message-format=json`, and cargo says what it built. For each one
@@ -64,8 +65,8 @@ while IFS= read -r run; do
         echo "   builds the proxy; its tokio: $features"
         if grep -q '"test-util"' <<< "$features"; then
             echo "check-image-build: $dockerfile builds the proxy with tokio's test-util: build" \
-                 "it in a cargo invocation of its own (\`cargo build --release --locked --bin" \
-                 "cacheguard\`), not with an example or other dev-dependency targets" >&2
+                 "only packages' binaries with it (\`cargo build --release --locked -p cacheguard" \
+                 "-p cacheguard-demo\`), no example, test or other dev-dependency target" >&2
             failed=1
         fi
     done < <(sed -e 's/[[:space:]]*&&[[:space:]]*/\n/g' <<< "$run")

@@ -1,4 +1,4 @@
-//! Run with: cargo run --release --example demo
+//! Run with: cargo run --release -p cacheguard-demo
 //!
 //! The one-command cacheguard demo. It needs nothing but the Rust toolchain (SQLite is
 //! bundled, Redis is optional):
@@ -34,7 +34,7 @@
 //! `--origin-only [--listen ADDR]` runs just the SQLite-backed demo API (step 1) on `ADDR`
 //! (default `127.0.0.1:9000`) until SIGTERM or SIGINT: no cacheguard, no burst. It is the
 //! origin of the container setup (`docker-compose.yml`), where cacheguard runs as its own
-//! process, e.g. `cargo run --example demo -- --origin-only --listen 0.0.0.0:9000`.
+//! process, e.g. `cargo run -p cacheguard-demo -- --origin-only --listen 0.0.0.0:9000`.
 
 mod burst;
 mod origin;
@@ -145,7 +145,7 @@ const SHUTDOWN_LIMIT: Duration = Duration::from_secs(15);
 
 #[derive(Parser, Debug)]
 #[command(
-    name = "demo",
+    name = "cacheguard-demo",
     about = "cacheguard in front of a SQLite-backed API: stampede, hot set and penetration, with and without cacheguard"
 )]
 struct Args {
