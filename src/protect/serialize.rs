@@ -19,7 +19,7 @@
 //! held until the origin answers, whatever the client does. A write is never retried.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -48,6 +48,11 @@ struct Queue {
     turn: Arc<Semaphore>,
     /// Writes waiting for `turn` or holding it.
     waiting: AtomicUsize,
+    /// Whether `turn` is held by a write that was answered and is giving the lock back: a
+    /// waiter whose wait runs out then was kept by the lock service not answering the
+    /// release, not by another write, so it is refused as `Unavailable` (the route's
+    /// `on_redis_error` applies) rather than as a timeout.
+    releasing: AtomicBool,
 }
 
 /// Why a write was not serialized.
@@ -140,6 +145,7 @@ impl Serializer {
                 Arc::new(Queue {
                     turn: Arc::new(Semaphore::new(1)),
                     waiting: AtomicUsize::new(0),
+                    releasing: AtomicBool::new(false),
                 })
             });
             // The holder counts too: `max_waiters` waiting behind it.
@@ -160,6 +166,10 @@ impl Serializer {
             {
                 Ok(Ok(turn)) => turn,
                 // The semaphore is never closed.
+                Ok(Err(_)) | Err(_) if place.queue.releasing.load(Ordering::Acquire) => {
+                    metrics.outcome(SerializeOutcome::Unavailable);
+                    return Err(Refusal::Unavailable);
+                }
                 Ok(Err(_)) | Err(_) => {
                     metrics.outcome(SerializeOutcome::Timeout);
                     return Err(Refusal::Timeout);
@@ -252,7 +262,9 @@ impl Serializer {
                 _turn: turn,
                 _place: place,
             } = held;
+            place.queue.releasing.store(true, Ordering::Release);
             let mut released = service.release(&grant).await;
+            place.queue.releasing.store(false, Ordering::Release);
             drop((turn, place));
             // A release the backend did not take leaves the resource locked for everyone
             // until the lease ends: it is tried again (compare-and-delete, so a late one is
