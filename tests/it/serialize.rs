@@ -305,3 +305,64 @@ async fn a_release_redis_missed_is_tried_again() {
     assert!(fencing.ok() && fencing.accepted == 2, "{fencing}");
     cg.shutdown().await;
 }
+
+/// A write that arrives while the last write's release is held up by a Redis that stopped
+/// answering (its connection blackholed as the origin answered) waits for this instance's
+/// turn until its wait runs out: that wait was spent on the lock service, not on another
+/// write, so the route's `on_redis_error` decides the answer, as it does when Redis is down
+/// at the write's own acquire.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_behind_a_release_redis_does_not_answer_follows_the_policy() {
+    for (policy, status, result) in [("reject", 503, "unavailable"), ("forward", 200, "ungated")] {
+        let resource = seat("t6", "1A");
+        let shop = Shop::start(Epoch::now(), &[]).await;
+        shop.set_latency(Scope::Writes, Duration::from_millis(300));
+        let redis = RedisServer::start().await;
+        let proxy = TcpProxy::start(redis.addr()).await;
+        let cg = config(
+            &shop,
+            &format!("lease = \"6s\", wait_timeout = \"400ms\", on_redis_error = \"{policy}\""),
+        )
+        .set_str("redis", "url", &proxy.redis_url())
+        .set_str("redis", "command_timeout", "2s")
+        .start()
+        .await;
+        let client = HttpClient::new();
+        let first = {
+            let (client, addr, path) = (client.clone(), cg.addr(), resource.clone());
+            tokio::spawn(async move { put(&client, addr, &path, "{\"a\":1}").await })
+        };
+        // The write holds the lock and is at the origin: Redis goes silent before it
+        // answers, so the release sent after the answer waits out `command_timeout` (2 s).
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        proxy.blackhole();
+        let answered = first.await.expect("first write");
+        assert_eq!(answered.status.as_u16(), 200, "{policy}: {answered:?}");
+        let started = Instant::now();
+        let second = put(&client, cg.addr(), &resource, "{\"a\":2}").await;
+        let waited = started.elapsed();
+        assert_eq!(
+            second.status.as_u16(),
+            status,
+            "{policy}: the write behind a stalled release: {second:?}"
+        );
+        assert!(
+            waited < Duration::from_millis(1500),
+            "{policy}: answered after {waited:?}, not when its 400 ms wait ran out"
+        );
+        assert_eq!(
+            writes_metric(&client, cg.admin_addr(), result).await,
+            1.0,
+            "{policy}"
+        );
+        assert_eq!(
+            writes_metric(&client, cg.admin_addr(), "timeout").await,
+            0.0,
+            "{policy}"
+        );
+        let reached = if policy == "reject" { 1 } else { 2 };
+        assert_eq!(shop.write_log().writes.len(), reached, "{policy}");
+        proxy.restore();
+        cg.shutdown().await;
+    }
+}
