@@ -772,6 +772,8 @@ grace = "30s"
 /// Redis waits of a miss).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mass_expiry_under_load_keeps_the_origin_under_its_caps() {
+    // Loads the machine or times it: never beside another such test (see `alone::heavy`).
+    let _heavy = crate::common::heavy().await;
     const KEYS: usize = 1000;
     const TTL: Duration = Duration::from_secs(8);
     let redis = RedisServer::start().await;
@@ -970,6 +972,8 @@ async fn mass_expiry_under_load_keeps_the_origin_under_its_caps() {
 /// The measured p99s are printed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_killed_under_load_l1_keys_keep_answering_fast() {
+    // Loads the machine or times it: never beside another such test (see `alone::heavy`).
+    let _heavy = crate::common::heavy().await;
     const KEYS: usize = 200;
     const PERIOD: Duration = Duration::from_millis(2); // 500 req/s
     const BEFORE: Duration = Duration::from_millis(1500);
@@ -1327,6 +1331,8 @@ async fn slow_redis_opens_the_breaker_and_costs_at_most_one_command_timeout() {
 /// the restart is counted once and the breaker closes within 2 s of Redis answering.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_restarted_empty_refills_under_the_origin_caps() {
+    // Loads the machine or times it: never beside another such test (see `alone::heavy`).
+    let _heavy = crate::common::heavy().await;
     const ITEMS: usize = 200;
     const DOCS: usize = 1000;
     let mut redis = RedisServer::start().await;

@@ -513,6 +513,8 @@ async fn nonexistent_ids_are_rejected_at_the_edge() {
 /// filter ends in cacheguard's own 5xx (a refused connect), one that does not in `REJECT`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_existing_id_passes_the_filter() {
+    // Loads the machine or times it: never beside another such test (see `alone::heavy`).
+    let _heavy = crate::common::heavy().await;
     let n = 100_000u64;
     let origin = TestOrigin::builder().ids(seed_ids(n)).start().await;
     let dead_upstream = format!("http://127.0.0.1:{}", common::free_port());

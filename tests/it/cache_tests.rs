@@ -98,11 +98,15 @@ const ROUTES: &str = include_str!("cache_tests/routes.toml");
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn embedded() {
+    // Loads the machine or times it: never beside another such test (see `alone::heavy`).
+    let _heavy = crate::common::heavy().await;
     run_suite("embedded", None).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shared() {
+    // Loads the machine or times it: never beside another such test (see `alone::heavy`).
+    let _heavy = crate::common::heavy().await;
     let redis = RedisServer::start().await;
     run_suite("shared", Some(&redis)).await;
 }

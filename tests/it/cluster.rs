@@ -261,6 +261,8 @@ async fn five_hundred_cold_gets_over_two_instances_make_one_origin_request() {
 /// after the promotion, without a restart.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn primary_killed_under_load_costs_no_errors_and_l2_hits_resume() {
+    // Loads the machine or times it: never beside another such test (see `alone::heavy`).
+    let _heavy = crate::common::heavy().await;
     let mut cluster = RedisCluster::start().await;
     let origin = TestOrigin::start().await;
     let base = CgConfig::new(&origin)

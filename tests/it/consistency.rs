@@ -600,6 +600,8 @@ fn assert_never_stale(guarded: &Observed, bound: Duration) {
 /// delete) does show stale reads: the count detects staleness.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stress_with_replica_lag_never_serves_older_than_the_bound() {
+    // Loads the machine or times it: never beside another such test (see `alone::heavy`).
+    let _heavy = crate::common::heavy().await;
     const BOUND: Duration = Duration::from_millis(200);
     let origin = lagging_kv_origin().await;
 
@@ -630,6 +632,8 @@ async fn stress_with_replica_lag_never_serves_older_than_the_bound() {
 /// `double_delete_delay` after a write returned saw an older version.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stress_with_replica_lag_never_serves_older_than_the_bound_on_cluster() {
+    // Loads the machine or times it: never beside another such test (see `alone::heavy`).
+    let _heavy = crate::common::heavy().await;
     const BOUND: Duration = Duration::from_millis(200);
     let origin = lagging_kv_origin().await;
     let cluster = RedisCluster::start().await;

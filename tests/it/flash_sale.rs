@@ -475,7 +475,7 @@ async fn nemesis_stops_kills_and_restarts_an_instance() {
     fleet.resume(0);
     assert!(
         client
-            .answers_200(&health(admin), Duration::from_secs(2))
+            .answers_200(&health(admin), Duration::from_secs(10))
             .await
     );
 
@@ -492,7 +492,7 @@ async fn nemesis_stops_kills_and_restarts_an_instance() {
     assert_eq!(fleet.admin_addrs()[0], admin, "restarted on the same ports");
     assert!(
         client
-            .answers_200(&health(admin), Duration::from_secs(2))
+            .answers_200(&health(admin), Duration::from_secs(10))
             .await
     );
     assert!(

@@ -194,11 +194,7 @@ async fn sighup_reloads_the_config_file() {
     };
     assert_eq!(generation().await, 1.0);
     let pid = cg.pid().expect("running");
-    let status = std::process::Command::new("kill")
-        .args(["-HUP", &pid.to_string()])
-        .status()
-        .expect("kill -HUP");
-    assert!(status.success());
+    crate::common::process::signal(pid, "-HUP");
     let reloaded = poll_until(
         Duration::from_secs(5),
         Duration::from_millis(50),

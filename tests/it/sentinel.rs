@@ -97,6 +97,8 @@ async fn primary_is_found_through_the_sentinels_and_reported() {
 /// client.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn primary_killed_under_load_is_followed_within_a_second() {
+    // Loads the machine or times it: never beside another such test (see `alone::heavy`).
+    let _heavy = crate::common::heavy().await;
     let mut sentinel = RedisSentinel::start().await;
     let origin = TestOrigin::start_kv().await;
     let base = CgConfig::new(&origin)
@@ -247,6 +249,8 @@ async fn primary_killed_under_load_is_followed_within_a_second() {
 /// replica) under read and write load: zero non-2xx, and no `READONLY` reaches a client.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn manual_failover_under_load_never_shows_readonly() {
+    // Loads the machine or times it: never beside another such test (see `alone::heavy`).
+    let _heavy = crate::common::heavy().await;
     let sentinel = RedisSentinel::start().await;
     let origin = TestOrigin::start_kv().await;
     let cfg = CgConfig::new(&origin)

@@ -257,24 +257,15 @@ async fn a_release_redis_missed_is_tried_again() {
     let resource = seat("t5", "1A");
     let shop = Shop::start(Epoch::now(), &[]).await;
     shop.set_fencing(Some(FENCING_TOKEN));
-    shop.set_latency(Scope::Writes, Duration::from_millis(300));
-    let redis = RedisServer::start().await;
-    let proxy = TcpProxy::start(redis.addr()).await;
-    let cg = config(&shop, "lease = \"3s\", wait_timeout = \"1500ms\"")
-        .set_str("redis", "url", &proxy.redis_url())
-        .set_str("redis", "command_timeout", "200ms")
-        .start()
-        .await;
-    let client = HttpClient::new();
-    let first = {
-        let (client, addr, path) = (client.clone(), cg.addr(), resource.clone());
-        tokio::spawn(async move { put(&client, addr, &path, "{\"a\":1}").await })
-    };
-    // The write is at the origin: Redis goes away before it answers, and comes back after.
-    tokio::time::sleep(Duration::from_millis(150)).await;
-    proxy.cut();
-    let answered = first.await.expect("first write");
-    assert_eq!(answered.status.as_u16(), 200, "{answered:?}");
+    let lost = redis_lost_during_a_write(
+        shop,
+        &resource,
+        "lease = \"3s\", wait_timeout = \"1500ms\"",
+        "200ms",
+        TcpProxy::cut,
+    )
+    .await;
+    let (shop, proxy, cg, client) = (&lost.shop, &lost.proxy, &lost.cg, lost.client.clone());
     tokio::time::sleep(Duration::from_millis(200)).await;
     proxy.restore();
     // Until the instance reaches Redis again, writes are refused at once (unavailable): the
@@ -303,7 +294,7 @@ async fn a_release_redis_missed_is_tried_again() {
     );
     let fencing = check_fencing(&shop.write_log());
     assert!(fencing.ok() && fencing.accepted == 2, "{fencing}");
-    cg.shutdown().await;
+    lost.cg.shutdown().await;
 }
 
 /// A write that arrives while the last write's release is held up by a Redis that stopped
@@ -315,29 +306,18 @@ async fn a_release_redis_missed_is_tried_again() {
 async fn a_write_behind_a_release_redis_does_not_answer_follows_the_policy() {
     for (policy, status, result) in [("reject", 503, "unavailable"), ("forward", 200, "ungated")] {
         let resource = seat("t6", "1A");
+        // No fencing: the write forwarded without the lock carries no token.
         let shop = Shop::start(Epoch::now(), &[]).await;
-        shop.set_latency(Scope::Writes, Duration::from_millis(300));
-        let redis = RedisServer::start().await;
-        let proxy = TcpProxy::start(redis.addr()).await;
-        let cg = config(
-            &shop,
+        let lost = redis_lost_during_a_write(
+            shop,
+            &resource,
             &format!("lease = \"6s\", wait_timeout = \"400ms\", on_redis_error = \"{policy}\""),
+            // The release sent after the answer waits out the whole `command_timeout`.
+            "2s",
+            TcpProxy::blackhole,
         )
-        .set_str("redis", "url", &proxy.redis_url())
-        .set_str("redis", "command_timeout", "2s")
-        .start()
         .await;
-        let client = HttpClient::new();
-        let first = {
-            let (client, addr, path) = (client.clone(), cg.addr(), resource.clone());
-            tokio::spawn(async move { put(&client, addr, &path, "{\"a\":1}").await })
-        };
-        // The write holds the lock and is at the origin: Redis goes silent before it
-        // answers, so the release sent after the answer waits out `command_timeout` (2 s).
-        tokio::time::sleep(Duration::from_millis(150)).await;
-        proxy.blackhole();
-        let answered = first.await.expect("first write");
-        assert_eq!(answered.status.as_u16(), 200, "{policy}: {answered:?}");
+        let (shop, proxy, cg, client) = (&lost.shop, &lost.proxy, &lost.cg, lost.client.clone());
         let started = Instant::now();
         let second = put(&client, cg.addr(), &resource, "{\"a\":2}").await;
         let waited = started.elapsed();
@@ -363,6 +343,52 @@ async fn a_write_behind_a_release_redis_does_not_answer_follows_the_policy() {
         let reached = if policy == "reject" { 1 } else { 2 };
         assert_eq!(shop.write_log().writes.len(), reached, "{policy}");
         proxy.restore();
-        cg.shutdown().await;
+        lost.cg.shutdown().await;
+    }
+}
+
+/// What [`redis_lost_during_a_write`] leaves running.
+struct LostDuringAWrite {
+    shop: Shop,
+    _redis: RedisServer,
+    proxy: TcpProxy,
+    cg: cacheguard::Running,
+    client: HttpClient,
+}
+
+/// One instance serializing `resource` (route `settings`, Redis `command_timeout`) through
+/// a proxy in front of Redis, and one write to it that `shop` takes 300 ms to answer:
+/// 150 ms in, while the write holds the lock, `fault` is done to the proxy. Returns once
+/// that write was answered 200.
+async fn redis_lost_during_a_write(
+    shop: Shop,
+    resource: &str,
+    settings: &str,
+    command_timeout: &str,
+    fault: fn(&TcpProxy),
+) -> LostDuringAWrite {
+    shop.set_latency(Scope::Writes, Duration::from_millis(300));
+    let redis = RedisServer::start().await;
+    let proxy = TcpProxy::start(redis.addr()).await;
+    let cg = config(&shop, settings)
+        .set_str("redis", "url", &proxy.redis_url())
+        .set_str("redis", "command_timeout", command_timeout)
+        .start()
+        .await;
+    let client = HttpClient::new();
+    let first = {
+        let (client, addr, path) = (client.clone(), cg.addr(), resource.to_owned());
+        tokio::spawn(async move { put(&client, addr, &path, "{\"a\":1}").await })
+    };
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    fault(&proxy);
+    let answered = first.await.expect("first write");
+    assert_eq!(answered.status.as_u16(), 200, "{answered:?}");
+    LostDuringAWrite {
+        shop,
+        _redis: redis,
+        proxy,
+        cg,
+        client,
     }
 }

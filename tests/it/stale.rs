@@ -83,12 +83,16 @@ fn routes_with_cal() -> String {
 /// also enforces the absolute p99 < 20 ms.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stale_entry_is_served_at_once_while_one_refresh_runs() {
+    // Loads the machine or times it: never beside another such test (see `alone::heavy`).
+    let _heavy = crate::common::heavy().await;
     on_started(RedisServer::start(), stale_while_one_refresh).await;
 }
 
 /// The same on a Redis Cluster.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stale_entry_is_served_at_once_while_one_refresh_runs_on_cluster() {
+    // Loads the machine or times it: never beside another such test (see `alone::heavy`).
+    let _heavy = crate::common::heavy().await;
     on_started(RedisCluster::start(), stale_while_one_refresh).await;
 }
 

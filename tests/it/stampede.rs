@@ -28,8 +28,8 @@ use crate::common::load::{
 };
 use crate::common::redis_server::{command_calls, reset_command_stats};
 use crate::common::{
-    CgConfig, HttpClient, RedisCluster, RedisServer, Resp, SharedRedis, TestOrigin, concurrently,
-    default_body, metrics, on_started, poll_until, url,
+    CgConfig, HttpClient, RedisCluster, RedisSentinel, RedisServer, Resp, SharedRedis, TestOrigin,
+    concurrently, default_body, metrics, on_started, poll_until, url,
 };
 
 const ORIGIN_DELAY: Duration = Duration::from_millis(300);
@@ -219,6 +219,12 @@ async fn stampede_over_two_instances_is_visible_in_lock_metrics() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stampede_over_two_instances_is_visible_in_lock_metrics_on_cluster() {
     on_started(RedisCluster::start(), stampede_in_lock_metrics).await;
+}
+
+/// The same through Sentinel (the instances find the primary by asking the sentinels).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stampede_over_two_instances_is_visible_in_lock_metrics_through_sentinel() {
+    on_started(RedisSentinel::start(), stampede_in_lock_metrics).await;
 }
 
 async fn stampede_in_lock_metrics(redis: &impl SharedRedis) {

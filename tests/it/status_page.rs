@@ -793,6 +793,8 @@ const MIN_POINTS: usize = 4;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_page_in_a_real_browser() {
+    // Loads the machine or times it: never beside another such test (see `alone::heavy`).
+    let _heavy = crate::common::heavy().await;
     let chromium = Chromium::find();
     let started = Instant::now();
     let mut redis = redis_with_password().await;

@@ -168,6 +168,7 @@ impl MariaDb {
     }
 
     fn signal(&self, sig: &str) {
+        // Not `process::signal`: the lock backends' unit tests include this file alone.
         let pid = self.pid().expect("mariadbd is not running");
         let status = Command::new("kill")
             .arg(sig)

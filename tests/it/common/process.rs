@@ -61,12 +61,7 @@ impl CacheguardProcess {
 
     /// `kill SIG PID` on this process (`sig` like `"-STOP"`).
     fn signal(&self, sig: &str) {
-        let pid = self.pid().expect("cacheguard is not running");
-        let status = Command::new("kill")
-            .args([sig, &pid.to_string()])
-            .status()
-            .expect("run kill");
-        assert!(status.success(), "kill {sig} {pid} failed");
+        signal(self.pid().expect("cacheguard is not running"), sig);
     }
 
     /// Waits (bounded) for the process to exit; `None` if it is still running at the deadline.
@@ -87,6 +82,16 @@ impl Drop for CacheguardProcess {
     fn drop(&mut self) {
         self.kill();
     }
+}
+
+/// `kill SIG PID` (`sig` like `"-STOP"`), for a process this harness started; panics when
+/// `kill` fails.
+pub fn signal(pid: u32, sig: &str) {
+    let status = Command::new("kill")
+        .args([sig, &pid.to_string()])
+        .status()
+        .expect("run kill");
+    assert!(status.success(), "kill {sig} {pid} failed");
 }
 
 fn listen_addr(table: &toml::Table, section: &str) -> SocketAddr {

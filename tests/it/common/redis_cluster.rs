@@ -406,12 +406,7 @@ impl RedisCluster {
             .and_then(|n| n.child.as_ref())
             .map(Child::id)
             .unwrap_or_else(|| panic!("no running node on {port}"));
-        let status = std::process::Command::new("kill")
-            .arg(sig)
-            .arg(pid.to_string())
-            .status()
-            .expect("run kill");
-        assert!(status.success(), "kill {sig} {pid} failed");
+        super::process::signal(pid, sig);
     }
 
     /// The replica of the primary on `port`, as that primary sees it.

@@ -282,13 +282,7 @@ impl RedisSentinel {
             .and_then(|p| p.child.as_ref())
             .map(Child::id)
             .unwrap_or_else(|| panic!("no running data node on {port}"));
-        let sig = if pause { "-STOP" } else { "-CONT" };
-        let status = std::process::Command::new("kill")
-            .arg(sig)
-            .arg(pid.to_string())
-            .status()
-            .expect("run kill");
-        assert!(status.success(), "kill {sig} {pid} failed");
+        super::process::signal(pid, if pause { "-STOP" } else { "-CONT" });
     }
 
     /// SIGKILLs both data nodes, then starts each again on its port with its arguments

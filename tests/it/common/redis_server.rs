@@ -172,13 +172,7 @@ impl RedisServer {
     }
 
     fn signal(&self, sig: &str) {
-        let pid = self.pid().expect("redis-server is not running");
-        let status = Command::new("kill")
-            .arg(sig)
-            .arg(pid.to_string())
-            .status()
-            .expect("run kill");
-        assert!(status.success(), "kill {sig} {pid} failed");
+        super::process::signal(self.pid().expect("redis-server is not running"), sig);
     }
 
     /// Every entry key (`cg:{<base>}:v` and a variant's `cg:{<base>}:v:<hash>`), found
