@@ -19,7 +19,8 @@
 #            docker/nginx/nginx.conf; see NGINX_TMPL below for what is adapted)
 #   varnish  Debian's Varnish with the builtin VCL and only a backend (what a user gets by
 #            default), started like bench/lib.sh's start_varnish
-#   cacheguard  release build, embedded mode (no Redis), the config of tests/it/cache_tests.rs
+#   cacheguard  release build, embedded mode (no Redis; with REDIS_URL, shared mode), the config
+#            of tests/it/cache_tests.rs
 #            (CgConfig::with_upstream defaults plus tests/it/cache_tests/routes.toml: every GET
 #            cached by the origin's freshness, every write forwarded and invalidating its path)
 #   score    tests/it/cache_tests/score.mjs (the version's own determineTestResult: kinds and
@@ -39,6 +40,9 @@
 #        CACHE_TESTS_DEV_DIR=path (a copy of the development version's files, used as it is;
 #        by default the copy vendored in bench/cache-tests-dev at DEV_COMMIT is copied into
 #        target/cache-tests-dev/<commit>/, once, and its npm dependencies installed there)
+#        REDIS_URL=redis://127.0.0.1:PORT (cacheguard in shared mode on that Redis, which the
+#        caller runs and empties beforehand, as tests/it/cache_tests.rs's shared run does;
+#        default: embedded mode)
 #        KEEP_TMP=1 (keep the scratch dir with the nginx prefixes, the varnishd workdirs, ...)
 #
 # Writes bench/results/cache-tests-<UTC timestamp>/<version>/ (per target: the client's
@@ -52,7 +56,7 @@ set -euo pipefail
 # shellcheck source=bench/lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
-bench_defaults BASE_PORT=29880 SUITES="0.4.5 dev"
+bench_defaults BASE_PORT=29880 SUITES="0.4.5 dev" REDIS_URL=""
 PACKAGE_VERSION=0.4.5
 # The suite's development version: http-tests/cache-tests at this commit (2026-07-20,
 # "Merge pull request #201"), as vendored in bench/cache-tests-dev.
@@ -263,6 +267,9 @@ l1 = "hot"
 lease = "5s"
 
 EOF
+    if [[ -n $REDIS_URL ]]; then
+        printf '[redis]\nurl = "%s"\ncommand_timeout = "200ms"\n\n' "$REDIS_URL"
+    fi
     cat "$ROOT/tests/it/cache_tests/routes.toml"
 }
 
@@ -384,7 +391,7 @@ run_version() {
     save_metrics "${ADMIN_OF[cacheguard-$SUITE]}" "$SOUT/cacheguard/metrics-end.txt"
     stop_pid "$proxy_pid"
     stop_pid "$origin_pid"
-    LABEL_OF[$SUITE/cacheguard]="$("$CG_BIN" --version 2>/dev/null || echo cacheguard), embedded, the config of tests/it/cache_tests.rs"
+    LABEL_OF[$SUITE/cacheguard]="$("$CG_BIN" --version 2>/dev/null || echo cacheguard), $(if [[ -n $REDIS_URL ]]; then echo "shared on $REDIS_URL"; else echo embedded; fi), the config of tests/it/cache_tests.rs"
 
     # The version's published results: each file is the client's output as the authors recorded
     # it (older product versions, and for 0.4.5 an older suite). Results for tests this version no
