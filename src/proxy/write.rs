@@ -162,17 +162,20 @@ impl WritePath {
             // Forwarded from a task of its own: a client that hangs up neither leaves the
             // units reserved nor lets the next write in while this one is at the origin.
             // The time it waited on the origin is this request's (the access log's).
+            // The forward, the hold and the settlement are boxed: the task's future then
+            // holds pointers, not their whole states (kilobytes), and is cheap to move into
+            // the task.
             let (this, route) = (Arc::clone(self), Arc::clone(route));
             let write = tokio::spawn(timing_origin(async move {
-                let forward = this.forward(&route, request, client);
+                let forward = Box::pin(this.forward(&route, request, client));
                 let response = match (lock, &route.serialized) {
                     (Some(held), Some(metrics)) => {
-                        this.serializer.hold(held, forward, metrics).await
+                        Box::pin(this.serializer.hold(held, forward, metrics)).await
                     }
                     _ => forward.await,
                 };
                 match reservation {
-                    Some(reservation) => reservation.settle(response).await,
+                    Some(reservation) => Box::pin(reservation.settle(response)).await,
                     None => response,
                 }
             }));
