@@ -39,6 +39,7 @@ mod protect;
 mod proxy;
 pub mod reload;
 pub mod shutdown;
+mod tally;
 mod worker;
 
 #[cfg(test)]

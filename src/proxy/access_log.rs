@@ -320,14 +320,14 @@ tokio::task_local! {
 /// [`origin_waited`], in this task); returns its output and that time (`None`: no origin
 /// request).
 ///
-/// Not an `async fn`, like `count_commands`: one would hold `future` twice over.
+/// The result is `future` and a few words, like `count_commands` (see `tally`).
 pub(crate) fn timing_origin<F: Future>(
     future: F,
 ) -> impl Future<Output = (F::Output, Option<Duration>)> {
-    ORIGIN_WAIT.scope(Cell::new(None), async move {
-        let output = future.await;
-        (output, ORIGIN_WAIT.with(Cell::get))
-    })
+    ORIGIN_WAIT.scope(
+        Cell::new(None),
+        crate::tally::tallied(future, || ORIGIN_WAIT.with(Cell::get)),
+    )
 }
 
 /// Adds `waited` to the origin time of the [`timing_origin`] this task runs in, if any:

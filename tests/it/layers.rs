@@ -13,6 +13,7 @@ type Graph = BTreeMap<String, BTreeSet<String>>;
 const LAYERS: &[&[&str]] = &[
     &[
         "clock",
+        "tally",
         "worker",
         "error",
         "config",

@@ -172,3 +172,10 @@ async fn origin_time_is_summed_in_its_scope_only() {
     .await;
     assert_eq!(sum, Some(Duration::from_millis(7)));
 }
+
+/// Regression: the scope was an `async move` block awaiting the future it captured, which
+/// holds it twice over: a gated write's task was 49,856 bytes, copied on every spawn.
+#[test]
+fn timing_a_future_costs_a_few_words_not_a_second_copy_of_it() {
+    crate::tally::assert_wraps_in_place("timing_origin", crate::tally::four_kib(), timing_origin);
+}
