@@ -791,6 +791,7 @@ impl Gate {
             units: reservation.units,
             idle_ms: millis(idle(config)),
             consumed_kept_ms: millis(CONSUMED_KEPT.max(config.reconcile * 4)),
+            answered: Instant::now(),
             record,
         };
         self.metrics.settled(result);
@@ -892,6 +893,7 @@ impl Gate {
             units,
             idle_ms: millis(idle(config)),
             consumed_kept_ms: millis(CONSUMED_KEPT.max(config.reconcile * 4)),
+            answered: Instant::now(),
             record: key.map(|(key, home)| RecordWrite {
                 key: key.hash,
                 home,

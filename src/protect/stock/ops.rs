@@ -81,6 +81,9 @@ pub(crate) struct Settle {
     pub(crate) units: u64,
     pub(crate) idle_ms: u64,
     pub(crate) consumed_kept_ms: u64,
+    /// When the origin answered (a sale's time in the consumed set: a settlement retried
+    /// later must not look like a sale the reconciles since then could have missed).
+    pub(crate) answered: tokio::time::Instant,
     /// The idempotency key's new record.
     pub(crate) record: Option<RecordWrite>,
 }

@@ -99,7 +99,8 @@ return {0, n, expired}
 /// - `ARGV[1]` the member, `ARGV[2]` `sold` | `back` | `none` (the origin has none left) |
 ///   `doubt`, `ARGV[3]` units, `ARGV[4]` idle expiry ms, `ARGV[5]` how long consumed members
 ///   are kept (ms), `ARGV[6]` `1`: write the record `ARGV[7]` for `ARGV[8]` ms; `2`:
-///   delete the record if it names this reservation (a buy whose answer was lost)
+///   delete the record if it names this reservation (a buy whose answer was lost);
+///   `ARGV[9]` how long ago (ms) the origin answered: a sale is consumed as of then
 /// - returns `{removed, left, reserved}`: whether the reservation was still live, the units
 ///   left (-1: the segment is not loaded; its units are not touched then) and the units
 ///   still reserved by buys in flight.
@@ -117,7 +118,7 @@ if removed == 1 then
 end
 local n = tonumber(redis.call('HGET', KEYS[1], 'n') or '-1')
 if ARGV[2] == 'sold' and ARGV[1] ~= '' then
-  redis.call('ZADD', KEYS[3], now, ARGV[1])
+  redis.call('ZADD', KEYS[3], now - tonumber(ARGV[9]), ARGV[1])
   redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now - tonumber(ARGV[5]))
   redis.call('PEXPIRE', KEYS[3], ARGV[4])
 elseif ARGV[2] == 'back' then
@@ -266,6 +267,7 @@ impl RedisLedger {
         let idle = settle.idle_ms.to_string();
         let kept = settle.consumed_kept_ms.to_string();
         let record_ttl = settle.record.as_ref().map_or(0, |r| r.ttl_ms).to_string();
+        let age = settle.answered.elapsed().as_millis().to_string();
         // The record goes with the script when it lives in this segment (single-slot);
         // otherwise the caller writes it on its own.
         let record_key = settle
@@ -298,6 +300,7 @@ impl RedisLedger {
                     record_op,
                     record_value,
                     record_ttl.as_bytes(),
+                    age.as_bytes(),
                 ],
             )
             .await?;
