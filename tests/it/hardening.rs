@@ -763,3 +763,68 @@ async fn method_overrides_never_reach_the_origin_on_any_path() {
     }
     cg.shutdown().await;
 }
+
+/// A method longer than 32 bytes (300 bytes here) gets 400 with a short body and
+/// `Connection: close`, on a cached path and on pass-through; the connection is closed (a
+/// request pipelined behind it is never read), the origin sees nothing, and the refusal is
+/// counted with the other 400s. An extension method of exactly 32 bytes is still forwarded.
+/// Before, the 300-byte method reached the origin and the connection stayed open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_overlong_method_gets_400_and_closes_the_connection() {
+    let origin = TestOrigin::start().await;
+    let cg = CgConfig::new(&origin).start().await;
+    let client = HttpClient::new();
+    let refused = || {
+        common::metric(
+            &client,
+            cg.admin_addr(),
+            "cacheguard_rejected_requests_total",
+            &[("reason", "bad_request")],
+        )
+    };
+    let long = "M".repeat(300);
+    for prefix in ["/api/items/", "/other/"] {
+        let path = format!("{prefix}long-method");
+        let behind = format!("{prefix}behind-long-method");
+        let before = refused().await;
+        let bytes = format!(
+            "{long} {path} HTTP/1.1\r\nHost: a.example\r\n\r\nGET {behind} HTTP/1.1\r\nHost: a.example\r\n\r\n"
+        );
+        let (answer, closed) = raw_until_closed(cg.addr(), bytes.as_bytes(), WAIT).await;
+        assert_eq!(status_of(&answer), 400, "{path}: {answer:?}");
+        assert!(
+            answer
+                .to_ascii_lowercase()
+                .contains("\r\nconnection: close\r\n"),
+            "{path}: no Connection: close: {answer:?}"
+        );
+        assert!(
+            body_of(&answer).starts_with("cacheguard: ") && body_of(&answer).len() < 200,
+            "{path}: {answer:?}"
+        );
+        assert_eq!(answer.matches("HTTP/1.1 ").count(), 1, "{path}: {answer:?}");
+        assert!(closed, "{path}: the connection stayed open");
+        assert_eq!(
+            origin.count(&path),
+            0,
+            "{path}: the method reached the origin"
+        );
+        assert_eq!(
+            origin.count(&behind),
+            0,
+            "{path}: the pipelined request was served"
+        );
+        assert_eq!(refused().await, before + 1.0, "{path}: not counted");
+    }
+    // At the bound: forwarded (pass-through), as any extension method.
+    let method = "X-EXTENSION-METHOD-OF-32-BYTES-Z";
+    assert_eq!(method.len(), 32);
+    let path = "/other/bound-method";
+    let bytes = format!("{method} {path} HTTP/1.1\r\nHost: a.example\r\nConnection: close\r\n\r\n");
+    let (answer, _) = raw_until_closed(cg.addr(), bytes.as_bytes(), WAIT).await;
+    assert_ne!(status_of(&answer), 400, "{answer:?}");
+    assert_eq!(origin.count(path), 1, "{answer:?}");
+    let seen = origin.last_request(path).expect("forwarded");
+    assert_eq!(seen.method.as_str(), method);
+    cg.shutdown().await;
+}
