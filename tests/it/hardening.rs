@@ -828,3 +828,126 @@ async fn an_overlong_method_gets_400_and_closes_the_connection() {
     assert_eq!(seen.method.as_str(), method);
     cg.shutdown().await;
 }
+
+/// An origin connection whose answer had untrustworthy framing never carries another
+/// request: after each such answer — both `Content-Length` and `Transfer-Encoding`, two
+/// different `Content-Length` values, a chunk size that is no number, a `Transfer-Encoding`
+/// whose last coding is not `chunked`, more than 16 informational answers arriving with the
+/// final one, bytes after the declared end, a body cut short with the connection left open
+/// — the next request reaches the origin on a new connection, on a cached route and on
+/// pass-through. A sound answer's connection is reused (which shows the test can tell).
+/// Before, a refused answer whose bytes were all read left its connection in the pool: the
+/// request after it went out on the same connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_origin_connection_is_never_reused_after_a_framing_fault() {
+    let head = |fields: &str, body: &str| {
+        format!("HTTP/1.1 200 OK\r\nCache-Control: max-age=60\r\n{fields}\r\n{body}").into_bytes()
+    };
+    let mut hints = b"HTTP/1.1 103 Early Hints\r\nLink: </a.css>; rel=preload\r\n\r\n".repeat(17);
+    hints.extend_from_slice(&head("Content-Length: 2\r\n", "ok"));
+    // (name, answer, whether pass-through is asked too — a body cut short on pass-through
+    // streams to the client until the origin closes —, whether every answer is a 502)
+    let faults = [
+        (
+            "cl+te",
+            head(
+                "Content-Length: 5\r\nTransfer-Encoding: chunked\r\n",
+                "5\r\nhello\r\n0\r\n\r\n",
+            ),
+            true,
+            true,
+        ),
+        (
+            "two-lengths",
+            head("Content-Length: 5\r\nContent-Length: 6\r\n", "hello"),
+            true,
+            true,
+        ),
+        (
+            "bad-chunk",
+            head("Transfer-Encoding: chunked\r\n", "zz\r\nhello\r\n0\r\n\r\n"),
+            true,
+            false,
+        ),
+        (
+            "te-not-chunked",
+            head("Transfer-Encoding: gzip\r\n", "hello"),
+            true,
+            true,
+        ),
+        ("17-hints", hints, true, true),
+        (
+            "bytes-after-the-end",
+            head(
+                "Content-Length: 5\r\n",
+                "helloHTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nevil",
+            ),
+            true,
+            false,
+        ),
+        (
+            "cut-short",
+            head("Content-Length: 10\r\n", "hello"),
+            false,
+            false,
+        ),
+    ];
+    let client = HttpClient::new();
+    let get = |addr: SocketAddr, path: String| {
+        let client = client.clone();
+        async move {
+            // 0: no answer in time, or one cut off (a streamed body that broke).
+            match tokio::time::timeout(WAIT, client.try_get(&url(addr, &path))).await {
+                Ok(Ok(r)) => r.status.as_u16(),
+                _ => 0,
+            }
+        }
+    };
+
+    // A sound answer: its connection carries the next request.
+    let origin = RawOrigin::start(head("Content-Length: 2\r\n", "ok")).await;
+    let cg = CgConfig::with_upstream(&origin.url()).start().await;
+    for path in ["/api/items/sound-1", "/api/items/sound-2", "/other/sound-3"] {
+        assert_eq!(get(cg.addr(), path.to_owned()).await, 200, "{path}");
+    }
+    assert_eq!(origin.per_connection(), [3], "sound answers");
+    cg.shutdown().await;
+
+    let (mut reused, mut not_502) = (Vec::new(), Vec::new());
+    for (name, answer, passthrough, refused) in faults {
+        let origin = RawOrigin::start(answer).await;
+        let cg = CgConfig::with_upstream(&origin.url())
+            .set_str("upstream", "timeout", "1s")
+            .start()
+            .await;
+        let mut paths = vec![
+            format!("/api/items/{name}-1"),
+            format!("/api/items/{name}-2"),
+        ];
+        if passthrough {
+            paths.push(format!("/other/{name}-3"));
+            paths.push(format!("/api/items/{name}-4"));
+        }
+        let mut statuses = Vec::new();
+        for path in paths {
+            statuses.push(get(cg.addr(), path).await);
+        }
+        let per_connection = origin.per_connection();
+        eprintln!("{name}: answered {statuses:?}, requests per connection {per_connection:?}");
+        if per_connection.iter().any(|&n| n > 1) {
+            reused.push(format!("{name}: {per_connection:?} ({statuses:?})"));
+        }
+        if refused && statuses.iter().any(|&s| s != 502) {
+            not_502.push(format!("{name}: {statuses:?}"));
+        }
+        cg.shutdown().await;
+    }
+    assert!(
+        reused.is_empty(),
+        "an origin connection carried a request after a framing fault: {reused:?}"
+    );
+    assert!(
+        not_502.is_empty(),
+        "refused answers not answered 502: {not_502:?}"
+    );
+}
