@@ -7,8 +7,8 @@ use bytes::Bytes;
 
 use crate::common::hot::status_bytes;
 use crate::common::{
-    CgConfig, HttpClient, RedisServer, TestOrigin, concurrently, item_route, metric, poll_until,
-    spawn_cacheguard_process, stalled_get, url,
+    CacheguardProcess, CgConfig, HttpClient, RedisServer, TestOrigin, concurrently, item_route,
+    metric, poll_until, spawn_cacheguard_process, stalled_get, url,
 };
 
 const MIB: u64 = 1024 * 1024;
@@ -48,37 +48,13 @@ async fn thirty_readers_of_a_10_mib_l2_entry_beside_a_stalled_one_hold_under_two
         assert_eq!((r.status.as_u16(), r.body.len()), (200, BODY), "{l1}: fill");
         filler.shutdown().await;
 
-        let dir = tempfile::tempdir().expect("tempdir");
-        let file = config.on_free_ports().write_to(&dir.path().join("cg.toml"));
-        let child = spawn_cacheguard_process(&file).await;
-        let pid = child.pid().expect("child pid").to_string();
-        // Its connections made and its allocator warm on a small entry first.
-        for _ in 0..2 {
-            let r = client.get(&url(child.addr(), "/api/items/small")).await;
-            assert_eq!(r.status, 200, "{l1}: {r}");
-        }
-        let answered = || {
-            metric(
-                &client,
-                child.admin_addr(),
-                "cacheguard_requests_total",
-                &[],
-            )
-        };
-        let before_stall = answered().await;
-        let rss_before = status_bytes(&pid, "VmRSS:");
-
-        let stalled = stalled_get(child.addr(), &path).await;
-        let head_sent = poll_until(
-            Duration::from_secs(10),
-            Duration::from_millis(20),
-            || async { (answered().await > before_stall).then_some(()) },
-        )
-        .await;
-        assert!(
-            head_sent.is_some(),
-            "{l1}: the stalled reader got no answer"
-        );
+        let StalledChild {
+            child,
+            pid,
+            rss_before,
+            stalled,
+            _dir,
+        } = stalled_child(&config, &client, &path, l1).await;
         let addr = child.addr();
         let answers = concurrently(READERS, Duration::from_secs(120), |_| {
             let (client, path) = (client.clone(), path.clone());
@@ -116,6 +92,60 @@ async fn thirty_readers_of_a_10_mib_l2_entry_beside_a_stalled_one_hold_under_two
          entry or more: {over:?}",
         BODY as u64 / MIB
     );
+}
+
+/// A cacheguard of its own (a child process, which nothing else runs in) and a client of
+/// it that asked for a large entry and reads nothing.
+struct StalledChild {
+    child: CacheguardProcess,
+    pid: String,
+    /// The child's resident memory before the stalled request.
+    rss_before: u64,
+    stalled: tokio::net::TcpStream,
+    _dir: tempfile::TempDir,
+}
+
+/// Starts a child cacheguard from `config`, warms it on a small entry (its connections
+/// made, its allocator warm), then asks it for `path` from a client that reads nothing,
+/// and waits until that request has its answer.
+async fn stalled_child(
+    config: &CgConfig,
+    client: &HttpClient,
+    path: &str,
+    what: &str,
+) -> StalledChild {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = config
+        .clone()
+        .on_free_ports()
+        .write_to(&dir.path().join("cg.toml"));
+    let child = spawn_cacheguard_process(&file).await;
+    let pid = child.pid().expect("child pid").to_string();
+    for _ in 0..2 {
+        let r = client.get(&url(child.addr(), "/api/items/small")).await;
+        assert_eq!(r.status, 200, "{what}: {r}");
+    }
+    let answered = || metric(client, child.admin_addr(), "cacheguard_requests_total", &[]);
+    let before_stall = answered().await;
+    let rss_before = status_bytes(&pid, "VmRSS:");
+    let stalled = stalled_get(child.addr(), path).await;
+    let head_sent = poll_until(
+        Duration::from_secs(10),
+        Duration::from_millis(20),
+        || async { (answered().await > before_stall).then_some(()) },
+    )
+    .await;
+    assert!(
+        head_sent.is_some(),
+        "{what}: the stalled reader got no answer"
+    );
+    StalledChild {
+        child,
+        pid,
+        rss_before,
+        stalled,
+        _dir: dir,
+    }
 }
 
 /// `GET path` on a connection of its own, its answer compared with `body` as it arrives
@@ -214,32 +244,13 @@ async fn a_hundred_readers_of_a_50_mib_entry_beside_a_stalled_one_cost_one_copy(
         .expect("the fill");
     filler.shutdown().await;
 
-    let dir = tempfile::tempdir().expect("tempdir");
-    let file = config.on_free_ports().write_to(&dir.path().join("cg.toml"));
-    let child = spawn_cacheguard_process(&file).await;
-    let pid = child.pid().expect("child pid").to_string();
-    for _ in 0..2 {
-        let r = client.get(&url(child.addr(), "/api/items/small")).await;
-        assert_eq!(r.status, 200, "{r}");
-    }
-    let answered = || {
-        metric(
-            &client,
-            child.admin_addr(),
-            "cacheguard_requests_total",
-            &[],
-        )
-    };
-    let before_stall = answered().await;
-    let rss_before = status_bytes(&pid, "VmRSS:");
-    let stalled = stalled_get(child.addr(), &path).await;
-    let head_sent = poll_until(
-        Duration::from_secs(10),
-        Duration::from_millis(20),
-        || async { (answered().await > before_stall).then_some(()) },
-    )
-    .await;
-    assert!(head_sent.is_some(), "the stalled reader got no answer");
+    let StalledChild {
+        child,
+        pid,
+        rss_before,
+        stalled,
+        _dir,
+    } = stalled_child(&config, &client, &path, "l1 off").await;
     let rss_stalled = status_bytes(&pid, "VmRSS:");
 
     let addr = child.addr();
