@@ -910,7 +910,11 @@ async fn an_origin_connection_is_never_reused_after_a_framing_fault() {
     for path in ["/api/items/sound-1", "/api/items/sound-2", "/other/sound-3"] {
         assert_eq!(get(cg.addr(), path.to_owned()).await, 200, "{path}");
     }
-    assert_eq!(origin.per_connection(), [3], "sound answers");
+    let per_connection = origin.per_connection();
+    assert!(
+        per_connection.iter().any(|&n| n > 1),
+        "sound answers' connections were not reused: {per_connection:?}"
+    );
     cg.shutdown().await;
 
     let (mut reused, mut not_502) = (Vec::new(), Vec::new());
