@@ -967,7 +967,7 @@ impl Metrics {
         )?;
         let entry_decode_errors = IntCounter::new(
             "cacheguard_entry_decode_errors_total",
-            "L2 values that did not decode: damaged (cut, padded, a byte changed: their length or checksum disagrees), of a format before version 8 (no checksum), not an entry at all, or the whole entry of another cache key (copied under this one's name). Each is a miss, and the next fill overwrites it.",
+            "L2 values refused as they were read: damaged (cut, padded, a byte changed: their length or checksum disagrees), of a format before version 8 (no checksum), not an entry at all, or the whole entry of another cache key (copied under this one's name). Each is a miss, and the next fill overwrites it.",
         )?;
         let rejected_requests = IntCounterVec::new(
             Opts::new(
