@@ -1768,6 +1768,9 @@ pub enum StockOutcome {
     Replayed,
     /// A retry while the first request with its key was still in flight (409).
     InFlight,
+    /// A retry of a buy whose outcome is in doubt, refused (409,
+    /// `in_doubt_retry = "reject"`).
+    InDoubt,
     /// An idempotency key reused with another body (422).
     Mismatch,
     /// An idempotency key that is not one (400).
@@ -1781,13 +1784,14 @@ pub enum StockOutcome {
 }
 
 impl StockOutcome {
-    pub const ALL: [StockOutcome; 11] = [
+    pub const ALL: [StockOutcome; 12] = [
         StockOutcome::Admitted,
         StockOutcome::Retried,
         StockOutcome::SoldOutLocal,
         StockOutcome::SoldOutRedis,
         StockOutcome::Replayed,
         StockOutcome::InFlight,
+        StockOutcome::InDoubt,
         StockOutcome::Mismatch,
         StockOutcome::BadKey,
         StockOutcome::Unavailable,
@@ -1803,6 +1807,7 @@ impl StockOutcome {
             StockOutcome::SoldOutRedis => "sold_out_redis",
             StockOutcome::Replayed => "replayed",
             StockOutcome::InFlight => "in_flight",
+            StockOutcome::InDoubt => "in_doubt",
             StockOutcome::Mismatch => "mismatch",
             StockOutcome::BadKey => "bad_key",
             StockOutcome::Unavailable => "unavailable",

@@ -40,9 +40,18 @@
 //! is in flight gets 409; once it completed, its answer is replayed
 //! (`Idempotent-Replayed: true`) for `idempotency_ttl`; the same key with another body gets
 //! 422; a key that is not one (empty, over 255 bytes, not visible ASCII) gets 400. After an
-//! in-doubt outcome the key keeps its reservation: a retry with the same body is forwarded
-//! again with the same `Stock-Reservation` and takes no new unit. One key never holds two
-//! units at once.
+//! in-doubt outcome the key's record is in doubt, with its reservation. What a retry with
+//! the same body gets is the gate's `in_doubt_retry`:
+//!
+//! - `reject` (the default): 409, never forwarded, for as long as the record lives
+//!   (`idempotency_ttl`): the first request may have sold, and an origin that does not
+//!   deduplicate by the key would sell again. While the reservation lives the answer has a
+//!   `Retry-After` of its remaining life (then the origin's count settles its units); after
+//!   that, none: nobody here can learn the outcome, only the origin knows it.
+//! - `forward` (an origin that deduplicates by the key): forwarded again with the same
+//!   `Stock-Reservation`, taking no new unit, while the reservation lives.
+//!
+//! One key never holds two units at once.
 
 mod ledger;
 mod memory;
@@ -72,7 +81,7 @@ use self::shared::RedisLedger;
 use self::source::Source;
 use crate::cache::key::normalized_params;
 use crate::clock::now_ms;
-use crate::config::{OnRedisError, StockConfig, UpstreamConfig, fill_pattern};
+use crate::config::{InDoubtRetry, OnRedisError, StockConfig, UpstreamConfig, fill_pattern};
 use crate::coord::events::{BusListener, StockEvent, StockLevel};
 use crate::coord::redis::Unavailable;
 use crate::coord::{Keyspace, RedisConn, keyspace};
@@ -392,6 +401,9 @@ pub(crate) enum Admission {
     Replay(StoredAnswer),
     /// The first request with this key is still in flight.
     InFlight,
+    /// The first request with this key got no answer that says whether it sold, and the
+    /// gate does not forward such a retry (`in_doubt_retry = "reject"`).
+    InDoubt(Doubt),
     /// This key came first with another body.
     Mismatch,
     /// Redis did not answer (`on_redis_error = "reject"`).
@@ -413,6 +425,16 @@ pub(crate) enum Lookup {
     NoRecord,
 }
 
+/// A buy whose outcome is in doubt, as a retry with its key is told.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct Doubt {
+    /// Its reservation's id (what the origin was told in `Stock-Reservation`).
+    pub(crate) reservation: String,
+    /// How long its reservation still holds its units; `None`: it ended (or its end is
+    /// not known), and its units were settled by the origin's count.
+    pub(crate) ends_in: Option<Duration>,
+}
+
 /// Units reserved for one buy in flight.
 #[derive(Debug)]
 pub(crate) struct Reservation {
@@ -430,9 +452,7 @@ pub(crate) struct Reservation {
 impl Reservation {
     /// The id the origin is told (`Stock-Reservation`).
     pub(crate) fn id(&self) -> &str {
-        self.member
-            .split_once('.')
-            .map_or(self.member.as_str(), |(_, id)| id)
+        reservation_id(&self.member)
     }
 }
 
@@ -529,11 +549,13 @@ impl Gate {
                     fingerprint: k.fingerprint,
                     segment,
                     member: member.clone(),
+                    ends_ms: None,
                     answer: None,
                 }
                 .encode(),
                 claim_when_short: segments > 1,
                 fingerprint: k.fingerprint,
+                reclaim: config.in_doubt_retry == InDoubtRetry::Forward,
             });
             let request = BuyRequest {
                 units,
@@ -598,6 +620,7 @@ impl Gate {
                             fingerprint: k.fingerprint,
                             segment,
                             member: member.clone(),
+                            ends_ms: None,
                             answer: None,
                         };
                         let _ = self
@@ -684,6 +707,17 @@ impl Gate {
                 self.metrics.request(StockOutcome::Replayed);
                 Admission::Replay(answer)
             }
+            (Kind::InDoubt, _) => {
+                let now = now_ms();
+                let doubt = Doubt {
+                    reservation: reservation_id(&record.member).to_owned(),
+                    ends_in: record
+                        .ends_ms
+                        .filter(|ends| *ends > now)
+                        .map(|ends| Duration::from_millis(ends - now)),
+                };
+                self.refused(StockOutcome::InDoubt, Admission::InDoubt(doubt))
+            }
             _ => self.refused(StockOutcome::InFlight, Admission::InFlight),
         }
     }
@@ -691,12 +725,16 @@ impl Gate {
     /// For a request the local marks call sold out but that carries an idempotency key:
     /// what the key's record says (a completed buy is replayed, not refused).
     pub(crate) async fn lookup(&self, resource: &Resource, key: IdempotencyKey) -> Lookup {
-        let segments = self.settings.load().config.segments.max(1);
+        let settings = self.settings.load();
+        let segments = settings.config.segments.max(1);
+        let reclaim = settings.config.in_doubt_retry == InDoubtRetry::Forward;
         let home = u16::try_from(key.hash % u128::from(segments)).unwrap_or(0);
         match self.ledger.read_record(resource.id, home, key.hash).await {
             Ok(Some(raw)) => match Record::decode(&raw) {
                 Some(record)
-                    if record.kind == Kind::InDoubt && record.fingerprint == key.fingerprint =>
+                    if reclaim
+                        && record.kind == Kind::InDoubt
+                        && record.fingerprint == key.fingerprint =>
                 {
                     Lookup::InDoubt
                 }
@@ -758,9 +796,25 @@ impl Gate {
         };
         let record = reservation.key.map(|(key, home)| {
             let (kind, ttl, answer) = match settlement {
-                Settlement::InDoubt => (Kind::InDoubt, config.reservation_ttl, None),
+                // Refused retries are refused for the key's whole life: past the
+                // reservation the outcome is no better known. Forwarded ones go on with the
+                // reservation while it lives; after it, a retry is a new buy, which an
+                // origin that deduplicates by the key answers with the first order.
+                Settlement::InDoubt => match config.in_doubt_retry {
+                    InDoubtRetry::Reject => (
+                        Kind::InDoubt,
+                        config.idempotency_ttl.max(config.reservation_ttl),
+                        None,
+                    ),
+                    InDoubtRetry::Forward => (Kind::InDoubt, config.reservation_ttl, None),
+                },
                 _ => (Kind::Done, config.idempotency_ttl, answer),
             };
+            let ends_ms = (kind == Kind::InDoubt).then(|| {
+                now_ms().saturating_add(millis(
+                    reservation.deadline.saturating_duration_since(Instant::now()),
+                ))
+            });
             let answer = match kind {
                 Kind::Done => Some(answer.unwrap_or_else(|| StoredAnswer {
                     status: 0,
@@ -778,6 +832,7 @@ impl Gate {
                     fingerprint: key.fingerprint,
                     segment: reservation.segment,
                     member: reservation.member.clone(),
+                    ends_ms,
                     answer,
                 }
                 .encode(),
@@ -1162,6 +1217,11 @@ impl Gate {
 fn share(total: u64, segments: u16, segment: u16) -> u64 {
     let n = u64::from(segments.max(1));
     total / n + u64::from(u64::from(segment) < total % n)
+}
+
+/// The id of a reservation member `<units>.<id>`.
+fn reservation_id(member: &str) -> &str {
+    member.split_once('.').map_or(member, |(_, id)| id)
 }
 
 fn units_of(member: &str) -> Option<u64> {
