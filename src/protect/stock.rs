@@ -1235,6 +1235,7 @@ fn millis(duration: Duration) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::metrics::Metrics;
 
     #[test]
     fn shares_add_up() {
@@ -1259,6 +1260,164 @@ mod tests {
         let a = IdempotencyKey::parse(&HeaderValue::from_static("k"), 1).unwrap();
         let b = IdempotencyKey::parse(&HeaderValue::from_static("\"k\""), 2).unwrap();
         assert_eq!(a.hash, b.hash);
+    }
+
+    /// A gate over `ledger` with `extra` lines in its table (reservation_ttl 30s,
+    /// idempotency_ttl 1h), and a resource of it with 5 units loaded. The resource has no
+    /// paths, so its reconciles ask no origin.
+    async fn gate_with_units(
+        extra: &str,
+        redis: Option<(RedisConn, Keyspace)>,
+    ) -> (Arc<Gate>, Arc<Resource>) {
+        let toml = format!(
+            "[upstream]\nurl = \"http://127.0.0.1:9\"\n\
+             [[stock]]\nname = \"seats\"\nkey = \"/s/{{id}}\"\n\
+             source = {{ path = \"/stock/{{id}}\", json = \"/remaining\" }}\n\
+             reservation_ttl = \"30s\"\nidempotency_ttl = \"1h\"\n{extra}\
+             [[routes]]\nname = \"buy\"\nmatch = \"/s/{{id}}/orders\"\n\
+             methods = [\"POST\"]\nstock = {{ gate = \"seats\" }}\n"
+        );
+        let vars = HashMap::<String, String>::new();
+        let config = crate::config::Config::from_toml(&toml, "test.toml", &vars).expect("config");
+        let gates = Gates::new(
+            &config.stock,
+            &config.upstream,
+            redis,
+            1,
+            &Metrics::unregistered(),
+        );
+        let gate = Arc::clone(gates.get("seats").expect("the gate"));
+        let resource = Arc::new(Resource::new(rand::random(), 1));
+        gate.ledger
+            .apply(resource.id, 0, 5, now_ms(), 3_600_000, 60_000)
+            .await
+            .expect("loaded");
+        (gate, resource)
+    }
+
+    fn key(name: &'static str) -> IdempotencyKey {
+        IdempotencyKey::parse(&HeaderValue::from_static(name), 0xaa).expect("a key")
+    }
+
+    /// A keyed buy admitted and settled in doubt (the origin timed out); its reservation id.
+    async fn buy_in_doubt(gate: &Arc<Gate>, resource: &Arc<Resource>, k: IdempotencyKey) -> String {
+        let Admission::Admitted(reservation) = gate.admit(resource, 1, Some(k)).await else {
+            panic!("the first buy is admitted");
+        };
+        let id = reservation.id().to_owned();
+        gate.settle(reservation, Settlement::InDoubt, None).await;
+        id
+    }
+
+    /// What a retry of `k` is told: through the buy script, and through the record lookup
+    /// a request the marks call sold out takes (both must agree).
+    async fn retry(gate: &Arc<Gate>, resource: &Arc<Resource>, k: IdempotencyKey) -> Admission {
+        let looked_up = gate.lookup(resource, k).await;
+        let admitted = gate.admit(resource, 1, Some(k)).await;
+        match (&looked_up, &admitted) {
+            (Lookup::Answer(Admission::InDoubt(a)), Admission::InDoubt(b)) => {
+                assert_eq!(a.reservation, b.reservation);
+            }
+            (Lookup::InDoubt, Admission::Retried(_)) | (Lookup::NoRecord, Admission::Admitted(_)) => {}
+            other => panic!("lookup and buy disagree: {other:?}"),
+        }
+        admitted
+    }
+
+    /// Regression: a retry of a buy in doubt was taken up again and forwarded (a second sale
+    /// at an origin that does not deduplicate by the key). Refused by default: with the
+    /// reservation's remaining life while it holds its unit, without once it ended, and as
+    /// a new buy only once the key's record is gone (`idempotency_ttl`).
+    #[tokio::test(start_paused = true)]
+    async fn a_retry_in_doubt_is_refused_for_the_key_s_life_in_memory() {
+        let (gate, resource) = gate_with_units("", None).await;
+        let k = key("k-doubt");
+        let id = buy_in_doubt(&gate, &resource, k).await;
+        tokio::time::advance(Duration::from_secs(10)).await;
+        match retry(&gate, &resource, k).await {
+            Admission::InDoubt(doubt) => {
+                assert_eq!(doubt.reservation, id);
+                assert_eq!(doubt.ends_in, Some(Duration::from_secs(20)));
+            }
+            other => panic!("refused while its reservation lives, got {other:?}"),
+        }
+        tokio::time::advance(Duration::from_secs(21)).await;
+        match retry(&gate, &resource, k).await {
+            Admission::InDoubt(doubt) => assert_eq!(doubt.ends_in, None),
+            other => panic!("still refused after the reservation, got {other:?}"),
+        }
+        assert!(
+            matches!(
+                gate.admit(&resource, 1, Some(key("k-other"))).await,
+                Admission::Admitted(_)
+            ),
+            "another key buys"
+        );
+        tokio::time::advance(Duration::from_secs(3600)).await;
+        assert!(
+            matches!(retry(&gate, &resource, k).await, Admission::Admitted(_)),
+            "a key past idempotency_ttl is new"
+        );
+        assert_eq!(gate.metrics.counts().request(StockOutcome::InDoubt), 4);
+    }
+
+    /// `in_doubt_retry = "forward"`: the retry goes on with the first reservation, no new
+    /// unit; once the reservation ended, a retry is a new buy.
+    #[tokio::test(start_paused = true)]
+    async fn a_retry_in_doubt_is_forwarded_when_configured_in_memory() {
+        let (gate, resource) = gate_with_units("in_doubt_retry = \"forward\"\n", None).await;
+        let k = key("k-doubt");
+        let id = buy_in_doubt(&gate, &resource, k).await;
+        match retry(&gate, &resource, k).await {
+            Admission::Retried(again) => {
+                assert_eq!(again.id(), id);
+                gate.settle(again, Settlement::InDoubt, None).await;
+            }
+            other => panic!("forwarded again, got {other:?}"),
+        }
+        tokio::time::advance(Duration::from_secs(31)).await;
+        assert!(matches!(
+            retry(&gate, &resource, k).await,
+            Admission::Admitted(_)
+        ));
+    }
+
+    /// The same in Redis (standalone; the cluster and the whole path through a timed-out
+    /// origin are in `tests/it/stock_gate.rs`), on Redis's clock: the refusal and the
+    /// forward.
+    #[tokio::test]
+    async fn a_retry_in_doubt_is_refused_or_forwarded_in_redis() {
+        let redis = crate::test_redis::TestRedis::start().await;
+        for (extra, forward) in [("", false), ("in_doubt_retry = \"forward\"\n", true)] {
+            let toml = format!(
+                "[upstream]\nurl = \"http://127.0.0.1:9\"\n[redis]\nurl = \"{}\"\n",
+                redis.url()
+            );
+            let vars = HashMap::<String, String>::new();
+            let config =
+                crate::config::Config::from_toml(&toml, "test.toml", &vars).expect("config");
+            let redis_config = config.redis.as_ref().expect("shared mode");
+            let conn = RedisConn::start(
+                redis_config,
+                Metrics::unregistered(),
+                CancellationToken::new(),
+            )
+            .await
+            .expect("redis");
+            let keys = Keyspace::new(&redis_config.key_prefix);
+            let (gate, resource) = gate_with_units(extra, Some((conn, keys))).await;
+            let k = key("k-doubt");
+            let id = buy_in_doubt(&gate, &resource, k).await;
+            match (retry(&gate, &resource, k).await, forward) {
+                (Admission::InDoubt(doubt), false) => {
+                    assert_eq!(doubt.reservation, id);
+                    let left = doubt.ends_in.expect("the reservation lives");
+                    assert!(left > Duration::from_secs(25), "{left:?}");
+                }
+                (Admission::Retried(again), true) => assert_eq!(again.id(), id),
+                (other, _) => panic!("forward={forward}: {other:?}"),
+            }
+        }
     }
 
     #[tokio::test(start_paused = true)]
