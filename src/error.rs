@@ -34,11 +34,9 @@ fn in_doubt_next(retry_after: Option<u64>) -> String {
             ". Its unit stays reserved for {seconds} s; then the origin's count settles it, \
              and if the origin has no such order, buy again with a new key."
         ),
-        None => {
-            ". Its reservation ended and the origin's count settled it: if the origin has no \
+        None => ". Its reservation ended and the origin's count settled it: if the origin has no \
              such order, buy again with a new key."
-                .to_owned()
-        }
+            .to_owned(),
     }
 }
 

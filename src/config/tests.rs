@@ -1927,7 +1927,11 @@ fn stock_gates_and_their_routes_load_with_defaults() {
     assert_eq!(codes(&gate.not_sold), [400, 402, 422]);
     assert_eq!(codes(&gate.origin_sold_out), [409, 410]);
     assert_eq!(gate.on_redis_error, super::OnRedisError::Reject);
-    assert_eq!(gate.in_doubt_retry, super::InDoubtRetry::Reject, "safe by default");
+    assert_eq!(
+        gate.in_doubt_retry,
+        super::InDoubtRetry::Reject,
+        "safe by default"
+    );
     assert_eq!(
         gate.idempotency_header.as_ref().map(|h| h.as_str()),
         Some("idempotency-key")
@@ -1949,7 +1953,10 @@ fn stock_gates_and_their_routes_load_with_defaults() {
     assert_eq!(off.stock[0].on_redis_error, super::OnRedisError::Forward);
     assert_eq!(off.stock[0].segments, 4);
     let forward = load(&with_gate("in_doubt_retry = \"forward\"\n", BUY_ROUTE)).unwrap();
-    assert_eq!(forward.stock[0].in_doubt_retry, super::InDoubtRetry::Forward);
+    assert_eq!(
+        forward.stock[0].in_doubt_retry,
+        super::InDoubtRetry::Forward
+    );
 }
 
 #[test]

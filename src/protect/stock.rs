@@ -812,7 +812,9 @@ impl Gate {
             };
             let ends_ms = (kind == Kind::InDoubt).then(|| {
                 now_ms().saturating_add(millis(
-                    reservation.deadline.saturating_duration_since(Instant::now()),
+                    reservation
+                        .deadline
+                        .saturating_duration_since(Instant::now()),
                 ))
             });
             let answer = match kind {
@@ -1318,7 +1320,8 @@ mod tests {
             (Lookup::Answer(Admission::InDoubt(a)), Admission::InDoubt(b)) => {
                 assert_eq!(a.reservation, b.reservation);
             }
-            (Lookup::InDoubt, Admission::Retried(_)) | (Lookup::NoRecord, Admission::Admitted(_)) => {}
+            (Lookup::InDoubt, Admission::Retried(_))
+            | (Lookup::NoRecord, Admission::Admitted(_)) => {}
             other => panic!("lookup and buy disagree: {other:?}"),
         }
         admitted

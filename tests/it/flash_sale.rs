@@ -597,7 +597,12 @@ async fn redis_slowed_then_blackholed() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn origin_slow_and_timing_out() {
-    scenario(Topology::Standalone, Fault::OriginSlowAndTimingOut, Some(1.02)).await;
+    scenario(
+        Topology::Standalone,
+        Fault::OriginSlowAndTimingOut,
+        Some(1.02),
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -537,7 +537,10 @@ async fn buy_in_doubt(
     shop.heal();
     let log = shop.sale_log();
     assert_eq!(log.sales.len(), 1, "the first request sold");
-    log.sales[0].reservation.clone().expect("a Stock-Reservation")
+    log.sales[0]
+        .reservation
+        .clone()
+        .expect("a Stock-Reservation")
 }
 
 /// Regression: a retry with the `Idempotency-Key` of a buy whose outcome was in doubt (the
@@ -593,7 +596,11 @@ async fn a_retry_of_a_buy_in_doubt_is_refused_unless_configured_to_forward() {
         let later = buy(&client, cg.addr(), &resource, Some("k-doubt"), "{}").await;
         assert_eq!(later.status.as_u16(), 409, "{mode}: {later:?}");
         assert_eq!(later.header("retry-after"), None, "{mode}: {later:?}");
-        assert_eq!(shop.sale_log().resources[&resource].buy_requests, 1, "{mode}");
+        assert_eq!(
+            shop.sale_log().resources[&resource].buy_requests,
+            1,
+            "{mode}"
+        );
         // Another key buys: the unit in doubt was settled by the origin's count (sold).
         let other = buy(&client, cg.addr(), &resource, Some("k-new"), "{}").await;
         assert_eq!(other.status.as_u16(), 201, "{mode}: {other:?}");
@@ -612,9 +619,15 @@ async fn a_retry_of_a_buy_in_doubt_is_refused_unless_configured_to_forward() {
         assert_eq!(retry.status.as_u16(), 201, "{mode}: {retry:?}");
         let log = shop.sale_log();
         assert_eq!(log.resources[&resource].buy_requests, 2, "{mode}");
-        assert_eq!(log.resources[&resource].replays, 1, "{mode}: the shop's own replay");
+        assert_eq!(
+            log.resources[&resource].replays, 1,
+            "{mode}: the shop's own replay"
+        );
         assert_eq!(log.sales.len(), 1, "{mode}");
-        assert_eq!(log.sales[0].reservation.as_deref(), Some(reservation.as_str()));
+        assert_eq!(
+            log.sales[0].reservation.as_deref(),
+            Some(reservation.as_str())
+        );
         let retried = stock_metric(
             &client,
             cg.admin_addr(),
