@@ -74,7 +74,7 @@ fn toml_blocks_in_yaml(text: &str) -> Vec<String> {
     let mut blocks = Vec::new();
     for (i, line) in lines.iter().enumerate() {
         let trimmed = line.trim_start();
-        if !(trimmed.ends_with(".toml: |") && !trimmed.starts_with('#')) {
+        if !trimmed.ends_with(".toml: |") || trimmed.starts_with('#') {
             continue;
         }
         let indent = line.len() - trimmed.len();
@@ -95,8 +95,8 @@ fn toml_blocks_in_yaml(text: &str) -> Vec<String> {
     blocks
 }
 
-/// Every shipped config, by a name for messages, with its text: the files as they are, the
-/// embedded ones written out to `dir`.
+/// Every shipped config's path: the files where they are, the ones embedded in a manifest
+/// written out to `dir`.
 fn shipped(dir: &tempfile::TempDir) -> Vec<PathBuf> {
     let root = repo();
     let mut paths = files_under(&root.join("config"), &["toml"]);
