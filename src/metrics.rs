@@ -1768,9 +1768,6 @@ pub enum StockOutcome {
     Replayed,
     /// A retry while the first request with its key was still in flight (409).
     InFlight,
-    /// A retry of a buy whose outcome is in doubt, refused (409,
-    /// `in_doubt_retry = "reject"`).
-    InDoubt,
     /// An idempotency key reused with another body (422).
     Mismatch,
     /// An idempotency key that is not one (400).
@@ -1781,6 +1778,9 @@ pub enum StockOutcome {
     Ungated,
     /// The resource's units could not be loaded from the origin: 503.
     NotLoaded,
+    /// A retry of a buy whose outcome is in doubt, refused (409,
+    /// `in_doubt_retry = "reject"`).
+    InDoubt,
 }
 
 impl StockOutcome {
@@ -1791,12 +1791,12 @@ impl StockOutcome {
         StockOutcome::SoldOutRedis,
         StockOutcome::Replayed,
         StockOutcome::InFlight,
-        StockOutcome::InDoubt,
         StockOutcome::Mismatch,
         StockOutcome::BadKey,
         StockOutcome::Unavailable,
         StockOutcome::Ungated,
         StockOutcome::NotLoaded,
+        StockOutcome::InDoubt,
     ];
 
     pub fn as_str(self) -> &'static str {
