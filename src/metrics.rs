@@ -1778,10 +1778,13 @@ pub enum StockOutcome {
     Ungated,
     /// The resource's units could not be loaded from the origin: 503.
     NotLoaded,
+    /// A retry of a buy whose outcome is in doubt, refused (409,
+    /// `in_doubt_retry = "reject"`).
+    InDoubt,
 }
 
 impl StockOutcome {
-    pub const ALL: [StockOutcome; 11] = [
+    pub const ALL: [StockOutcome; 12] = [
         StockOutcome::Admitted,
         StockOutcome::Retried,
         StockOutcome::SoldOutLocal,
@@ -1793,6 +1796,7 @@ impl StockOutcome {
         StockOutcome::Unavailable,
         StockOutcome::Ungated,
         StockOutcome::NotLoaded,
+        StockOutcome::InDoubt,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -1803,6 +1807,7 @@ impl StockOutcome {
             StockOutcome::SoldOutRedis => "sold_out_redis",
             StockOutcome::Replayed => "replayed",
             StockOutcome::InFlight => "in_flight",
+            StockOutcome::InDoubt => "in_doubt",
             StockOutcome::Mismatch => "mismatch",
             StockOutcome::BadKey => "bad_key",
             StockOutcome::Unavailable => "unavailable",

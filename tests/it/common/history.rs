@@ -860,8 +860,8 @@ pub fn check_phantom(history: &History, log: &SaleLog, f: &str) -> PhantomReport
 pub struct ResourceDemand {
     pub resource: String,
     pub remaining: u64,
-    /// Attempts invoked in the window, and how many of them were told "sold out" (409,
-    /// from the gate or the origin).
+    /// Attempts invoked in the window, and how many of them were told "sold out" (409
+    /// without `Retry-After`, from the gate or the origin).
     pub attempts: usize,
     pub refused: usize,
     /// The last attempt in the window told "sold out".
@@ -958,7 +958,9 @@ pub fn check_undersell(
                 demand.attempts += 1;
                 match (op.outcome(), op.result.status) {
                     (Outcome::Ok, _) => {}
-                    (_, Some(409)) => {
+                    // A 409 with `Retry-After` is no "sold out": a retry while the first
+                    // request with its key is in flight, or while its outcome is in doubt.
+                    (_, Some(409)) if op.header_value("retry-after").is_none() => {
                         demand.refused += 1;
                         demand.last_refused = Some(op.clone());
                     }
