@@ -1,0 +1,340 @@
+//! The life of a client connection around the answers cacheguard gives early, and between
+//! requests, seen from a raw TCP client.
+//!
+//! - An answer made before the request body is read (sold out from memory, a declared body
+//!   over `server.max_body_bytes`, an admin purge without its token) keeps the connection
+//!   only when the rest of the body could be discarded at once; otherwise it says
+//!   `Connection: close` and the connection is closed gracefully (lingering close): the
+//!   client reads the whole answer and then an orderly end of file, never a reset, however
+//!   its body arrives (with the head, 50 ms later, after `Expect: 100-continue`, chunked,
+//!   larger than anything buffered).
+//! - An idle keep-alive connection lives `server.keepalive_timeout`, not
+//!   `server.header_read_timeout`; a head that has begun still has only the latter.
+
+use std::io;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+use crate::common::{self, CgConfig, HttpClient, RedisServer, TestOrigin, url};
+
+/// How long any one read may take before the test gives up on it.
+const READ: Duration = Duration::from_secs(10);
+
+/// How a request's body follows its head.
+#[derive(Clone, Copy, Debug)]
+enum Timing {
+    /// In the same write.
+    WithHead,
+    /// 50 ms later (a client that writes head and body apart).
+    Later,
+    /// With `Expect: 100-continue`; the body is sent 50 ms later all the same (a client
+    /// whose wait for `100 Continue` ran out).
+    Expect,
+    /// Chunked, its chunks 50 ms later.
+    Chunked,
+    /// 50 ms later and larger than anything the server buffers of it.
+    Large,
+}
+
+const TIMINGS: [Timing; 5] = [
+    Timing::WithHead,
+    Timing::Later,
+    Timing::Expect,
+    Timing::Chunked,
+    Timing::Large,
+];
+
+/// An answer as the raw client read it.
+#[derive(Debug)]
+struct Answer {
+    status: u16,
+    head: String,
+    /// Interim `100 Continue` answers seen before it.
+    continues: usize,
+}
+
+impl Answer {
+    fn closes(&self) -> bool {
+        self.head
+            .lines()
+            .any(|line| line.eq_ignore_ascii_case("connection: close"))
+    }
+}
+
+/// Reads one whole answer (its head, then its `Content-Length` body) from `stream`, with
+/// `pending` holding bytes read ahead.
+async fn read_answer(stream: &mut TcpStream, pending: &mut Vec<u8>) -> io::Result<Answer> {
+    let mut continues = 0;
+    loop {
+        let end = loop {
+            if let Some(end) = pending.windows(4).position(|w| w == b"\r\n\r\n") {
+                break end;
+            }
+            let mut buf = [0u8; 8192];
+            let n = tokio::time::timeout(READ, stream.read(&mut buf))
+                .await
+                .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "no answer"))??;
+            if n == 0 {
+                return Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    format!(
+                        "end of file before a whole head: {:?}",
+                        String::from_utf8_lossy(pending)
+                    ),
+                ));
+            }
+            pending.extend_from_slice(&buf[..n]);
+        };
+        let head = String::from_utf8_lossy(&pending[..end]).into_owned();
+        pending.drain(..end + 4);
+        let status = common::status_of(&head);
+        if status == 100 {
+            continues += 1;
+            continue;
+        }
+        let length: usize = head
+            .lines()
+            .find_map(|line| {
+                let (name, value) = line.split_once(':')?;
+                name.eq_ignore_ascii_case("content-length")
+                    .then(|| value.trim().parse().ok())?
+            })
+            .unwrap_or(0);
+        while pending.len() < length {
+            let mut buf = [0u8; 8192];
+            let n = tokio::time::timeout(READ, stream.read(&mut buf))
+                .await
+                .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "body"))??;
+            if n == 0 {
+                return Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    "end of file inside the answer's body",
+                ));
+            }
+            pending.extend_from_slice(&buf[..n]);
+        }
+        pending.drain(..length);
+        return Ok(Answer {
+            status,
+            head,
+            continues,
+        });
+    }
+}
+
+/// Sends `method path` with `headers` and a body of `size` bytes timed as `timing`, reads
+/// the whole answer, then sends a second request on the same connection. Returns the
+/// first answer, or a description of how the exchange failed (a reset, a broken pipe, an
+/// answer cut short, a second request left unanswered on a connection kept open).
+async fn exchange(
+    addr: SocketAddr,
+    request: &str,
+    size: usize,
+    timing: Timing,
+) -> Result<Answer, String> {
+    let mut stream = TcpStream::connect(addr).await.expect("connect");
+    let body = vec![b'x'; size];
+    let mut head = request.to_owned();
+    match timing {
+        Timing::Chunked => head.push_str("Transfer-Encoding: chunked\r\n"),
+        Timing::Expect => {
+            head.push_str(&format!(
+                "Content-Length: {size}\r\nExpect: 100-continue\r\n"
+            ));
+        }
+        _ => head.push_str(&format!("Content-Length: {size}\r\n")),
+    }
+    head.push_str("\r\n");
+    let sent = async {
+        if let Timing::WithHead = timing {
+            let mut all = head.into_bytes();
+            all.extend_from_slice(&body);
+            return stream.write_all(&all).await;
+        }
+        stream.write_all(head.as_bytes()).await?;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        match timing {
+            Timing::Chunked => {
+                let half = size / 2;
+                for part in [&body[..half], &body[half..]] {
+                    stream
+                        .write_all(format!("{:x}\r\n", part.len()).as_bytes())
+                        .await?;
+                    stream.write_all(part).await?;
+                    stream.write_all(b"\r\n").await?;
+                }
+                stream.write_all(b"0\r\n\r\n").await
+            }
+            _ => stream.write_all(&body).await,
+        }
+    };
+    sent.await
+        .map_err(|e| format!("sending the body failed: {e}"))?;
+    let mut pending = Vec::new();
+    let answer = read_answer(&mut stream, &mut pending)
+        .await
+        .map_err(|e| format!("reading the answer failed: {e}"))?;
+    let second = b"GET /api/items/1 HTTP/1.1\r\nHost: cacheguard\r\n\r\n";
+    let wrote = stream.write_all(second).await;
+    if answer.closes() {
+        // The client sees the close only once it reads: its next request may go out
+        // first. It must then read an orderly end of file, never a reset.
+        let mut buf = [0u8; 1024];
+        let read = tokio::time::timeout(READ, stream.read(&mut buf))
+            .await
+            .map_err(|_| "no end of file after `Connection: close`".to_owned())?;
+        return match read {
+            Ok(0) if pending.is_empty() => Ok(answer),
+            Ok(n) => Err(format!(
+                "bytes after an answer that said `Connection: close`: {:?}",
+                String::from_utf8_lossy(&buf[..n])
+            )),
+            Err(e) => Err(format!(
+                "after `Connection: close` (second request written: {wrote:?}), the read \
+                 failed: {e}"
+            )),
+        };
+    }
+    wrote.map_err(|e| format!("the second request on a kept connection failed: {e}"))?;
+    let next = read_answer(&mut stream, &mut pending).await.map_err(|e| {
+        format!("the answer did not say `Connection: close`, yet the second request failed: {e}")
+    })?;
+    if next.status == 0 {
+        return Err(format!("the second answer has no status: {next:?}"));
+    }
+    Ok(answer)
+}
+
+/// An early answer to check: a request head (without its framing lines or blank line)
+/// and the status expected, on `addr`.
+struct Early {
+    what: &'static str,
+    addr: SocketAddr,
+    request: String,
+    status: u16,
+    /// Body size for the timings other than [`Timing::Large`].
+    size: usize,
+    /// Whether the connection is kept when the body came with the head (the server
+    /// discards it at once).
+    keeps: bool,
+    /// Body size for [`Timing::Large`]: more than the server buffers of a body (some
+    /// 33 KiB with the default head limit).
+    large: usize,
+}
+
+/// Runs every timing of every `early` answer; returns the failures.
+async fn check_all(mode: &str, early: &[Early]) -> Vec<String> {
+    let mut failures = Vec::new();
+    for case in early {
+        for timing in TIMINGS {
+            let size = match timing {
+                Timing::Large => case.large,
+                _ => case.size,
+            };
+            let what = format!("{mode}, {}, {timing:?}", case.what);
+            match exchange(case.addr, &case.request, size, timing).await {
+                Ok(answer) => {
+                    if answer.status != case.status {
+                        failures.push(format!("{what}: status {}: {}", answer.status, answer.head));
+                    }
+                    if let Timing::WithHead = timing
+                        && case.keeps
+                        && answer.closes()
+                    {
+                        failures.push(format!(
+                            "{what}: the body came with the head, yet the connection was \
+                             closed: {}",
+                            answer.head
+                        ));
+                    }
+                    if let Timing::Expect = timing
+                        && (answer.continues > 0 || !answer.closes())
+                    {
+                        failures.push(format!(
+                            "{what}: an early answer to `Expect: 100-continue` sent \
+                             {} `100 Continue` and said `Connection: close`: {}",
+                            answer.continues,
+                            answer.closes()
+                        ));
+                    }
+                }
+                Err(failure) => failures.push(format!("{what}: {failure}")),
+            }
+        }
+    }
+    failures
+}
+
+const TOKEN: &str = "early-answers-token";
+
+/// Every answer cacheguard gives before it reads the request body, with each timing of
+/// that body, embedded and shared: the client reads the whole answer, and its next
+/// request on the connection is either answered or meets an orderly end of file after an
+/// answer that said `Connection: close` — never a reset or a broken pipe.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answers_before_the_body_never_reset_the_connection() {
+    let mut failures = Vec::new();
+    for shared in [false, true] {
+        let origin = TestOrigin::start().await;
+        common::set_seats(&origin, "t1", "a", 0);
+        let redis = if shared {
+            Some(RedisServer::start().await)
+        } else {
+            None
+        };
+        let mut cfg = CgConfig::new(&origin)
+            .set("server", "max_body_bytes", "262144")
+            .set_str("admin", "token", TOKEN)
+            .routes(&format!(
+                "{}{}",
+                common::buy_route("seats"),
+                common::stock_table("seats", "")
+            ));
+        if let Some(redis) = &redis {
+            cfg = cfg.redis(redis);
+        }
+        let cg = cfg.start().await;
+        let client = HttpClient::new();
+        let orders = common::orders("t1", "a");
+        // The first buy learns the resource is sold out; the next are answered from
+        // memory, before their body.
+        let first = common::post(&client, &url(cg.addr(), &orders), &[], "{}").await;
+        assert_eq!(first.status, 409, "{first}");
+        let early = [
+            Early {
+                what: "sold out",
+                addr: cg.addr(),
+                request: format!("POST {orders} HTTP/1.1\r\nHost: cacheguard\r\n"),
+                status: 409,
+                keeps: true,
+                size: 64,
+                large: 200_000,
+            },
+            Early {
+                what: "413",
+                addr: cg.addr(),
+                request: "POST /api/items HTTP/1.1\r\nHost: cacheguard\r\n".to_owned(),
+                status: 413,
+                keeps: false,
+                size: 300_000,
+                large: 1 << 20,
+            },
+            Early {
+                what: "admin 401",
+                addr: cg.admin_addr(),
+                request: "POST /admin/purge HTTP/1.1\r\nHost: cacheguard\r\n".to_owned(),
+                status: 401,
+                keeps: true,
+                size: 64,
+                large: 200_000,
+            },
+        ];
+        let mode = if shared { "shared" } else { "embedded" };
+        failures.extend(check_all(mode, &early).await);
+        cg.shutdown().await;
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
