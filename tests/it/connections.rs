@@ -338,3 +338,84 @@ async fn answers_before_the_body_never_reset_the_connection() {
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
+
+/// Reads until the server closes `stream` (or `within` passes): how long that took, or
+/// `None` when it did not.
+async fn closed_within(stream: &mut TcpStream, within: Duration) -> Option<Duration> {
+    let start = Instant::now();
+    let mut buf = [0u8; 1024];
+    tokio::time::timeout(within, async {
+        loop {
+            match stream.read(&mut buf).await {
+                Ok(0) | Err(_) => return start.elapsed(),
+                Ok(_) => {}
+            }
+        }
+    })
+    .await
+    .ok()
+}
+
+/// With `keepalive_timeout` 1.5 s and `header_read_timeout` 300 ms: an idle connection
+/// outlives the header timeout (its next request is answered) and is closed about the
+/// keep-alive timeout after its last answer, counted; a head begun and left unfinished is
+/// cut after the header timeout, counted apart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_connections_live_the_keepalive_timeout_and_slow_heads_the_header_timeout() {
+    let _heavy = common::heavy().await;
+    let origin = TestOrigin::start().await;
+    let cg = CgConfig::new(&origin)
+        .set_str("server", "keepalive_timeout", "1500ms")
+        .set_str("server", "header_read_timeout", "300ms")
+        .start()
+        .await;
+    let get = b"GET /api/items/1 HTTP/1.1\r\nHost: cacheguard\r\n\r\n";
+    let mut stream = TcpStream::connect(cg.addr()).await.expect("connect");
+    let mut pending = Vec::new();
+    stream.write_all(get).await.expect("first request");
+    let first = read_answer(&mut stream, &mut pending).await.expect("first");
+    assert_eq!(first.status, 200, "{first:?}");
+    // Idle past the header timeout: still open.
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    stream.write_all(get).await.expect("second request");
+    let second = read_answer(&mut stream, &mut pending)
+        .await
+        .expect("an idle connection closed before keepalive_timeout");
+    assert_eq!(second.status, 200, "{second:?}");
+    let idle = closed_within(&mut stream, Duration::from_secs(5))
+        .await
+        .expect("an idle connection still open well past keepalive_timeout");
+    assert!(
+        idle >= Duration::from_millis(1000),
+        "an idle connection closed after {idle:?}, before keepalive_timeout"
+    );
+
+    // A head begun: the header timeout from its first byte, not the keep-alive timeout.
+    let mut slow = TcpStream::connect(cg.addr()).await.expect("connect");
+    slow.write_all(get).await.expect("request");
+    let answer = read_answer(&mut slow, &mut Vec::new()).await.expect("answer");
+    assert_eq!(answer.status, 200, "{answer:?}");
+    slow.write_all(b"GET /api/items/1 HTTP/1.1\r\nHo")
+        .await
+        .expect("half a head");
+    let cut = closed_within(&mut slow, Duration::from_secs(5))
+        .await
+        .expect("a slow head still open");
+    assert!(
+        cut < Duration::from_millis(1200),
+        "a slow head was cut after {cut:?}, not after header_read_timeout"
+    );
+
+    let client = HttpClient::new();
+    for reason in ["keepalive_timeout", "header_read_timeout"] {
+        let counted = common::metric(
+            &client,
+            cg.admin_addr(),
+            "cacheguard_connections_timed_out_total",
+            &[("listener", "proxy"), ("reason", reason)],
+        )
+        .await;
+        assert!(counted >= 1.0, "{reason}: {counted}");
+    }
+    cg.shutdown().await;
+}
