@@ -217,6 +217,9 @@ struct Early {
     status: u16,
     /// Body size for the timings other than [`Timing::Large`].
     size: usize,
+    /// Whether the answer comes before the body is read (else after: it must keep the
+    /// connection however the body came).
+    early: bool,
     /// Whether the connection is kept when the body came with the head (the server
     /// discards it at once).
     keeps: bool,
@@ -240,6 +243,12 @@ async fn check_all(mode: &str, early: &[Early]) -> Vec<String> {
                     if answer.status != case.status {
                         failures.push(format!("{what}: status {}: {}", answer.status, answer.head));
                     }
+                    if !case.early && answer.closes() {
+                        failures.push(format!(
+                            "{what}: an answer after the body closed the connection: {}",
+                            answer.head
+                        ));
+                    }
                     if let Timing::WithHead = timing
                         && case.keeps
                         && answer.closes()
@@ -251,6 +260,7 @@ async fn check_all(mode: &str, early: &[Early]) -> Vec<String> {
                         ));
                     }
                     if let Timing::Expect = timing
+                        && case.early
                         && (answer.continues > 0 || !answer.closes())
                     {
                         failures.push(format!(
@@ -280,6 +290,7 @@ async fn answers_before_the_body_never_reset_the_connection() {
     for shared in [false, true] {
         let origin = TestOrigin::start().await;
         common::set_seats(&origin, "t1", "a", 0);
+        common::set_seats(&origin, "t2", "a", 100);
         let redis = if shared {
             Some(RedisServer::start().await)
         } else {
@@ -291,7 +302,7 @@ async fn answers_before_the_body_never_reset_the_connection() {
             .routes(&format!(
                 "{}{}",
                 common::buy_route("seats"),
-                common::stock_table("seats", "")
+                common::stock_table("seats", "on_redis_error = \"reject\"")
             ));
         if let Some(redis) = &redis {
             cfg = cfg.redis(redis);
@@ -309,6 +320,7 @@ async fn answers_before_the_body_never_reset_the_connection() {
                 addr: cg.addr(),
                 request: format!("POST {orders} HTTP/1.1\r\nHost: cacheguard\r\n"),
                 status: 409,
+                early: true,
                 keeps: true,
                 size: 64,
                 large: 200_000,
@@ -318,6 +330,7 @@ async fn answers_before_the_body_never_reset_the_connection() {
                 addr: cg.addr(),
                 request: "POST /api/items HTTP/1.1\r\nHost: cacheguard\r\n".to_owned(),
                 status: 413,
+                early: true,
                 keeps: false,
                 size: 300_000,
                 large: 1 << 20,
@@ -327,6 +340,7 @@ async fn answers_before_the_body_never_reset_the_connection() {
                 addr: cg.admin_addr(),
                 request: "POST /admin/purge HTTP/1.1\r\nHost: cacheguard\r\n".to_owned(),
                 status: 401,
+                early: true,
                 keeps: true,
                 size: 64,
                 large: 200_000,
@@ -334,6 +348,25 @@ async fn answers_before_the_body_never_reset_the_connection() {
         ];
         let mode = if shared { "shared" } else { "embedded" };
         failures.extend(check_all(mode, &early).await);
+        if let Some(mut redis) = redis {
+            // The gate refuses while Redis is down (`on_redis_error = "reject"`): after
+            // it has read the body, here.
+            let seats = common::orders("t2", "a");
+            let sold = common::post(&client, &url(cg.addr(), &seats), &[], "{}").await;
+            assert!(sold.status.is_success(), "{sold}");
+            redis.kill();
+            let unavailable = [Early {
+                what: "503 gate unavailable",
+                addr: cg.addr(),
+                request: format!("POST {seats} HTTP/1.1\r\nHost: cacheguard\r\n"),
+                status: 503,
+                early: false,
+                keeps: true,
+                size: 64,
+                large: 200_000,
+            }];
+            failures.extend(check_all(mode, &unavailable).await);
+        }
         cg.shutdown().await;
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
@@ -393,7 +426,9 @@ async fn idle_connections_live_the_keepalive_timeout_and_slow_heads_the_header_t
     // A head begun: the header timeout from its first byte, not the keep-alive timeout.
     let mut slow = TcpStream::connect(cg.addr()).await.expect("connect");
     slow.write_all(get).await.expect("request");
-    let answer = read_answer(&mut slow, &mut Vec::new()).await.expect("answer");
+    let answer = read_answer(&mut slow, &mut Vec::new())
+        .await
+        .expect("answer");
     assert_eq!(answer.status, 200, "{answer:?}");
     slow.write_all(b"GET /api/items/1 HTTP/1.1\r\nHo")
         .await
