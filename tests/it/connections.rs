@@ -64,6 +64,25 @@ impl Answer {
     }
 }
 
+/// Reads more of `stream` into `pending`; an end of file is an error (`inside` says where).
+async fn read_more(stream: &mut TcpStream, pending: &mut Vec<u8>, inside: &str) -> io::Result<()> {
+    let mut buf = [0u8; 8192];
+    let n = tokio::time::timeout(READ, stream.read(&mut buf))
+        .await
+        .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, format!("no {inside}")))??;
+    if n == 0 {
+        return Err(io::Error::new(
+            io::ErrorKind::UnexpectedEof,
+            format!(
+                "end of file inside the answer's {inside}: {:?}",
+                String::from_utf8_lossy(pending)
+            ),
+        ));
+    }
+    pending.extend_from_slice(&buf[..n]);
+    Ok(())
+}
+
 /// Reads one whole answer (its head, then its `Content-Length` body) from `stream`, with
 /// `pending` holding bytes read ahead.
 async fn read_answer(stream: &mut TcpStream, pending: &mut Vec<u8>) -> io::Result<Answer> {
@@ -73,20 +92,7 @@ async fn read_answer(stream: &mut TcpStream, pending: &mut Vec<u8>) -> io::Resul
             if let Some(end) = pending.windows(4).position(|w| w == b"\r\n\r\n") {
                 break end;
             }
-            let mut buf = [0u8; 8192];
-            let n = tokio::time::timeout(READ, stream.read(&mut buf))
-                .await
-                .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "no answer"))??;
-            if n == 0 {
-                return Err(io::Error::new(
-                    io::ErrorKind::UnexpectedEof,
-                    format!(
-                        "end of file before a whole head: {:?}",
-                        String::from_utf8_lossy(pending)
-                    ),
-                ));
-            }
-            pending.extend_from_slice(&buf[..n]);
+            read_more(stream, pending, "head").await?;
         };
         let head = String::from_utf8_lossy(&pending[..end]).into_owned();
         pending.drain(..end + 4);
@@ -104,17 +110,7 @@ async fn read_answer(stream: &mut TcpStream, pending: &mut Vec<u8>) -> io::Resul
             })
             .unwrap_or(0);
         while pending.len() < length {
-            let mut buf = [0u8; 8192];
-            let n = tokio::time::timeout(READ, stream.read(&mut buf))
-                .await
-                .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "body"))??;
-            if n == 0 {
-                return Err(io::Error::new(
-                    io::ErrorKind::UnexpectedEof,
-                    "end of file inside the answer's body",
-                ));
-            }
-            pending.extend_from_slice(&buf[..n]);
+            read_more(stream, pending, "body").await?;
         }
         pending.drain(..length);
         return Ok(Answer {
@@ -125,9 +121,9 @@ async fn read_answer(stream: &mut TcpStream, pending: &mut Vec<u8>) -> io::Resul
     }
 }
 
-/// Sends `method path` with `headers` and a body of `size` bytes timed as `timing`, reads
-/// the whole answer, then sends a second request on the same connection. Returns the
-/// first answer, or a description of how the exchange failed (a reset, a broken pipe, an
+/// Sends `request` (a head without its framing lines) and a body of `size` bytes timed as
+/// `timing`, reads the whole answer, then sends a second request on the same connection.
+/// Returns the first answer, or a description of how the exchange failed (a reset, a broken pipe, an
 /// answer cut short, a second request left unanswered on a connection kept open).
 async fn exchange(
     addr: SocketAddr,
@@ -348,6 +344,19 @@ async fn answers_before_the_body_never_reset_the_connection() {
         ];
         let mode = if shared { "shared" } else { "embedded" };
         failures.extend(check_all(mode, &early).await);
+        // Closed by lingering, the clients closing their side on the end of file.
+        let lingered = common::wait_metric(
+            &client,
+            cg.admin_addr(),
+            "cacheguard_lingering_closes_total",
+            &[("listener", "proxy"), ("end", "closed")],
+            Duration::from_secs(5),
+            Duration::from_millis(50),
+            |n| n >= 1.0,
+            common::no_poke,
+        )
+        .await;
+        assert!(lingered >= 1.0, "{mode}: {lingered} lingering closes");
         if let Some(mut redis) = redis {
             // The gate refuses while Redis is down (`on_redis_error = "reject"`): after
             // it has read the body, here.
