@@ -30,8 +30,8 @@ enum Timing {
     WithHead,
     /// 50 ms later (a client that writes head and body apart).
     Later,
-    /// With `Expect: 100-continue`; the body is sent 50 ms later all the same (a client
-    /// whose wait for `100 Continue` ran out).
+    /// With `Expect: 100-continue`: the body after `100 Continue`, or after an early final
+    /// answer all the same (a client whose body was on its way).
     Expect,
     /// Chunked, its chunks 50 ms later.
     Chunked,
@@ -86,6 +86,15 @@ async fn read_more(stream: &mut TcpStream, pending: &mut Vec<u8>, inside: &str) 
 /// Reads one whole answer (its head, then its `Content-Length` body) from `stream`, with
 /// `pending` holding bytes read ahead.
 async fn read_answer(stream: &mut TcpStream, pending: &mut Vec<u8>) -> io::Result<Answer> {
+    read_until(stream, pending, false).await
+}
+
+/// [`read_answer`]; with `interim`, a `100 Continue` is an answer too.
+async fn read_until(
+    stream: &mut TcpStream,
+    pending: &mut Vec<u8>,
+    interim: bool,
+) -> io::Result<Answer> {
     let mut continues = 0;
     loop {
         let end = loop {
@@ -97,7 +106,7 @@ async fn read_answer(stream: &mut TcpStream, pending: &mut Vec<u8>) -> io::Resul
         let head = String::from_utf8_lossy(&pending[..end]).into_owned();
         pending.drain(..end + 4);
         let status = common::status_of(&head);
-        if status == 100 {
+        if status == 100 && !interim {
             continues += 1;
             continue;
         }
@@ -144,6 +153,32 @@ async fn exchange(
         _ => head.push_str(&format!("Content-Length: {size}\r\n")),
     }
     head.push_str("\r\n");
+    let mut pending = Vec::new();
+    if let Timing::Expect = timing {
+        // As curl does: the body once `100 Continue` comes; an early final answer is read
+        // first, and the body sent all the same (a client whose body was on its way).
+        stream
+            .write_all(head.as_bytes())
+            .await
+            .map_err(|e| format!("sending the head failed: {e}"))?;
+        let first = read_until(&mut stream, &mut pending, true)
+            .await
+            .map_err(|e| format!("reading the answer failed: {e}"))?;
+        stream
+            .write_all(&body)
+            .await
+            .map_err(|e| format!("sending the body failed: {e}"))?;
+        let answer = if first.status == 100 {
+            let mut answer = read_answer(&mut stream, &mut pending)
+                .await
+                .map_err(|e| format!("reading the answer failed: {e}"))?;
+            answer.continues += 1;
+            answer
+        } else {
+            first
+        };
+        return next_request(stream, pending, answer).await;
+    }
     let sent = async {
         if let Timing::WithHead = timing {
             let mut all = head.into_bytes();
@@ -152,27 +187,34 @@ async fn exchange(
         }
         stream.write_all(head.as_bytes()).await?;
         tokio::time::sleep(Duration::from_millis(50)).await;
-        match timing {
-            Timing::Chunked => {
-                let half = size / 2;
-                for part in [&body[..half], &body[half..]] {
-                    stream
-                        .write_all(format!("{:x}\r\n", part.len()).as_bytes())
-                        .await?;
-                    stream.write_all(part).await?;
-                    stream.write_all(b"\r\n").await?;
-                }
-                stream.write_all(b"0\r\n\r\n").await
+        if let Timing::Chunked = timing {
+            let half = size / 2;
+            for part in [&body[..half], &body[half..]] {
+                stream
+                    .write_all(format!("{:x}\r\n", part.len()).as_bytes())
+                    .await?;
+                stream.write_all(part).await?;
+                stream.write_all(b"\r\n").await?;
             }
-            _ => stream.write_all(&body).await,
+            return stream.write_all(b"0\r\n\r\n").await;
         }
+        stream.write_all(&body).await
     };
     sent.await
         .map_err(|e| format!("sending the body failed: {e}"))?;
-    let mut pending = Vec::new();
     let answer = read_answer(&mut stream, &mut pending)
         .await
         .map_err(|e| format!("reading the answer failed: {e}"))?;
+    next_request(stream, pending, answer).await
+}
+
+/// After `answer`, read whole: a second request on the connection, answered, or an
+/// orderly end of file after an answer that said `Connection: close`.
+async fn next_request(
+    mut stream: TcpStream,
+    mut pending: Vec<u8>,
+    answer: Answer,
+) -> Result<Answer, String> {
     let second = b"GET /api/items/1 HTTP/1.1\r\nHost: cacheguard\r\n\r\n";
     let wrote = stream.write_all(second).await;
     if answer.closes() {
