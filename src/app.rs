@@ -40,6 +40,7 @@ use crate::protect::stock::Gates;
 use crate::proxy::access_log::AccessLog;
 use crate::proxy::fill::{Filler, Flights};
 use crate::proxy::hot::HotGate;
+use crate::proxy::linger::LingerBounds;
 use crate::proxy::origin::Origin;
 use crate::proxy::origin_guard::{GuardMetrics, Limits, OriginGuard};
 use crate::proxy::own_answer::OwnAnswerLog;
@@ -519,16 +520,22 @@ impl App {
         let (shared, route_count) = (config.redis.is_some(), config.routes.len());
         let listen = (config.server.listen, config.admin.listen);
         let admissions = {
-            let (refused, open) = metrics.connections("proxy");
-            let proxy = Admission::new(config.server.max_connections, refused, open);
-            let (refused, open) = metrics.connections("admin");
-            (proxy, Admission::new(ADMIN_MAX_CONNECTIONS, refused, open))
+            let proxy = Admission::new(config.server.max_connections, metrics.connections("proxy"));
+            (
+                proxy,
+                Admission::new(ADMIN_MAX_CONNECTIONS, metrics.connections("admin")),
+            )
         };
         let limits = ConnLimits {
             max_header_bytes: config.server.max_header_bytes,
             max_headers: config.server.max_headers,
             max_body_bytes: config.server.max_body_bytes,
             header_read_timeout: config.server.header_read_timeout,
+            keepalive_timeout: config.server.keepalive_timeout,
+            linger: LingerBounds {
+                time: config.server.lingering_time,
+                timeout: config.server.lingering_timeout,
+            },
             shutdown_grace: config.server.shutdown_grace,
         };
         let live = Arc::new(Live {

@@ -193,8 +193,16 @@ pub struct ServerConfig {
     pub max_headers: usize,
     /// Largest request body accepted; larger → 413.
     pub max_body_bytes: u64,
-    /// Time a client has to send its request head.
+    /// Time a client has to send its request head, from its first byte (the first
+    /// request: from accept).
     pub header_read_timeout: Duration,
+    /// Time a connection may stay idle between two requests.
+    pub keepalive_timeout: Duration,
+    /// The longest a lingering close (write side shut down, what the client still sends
+    /// read and discarded) lasts in all.
+    pub lingering_time: Duration,
+    /// The longest one read of a lingering close waits for the client.
+    pub lingering_timeout: Duration,
     /// How long shutdown waits for in-flight requests before cutting them.
     pub shutdown_grace: Duration,
     /// Proxy worker threads, each with its own event loop; 0 = the CPUs available to the

@@ -436,6 +436,8 @@ pub struct Metrics {
     pub invalidations_held: IntGauge,
     connections_refused: IntCounterVec,
     connections_open: IntGaugeVec,
+    connections_timed_out: IntCounterVec,
+    lingering_closes: IntCounterVec,
     bloom_rejections: IntCounterVec,
     bloom_false_positives: IntCounterVec,
     bloom_items: IntGaugeVec,
@@ -1049,6 +1051,25 @@ impl Metrics {
             ),
             &["listener"],
         )?;
+        let connections_timed_out = IntCounterVec::new(
+            Opts::new(
+                "cacheguard_connections_timed_out_total",
+                "Connections closed for a timeout: reason keepalive_timeout (idle between \
+                 requests for server.keepalive_timeout) or header_read_timeout (no request \
+                 within it of accept, or a request head begun and not whole within it).",
+            ),
+            &["listener", "reason"],
+        )?;
+        let lingering_closes = IntCounterVec::new(
+            Opts::new(
+                "cacheguard_lingering_closes_total",
+                "Connections closed by lingering (write side shut down, what the client \
+                 still sent read and discarded), by how it ended: closed (the client closed \
+                 its side), lingering_timeout (a read waited that long), lingering_time \
+                 (the whole bound), error.",
+            ),
+            &["listener", "end"],
+        )?;
         let journal_failing = IntGauge::new(
             "cacheguard_journal_failing",
             "1 while the retry journal cannot be written and owed invalidations are held in \
@@ -1214,6 +1235,8 @@ impl Metrics {
         registry.register(Box::new(invalidations_held.clone()))?;
         registry.register(Box::new(connections_refused.clone()))?;
         registry.register(Box::new(connections_open.clone()))?;
+        registry.register(Box::new(connections_timed_out.clone()))?;
+        registry.register(Box::new(lingering_closes.clone()))?;
         registry.register(Box::new(requests.clone()))?;
         registry.register(Box::new(request_redis_commands.clone()))?;
         registry.register(Box::new(request_duration.clone()))?;
@@ -1330,6 +1353,8 @@ impl Metrics {
             invalidations_held,
             connections_refused,
             connections_open,
+            connections_timed_out,
+            lingering_closes,
             bloom_rejections,
             bloom_false_positives,
             bloom_items,
@@ -1674,12 +1699,104 @@ pub struct RouteMetrics {
 }
 
 impl Metrics {
-    /// The refusal counter and the open gauge of `listener` (`proxy`, `admin`).
-    pub fn connections(&self, listener: &str) -> (IntCounter, IntGauge) {
-        (
-            self.connections_refused.with_label_values(&[listener]),
-            self.connections_open.with_label_values(&[listener]),
-        )
+    /// The connection metrics of `listener` (`proxy`, `admin`).
+    pub fn connections(&self, listener: &str) -> ConnectionMetrics {
+        ConnectionMetrics {
+            refused: self.connections_refused.with_label_values(&[listener]),
+            open: self.connections_open.with_label_values(&[listener]),
+            timed_out: ConnTimeout::ALL.map(|reason| {
+                self.connections_timed_out
+                    .with_label_values(&[listener, reason.as_str()])
+            }),
+            lingering: LingerEnd::ALL.map(|end| {
+                self.lingering_closes
+                    .with_label_values(&[listener, end.as_str()])
+            }),
+        }
+    }
+}
+
+/// The connection metrics of one listener.
+#[derive(Clone, Debug)]
+pub struct ConnectionMetrics {
+    /// Connections closed at accept, the listener being full.
+    pub refused: IntCounter,
+    pub open: IntGauge,
+    timed_out: [IntCounter; ConnTimeout::ALL.len()],
+    lingering: [IntCounter; LingerEnd::ALL.len()],
+}
+
+/// Why a connection was closed for a timeout.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ConnTimeout {
+    /// Idle between two requests for `server.keepalive_timeout`.
+    Keepalive,
+    /// No request within `server.header_read_timeout` of accept, or a head begun and not
+    /// whole within it.
+    HeaderRead,
+}
+
+impl ConnTimeout {
+    pub const ALL: [ConnTimeout; 2] = [ConnTimeout::Keepalive, ConnTimeout::HeaderRead];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ConnTimeout::Keepalive => "keepalive_timeout",
+            ConnTimeout::HeaderRead => "header_read_timeout",
+        }
+    }
+}
+
+/// How a lingering close ended (`proxy/linger.rs`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LingerEnd {
+    /// The client closed its side.
+    Closed,
+    /// A read waited `server.lingering_timeout`.
+    Timeout,
+    /// `server.lingering_time` passed.
+    Time,
+    /// The socket failed (a reset from the client).
+    Error,
+}
+
+impl LingerEnd {
+    pub const ALL: [LingerEnd; 4] = [
+        LingerEnd::Closed,
+        LingerEnd::Timeout,
+        LingerEnd::Time,
+        LingerEnd::Error,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LingerEnd::Closed => "closed",
+            LingerEnd::Timeout => "lingering_timeout",
+            LingerEnd::Time => "lingering_time",
+            LingerEnd::Error => "error",
+        }
+    }
+}
+
+impl ConnectionMetrics {
+    /// Records a connection closed for `reason`.
+    pub fn timed_out(&self, reason: ConnTimeout) {
+        self.timed_out[reason as usize].inc();
+    }
+
+    /// Records a lingering close that ended so.
+    pub fn lingered(&self, end: LingerEnd) {
+        self.lingering[end as usize].inc();
+    }
+
+    /// Lingering closes so far that ended so.
+    pub fn lingering_closes(&self, end: LingerEnd) -> u64 {
+        self.lingering[end as usize].get()
+    }
+
+    /// Connections closed so far for `reason`.
+    pub fn timeouts(&self, reason: ConnTimeout) -> u64 {
+        self.timed_out[reason as usize].get()
     }
 }
 

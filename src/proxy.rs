@@ -13,6 +13,8 @@ pub(crate) mod fetch;
 pub(crate) mod fill;
 pub(crate) mod head_guard;
 pub(crate) mod hot;
+pub(crate) mod keepalive;
+pub(crate) mod linger;
 pub(crate) mod origin;
 pub(crate) mod origin_guard;
 pub(crate) mod own_answer;

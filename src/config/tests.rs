@@ -68,6 +68,9 @@ fn example_file_parses_with_the_documented_values() {
     assert_eq!(config.server.max_headers, 100);
     assert_eq!(config.server.max_body_bytes, 10_485_760);
     assert_eq!(config.server.header_read_timeout, Duration::from_secs(10));
+    assert_eq!(config.server.keepalive_timeout, Duration::from_secs(75));
+    assert_eq!(config.server.lingering_time, Duration::from_secs(30));
+    assert_eq!(config.server.lingering_timeout, Duration::from_secs(5));
     assert_eq!(config.server.shutdown_grace, Duration::from_secs(10));
 
     assert_eq!(config.upstream.url, "http://127.0.0.1:9000");
@@ -213,6 +216,9 @@ fn example_file_documents_every_key() {
         "max_headers",
         "max_body_bytes",
         "header_read_timeout",
+        "keepalive_timeout",
+        "lingering_time",
+        "lingering_timeout",
         "shutdown_grace",
         "url",
         "timeout",
@@ -2408,5 +2414,42 @@ fn mysql_and_redlock_urls_are_checked_by_their_clients() {
     assert!(
         bad_master.starts_with("test.toml:5: locks.rl.urls[1]: expected a Redis URL"),
         "{bad_master}"
+    );
+}
+
+#[test]
+fn connection_timeouts_are_above_zero_and_keepalive_is_apart_from_the_head() {
+    for key in [
+        "header_read_timeout",
+        "keepalive_timeout",
+        "lingering_time",
+        "lingering_timeout",
+    ] {
+        let text = format!("{MINIMAL}[server]\n{key} = \"0s\"\n");
+        let problem = problem(&text);
+        assert!(
+            problem.starts_with(&format!(
+                "test.toml:4: server.{key}: expected a duration above zero like"
+            )),
+            "{problem}"
+        );
+    }
+    let config = load(MINIMAL).unwrap();
+    assert_eq!(config.server.keepalive_timeout, Duration::from_secs(75));
+    assert!(config.warnings().is_empty(), "{:?}", config.warnings());
+    // Shorter than the time a head may take: accepted, with a warning on its line.
+    let config = load(&with_minimal(
+        "[server]\nheader_read_timeout = \"2m\"\nkeepalive_timeout = \"1m\"\n",
+    ))
+    .unwrap();
+    let warnings: Vec<String> = config.warnings().iter().map(ToString::to_string).collect();
+    assert_eq!(warnings.len(), 1, "{warnings:?}");
+    assert!(
+        warnings[0].starts_with(
+            "test.toml:5: server.keepalive_timeout: 1m is shorter than \
+             server.header_read_timeout (2m): an idle connection is closed after \
+             keepalive_timeout"
+        ),
+        "{warnings:?}"
     );
 }

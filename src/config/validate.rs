@@ -542,13 +542,56 @@ impl Checker<'_> {
                 ),
             );
         }
+        let [
+            header_read_timeout,
+            keepalive_timeout,
+            lingering_time,
+            lingering_timeout,
+        ] = [
+            (
+                &raw.server.header_read_timeout,
+                "header_read_timeout",
+                "10s",
+            ),
+            (&raw.server.keepalive_timeout, "keepalive_timeout", "75s"),
+            (&raw.server.lingering_time, "lingering_time", "30s"),
+            (&raw.server.lingering_timeout, "lingering_timeout", "5s"),
+        ]
+        .map(|(value, key, example)| {
+            let duration = value.get_ref().0;
+            if duration.is_zero() {
+                self.report(
+                    value.span(),
+                    format!("server.{key}"),
+                    format!("expected a duration above zero like \"{example}\""),
+                );
+            }
+            duration
+        });
+        if keepalive_timeout < header_read_timeout {
+            self.warn(
+                raw.server.keepalive_timeout.span(),
+                "server.keepalive_timeout",
+                format!(
+                    "{} is shorter than server.header_read_timeout ({}): an idle connection \
+                     is closed after keepalive_timeout; header_read_timeout bounds only a \
+                     request head that has begun (keep keepalive_timeout above the idle \
+                     timeout of a load balancer in front)",
+                    humantime::format_duration(keepalive_timeout),
+                    humantime::format_duration(header_read_timeout),
+                ),
+            );
+        }
         let server = ServerConfig {
             max_connections: *raw.server.max_connections.get_ref(),
             max_headers,
             listen: self.listen(&raw.server.listen, defaults::SERVER_LISTEN, "server.listen"),
             max_header_bytes: raw.server.max_header_bytes,
             max_body_bytes: raw.server.max_body_bytes,
-            header_read_timeout: raw.server.header_read_timeout.0,
+            header_read_timeout,
+            keepalive_timeout,
+            lingering_time,
+            lingering_timeout,
             shutdown_grace: raw.server.shutdown_grace.0,
             worker_threads: raw.server.worker_threads,
             body_buffer_bytes: usize::try_from(*raw.server.body_buffer_bytes.get_ref())

@@ -20,15 +20,22 @@
 //! one of these lines longer than [`KEPT`]), a size line without digits. A refusal hyper
 //! makes itself ends the connection, so the two never go on apart.
 //!
+//! As it follows the framing, the guard also publishes whether a request head has begun to
+//! arrive and is not whole yet ([`HeadStart`]): the time a connection may wait for its next
+//! head depends on it (`keepalive.rs`).
+//!
 //! Memory per connection: [`KEPT`] bytes of the current head line and a few counters. Cost
 //! per read: one scan for line ends in a head, a few comparisons per header line, and a
 //! skip per chunk in a body.
 
 use std::io;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll, ready};
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+use super::keepalive::HeadStart;
 
 /// Bytes kept of each head line: enough for the name and value of any `Transfer-Encoding`,
 /// `Content-Length` or `Upgrade` line in use.
@@ -45,10 +52,11 @@ pub(crate) struct ChunkTooLarge(pub(crate) u64);
 pub(crate) struct ChunkGuard<T> {
     inner: T,
     framing: Framing,
+    head: Arc<HeadStart>,
 }
 
 impl<T> ChunkGuard<T> {
-    pub(crate) fn new(inner: T, limit: u64) -> Self {
+    pub(crate) fn new(inner: T, limit: u64, head: Arc<HeadStart>) -> Self {
         ChunkGuard {
             inner,
             framing: Framing {
@@ -56,6 +64,7 @@ impl<T> ChunkGuard<T> {
                 line: Line::default(),
                 state: State::Head(Head::default()),
             },
+            head,
         }
     }
 }
@@ -254,6 +263,17 @@ fn hex(b: u8) -> Option<u64> {
 }
 
 impl Framing {
+    /// Whether a request head has begun and is not whole: a byte of it came (empty lines
+    /// before a request line aside). Where the guard no longer follows the bytes, as if
+    /// one had.
+    fn head_begun(&self) -> bool {
+        match &self.state {
+            State::Head(head) => head.started || self.line.len > 0,
+            State::Fixed(_) | State::Chunked { .. } => false,
+            State::Off | State::Refused => true,
+        }
+    }
+
     /// Follows `bytes`, the next bytes read. Returns the offset of the byte at which the
     /// sizes declared went over the limit, when one did: the bytes before it are fine.
     fn feed(&mut self, bytes: &[u8]) -> Option<usize> {
@@ -378,7 +398,9 @@ impl<T: AsyncRead + Unpin> AsyncRead for ChunkGuard<T> {
         }
         let before = buf.filled().len();
         ready!(Pin::new(&mut this.inner).poll_read(cx, buf))?;
-        if let Some(cut) = this.framing.feed(&buf.filled()[before..]) {
+        let cut = this.framing.feed(&buf.filled()[before..]);
+        this.head.set(this.framing.head_begun());
+        if let Some(cut) = cut {
             // Nothing before the refused byte: fail now (an empty read is an end of file).
             if cut == 0 {
                 return Poll::Ready(Err(refused(this.framing.limit)));
@@ -541,7 +563,7 @@ mod tests {
     async fn a_refused_read_fails_after_the_bytes_before_it() {
         use tokio::io::AsyncReadExt;
         let bytes = format!("{HEAD}FFFFFFFFFFFFFFED\r\nabc");
-        let mut guard = ChunkGuard::new(bytes.as_bytes(), 1024);
+        let mut guard = ChunkGuard::new(bytes.as_bytes(), 1024, Arc::default());
         let mut read = vec![0u8; 4096];
         let n = guard.read(&mut read).await.expect("first read");
         assert_eq!(&read[..n], format!("{HEAD}FF").as_bytes());
@@ -550,5 +572,31 @@ mod tests {
             .get_ref()
             .and_then(|e| e.downcast_ref::<ChunkTooLarge>());
         assert!(matches!(inner, Some(ChunkTooLarge(1024))), "{error:?}");
+    }
+
+    /// A head is begun from its first byte until its blank line; a body, the empty lines
+    /// before a request line and the time between requests are not.
+    #[test]
+    fn a_head_is_begun_from_its_first_byte_to_its_end() {
+        let mut framing = Framing {
+            limit: 1024,
+            line: Line::default(),
+            state: State::Head(Head::default()),
+        };
+        let mut seen = Vec::new();
+        for read in [
+            &b""[..],
+            b"\r\n",
+            b"P",
+            b"UT /w HTTP/1.1\r\nContent-Length: 3\r\n",
+            b"\r\nab",
+            b"c",
+            b"G",
+            b"ET / HTTP/1.1\r\n\r\n",
+        ] {
+            framing.feed(read);
+            seen.push(framing.head_begun());
+        }
+        assert_eq!(seen, [false, false, true, true, false, false, true, false]);
     }
 }

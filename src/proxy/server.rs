@@ -9,6 +9,27 @@
 //! budget cost more than they gain (BENCHMARKS.md, hit path). Shared state (caches, flights,
 //! Redis) is thread-safe and shared by all workers. The admin listener uses [`serve`] on
 //! the main runtime.
+//!
+//! A connection's bytes go through, from the socket up: [`Linger`] (a lingering close when
+//! hyper lets go of the socket, `linger.rs`), [`ChunkGuard`] (chunk sizes over the body
+//! limit; where a request head begins and ends), [`HeadGuard`] (cacheguard's own answers in
+//! place of hyper's bare refusals of a head). hyper's HTTP/1 timer is [`HeadTimer`]: an idle
+//! connection lives `keepalive_timeout`, a head that has begun `header_read_timeout`
+//! (`keepalive.rs`).
+//!
+//! An answer made before the request body was read to its end (sold out, 413, 401, ...)
+//! must not leave the client guessing whether the connection lives: hyper then discards
+//! what of the body it has already received, and when that is not all of it, closes the
+//! connection after the answer — but it decides so only when it sees the body dropped,
+//! after it has written the answer's head, which then lacks `Connection: close`. The
+//! service therefore yields once after an answer to a request with a body, before handing
+//! the answer over: hyper's dispatcher polls its read side first, discards or gives up on
+//! the rest of the body, and writes the head with `Connection: close` when it will close
+//! (hyper's `proto/h1/dispatch.rs`, `poll_drain_or_close_read`; `conn.rs`,
+//! `enforce_version`). A body sent with its head is thus discarded and the connection
+//! kept; one still on its way (sent later, after `Expect: 100-continue` — to which no
+//! `100 Continue` is then sent — or larger than what hyper buffers) gets
+//! `Connection: close`, and the close lingers until the client has read the answer.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -22,7 +43,7 @@ use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
-use prometheus::{IntCounter, IntGauge};
+use prometheus::IntGauge;
 use std::net::SocketAddr;
 
 use tokio::net::{TcpListener, TcpStream};
@@ -33,6 +54,9 @@ use tracing::{debug, info, warn};
 use super::body::Body;
 use super::chunk_guard::ChunkGuard;
 use super::head_guard::HeadGuard;
+use super::keepalive::{HeadStart, HeadTimer};
+use super::linger::{Linger, LingerBounds};
+use crate::metrics::{ConnTimeout, ConnectionMetrics};
 
 /// Limits applied by the HTTP layer itself.
 #[derive(Clone, Copy, Debug)]
@@ -43,27 +67,32 @@ pub(crate) struct ConnLimits {
     /// `server.max_body_bytes`: a chunked body whose sizes declare more is refused as soon
     /// as its size line arrives ([`ChunkGuard`]).
     pub(crate) max_body_bytes: u64,
-    /// Also from accept to the first request: a connection that sends no complete request
-    /// head in this time is closed, so idle connections cannot pile up.
+    /// The time a request head has from its first byte; also from accept to the first
+    /// request: a connection that sends no complete request head in this time is closed,
+    /// so connections that never send one cannot pile up.
     pub(crate) header_read_timeout: Duration,
+    /// The time a connection may stay idle between two requests (`keepalive.rs`).
+    pub(crate) keepalive_timeout: Duration,
+    /// The bounds of a lingering close (`linger.rs`).
+    pub(crate) linger: LingerBounds,
     pub(crate) shutdown_grace: Duration,
 }
 
 /// How many connections a listener keeps open at once; one more is closed as soon as it is
 /// accepted (so it does not wait in the kernel's backlog either) and counted.
+/// The place is held until the socket is closed, lingering included. Also carries the
+/// listener's connection metrics.
 #[derive(Clone, Debug)]
 pub(crate) struct Admission {
     slots: Arc<Semaphore>,
-    refused: IntCounter,
-    open: IntGauge,
+    metrics: Arc<ConnectionMetrics>,
 }
 
 impl Admission {
-    pub(crate) fn new(max_connections: usize, refused: IntCounter, open: IntGauge) -> Self {
+    pub(crate) fn new(max_connections: usize, metrics: ConnectionMetrics) -> Self {
         Admission {
             slots: Arc::new(Semaphore::new(max_connections.max(1))),
-            refused,
-            open,
+            metrics: Arc::new(metrics),
         }
     }
 
@@ -71,14 +100,14 @@ impl Admission {
     fn admit(&self) -> Option<Admitted> {
         match Arc::clone(&self.slots).try_acquire_owned() {
             Ok(permit) => {
-                self.open.inc();
+                self.metrics.open.inc();
                 Some(Admitted {
                     _permit: permit,
-                    open: self.open.clone(),
+                    open: self.metrics.open.clone(),
                 })
             }
             Err(_) => {
-                self.refused.inc();
+                self.metrics.refused.inc();
                 None
             }
         }
@@ -110,8 +139,9 @@ fn connection_builder(limits: ConnLimits) -> auto::Builder<TokioExecutor> {
         // is checked per request. Twice the configured size leaves room for request-line
         // and framing overhead, and bounds what one connection buffers of a head.
         .max_buf_size((limits.max_header_bytes * 2).max(8192) + 1024)
-        .header_read_timeout(limits.header_read_timeout)
-        .timer(TokioTimer::new());
+        // Only turns hyper's wait for a head on: its timer, set per connection
+        // (`HeadTimer`), makes the deadlines.
+        .header_read_timeout(limits.keepalive_timeout);
     // Any other count makes hyper allocate the array on the heap for every request: only
     // then is it set.
     if limits.max_headers != HYPER_MAX_HEADERS {
@@ -125,16 +155,15 @@ fn connection_builder(limits: ConnLimits) -> auto::Builder<TokioExecutor> {
 }
 
 /// Serves one accepted connection on the current runtime, watched by `graceful`, holding
-/// its admission place until it ends. A connection whose first request has not begun
-/// within `header_read_timeout` of accept is closed: hyper's header timeout starts with
-/// the first byte of a head, and the protocol detection before it waits for ever. hyper's
-/// own refusals of a head are replaced by cacheguard's ([`HeadGuard`]), and a chunk size
-/// over `server.max_body_bytes` fails the body at once ([`ChunkGuard`]).
+/// its admission place until its socket is closed (see the module docs for the layers of
+/// its bytes). A connection whose first request has not begun within
+/// `header_read_timeout` of accept is closed: hyper's wait for a head starts with the first
+/// bytes, and the protocol detection before it waits for ever.
 fn spawn_connection<H, F>(
     builder: &auto::Builder<TokioExecutor>,
     graceful: &GracefulShutdown,
     (stream, peer, admitted): (TcpStream, SocketAddr, Admitted),
-    limits: ConnLimits,
+    (limits, metrics): (ConnLimits, &Arc<ConnectionMetrics>),
     handler: &Arc<H>,
 ) where
     H: Fn(Request<Incoming>, SocketAddr) -> F + Send + Sync + 'static,
@@ -145,26 +174,45 @@ fn spawn_connection<H, F>(
     let asked = Arc::new(AtomicBool::new(false));
     let service = {
         let asked = Arc::clone(&asked);
-        service_fn(move |request| {
+        service_fn(move |request: Request<Incoming>| {
             asked.store(true, Ordering::Relaxed);
+            // See the module docs: hyper must see an unread body before the answer's head.
+            let with_body = request.version() < http::Version::HTTP_2
+                && !http_body::Body::is_end_stream(request.body());
             let response = handler(request, peer);
-            async move { Ok::<_, Infallible>(response.await) }
+            async move {
+                let response = response.await;
+                if with_body {
+                    tokio::task::yield_now().await;
+                }
+                Ok::<_, Infallible>(response)
+            }
         })
     };
-    let stream = ChunkGuard::new(stream, limits.max_body_bytes);
+    let head = Arc::new(HeadStart::default());
+    let stream = Linger::new(stream, admitted, limits.linger, Arc::clone(metrics));
+    let stream = ChunkGuard::new(stream, limits.max_body_bytes, Arc::clone(&head));
     let stream = HeadGuard::new(stream, limits.max_header_bytes, limits.max_headers);
+    let mut builder = builder.clone();
+    builder.http1().timer(HeadTimer {
+        head,
+        keepalive: limits.keepalive_timeout,
+        header_read: limits.header_read_timeout,
+        metrics: Arc::clone(metrics),
+    });
     let first_request = limits.header_read_timeout;
     let connection = builder
         .serve_connection(TokioIo::new(stream), service)
         .into_owned();
     let connection = graceful.watch(connection);
+    let metrics = Arc::clone(metrics);
     tokio::spawn(async move {
-        let _admitted = admitted;
         tokio::pin!(connection);
         let ended = tokio::select! {
             ended = &mut connection => ended,
             () = tokio::time::sleep(first_request) => {
                 if !asked.load(Ordering::Relaxed) {
+                    metrics.timed_out(ConnTimeout::HeaderRead);
                     debug!(message = "Connection closed: no request within header_read_timeout.", %peer);
                     return;
                 }
@@ -220,6 +268,7 @@ where
             .enable_all()
             .build()?;
         let handler = Arc::clone(&handler);
+        let metrics = Arc::clone(&admission.metrics);
         std::thread::Builder::new()
             .name(format!("cacheguard-w{index}"))
             .spawn(move || {
@@ -233,7 +282,7 @@ where
                                 &builder,
                                 &graceful,
                                 (stream, peer, admitted),
-                                limits,
+                                (limits, &metrics),
                                 &handler,
                             ),
                             Err(error) => debug!(message = "Cannot adopt a connection.", %error),
@@ -320,7 +369,7 @@ pub(crate) async fn serve<H, F>(
                         &builder,
                         &graceful,
                         (stream, peer, admitted),
-                        limits,
+                        (limits, &admission.metrics),
                         &handler,
                     );
                 }

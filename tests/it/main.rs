@@ -17,6 +17,7 @@ mod breaker_load;
 mod cache_tests;
 mod cluster;
 mod config_errors;
+mod connections;
 mod consistency;
 mod credentials;
 mod dashboards;
