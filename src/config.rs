@@ -663,6 +663,19 @@ pub enum OnRedisError {
     Forward,
 }
 
+/// What a stock gate does with a retry (same idempotency key, same body) of a buy whose
+/// outcome is in doubt: the origin timed out, failed with a 5xx or lost the connection
+/// after the request was sent, so the first request may have sold.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum InDoubtRetry {
+    /// 409 + `Retry-After`, never forwarded: against an origin that does not deduplicate
+    /// by the key, a second forward could sell twice.
+    Reject,
+    /// Forwarded again with the same `Stock-Reservation` (no new unit taken): only for an
+    /// origin that deduplicates by the idempotency key.
+    Forward,
+}
+
 /// One `[[stock]]` gate: units of one kind of resource, counted in Redis (in process
 /// memory in embedded mode) so that the origin sees about as many buys as there are units.
 #[derive(Clone, Debug, PartialEq)]
@@ -694,6 +707,8 @@ pub struct StockConfig {
     pub idempotency_header: Option<HeaderName>,
     /// How long a completed buy's answer is replayed to a retry with the same key.
     pub idempotency_ttl: Duration,
+    /// A retry of a buy whose outcome is in doubt: refused or forwarded again.
+    pub in_doubt_retry: InDoubtRetry,
     /// How many keys one resource's units are spread over (on a Redis Cluster, several
     /// primaries share a hot resource); 1 = one key.
     pub segments: u16,

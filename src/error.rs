@@ -26,6 +26,20 @@ impl fmt::Display for UploadBound {
     }
 }
 
+/// What an in-doubt answer says comes next: with its reservation's remaining seconds, and
+/// without (it ended).
+fn in_doubt_next(retry_after: Option<u64>) -> String {
+    match retry_after {
+        Some(seconds) => format!(
+            ". Its unit stays reserved for {seconds} s; then the origin's count settles it, \
+             and if the origin has no such order, buy again with a new key."
+        ),
+        None => ". Its reservation ended and the origin's count settled it: if the origin has no \
+             such order, buy again with a new key."
+            .to_owned(),
+    }
+}
+
 /// Why cacheguard answered a request itself instead of with an origin (or cached) answer.
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum ProxyError {
@@ -74,6 +88,20 @@ pub(crate) enum ProxyError {
     /// The first request with this idempotency key is still being processed.
     #[error("a request with this idempotency key is in progress")]
     IdempotencyInFlight,
+    /// The first request with this idempotency key reached the origin, which did not say
+    /// whether it sold (a timeout, a 5xx, a lost connection), and the gate does not
+    /// forward a retry of it (`in_doubt_retry = "reject"`): the reservation's id, and the
+    /// seconds its units stay reserved (`None`: its reservation ended).
+    #[error(
+        "the outcome of the first request with this idempotency key is unknown: the origin \
+         did not answer whether it sold (Stock-Reservation {reservation}). This key is not \
+         forwarded again; ask the origin for that order{}",
+        in_doubt_next(*.retry_after)
+    )]
+    IdempotencyInDoubt {
+        reservation: String,
+        retry_after: Option<u64>,
+    },
     /// This idempotency key was first used with another request body.
     #[error("this idempotency key was used with another request")]
     IdempotencyMismatch,
@@ -122,7 +150,9 @@ impl ProxyError {
                 StatusCode::TOO_MANY_REQUESTS
             }
             ProxyError::BadIdempotencyKey => StatusCode::BAD_REQUEST,
-            ProxyError::IdempotencyInFlight => StatusCode::CONFLICT,
+            ProxyError::IdempotencyInFlight | ProxyError::IdempotencyInDoubt { .. } => {
+                StatusCode::CONFLICT
+            }
             ProxyError::IdempotencyMismatch => StatusCode::UNPROCESSABLE_ENTITY,
             ProxyError::StockUnavailable
             | ProxyError::StockNotLoaded
@@ -155,6 +185,7 @@ impl ProxyError {
             ProxyError::TooManyVariants(_) => "too_many_variants",
             ProxyError::BadIdempotencyKey => "bad_idempotency_key",
             ProxyError::IdempotencyInFlight => "idempotency_in_flight",
+            ProxyError::IdempotencyInDoubt { .. } => "idempotency_in_doubt",
             ProxyError::IdempotencyMismatch => "idempotency_mismatch",
             ProxyError::StockUnavailable => "stock_unavailable",
             ProxyError::StockNotLoaded => "stock_not_loaded",
@@ -201,6 +232,7 @@ impl ProxyError {
             | ProxyError::StockUnavailable
             | ProxyError::StockNotLoaded
             | ProxyError::VersionBehind => Some(1),
+            ProxyError::IdempotencyInDoubt { retry_after, .. } => *retry_after,
             ProxyError::TooManyVariants(seconds)
             | ProxyError::WriteQueueFull(seconds)
             | ProxyError::WriteLockWait(seconds)

@@ -967,7 +967,7 @@ impl Metrics {
         )?;
         let entry_decode_errors = IntCounter::new(
             "cacheguard_entry_decode_errors_total",
-            "L2 values that did not decode: damaged (cut, padded, a byte changed: their length or checksum disagrees), of a format before version 8 (no checksum), or not an entry at all. Each is a miss, and the next fill overwrites it.",
+            "L2 values refused as they were read: damaged (cut, padded, a byte changed: their length or checksum disagrees), of a format before version 8 (no checksum), not an entry at all, or the whole entry of another cache key (copied under this one's name). Each is a miss, and the next fill overwrites it.",
         )?;
         let rejected_requests = IntCounterVec::new(
             Opts::new(
@@ -1778,10 +1778,13 @@ pub enum StockOutcome {
     Ungated,
     /// The resource's units could not be loaded from the origin: 503.
     NotLoaded,
+    /// A retry of a buy whose outcome is in doubt, refused (409,
+    /// `in_doubt_retry = "reject"`).
+    InDoubt,
 }
 
 impl StockOutcome {
-    pub const ALL: [StockOutcome; 11] = [
+    pub const ALL: [StockOutcome; 12] = [
         StockOutcome::Admitted,
         StockOutcome::Retried,
         StockOutcome::SoldOutLocal,
@@ -1793,6 +1796,7 @@ impl StockOutcome {
         StockOutcome::Unavailable,
         StockOutcome::Ungated,
         StockOutcome::NotLoaded,
+        StockOutcome::InDoubt,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -1803,6 +1807,7 @@ impl StockOutcome {
             StockOutcome::SoldOutRedis => "sold_out_redis",
             StockOutcome::Replayed => "replayed",
             StockOutcome::InFlight => "in_flight",
+            StockOutcome::InDoubt => "in_doubt",
             StockOutcome::Mismatch => "mismatch",
             StockOutcome::BadKey => "bad_key",
             StockOutcome::Unavailable => "unavailable",

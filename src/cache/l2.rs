@@ -3,8 +3,9 @@
 //! for a variant): the same name the fill writes, so lookup and fill cannot disagree.
 //!
 //! A value is served only once it has proved whole (`entry.rs`: its recorded length is the
-//! number of bytes read, and its checksum matches). One that does not — cut, padded, a byte
-//! changed, an older format, not an entry at all — is counted
+//! number of bytes read, and its checksum matches) and to be the entry of the key asked
+//! for. One that does not — cut, padded, a byte changed, an older format, not an entry at
+//! all, a whole entry of another cache key copied under this one's name — is counted
 //! (`cacheguard_entry_decode_errors_total`) and is a miss; the fill that follows stores a
 //! new value over it (the fill script's `SET` replaces whatever is there).
 //!
@@ -210,8 +211,17 @@ impl L2 {
         };
         match decoded {
             Ok(entry) if entry.matches(key) => Lookup::Hit(entry),
-            // Another key with the same 128-bit hash: a miss, never a wrong answer.
-            Ok(_) => Lookup::Miss,
+            // A whole entry of another cache key: copied or renamed under this one's name
+            // (or, once in 2^128, another key with the same hash). Refused like a damaged
+            // value: a miss, never a wrong answer, and counted.
+            Ok(_) => {
+                self.metrics.entry_decode_errors.inc();
+                debug!(
+                    message = "L2 value of another cache key treated as a miss.",
+                    key = %name,
+                );
+                Lookup::Miss
+            }
             Err(error) => {
                 self.metrics.entry_decode_errors.inc();
                 debug!(message = "Undecodable L2 value treated as a miss.", %error);

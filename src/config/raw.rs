@@ -15,7 +15,10 @@ use serde::Deserialize;
 use serde::de::{self, Deserializer, SeqAccess, Visitor};
 use toml::Spanned;
 
-use super::{AccessLogFormat, FreshnessSource, L1Policy, L1WhileBusDown, OnRedisError, OnTimeout};
+use super::{
+    AccessLogFormat, FreshnessSource, InDoubtRetry, L1Policy, L1WhileBusDown, OnRedisError,
+    OnTimeout,
+};
 
 /// Span used for values that did not come from the file (defaults, environment overrides).
 /// Such values are already valid, so no problem is ever reported at this span.
@@ -468,6 +471,7 @@ pub(super) struct RawStock {
     pub(super) on_redis_error: Option<Spanned<RawOnRedisError>>,
     pub(super) idempotency_header: Option<Spanned<String>>,
     pub(super) idempotency_ttl: Option<Spanned<HumanDuration>>,
+    pub(super) in_doubt_retry: Option<Spanned<RawInDoubtRetry>>,
     pub(super) segments: Option<Spanned<u16>>,
 }
 
@@ -497,6 +501,20 @@ impl<'de> Deserialize<'de> for RawOnRedisError {
         const WORDS: &[(&str, OnRedisError)] = &[
             ("reject", OnRedisError::Reject),
             ("forward", OnRedisError::Forward),
+        ];
+        deserializer.deserialize_str(Keyword(WORDS)).map(Self)
+    }
+}
+
+/// `in_doubt_retry = "reject" | "forward"`.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct RawInDoubtRetry(pub(super) InDoubtRetry);
+
+impl<'de> Deserialize<'de> for RawInDoubtRetry {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        const WORDS: &[(&str, InDoubtRetry)] = &[
+            ("reject", InDoubtRetry::Reject),
+            ("forward", InDoubtRetry::Forward),
         ];
         deserializer.deserialize_str(Keyword(WORDS)).map(Self)
     }

@@ -292,6 +292,7 @@ fn example_file_documents_every_key() {
         "on_redis_error",
         "idempotency_header",
         "idempotency_ttl",
+        "in_doubt_retry",
         "segments",
         "stock",
         "gate",
@@ -1934,6 +1935,11 @@ fn stock_gates_and_their_routes_load_with_defaults() {
     assert_eq!(codes(&gate.origin_sold_out), [409, 410]);
     assert_eq!(gate.on_redis_error, super::OnRedisError::Reject);
     assert_eq!(
+        gate.in_doubt_retry,
+        super::InDoubtRetry::Reject,
+        "safe by default"
+    );
+    assert_eq!(
         gate.idempotency_header.as_ref().map(|h| h.as_str()),
         Some("idempotency-key")
     );
@@ -1953,6 +1959,11 @@ fn stock_gates_and_their_routes_load_with_defaults() {
     assert_eq!(off.stock[0].idempotency_header, None);
     assert_eq!(off.stock[0].on_redis_error, super::OnRedisError::Forward);
     assert_eq!(off.stock[0].segments, 4);
+    let forward = load(&with_gate("in_doubt_retry = \"forward\"\n", BUY_ROUTE)).unwrap();
+    assert_eq!(
+        forward.stock[0].in_doubt_retry,
+        super::InDoubtRetry::Forward
+    );
 }
 
 #[test]
@@ -2010,6 +2021,20 @@ fn stock_errors_name_the_line_and_key() {
     assert_eq!(
         problem(&with_gate("segments = 0\n", BUY_ROUTE)),
         "test.toml:7: stock[0].segments: expected an integer from 1 to 64, got 0"
+    );
+    assert_eq!(
+        problem(&with_gate("in_doubt_retry = \"refuse\"\n", BUY_ROUTE)),
+        "test.toml:7: stock[0].in_doubt_retry: expected one of \"reject\", \"forward\", got \
+         \"refuse\""
+    );
+    assert_eq!(
+        problem(&with_gate(
+            "idempotency_header = \"\"\nin_doubt_retry = \"forward\"\n",
+            BUY_ROUTE
+        )),
+        "test.toml:8: stock[0].in_doubt_retry: \"forward\" forwards retries with an \
+         idempotency key, and idempotency_header = \"\" turns keys off: set a header, or \
+         leave in_doubt_retry out"
     );
     assert_eq!(
         problem(&with_gate("reconcile = \"10ms\"\n", BUY_ROUTE)),

@@ -31,7 +31,9 @@ use redis::aio::{
 };
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
-use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
+use redis::cluster_routing::{
+    MultipleNodeRoutingInfo, ResponsePolicy, Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr,
+};
 use redis::{Cmd, ConnectionInfo, FromRedisValue, Pipeline, RedisFuture, RedisResult, Value};
 
 use tracing::warn;
@@ -103,6 +105,27 @@ impl DataConn {
                 Ok(redis::from_redis_value(value)?)
             }
             DataConn::Managed(_) | DataConn::Plain(_) => cmd.query_async(self).await,
+        }
+    }
+}
+
+impl DataConn {
+    /// `PING` to every primary (a cluster's, all of them; elsewhere the one server): the
+    /// breaker's heartbeat, which tells a Redis that answers from one that does not.
+    ///
+    /// # Errors
+    /// What a node or the connection answered.
+    pub(crate) async fn ping_primaries(&mut self) -> RedisResult<()> {
+        let ping = redis::cmd("PING");
+        match self {
+            DataConn::Cluster(conn) => {
+                let every = RoutingInfo::MultiNode((
+                    MultipleNodeRoutingInfo::AllMasters,
+                    Some(ResponsePolicy::AllSucceeded),
+                ));
+                conn.route_command(ping, every).await.map(drop)
+            }
+            DataConn::Managed(_) | DataConn::Plain(_) => ping.query_async::<()>(self).await,
         }
     }
 }
@@ -609,7 +632,9 @@ pub(crate) fn managed(
 ) -> RedisResult<ConnectionManager> {
     let manager_config = ConnectionManagerConfig::new()
         .set_connection_timeout(Some(config.connect_timeout))
-        .set_response_timeout(Some(config.command_timeout))
+        // Commands are bounded from outside (`super::redis`): `command_timeout` while Redis
+        // answers nothing, longer while it answers others; this is only the last resort.
+        .set_response_timeout(Some(config.connect_timeout.max(config.command_timeout)))
         // Few, short retries: the breaker's probe retries for us every PROBE_INTERVAL, and
         // a long backoff would delay noticing that Redis is back.
         .set_number_of_retries(1)

@@ -6,9 +6,16 @@
 //! - every command is wrapped in `command_timeout`, because a reconnecting manager makes
 //!   callers wait for the reconnection, which the manager's own response timeout does not
 //!   cover;
-//! - `breaker_failures` consecutive failures or timeouts **open** the breaker: from then on
-//!   commands fail at once with [`Unavailable`] — requests skip Redis entirely and pay no
-//!   timeout — and cacheguard runs on L1 and in-process single-flight;
+//! - a command whose answer is late is given up at `command_timeout` only when Redis
+//!   answers nothing at all ([`Liveness`]): a heartbeat `PING`, on a connection of its
+//!   own and driven by the Redis thread, tells a Redis that answers from one that is
+//!   stopped, cut off or slow. While it answers, a late command is this process's own queue
+//!   (a saturated machine: the callers, the Redis thread or the pipeline behind our own
+//!   commands), not Redis: it is waited for up to `connect_timeout` ([`answer_within`]),
+//!   and does not count toward the breaker;
+//! - `breaker_failures` consecutive failures or such timeouts **open** the breaker: from
+//!   then on commands fail at once with [`Unavailable`] — requests skip Redis entirely and
+//!   pay no timeout — and cacheguard runs on L1 and in-process single-flight;
 //! - a background probe `PING`s every [`PROBE_INTERVAL`] while the breaker is open and
 //!   **closes** it only when the answer comes within `command_timeout` (a Redis that answers,
 //!   but slowly, stays out of the request path);
@@ -39,7 +46,6 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
 use arc_swap::ArcSwapOption;
-use futures_util::FutureExt as _;
 use redis::{FromRedisValue, RedisError, Script};
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
@@ -159,6 +165,8 @@ struct Inner {
     up: AtomicBool,
     /// Consecutive failed commands while closed.
     failures: AtomicU32,
+    /// Whether Redis answers at all (the heartbeat's last answer in time).
+    liveness: Liveness,
     breaker_failures: u32,
     /// The `run_id` Redis last reported, to notice a restart.
     run_id: Mutex<Option<String>>,
@@ -222,6 +230,122 @@ impl Hysteresis {
     fn closed(&mut self) {
         self.closed = Some(tokio::time::Instant::now());
     }
+}
+
+/// Whether Redis answers at all, as the Redis thread sees it: the breaker's evidence
+/// against a command that is late.
+///
+/// A command's wait, seen from its caller, is the caller's queue (a saturated machine
+/// polls it late), the Redis thread's, the pipeline's (our own commands ahead of it on the
+/// shared connection) and Redis'. Only the last is what the breaker is for, so a heartbeat
+/// (`PING` to every primary, [`RedisConn::heartbeat_loop`]) runs on the Redis thread, on a
+/// connection of its own with nothing queued ahead, every [`recheck`] of `command_timeout`
+/// while commands are sent, and stamps each answer that came within `command_timeout`. A
+/// stopped (`SIGSTOP`) or cut-off Redis stops the stamps; so does one slower than
+/// `command_timeout`; a busy cacheguard does not. One atomic store per command (the
+/// demand), none when idle (no commands, no heartbeat: the probe covers an idle
+/// instance). Hand-written: two atomics on tokio's clock.
+#[derive(Debug)]
+struct Liveness {
+    base: tokio::time::Instant,
+    /// When the last heartbeat answered in time, µs after `base` (0: none yet).
+    answered: AtomicU64,
+    /// A command was sent since the last heartbeat.
+    demand: AtomicBool,
+}
+
+impl Liveness {
+    fn new() -> Liveness {
+        Liveness {
+            base: tokio::time::Instant::now(),
+            answered: AtomicU64::new(0),
+            demand: AtomicBool::new(false),
+        }
+    }
+
+    fn micros(&self, at: tokio::time::Instant) -> u64 {
+        u64::try_from(at.saturating_duration_since(self.base).as_micros()).unwrap_or(u64::MAX)
+    }
+
+    /// A heartbeat was answered in time, now.
+    fn answered(&self) {
+        let now = self.micros(tokio::time::Instant::now());
+        self.answered.fetch_max(now, Ordering::Relaxed);
+    }
+
+    /// A command is being sent.
+    fn want(&self) {
+        self.demand.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether a command was sent since the last call (the heartbeat's cue).
+    fn take_demand(&self) -> bool {
+        self.demand.swap(false, Ordering::Relaxed)
+    }
+
+    /// Whether a heartbeat was answered within the last `window`.
+    fn answering(&self, window: Duration) -> bool {
+        let answered = self.answered.load(Ordering::Relaxed);
+        let now = self.micros(tokio::time::Instant::now());
+        answered > 0
+            && now.saturating_sub(answered) <= u64::try_from(window.as_micros()).unwrap_or(u64::MAX)
+    }
+}
+
+/// How often the heartbeat runs while commands are sent, and a late command looks again
+/// whether Redis still answers: a quarter of `command_timeout` (1 to 250 ms).
+fn recheck(command_timeout: Duration) -> Duration {
+    (command_timeout / 4).clamp(Duration::from_millis(1), Duration::from_millis(250))
+}
+
+/// How long the heartbeat may go without an answer in time before Redis counts as
+/// answering nothing: 2 × `command_timeout`. One missed beat is not silence (on a machine
+/// saturated by other work the Redis thread or redis-server itself can lose the CPU for a
+/// few tens of milliseconds), and a stopped Redis still fails its commands within
+/// 2 × `command_timeout` + one [`recheck`] of the stop, inside the 3 × `command_timeout`
+/// + 50 ms the breaker has to open.
+fn silence(command_timeout: Duration) -> Duration {
+    command_timeout * 2
+}
+
+/// A command given up without an answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct TimedOut;
+
+/// Awaits `future` (a command's answer) for `timeout`; past it, and as long as Redis
+/// answers the heartbeat (`liveness`, looked at every [`recheck`]), for up to `patience`
+/// in all (`None`: not at all). Gives up as soon as the heartbeat has had no answer for
+/// [`silence`]: a stopped Redis fails a command within that + one recheck of the stop (or
+/// `timeout` of its send, if later), a saturated process waits for its answers.
+///
+/// # Cancel safety
+/// As cancel-safe as `future`: dropping this drops it.
+async fn answer_within<F: Future>(
+    future: F,
+    timeout: Duration,
+    patience: Option<Duration>,
+    liveness: &Liveness,
+) -> Result<F::Output, TimedOut> {
+    liveness.want();
+    let started = tokio::time::Instant::now();
+    let mut future = std::pin::pin!(future);
+    if let Ok(output) = tokio::time::timeout(timeout, future.as_mut()).await {
+        return Ok(output);
+    }
+    let Some(patience) = patience else {
+        return Err(TimedOut);
+    };
+    let every = recheck(timeout);
+    while liveness.answering(silence(timeout)) {
+        let left = patience.saturating_sub(started.elapsed());
+        if left.is_zero() {
+            break;
+        }
+        if let Ok(output) = tokio::time::timeout(every.min(left), future.as_mut()).await {
+            return Ok(output);
+        }
+    }
+    Err(TimedOut)
 }
 
 /// How often one kind of refusal is logged at most.
@@ -467,6 +591,7 @@ impl RedisConn {
             // Open until the first probe answers: requests never wait on a first connect.
             up: AtomicBool::new(false),
             failures: AtomicU32::new(0),
+            liveness: Liveness::new(),
             breaker_failures: config.breaker_failures.max(1),
             run_id: Mutex::new(None),
             back: Arc::new(tokio::sync::Notify::new()),
@@ -496,6 +621,9 @@ impl RedisConn {
                     .follow_primary(sentinel.changes(), stop.clone()),
             );
         }
+        this.inner
+            .io
+            .spawn(this.clone().heartbeat_loop(stop.clone()));
         this.inner.io.spawn(this.clone().probe_loop(stop));
         Ok(this)
     }
@@ -733,15 +861,25 @@ impl RedisConn {
         if !self.is_up() {
             return Err(Unavailable::Down);
         }
-        self.run_past_breaker(op, key, attempt).await
+        self.run_past_breaker(op, key, Some(self.patience()), attempt)
+            .await
+    }
+
+    /// How long a request's command is waited for in all while Redis answers others (see
+    /// [`answer_within`]): `connect_timeout` (at least `command_timeout`), the bound of
+    /// everything else that talks to Redis.
+    fn patience(&self) -> Duration {
+        self.inner.probe_timeout
     }
 
     /// [`RedisConn::run`] sent even while the breaker is open (see
-    /// [`RedisConn::run_script_past_breaker`]).
+    /// [`RedisConn::run_script_past_breaker`]), waited for past `command_timeout` for up to
+    /// `patience` while Redis answers others ([`answer_within`]).
     async fn run_past_breaker<T, F, Fut>(
         &self,
         op: RedisOp,
         key: Option<&[u8]>,
+        patience: Option<Duration>,
         attempt: F,
     ) -> Result<T, Unavailable>
     where
@@ -756,7 +894,8 @@ impl RedisConn {
         let timeout = self.inner.command_timeout;
         let io = &self.inner.io;
         add_commands(1);
-        let mut result = tokio::time::timeout(timeout, io.enter(attempt(conn))).await;
+        let liveness = &self.inner.liveness;
+        let mut result = answer_within(io.enter(attempt(conn)), timeout, patience, liveness).await;
         if let Some(sentinel) = self.inner.backend.sentinel() {
             // A demoted primary refuses writes (`READONLY`) and, as it turns into a
             // replica, drops its clients: both mean the primary may have moved. Ask the
@@ -778,7 +917,8 @@ impl RedisConn {
                     && let Some(conn) = self.shared()
                 {
                     add_commands(1);
-                    result = tokio::time::timeout(timeout, io.enter(attempt(conn))).await;
+                    result =
+                        answer_within(io.enter(attempt(conn)), timeout, patience, liveness).await;
                 }
             } else if result.is_err() {
                 // Timed out: the primary may be gone; let the follower ask now.
@@ -826,7 +966,8 @@ impl RedisConn {
     /// requests the wait on a Redis that fails and spares that Redis their load; a renewal is
     /// neither (one per held lock each lease/3, off any answer's path), and refusing it would
     /// give up a lock a short outage was promised not to cost: the lock lapses only when
-    /// Redis stays unreachable for the lease. Still bounded by `command_timeout`.
+    /// Redis stays unreachable for the lease. Still bounded by `command_timeout`, even while
+    /// Redis answers others.
     pub(crate) async fn run_script_past_breaker<T: FromRedisValue>(
         &self,
         op: RedisOp,
@@ -836,7 +977,9 @@ impl RedisConn {
     ) -> Result<T, Unavailable> {
         let invocation = &invocation(script, keys, args);
         let key = keys.first().map(|key| key.as_bytes());
-        self.run_past_breaker(op, key, |mut conn| async move {
+        // No patience: a renewal must end within `command_timeout` (`lock.lease` is sized
+        // on it); a late one still counts toward the breaker only if Redis answers nothing.
+        self.run_past_breaker(op, key, None, |mut conn| async move {
             invocation.invoke_async(&mut conn).await
         })
         .await
@@ -866,26 +1009,17 @@ impl RedisConn {
             return self.query(RedisOp::Get, &cmd).await;
         };
         let started = Instant::now();
-        let timeout = self.inner.command_timeout;
         add_commands(1);
-        let mut reply = std::pin::pin!(cmd.query_async::<Vec<u8>>(&mut conn));
-        let result = match tokio::time::timeout(timeout, reply.as_mut()).await {
-            Ok(answer) => Ok(answer),
-            // The answer may be waiting in the socket while this thread was too busy to
-            // read it (the connection's task runs here too): let that task run, then look
-            // once more. A thread stalled past twice the timeout (its timer fired that
-            // late) gets one more timeout: the stall was this process's, not Redis'.
-            Err(elapsed) => {
-                tokio::task::yield_now().await;
-                match reply.as_mut().now_or_never() {
-                    Some(answer) => Ok(answer),
-                    None if started.elapsed() >= timeout * 2 => {
-                        tokio::time::timeout(timeout, reply.as_mut()).await
-                    }
-                    None => Err(elapsed),
-                }
-            }
-        };
+        // The answer may be waiting in the socket while this thread is too busy to read it
+        // (the connection's task runs here too): while Redis answers the heartbeat, that is
+        // this thread's wait, not Redis', and the read waits on.
+        let result = answer_within(
+            cmd.query_async::<Vec<u8>>(&mut conn),
+            self.inner.command_timeout,
+            Some(self.patience()),
+            &self.inner.liveness,
+        )
+        .await;
         if matches!(&result, Ok(Err(error)) if error.is_io_error() || error.is_connection_dropped())
         {
             // This thread's connection is gone (an idle one finds out only when used: a
@@ -1044,9 +1178,11 @@ impl RedisConn {
             eval.arg(*arg);
         }
         add_commands(1);
-        let result = tokio::time::timeout(
-            self.inner.command_timeout,
+        let result = answer_within(
             self.inner.io.enter(eval.query_async::<T>(&mut conn)),
+            self.inner.command_timeout,
+            Some(self.patience()),
+            &self.inner.liveness,
         )
         .await;
         let first_key = keys.first().copied().unwrap_or_default();
@@ -1182,7 +1318,7 @@ impl RedisConn {
         op: RedisOp,
         key: Option<&[u8]>,
         started: Instant,
-        result: Result<Result<T, RedisError>, tokio::time::error::Elapsed>,
+        result: Result<Result<T, RedisError>, TimedOut>,
     ) -> Result<T, Unavailable> {
         self.inner
             .metrics
@@ -1202,20 +1338,44 @@ impl RedisConn {
                 self.inner.refusals.log(op, &error);
                 Err(Unavailable::Down)
             }
+            // redis-rs's own response timeout: a timeout like ours.
+            Ok(Err(error)) if error.is_timeout() => {
+                self.timed_out(op, &format!("{op:?} timed out: {error}"));
+                Err(Unavailable::Down)
+            }
             Ok(Err(error)) => {
                 self.inner.metrics.redis_error(op);
                 self.failed(&format!("{op:?} failed: {error}"));
                 Err(Unavailable::Down)
             }
-            Err(_) => {
-                self.inner.metrics.redis_error(op);
-                self.failed(&format!(
-                    "{op:?} timed out after {:?}",
-                    self.inner.command_timeout
-                ));
+            Err(TimedOut) => {
+                self.timed_out(
+                    op,
+                    &format!(
+                        "{op:?} had no answer, and Redis none for the heartbeat, within {:?}",
+                        self.inner.command_timeout
+                    ),
+                );
                 Err(Unavailable::Down)
             }
         }
+    }
+
+    /// A command given up without an answer: a failure toward the breaker only when Redis
+    /// answers nothing (see [`Liveness`]); while it answers the heartbeat in time, the wait
+    /// was this process's own and Redis is not the one to blame.
+    fn timed_out(&self, op: RedisOp, why: &str) {
+        self.inner.metrics.redis_error(op);
+        if !self.answering() {
+            self.failed(why);
+        }
+    }
+
+    /// Whether Redis answered the heartbeat lately (see [`silence`]).
+    fn answering(&self) -> bool {
+        self.inner
+            .liveness
+            .answering(silence(self.inner.command_timeout))
     }
 
     /// One more consecutive failure; enough of them open the breaker.
@@ -1331,7 +1491,11 @@ impl RedisConn {
             Ok(Ok(info)) if cluster && !info.contains("cluster_state:ok") => {
                 self.mark_down("the cluster's state is not ok (a primary lost, failover pending)");
             }
-            Ok(Ok(info)) if took <= self.inner.command_timeout => {
+            // While closed, a slow answer that Redis' heartbeat does not confirm waited behind
+            // our own commands on the shared connection: not Redis being slow.
+            Ok(Ok(info))
+                if took <= self.inner.command_timeout || (self.is_up() && self.answering()) =>
+            {
                 if !cluster && self.note_run_id(&info) {
                     self.check_eviction_policy().await;
                 }
@@ -1348,9 +1512,59 @@ impl RedisConn {
                 self.inner.metrics.redis_error(RedisOp::Ping);
                 self.mark_down(&format!("INFO failed: {error}"));
             }
+            Err(_) if self.is_up() && self.answering() => {
+                self.inner.metrics.redis_error(RedisOp::Ping);
+            }
             Err(_) => {
                 self.inner.metrics.redis_error(RedisOp::Ping);
                 self.mark_down("INFO timed out");
+            }
+        }
+    }
+
+    /// The heartbeat behind [`Liveness`]: while the breaker is closed and commands are sent,
+    /// a `PING` to every primary every [`recheck`] of `command_timeout`, on a connection of
+    /// its own (nothing of ours queued ahead of it), from the Redis thread (no request
+    /// worker's queue in its way); an answer within `command_timeout` is stamped. The
+    /// connection is made again after an error, a `PING` without an answer in time, a new
+    /// shared connection (new credentials) or, with Sentinel, a new primary.
+    async fn heartbeat_loop(self, stop: CancellationToken) {
+        let timeout = self.inner.command_timeout;
+        let every = recheck(timeout);
+        let mut conn: Option<DataConn> = None;
+        let mut made_for = (0, None);
+        loop {
+            tokio::select! {
+                () = stop.cancelled() => return,
+                () = tokio::time::sleep(every) => {}
+            }
+            if !self.is_up() || !self.inner.liveness.take_demand() {
+                continue;
+            }
+            let target = (
+                self.inner.generation.load(Ordering::Acquire),
+                self.inner.backend.sentinel().and_then(|s| s.primary_addr()),
+            );
+            if target != made_for {
+                conn = None;
+                made_for = target;
+            }
+            if conn.is_none() {
+                let made = tokio::time::timeout(
+                    self.inner.probe_timeout,
+                    self.inner
+                        .backend
+                        .dedicated(self.inner.config.connect_timeout, None),
+                )
+                .await;
+                conn = made.ok().and_then(Result::ok);
+            }
+            let Some(heartbeat) = conn.as_mut() else {
+                continue;
+            };
+            match tokio::time::timeout(timeout, heartbeat.ping_primaries()).await {
+                Ok(Ok(())) => self.inner.liveness.answered(),
+                Ok(Err(_)) | Err(_) => conn = None,
             }
         }
     }
@@ -1453,6 +1667,130 @@ mod tests {
             crate::tally::four_kib(),
             count_commands,
         );
+    }
+
+    const TIMEOUT: Duration = Duration::from_millis(50);
+    const PATIENCE: Duration = Duration::from_secs(1);
+
+    /// A Redis that answers the heartbeat every `every` until `until` (after the start).
+    fn heartbeat(every: Duration, until: Duration) -> Arc<Liveness> {
+        let liveness = Arc::new(Liveness::new());
+        let beating = liveness.clone();
+        tokio::spawn(async move {
+            let end = tokio::time::Instant::now() + until;
+            while tokio::time::Instant::now() < end {
+                beating.answered();
+                tokio::time::sleep(every).await;
+            }
+        });
+        liveness
+    }
+
+    /// A command answered `after` its send.
+    async fn answered_after(after: Duration) -> u32 {
+        tokio::time::sleep(after).await;
+        7
+    }
+
+    /// Regression: a command whose answer came after `command_timeout` counted toward the
+    /// breaker and failed its request though Redis was answering (a saturated machine: the
+    /// wait was this process's queue). Now it is waited for while the heartbeat answers.
+    #[tokio::test(start_paused = true)]
+    async fn a_late_answer_is_waited_for_while_redis_answers_the_heartbeat() {
+        let liveness = heartbeat(recheck(TIMEOUT), Duration::from_secs(10));
+        tokio::task::yield_now().await;
+        let started = tokio::time::Instant::now();
+        let answer = answer_within(
+            answered_after(Duration::from_millis(180)),
+            TIMEOUT,
+            Some(PATIENCE),
+            &liveness,
+        )
+        .await;
+        assert_eq!(answer, Ok(7));
+        assert_eq!(started.elapsed(), Duration::from_millis(180));
+        assert!(liveness.take_demand(), "a command asks for heartbeats");
+        assert!(!liveness.take_demand());
+    }
+
+    /// A stopped or blackholed Redis answers nothing from `T0` on: every command sent then,
+    /// and every one still waiting, is given up within 2 × `command_timeout` + one recheck
+    /// of `T0`, so `breaker_failures` (3) of them open the breaker within
+    /// 3 × `command_timeout` + 50 ms of the stop.
+    #[tokio::test(start_paused = true)]
+    async fn a_silent_redis_fails_commands_within_the_timeout_and_a_recheck() {
+        let stop_at = Duration::from_millis(300);
+        let liveness = heartbeat(recheck(TIMEOUT), stop_at);
+        tokio::task::yield_now().await;
+        let start = tokio::time::Instant::now();
+        let never = std::future::pending::<u32>;
+        let mut given_up = Vec::new();
+        // One sent 30 ms before the stop (its deadline falls while Redis still answers the
+        // heartbeat), then three sent after it.
+        for sent_at in [270, 300, 310, 320] {
+            tokio::time::sleep_until(start + Duration::from_millis(sent_at)).await;
+            let liveness = liveness.clone();
+            given_up.push(tokio::spawn(async move {
+                let answer = answer_within(never(), TIMEOUT, Some(PATIENCE), &liveness).await;
+                (answer, start.elapsed())
+            }));
+        }
+        let bound = stop_at + 3 * TIMEOUT + Duration::from_millis(50);
+        for task in given_up {
+            let (answer, at) = task.await.expect("the command's task");
+            assert_eq!(answer, Err(TimedOut));
+            assert!(
+                at <= stop_at + silence(TIMEOUT) + recheck(TIMEOUT),
+                "given up at {at:?}, Redis silent from {stop_at:?}"
+            );
+            assert!(at <= bound);
+        }
+    }
+
+    /// A Redis slower than `command_timeout` on every answer, the heartbeat's included,
+    /// is not answering: its commands fail at `command_timeout`, as before.
+    #[tokio::test(start_paused = true)]
+    async fn a_redis_slower_than_the_timeout_is_not_answering() {
+        let liveness = Liveness::new();
+        let started = tokio::time::Instant::now();
+        let answer = answer_within(
+            answered_after(TIMEOUT * 2),
+            TIMEOUT,
+            Some(PATIENCE),
+            &liveness,
+        )
+        .await;
+        assert_eq!(answer, Err(TimedOut));
+        assert_eq!(started.elapsed(), TIMEOUT);
+    }
+
+    /// Without patience (a lock renewal) a command ends at `command_timeout` even while
+    /// Redis answers; with it, at the patience at most.
+    #[tokio::test(start_paused = true)]
+    async fn patience_bounds_the_wait_while_redis_answers() {
+        let liveness = heartbeat(recheck(TIMEOUT), Duration::from_secs(10));
+        tokio::task::yield_now().await;
+        let started = tokio::time::Instant::now();
+        let strict = answer_within(std::future::pending::<()>(), TIMEOUT, None, &liveness).await;
+        assert_eq!(strict, Err(TimedOut));
+        assert_eq!(started.elapsed(), TIMEOUT);
+        let started = tokio::time::Instant::now();
+        let patient = answer_within(
+            std::future::pending::<()>(),
+            TIMEOUT,
+            Some(PATIENCE),
+            &liveness,
+        )
+        .await;
+        assert_eq!(patient, Err(TimedOut));
+        assert_eq!(started.elapsed(), PATIENCE);
+    }
+
+    #[test]
+    fn the_recheck_is_a_quarter_of_the_timeout_within_bounds() {
+        assert_eq!(recheck(TIMEOUT), Duration::from_micros(12_500));
+        assert_eq!(recheck(Duration::from_millis(2)), Duration::from_millis(1));
+        assert_eq!(recheck(Duration::from_secs(5)), Duration::from_millis(250));
     }
 
     #[tokio::test(start_paused = true)]

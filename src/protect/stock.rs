@@ -40,9 +40,18 @@
 //! is in flight gets 409; once it completed, its answer is replayed
 //! (`Idempotent-Replayed: true`) for `idempotency_ttl`; the same key with another body gets
 //! 422; a key that is not one (empty, over 255 bytes, not visible ASCII) gets 400. After an
-//! in-doubt outcome the key keeps its reservation: a retry with the same body is forwarded
-//! again with the same `Stock-Reservation` and takes no new unit. One key never holds two
-//! units at once.
+//! in-doubt outcome the key's record is in doubt, with its reservation. What a retry with
+//! the same body gets is the gate's `in_doubt_retry`:
+//!
+//! - `reject` (the default): 409, never forwarded, for as long as the record lives
+//!   (`idempotency_ttl`): the first request may have sold, and an origin that does not
+//!   deduplicate by the key would sell again. While the reservation lives the answer has a
+//!   `Retry-After` of its remaining life (then the origin's count settles its units); after
+//!   that, none: nobody here can learn the outcome, only the origin knows it.
+//! - `forward` (an origin that deduplicates by the key): forwarded again with the same
+//!   `Stock-Reservation`, taking no new unit, while the reservation lives.
+//!
+//! One key never holds two units at once.
 
 mod ledger;
 mod memory;
@@ -72,7 +81,7 @@ use self::shared::RedisLedger;
 use self::source::Source;
 use crate::cache::key::normalized_params;
 use crate::clock::now_ms;
-use crate::config::{OnRedisError, StockConfig, UpstreamConfig, fill_pattern};
+use crate::config::{InDoubtRetry, OnRedisError, StockConfig, UpstreamConfig, fill_pattern};
 use crate::coord::events::{BusListener, StockEvent, StockLevel};
 use crate::coord::redis::Unavailable;
 use crate::coord::{Keyspace, RedisConn, keyspace};
@@ -392,6 +401,9 @@ pub(crate) enum Admission {
     Replay(StoredAnswer),
     /// The first request with this key is still in flight.
     InFlight,
+    /// The first request with this key got no answer that says whether it sold, and the
+    /// gate does not forward such a retry (`in_doubt_retry = "reject"`).
+    InDoubt(Doubt),
     /// This key came first with another body.
     Mismatch,
     /// Redis did not answer (`on_redis_error = "reject"`).
@@ -413,6 +425,16 @@ pub(crate) enum Lookup {
     NoRecord,
 }
 
+/// A buy whose outcome is in doubt, as a retry with its key is told.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct Doubt {
+    /// Its reservation's id (what the origin was told in `Stock-Reservation`).
+    pub(crate) reservation: String,
+    /// How long its reservation still holds its units; `None`: it ended (or its end is
+    /// not known), and its units were settled by the origin's count.
+    pub(crate) ends_in: Option<Duration>,
+}
+
 /// Units reserved for one buy in flight.
 #[derive(Debug)]
 pub(crate) struct Reservation {
@@ -430,9 +452,7 @@ pub(crate) struct Reservation {
 impl Reservation {
     /// The id the origin is told (`Stock-Reservation`).
     pub(crate) fn id(&self) -> &str {
-        self.member
-            .split_once('.')
-            .map_or(self.member.as_str(), |(_, id)| id)
+        reservation_id(&self.member)
     }
 }
 
@@ -529,11 +549,13 @@ impl Gate {
                     fingerprint: k.fingerprint,
                     segment,
                     member: member.clone(),
+                    ends_ms: None,
                     answer: None,
                 }
                 .encode(),
                 claim_when_short: segments > 1,
                 fingerprint: k.fingerprint,
+                reclaim: config.in_doubt_retry == InDoubtRetry::Forward,
             });
             let request = BuyRequest {
                 units,
@@ -598,6 +620,7 @@ impl Gate {
                             fingerprint: k.fingerprint,
                             segment,
                             member: member.clone(),
+                            ends_ms: None,
                             answer: None,
                         };
                         let _ = self
@@ -684,6 +707,17 @@ impl Gate {
                 self.metrics.request(StockOutcome::Replayed);
                 Admission::Replay(answer)
             }
+            (Kind::InDoubt, _) => {
+                let now = now_ms();
+                let doubt = Doubt {
+                    reservation: reservation_id(&record.member).to_owned(),
+                    ends_in: record
+                        .ends_ms
+                        .filter(|ends| *ends > now)
+                        .map(|ends| Duration::from_millis(ends - now)),
+                };
+                self.refused(StockOutcome::InDoubt, Admission::InDoubt(doubt))
+            }
             _ => self.refused(StockOutcome::InFlight, Admission::InFlight),
         }
     }
@@ -691,12 +725,16 @@ impl Gate {
     /// For a request the local marks call sold out but that carries an idempotency key:
     /// what the key's record says (a completed buy is replayed, not refused).
     pub(crate) async fn lookup(&self, resource: &Resource, key: IdempotencyKey) -> Lookup {
-        let segments = self.settings.load().config.segments.max(1);
+        let settings = self.settings.load();
+        let segments = settings.config.segments.max(1);
+        let reclaim = settings.config.in_doubt_retry == InDoubtRetry::Forward;
         let home = u16::try_from(key.hash % u128::from(segments)).unwrap_or(0);
         match self.ledger.read_record(resource.id, home, key.hash).await {
             Ok(Some(raw)) => match Record::decode(&raw) {
                 Some(record)
-                    if record.kind == Kind::InDoubt && record.fingerprint == key.fingerprint =>
+                    if reclaim
+                        && record.kind == Kind::InDoubt
+                        && record.fingerprint == key.fingerprint =>
                 {
                     Lookup::InDoubt
                 }
@@ -758,9 +796,27 @@ impl Gate {
         };
         let record = reservation.key.map(|(key, home)| {
             let (kind, ttl, answer) = match settlement {
-                Settlement::InDoubt => (Kind::InDoubt, config.reservation_ttl, None),
+                // Refused retries are refused for the key's whole life: past the
+                // reservation the outcome is no better known. Forwarded ones go on with the
+                // reservation while it lives; after it, a retry is a new buy, which an
+                // origin that deduplicates by the key answers with the first order.
+                Settlement::InDoubt => match config.in_doubt_retry {
+                    InDoubtRetry::Reject => (
+                        Kind::InDoubt,
+                        config.idempotency_ttl.max(config.reservation_ttl),
+                        None,
+                    ),
+                    InDoubtRetry::Forward => (Kind::InDoubt, config.reservation_ttl, None),
+                },
                 _ => (Kind::Done, config.idempotency_ttl, answer),
             };
+            let ends_ms = (kind == Kind::InDoubt).then(|| {
+                now_ms().saturating_add(millis(
+                    reservation
+                        .deadline
+                        .saturating_duration_since(Instant::now()),
+                ))
+            });
             let answer = match kind {
                 Kind::Done => Some(answer.unwrap_or_else(|| StoredAnswer {
                     status: 0,
@@ -778,6 +834,7 @@ impl Gate {
                     fingerprint: key.fingerprint,
                     segment: reservation.segment,
                     member: reservation.member.clone(),
+                    ends_ms,
                     answer,
                 }
                 .encode(),
@@ -1164,6 +1221,11 @@ fn share(total: u64, segments: u16, segment: u16) -> u64 {
     total / n + u64::from(u64::from(segment) < total % n)
 }
 
+/// The id of a reservation member `<units>.<id>`.
+fn reservation_id(member: &str) -> &str {
+    member.split_once('.').map_or(member, |(_, id)| id)
+}
+
 fn units_of(member: &str) -> Option<u64> {
     member.split_once('.')?.0.parse().ok()
 }
@@ -1175,6 +1237,7 @@ fn millis(duration: Duration) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::metrics::Metrics;
 
     #[test]
     fn shares_add_up() {
@@ -1199,6 +1262,165 @@ mod tests {
         let a = IdempotencyKey::parse(&HeaderValue::from_static("k"), 1).unwrap();
         let b = IdempotencyKey::parse(&HeaderValue::from_static("\"k\""), 2).unwrap();
         assert_eq!(a.hash, b.hash);
+    }
+
+    /// A gate over `ledger` with `extra` lines in its table (reservation_ttl 30s,
+    /// idempotency_ttl 1h), and a resource of it with 5 units loaded. The resource has no
+    /// paths, so its reconciles ask no origin.
+    async fn gate_with_units(
+        extra: &str,
+        redis: Option<(RedisConn, Keyspace)>,
+    ) -> (Arc<Gate>, Arc<Resource>) {
+        let toml = format!(
+            "[upstream]\nurl = \"http://127.0.0.1:9\"\n\
+             [[stock]]\nname = \"seats\"\nkey = \"/s/{{id}}\"\n\
+             source = {{ path = \"/stock/{{id}}\", json = \"/remaining\" }}\n\
+             reservation_ttl = \"30s\"\nidempotency_ttl = \"1h\"\n{extra}\
+             [[routes]]\nname = \"buy\"\nmatch = \"/s/{{id}}/orders\"\n\
+             methods = [\"POST\"]\nstock = {{ gate = \"seats\" }}\n"
+        );
+        let vars = HashMap::<String, String>::new();
+        let config = crate::config::Config::from_toml(&toml, "test.toml", &vars).expect("config");
+        let gates = Gates::new(
+            &config.stock,
+            &config.upstream,
+            redis,
+            1,
+            &Metrics::unregistered(),
+        );
+        let gate = Arc::clone(gates.get("seats").expect("the gate"));
+        let resource = Arc::new(Resource::new(rand::random(), 1));
+        gate.ledger
+            .apply(resource.id, 0, 5, now_ms(), 3_600_000, 60_000)
+            .await
+            .expect("loaded");
+        (gate, resource)
+    }
+
+    fn key(name: &'static str) -> IdempotencyKey {
+        IdempotencyKey::parse(&HeaderValue::from_static(name), 0xaa).expect("a key")
+    }
+
+    /// A keyed buy admitted and settled in doubt (the origin timed out); its reservation id.
+    async fn buy_in_doubt(gate: &Arc<Gate>, resource: &Arc<Resource>, k: IdempotencyKey) -> String {
+        let Admission::Admitted(reservation) = gate.admit(resource, 1, Some(k)).await else {
+            panic!("the first buy is admitted");
+        };
+        let id = reservation.id().to_owned();
+        gate.settle(reservation, Settlement::InDoubt, None).await;
+        id
+    }
+
+    /// What a retry of `k` is told: through the buy script, and through the record lookup
+    /// a request the marks call sold out takes (both must agree).
+    async fn retry(gate: &Arc<Gate>, resource: &Arc<Resource>, k: IdempotencyKey) -> Admission {
+        let looked_up = gate.lookup(resource, k).await;
+        let admitted = gate.admit(resource, 1, Some(k)).await;
+        match (&looked_up, &admitted) {
+            (Lookup::Answer(Admission::InDoubt(a)), Admission::InDoubt(b)) => {
+                assert_eq!(a.reservation, b.reservation);
+            }
+            (Lookup::InDoubt, Admission::Retried(_))
+            | (Lookup::NoRecord, Admission::Admitted(_)) => {}
+            other => panic!("lookup and buy disagree: {other:?}"),
+        }
+        admitted
+    }
+
+    /// Regression: a retry of a buy in doubt was taken up again and forwarded (a second sale
+    /// at an origin that does not deduplicate by the key). Refused by default: with the
+    /// reservation's remaining life while it holds its unit, without once it ended, and as
+    /// a new buy only once the key's record is gone (`idempotency_ttl`).
+    #[tokio::test(start_paused = true)]
+    async fn a_retry_in_doubt_is_refused_for_the_key_s_life_in_memory() {
+        let (gate, resource) = gate_with_units("", None).await;
+        let k = key("k-doubt");
+        let id = buy_in_doubt(&gate, &resource, k).await;
+        tokio::time::advance(Duration::from_secs(10)).await;
+        match retry(&gate, &resource, k).await {
+            Admission::InDoubt(doubt) => {
+                assert_eq!(doubt.reservation, id);
+                assert_eq!(doubt.ends_in, Some(Duration::from_secs(20)));
+            }
+            other => panic!("refused while its reservation lives, got {other:?}"),
+        }
+        tokio::time::advance(Duration::from_secs(21)).await;
+        match retry(&gate, &resource, k).await {
+            Admission::InDoubt(doubt) => assert_eq!(doubt.ends_in, None),
+            other => panic!("still refused after the reservation, got {other:?}"),
+        }
+        assert!(
+            matches!(
+                gate.admit(&resource, 1, Some(key("k-other"))).await,
+                Admission::Admitted(_)
+            ),
+            "another key buys"
+        );
+        tokio::time::advance(Duration::from_secs(3600)).await;
+        assert!(
+            matches!(retry(&gate, &resource, k).await, Admission::Admitted(_)),
+            "a key past idempotency_ttl is new"
+        );
+        assert_eq!(gate.metrics.counts().request(StockOutcome::InDoubt), 4);
+    }
+
+    /// `in_doubt_retry = "forward"`: the retry goes on with the first reservation, no new
+    /// unit; once the reservation ended, a retry is a new buy.
+    #[tokio::test(start_paused = true)]
+    async fn a_retry_in_doubt_is_forwarded_when_configured_in_memory() {
+        let (gate, resource) = gate_with_units("in_doubt_retry = \"forward\"\n", None).await;
+        let k = key("k-doubt");
+        let id = buy_in_doubt(&gate, &resource, k).await;
+        match retry(&gate, &resource, k).await {
+            Admission::Retried(again) => {
+                assert_eq!(again.id(), id);
+                gate.settle(again, Settlement::InDoubt, None).await;
+            }
+            other => panic!("forwarded again, got {other:?}"),
+        }
+        tokio::time::advance(Duration::from_secs(31)).await;
+        assert!(matches!(
+            retry(&gate, &resource, k).await,
+            Admission::Admitted(_)
+        ));
+    }
+
+    /// The same in Redis (standalone; the cluster and the whole path through a timed-out
+    /// origin are in `tests/it/stock_gate.rs`), on Redis's clock: the refusal and the
+    /// forward.
+    #[tokio::test]
+    async fn a_retry_in_doubt_is_refused_or_forwarded_in_redis() {
+        let redis = crate::test_redis::TestRedis::start().await;
+        for (extra, forward) in [("", false), ("in_doubt_retry = \"forward\"\n", true)] {
+            let toml = format!(
+                "[upstream]\nurl = \"http://127.0.0.1:9\"\n[redis]\nurl = \"{}\"\n",
+                redis.url()
+            );
+            let vars = HashMap::<String, String>::new();
+            let config =
+                crate::config::Config::from_toml(&toml, "test.toml", &vars).expect("config");
+            let redis_config = config.redis.as_ref().expect("shared mode");
+            let conn = RedisConn::start(
+                redis_config,
+                Metrics::unregistered(),
+                CancellationToken::new(),
+            )
+            .await
+            .expect("redis");
+            let keys = Keyspace::new(&redis_config.key_prefix);
+            let (gate, resource) = gate_with_units(extra, Some((conn, keys))).await;
+            let k = key("k-doubt");
+            let id = buy_in_doubt(&gate, &resource, k).await;
+            match (retry(&gate, &resource, k).await, forward) {
+                (Admission::InDoubt(doubt), false) => {
+                    assert_eq!(doubt.reservation, id);
+                    let left = doubt.ends_in.expect("the reservation lives");
+                    assert!(left > Duration::from_secs(25), "{left:?}");
+                }
+                (Admission::Retried(again), true) => assert_eq!(again.id(), id),
+                (other, _) => panic!("forward={forward}: {other:?}"),
+            }
+        }
     }
 
     #[tokio::test(start_paused = true)]

@@ -13,11 +13,22 @@
 //!   takes them (checked by the router): purges belong to the admin listener.
 //! - A request target longer than `server.max_header_bytes` gets 414; one with bytes that
 //!   are not ASCII (they must be percent-encoded) 400.
+//! - A method longer than [`MAX_METHOD_BYTES`], or one that is not a token (RFC 9110 §9.1,
+//!   §5.6.2), gets 400: hyper takes a method of any length up to its read buffer, and
+//!   would have it forwarded.
 
 use http::header::{self, HeaderMap};
 use http::{Method, Request, Version};
 
 use crate::error::ProxyError;
+
+/// The longest method taken, in bytes. The longest registered in the IANA HTTP Method
+/// Registry is 17 (`UPDATEREDIRECTREF`); an extension method is a short verb too. nginx
+/// and Varnish bound a method only by their head buffers (1 KiB, 8 KiB) and hyper by its
+/// read buffer, so a "method" of hundreds of bytes reached the origin, whose own parser
+/// may refuse or misread it. Twice the longest registered method leaves room for any
+/// extension in use.
+pub(crate) const MAX_METHOD_BYTES: usize = 32;
 
 /// Checks `request`'s target, `Host`, `Connection` and method.
 ///
@@ -33,6 +44,7 @@ pub(crate) fn check<B>(request: &Request<B>, max_header_bytes: usize) -> Result<
     if !target.is_ascii() {
         return Err(ProxyError::BadRequest("request target is not ASCII"));
     }
+    check_method(request.method())?;
     check_host(request)?;
     check_connection(request.headers())?;
     if request.method() == Method::TRACE || request.method() == Method::CONNECT {
@@ -45,6 +57,25 @@ pub(crate) fn check<B>(request: &Request<B>, max_header_bytes: usize) -> Result<
 /// no route takes it.
 pub(crate) fn is_cache_method(method: &Method) -> bool {
     matches!(method.as_str(), "PURGE" | "BAN")
+}
+
+fn check_method(method: &Method) -> Result<(), ProxyError> {
+    let name = method.as_str();
+    if name.len() > MAX_METHOD_BYTES {
+        return Err(ProxyError::BadRequest(
+            "method longer than 32 bytes (the longest registered is 17)",
+        ));
+    }
+    // http's parser takes only token bytes already; this keeps the rule here, in one place.
+    if name.is_empty() || !name.bytes().all(is_tchar) {
+        return Err(ProxyError::BadRequest("method is not a token"));
+    }
+    Ok(())
+}
+
+/// RFC 9110 §5.6.2 `tchar`.
+pub(crate) fn is_tchar(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)
 }
 
 fn check_host<B>(request: &Request<B>) -> Result<(), ProxyError> {
@@ -196,5 +227,24 @@ mod tests {
             &Method::from_bytes(b"PURGE").expect("method")
         ));
         assert!(!is_cache_method(&Method::DELETE));
+    }
+
+    #[test]
+    fn methods_are_short_tokens() {
+        let status = |method: &str| {
+            let request = Request::builder()
+                .method(method)
+                .uri("/a")
+                .header("host", "a")
+                .body(())
+                .expect("request");
+            check(&request, 1024).map_or_else(|e| e.status().as_u16(), |()| 200)
+        };
+        assert_eq!(status("UPDATEREDIRECTREF"), 200);
+        assert_eq!(status(&"M".repeat(MAX_METHOD_BYTES)), 200);
+        assert_eq!(status(&"M".repeat(MAX_METHOD_BYTES + 1)), 400);
+        assert_eq!(status(&"M".repeat(300)), 400);
+        assert!("!#$%&'*+-.^_`|~aZ09".bytes().all(is_tchar));
+        assert!(!"(),/:;<=>?@[]{} \"\t".bytes().any(is_tchar));
     }
 }

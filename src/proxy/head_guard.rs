@@ -27,10 +27,12 @@ use std::task::{Context, Poll, ready};
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
+use super::admit::{MAX_METHOD_BYTES, is_tchar};
 use crate::error::ProxyError;
 
-/// Bytes kept of the start of the line being read: enough for any method and its space.
-const LINE_START: usize = 32;
+/// Bytes kept of the start of the line being read: enough for any method taken
+/// ([`MAX_METHOD_BYTES`]) and its space.
+const LINE_START: usize = MAX_METHOD_BYTES + 1;
 
 /// A connection's stream, with hyper's bare refusals replaced by cacheguard's own.
 #[derive(Debug)]
@@ -44,11 +46,21 @@ pub(crate) struct HeadGuard<T> {
 }
 
 /// The line being read: its length so far and its first bytes.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Line {
     len: usize,
     start: [u8; LINE_START],
     kept: usize,
+}
+
+impl Default for Line {
+    fn default() -> Self {
+        Line {
+            len: 0,
+            start: [0; LINE_START],
+            kept: 0,
+        }
+    }
 }
 
 impl Line {
@@ -75,11 +87,6 @@ impl Line {
             _ => false,
         }
     }
-}
-
-/// RFC 9110 §5.6.2 `tchar`.
-fn is_tchar(b: u8) -> bool {
-    b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)
 }
 
 impl<T> HeadGuard<T> {

@@ -9,10 +9,11 @@
 //! made, whichever path made it.
 //!
 //! The last [`RECENT`] lines written are also kept in a small ring for the admin status
-//! page ([`OwnAnswerLog::recent`]): time, route, method, path (without its query, which may
-//! carry a token, and cut to [`MAX_PATH_CHARS`]), status and reason; not the error detail,
-//! which can name upstream addresses. Only what the log takes: under a flood the ring costs
-//! nothing more per answer than the log does, and the page lists what the log says.
+//! page ([`OwnAnswerLog::recent`]): time, route, method (cut to the [`MAX_METHOD_BYTES`]
+//! taken), path (without its query, which may carry a token, and cut to
+//! [`MAX_PATH_CHARS`]), status and reason; not the error detail, which can name upstream
+//! addresses. Only what the log takes: under a flood the ring costs nothing more per answer
+//! than the log does, and the page lists what the log says.
 
 use std::collections::VecDeque;
 use std::num::NonZeroU32;
@@ -23,6 +24,7 @@ use http::{Method, Response};
 use serde::Serialize;
 use tracing::warn;
 
+use super::admit::MAX_METHOD_BYTES;
 use super::body::Body;
 use crate::clock::{self, DirectLimiter, TokioClock};
 use crate::error::ProxyError;
@@ -62,6 +64,7 @@ impl OwnAnswer {
 pub(crate) struct RecentAnswer {
     pub(crate) unix_ms: u64,
     pub(crate) route: String,
+    /// At most [`MAX_METHOD_BYTES`] characters (a longer one was refused).
     pub(crate) method: String,
     /// Without the query, at most [`MAX_PATH_CHARS`] characters. Chosen by the client:
     /// whoever shows it must escape it.
@@ -132,10 +135,12 @@ impl OwnAnswerLog {
             return;
         };
         let path: String = path.chars().take(MAX_PATH_CHARS).collect();
+        // A method refused for its length is cut to the length taken.
+        let method: String = method.as_str().chars().take(MAX_METHOD_BYTES).collect();
         self.remember(RecentAnswer {
             unix_ms: clock::now_ms(),
             route: route.to_owned(),
-            method: method.as_str().to_owned(),
+            method: method.clone(),
             path: path.clone(),
             status: response.status().as_u16(),
             reason: own.reason,
@@ -143,7 +148,7 @@ impl OwnAnswerLog {
         warn!(
             message = "Answered with cacheguard's own error.",
             route,
-            method = %method,
+            method,
             path,
             status = response.status().as_u16(),
             reason = own.reason,
@@ -230,13 +235,16 @@ mod tests {
             &long,
             &own(http::StatusCode::PAYLOAD_TOO_LARGE),
         );
+        let long_method = Method::from_bytes("M".repeat(300).as_bytes()).expect("method");
+        log.record("-", &long_method, "/m", &own(http::StatusCode::BAD_REQUEST));
         let recent = log.recent();
         assert_eq!(recent.len(), RECENT);
-        assert_eq!(recent[0].status, 413);
-        assert_eq!(recent[0].method, "POST");
-        assert_eq!(recent[0].path.chars().count(), MAX_PATH_CHARS);
-        assert_eq!(recent[1].path, format!("/api/items/{}", RECENT + 4));
-        assert_eq!(recent[RECENT - 1].path, "/api/items/6");
+        assert_eq!(recent[0].method, "M".repeat(MAX_METHOD_BYTES));
+        assert_eq!(recent[1].status, 413);
+        assert_eq!(recent[1].method, "POST");
+        assert_eq!(recent[1].path.chars().count(), MAX_PATH_CHARS);
+        assert_eq!(recent[2].path, format!("/api/items/{}", RECENT + 4));
+        assert_eq!(recent[RECENT - 1].path, "/api/items/7");
         assert!(recent.iter().all(|r| r.reason == "shed"));
     }
 }

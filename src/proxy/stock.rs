@@ -20,7 +20,7 @@ use crate::error::ProxyError;
 use crate::metrics::Outcome;
 use crate::protect::stock::record::{MAX_REPLAY_BODY, StoredAnswer};
 use crate::protect::stock::{
-    Admission, Gate, IdempotencyKey, Lookup, Reservation, Resource, STOCK_RESERVATION,
+    Admission, Doubt, Gate, IdempotencyKey, Lookup, Reservation, Resource, STOCK_RESERVATION,
 };
 
 /// Set on a replayed answer (the name Stripe and others use).
@@ -52,6 +52,25 @@ pub(crate) fn replay(answer: &StoredAnswer) -> Response<Body> {
     );
     headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
     respond::mark(&mut response, Outcome::Replayed);
+    response
+}
+
+/// The answer to a retry of a buy whose outcome is in doubt, when the gate does not forward
+/// it: 409 (the key's state conflicts with the request, as for a retry in flight) with
+/// `Retry-After` while the reservation still holds its units, and its id in
+/// `Stock-Reservation` so the client can ask the origin for the order.
+fn in_doubt(doubt: Doubt) -> Response<Body> {
+    let retry_after = doubt
+        .ends_in
+        .map(|left| left.as_secs() + u64::from(left.subsec_nanos() > 0));
+    let id = HeaderValue::from_str(&doubt.reservation).ok();
+    let mut response = respond::error(&ProxyError::IdempotencyInDoubt {
+        reservation: doubt.reservation,
+        retry_after,
+    });
+    if let Some(id) = id {
+        response.headers_mut().insert(STOCK_RESERVATION.clone(), id);
+    }
     response
 }
 
@@ -186,6 +205,7 @@ impl Gated {
                 return Err(self.answered(route, replay(&answer), Outcome::Replayed));
             }
             Admission::InFlight => return Err(respond::error(&ProxyError::IdempotencyInFlight)),
+            Admission::InDoubt(doubt) => return Err(in_doubt(doubt)),
             Admission::Mismatch => return Err(respond::error(&ProxyError::IdempotencyMismatch)),
             Admission::Unavailable => return Err(respond::error(&ProxyError::StockUnavailable)),
             Admission::NotLoaded => return Err(respond::error(&ProxyError::StockNotLoaded)),

@@ -22,7 +22,7 @@ use http_body_util::LengthLimitError;
 use http_body_util::combinators::BoxBody;
 use hyper::body::Incoming;
 use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::connect::{HttpConnector, capture_connection};
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 use tokio::sync::oneshot;
 
@@ -218,13 +218,30 @@ impl From<Failed> for ProxyError {
 }
 
 /// One request on `client`, its answer checked: more than [`MAX_INFORMATIONAL`] 1xx answers
-/// before the final one, or a final one with both `Content-Length` and `Transfer-Encoding`
-/// (RFC 9112 §6.3: a sign of request smuggling or a broken origin), are refused. The
-/// refused answer is dropped unread, so its connection is closed rather than reused.
+/// before the final one, or a final one whose framing cannot be trusted, is refused: both
+/// `Content-Length` and `Transfer-Encoding` (RFC 9112 §6.3: a sign of request smuggling or
+/// a broken origin), or a `Transfer-Encoding` whose last coding is not `chunked` (its body
+/// would run to the connection's close; nginx refuses it too).
+///
+/// The connection of a refused answer never carries another request: the origin and
+/// cacheguard may disagree on where that answer ends, so what it reads next could be the
+/// rest of this one. Dropping the answer is not enough: hyper drains a body that is already
+/// in its buffer and then hands the connection back to the pool as sound. It is poisoned
+/// instead (`Connected::poison`, through [`capture_connection`]), which keeps the pool from
+/// handing it out again, and is closed once hyper lets it go. Framing hyper refuses itself
+/// (two different `Content-Length` values, a bad chunk size, a body cut short, bytes past
+/// the end) already ends the connection in hyper.
 async fn exchange(
     client: &Client<HttpConnector, UpstreamBody>,
     mut request: Request<UpstreamBody>,
 ) -> Result<Response<Incoming>, Failed> {
+    let connection = capture_connection(&mut request);
+    let refuse = |why: &'static str| {
+        if let Some(connected) = connection.connection_metadata().as_ref() {
+            connected.poison();
+        }
+        Failed::Refused(why)
+    };
     let flood = Arc::new(Informational::default());
     let seen = Arc::clone(&flood);
     hyper::ext::on_informational(&mut request, move |_| {
@@ -232,25 +249,41 @@ async fn exchange(
             seen.too_many.notify_one();
         }
     });
-    let too_many = Failed::Refused("more than 16 informational (1xx) answers");
+    let too_many = "more than 16 informational (1xx) answers";
     let response = tokio::select! {
         biased;
-        () = flood.too_many.notified() => return Err(too_many),
+        () = flood.too_many.notified() => return Err(refuse(too_many)),
         response = client.request(request) => response.map_err(Failed::Client)?,
     };
     // The flood and the final answer may have come in one read.
     if flood.count.load(Ordering::Relaxed) > MAX_INFORMATIONAL {
-        return Err(too_many);
+        return Err(refuse(too_many));
     }
     let headers = response.headers();
-    if headers.contains_key(header::CONTENT_LENGTH)
-        && headers.contains_key(header::TRANSFER_ENCODING)
-    {
-        return Err(Failed::Refused(
-            "an answer with both Content-Length and Transfer-Encoding",
-        ));
+    if headers.contains_key(header::TRANSFER_ENCODING) {
+        if headers.contains_key(header::CONTENT_LENGTH) {
+            return Err(refuse(
+                "an answer with both Content-Length and Transfer-Encoding",
+            ));
+        }
+        if !chunked_last(headers) {
+            return Err(refuse(
+                "an answer whose Transfer-Encoding does not end with chunked",
+            ));
+        }
     }
     Ok(response)
+}
+
+/// Whether the last transfer coding `headers` name is `chunked` (RFC 9112 §6.1).
+fn chunked_last(headers: &http::HeaderMap) -> bool {
+    headers
+        .get_all(header::TRANSFER_ENCODING)
+        .iter()
+        .next_back()
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| value.rsplit(',').next())
+        .is_some_and(|last| last.trim().eq_ignore_ascii_case("chunked"))
 }
 
 /// The informational answers of one exchange so far.
@@ -420,4 +453,30 @@ fn classify(error: &hyper_util::client::legacy::Error) -> ProxyError {
         source = cause.source();
     }
     ProxyError::OriginConnect(detail)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_transfer_encoding_ending_with_chunked_frames_an_answer() {
+        let ends = |values: &[&str]| {
+            let mut headers = http::HeaderMap::new();
+            for value in values {
+                headers.append(
+                    header::TRANSFER_ENCODING,
+                    HeaderValue::from_str(value).expect("value"),
+                );
+            }
+            chunked_last(&headers)
+        };
+        assert!(ends(&["chunked"]));
+        assert!(ends(&["gzip, Chunked "]));
+        assert!(ends(&["gzip", "chunked"]));
+        assert!(!ends(&["gzip"]));
+        assert!(!ends(&["chunked, gzip"]));
+        assert!(!ends(&["chunked", "gzip"]));
+        assert!(!ends(&[]));
+    }
 }

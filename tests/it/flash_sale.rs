@@ -10,7 +10,16 @@
 //!   (two reconcile intervals, plus `reservation_ttl` when the fault leaves reservations in
 //!   doubt), no buyer is turned away while the shop still has units;
 //! - **flood factor** (buy requests at the shop ÷ units sold) ≤ 1.02 without faults and
-//!   ≤ 1.2 through a Redis kill and restart.
+//!   through an origin that times out or answers 5xx after committing (whether clients
+//!   retry with the same key or not), ≤ 1.2 through a Redis kill and restart;
+//! - **keys forwarded again** 0: no `Idempotency-Key` reaches the shop twice (the shop
+//!   would answer it from its own record; an origin that does not deduplicate would sell
+//!   twice), also when clients retry a buy in doubt.
+//! - **availability** with no fault at all: under a *saturating* flood (buyers that never
+//!   pause, cacheguard, redis-server and the clients sharing the cores) on a healthy Redis,
+//!   with the default `redis.command_timeout` (50 ms) and `breaker_failures` (3), the Redis
+//!   breaker never opens and the gate never answers `503 stock gate unavailable`: a busy
+//!   proxy is not a sick Redis ([`saturating_flood_on_a_healthy_redis`]).
 //!
 //! [`STOCK_GATE`] says whether the buy route goes through the stock gate. Until the gate
 //! is merged it is `false`: every scenario then runs its nemesis with the buy route
@@ -25,12 +34,13 @@ use std::time::Duration;
 use crate::common;
 use crate::common::fleet::Fleet;
 use crate::common::history::{
-    Epoch, History, Outcome, SaleLog, check_oversell, check_phantom, check_undersell, flood_factor,
+    Epoch, History, Outcome, SaleLog, check_available, check_oversell, check_phantom,
+    check_undersell, flood_factor,
 };
 use crate::common::jepsen::{self, Backend, Nemesis, RunConfig, Topology};
 use crate::common::process::faketime_env;
 use crate::common::shop::{Fault as ShopFault, Scope, Shop, buy_request, seat};
-use crate::common::{CgConfig, HttpClient, route};
+use crate::common::{CgConfig, HttpClient, RedisServer, metric, route};
 
 /// Whether the buy route is gated (`[[stock]]` + `stock = { gate = "seats", units = 1 }`).
 /// Set it to `true` once the stock gate is merged: every test then asserts the gate's
@@ -169,7 +179,11 @@ impl Verdict {
         let phantom = check_phantom(&self.history, &self.log, "buy");
         let undersell = check_undersell(&self.history, &self.log, "buy", self.window_start);
         let flood = flood_factor(&self.log);
-        let report = format!("{summary}\n{oversell}{phantom}{undersell}{flood}");
+        // Requests the shop answered from its own idempotency record: keys it saw twice.
+        let again: u64 = self.log.resources.values().map(|r| r.replays).sum();
+        let report = format!(
+            "{summary}\n{oversell}{phantom}{undersell}{flood}\nkeys forwarded again: {again}"
+        );
         eprintln!("{report}");
         let fail = |what: &str| -> ! {
             panic!(
@@ -188,6 +202,9 @@ impl Verdict {
         }
         if summary.count(Outcome::Ok) == 0 {
             fail("no buy succeeded: the run proves nothing");
+        }
+        if gated && again > 0 {
+            fail("an idempotency key reached the origin twice");
         }
         if gated
             && let Some(max) = flood_max
@@ -586,10 +603,153 @@ async fn redis_slowed_then_blackholed() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn origin_slow_and_timing_out() {
-    scenario(Topology::Standalone, Fault::OriginSlowAndTimingOut, None).await;
+    scenario(
+        Topology::Standalone,
+        Fault::OriginSlowAndTimingOut,
+        Some(1.02),
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_retries_with_the_same_idempotency_key() {
-    scenario(Topology::Standalone, Fault::RetriesInDoubt, None).await;
+    scenario(Topology::Standalone, Fault::RetriesInDoubt, Some(1.02)).await;
+}
+
+// === no fault, but a saturated machine ===
+
+/// Buyers of the saturating flood: with no pause, enough to keep the cores busy.
+const SATURATING_CLIENTS: usize = 96;
+/// What the gate answers when it cannot ask Redis (`on_redis_error = "reject"`).
+const GATE_UNAVAILABLE: &str = "stock gate unavailable";
+
+/// What a saturating flood left behind: the verdict material, the Redis breaker's
+/// openings (`cacheguard_redis_breaker_transitions_total{to="open"}`) and the buy rate.
+struct FloodRun {
+    verdict: Verdict,
+    openings: f64,
+    per_second: f64,
+}
+
+/// A buy flood for `duration` on a healthy Redis, with `redis.command_timeout` and
+/// `breaker_failures` at their defaults (50 ms, 3): [`SATURATING_CLIENTS`] buyers that never
+/// pause, one cacheguard instance and redis-server (reached directly, no proxy) share the
+/// machine's cores, and the stock outlasts the run, so every buy runs the gate's scripts on
+/// Redis. Holds the heavy lock: the point is the saturation.
+async fn saturating_flood(duration: Duration) -> FloodRun {
+    let _heavy = common::heavy().await;
+    let redis = RedisServer::start().await;
+    let epoch = Epoch::now();
+    let stock: Vec<(String, u64)> = ["a", "b", "c", "d"]
+        .into_iter()
+        .map(|kind| (seat("t1", kind), 10_000_000))
+        .collect();
+    let shop = Shop::start(epoch, &stock).await;
+    let cfg = CgConfig::with_upstream(&shop.url())
+        .set_str("redis", "url", &redis.url())
+        .set_str("redis", "command_timeout", "50ms")
+        .set("redis", "breaker_failures", "3")
+        .set_str("upstream", "timeout", UPSTREAM_TIMEOUT)
+        .set_str("lock", "wait_timeout", UPSTREAM_TIMEOUT)
+        .routes(&buy_routes(true, 1));
+    let fleet = jepsen::start_fleet(&cfg, 1, true).await;
+    let run = RunConfig {
+        clients: SATURATING_CLIENTS,
+        duration,
+        tail: Duration::ZERO,
+        max_ops: 1_000_000,
+        pace: Duration::ZERO,
+        ..RunConfig::default()
+    };
+    let resources: Vec<String> = stock.iter().map(|(r, _)| r.clone()).collect();
+    let history = jepsen::run(
+        &run,
+        epoch,
+        &fleet.addrs(),
+        move |p, k| {
+            let resource = &resources[(p + k as usize) % resources.len()];
+            buy_request(resource, &format!("p{p}-{k}"))
+        },
+        jepsen::no_faults,
+    )
+    .await;
+    let idle = shop.wait_idle(Duration::from_secs(5)).await;
+    assert!(
+        idle,
+        "the shop still has requests in flight 5s after the run"
+    );
+    let client = HttpClient::new();
+    let openings = metric(
+        &client,
+        fleet.admin_addrs()[0],
+        "cacheguard_redis_breaker_transitions_total",
+        &[("to", "open")],
+    )
+    .await;
+    let per_second = history.ops.len() as f64 / duration.as_secs_f64();
+    FloodRun {
+        verdict: Verdict {
+            log: shop.sale_log(),
+            history,
+            window_start: Duration::ZERO,
+            output: fleet.output(),
+        },
+        openings,
+        per_second,
+    }
+}
+
+impl FloodRun {
+    /// Asserts what a run with no fault promises, and that the breaker never opened and the
+    /// gate never answered "unavailable".
+    fn assert(&self) {
+        let v = &self.verdict;
+        let available = check_available(&v.history, "buy", GATE_UNAVAILABLE);
+        let report = format!(
+            "{}\n{}{}{}{}\nbreaker openings: {}; {:.0} buys/s",
+            v.history.summary(),
+            check_oversell(&v.log),
+            check_phantom(&v.history, &v.log, "buy"),
+            available,
+            flood_factor(&v.log),
+            self.openings,
+            self.per_second
+        );
+        eprintln!("{report}");
+        let fail = |what: &str| -> ! {
+            panic!("{what}\n{report}\n--- cacheguard output ---\n{}", v.output)
+        };
+        if !check_oversell(&v.log).ok() {
+            fail("oversold");
+        }
+        if !check_phantom(&v.history, &v.log, "buy").ok() {
+            fail("phantom successes");
+        }
+        if v.history.summary().count(Outcome::Ok) == 0 {
+            fail("no buy succeeded: the run proves nothing");
+        }
+        if self.openings != 0.0 || !available.ok() {
+            fail(&format!(
+                "a healthy Redis under a saturating flood: the breaker opened {} times and the \
+                 gate answered {} buyers \"{GATE_UNAVAILABLE}\" with units left",
+                self.openings,
+                available.unavailable.len()
+            ));
+        }
+    }
+}
+
+/// A saturating buy flood on a healthy Redis: 0 breaker openings, 0 gate-unavailable
+/// answers (short enough for CI; [`saturating_flood_for_a_minute`] is the measurement).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn saturating_flood_on_a_healthy_redis() {
+    saturating_flood(Duration::from_secs(15)).await.assert();
+}
+
+/// The same for 60 s, the figure BENCHMARKS.md quotes (breaker openings per minute):
+/// `cargo test --test it -- flash_sale::saturating_flood_for_a_minute --ignored --nocapture`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a one-minute measurement; run it by name"]
+async fn saturating_flood_for_a_minute() {
+    saturating_flood(Duration::from_secs(60)).await.assert();
 }

@@ -763,3 +763,195 @@ async fn method_overrides_never_reach_the_origin_on_any_path() {
     }
     cg.shutdown().await;
 }
+
+/// A method longer than 32 bytes (300 bytes here) gets 400 with a short body and
+/// `Connection: close`, on a cached path and on pass-through; the connection is closed (a
+/// request pipelined behind it is never read), the origin sees nothing, and the refusal is
+/// counted with the other 400s. An extension method of exactly 32 bytes is still forwarded.
+/// Before, the 300-byte method reached the origin and the connection stayed open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_overlong_method_gets_400_and_closes_the_connection() {
+    let origin = TestOrigin::start().await;
+    let cg = CgConfig::new(&origin).start().await;
+    let client = HttpClient::new();
+    let refused = || {
+        common::metric(
+            &client,
+            cg.admin_addr(),
+            "cacheguard_rejected_requests_total",
+            &[("reason", "bad_request")],
+        )
+    };
+    let long = "M".repeat(300);
+    for prefix in ["/api/items/", "/other/"] {
+        let path = format!("{prefix}long-method");
+        let behind = format!("{prefix}behind-long-method");
+        let before = refused().await;
+        let bytes = format!(
+            "{long} {path} HTTP/1.1\r\nHost: a.example\r\n\r\nGET {behind} HTTP/1.1\r\nHost: a.example\r\n\r\n"
+        );
+        let (answer, closed) = raw_until_closed(cg.addr(), bytes.as_bytes(), WAIT).await;
+        assert_eq!(status_of(&answer), 400, "{path}: {answer:?}");
+        assert!(
+            answer
+                .to_ascii_lowercase()
+                .contains("\r\nconnection: close\r\n"),
+            "{path}: no Connection: close: {answer:?}"
+        );
+        assert!(
+            body_of(&answer).starts_with("cacheguard: ") && body_of(&answer).len() < 200,
+            "{path}: {answer:?}"
+        );
+        assert_eq!(answer.matches("HTTP/1.1 ").count(), 1, "{path}: {answer:?}");
+        assert!(closed, "{path}: the connection stayed open");
+        assert_eq!(
+            origin.count(&path),
+            0,
+            "{path}: the method reached the origin"
+        );
+        assert_eq!(
+            origin.count(&behind),
+            0,
+            "{path}: the pipelined request was served"
+        );
+        assert_eq!(refused().await, before + 1.0, "{path}: not counted");
+    }
+    // At the bound: forwarded (pass-through), as any extension method.
+    let method = "X-EXTENSION-METHOD-OF-32-BYTES-Z";
+    assert_eq!(method.len(), 32);
+    let path = "/other/bound-method";
+    let bytes = format!("{method} {path} HTTP/1.1\r\nHost: a.example\r\nConnection: close\r\n\r\n");
+    let (answer, _) = raw_until_closed(cg.addr(), bytes.as_bytes(), WAIT).await;
+    assert_ne!(status_of(&answer), 400, "{answer:?}");
+    assert_eq!(origin.count(path), 1, "{answer:?}");
+    let seen = origin.last_request(path).expect("forwarded");
+    assert_eq!(seen.method.as_str(), method);
+    cg.shutdown().await;
+}
+
+/// An origin connection whose answer had untrustworthy framing never carries another
+/// request: after each such answer — both `Content-Length` and `Transfer-Encoding`, two
+/// different `Content-Length` values, a chunk size that is no number, a `Transfer-Encoding`
+/// whose last coding is not `chunked`, more than 16 informational answers arriving with the
+/// final one, bytes after the declared end, a body cut short with the connection left open
+/// — the next request reaches the origin on a new connection, on a cached route and on
+/// pass-through. A sound answer's connection is reused (which shows the test can tell).
+/// Before, a refused answer whose bytes were all read left its connection in the pool: the
+/// request after it went out on the same connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_origin_connection_is_never_reused_after_a_framing_fault() {
+    let head = |fields: &str, body: &str| {
+        format!("HTTP/1.1 200 OK\r\nCache-Control: max-age=60\r\n{fields}\r\n{body}").into_bytes()
+    };
+    let mut hints = b"HTTP/1.1 103 Early Hints\r\nLink: </a.css>; rel=preload\r\n\r\n".repeat(17);
+    hints.extend_from_slice(&head("Content-Length: 2\r\n", "ok"));
+    // (name, answer, whether pass-through is asked too — a body cut short on pass-through
+    // streams to the client until the origin closes —, whether every answer is a 502)
+    let faults = [
+        (
+            "cl+te",
+            head(
+                "Content-Length: 5\r\nTransfer-Encoding: chunked\r\n",
+                "5\r\nhello\r\n0\r\n\r\n",
+            ),
+            true,
+            true,
+        ),
+        (
+            "two-lengths",
+            head("Content-Length: 5\r\nContent-Length: 6\r\n", "hello"),
+            true,
+            true,
+        ),
+        (
+            "bad-chunk",
+            head("Transfer-Encoding: chunked\r\n", "zz\r\nhello\r\n0\r\n\r\n"),
+            true,
+            false,
+        ),
+        (
+            "te-not-chunked",
+            head("Transfer-Encoding: gzip\r\n", "hello"),
+            true,
+            true,
+        ),
+        ("17-hints", hints, true, true),
+        (
+            "bytes-after-the-end",
+            head(
+                "Content-Length: 5\r\n",
+                "helloHTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nevil",
+            ),
+            true,
+            false,
+        ),
+        (
+            "cut-short",
+            head("Content-Length: 10\r\n", "hello"),
+            false,
+            false,
+        ),
+    ];
+    let client = HttpClient::new();
+    let get = |addr: SocketAddr, path: String| {
+        let client = client.clone();
+        async move {
+            // 0: no answer in time, or one cut off (a streamed body that broke).
+            match tokio::time::timeout(WAIT, client.try_get(&url(addr, &path))).await {
+                Ok(Ok(r)) => r.status.as_u16(),
+                _ => 0,
+            }
+        }
+    };
+
+    // A sound answer: its connection carries the next request.
+    let origin = RawOrigin::start(head("Content-Length: 2\r\n", "ok")).await;
+    let cg = CgConfig::with_upstream(&origin.url()).start().await;
+    for path in ["/api/items/sound-1", "/api/items/sound-2", "/other/sound-3"] {
+        assert_eq!(get(cg.addr(), path.to_owned()).await, 200, "{path}");
+    }
+    let per_connection = origin.per_connection();
+    assert!(
+        per_connection.iter().any(|&n| n > 1),
+        "sound answers' connections were not reused: {per_connection:?}"
+    );
+    cg.shutdown().await;
+
+    let (mut reused, mut not_502) = (Vec::new(), Vec::new());
+    for (name, answer, passthrough, refused) in faults {
+        let origin = RawOrigin::start(answer).await;
+        let cg = CgConfig::with_upstream(&origin.url())
+            .set_str("upstream", "timeout", "1s")
+            .start()
+            .await;
+        let mut paths = vec![
+            format!("/api/items/{name}-1"),
+            format!("/api/items/{name}-2"),
+        ];
+        if passthrough {
+            paths.push(format!("/other/{name}-3"));
+            paths.push(format!("/api/items/{name}-4"));
+        }
+        let mut statuses = Vec::new();
+        for path in paths {
+            statuses.push(get(cg.addr(), path).await);
+        }
+        let per_connection = origin.per_connection();
+        eprintln!("{name}: answered {statuses:?}, requests per connection {per_connection:?}");
+        if per_connection.iter().any(|&n| n > 1) {
+            reused.push(format!("{name}: {per_connection:?} ({statuses:?})"));
+        }
+        if refused && statuses.iter().any(|&s| s != 502) {
+            not_502.push(format!("{name}: {statuses:?}"));
+        }
+        cg.shutdown().await;
+    }
+    assert!(
+        reused.is_empty(),
+        "an origin connection carried a request after a framing fault: {reused:?}"
+    );
+    assert!(
+        not_502.is_empty(),
+        "refused answers not answered 502: {not_502:?}"
+    );
+}

@@ -199,8 +199,8 @@ mod checkers {
 
     use super::common::history::{
         History, NemesisEvent, Op, Phase, Sale, SaleLog, StockRecord, WriteLog, WriteRecord,
-        check_exclusion, check_fencing, check_oversell, check_phantom, check_undersell,
-        check_version_floor, flood_factor,
+        check_available, check_exclusion, check_fencing, check_oversell, check_phantom,
+        check_undersell, check_version_floor, flood_factor,
     };
 
     const SEAT: &str = "/trains/t1/seats/a";
@@ -236,6 +236,33 @@ mod checkers {
 
     fn buy(process: usize, key: &str) -> Op {
         Op::new(process, "buy", SEAT, key)
+    }
+
+    #[test]
+    fn availability_counts_the_servers_own_503_only() {
+        const MARKER: &str = "stock gate unavailable";
+        let history = History::of(vec![
+            buy(0, "a").span(0, 10).status(201),
+            buy(1, "b").span(0, 10).status(409),
+            // The origin's own 503 and a client timeout are not the gate's refusal.
+            buy(2, "c")
+                .span(0, 10)
+                .status(503)
+                .body("origin overloaded"),
+            buy(3, "d")
+                .span(0, 10)
+                .error("timed out after 2s (client bound)"),
+        ]);
+        let report = check_available(&history, "buy", MARKER);
+        assert!(report.ok(), "{report}");
+        assert_eq!(report.answered, 3);
+
+        let mut ops = history.ops.clone();
+        ops.push(buy(4, "e").span(5, 6).status(503).body(MARKER));
+        let report = check_available(&History::of(ops), "buy", MARKER);
+        assert!(!report.ok());
+        assert_eq!(report.unavailable.len(), 1);
+        assert!(report.to_string().contains("1 of 4 answers"), "{report}");
     }
 
     #[test]

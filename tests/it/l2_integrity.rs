@@ -289,6 +289,97 @@ async fn a_damaged_value_on_a_cluster_is_a_counted_miss_and_overwritten() {
     damaged_values_are_counted_misses_then_overwritten(&cluster, "hot", &cases).await;
 }
 
+/// A whole, valid entry copied under another key's name (as `COPY <a> <b> REPLACE` would:
+/// here `GET` then `SET`, which a cluster allows across slots) is a miss for the key whose
+/// name it has, counted as a decode error like any value refused, and the fill that
+/// follows overwrites it. A small and a large value (a large one is checked on its own
+/// path, the live table). Before, it was a correct miss but neither counted nor logged.
+async fn an_entry_under_another_key_is_a_counted_miss<R: SharedRedis>(redis: &R) {
+    let origin = TestOrigin::start().await;
+    let config = redis
+        .configure(CgConfig::new(&origin))
+        .set_str("redis", "command_timeout", "2s")
+        .routes(&item_route("max_entry_bytes = 1048576"));
+    let writer = config.start().await;
+    let reader = config.clone().l1("off").start().await;
+    let client = HttpClient::new();
+    let mut conn = redis.conn().await;
+    for (i, size) in [SMALL, LARGE].into_iter().enumerate() {
+        let what = format!("{} KiB value", size / KIB);
+        let (from, to) = (
+            format!("/api/items/moved-from-{i}"),
+            format!("/api/items/moved-to-{i}"),
+        );
+        let mut stored_values = Vec::new();
+        for (j, path) in [&from, &to].into_iter().enumerate() {
+            let body = body_of(size, 2 * i + j);
+            origin.set_body(path, body.clone());
+            let r = client.get(&url(writer.addr(), path)).await;
+            assert_eq!(r.x_cache(), "MISS", "{what}: {path}: {r}");
+            let found = poll_until(Duration::from_secs(5), Duration::from_millis(20), || {
+                stored(redis, conn.clone(), path, &body)
+            })
+            .await;
+            stored_values.push(found.unwrap_or_else(|| panic!("{what}: {path}: nothing stored")));
+        }
+        let _: () = redis::cmd("SET")
+            .arg(&stored_values[1].name)
+            .arg(&stored_values[0].raw)
+            .arg("KEEPTTL")
+            .query_async(&mut conn)
+            .await
+            .expect("SET");
+
+        let errors = metric(&client, reader.admin_addr(), DECODE_ERRORS, &[]).await;
+        let fetched = origin.count(&to);
+        let r = client.get(&url(reader.addr(), &to)).await;
+        assert_eq!(
+            (r.status.as_u16(), r.x_cache().as_str()),
+            (200, "MISS"),
+            "{what}: the other key's entry was served: {r}"
+        );
+        assert!(r.body == body_of(size, 2 * i + 1), "{what}: wrong body");
+        assert_eq!(
+            origin.count(&to),
+            fetched + 1,
+            "{what}: the origin was not asked"
+        );
+        let counted = metric(&client, reader.admin_addr(), DECODE_ERRORS, &[]).await;
+        // Counted once per read that found it: the lookup's, and the fill's re-check.
+        assert!(
+            counted > errors,
+            "{what}: the entry of another key was not counted ({counted})"
+        );
+        let refilled = poll_until(Duration::from_secs(5), Duration::from_millis(20), || {
+            stored(redis, conn.clone(), &to, &r.body)
+        })
+        .await;
+        assert!(
+            refilled.is_some(),
+            "{what}: not overwritten with its own entry"
+        );
+        let r = client.get(&url(reader.addr(), &to)).await;
+        assert!(
+            r.is_hit() && r.body == body_of(size, 2 * i + 1),
+            "{what}: after the refill: {r}"
+        );
+    }
+    writer.shutdown().await;
+    reader.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_entry_under_another_key_is_a_counted_miss_on_a_standalone_redis() {
+    let redis = RedisServer::start().await;
+    an_entry_under_another_key_is_a_counted_miss(&redis).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_entry_under_another_key_is_a_counted_miss_on_a_cluster() {
+    let cluster = RedisCluster::start().await;
+    an_entry_under_another_key_is_a_counted_miss(&cluster).await;
+}
+
 /// Readers of a large value share the buffer of a copy still held only while Redis holds
 /// that same value: with a copy held (by a client that reads nothing: 8 MiB, more than the
 /// sockets' buffers take), the value removed (as an invalidation does) and filled again with

@@ -148,6 +148,38 @@ async fn own_errors_are_logged_with_their_cause_and_rate_limited() {
     assert!(cg.wait_exit(Duration::from_secs(10)).await.is_some());
 }
 
+/// A request refused for a method longer than cacheguard takes leaves an own-answer line
+/// like any other 400 (status, reason, route `-`), its method cut to the 32 bytes taken:
+/// a client cannot make the line as long as its head.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_overlong_method_is_logged_as_an_own_answer_cut_short() {
+    let origin = TestOrigin::start().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = CgConfig::new(&origin)
+        .on_free_ports()
+        .write_to(&dir.path().join("cacheguard.toml"));
+    let cg = spawn_cacheguard_process_with_args(&path, &["--log-format", "json"]).await;
+    let method = "M".repeat(300);
+    let request = format!("{method} /other/m HTTP/1.1\r\nHost: a.example\r\n\r\n");
+    let (answer, _) = raw_until_closed(cg.addr(), request.as_bytes(), Duration::from_secs(5)).await;
+    assert_eq!(status_of(&answer), 400, "{answer:?}");
+    let line = poll_until(
+        Duration::from_secs(5),
+        Duration::from_millis(50),
+        || async {
+            own_error_lines(&cg.output())
+                .into_iter()
+                .find(|l| l["fields"]["status"] == 400 && l["fields"]["path"] == "/other/m")
+        },
+    )
+    .await
+    .unwrap_or_else(|| panic!("no line for the 400:\n{}", cg.output()));
+    assert_eq!(line["fields"]["reason"], "bad_request", "{line}");
+    assert_eq!(line["fields"]["route"], "-", "{line}");
+    assert_eq!(line["fields"]["method"], "M".repeat(32), "{line}");
+    assert_eq!(origin.count("/other/m"), 0);
+}
+
 /// A Redis ACL user that may not run scripts: every lock attempt is refused with NOPERM.
 /// Requests are still answered (from the origin), the refusal is logged and says which
 /// command lacks permission — once, not once per request — and, since Redis itself

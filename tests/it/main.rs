@@ -55,6 +55,7 @@ mod sentinel;
 mod serialize;
 mod serialize_faults;
 mod shared_mode;
+mod shipped_configs;
 mod stale;
 mod stampede;
 mod status_page;

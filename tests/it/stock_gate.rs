@@ -12,7 +12,9 @@ use crate::common;
 use crate::common::history::Epoch;
 use crate::common::redis_server::{command_calls, reset_command_stats};
 use crate::common::shop::{Fault, Scope, Shop, orders_path, seat};
-use crate::common::{CgConfig, HttpClient, RedisServer, Resp, metrics, post, route, url};
+use crate::common::{
+    CgConfig, HttpClient, RedisCluster, RedisServer, Resp, metrics, post, route, url,
+};
 
 const STOCK: &str = r#"
 [[stock]]
@@ -479,4 +481,162 @@ async fn the_sold_out_mark_reaches_other_instances() {
         "B answered from the mark it heard: {calls:?}"
     );
     common::fleet::shutdown_all([a, b]).await;
+}
+
+/// Where a gate counts, for the tests that run in each mode.
+enum Ledger {
+    Embedded,
+    Standalone(RedisServer),
+    Cluster(RedisCluster),
+}
+
+impl Ledger {
+    async fn each() -> [Ledger; 3] {
+        [
+            Ledger::Embedded,
+            Ledger::Standalone(RedisServer::start().await),
+            Ledger::Cluster(RedisCluster::start().await),
+        ]
+    }
+
+    fn name(&self) -> &'static str {
+        match self {
+            Ledger::Embedded => "embedded",
+            Ledger::Standalone(_) => "standalone",
+            Ledger::Cluster(_) => "cluster",
+        }
+    }
+
+    /// cacheguard in front of `shop` with the gate (`extra` lines in its table) counting
+    /// here; on the cluster, over three segments (the key's record and its reservation may
+    /// live on different nodes).
+    fn config(&self, shop: &Shop, extra: &str) -> CgConfig {
+        match self {
+            Ledger::Embedded => config(shop, None, extra),
+            Ledger::Standalone(redis) => config(shop, Some(redis), extra),
+            Ledger::Cluster(cluster) => {
+                config(shop, None, &format!("{extra}segments = 3\n")).redis_cluster(cluster)
+            }
+        }
+    }
+}
+
+/// A keyed buy the shop commits but answers only after cacheguard's `upstream.timeout`:
+/// the client gets 504 and the buy is in doubt. Returns the shop's reservation id for it.
+async fn buy_in_doubt(
+    client: &HttpClient,
+    cg: &cacheguard::Running,
+    shop: &Shop,
+    resource: &str,
+    key: &str,
+) -> String {
+    shop.set_fault(Scope::Path(orders_path(resource)), Fault::CommitThenHang);
+    let first = buy(client, cg.addr(), resource, Some(key), "{}").await;
+    assert_eq!(first.status.as_u16(), 504, "{first:?}");
+    // The shop answers at once from now on: a retry forwarded would be seen, and sold.
+    shop.heal();
+    let log = shop.sale_log();
+    assert_eq!(log.sales.len(), 1, "the first request sold");
+    log.sales[0]
+        .reservation
+        .clone()
+        .expect("a Stock-Reservation")
+}
+
+/// Regression: a retry with the `Idempotency-Key` of a buy whose outcome was in doubt (the
+/// origin timed out, 504) was forwarded to the origin a second time, which, against an
+/// origin that does not deduplicate by the key, sells twice. With `in_doubt_retry`
+/// unset (`"reject"`), in each mode: 409 with `Retry-After` while the reservation holds its
+/// unit, the reservation's id and a body saying the outcome is unknown; after the
+/// reservation ended, still 409, without `Retry-After`; the origin never sees the key again.
+/// With `"forward"`, the retry goes to the origin with the same reservation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_of_a_buy_in_doubt_is_refused_unless_configured_to_forward() {
+    for ledger in Ledger::each().await {
+        let mode = ledger.name();
+        let resource = seat("t9", "a");
+        let shop = Shop::start(Epoch::now(), &[(resource.clone(), 5)]).await;
+        let cg = ledger.config(&shop, "").start().await;
+        let client = HttpClient::new();
+        let reservation = buy_in_doubt(&client, &cg, &shop, &resource, "k-doubt").await;
+        let retry = buy(&client, cg.addr(), &resource, Some("k-doubt"), "{}").await;
+        let requests = shop.sale_log().resources[&resource].buy_requests;
+        assert_eq!(
+            requests, 1,
+            "{mode}: the retry reached the origin ({requests} buy requests): {retry:?}"
+        );
+        assert_eq!(retry.status.as_u16(), 409, "{mode}: {retry:?}");
+        let seconds: u64 = retry
+            .header("retry-after")
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| panic!("{mode}: Retry-After: {retry:?}"));
+        assert!((1..=3).contains(&seconds), "{mode}: Retry-After {seconds}");
+        assert_eq!(
+            retry.header("stock-reservation").as_deref(),
+            Some(reservation.as_str()),
+            "{mode}"
+        );
+        let body = String::from_utf8_lossy(&retry.body).to_string();
+        assert!(
+            body.contains("unknown") && body.contains(&reservation),
+            "{mode}: {body}"
+        );
+        let refused = stock_metric(
+            &client,
+            cg.admin_addr(),
+            "cacheguard_stock_requests_total",
+            "outcome",
+            "in_doubt",
+        )
+        .await;
+        assert_eq!(refused, 1.0, "{mode}");
+        // The reservation ends (reservation_ttl 3s): the key is still not forwarded, and no
+        // longer told to come back.
+        tokio::time::sleep(Duration::from_millis(3500)).await;
+        let later = buy(&client, cg.addr(), &resource, Some("k-doubt"), "{}").await;
+        assert_eq!(later.status.as_u16(), 409, "{mode}: {later:?}");
+        assert_eq!(later.header("retry-after"), None, "{mode}: {later:?}");
+        assert_eq!(
+            shop.sale_log().resources[&resource].buy_requests,
+            1,
+            "{mode}"
+        );
+        // Another key buys: the unit in doubt was settled by the origin's count (sold).
+        let other = buy(&client, cg.addr(), &resource, Some("k-new"), "{}").await;
+        assert_eq!(other.status.as_u16(), 201, "{mode}: {other:?}");
+        cg.shutdown().await;
+
+        // An origin that deduplicates by the key: the retry is forwarded with the same
+        // reservation, and takes no unit of its own.
+        let resource = seat("t9", "b");
+        let shop = Shop::start(Epoch::now(), &[(resource.clone(), 5)]).await;
+        let cg = ledger
+            .config(&shop, "in_doubt_retry = \"forward\"\n")
+            .start()
+            .await;
+        let reservation = buy_in_doubt(&client, &cg, &shop, &resource, "k-doubt").await;
+        let retry = buy(&client, cg.addr(), &resource, Some("k-doubt"), "{}").await;
+        assert_eq!(retry.status.as_u16(), 201, "{mode}: {retry:?}");
+        let log = shop.sale_log();
+        assert_eq!(log.resources[&resource].buy_requests, 2, "{mode}");
+        assert_eq!(
+            log.resources[&resource].replays, 1,
+            "{mode}: the shop's own replay"
+        );
+        assert_eq!(log.sales.len(), 1, "{mode}");
+        assert_eq!(
+            log.sales[0].reservation.as_deref(),
+            Some(reservation.as_str())
+        );
+        let retried = stock_metric(
+            &client,
+            cg.admin_addr(),
+            "cacheguard_stock_requests_total",
+            "outcome",
+            "retried",
+        )
+        .await;
+        assert_eq!(retried, 1.0, "{mode}");
+        cg.shutdown().await;
+    }
 }

@@ -8,7 +8,9 @@ use toml::Spanned;
 
 use super::{Checker, check_filter_name, check_pattern, pattern_params, show};
 use crate::config::raw::{RawRoute, RawStock};
-use crate::config::{OnRedisError, RouteStock, SoldOutAnswer, StockConfig, UpstreamConfig};
+use crate::config::{
+    InDoubtRetry, OnRedisError, RouteStock, SoldOutAnswer, StockConfig, UpstreamConfig,
+};
 
 /// `[[stock]]` defaults, also named in messages and the README.
 pub(in crate::config) mod defaults {
@@ -173,6 +175,25 @@ impl Checker<'_> {
             defaults::IDEMPOTENCY_TTL,
             &key("idempotency_ttl"),
         );
+        let in_doubt_retry = raw
+            .in_doubt_retry
+            .as_ref()
+            .map_or(InDoubtRetry::Reject, |r| r.get_ref().0);
+        if let Some(retry) = &raw.in_doubt_retry
+            && retry.get_ref().0 == InDoubtRetry::Forward
+            && raw
+                .idempotency_header
+                .as_ref()
+                .is_some_and(|h| h.get_ref().is_empty())
+        {
+            self.report(
+                retry.span(),
+                key("in_doubt_retry"),
+                "\"forward\" forwards retries with an idempotency key, and \
+                 idempotency_header = \"\" turns keys off: set a header, or leave \
+                 in_doubt_retry out",
+            );
+        }
         let segments = raw.segments.as_ref().map_or(1, |s| {
             let value = *s.get_ref();
             if !(1..=defaults::MAX_SEGMENTS).contains(&value) {
@@ -203,6 +224,7 @@ impl Checker<'_> {
                 .map_or(OnRedisError::Reject, |o| o.get_ref().0),
             idempotency_header,
             idempotency_ttl,
+            in_doubt_retry,
             segments,
         })
     }

@@ -100,7 +100,10 @@ impl MemoryLedger {
             && let Some(record) = self.record(resource, claim.key)
         {
             let fingerprint = format!("{:016x}", claim.fingerprint);
-            if record.first() == Some(&b'U') && record.get(2..18) == Some(fingerprint.as_bytes()) {
+            if claim.reclaim
+                && record.first() == Some(&b'U')
+                && record.get(2..18) == Some(fingerprint.as_bytes())
+            {
                 let mut again = record.to_vec();
                 again[0] = b'P';
                 self.put_record(resource, claim.key, &again, request.ttl_ms);
@@ -365,6 +368,7 @@ mod tests {
             pending: pending.to_vec(),
             claim_when_short: false,
             fingerprint,
+            reclaim: true,
         };
         let request = |fingerprint| BuyRequest {
             units: 1,

@@ -26,6 +26,9 @@ pub(crate) struct RecordClaim {
     pub(crate) claim_when_short: bool,
     /// xxh3-64 of the request body.
     pub(crate) fingerprint: u64,
+    /// A record in doubt with this body is taken up again (`in_doubt_retry = "forward"`):
+    /// [`Buy::Reclaimed`]. Otherwise it is [`Buy::Known`], like any other record.
+    pub(crate) reclaim: bool,
 }
 
 /// What one segment answered a buy.
@@ -42,8 +45,8 @@ pub(crate) enum Buy {
     },
     /// The idempotency key has a record (raw bytes, see `record.rs`).
     Known(Vec<u8>),
-    /// The key's buy was in doubt; this request goes on with its reservation (the record,
-    /// as it was, is in flight again).
+    /// The key's buy was in doubt and the claim may take it up again: this request goes on
+    /// with its reservation (the record, as it was, is in flight again).
     Reclaimed(Vec<u8>),
     /// The segment has never been loaded (or expired): load it from the origin.
     Unloaded,

@@ -2,10 +2,12 @@
 //! answer to replay) or in doubt (with the reservation a retry goes on with).
 //!
 //! ```text
-//! <kind> ' ' <fingerprint: 16 hex> ' ' <segment> ' ' <reservation member> [ '\n' <answer> ]
+//! <kind> ' ' <fingerprint: 16 hex> ' ' <segment> ' ' <reservation member> [ ' ' <ends> ]
+//!     [ '\n' <answer> ]
 //! ```
 //!
-//! `kind` is `P` (in flight), `D` (done: the answer follows, postcard) or `U` (in doubt).
+//! `kind` is `P` (in flight), `D` (done: the answer follows, postcard) or `U` (in doubt:
+//! `ends` is when its reservation ends, in ms since the Unix epoch).
 //! The first 18 bytes are read by the buy script too (`shared.rs`): the kind, and the
 //! fingerprint of the body the key was first sent with.
 
@@ -45,6 +47,9 @@ pub(crate) struct Record {
     pub(crate) segment: u16,
     /// Its reservation (`<units>.<id>`), empty when it had none (forwarded ungated).
     pub(crate) member: String,
+    /// `InDoubt`: when its reservation ends (ms since the Unix epoch, on the clock of the
+    /// instance that wrote it); until then its units are held.
+    pub(crate) ends_ms: Option<u64>,
     /// `Done`: the answer to replay.
     pub(crate) answer: Option<StoredAnswer>,
 }
@@ -126,6 +131,9 @@ impl Record {
             )
             .as_bytes(),
         );
+        if let Some(ends) = self.ends_ms {
+            out.extend_from_slice(format!(" {ends}").as_bytes());
+        }
         if let Some(answer) = &self.answer {
             out.push(b'\n');
             // A `Vec` writer cannot fail, and every field serializes.
@@ -143,7 +151,7 @@ impl Record {
             None => (bytes, None),
         };
         let line = std::str::from_utf8(line).ok()?;
-        let mut parts = line.splitn(4, ' ');
+        let mut parts = line.splitn(5, ' ');
         let kind = match parts.next()? {
             "P" => Kind::InFlight,
             "D" => Kind::Done,
@@ -153,6 +161,10 @@ impl Record {
         let fingerprint = u64::from_str_radix(parts.next()?, 16).ok()?;
         let segment = parts.next()?.parse().ok()?;
         let member = parts.next().unwrap_or_default().to_owned();
+        let ends_ms = match parts.next() {
+            Some(ends) => Some(ends.parse().ok()?),
+            None => None,
+        };
         let answer = match answer {
             Some(bytes) => Some(postcard::from_bytes(bytes).ok()?),
             None => None,
@@ -165,6 +177,7 @@ impl Record {
             fingerprint,
             segment,
             member,
+            ends_ms,
             answer,
         })
     }
@@ -187,6 +200,7 @@ mod tests {
                 fingerprint: 0xdead_beef,
                 segment: 3,
                 member: "1.abc".into(),
+                ends_ms: None,
                 answer: None,
             },
             Record {
@@ -194,6 +208,7 @@ mod tests {
                 fingerprint: u64::MAX,
                 segment: 0,
                 member: "2.x".into(),
+                ends_ms: None,
                 answer: Some(answer.clone()),
             },
             Record {
@@ -201,6 +216,15 @@ mod tests {
                 fingerprint: 1,
                 segment: 0,
                 member: String::new(),
+                ends_ms: None,
+                answer: None,
+            },
+            Record {
+                kind: Kind::InDoubt,
+                fingerprint: 2,
+                segment: 1,
+                member: "1.def".into(),
+                ends_ms: Some(1_700_000_000_000),
                 answer: None,
             },
         ] {
@@ -219,6 +243,7 @@ mod tests {
             "done needs an answer"
         );
         assert_eq!(Record::decode(b"P zz 0 a"), None);
+        assert_eq!(Record::decode(b"U 0000000000000001 0 a soon"), None);
         let big = StoredAnswer::of(
             StatusCode::OK,
             &HeaderMap::new(),

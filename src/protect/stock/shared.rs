@@ -39,7 +39,9 @@ const UNITS_OF: &str = "local function units_of(member)\n\
 /// - `ARGV[1]` units, `ARGV[2]` the reservation member, `ARGV[3]` the reservation's ttl in
 ///   ms, `ARGV[4]` the idle expiry in ms, `ARGV[5]` `1`: check and claim the record,
 ///   `ARGV[6]` the in-flight record, `ARGV[7]` `1`: claim it even when this segment has too
-///   few units (another segment is tried next), `ARGV[8]` the body's fingerprint (16 hex)
+///   few units (another segment is tried next), `ARGV[8]` the body's fingerprint (16 hex),
+///   `ARGV[9]` `1`: a record in doubt with this fingerprint is taken up again (`{4, …}`);
+///   otherwise it is answered `{2, record}` like any other
 /// - returns `{0, left, expired}` taken; `{1, left, expired}` too few; `{2, record}` the key
 ///   has a record (and `{1, left, expired, reserved}` for too few: `reserved` the units of
 ///   buys in flight); `{4, record}` its buy was in doubt and this request goes on with it (the
@@ -52,7 +54,7 @@ static BUY: LazyLock<Script> = LazyLock::new(|| {
 if ARGV[5] == '1' then
   local record = redis.call('GET', KEYS[3])
   if record then
-    if string.sub(record, 1, 1) == 'U' and string.sub(record, 3, 18) == ARGV[8] then
+    if ARGV[9] == '1' and string.sub(record, 1, 1) == 'U' and string.sub(record, 3, 18) == ARGV[8] then
       redis.call('SET', KEYS[3], 'P' .. string.sub(record, 2), 'PX', ARGV[3])
       return {4, record}
     end
@@ -225,14 +227,16 @@ impl RedisLedger {
         let units = request.units.to_string();
         let ttl = request.ttl_ms.to_string();
         let idle = request.idle_ms.to_string();
-        let (check, pending, claim, fingerprint) = match &request.record {
+        let flag = |on: bool| if on { "1" } else { "0" };
+        let (check, pending, claim, fingerprint, reclaim) = match &request.record {
             Some(r) => (
                 "1",
                 r.pending.as_slice(),
-                if r.claim_when_short { "1" } else { "0" },
+                flag(r.claim_when_short),
                 format!("{:016x}", r.fingerprint),
+                flag(r.reclaim),
             ),
-            None => ("0", &[][..], "0", String::new()),
+            None => ("0", &[][..], "0", String::new(), "0"),
         };
         let record_key = record.as_deref().unwrap_or(&keys.state);
         let reply: Vec<Value> = self
@@ -250,6 +254,7 @@ impl RedisLedger {
                     pending,
                     claim.as_bytes(),
                     fingerprint.as_bytes(),
+                    reclaim.as_bytes(),
                 ],
             )
             .await?;

@@ -12,7 +12,8 @@
 //! checkers are plain functions over the two, each returning a report (counts, the
 //! offending operations, a `Display` that explains a failure):
 //!
-//! - stock: [`check_oversell`], [`check_phantom`], [`check_undersell`], [`flood_factor`];
+//! - stock: [`check_oversell`], [`check_phantom`], [`check_undersell`], [`flood_factor`],
+//!   [`check_available`];
 //! - write serialisation: [`check_exclusion`], [`check_fencing`];
 //! - version floor (read-your-writes through a cache in front of a lagging replica):
 //!   [`check_version_floor`].
@@ -889,8 +890,8 @@ pub fn check_phantom(history: &History, log: &SaleLog, f: &str) -> PhantomReport
 pub struct ResourceDemand {
     pub resource: String,
     pub remaining: u64,
-    /// Attempts invoked in the window, and how many of them were told "sold out" (409,
-    /// from the gate or the origin).
+    /// Attempts invoked in the window, and how many of them were told "sold out" (409
+    /// without `Retry-After`, from the gate or the origin).
     pub attempts: usize,
     pub refused: usize,
     /// The last attempt in the window told "sold out".
@@ -987,7 +988,9 @@ pub fn check_undersell(
                 demand.attempts += 1;
                 match (op.outcome(), op.result.status) {
                     (Outcome::Ok, _) => {}
-                    (_, Some(409)) => {
+                    // A 409 with `Retry-After` is no "sold out": a retry while the first
+                    // request with its key is in flight, or while its outcome is in doubt.
+                    (_, Some(409)) if op.header_value("retry-after").is_none() => {
                         demand.refused += 1;
                         demand.last_refused = Some(op.clone());
                     }
@@ -1000,6 +1003,57 @@ pub fn check_undersell(
     UndersellReport {
         window_start,
         resources,
+    }
+}
+
+/// See [`check_available`].
+#[derive(Clone, Debug)]
+pub struct AvailabilityReport {
+    /// What the refusals' bodies were matched on.
+    pub marker: String,
+    /// Operations of `f` that got an answer.
+    pub answered: usize,
+    /// Those answered 503 with the marker in their body.
+    pub unavailable: Vec<Op>,
+}
+
+impl AvailabilityReport {
+    pub fn ok(&self) -> bool {
+        self.unavailable.is_empty()
+    }
+}
+
+impl fmt::Display for AvailabilityReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "availability: {} of {} answers were 503 \"{}\"",
+            self.unavailable.len(),
+            self.answered,
+            self.marker
+        )?;
+        list(f, &self.unavailable)
+    }
+}
+
+/// **Availability**: no operation doing `f` was answered 503 with `marker` in its body (the
+/// server's own "cannot decide now", e.g. a stock gate that could not ask its store). For
+/// runs with no fault: such an answer turns a buyer away while units are left, and is the
+/// server's doing, not the client's nor the origin's.
+pub fn check_available(history: &History, f: &str, marker: &str) -> AvailabilityReport {
+    let answered = history
+        .ops_of(f)
+        .filter(|op| op.result.status.is_some())
+        .count();
+    let unavailable = history
+        .ops_of(f)
+        .filter(|op| op.result.status == Some(503) && op.result.body.contains(marker))
+        .cloned()
+        .collect();
+    AvailabilityReport {
+        marker: marker.to_string(),
+        answered,
+        unavailable,
     }
 }
 
