@@ -373,6 +373,8 @@ impl App {
         // Bloom adds and the stock gates' sold-out marks).
         let dist = match (&redis, &config.redis) {
             (Some(conn), Some(rc)) => {
+                // Nothing is heard before the first subscription.
+                marks.bus_lost();
                 let listeners: Vec<Arc<dyn BusListener>> = vec![
                     Arc::clone(&filters) as _,
                     Arc::clone(&gates) as _,

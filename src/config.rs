@@ -359,6 +359,18 @@ pub enum L1Policy {
     Off,
 }
 
+/// What a route with `version` does with its L1 copies while this instance's event bus
+/// is not confirmed (down, or back but its gap not handled yet) and Redis answers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum L1WhileBusDown {
+    /// Answer from Redis (L2, and the floor there) instead: a write another instance
+    /// completed meanwhile is seen, though its `invalidate` event was not heard here.
+    Bypass,
+    /// Answer from L1 as usual: a copy made during the gap may be served after a write
+    /// completed elsewhere, until the bus is back or the copy ends.
+    Serve,
+}
+
 /// Where a stored answer's lifetime comes from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FreshnessSource {
@@ -403,6 +415,8 @@ pub struct CacheDefaults {
     pub max_entry_bytes: usize,
     pub l1_max_bytes: u64,
     pub l1: L1Policy,
+    /// Routes with `version`, while the event bus is not confirmed and Redis answers.
+    pub l1_while_bus_down: L1WhileBusDown,
     pub freshness: FreshnessSource,
     pub heuristic: f64,
     /// Distinct query or `vary` variants of one path fetched per `ttl`, per instance; 0 =
@@ -492,6 +506,18 @@ pub struct RouteConfig {
     /// Write routes with `version`: how long the floor a write sets is kept (at least the
     /// worst replica lag).
     pub version_floor_ttl: Duration,
+    /// `[cache] l1_while_bus_down`: read routes with `version` (see
+    /// [`RouteConfig::l1_needs_bus`]).
+    pub l1_while_bus_down: L1WhileBusDown,
+}
+
+impl RouteConfig {
+    /// Whether this route's L1 copies answer only while the event bus is confirmed (or
+    /// Redis cannot be asked): a route with `version` whose `l1_while_bus_down` is
+    /// `bypass`.
+    pub fn l1_needs_bus(&self) -> bool {
+        self.version.is_some() && self.l1_while_bus_down == L1WhileBusDown::Bypass
+    }
 }
 
 /// `serialize = { … }` on a write route: a write is forwarded only while this instance

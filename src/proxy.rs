@@ -151,15 +151,16 @@ impl BusListener for CacheEvents {
     }
 
     /// Invalidations sent from now on may be missed: L1 copies are checked against Redis
-    /// before they are served again.
+    /// before they are served again, and until the bus is back the routes that ask for it
+    /// answer from Redis rather than from L1 (`cache.l1_while_bus_down`).
     fn on_gap(&self, _unix_ms: u64) {
-        self.marks.mark_all();
+        self.marks.bus_lost();
     }
 
     /// Copies read from Redis during the gap may predate an invalidation sent during it:
-    /// checked again too.
+    /// checked again too; then the bus counts as confirmed.
     fn on_subscribed(self: Arc<Self>) {
-        self.marks.mark_all();
+        self.marks.bus_confirmed_again();
     }
 }
 

@@ -311,6 +311,7 @@ mod tests {
             serialize: None,
             version: None,
             version_floor_ttl: Duration::from_secs(10),
+            l1_while_bus_down: crate::config::L1WhileBusDown::Bypass,
         }
     }
 

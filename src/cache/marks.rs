@@ -27,8 +27,16 @@
 //! are full. The tables are bounded (each mark costs about a kilobyte), so a flood of
 //! invalidation events costs a bounded amount of memory and some Redis reads, never a
 //! stale answer.
+//!
+//! The marks also hold whether the event subscription is *confirmed*: live, and its last
+//! gap handled (the floor raised once more as it came back). While it is not — from the
+//! moment it drops until then, and before the first subscription — an `invalidate` sent
+//! by another instance may go unheard even for copies made after the gap began, so the
+//! routes that ask for it (`version`, with `cache.l1_while_bus_down = "bypass"`) do not
+//! answer from L1 while Redis can be asked instead (see `cache/tiers.rs`). One atomic
+//! load per L1 hit of such a route.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -65,6 +73,9 @@ pub(crate) struct LocalMarks {
     quarantine_all: Arc<Mutex<Option<Instant>>>,
     /// Base key → its version floor, each expiring at its own end.
     floors: Cache<u128, HeldFloor>,
+    /// Whether every invalidation sent from now on is heard here (see the module docs):
+    /// true without a bus to miss anything on (embedded mode).
+    bus_confirmed: AtomicBool,
 }
 
 /// A version floor held here: `version` until `until` (on tokio's clock, so paused time
@@ -173,7 +184,29 @@ impl LocalMarks {
                 .expire_after(FloorExpiry)
                 .eviction_listener(on_floor)
                 .build(),
+            bus_confirmed: AtomicBool::new(true),
         }
+    }
+
+    /// The event subscription is down (or not up yet): invalidations may go unheard from
+    /// now on, until [`LocalMarks::bus_confirmed_again`]. Raises the floor too (as
+    /// [`LocalMarks::mark_all`]).
+    pub(crate) fn bus_lost(&self) {
+        self.bus_confirmed.store(false, Ordering::Release);
+        self.mark_all();
+    }
+
+    /// The subscription is live again: whatever was read or filled during the gap may
+    /// predate an invalidation sent during it, so the floor rises before the bus counts as
+    /// confirmed (a copy from the gap is then checked against Redis once).
+    pub(crate) fn bus_confirmed_again(&self) {
+        self.mark_all();
+        self.bus_confirmed.store(true, Ordering::Release);
+    }
+
+    /// Whether the event subscription is live and its last gap handled.
+    pub(crate) fn bus_confirmed(&self) -> bool {
+        self.bus_confirmed.load(Ordering::Acquire)
     }
 
     /// Raises the version floor of `base` to `version` for `ttl` from now: the floor kept
@@ -353,6 +386,31 @@ mod tests {
         assert!(marks.allows(1, &[], after));
         marks.mark_key(1);
         assert_eq!(marks.standing(1, &[], before), Standing::Invalidated);
+    }
+
+    /// The bus is confirmed only once it is back and the gap handled: a copy made while it
+    /// was down (after the gap's mark) stands valid by the marks, but the bus says it may
+    /// have missed an invalidation; once back, the floor rose past it, so it is checked.
+    #[test]
+    fn the_bus_is_confirmed_only_after_the_gap_is_handled() {
+        let marks = LocalMarks::new(Duration::from_secs(60), counter());
+        assert!(marks.bus_confirmed(), "no bus, nothing to miss");
+        let before = marks.snapshot();
+        marks.bus_lost();
+        assert!(!marks.bus_confirmed());
+        assert_eq!(marks.standing(1, &[], before), Standing::Unverified);
+        let during = marks.snapshot();
+        assert_eq!(
+            marks.standing(1, &[], during),
+            Standing::Valid,
+            "the marks alone cannot tell: the bus state does"
+        );
+        marks.bus_confirmed_again();
+        assert!(marks.bus_confirmed());
+        assert_eq!(marks.standing(1, &[], during), Standing::Unverified);
+        assert!(!marks.allows(1, &[], during), "a fill begun during the gap");
+        let after = marks.snapshot();
+        assert_eq!(marks.standing(1, &[], after), Standing::Valid);
     }
 
     /// A flood of marks keeps the tables at their capacity; what a dropped mark would have

@@ -5,7 +5,8 @@
 //!
 //! ```text
 //! lookup ─▶ L1 (unless the route says off, a hot key's copy is due a check, or the copy
-//!             may have missed an invalidation and Redis answers)
+//!             may have missed an invalidation and Redis answers — on a route that
+//!             needs the bus, every copy while the event bus is not confirmed)
 //!             fresh ─▶ Fresh(HIT-L1)
 //!        ─▶ L2 (unless an invalidation of the key is owed to Redis)
 //!             fresh ─▶ copy into L1 when the route keeps it there ─▶ Fresh(HIT-L2)
@@ -32,7 +33,7 @@ use std::time::Duration;
 use http::{HeaderMap, HeaderName};
 
 use super::key;
-use super::l1::L1;
+use super::l1::{L1, L1Copy};
 use super::l2::{self, L2};
 use super::marks::{LocalMarks, Standing};
 use super::{CacheKey, Entry, Freshness};
@@ -208,16 +209,25 @@ impl Tiers {
     }
 
     /// The L1 copy of `key`, whatever its freshness (the hot-key gate decides on it), if it
-    /// may be served without asking Redis.
-    pub(crate) async fn l1_copy(&self, key: &CacheKey) -> Option<Arc<Entry>> {
-        self.trusted_l1(key).await
+    /// may be served without asking Redis. `needs_bus`: the route's
+    /// [`RouteConfig::l1_needs_bus`](crate::config::RouteConfig::l1_needs_bus).
+    pub(crate) async fn l1_copy(&self, key: &CacheKey, needs_bus: bool) -> Option<Arc<Entry>> {
+        self.trusted_l1(key, needs_bus).await
     }
 
     /// The L1 copy of `key` unless it is unverified while Redis answers (then it is
     /// checked there: L2 has the current copy or none).
-    async fn trusted_l1(&self, key: &CacheKey) -> Option<Arc<Entry>> {
+    async fn trusted_l1(&self, key: &CacheKey, needs_bus: bool) -> Option<Arc<Entry>> {
         let copy = self.l1.get(key).await?;
-        (copy.verified || !self.redis_up()).then_some(copy.entry)
+        self.trusts(&copy, needs_bus).then_some(copy.entry)
+    }
+
+    /// Whether an L1 copy answers without asking Redis: it is verified (no invalidation
+    /// of it may have been missed) and, on a route that needs the bus, the event bus is
+    /// confirmed — or Redis cannot be asked (the outage fallback). The first test is one
+    /// atomic load.
+    fn trusts(&self, copy: &L1Copy, needs_bus: bool) -> bool {
+        (copy.verified && (!needs_bus || self.marks.bus_confirmed())) || !self.redis_up()
     }
 
     /// L1, then L2: a fresh copy wins; otherwise the newest stale copy within grace;
@@ -225,11 +235,13 @@ impl Tiers {
     /// does not match `request` (the headers of the request it would answer) counts as
     /// absent. `skip_l1` goes past L1 (a hot key whose L1 copy is due a check against
     /// Redis). An unverified L1 copy (an invalidation may have been missed) is checked in
-    /// L2: it answers only if Redis cannot (the outage fallback).
+    /// L2: it answers only if Redis cannot (the outage fallback). So is every copy of a
+    /// route that `needs_bus` while the event bus is not confirmed.
     pub(crate) async fn lookup(
         &self,
         key: &CacheKey,
         l1: L1Policy,
+        needs_bus: bool,
         skip_l1: bool,
         request: &HeaderMap,
     ) -> Cached {
@@ -241,7 +253,7 @@ impl Tiers {
             && let Some(copy) = self.l1.get(key).await
             && self.selects(key, &copy.entry, request)
         {
-            if copy.verified || !self.redis_up() {
+            if self.trusts(&copy, needs_bus) {
                 if let Some(fresh) = found.add(copy.entry, now, Outcome::HitL1) {
                     return fresh;
                 }
@@ -278,12 +290,13 @@ impl Tiers {
         &self,
         key: &CacheKey,
         l1: L1Policy,
+        needs_bus: bool,
         request: &HeaderMap,
     ) -> Option<Arc<Entry>> {
         if l1 == L1Policy::Off {
             return None;
         }
-        let entry = self.trusted_l1(key).await?;
+        let entry = self.trusted_l1(key, needs_bus).await?;
         (entry.freshness(now_ms()) == Freshness::Fresh && entry.selects(request)).then_some(entry)
     }
 

@@ -15,7 +15,10 @@ use serde::Deserialize;
 use serde::de::{self, Deserializer, SeqAccess, Visitor};
 use toml::Spanned;
 
-use super::{AccessLogFormat, FreshnessSource, InDoubtRetry, L1Policy, OnRedisError, OnTimeout};
+use super::{
+    AccessLogFormat, FreshnessSource, InDoubtRetry, L1Policy, L1WhileBusDown, OnRedisError,
+    OnTimeout,
+};
 
 /// Span used for values that did not come from the file (defaults, environment overrides).
 /// Such values are already valid, so no problem is ever reported at this span.
@@ -327,6 +330,7 @@ pub(super) struct RawCache {
     pub(super) max_entry_bytes: usize,
     pub(super) l1_max_bytes: Spanned<u64>,
     pub(super) l1: RawL1,
+    pub(super) l1_while_bus_down: RawL1WhileBusDown,
     pub(super) freshness: RawFreshness,
     pub(super) heuristic: Spanned<f64>,
     pub(super) max_variants: usize,
@@ -343,6 +347,7 @@ impl Default for RawCache {
             max_entry_bytes: 1024 * 1024,
             l1_max_bytes: unspanned(256 * 1024 * 1024),
             l1: RawL1(L1Policy::Hot),
+            l1_while_bus_down: RawL1WhileBusDown(L1WhileBusDown::Bypass),
             freshness: RawFreshness(FreshnessSource::Route),
             heuristic: unspanned(0.0),
             max_variants: 64,
@@ -662,6 +667,20 @@ impl<'de> Deserialize<'de> for RawL1 {
             ("hot", L1Policy::Hot),
             ("all", L1Policy::All),
             ("off", L1Policy::Off),
+        ];
+        deserializer.deserialize_str(Keyword(WORDS)).map(Self)
+    }
+}
+
+/// `l1_while_bus_down = "bypass" | "serve"` in `[cache]`.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct RawL1WhileBusDown(pub(super) L1WhileBusDown);
+
+impl<'de> Deserialize<'de> for RawL1WhileBusDown {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        const WORDS: &[(&str, L1WhileBusDown)] = &[
+            ("bypass", L1WhileBusDown::Bypass),
+            ("serve", L1WhileBusDown::Serve),
         ];
         deserializer.deserialize_str(Keyword(WORDS)).map(Self)
     }

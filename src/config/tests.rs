@@ -8,8 +8,8 @@ use std::time::Duration;
 use http::Method;
 
 use super::{
-    AccessLogConfig, AccessLogFormat, AccessLogPath, Config, ConfigError, L1Policy, OnTimeout,
-    QueryPolicy,
+    AccessLogConfig, AccessLogFormat, AccessLogPath, Config, ConfigError, L1Policy, L1WhileBusDown,
+    OnTimeout, QueryPolicy,
 };
 
 const EXAMPLE: &str = include_str!("../../config/cacheguard.toml");
@@ -114,6 +114,7 @@ fn example_file_parses_with_the_documented_values() {
     assert_eq!(config.cache.max_entry_bytes, 1_048_576);
     assert_eq!(config.cache.l1_max_bytes, 268_435_456);
     assert_eq!(config.cache.l1, L1Policy::Hot);
+    assert_eq!(config.cache.l1_while_bus_down, L1WhileBusDown::Bypass);
 
     assert_eq!(config.lock.lease, Duration::from_secs(5));
     assert_eq!(config.lock.wait_timeout, Duration::from_secs(3));
@@ -348,6 +349,7 @@ fn defaults_apply_to_a_minimal_file() {
     );
     assert_eq!(config.cache.jitter, 0.2);
     assert_eq!(config.cache.l1, L1Policy::Hot);
+    assert_eq!(config.cache.l1_while_bus_down, L1WhileBusDown::Bypass);
     assert_eq!(config.lock.on_timeout, OnTimeout::Origin);
     assert!(config.routes.is_empty());
 }
@@ -463,8 +465,8 @@ fn unknown_key_lists_the_known_ones() {
     assert_eq!(
         problem(&with_minimal("[cache]\ntll = \"5s\"\n")),
         "test.toml:4: cache.tll: unknown key, expected one of ttl, jitter, grace, negative_ttl, \
-         max_entry_bytes, l1_max_bytes, l1, freshness, heuristic, max_variants, \
-         variant_overflow_rate"
+         max_entry_bytes, l1_max_bytes, l1, l1_while_bus_down, freshness, heuristic, \
+         max_variants, variant_overflow_rate"
     );
 }
 
@@ -705,6 +707,11 @@ fn bad_enum_value() {
     assert_eq!(
         problem(&with_minimal("[cache]\nl1 = \"sometimes\"\n")),
         "test.toml:4: cache.l1: expected one of \"hot\", \"all\", \"off\", got \"sometimes\""
+    );
+    assert_eq!(
+        problem(&with_minimal("[cache]\nl1_while_bus_down = \"check\"\n")),
+        "test.toml:4: cache.l1_while_bus_down: expected one of \"bypass\", \"serve\", got \
+         \"check\""
     );
     assert_eq!(
         problem(&with_minimal("[lock]\non_timeout = \"retry\"\n")),

@@ -1375,6 +1375,7 @@ impl Checker<'_> {
             max_entry_bytes: raw.max_entry_bytes,
             l1_max_bytes: *raw.l1_max_bytes.get_ref(),
             l1: raw.l1.0,
+            l1_while_bus_down: raw.l1_while_bus_down.0,
             freshness: raw.freshness.0,
             heuristic: self.heuristic(&raw.heuristic, "cache.heuristic"),
             max_variants: raw.max_variants,
@@ -1529,6 +1530,7 @@ impl Checker<'_> {
             serialize,
             version,
             version_floor_ttl,
+            l1_while_bus_down: cache.l1_while_bus_down,
         }
     }
 

@@ -327,13 +327,16 @@ impl Filler {
             && self.fleet.as_ref().is_some_and(|f| f.is_available());
         if recheck {
             let l1 = job.route.config.l1;
+            let needs_bus = job.route.config.l1_needs_bus();
             let found = if locks_look {
                 self.tiers
-                    .fresh_in_l1(&job.key, l1, &job.headers)
+                    .fresh_in_l1(&job.key, l1, needs_bus, &job.headers)
                     .await
                     .map(|entry| (entry, Outcome::HitL1))
-            } else if let Cached::Fresh(entry, tier) =
-                self.tiers.lookup(&job.key, l1, false, &job.headers).await
+            } else if let Cached::Fresh(entry, tier) = self
+                .tiers
+                .lookup(&job.key, l1, needs_bus, false, &job.headers)
+                .await
             {
                 Some((entry, tier))
             } else {

@@ -75,7 +75,11 @@ impl HotGate {
         }
         let now = now_ms();
         // A copy selected by other request headers is no copy for this request.
-        let copy = self.tiers.l1_copy(key).await.filter(|e| e.selects(request));
+        let copy = self
+            .tiers
+            .l1_copy(key, route.config.l1_needs_bus())
+            .await
+            .filter(|e| e.selects(request));
         let freshness = copy.as_ref().map(|e| e.freshness(now));
         if let Some(entry) = &copy
             && freshness == Some(Freshness::Fresh)

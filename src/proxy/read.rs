@@ -173,7 +173,13 @@ impl ReadPath {
         }
         match self
             .tiers
-            .lookup(&derived.key, route.config.l1, past_l1, &parts.headers)
+            .lookup(
+                &derived.key,
+                route.config.l1,
+                route.config.l1_needs_bus(),
+                past_l1,
+                &parts.headers,
+            )
             .await
         {
             Cached::Fresh(entry, tier) => {

@@ -105,6 +105,7 @@ impl Proxy {
             .lookup(
                 &derived.key,
                 route.config.l1,
+                route.config.l1_needs_bus(),
                 false,
                 &http::HeaderMap::new(),
             )

@@ -198,9 +198,9 @@ mod checkers {
     use std::time::Duration;
 
     use super::common::history::{
-        History, Op, Sale, SaleLog, StockRecord, WriteLog, WriteRecord, check_available,
-        check_exclusion, check_fencing, check_oversell, check_phantom, check_undersell,
-        check_version_floor, flood_factor,
+        History, NemesisEvent, Op, Phase, Sale, SaleLog, StockRecord, WriteLog, WriteRecord,
+        check_available, check_exclusion, check_fencing, check_oversell, check_phantom,
+        check_undersell, check_version_floor, flood_factor,
     };
 
     const SEAT: &str = "/trains/t1/seats/a";
@@ -552,6 +552,51 @@ mod checkers {
         assert_eq!(report.behind_any.len(), 2, "{report}");
         assert_eq!(report.unversioned.len(), 1, "{report}");
         assert!(report.to_string().contains("1 stale reads"), "{report}");
+    }
+
+    /// The reads behind a completed write split by a fault's windows: a write (or a read)
+    /// under way while its fault ran is excused, one wholly outside is judged.
+    #[test]
+    fn version_floor_splits_what_a_fault_window_excuses() {
+        let mut history = History::of(vec![
+            versioned(0, "write", SEAT, (0, 10), Some(1)),
+            versioned(0, "write", SEAT, (100, 110), Some(2)), // in flight during the fault
+            versioned(1, "read", SEAT, (120, 130), Some(1)),
+            versioned(0, "write", SEAT, (200, 210), Some(3)), // after it
+            versioned(1, "read", SEAT, (220, 230), Some(2)),
+        ]);
+        let at = Duration::from_millis;
+        history.nemesis = vec![
+            NemesisEvent {
+                time: at(105),
+                phase: Phase::Start,
+                what: "#0 redis down".into(),
+            },
+            NemesisEvent {
+                time: at(150),
+                phase: Phase::Heal,
+                what: "#0 redis down".into(),
+            },
+            NemesisEvent {
+                time: at(300),
+                phase: Phase::Start,
+                what: "#1 redis down".into(),
+            },
+        ];
+        let windows = history.fault_windows("#0 redis down");
+        assert_eq!(windows, [(at(105), at(150))]);
+        assert_eq!(
+            history.fault_windows("#1 redis down"),
+            [(at(300), Duration::MAX)],
+            "never healed: to the end"
+        );
+        let report = check_version_floor(&history, "write", "read", "x-row-version");
+        assert_eq!(report.behind_any.len(), 2, "{report}");
+        let (excused, judged) = report.behind_any_split(|stale| stale.write.overlaps(&windows));
+        assert_eq!(excused.len(), 1, "{report}");
+        assert_eq!((excused[0].written, excused[0].seen), (2, 1));
+        assert_eq!(judged.len(), 1, "{report}");
+        assert_eq!((judged[0].written, judged[0].seen), (3, 2));
     }
 }
 

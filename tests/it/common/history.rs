@@ -179,6 +179,14 @@ impl Op {
     }
 
     /// The first value of response header `name` (lower-case).
+    /// Whether the operation was under way at some time within one of `windows`.
+    pub fn overlaps(&self, windows: &[(Duration, Duration)]) -> bool {
+        let end = self.end.unwrap_or(Duration::MAX);
+        windows
+            .iter()
+            .any(|(from, to)| self.start <= *to && end >= *from)
+    }
+
     pub fn header_value(&self, name: &str) -> Option<&str> {
         self.result
             .headers
@@ -425,6 +433,27 @@ impl History {
     /// The operations doing `f`.
     pub fn ops_of<'a>(&'a self, f: &'a str) -> impl Iterator<Item = &'a Op> + 'a {
         self.ops.iter().filter(move |op| op.call.f == f)
+    }
+
+    /// The windows of the faults whose name starts with `what`: each start to the heal
+    /// after it (or to the end of time, if never healed).
+    pub fn fault_windows(&self, what: &str) -> Vec<(Duration, Duration)> {
+        let mut windows = Vec::new();
+        let mut open: Option<Duration> = None;
+        for event in self.nemesis.iter().filter(|e| e.what.starts_with(what)) {
+            match (event.phase, open) {
+                (Phase::Start, None) => open = Some(event.time),
+                (Phase::Heal, Some(start)) => {
+                    windows.push((start, event.time));
+                    open = None;
+                }
+                _ => {}
+            }
+        }
+        if let Some(start) = open {
+            windows.push((start, Duration::MAX));
+        }
+        windows
     }
 
     /// When the last fault was healed (or, if one was never healed, the last start).
@@ -1279,6 +1308,15 @@ impl VersionFloorReport {
     /// No stale read, and every `ok` answer carried a version.
     pub fn ok(&self) -> bool {
         self.stale.is_empty() && self.unversioned.is_empty()
+    }
+
+    /// The reads of `behind_any` (older than a write any client saw complete before they
+    /// began) split in two: those `excused` says are within a stated limit, and the rest.
+    pub fn behind_any_split(
+        &self,
+        excused: impl Fn(&StaleRead) -> bool,
+    ) -> (Vec<&StaleRead>, Vec<&StaleRead>) {
+        self.behind_any.iter().partition(|stale| excused(stale))
     }
 }
 
