@@ -242,14 +242,26 @@ impl Hysteresis {
 /// connection of its own with nothing queued ahead, every [`recheck`] of `command_timeout`
 /// while commands are sent, and stamps each answer that came within `command_timeout`. A
 /// stopped (`SIGSTOP`) or cut-off Redis stops the stamps; so does one slower than
-/// `command_timeout`; a busy cacheguard does not. One atomic store per command (the
-/// demand), none when idle (no commands, no heartbeat: the probe covers an idle
-/// instance). Hand-written: two atomics on tokio's clock.
+/// `command_timeout`; a busy cacheguard does not.
+///
+/// Nor does a cacheguard that was *held up* as a whole: a process that got no CPU for a
+/// while (stopped, throttled by a container's CPU quota, swapped out, or starved on a
+/// saturated machine) misses its own heartbeats too, and then finds every command late
+/// and no heartbeat stamped. Such a lapse is seen where it happens: the heartbeat loop
+/// notes when its own timer fired well past its time ([`Liveness::held_up`]), which counts
+/// like an answer (no evidence against Redis), and a command whose own deadline fired
+/// late looks once more a [`recheck`] later, by when the Redis thread has read what came
+/// meanwhile ([`answer_within`]).
+///
+/// One atomic store per command (the demand), none when idle (no commands, no heartbeat:
+/// the probe covers an idle instance). Hand-written: three atomics on tokio's clock.
 #[derive(Debug)]
 struct Liveness {
     base: tokio::time::Instant,
     /// When the last heartbeat answered in time, µs after `base` (0: none yet).
     answered: AtomicU64,
+    /// When the heartbeat last found itself held up (its timer late), µs after `base`.
+    held_up: AtomicU64,
     /// A command was sent since the last heartbeat.
     demand: AtomicBool,
 }
@@ -259,6 +271,7 @@ impl Liveness {
         Liveness {
             base: tokio::time::Instant::now(),
             answered: AtomicU64::new(0),
+            held_up: AtomicU64::new(0),
             demand: AtomicBool::new(false),
         }
     }
@@ -273,6 +286,13 @@ impl Liveness {
         self.answered.fetch_max(now, Ordering::Relaxed);
     }
 
+    /// The heartbeat's own timer fired well past its time, now: this process was held up,
+    /// so the heartbeats it missed say nothing about Redis.
+    fn held_up(&self) {
+        let now = self.micros(tokio::time::Instant::now());
+        self.held_up.fetch_max(now, Ordering::Relaxed);
+    }
+
     /// A command is being sent.
     fn want(&self) {
         self.demand.store(true, Ordering::Relaxed);
@@ -283,9 +303,13 @@ impl Liveness {
         self.demand.swap(false, Ordering::Relaxed)
     }
 
-    /// Whether a heartbeat was answered within the last `window`.
+    /// Whether a heartbeat was answered, or the heartbeat found this process held up,
+    /// within the last `window`.
     fn answering(&self, window: Duration) -> bool {
-        let answered = self.answered.load(Ordering::Relaxed);
+        let answered = self
+            .answered
+            .load(Ordering::Relaxed)
+            .max(self.held_up.load(Ordering::Relaxed));
         let now = self.micros(tokio::time::Instant::now());
         answered > 0
             && now.saturating_sub(answered) <= u64::try_from(window.as_micros()).unwrap_or(u64::MAX)
@@ -336,12 +360,20 @@ async fn answer_within<F: Future>(
         return Err(TimedOut);
     };
     let every = recheck(timeout);
-    while liveness.answering(silence(timeout)) {
+    // This task's own deadline fired this late: the task was held up (see `Liveness`), so
+    // the silence it sees may be its own; it looks again once the Redis thread has run.
+    let mut due = started + timeout;
+    loop {
+        let held_up = due.elapsed() > every;
+        if !held_up && !liveness.answering(silence(timeout)) {
+            break;
+        }
         let left = patience.saturating_sub(started.elapsed());
         if left.is_zero() {
             break;
         }
-        if let Ok(output) = tokio::time::timeout(every.min(left), future.as_mut()).await {
+        due = tokio::time::Instant::now() + every.min(left);
+        if let Ok(output) = tokio::time::timeout_at(due, future.as_mut()).await {
             return Ok(output);
         }
     }
@@ -1534,9 +1566,14 @@ impl RedisConn {
         let mut conn: Option<DataConn> = None;
         let mut made_for = (0, None);
         loop {
+            let slept = tokio::time::Instant::now();
             tokio::select! {
                 () = stop.cancelled() => return,
                 () = tokio::time::sleep(every) => {}
+            }
+            if slept.elapsed() > every * 2 {
+                // Woken more than a recheck late: this process was held up.
+                self.inner.liveness.held_up();
             }
             if !self.is_up() || !self.inner.liveness.take_demand() {
                 continue;
@@ -1562,8 +1599,12 @@ impl RedisConn {
             let Some(heartbeat) = conn.as_mut() else {
                 continue;
             };
+            let sent = tokio::time::Instant::now();
             match tokio::time::timeout(timeout, heartbeat.ping_primaries()).await {
                 Ok(Ok(())) => self.inner.liveness.answered(),
+                // The timeout fired more than a recheck late: this process was held up,
+                // and the answer may be unread in the socket. Nothing against Redis.
+                Err(_) if sent.elapsed() > timeout + every => self.inner.liveness.held_up(),
                 Ok(Err(_)) | Err(_) => conn = None,
             }
         }
@@ -1711,6 +1752,56 @@ mod tests {
         assert_eq!(started.elapsed(), Duration::from_millis(180));
         assert!(liveness.take_demand(), "a command asks for heartbeats");
         assert!(!liveness.take_demand());
+    }
+
+    /// Regression: a process held up as a whole (stopped, CPU-throttled) found, once it ran
+    /// again, every command past its deadline and no heartbeat stamped meanwhile (the
+    /// heartbeat was held up too), and counted Redis as silent though its answers were
+    /// waiting in the socket. A command whose own deadline fired late now looks again a
+    /// recheck later, by when the Redis thread has read them.
+    #[tokio::test(start_paused = true)]
+    async fn a_command_held_up_past_its_deadline_looks_again_before_it_gives_up() {
+        let liveness = Arc::new(Liveness::new());
+        let (answer, read) = tokio::sync::oneshot::channel::<u32>();
+        let command = {
+            let liveness = liveness.clone();
+            tokio::spawn(async move {
+                answer_within(
+                    async { read.await.unwrap_or(0) },
+                    TIMEOUT,
+                    Some(PATIENCE),
+                    &liveness,
+                )
+                .await
+            })
+        };
+        tokio::task::yield_now().await;
+        // The whole process stops for 150 ms: no task runs, the clock goes on.
+        tokio::time::advance(Duration::from_millis(150)).await;
+        // It runs again: the command's deadline fires first, then the Redis thread reads
+        // the answer that came meanwhile.
+        for _ in 0..3 {
+            tokio::task::yield_now().await;
+        }
+        let _ = answer.send(7);
+        let answered = command.await.expect("the command's task");
+        assert_eq!(
+            answered,
+            Ok(7),
+            "the answer came while the process was held up"
+        );
+    }
+
+    /// The heartbeat's own lateness counts like an answer: no evidence against Redis.
+    #[tokio::test(start_paused = true)]
+    async fn a_held_up_heartbeat_is_no_evidence_of_silence() {
+        let liveness = Liveness::new();
+        tokio::time::advance(Duration::from_millis(1)).await;
+        assert!(!liveness.answering(silence(TIMEOUT)));
+        liveness.held_up();
+        assert!(liveness.answering(silence(TIMEOUT)));
+        tokio::time::advance(silence(TIMEOUT) + Duration::from_millis(1)).await;
+        assert!(!liveness.answering(silence(TIMEOUT)));
     }
 
     /// A stopped or blackholed Redis answers nothing from `T0` on: every command sent then,

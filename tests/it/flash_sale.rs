@@ -31,6 +31,8 @@
 
 use std::time::Duration;
 
+use tokio::time::Instant;
+
 use crate::common;
 use crate::common::fleet::Fleet;
 use crate::common::history::{
@@ -618,6 +620,11 @@ async fn client_retries_with_the_same_idempotency_key() {
 
 // === no fault, but a saturated machine ===
 
+/// How long a throttled instance is stopped at a time, and how often
+/// ([`saturating_flood`]): a CPU quota of 70% spent early in a 500 ms period.
+const THROTTLE_STOP: Duration = Duration::from_millis(150);
+const THROTTLE_EVERY: Duration = Duration::from_millis(500);
+
 /// Buyers of the saturating flood: with no pause, enough to keep the cores busy.
 const SATURATING_CLIENTS: usize = 96;
 /// What the gate answers when it cannot ask Redis (`on_redis_error = "reject"`).
@@ -636,7 +643,12 @@ struct FloodRun {
 /// pause, one cacheguard instance and redis-server (reached directly, no proxy) share the
 /// machine's cores, and the stock outlasts the run, so every buy runs the gate's scripts on
 /// Redis. Holds the heavy lock: the point is the saturation.
-async fn saturating_flood(duration: Duration) -> FloodRun {
+///
+/// With `throttle`, the instance is also held up as a whole, as a container's CPU quota
+/// throttles a process (or a host stops it): `SIGSTOP` for [`THROTTLE_STOP`] every
+/// [`THROTTLE_EVERY`]. Every command in flight then finds its deadline past and the Redis
+/// thread's heartbeat unstamped; Redis is healthy all along, so the breaker must not open.
+async fn saturating_flood(duration: Duration, throttle: bool) -> FloodRun {
     let _heavy = common::heavy().await;
     let redis = RedisServer::start().await;
     let epoch = Epoch::now();
@@ -662,17 +674,30 @@ async fn saturating_flood(duration: Duration) -> FloodRun {
         ..RunConfig::default()
     };
     let resources: Vec<String> = stock.iter().map(|(r, _)| r.clone()).collect();
-    let history = jepsen::run(
+    let addrs = fleet.addrs();
+    let buys = jepsen::run(
         &run,
         epoch,
-        &fleet.addrs(),
+        &addrs,
         move |p, k| {
             let resource = &resources[(p + k as usize) % resources.len()];
             buy_request(resource, &format!("p{p}-{k}"))
         },
         jepsen::no_faults,
-    )
-    .await;
+    );
+    let held_up = async {
+        if !throttle {
+            return;
+        }
+        let until = Instant::now() + duration;
+        while Instant::now() + THROTTLE_EVERY < until {
+            tokio::time::sleep(THROTTLE_EVERY - THROTTLE_STOP).await;
+            fleet.pause(0);
+            tokio::time::sleep(THROTTLE_STOP).await;
+            fleet.resume(0);
+        }
+    };
+    let (history, ()) = tokio::join!(buys, held_up);
     let idle = shop.wait_idle(Duration::from_secs(5)).await;
     assert!(
         idle,
@@ -743,7 +768,19 @@ impl FloodRun {
 /// answers (short enough for CI; [`saturating_flood_for_a_minute`] is the measurement).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn saturating_flood_on_a_healthy_redis() {
-    saturating_flood(Duration::from_secs(15)).await.assert();
+    saturating_flood(Duration::from_secs(15), false)
+        .await
+        .assert();
+}
+
+/// The same flood on an instance held up 150 ms in every 500 ms (`SIGSTOP`, as a CPU quota
+/// throttles a container): its commands' deadlines pass while it is stopped, with their
+/// answers waiting in the socket. Still 0 breaker openings, 0 gate-unavailable answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn saturating_flood_on_a_throttled_instance() {
+    saturating_flood(Duration::from_secs(10), true)
+        .await
+        .assert();
 }
 
 /// The same for 60 s, the figure BENCHMARKS.md quotes (breaker openings per minute):
@@ -751,5 +788,7 @@ async fn saturating_flood_on_a_healthy_redis() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "a one-minute measurement; run it by name"]
 async fn saturating_flood_for_a_minute() {
-    saturating_flood(Duration::from_secs(60)).await.assert();
+    saturating_flood(Duration::from_secs(60), false)
+        .await
+        .assert();
 }
