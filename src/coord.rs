@@ -15,6 +15,7 @@ pub(crate) mod redis;
 pub(crate) mod scripts;
 pub(crate) mod sentinel;
 pub(crate) mod store;
+pub(crate) mod worker_conn;
 
 pub(crate) use self::keyspace::{KeyNames, Keyspace};
 pub(crate) use self::redis::RedisConn;

@@ -337,6 +337,32 @@ impl RedisOp {
     }
 }
 
+/// The `reason` label of `cacheguard_redis_commands_off_worker_total`: why a command a
+/// proxy worker sent did not go on the worker's own connection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OffWorker {
+    /// The worker has no connection of its own to use (it could not be made, or failed).
+    Fallback,
+    /// Sent past the breaker with no patience (a serialized write's lock renewal or
+    /// release): its answer must not wait on a busy worker's own driver.
+    Strict,
+    /// A lock acquire followed by `WAIT`, on a connection of the pool kept for them.
+    Replicated,
+    /// A large transfer, on the bulk connection.
+    Bulk,
+}
+
+impl OffWorker {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OffWorker::Fallback => "fallback",
+            OffWorker::Strict => "strict",
+            OffWorker::Replicated => "replicated",
+            OffWorker::Bulk => "bulk",
+        }
+    }
+}
+
 /// The `result` label of `cacheguard_warmup_requests_total`.
 pub const WARMUP_RESULTS: [&str; 4] = ["filled", "failed", "cached", "skipped"];
 
@@ -378,6 +404,7 @@ pub struct Metrics {
     pub redis_up: IntGauge,
     redis_errors: IntCounterVec,
     redis_slot_migrating: IntCounterVec,
+    redis_off_worker: IntCounterVec,
     pub redis_transitions: IntCounter,
     redis_command_duration: HistogramVec,
     pub redis_breaker_open: IntGauge,
@@ -689,6 +716,16 @@ impl Metrics {
                  they are neither errors nor failures toward the breaker.",
             ),
             &["op"],
+        )?;
+        let redis_off_worker = IntCounterVec::new(
+            Opts::new(
+                "cacheguard_redis_commands_off_worker_total",
+                "Redis commands a proxy worker sent through the Redis thread instead of on its \
+                 own connection, by operation and reason: fallback (no connection of its own to \
+                 use), strict (a serialized write's lock renewal or release), replicated (a \
+                 lock acquire followed by WAIT), bulk (a large transfer).",
+            ),
+            &["op", "reason"],
         )?;
         let redis_transitions = IntCounter::new(
             "cacheguard_redis_state_changes_total",
@@ -1256,6 +1293,7 @@ impl Metrics {
         registry.register(Box::new(redis_up.clone()))?;
         registry.register(Box::new(redis_errors.clone()))?;
         registry.register(Box::new(redis_slot_migrating.clone()))?;
+        registry.register(Box::new(redis_off_worker.clone()))?;
         registry.register(Box::new(redis_transitions.clone()))?;
         registry.register(Box::new(origin_in_flight.clone()))?;
         registry.register(Box::new(origin_queue_wait.clone()))?;
@@ -1280,6 +1318,7 @@ impl Metrics {
         ] {
             redis_errors.with_label_values(&[op.as_str()]);
             redis_slot_migrating.with_label_values(&[op.as_str()]);
+            redis_off_worker.with_label_values(&[op.as_str(), OffWorker::Fallback.as_str()]);
         }
         for reason in REJECTED_REASONS {
             rejected_requests.with_label_values(&[reason]);
@@ -1305,6 +1344,7 @@ impl Metrics {
             redis_up,
             redis_errors,
             redis_slot_migrating,
+            redis_off_worker,
             redis_transitions,
             redis_command_duration,
             redis_breaker_open,
@@ -1596,6 +1636,13 @@ impl Metrics {
     pub fn redis_slot_migrating(&self, op: RedisOp) {
         self.redis_slot_migrating
             .with_label_values(&[op.as_str()])
+            .inc();
+    }
+
+    /// A command a proxy worker sent through the Redis thread (see [`OffWorker`]).
+    pub fn redis_off_worker(&self, op: RedisOp, reason: OffWorker) {
+        self.redis_off_worker
+            .with_label_values(&[op.as_str(), reason.as_str()])
             .inc();
     }
 

@@ -357,6 +357,34 @@ impl Backend {
         }
     }
 
+    /// A proxy worker's own connection for the request path (see [`super::worker_conn`]):
+    /// made on the calling thread, so its driver runs there. Standalone, and Sentinel's
+    /// current primary: a plain multiplexed connection (no response timeout: the caller
+    /// bounds every command). Cluster: a cluster connection with the shared one's settings
+    /// (slot routing, redirections and retries). TLS and credentials as every connection.
+    ///
+    /// # Errors
+    /// When the node (or, with Sentinel, a known primary; on a cluster, any seed) does not
+    /// answer.
+    pub(crate) async fn per_worker(&self, connect_timeout: Duration) -> RedisResult<DataConn> {
+        let config = redis::AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(connect_timeout))
+            .set_response_timeout(None);
+        let client = match &*self.nodes() {
+            Nodes::Standalone(client) => client.as_ref().clone(),
+            // No asking the sentinels from a worker: the follower does that.
+            Nodes::Sentinel(sentinel) => sentinel.primary_client().ok_or_else(no_primary)?,
+            Nodes::Cluster { client, .. } => {
+                return Ok(DataConn::Cluster(client.get_async_connection().await?));
+            }
+        };
+        Ok(DataConn::Plain(
+            client
+                .get_multiplexed_async_connection_with_config(&config)
+                .await?,
+        ))
+    }
+
     /// A connection of its own (not shared with the request path): for blocking reads
     /// (`XREADGROUP BLOCK`) and large transfers. `response_timeout` `None` = only the
     /// caller's own bounds apply.

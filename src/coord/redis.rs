@@ -37,7 +37,6 @@
 //! At start the topology found is logged (mode, primaries, replicas) and exported
 //! (`cacheguard_redis_nodes`); a cluster that does not cover every slot is refused.
 
-use std::cell::RefCell;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
@@ -53,8 +52,9 @@ use tracing::{error, info, warn};
 
 use super::backend::{self, Backend, CLUSTER_SLOTS, DataConn};
 use super::io::IoThread;
+use super::worker_conn::{Found, Owner};
 use crate::config::{RedisConfig, RedisMode};
-use crate::metrics::{Metrics, RedisOp};
+use crate::metrics::{Metrics, OffWorker, RedisOp};
 
 /// How often an open breaker probes Redis.
 pub(crate) const PROBE_INTERVAL: Duration = Duration::from_millis(200);
@@ -143,12 +143,11 @@ struct Inner {
     /// The shared connection; `None` while there is none to use (no primary known yet, a
     /// cluster not reached yet).
     conn: ArcSwapOption<DataConn>,
-    /// Bumped each time `conn` is replaced: the threads' own read connections
-    /// ([`ThreadConn`]) made before are made again.
+    /// Bumped each time `conn` is replaced: the workers' own connections made before
+    /// ([`super::worker_conn`]) are made again.
     generation: AtomicU64,
-    /// Reads go on each thread's own connection ([`ThreadConn`]): standalone Redis only
-    /// (a Sentinel's primary moves, a cluster routes by slot: those keep the shared one).
-    thread_reads: bool,
+    /// The identity of this connection's per-worker connections.
+    workers: Owner,
     /// Sentinel: the primary `conn` talks to.
     conn_primary: Mutex<Option<String>>,
     /// A second connection for rare large transfers (see [`RedisConn::bulk`]); made on
@@ -510,58 +509,6 @@ pub(crate) struct Topology {
     pub(crate) master_name: Option<String>,
 }
 
-/// A thread's own connection for the hot read ([`RedisConn::get_up_to`]) on a standalone
-/// Redis. Its task runs on the runtime of the thread that made it, so a read made on a
-/// proxy worker is written, answered and handed back on that worker. On the shared
-/// connection (whose task lives on the Redis thread, see [`super::io`]) every read crosses
-/// threads twice, which measured a third of an L2 hit's CPU. Everything but that read
-/// stays on the shared connection.
-///
-/// Thread-local by nature (the point is which thread drives it), so kept in a
-/// `thread_local`, by owner (a `Weak` to its `RedisConn`, so a dropped one's are pruned and
-/// never mistaken for a new one's) and by the generation of the shared connection.
-struct ThreadConn {
-    owner: std::sync::Weak<Inner>,
-    generation: u64,
-    conn: DataConn,
-}
-
-thread_local! {
-    static THREAD_CONNS: RefCell<Vec<ThreadConn>> = const { RefCell::new(Vec::new()) };
-}
-
-impl ThreadConn {
-    fn find(owner: &Arc<Inner>, generation: u64) -> Option<DataConn> {
-        THREAD_CONNS.with_borrow(|conns| {
-            conns
-                .iter()
-                .find(|c| {
-                    c.generation == generation && std::ptr::eq(c.owner.as_ptr(), Arc::as_ptr(owner))
-                })
-                .map(|c| c.conn.clone())
-        })
-    }
-
-    fn keep(owner: &Arc<Inner>, generation: u64, conn: DataConn) {
-        THREAD_CONNS.with_borrow_mut(|conns| {
-            conns.retain(|c| {
-                c.owner.strong_count() > 0 && !std::ptr::eq(c.owner.as_ptr(), Arc::as_ptr(owner))
-            });
-            conns.push(ThreadConn {
-                owner: Arc::downgrade(owner),
-                generation,
-                conn,
-            });
-        });
-    }
-
-    fn forget(owner: &Arc<Inner>) {
-        THREAD_CONNS.with_borrow_mut(|conns| {
-            conns.retain(|c| !std::ptr::eq(c.owner.as_ptr(), Arc::as_ptr(owner)));
-        });
-    }
-}
-
 impl RedisConn {
     /// Creates the connection, probes it once (a Redis that is down at start is not an
     /// error: the instance starts degraded), reports the topology, and spawns the health
@@ -613,7 +560,7 @@ impl RedisConn {
             config: config.clone(),
             conn: ArcSwapOption::new(conn.map(Arc::new)),
             generation: AtomicU64::new(0),
-            thread_reads: config.mode == RedisMode::Standalone,
+            workers: Owner::default(),
             conn_primary: Mutex::new(conn_primary),
             bulk: tokio::sync::Mutex::new(None),
             topology: Mutex::new(Topology::default()),
@@ -755,6 +702,7 @@ impl RedisConn {
                 self.inner
                     .conn
                     .store(Some(Arc::new(DataConn::Managed(conn))));
+                self.inner.generation.fetch_add(1, Ordering::AcqRel);
                 self.inner
                     .wait_pool
                     .lock()
@@ -876,8 +824,9 @@ impl RedisConn {
         topology
     }
 
-    /// Runs `attempt` (whose first key is `key`, for the log) on the shared connection,
-    /// bounded by `command_timeout`; with Sentinel, a `READONLY` answer (the primary was
+    /// Runs `attempt` (whose first key is `key`, for the log) on this proxy worker's own
+    /// connection, else on the shared one (see [`RedisConn::send`]), bounded by
+    /// `command_timeout`; with Sentinel, a `READONLY` answer (the primary was
     /// demoted) re-resolves the primary and retries once on the new one. Counted toward the
     /// breaker.
     async fn run<T, F, Fut>(
@@ -918,39 +867,37 @@ impl RedisConn {
         F: Fn(DataConn) -> Fut,
         Fut: Future<Output = Result<T, RedisError>>,
     {
-        let Some(conn) = self.shared() else {
+        let started = Instant::now();
+        let timeout = self.inner.command_timeout;
+        let Some(mut result) = self.send(op, patience, &attempt).await else {
             self.failed("no Redis connection to use");
             return Err(Unavailable::Down);
         };
-        let started = Instant::now();
-        let timeout = self.inner.command_timeout;
-        let io = &self.inner.io;
-        add_commands(1);
-        let liveness = &self.inner.liveness;
-        let mut result = answer_within(io.enter(attempt(conn)), timeout, patience, liveness).await;
         if let Some(sentinel) = self.inner.backend.sentinel() {
             // A demoted primary refuses writes (`READONLY`) and, as it turns into a
             // replica, drops its clients: both mean the primary may have moved. Ask the
             // sentinels now (within one more command_timeout) and retry once on the new
             // primary; a READONLY is retried in any case (the answer cannot be right).
             let readonly = matches!(&result, Ok(Err(error)) if is_readonly(error));
-            let dropped = matches!(&result, Ok(Err(error)) if error.is_io_error() || error.is_connection_dropped());
+            let dropped = matches!(&result, Ok(Err(error)) if is_gone(error));
             if readonly || dropped {
                 if readonly {
                     self.inner.metrics.redis_readonly_retries.inc();
                 }
                 let before = sentinel.primary_addr();
-                let resolved =
-                    tokio::time::timeout(timeout, io.enter(sentinel.resolve_now())).await;
+                let resolved = tokio::time::timeout(
+                    timeout,
+                    self.inner.io.enter(sentinel.resolve_now()),
+                )
+                .await;
+                // Moves the shared connection, and so every worker's, to the new primary.
                 self.sync_primary();
                 let moved = sentinel.primary_addr() != before;
                 if matches!(resolved, Ok(Some(_)))
                     && (readonly || moved)
-                    && let Some(conn) = self.shared()
+                    && let Some(retried) = self.send(op, patience, &attempt).await
                 {
-                    add_commands(1);
-                    result =
-                        answer_within(io.enter(attempt(conn)), timeout, patience, liveness).await;
+                    result = retried;
                 }
             } else if result.is_err() {
                 // Timed out: the primary may be gone; let the follower ask now.
@@ -958,6 +905,94 @@ impl RedisConn {
             }
         }
         self.settle(op, key, started, result)
+    }
+
+    /// Sends `attempt` once, waited for like every command ([`answer_within`]); `None`
+    /// when there is no connection to send it on.
+    ///
+    /// On a proxy worker it goes on the worker's own connection (see
+    /// [`super::worker_conn`]), whose driver runs on the worker: no thread is crossed.
+    /// When the worker has none (it cannot be made now) or it turns out gone (a Redis
+    /// restart, an idle timeout: an idle connection finds out only when used), the command
+    /// goes on the shared connection instead, which reconnects by itself and tells whether
+    /// Redis is really down; the worker makes a new one next time. A command without
+    /// `patience` (a lock renewal or release, strictly bounded) always takes the shared
+    /// connection: on the worker's own, a busy worker would be late to read its answer.
+    /// Elsewhere (the Redis thread's own tasks, background work, a host program's runtime)
+    /// the shared connection, polled in the Redis thread's context (see [`super::io`]).
+    /// What a proxy worker sends on the shared connection is counted
+    /// (`cacheguard_redis_commands_off_worker_total`).
+    async fn send<T, F, Fut>(
+        &self,
+        op: RedisOp,
+        patience: Option<Duration>,
+        attempt: &F,
+    ) -> Option<Result<Result<T, RedisError>, TimedOut>>
+    where
+        F: Fn(DataConn) -> Fut,
+        Fut: Future<Output = Result<T, RedisError>>,
+    {
+        let timeout = self.inner.command_timeout;
+        let liveness = &self.inner.liveness;
+        let on_worker = crate::worker::index() > 0;
+        if on_worker
+            && patience.is_some()
+            && let Some(conn) = self.worker_conn().await
+        {
+            add_commands(1);
+            // The answer may be waiting in the socket while this worker is too busy to
+            // read it (the connection's driver runs here too): while Redis answers the
+            // heartbeat, that is this worker's wait, not Redis', and the command waits on.
+            let result = answer_within(attempt(conn), timeout, patience, liveness).await;
+            match &result {
+                Ok(Err(error)) if is_gone(error) => self.inner.workers.forget(),
+                // Redis answered nothing, the heartbeat neither: this connection is made
+                // again rather than trusted after the silence.
+                Err(TimedOut) => {
+                    self.inner.workers.forget();
+                    return Some(result);
+                }
+                Ok(_) => return Some(result),
+            }
+        }
+        let conn = self.shared()?;
+        if on_worker {
+            let reason = if patience.is_some() {
+                OffWorker::Fallback
+            } else {
+                OffWorker::Strict
+            };
+            self.inner.metrics.redis_off_worker(op, reason);
+        }
+        add_commands(1);
+        Some(answer_within(self.inner.io.enter(attempt(conn)), timeout, patience, liveness).await)
+    }
+
+    /// This proxy worker's own connection, made now (bounded by `connect_timeout`) when
+    /// there is none for the shared connection's generation; `None` when there is no
+    /// shared connection either, or one could not be made lately.
+    async fn worker_conn(&self) -> Option<DataConn> {
+        let generation = self.inner.generation.load(Ordering::Acquire);
+        match self.inner.workers.find(generation) {
+            Found::Ready(conn) => return Some(conn),
+            Found::Resting => return None,
+            Found::Missing => {}
+        }
+        // No primary known, no cluster node reached: nothing to connect to.
+        self.shared()?;
+        let connect = self.inner.config.connect_timeout;
+        let made = tokio::time::timeout(
+            self.inner.probe_timeout,
+            self.inner.backend.per_worker(connect),
+        )
+        .await;
+        if let Ok(Ok(conn)) = made {
+            self.inner.workers.keep(generation, conn.clone());
+            Some(conn)
+        } else {
+            self.inner.workers.failed(generation);
+            None
+        }
     }
 
     pub(crate) fn mode(&self) -> RedisMode {
@@ -1031,54 +1066,7 @@ impl RedisConn {
     pub(crate) async fn get_up_to(&self, key: &str, max: usize) -> Result<Vec<u8>, Unavailable> {
         let mut cmd = redis::cmd("GETRANGE");
         cmd.arg(key).arg(0).arg(max.saturating_sub(1));
-        if !self.inner.thread_reads {
-            return self.query(RedisOp::Get, &cmd).await;
-        }
-        if !self.is_up() {
-            return Err(Unavailable::Down);
-        }
-        let Some(mut conn) = self.thread_conn().await else {
-            return self.query(RedisOp::Get, &cmd).await;
-        };
-        let started = Instant::now();
-        add_commands(1);
-        // The answer may be waiting in the socket while this thread is too busy to read it
-        // (the connection's task runs here too): while Redis answers the heartbeat, that is
-        // this thread's wait, not Redis', and the read waits on.
-        let result = answer_within(
-            cmd.query_async::<Vec<u8>>(&mut conn),
-            self.inner.command_timeout,
-            Some(self.patience()),
-            &self.inner.liveness,
-        )
-        .await;
-        if matches!(&result, Ok(Err(error)) if error.is_io_error() || error.is_connection_dropped())
-        {
-            // This thread's connection is gone (an idle one finds out only when used: a
-            // Redis restart, an idle timeout). Not evidence against Redis by itself: ask
-            // on the shared connection, which reconnects by itself and counts a failure
-            // if Redis is really down; this thread makes a new one next time.
-            ThreadConn::forget(&self.inner);
-            return self.query(RedisOp::Get, &cmd).await;
-        }
-        self.settle(RedisOp::Get, Some(key.as_bytes()), started, result)
-    }
-
-    /// This thread's own read connection to the standalone Redis, made now when there is
-    /// none yet (bounded by `connect_timeout`); `None` when it cannot be made.
-    async fn thread_conn(&self) -> Option<DataConn> {
-        let generation = self.inner.generation.load(Ordering::Acquire);
-        if let Some(conn) = ThreadConn::find(&self.inner, generation) {
-            return Some(conn);
-        }
-        let conn = self
-            .inner
-            .backend
-            .dedicated(self.inner.config.connect_timeout, None)
-            .await
-            .ok()?;
-        ThreadConn::keep(&self.inner, generation, conn.clone());
-        Some(conn)
+        self.query(RedisOp::Get, &cmd).await
     }
 
     /// `GET key` on the bulk connection (see [`RedisConn::bulk`]): for a value known to be
@@ -1133,7 +1121,8 @@ impl RedisConn {
         Ok(())
     }
 
-    /// One command on the shared connection: refused at once while the breaker is open,
+    /// One command (on this proxy worker's own connection, else the shared one: see
+    /// [`RedisConn::send`]): refused at once while the breaker is open,
     /// bounded by `command_timeout`, counted toward the breaker.
     pub(crate) async fn query<T: FromRedisValue>(
         &self,
@@ -1201,6 +1190,11 @@ impl RedisConn {
                 }
             },
         };
+        if crate::worker::index() > 0 {
+            self.inner
+                .metrics
+                .redis_off_worker(op, OffWorker::Replicated);
+        }
         let mut eval = redis::cmd("EVAL");
         eval.arg(source).arg(keys.len());
         for key in keys {
@@ -1292,6 +1286,9 @@ impl RedisConn {
     ) -> Result<T, Unavailable> {
         if !self.is_up() {
             return Err(Unavailable::Down);
+        }
+        if crate::worker::index() > 0 {
+            self.inner.metrics.redis_off_worker(op, OffWorker::Bulk);
         }
         let result = tokio::time::timeout(
             timeout,
@@ -1674,6 +1671,11 @@ fn first_arg(cmd: &redis::Cmd) -> Option<&[u8]> {
         redis::Arg::Simple(arg) => Some(arg),
         _ => None,
     }
+}
+
+/// An error that says the connection is gone (closed, reset, never reconnected).
+fn is_gone(error: &RedisError) -> bool {
+    error.is_io_error() || error.is_connection_dropped()
 }
 
 /// A demoted primary's answer to a write (also inside a script).
