@@ -64,6 +64,7 @@ mod stock_gate;
 mod uploads;
 mod variant_keys;
 mod version_floor;
+mod worker_conns;
 
 /// Every `.rs` file of `tests/it/` is a module of this binary (one that is not would never
 /// be compiled, its tests never run), and `tests/` holds no other test file (each would be a
