@@ -912,9 +912,9 @@ impl RedisConn {
     ///
     /// On a proxy worker it goes on the worker's own connection (see
     /// [`super::worker_conn`]), whose driver runs on the worker: no thread is crossed.
-    /// When the worker has none (it cannot be made now) or it turns out gone (a Redis
-    /// restart, an idle timeout: an idle connection finds out only when used), the command
-    /// goes on the shared connection instead, which reconnects by itself and tells whether
+    /// When the worker has none (being made, or it could not be made lately) or it turns
+    /// out gone (a Redis restart, an idle timeout: an idle connection finds out only when
+    /// used), the command goes on the shared connection instead, which reconnects by itself and tells whether
     /// Redis is really down; the worker makes a new one next time. A command without
     /// `patience` (a lock renewal or release, strictly bounded) always takes the shared
     /// connection: on the worker's own, a busy worker would be late to read its answer.
@@ -937,23 +937,19 @@ impl RedisConn {
         let on_worker = crate::worker::index() > 0;
         if on_worker
             && patience.is_some()
-            && let Some(conn) = self.worker_conn().await
+            && let Some(conn) = self.worker_conn()
         {
             add_commands(1);
             // The answer may be waiting in the socket while this worker is too busy to
             // read it (the connection's driver runs here too): while Redis answers the
             // heartbeat, that is this worker's wait, not Redis', and the command waits on.
             let result = answer_within(attempt(conn), timeout, patience, liveness).await;
-            match &result {
-                Ok(Err(error)) if is_gone(error) => self.inner.workers.forget(),
-                // Redis answered nothing, the heartbeat neither: this connection is made
-                // again rather than trusted after the silence.
-                Err(TimedOut) => {
-                    self.inner.workers.forget();
-                    return Some(result);
-                }
-                Ok(_) => return Some(result),
+            // A late answer is no reason to drop the connection (the answer is read and
+            // dropped when it comes), nor to pay a new connection's setup meanwhile.
+            if !matches!(&result, Ok(Err(error)) if is_gone(error)) {
+                return Some(result);
             }
+            self.inner.workers.forget();
         }
         let conn = self.shared()?;
         if on_worker {
@@ -968,31 +964,26 @@ impl RedisConn {
         Some(answer_within(self.inner.io.enter(attempt(conn)), timeout, patience, liveness).await)
     }
 
-    /// This proxy worker's own connection, made now (bounded by `connect_timeout`) when
-    /// there is none for the shared connection's generation; `None` when there is no
-    /// shared connection either, or one could not be made lately.
-    async fn worker_conn(&self) -> Option<DataConn> {
+    /// This proxy worker's own connection for the shared connection's generation; when
+    /// there is none, one is made in the background (see [`super::worker_conn`]) and this
+    /// command goes without. `None` also when there is no shared connection (no primary
+    /// known, no cluster node reached: nothing to connect to).
+    fn worker_conn(&self) -> Option<DataConn> {
         let generation = self.inner.generation.load(Ordering::Acquire);
         match self.inner.workers.find(generation) {
             Found::Ready(conn) => return Some(conn),
             Found::Resting => return None,
             Found::Missing => {}
         }
-        // No primary known, no cluster node reached: nothing to connect to.
         self.shared()?;
+        let backend = self.inner.backend.clone();
         let connect = self.inner.config.connect_timeout;
-        let made = tokio::time::timeout(
-            self.inner.probe_timeout,
-            self.inner.backend.per_worker(connect),
-        )
-        .await;
-        if let Ok(Ok(conn)) = made {
-            self.inner.workers.keep(generation, conn.clone());
-            Some(conn)
-        } else {
-            self.inner.workers.failed(generation);
-            None
-        }
+        self.inner
+            .workers
+            .make(generation, self.inner.probe_timeout, async move {
+                backend.per_worker(connect).await
+            });
+        None
     }
 
     pub(crate) fn mode(&self) -> RedisMode {

@@ -16,9 +16,13 @@
 //! `thread_local`, by owner (a `Weak` to a token of its `RedisConn`, so a dropped one's are
 //! pruned and never mistaken for a new one's) and by the generation of the shared
 //! connection: a new shared connection (new credentials, a Sentinel's new primary, a
-//! cluster reached at last) makes every worker's connection again. One that could not be
-//! made is not tried again for [`RETRY_AFTER`]: meanwhile the worker's commands go on the
-//! shared connection (counted: `cacheguard_redis_commands_off_worker_total`).
+//! cluster reached at last) makes every worker's connection again.
+//!
+//! A connection is made by a task of the worker's own ([`Owner::make`]), never by a
+//! request: connecting to a Redis that hangs (`SIGSTOP`, a blackhole) waits for
+//! `connect_timeout`, which no request should pay. Until it is made, and for
+//! [`RETRY_AFTER`] after it could not be, the worker's commands go on the shared connection
+//! (counted: `cacheguard_redis_commands_off_worker_total{reason="fallback"}`).
 //! Hand-written: a few lines of per-thread bookkeeping no crate offers for redis-rs.
 
 use std::cell::RefCell;
@@ -31,12 +35,13 @@ use super::backend::DataConn;
 pub(crate) const RETRY_AFTER: Duration = Duration::from_millis(200);
 
 /// The identity of one `RedisConn`'s connections in every worker's table.
-#[derive(Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub(crate) struct Owner(Arc<()>);
 
-/// A worker's connection, or when it last failed to make one.
+/// A worker's connection, being made, or when it last failed to make one.
 enum State {
     Ready(DataConn),
+    Making,
     Failed(tokio::time::Instant),
 }
 
@@ -54,7 +59,8 @@ thread_local! {
 pub(crate) enum Found {
     /// A connection to use.
     Ready(DataConn),
-    /// Making one failed less than [`RETRY_AFTER`] ago: use the shared connection.
+    /// Being made, or making one failed less than [`RETRY_AFTER`] ago: use the shared
+    /// connection.
     Resting,
     /// None yet: make one.
     Missing,
@@ -74,20 +80,43 @@ impl Owner {
                 .map(|e| &e.state)
             {
                 Some(State::Ready(conn)) => Found::Ready(conn.clone()),
+                Some(State::Making) => Found::Resting,
                 Some(State::Failed(at)) if at.elapsed() < RETRY_AFTER => Found::Resting,
                 Some(State::Failed(_)) | None => Found::Missing,
             }
         })
     }
 
-    /// Keeps `conn` as this thread's connection for `generation`.
-    pub(crate) fn keep(&self, generation: u64, conn: DataConn) {
-        self.put(generation, State::Ready(conn));
+    /// Makes this thread's connection for `generation` with `connect` (bounded by
+    /// `within`), on a task of the calling thread's runtime (a proxy worker's runs on that
+    /// worker alone, and so will the connection's driver); [`Owner::find`] has it once made.
+    pub(crate) fn make<F>(&self, generation: u64, within: Duration, connect: F)
+    where
+        F: Future<Output = redis::RedisResult<DataConn>> + Send + 'static,
+    {
+        self.put(generation, State::Making);
+        let owner = self.clone();
+        drop(tokio::spawn(async move {
+            let state = match tokio::time::timeout(within, connect).await {
+                Ok(Ok(conn)) => State::Ready(conn),
+                Ok(Err(_)) | Err(_) => State::Failed(tokio::time::Instant::now()),
+            };
+            owner.made(generation, state);
+        }));
     }
 
-    /// Notes that this thread could not make its connection for `generation` just now.
-    pub(crate) fn failed(&self, generation: u64) {
-        self.put(generation, State::Failed(tokio::time::Instant::now()));
+    /// Settles a [`Owner::make`] of `generation`, unless this thread moved on meanwhile (a
+    /// newer generation, or the attempt forgotten).
+    fn made(&self, generation: u64, state: State) {
+        CONNS.with_borrow_mut(|conns| {
+            if let Some(entry) = conns
+                .iter_mut()
+                .find(|e| self.is(e) && e.generation == generation)
+                && matches!(entry.state, State::Making)
+            {
+                entry.state = state;
+            }
+        });
     }
 
     /// Drops this thread's connection (it failed): the next command makes a new one.
@@ -111,12 +140,24 @@ impl Owner {
 mod tests {
     use super::*;
 
+    fn refused() -> redis::RedisResult<DataConn> {
+        Err(redis::RedisError::from((redis::ErrorKind::Io, "refused")))
+    }
+
     #[tokio::test(start_paused = true)]
     async fn a_failed_connection_rests_then_is_made_again_and_a_new_generation_misses() {
         let owner = Owner::default();
         assert!(matches!(owner.find(0), Found::Missing));
-        owner.failed(0);
-        assert!(matches!(owner.find(0), Found::Resting));
+        owner.make(0, RETRY_AFTER, async {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            refused()
+        });
+        assert!(
+            matches!(owner.find(0), Found::Resting),
+            "no request waits for a connection being made"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(matches!(owner.find(0), Found::Resting), "failed: resting");
         assert!(
             matches!(owner.find(1), Found::Missing),
             "a new shared connection is worth a try at once"
@@ -124,13 +165,21 @@ mod tests {
         tokio::time::advance(RETRY_AFTER).await;
         assert!(matches!(owner.find(0), Found::Missing));
         let other = Owner::default();
-        other.failed(0);
+        other.make(0, RETRY_AFTER, std::future::pending());
         assert!(
             matches!(owner.find(0), Found::Missing),
             "owners are told apart"
         );
+        // A connection that takes too long is given up.
+        tokio::time::sleep(RETRY_AFTER * 2).await;
+        assert!(matches!(other.find(0), Found::Missing));
+        // An attempt of an older generation does not settle a newer one.
+        owner.make(0, RETRY_AFTER, async { refused() });
+        owner.make(1, RETRY_AFTER, std::future::pending());
+        tokio::task::yield_now().await;
+        assert!(matches!(owner.find(1), Found::Resting));
         drop(other);
-        owner.failed(0);
+        owner.make(2, RETRY_AFTER, async { refused() });
         CONNS.with_borrow(|conns| assert_eq!(conns.len(), 1, "a dropped owner's are pruned"));
         owner.forget();
         CONNS.with_borrow(|conns| assert!(conns.is_empty()));

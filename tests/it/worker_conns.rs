@@ -1,9 +1,10 @@
 //! Each proxy worker sends a request's Redis commands on a connection of its own, driven on
-//! that worker (`coord/worker_conn.rs`), in every Redis mode: with two workers, L2 misses
-//! and hits send nothing through the Redis thread
-//! (`cacheguard_redis_commands_off_worker_total` stays 0), and the workers' connections
-//! move to a Sentinel's new primary and reconnect after a standalone Redis restarts,
-//! instead of falling back to the shared connection for good.
+//! that worker (`coord/worker_conn.rs`), in every Redis mode: with two workers, once each
+//! has made its connection (in the background, on its first command), L2 misses and hits
+//! send nothing through the Redis thread (`cacheguard_redis_commands_off_worker_total`
+//! stays put), and the workers' connections move to a Sentinel's new primary and reconnect
+//! after a standalone Redis restarts, instead of falling back to the shared connection for
+//! good.
 
 #![allow(clippy::unwrap_used)]
 
@@ -65,12 +66,45 @@ async fn off_worker(client: &HttpClient, admin: SocketAddr) -> (f64, Vec<String>
     (exp.sum(OFF_WORKER, &[]), nonzero)
 }
 
+/// Rounds of one miss and hit per client until a round sends nothing through the Redis
+/// thread: a worker makes its connection in the background, on its first command (which
+/// goes on the shared connection meanwhile), and again after losing it. Panics when that
+/// does not happen within `timeout` (the workers keep falling back).
+async fn until_on_worker_connections(
+    clients: &[HttpClient],
+    cg: &cacheguard::Running,
+    tag: &str,
+    timeout: Duration,
+) {
+    let admin = cg.admin_addr();
+    let started = tokio::time::Instant::now();
+    let mut round = 0;
+    loop {
+        let (before, _) = off_worker(&clients[0], admin).await;
+        misses_then_hits(clients, cg.addr(), &format!("{tag}-warm-{round}"), 1).await;
+        let (after, series) = off_worker(&clients[0], admin).await;
+        if after == before {
+            return;
+        }
+        assert!(
+            started.elapsed() < timeout,
+            "{tag}: the workers still send through the Redis thread after {timeout:?}: \
+             {series:?}"
+        );
+        round += 1;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 async fn nothing_off_worker(cg: &cacheguard::Running, mode: &str) {
     let clients = clients();
+    until_on_worker_connections(&clients, cg, mode, Duration::from_secs(10)).await;
+    let (before, _) = off_worker(&clients[0], cg.admin_addr()).await;
     misses_then_hits(&clients, cg.addr(), mode, 5).await;
-    let (sent, series) = off_worker(&clients[0], cg.admin_addr()).await;
+    let (after, series) = off_worker(&clients[0], cg.admin_addr()).await;
     assert_eq!(
-        sent, 0.0,
+        after - before,
+        0.0,
         "{mode}: misses and L2 hits sent commands through the Redis thread: {series:?}"
     );
 }
@@ -141,6 +175,7 @@ async fn settled_on_worker_connections(
     cg: &cacheguard::Running,
     tag: &str,
 ) {
+    until_on_worker_connections(clients, cg, tag, Duration::from_secs(10)).await;
     let admin = cg.admin_addr();
     let (before, _) = off_worker(&clients[0], admin).await;
     misses_then_hits(clients, cg.addr(), tag, 5).await;
