@@ -177,6 +177,7 @@ async fn tls_with_a_private_ca_and_an_acl_user_from_a_password_file() {
             &dir.path().join("ca.crt").display().to_string(),
         )
         .set_str("redis", "command_timeout", "500ms")
+        .set("server", "worker_threads", "2")
         .l1("off")
         .start()
         .await;
@@ -203,4 +204,7 @@ async fn tls_with_a_private_ca_and_an_acl_user_from_a_password_file() {
         .nth(1)
         .is_some_and(|rest| rest.trim_start().starts_with("\"***\""));
     assert!(redacted, "the password is not shown as ***: {text}");
+    // Each proxy worker's own connection speaks TLS too: once made, misses and hits send
+    // nothing through the Redis thread.
+    crate::worker_conns::nothing_off_worker(&cg, "tls").await;
 }

@@ -96,7 +96,9 @@ async fn until_on_worker_connections(
     }
 }
 
-async fn nothing_off_worker(cg: &cacheguard::Running, mode: &str) {
+/// Once each worker has its connection, misses and L2 hits (L1 off) send nothing through
+/// the Redis thread.
+pub async fn nothing_off_worker(cg: &cacheguard::Running, mode: &str) {
     let clients = clients();
     until_on_worker_connections(&clients, cg, mode, Duration::from_secs(10)).await;
     let (before, _) = off_worker(&clients[0], cg.admin_addr()).await;
