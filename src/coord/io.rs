@@ -13,11 +13,14 @@
 //! nothing but the connection drivers and the tasks that talk to Redis on their own
 //! schedule (the health probe, the Sentinel follower, the event bus, the stream consumer).
 //! A thread that sleeps until a socket is ready is woken at once by the kernel's scheduler
-//! however busy the other threads are. Request tasks stay on their runtime; a command they
-//! send is polled inside the Redis thread's context ([`IoThread::enter`]), so whatever
-//! redis-rs spawns meanwhile (a reconnection, a new connection's driver) lands on the
-//! Redis thread too. A command then costs the same channel hop as before: its driver was
-//! always another task.
+//! however busy the other threads are. A task that sends a command on one of these
+//! connections stays on its runtime; the command is polled inside the Redis thread's
+//! context ([`IoThread::enter`]), so whatever redis-rs spawns meanwhile (a reconnection, a
+//! new connection's driver) lands on the Redis thread too.
+//!
+//! Proxy workers are the exception: each sends its requests' commands on a connection of
+//! its own, driven on the worker (see [`super::worker_conn`]), so they cross no thread; the
+//! breaker's heartbeat, here, still tells a busy worker from a slow Redis.
 //!
 //! The thread ends when the last handle is dropped, after the tasks that hold one stopped.
 

@@ -1,7 +1,18 @@
-//! The shared Redis connection behind a circuit breaker.
+//! The Redis connections behind a circuit breaker.
 //!
-//! One multiplexed connection serves every request (commands are pipelined on one socket
-//! per node; see [`super::backend`] for how it is made in each `redis.mode`). Around it:
+//! A request's commands go on its proxy worker's own connection, driven on that worker
+//! (see [`super::worker_conn`]): in every `redis.mode`, whatever the command (the entry
+//! read, the lock script, the route index, the fill, invalidations, stock-gate and
+//! serialized-write scripts), through the two choke points every command takes
+//! ([`RedisConn::query`], [`RedisConn::run_script`]). One multiplexed connection, driven by
+//! the Redis thread ([`super::io`]), is shared by everything else: background work (the
+//! probe, reconciles, the journal, Bloom sync), callers that are not proxy workers, and a
+//! worker's commands while its own connection is being made or after it failed (see
+//! [`RedisConn::send`]). A few kinds keep connections of their own on the Redis thread:
+//! large transfers ([`RedisConn::bulk`]), lock acquires followed by `WAIT`
+//! ([`RedisConn::run_script_replicated`]), the heartbeat, the event bus. Commands are
+//! pipelined on one socket per node (see [`super::backend`] for how connections are made in
+//! each `redis.mode`). Around them all, one breaker:
 //!
 //! - every command is wrapped in `command_timeout`, because a reconnecting manager makes
 //!   callers wait for the reconnection, which the manager's own response timeout does not
@@ -30,7 +41,8 @@
 //!   cluster the probe also wants `cluster_state:ok`;
 //! - with Sentinel, a command that hits a demoted primary (`READONLY`) re-resolves the
 //!   primary and is retried once; a failing primary makes the follower ask the sentinels
-//!   at once, and the connection moves to each new primary they name;
+//!   at once, and the shared connection, and so every worker's, moves to each new primary
+//!   they name;
 //! - answers that say Redis is up do not count toward the breaker: a refusal no retry
 //!   changes ([`Refusals`]), and on a cluster a slot being migrated ([`Migrations`]).
 //!
@@ -885,11 +897,9 @@ impl RedisConn {
                     self.inner.metrics.redis_readonly_retries.inc();
                 }
                 let before = sentinel.primary_addr();
-                let resolved = tokio::time::timeout(
-                    timeout,
-                    self.inner.io.enter(sentinel.resolve_now()),
-                )
-                .await;
+                let resolved =
+                    tokio::time::timeout(timeout, self.inner.io.enter(sentinel.resolve_now()))
+                        .await;
                 // Moves the shared connection, and so every worker's, to the new primary.
                 self.sync_primary();
                 let moved = sentinel.primary_addr() != before;
@@ -961,7 +971,15 @@ impl RedisConn {
             self.inner.metrics.redis_off_worker(op, reason);
         }
         add_commands(1);
-        Some(answer_within(self.inner.io.enter(attempt(conn)), timeout, patience, liveness).await)
+        Some(
+            answer_within(
+                self.inner.io.enter(attempt(conn)),
+                timeout,
+                patience,
+                liveness,
+            )
+            .await,
+        )
     }
 
     /// This proxy worker's own connection for the shared connection's generation; when

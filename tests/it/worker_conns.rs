@@ -222,8 +222,7 @@ async fn worker_connections_follow_a_sentinel_failover() {
     })
     .await;
     assert!(followed.is_some(), "cacheguard did not follow the failover");
-    let took =
-        l2_hits_again_within(&clients, cg.addr(), "failover", Duration::from_secs(10)).await;
+    let took = l2_hits_again_within(&clients, cg.addr(), "failover", Duration::from_secs(10)).await;
     assert!(took.is_some(), "no L2 hits within 10 s of the failover");
     let retries = metric(
         &clients[0],
@@ -260,8 +259,7 @@ async fn worker_connections_reconnect_after_a_redis_restart() {
     let clients = clients();
     misses_then_hits(&clients, cg.addr(), "before", 2).await;
     redis.restart().await;
-    let took =
-        l2_hits_again_within(&clients, cg.addr(), "restart", Duration::from_secs(5)).await;
+    let took = l2_hits_again_within(&clients, cg.addr(), "restart", Duration::from_secs(5)).await;
     assert!(took.is_some(), "no L2 hits within 5 s of Redis restarting");
     settled_on_worker_connections(&clients, &cg, "after-restart").await;
 }
