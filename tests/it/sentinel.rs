@@ -44,7 +44,7 @@ async fn readonly_retries(client: &HttpClient, admin: SocketAddr) -> f64 {
 }
 
 /// Polls `/admin/redis` until the instance uses `primary` with its breaker closed; when.
-async fn wait_following(
+pub async fn wait_following(
     client: &HttpClient,
     admin: SocketAddr,
     primary: u16,
@@ -385,12 +385,7 @@ async fn readonly_from_a_demoted_primary_is_retried_on_the_new_one() {
     for proxy in &proxies {
         proxy.cut();
     }
-    let switch = sentinel.watch_switch().await;
-    sentinel.failover().await;
-    let (new_primary, _) = switch
-        .wait(Duration::from_secs(30))
-        .await
-        .expect("no failover");
+    let new_primary = sentinel.switch_over(Duration::from_secs(30)).await;
     assert_ne!(new_primary, old_primary);
     let demoted = common::poll_until(
         Duration::from_secs(30),

@@ -203,24 +203,12 @@ async fn worker_connections_follow_a_sentinel_failover() {
     let clients = clients();
     misses_then_hits(&clients, cg.addr(), "before", 2).await;
     let old_primary = sentinel.primary_port().await.unwrap();
-    let switch = sentinel.watch_switch().await;
-    sentinel.failover().await;
-    let (new_primary, _) = switch
-        .wait(Duration::from_secs(30))
-        .await
-        .expect("no failover");
+    let new_primary = sentinel.switch_over(Duration::from_secs(30)).await;
     assert_ne!(new_primary, old_primary);
     let admin = cg.admin_addr();
-    let want = format!("127.0.0.1:{new_primary}");
-    let followed = common::poll_until(Duration::from_secs(10), Duration::from_millis(20), || {
-        let client = &clients[0];
-        let want = want.as_str();
-        async move {
-            let shown = common::admin_redis(client, admin).await;
-            (shown["up"] == true && shown["topology"]["primaries"][0] == want).then_some(())
-        }
-    })
-    .await;
+    let followed =
+        crate::sentinel::wait_following(&clients[0], admin, new_primary, Duration::from_secs(10))
+            .await;
     assert!(followed.is_some(), "cacheguard did not follow the failover");
     let took = l2_hits_again_within(&clients, cg.addr(), "failover", Duration::from_secs(10)).await;
     assert!(took.is_some(), "no L2 hits within 10 s of the failover");

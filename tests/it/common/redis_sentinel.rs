@@ -192,6 +192,18 @@ impl RedisSentinel {
         None
     }
 
+    /// [`RedisSentinel::failover`], then its `+switch-master` announcement: the port of the
+    /// primary the sentinels promoted. Panics when none comes within `timeout`.
+    pub async fn switch_over(&self, timeout: Duration) -> u16 {
+        let switch = self.watch_switch().await;
+        self.failover().await;
+        let (promoted, _) = switch
+            .wait(timeout)
+            .await
+            .unwrap_or_else(|| panic!("no +switch-master within {timeout:?} of SENTINEL FAILOVER"));
+        promoted
+    }
+
     /// `SENTINEL FAILOVER`: a failover without the primary failing (it is demoted to a
     /// replica), asked of the first sentinel.
     pub async fn failover(&self) {
@@ -245,12 +257,7 @@ impl RedisSentinel {
             markers_on(replica, markers).await.is_empty(),
             "the replica is not lagging"
         );
-        let switch = self.watch_switch().await;
-        self.failover().await;
-        let (promoted, _) = switch
-            .wait(Duration::from_secs(20))
-            .await
-            .expect("no +switch-master within 20s of SENTINEL FAILOVER");
+        let promoted = self.switch_over(Duration::from_secs(20)).await;
         assert_eq!(promoted, replica, "the sentinels promoted another node");
         let deadline = Instant::now() + Duration::from_secs(10);
         while !info(replica, "replication").await.contains("role:master") {
