@@ -253,8 +253,13 @@ impl Hysteresis {
 /// late looks once more a [`recheck`] later, by when the Redis thread has read what came
 /// meanwhile ([`answer_within`]).
 ///
+/// A Redis that refuses the heartbeat's connection (killed, its port closed) is evidence
+/// of silence at once ([`Liveness::refused`]): commands waiting past `command_timeout`
+/// give up then instead of after [`silence`], so requests do not wait on a dead Redis
+/// while the breaker gathers its failures.
+///
 /// One atomic store per command (the demand), none when idle (no commands, no heartbeat:
-/// the probe covers an idle instance). Hand-written: three atomics on tokio's clock.
+/// the probe covers an idle instance). Hand-written: four atomics on tokio's clock.
 #[derive(Debug)]
 struct Liveness {
     base: tokio::time::Instant,
@@ -262,6 +267,8 @@ struct Liveness {
     answered: AtomicU64,
     /// When the heartbeat last found itself held up (its timer late), µs after `base`.
     held_up: AtomicU64,
+    /// When the heartbeat's connection was last refused, µs after `base`.
+    refused: AtomicU64,
     /// A command was sent since the last heartbeat.
     demand: AtomicBool,
 }
@@ -272,6 +279,7 @@ impl Liveness {
             base: tokio::time::Instant::now(),
             answered: AtomicU64::new(0),
             held_up: AtomicU64::new(0),
+            refused: AtomicU64::new(0),
             demand: AtomicBool::new(false),
         }
     }
@@ -293,6 +301,13 @@ impl Liveness {
         self.held_up.fetch_max(now, Ordering::Relaxed);
     }
 
+    /// The heartbeat could not connect, now (refused, not late): Redis is gone, whatever
+    /// answered before.
+    fn refused(&self) {
+        let now = self.micros(tokio::time::Instant::now());
+        self.refused.fetch_max(now, Ordering::Relaxed);
+    }
+
     /// A command is being sent.
     fn want(&self) {
         self.demand.store(true, Ordering::Relaxed);
@@ -304,7 +319,7 @@ impl Liveness {
     }
 
     /// Whether a heartbeat was answered, or the heartbeat found this process held up,
-    /// within the last `window`.
+    /// within the last `window`, and its connection was not refused since.
     fn answering(&self, window: Duration) -> bool {
         let answered = self
             .answered
@@ -312,6 +327,7 @@ impl Liveness {
             .max(self.held_up.load(Ordering::Relaxed));
         let now = self.micros(tokio::time::Instant::now());
         answered > 0
+            && answered > self.refused.load(Ordering::Relaxed)
             && now.saturating_sub(answered) <= u64::try_from(window.as_micros()).unwrap_or(u64::MAX)
     }
 }
@@ -1594,7 +1610,15 @@ impl RedisConn {
                         .dedicated(self.inner.config.connect_timeout, None),
                 )
                 .await;
-                conn = made.ok().and_then(Result::ok);
+                conn = match made {
+                    Ok(Ok(conn)) => Some(conn),
+                    // Refused (not late): a dead Redis, or its port closed.
+                    Ok(Err(_)) => {
+                        self.inner.liveness.refused();
+                        None
+                    }
+                    Err(_) => None,
+                };
             }
             let Some(heartbeat) = conn.as_mut() else {
                 continue;
@@ -1802,6 +1826,32 @@ mod tests {
         assert!(liveness.answering(silence(TIMEOUT)));
         tokio::time::advance(silence(TIMEOUT) + Duration::from_millis(1)).await;
         assert!(!liveness.answering(silence(TIMEOUT)));
+    }
+
+    /// Regression: a killed Redis (its heartbeat connection refused) counted as answering
+    /// for 2 × `command_timeout` after its last answer, so L1 hits that asked it (their
+    /// copies unverified once the bus dropped) waited past `command_timeout` for a Redis
+    /// already gone. A refusal is evidence of silence at once; a later answer ends it.
+    #[tokio::test(start_paused = true)]
+    async fn a_refused_heartbeat_is_evidence_of_silence_at_once() {
+        let liveness = Liveness::new();
+        tokio::time::advance(Duration::from_millis(1)).await;
+        liveness.answered();
+        tokio::time::advance(Duration::from_millis(5)).await;
+        liveness.refused();
+        let started = tokio::time::Instant::now();
+        let answer = answer_within(
+            std::future::pending::<u32>(),
+            TIMEOUT,
+            Some(PATIENCE),
+            &liveness,
+        )
+        .await;
+        assert_eq!(answer, Err(TimedOut));
+        assert_eq!(started.elapsed(), TIMEOUT, "given up at its own timeout");
+        tokio::time::advance(Duration::from_millis(1)).await;
+        liveness.answered();
+        assert!(liveness.answering(silence(TIMEOUT)), "answering again");
     }
 
     /// A stopped or blackholed Redis answers nothing from `T0` on: every command sent then,
