@@ -8,6 +8,7 @@
 //! stuck origin cannot hold its file and connection for ever.
 
 use std::error::Error as StdError;
+use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -22,8 +23,12 @@ use http_body_util::LengthLimitError;
 use http_body_util::combinators::BoxBody;
 use hyper::body::Incoming;
 use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::{HttpConnector, capture_connection};
-use hyper_util::rt::{TokioExecutor, TokioTimer};
+use hyper_util::client::legacy::connect::{
+    Connected, Connection, HttpConnector, capture_connection,
+};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::TcpStream;
 use tokio::sync::oneshot;
 
 use super::access_log;
@@ -31,6 +36,8 @@ use super::spool::SpoolReadError;
 use super::upload::{self, UploadBounds};
 use crate::config::UpstreamConfig;
 use crate::error::ProxyError;
+use crate::metrics::OffWorkerMetrics;
+use crate::worker;
 
 pub(crate) use super::upload::BoxError;
 /// Request bodies sent upstream: empty for cached fetches, the client's (limited) body for
@@ -39,10 +46,11 @@ pub(crate) type UpstreamBody = BoxBody<Bytes, BoxError>;
 
 #[derive(Clone, Debug)]
 pub(crate) struct Upstream {
-    client: Client<HttpConnector, UpstreamBody>,
+    client: Client<Connector, UpstreamBody>,
     /// Without a pool: a retry after a pooled connection failed must not take another
     /// pooled connection, which may be just as dead.
-    fresh: Client<HttpConnector, UpstreamBody>,
+    fresh: Client<Connector, UpstreamBody>,
+    off_worker: OffWorkerMetrics,
     scheme_authority: String,
     /// Path prefix of `upstream.url`, without a trailing slash ("" for none).
     prefix: String,
@@ -52,7 +60,10 @@ pub(crate) struct Upstream {
 }
 
 impl Upstream {
-    pub(crate) fn new(config: &UpstreamConfig) -> anyhow::Result<Self> {
+    pub(crate) fn new(
+        config: &UpstreamConfig,
+        off_worker: OffWorkerMetrics,
+    ) -> anyhow::Result<Self> {
         let authority = config
             .url
             .authority()
@@ -61,6 +72,7 @@ impl Upstream {
         connector.set_connect_timeout(Some(config.connect_timeout));
         connector.set_nodelay(true);
         connector.enforce_http(true);
+        let connector = Connector(connector);
         let client = Client::builder(TokioExecutor::new())
             .pool_max_idle_per_host(config.pool_max_idle)
             .pool_idle_timeout(config.pool_idle_timeout)
@@ -72,6 +84,7 @@ impl Upstream {
         Ok(Upstream {
             client,
             fresh,
+            off_worker,
             scheme_authority: format!("http://{authority}"),
             prefix: config.url.path().trim_end_matches('/').to_owned(),
             authority: HeaderValue::from_str(authority.as_str())?,
@@ -123,12 +136,19 @@ impl Upstream {
         make: impl Fn() -> Result<Request<UpstreamBody>, ProxyError>,
     ) -> Result<(Response<Incoming>, bool), ProxyError> {
         let deadline = tokio::time::Instant::now() + self.timeout;
-        let first = tokio::time::timeout_at(deadline, exchange(&self.client, make()?)).await;
+        let first =
+            tokio::time::timeout_at(deadline, exchange(&self.client, make()?, &self.off_worker))
+                .await;
         match first {
             Err(_) => Err(ProxyError::OriginTimeout(self.timeout)),
             Ok(Ok(response)) => Ok((response, false)),
             Ok(Err(Failed::Client(error))) if unanswered(&error) => {
-                match tokio::time::timeout_at(deadline, exchange(&self.fresh, make()?)).await {
+                match tokio::time::timeout_at(
+                    deadline,
+                    exchange(&self.fresh, make()?, &self.off_worker),
+                )
+                .await
+                {
                     Err(_) => Err(ProxyError::OriginTimeout(self.timeout)),
                     Ok(Ok(response)) => Ok((response, true)),
                     Ok(Err(failed)) => Err(failed.into()),
@@ -156,7 +176,11 @@ impl Upstream {
     ) -> Result<Response<Incoming>, ProxyError> {
         let mut started = Instant::now();
         let result = if request.body().is_end_stream() {
-            tokio::time::timeout(self.timeout, exchange(&self.client, request)).await
+            tokio::time::timeout(
+                self.timeout,
+                exchange(&self.client, request, &self.off_worker),
+            )
+            .await
         } else {
             let (sent, uploaded) = oneshot::channel();
             let taken = Arc::new(Taken::new());
@@ -166,7 +190,7 @@ impl Upstream {
                 sent: Some(sent),
                 taken: Arc::clone(&taken),
             });
-            let response = exchange(&self.client, request);
+            let response = exchange(&self.client, request, &self.off_worker);
             tokio::pin!(response);
             let idle = self.upload.idle;
             let answered = tokio::select! {
@@ -233,9 +257,14 @@ impl From<Failed> for ProxyError {
 /// (two different `Content-Length` values, a bad chunk size, a body cut short, bytes past
 /// the end) already ends the connection in hyper.
 async fn exchange(
-    client: &Client<HttpConnector, UpstreamBody>,
+    client: &Client<Connector, UpstreamBody>,
     mut request: Request<UpstreamBody>,
+    off_worker: &OffWorkerMetrics,
 ) -> Result<Response<Incoming>, Failed> {
+    let sender = worker::index();
+    if sender == 0 {
+        off_worker.not_a_worker.inc();
+    }
     let connection = capture_connection(&mut request);
     let refuse = |why: &'static str| {
         if let Some(connected) = connection.connection_metadata().as_ref() {
@@ -254,8 +283,25 @@ async fn exchange(
     let response = tokio::select! {
         biased;
         () = flood.too_many.notified() => return Err(refuse(too_many)),
-        response = client.request(request) => response.map_err(Failed::Client)?,
+        response = client.request(request) => response,
     };
+    // The thread whose event loop drives the connection (hyper sets the connector's
+    // extras on the answer; a failed exchange has only the captured connection's).
+    let opened = match &response {
+        Ok(response) => response.extensions().get::<OpenedOn>().copied(),
+        Err(_) => connection
+            .connection_metadata()
+            .as_ref()
+            .and_then(|connected| {
+                let mut extras = http::Extensions::new();
+                connected.get_extras(&mut extras);
+                extras.get::<OpenedOn>().copied()
+            }),
+    };
+    if sender != 0 && opened.is_some_and(|OpenedOn(on)| on != sender) {
+        off_worker.other_worker.inc();
+    }
+    let response = response.map_err(Failed::Client)?;
     // The flood and the final answer may have come in one read.
     if flood.count.load(Ordering::Relaxed) > MAX_INFORMATIONAL {
         return Err(refuse(too_many));
@@ -269,6 +315,93 @@ async fn exchange(
         ));
     }
     Ok(response)
+}
+
+/// The thread that opened an origin connection, as [`worker::index`] (0: no proxy worker),
+/// carried in the connection's extras. hyper-util's client opens a connection in the
+/// future of the request that asked for it (or, when an idle one came back first, in a task
+/// that request spawns to finish it), and spawns the connection's task from there
+/// (`TokioExecutor`: `tokio::spawn`): on a worker's single-threaded runtime, the thread
+/// that opened a connection is the one whose event loop drives it for its whole life.
+#[derive(Clone, Copy, Debug)]
+struct OpenedOn(usize);
+
+/// hyper-util's TCP connector, its connections marked with the thread that opened them
+/// ([`OpenedOn`]). A connector of its own because hyper-util has no other place to attach
+/// data to a pooled connection: its extras come from the transport's [`Connection`].
+#[derive(Clone, Debug)]
+struct Connector(HttpConnector);
+
+impl tower_service::Service<Uri> for Connector {
+    type Response = TokioIo<Opened>;
+    type Error = BoxError;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, BoxError>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        self.0.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, uri: Uri) -> Self::Future {
+        let on = worker::index();
+        let connecting = self.0.call(uri);
+        Box::pin(async move {
+            let stream = connecting.await?.into_inner();
+            Ok(TokioIo::new(Opened { stream, on }))
+        })
+    }
+}
+
+/// An origin connection's socket, with the thread that opened it.
+#[derive(Debug)]
+struct Opened {
+    stream: TcpStream,
+    on: usize,
+}
+
+impl Connection for Opened {
+    fn connected(&self) -> Connected {
+        self.stream.connected().extra(OpenedOn(self.on))
+    }
+}
+
+impl AsyncRead for Opened {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().stream).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for Opened {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.get_mut().stream).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.get_mut().stream).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.stream.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().stream).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().stream).poll_shutdown(cx)
+    }
 }
 
 /// The informational answers of one exchange so far.
