@@ -1,5 +1,25 @@
 //! The pooled HTTP client to the origin.
 //!
+//! Each proxy worker thread keeps its own pool of origin connections, as nginx keeps a
+//! worker's upstream keep-alive connections in that worker. hyper-util's client opens a
+//! connection in the future of the request that needs it (or in a task that request
+//! spawns to finish it) and spawns the connection's task from there (`TokioExecutor`:
+//! `tokio::spawn`), so a connection a worker opened is driven by that worker's
+//! single-threaded event loop for its whole life. Taken from a pool shared by every worker,
+//! it would carry other workers' requests too, each of which then wakes the opening worker
+//! to write and read it, and is woken back with the answer. [`Upstream`] therefore holds
+//! one pool per worker and uses the calling thread's ([`worker::index`]): a cached fetch
+//! (a miss, a revalidation, a background refresh), a write and a pass-through all run on
+//! the worker that took the client's connection (a fill in a task spawned there). Threads
+//! that are no proxy worker — the warm-up, on the main runtime, and the fills it starts —
+//! share one more pool, whose connections that runtime drives. `upstream.pool_max_idle`
+//! is divided among the workers' pools, rounded up (`idle_per_pool`); the shared pool
+//! keeps as many as one of them. The retry client (`fresh`) keeps no pool: its connection is opened on the
+//! calling thread, used once and closed. What still crosses threads is counted
+//! (`cacheguard_origin_requests_off_worker_total`): requests sent from no worker, and
+//! requests sent on a connection another thread opened (`OpenedOn`), which the pools
+//! keep at 0.
+//!
 //! `upstream.timeout` bounds the wait for an answer. A request with a body (a write, a
 //! pass-through upload) starts that wait once the body has been sent. While it is sent,
 //! the client's pace is bounded by the body itself (`upload.rs`, 408), and the origin's
@@ -44,9 +64,14 @@ pub(crate) use super::upload::BoxError;
 /// pass-through.
 pub(crate) type UpstreamBody = BoxBody<Bytes, BoxError>;
 
+/// The origin client: one pool per proxy worker, one for the other threads, and the retry
+/// client. Cheap to clone: the clones share the pools.
 #[derive(Clone, Debug)]
 pub(crate) struct Upstream {
-    client: Client<Connector, UpstreamBody>,
+    /// Proxy worker `i`'s pool is `workers[i]`: used only on that worker's thread.
+    workers: Arc<[Client<Connector, UpstreamBody>]>,
+    /// The pool of every thread that is no proxy worker.
+    shared: Client<Connector, UpstreamBody>,
     /// Without a pool: a retry after a pooled connection failed must not take another
     /// pooled connection, which may be just as dead.
     fresh: Client<Connector, UpstreamBody>,
@@ -60,8 +85,11 @@ pub(crate) struct Upstream {
 }
 
 impl Upstream {
+    /// The client for `workers` proxy worker threads (`upstream.pool_max_idle` is divided
+    /// among them: see [`idle_per_pool`]).
     pub(crate) fn new(
         config: &UpstreamConfig,
+        workers: usize,
         off_worker: OffWorkerMetrics,
     ) -> anyhow::Result<Self> {
         let authority = config
@@ -73,16 +101,20 @@ impl Upstream {
         connector.set_nodelay(true);
         connector.enforce_http(true);
         let connector = Connector(connector);
-        let client = Client::builder(TokioExecutor::new())
-            .pool_max_idle_per_host(config.pool_max_idle)
-            .pool_idle_timeout(config.pool_idle_timeout)
-            .pool_timer(TokioTimer::new())
-            .build(connector.clone());
+        let idle = idle_per_pool(config.pool_max_idle, workers);
+        let pool = || {
+            Client::builder(TokioExecutor::new())
+                .pool_max_idle_per_host(idle)
+                .pool_idle_timeout(config.pool_idle_timeout)
+                .pool_timer(TokioTimer::new())
+                .build(connector.clone())
+        };
         let fresh = Client::builder(TokioExecutor::new())
             .pool_max_idle_per_host(0)
-            .build(connector);
+            .build(connector.clone());
         Ok(Upstream {
-            client,
+            workers: (0..workers.max(1)).map(|_| pool()).collect(),
+            shared: pool(),
             fresh,
             off_worker,
             scheme_authority: format!("http://{authority}"),
@@ -91,6 +123,19 @@ impl Upstream {
             timeout: config.timeout,
             upload: UploadBounds::of(config),
         })
+    }
+
+    /// The proxy worker threads this client has a pool for.
+    pub(crate) fn workers(&self) -> usize {
+        self.workers.len()
+    }
+
+    /// The pool of the calling thread: its own on a proxy worker, the shared one elsewhere.
+    fn pool(&self) -> &Client<Connector, UpstreamBody> {
+        worker::index()
+            .checked_sub(1)
+            .and_then(|index| self.workers.get(index))
+            .unwrap_or(&self.shared)
     }
 
     /// The origin URI for a client path-and-query.
@@ -137,7 +182,7 @@ impl Upstream {
     ) -> Result<(Response<Incoming>, bool), ProxyError> {
         let deadline = tokio::time::Instant::now() + self.timeout;
         let first =
-            tokio::time::timeout_at(deadline, exchange(&self.client, make()?, &self.off_worker))
+            tokio::time::timeout_at(deadline, exchange(self.pool(), make()?, &self.off_worker))
                 .await;
         match first {
             Err(_) => Err(ProxyError::OriginTimeout(self.timeout)),
@@ -178,7 +223,7 @@ impl Upstream {
         let result = if request.body().is_end_stream() {
             tokio::time::timeout(
                 self.timeout,
-                exchange(&self.client, request, &self.off_worker),
+                exchange(self.pool(), request, &self.off_worker),
             )
             .await
         } else {
@@ -190,7 +235,7 @@ impl Upstream {
                 sent: Some(sent),
                 taken: Arc::clone(&taken),
             });
-            let response = exchange(&self.client, request, &self.off_worker);
+            let response = exchange(self.pool(), request, &self.off_worker);
             tokio::pin!(response);
             let idle = self.upload.idle;
             let answered = tokio::select! {
@@ -218,6 +263,14 @@ impl Upstream {
             Ok(result) => result.map_err(Into::into),
         }
     }
+}
+
+/// The idle connections each pool keeps: `upstream.pool_max_idle` divided among the
+/// `workers`, rounded up. Divided, so the origin sees about as many idle connections as
+/// its operator sized it for, whatever `server.worker_threads` is; rounded up, so a value
+/// below the worker count still keeps one per worker rather than none.
+fn idle_per_pool(pool_max_idle: usize, workers: usize) -> usize {
+    pool_max_idle.div_ceil(workers.max(1))
 }
 
 /// The most informational (1xx) answers taken before the final one: a few `100 Continue`
@@ -571,4 +624,21 @@ fn classify(error: &hyper_util::client::legacy::Error) -> ProxyError {
         source = cause.source();
     }
     ProxyError::OriginConnect(detail)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::idle_per_pool;
+
+    #[test]
+    fn pool_max_idle_is_divided_among_the_workers_rounded_up() {
+        assert_eq!(idle_per_pool(64, 2), 32);
+        assert_eq!(idle_per_pool(64, 3), 22);
+        assert_eq!(idle_per_pool(64, 1), 64);
+        // Fewer than the workers: one each, not none.
+        assert_eq!(idle_per_pool(1, 4), 1);
+        // 0 keeps none anywhere.
+        assert_eq!(idle_per_pool(0, 4), 0);
+        assert_eq!(idle_per_pool(8, 0), 8);
+    }
 }
