@@ -14,10 +14,10 @@
 //! that are no proxy worker — the warm-up, on the main runtime, and the fills it starts —
 //! share one more pool, whose connections that runtime drives. `upstream.pool_max_idle`
 //! is divided among the workers' pools, rounded up (`idle_per_pool`); the shared pool
-//! keeps as many as one of them. The retry client (`fresh`) keeps no pool: its connection is opened on the
-//! calling thread, used once and closed. What still crosses threads is counted
-//! (`cacheguard_origin_requests_off_worker_total`): requests sent from no worker, and
-//! requests sent on a connection another thread opened (`OpenedOn`), which the pools
+//! keeps as many as one of them. The retry client (`fresh`) keeps no pool: its connection
+//! is opened on the calling thread, used once and closed. What still crosses threads is
+//! counted (`cacheguard_origin_requests_off_worker_total`): requests sent from no worker,
+//! and requests sent on a connection another thread opened (`OpenedOn`), which the pools
 //! keep at 0.
 //!
 //! `upstream.timeout` bounds the wait for an answer. A request with a body (a write, a
@@ -309,6 +309,9 @@ impl From<Failed> for ProxyError {
 /// handing it out again, and is closed once hyper lets it go. Framing hyper refuses itself
 /// (two different `Content-Length` values, a bad chunk size, a body cut short, bytes past
 /// the end) already ends the connection in hyper.
+///
+/// A request sent from a thread that is no proxy worker, or on a connection another thread
+/// opened, is counted in `off_worker` (see the module docs).
 async fn exchange(
     client: &Client<Connector, UpstreamBody>,
     mut request: Request<UpstreamBody>,
