@@ -337,6 +337,33 @@ impl RedisOp {
     }
 }
 
+/// The `reason` label of `cacheguard_origin_requests_off_worker_total`: why an origin
+/// request was sent from another thread than the one that drives its connection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum OffWorker {
+    /// Sent from a thread that is no proxy worker.
+    NotAWorker,
+    /// Sent by a proxy worker on a connection another thread opened.
+    OtherWorker,
+}
+
+impl OffWorker {
+    fn as_str(self) -> &'static str {
+        match self {
+            OffWorker::NotAWorker => "not_a_worker",
+            OffWorker::OtherWorker => "other_worker",
+        }
+    }
+}
+
+/// `cacheguard_origin_requests_off_worker_total`'s series, resolved once (see
+/// [`Metrics::origin_off_worker`]).
+#[derive(Clone, Debug)]
+pub(crate) struct OffWorkerMetrics {
+    pub(crate) not_a_worker: IntCounter,
+    pub(crate) other_worker: IntCounter,
+}
+
 /// The `result` label of `cacheguard_warmup_requests_total`.
 pub const WARMUP_RESULTS: [&str; 4] = ["filled", "failed", "cached", "skipped"];
 
@@ -372,6 +399,7 @@ pub struct Metrics {
     version_unparsed: IntCounterVec,
     new_variants: IntCounterVec,
     origin_retries: IntCounterVec,
+    origin_off_worker: IntCounterVec,
     coalesced: IntCounterVec,
     pub l1_entries: IntGauge,
     pub l1_bytes: IntGauge,
@@ -639,6 +667,18 @@ impl Metrics {
                  connection failed after the request was written, before any answer.",
             ),
             &["route"],
+        )?;
+        let origin_off_worker = IntCounterVec::new(
+            Opts::new(
+                "cacheguard_origin_requests_off_worker_total",
+                "Origin requests sent from another thread than the proxy worker whose event \
+                 loop drives their connection, by reason: not_a_worker (sent from a thread \
+                 that is no proxy worker: a warm-up, and the fills it starts; they keep a \
+                 pool of their own), other_worker (sent by a proxy worker on a connection \
+                 another thread opened and drives: each exchange then wakes that thread and \
+                 back; 0 while every worker keeps its own pool).",
+            ),
+            &["reason"],
         )?;
         let oversized = IntCounterVec::new(
             Opts::new(
@@ -1250,6 +1290,7 @@ impl Metrics {
         registry.register(Box::new(version_unparsed.clone()))?;
         registry.register(Box::new(new_variants.clone()))?;
         registry.register(Box::new(origin_retries.clone()))?;
+        registry.register(Box::new(origin_off_worker.clone()))?;
         registry.register(Box::new(coalesced.clone()))?;
         registry.register(Box::new(l1_entries.clone()))?;
         registry.register(Box::new(l1_bytes.clone()))?;
@@ -1284,6 +1325,9 @@ impl Metrics {
         for reason in REJECTED_REASONS {
             rejected_requests.with_label_values(&[reason]);
         }
+        for reason in [OffWorker::NotAWorker, OffWorker::OtherWorker] {
+            origin_off_worker.with_label_values(&[reason.as_str()]);
+        }
 
         Ok(Metrics {
             requests,
@@ -1299,6 +1343,7 @@ impl Metrics {
             version_unparsed,
             new_variants,
             origin_retries,
+            origin_off_worker,
             coalesced,
             l1_entries,
             l1_bytes,
@@ -1370,6 +1415,16 @@ impl Metrics {
             bloom_adds,
             bloom_add_failures,
         })
+    }
+
+    /// The handles of `cacheguard_origin_requests_off_worker_total`, for the upstream client.
+    pub(crate) fn origin_off_worker(&self) -> OffWorkerMetrics {
+        let series =
+            |reason: OffWorker| self.origin_off_worker.with_label_values(&[reason.as_str()]);
+        OffWorkerMetrics {
+            not_a_worker: series(OffWorker::NotAWorker),
+            other_worker: series(OffWorker::OtherWorker),
+        }
     }
 
     /// Resolves one Bloom filter's handles once, at config load.
