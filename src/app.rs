@@ -412,7 +412,8 @@ impl App {
         gates.spawn(&stop_tasks);
         let routes = RouteTable::build(&config.routes, &metrics, &filters, &gates)
             .context("building routes")?;
-        let upstream = Upstream::new(&config.upstream).context("building the upstream client")?;
+        let upstream = Upstream::new(&config.upstream, workers, metrics.origin_off_worker())
+            .context("building the upstream client")?;
         metrics.origin_caps(&config.upstream);
         let guard = OriginGuard::new(Limits::of(&config.upstream), GuardMetrics::of(&metrics));
         // Owed invalidations: the journal (shared mode only: in embedded mode nothing is

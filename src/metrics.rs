@@ -340,7 +340,7 @@ impl RedisOp {
 /// The `reason` label of `cacheguard_redis_commands_off_worker_total`: why a command a
 /// proxy worker sent did not go on the worker's own connection.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum OffWorker {
+pub enum RedisOffWorker {
     /// The worker has no connection of its own to use (it could not be made, or failed).
     Fallback,
     /// Sent past the breaker with no patience (a serialized write's lock renewal or
@@ -352,15 +352,42 @@ pub enum OffWorker {
     Bulk,
 }
 
-impl OffWorker {
+impl RedisOffWorker {
     pub fn as_str(self) -> &'static str {
         match self {
-            OffWorker::Fallback => "fallback",
-            OffWorker::Strict => "strict",
-            OffWorker::Replicated => "replicated",
-            OffWorker::Bulk => "bulk",
+            RedisOffWorker::Fallback => "fallback",
+            RedisOffWorker::Strict => "strict",
+            RedisOffWorker::Replicated => "replicated",
+            RedisOffWorker::Bulk => "bulk",
         }
     }
+}
+
+/// The `reason` label of `cacheguard_origin_requests_off_worker_total`: why an origin
+/// request was sent from another thread than the one that drives its connection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum OffWorker {
+    /// Sent from a thread that is no proxy worker.
+    NotAWorker,
+    /// Sent by a proxy worker on a connection another thread opened.
+    OtherWorker,
+}
+
+impl OffWorker {
+    fn as_str(self) -> &'static str {
+        match self {
+            OffWorker::NotAWorker => "not_a_worker",
+            OffWorker::OtherWorker => "other_worker",
+        }
+    }
+}
+
+/// `cacheguard_origin_requests_off_worker_total`'s series, resolved once (see
+/// [`Metrics::origin_off_worker`]).
+#[derive(Clone, Debug)]
+pub(crate) struct OffWorkerMetrics {
+    pub(crate) not_a_worker: IntCounter,
+    pub(crate) other_worker: IntCounter,
 }
 
 /// The `result` label of `cacheguard_warmup_requests_total`.
@@ -398,6 +425,7 @@ pub struct Metrics {
     version_unparsed: IntCounterVec,
     new_variants: IntCounterVec,
     origin_retries: IntCounterVec,
+    origin_off_worker: IntCounterVec,
     coalesced: IntCounterVec,
     pub l1_entries: IntGauge,
     pub l1_bytes: IntGauge,
@@ -666,6 +694,18 @@ impl Metrics {
                  connection failed after the request was written, before any answer.",
             ),
             &["route"],
+        )?;
+        let origin_off_worker = IntCounterVec::new(
+            Opts::new(
+                "cacheguard_origin_requests_off_worker_total",
+                "Origin requests sent from another thread than the proxy worker whose event \
+                 loop drives their connection, by reason: not_a_worker (sent from a thread \
+                 that is no proxy worker: a warm-up, and the fills it starts; they keep a \
+                 pool of their own), other_worker (sent by a proxy worker on a connection \
+                 another thread opened and drives: each exchange then wakes that thread and \
+                 back; 0 while every worker keeps its own pool).",
+            ),
+            &["reason"],
         )?;
         let oversized = IntCounterVec::new(
             Opts::new(
@@ -1287,6 +1327,7 @@ impl Metrics {
         registry.register(Box::new(version_unparsed.clone()))?;
         registry.register(Box::new(new_variants.clone()))?;
         registry.register(Box::new(origin_retries.clone()))?;
+        registry.register(Box::new(origin_off_worker.clone()))?;
         registry.register(Box::new(coalesced.clone()))?;
         registry.register(Box::new(l1_entries.clone()))?;
         registry.register(Box::new(l1_bytes.clone()))?;
@@ -1318,10 +1359,13 @@ impl Metrics {
         ] {
             redis_errors.with_label_values(&[op.as_str()]);
             redis_slot_migrating.with_label_values(&[op.as_str()]);
-            redis_off_worker.with_label_values(&[op.as_str(), OffWorker::Fallback.as_str()]);
+            redis_off_worker.with_label_values(&[op.as_str(), RedisOffWorker::Fallback.as_str()]);
         }
         for reason in REJECTED_REASONS {
             rejected_requests.with_label_values(&[reason]);
+        }
+        for reason in [OffWorker::NotAWorker, OffWorker::OtherWorker] {
+            origin_off_worker.with_label_values(&[reason.as_str()]);
         }
 
         Ok(Metrics {
@@ -1338,6 +1382,7 @@ impl Metrics {
             version_unparsed,
             new_variants,
             origin_retries,
+            origin_off_worker,
             coalesced,
             l1_entries,
             l1_bytes,
@@ -1410,6 +1455,16 @@ impl Metrics {
             bloom_adds,
             bloom_add_failures,
         })
+    }
+
+    /// The handles of `cacheguard_origin_requests_off_worker_total`, for the upstream client.
+    pub(crate) fn origin_off_worker(&self) -> OffWorkerMetrics {
+        let series =
+            |reason: OffWorker| self.origin_off_worker.with_label_values(&[reason.as_str()]);
+        OffWorkerMetrics {
+            not_a_worker: series(OffWorker::NotAWorker),
+            other_worker: series(OffWorker::OtherWorker),
+        }
     }
 
     /// Resolves one Bloom filter's handles once, at config load.
@@ -1639,8 +1694,8 @@ impl Metrics {
             .inc();
     }
 
-    /// A command a proxy worker sent through the Redis thread (see [`OffWorker`]).
-    pub fn redis_off_worker(&self, op: RedisOp, reason: OffWorker) {
+    /// A command a proxy worker sent through the Redis thread (see [`RedisOffWorker`]).
+    pub fn redis_off_worker(&self, op: RedisOp, reason: RedisOffWorker) {
         self.redis_off_worker
             .with_label_values(&[op.as_str(), reason.as_str()])
             .inc();

@@ -137,10 +137,13 @@ impl Live {
         let proxy = &self.proxy;
         let upstream_changed = format!("{:?}", current.upstream) != format!("{:?}", new.upstream);
         if upstream_changed {
-            let upstream = Upstream::new(&new.upstream).map_err(|e| {
-                self.metrics.config_reload("refused");
-                format!("upstream: {e:#}; nothing was reloaded")
-            })?;
+            // The worker threads live as long as the process (`[server]` needs a restart).
+            let workers = proxy.origin.upstream.load().workers();
+            let upstream = Upstream::new(&new.upstream, workers, self.metrics.origin_off_worker())
+                .map_err(|e| {
+                    self.metrics.config_reload("refused");
+                    format!("upstream: {e:#}; nothing was reloaded")
+                })?;
             proxy.origin.upstream.store(Arc::new(upstream));
         }
         let up = &new.upstream;

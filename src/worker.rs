@@ -1,6 +1,7 @@
-//! Which proxy worker thread the caller runs on. Per-thread state (the hot-key sketches)
-//! is sharded by it, so a request never contends with another worker's requests for a
-//! lock. The accept loop (`proxy/server.rs`) numbers its workers; everything else reads.
+//! Which proxy worker thread the caller runs on. Per-thread state (the hot-key sketches,
+//! the origin connection pools) is sharded by it, so a request never contends with another
+//! worker's requests for a lock, nor sends on a connection another worker's event loop
+//! drives. The accept loop (`proxy/server.rs`) numbers its workers; everything else reads.
 
 use std::cell::Cell;
 

@@ -66,7 +66,7 @@ use super::backend::{self, Backend, CLUSTER_SLOTS, DataConn};
 use super::io::IoThread;
 use super::worker_conn::{Found, Owner};
 use crate::config::{RedisConfig, RedisMode};
-use crate::metrics::{Metrics, OffWorker, RedisOp};
+use crate::metrics::{Metrics, RedisOffWorker, RedisOp};
 
 /// How often an open breaker probes Redis.
 pub(crate) const PROBE_INTERVAL: Duration = Duration::from_millis(200);
@@ -264,8 +264,13 @@ impl Hysteresis {
 /// late looks once more a [`recheck`] later, by when the Redis thread has read what came
 /// meanwhile ([`answer_within`]).
 ///
+/// A Redis that refuses the heartbeat's connection (killed, its port closed) is evidence
+/// of silence at once ([`Liveness::refused`]): commands waiting past `command_timeout`
+/// give up then instead of after [`silence`], so requests do not wait on a dead Redis
+/// while the breaker gathers its failures.
+///
 /// One atomic store per command (the demand), none when idle (no commands, no heartbeat:
-/// the probe covers an idle instance). Hand-written: three atomics on tokio's clock.
+/// the probe covers an idle instance). Hand-written: four atomics on tokio's clock.
 #[derive(Debug)]
 struct Liveness {
     base: tokio::time::Instant,
@@ -273,6 +278,8 @@ struct Liveness {
     answered: AtomicU64,
     /// When the heartbeat last found itself held up (its timer late), µs after `base`.
     held_up: AtomicU64,
+    /// When the heartbeat's connection was last refused, µs after `base`.
+    refused: AtomicU64,
     /// A command was sent since the last heartbeat.
     demand: AtomicBool,
 }
@@ -283,6 +290,7 @@ impl Liveness {
             base: tokio::time::Instant::now(),
             answered: AtomicU64::new(0),
             held_up: AtomicU64::new(0),
+            refused: AtomicU64::new(0),
             demand: AtomicBool::new(false),
         }
     }
@@ -304,6 +312,13 @@ impl Liveness {
         self.held_up.fetch_max(now, Ordering::Relaxed);
     }
 
+    /// The heartbeat could not connect, now (refused, not late): Redis is gone, whatever
+    /// answered before.
+    fn refused(&self) {
+        let now = self.micros(tokio::time::Instant::now());
+        self.refused.fetch_max(now, Ordering::Relaxed);
+    }
+
     /// A command is being sent.
     fn want(&self) {
         self.demand.store(true, Ordering::Relaxed);
@@ -315,7 +330,7 @@ impl Liveness {
     }
 
     /// Whether a heartbeat was answered, or the heartbeat found this process held up,
-    /// within the last `window`.
+    /// within the last `window`, and its connection was not refused since.
     fn answering(&self, window: Duration) -> bool {
         let answered = self
             .answered
@@ -323,6 +338,7 @@ impl Liveness {
             .max(self.held_up.load(Ordering::Relaxed));
         let now = self.micros(tokio::time::Instant::now());
         answered > 0
+            && answered > self.refused.load(Ordering::Relaxed)
             && now.saturating_sub(answered) <= u64::try_from(window.as_micros()).unwrap_or(u64::MAX)
     }
 }
@@ -964,9 +980,9 @@ impl RedisConn {
         let conn = self.shared()?;
         if on_worker {
             let reason = if patience.is_some() {
-                OffWorker::Fallback
+                RedisOffWorker::Fallback
             } else {
-                OffWorker::Strict
+                RedisOffWorker::Strict
             };
             self.inner.metrics.redis_off_worker(op, reason);
         }
@@ -1202,7 +1218,7 @@ impl RedisConn {
         if crate::worker::index() > 0 {
             self.inner
                 .metrics
-                .redis_off_worker(op, OffWorker::Replicated);
+                .redis_off_worker(op, RedisOffWorker::Replicated);
         }
         let mut eval = redis::cmd("EVAL");
         eval.arg(source).arg(keys.len());
@@ -1297,7 +1313,9 @@ impl RedisConn {
             return Err(Unavailable::Down);
         }
         if crate::worker::index() > 0 {
-            self.inner.metrics.redis_off_worker(op, OffWorker::Bulk);
+            self.inner
+                .metrics
+                .redis_off_worker(op, RedisOffWorker::Bulk);
         }
         let result = tokio::time::timeout(
             timeout,
@@ -1600,7 +1618,15 @@ impl RedisConn {
                         .dedicated(self.inner.config.connect_timeout, None),
                 )
                 .await;
-                conn = made.ok().and_then(Result::ok);
+                conn = match made {
+                    Ok(Ok(conn)) => Some(conn),
+                    // Refused (not late): a dead Redis, or its port closed.
+                    Ok(Err(_)) => {
+                        self.inner.liveness.refused();
+                        None
+                    }
+                    Err(_) => None,
+                };
             }
             let Some(heartbeat) = conn.as_mut() else {
                 continue;
@@ -1813,6 +1839,32 @@ mod tests {
         assert!(liveness.answering(silence(TIMEOUT)));
         tokio::time::advance(silence(TIMEOUT) + Duration::from_millis(1)).await;
         assert!(!liveness.answering(silence(TIMEOUT)));
+    }
+
+    /// Regression: a killed Redis (its heartbeat connection refused) counted as answering
+    /// for 2 × `command_timeout` after its last answer, so L1 hits that asked it (their
+    /// copies unverified once the bus dropped) waited past `command_timeout` for a Redis
+    /// already gone. A refusal is evidence of silence at once; a later answer ends it.
+    #[tokio::test(start_paused = true)]
+    async fn a_refused_heartbeat_is_evidence_of_silence_at_once() {
+        let liveness = Liveness::new();
+        tokio::time::advance(Duration::from_millis(1)).await;
+        liveness.answered();
+        tokio::time::advance(Duration::from_millis(5)).await;
+        liveness.refused();
+        let started = tokio::time::Instant::now();
+        let answer = answer_within(
+            std::future::pending::<u32>(),
+            TIMEOUT,
+            Some(PATIENCE),
+            &liveness,
+        )
+        .await;
+        assert_eq!(answer, Err(TimedOut));
+        assert_eq!(started.elapsed(), TIMEOUT, "given up at its own timeout");
+        tokio::time::advance(Duration::from_millis(1)).await;
+        liveness.answered();
+        assert!(liveness.answering(silence(TIMEOUT)), "answering again");
     }
 
     /// A stopped or blackholed Redis answers nothing from `T0` on: every command sent then,

@@ -1,5 +1,25 @@
 //! The pooled HTTP client to the origin.
 //!
+//! Each proxy worker thread keeps its own pool of origin connections, as nginx keeps a
+//! worker's upstream keep-alive connections in that worker. hyper-util's client opens a
+//! connection in the future of the request that needs it (or in a task that request
+//! spawns to finish it) and spawns the connection's task from there (`TokioExecutor`:
+//! `tokio::spawn`), so a connection a worker opened is driven by that worker's
+//! single-threaded event loop for its whole life. Taken from a pool shared by every worker,
+//! it would carry other workers' requests too, each of which then wakes the opening worker
+//! to write and read it, and is woken back with the answer. [`Upstream`] therefore holds
+//! one pool per worker and uses the calling thread's ([`worker::index`]): a cached fetch
+//! (a miss, a revalidation, a background refresh), a write and a pass-through all run on
+//! the worker that took the client's connection (a fill in a task spawned there). Threads
+//! that are no proxy worker — the warm-up, on the main runtime, and the fills it starts —
+//! share one more pool, whose connections that runtime drives. `upstream.pool_max_idle`
+//! is divided among the workers' pools, rounded up (`idle_per_pool`); the shared pool
+//! keeps as many as one of them. The retry client (`fresh`) keeps no pool: its connection
+//! is opened on the calling thread, used once and closed. What still crosses threads is
+//! counted (`cacheguard_origin_requests_off_worker_total`): requests sent from no worker,
+//! and requests sent on a connection another thread opened (`OpenedOn`), which the pools
+//! keep at 0.
+//!
 //! `upstream.timeout` bounds the wait for an answer. A request with a body (a write, a
 //! pass-through upload) starts that wait once the body has been sent. While it is sent,
 //! the client's pace is bounded by the body itself (`upload.rs`, 408), and the origin's
@@ -8,6 +28,7 @@
 //! stuck origin cannot hold its file and connection for ever.
 
 use std::error::Error as StdError;
+use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -22,8 +43,12 @@ use http_body_util::LengthLimitError;
 use http_body_util::combinators::BoxBody;
 use hyper::body::Incoming;
 use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::{HttpConnector, capture_connection};
-use hyper_util::rt::{TokioExecutor, TokioTimer};
+use hyper_util::client::legacy::connect::{
+    Connected, Connection, HttpConnector, capture_connection,
+};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::TcpStream;
 use tokio::sync::oneshot;
 
 use super::access_log;
@@ -31,18 +56,26 @@ use super::spool::SpoolReadError;
 use super::upload::{self, UploadBounds};
 use crate::config::UpstreamConfig;
 use crate::error::ProxyError;
+use crate::metrics::OffWorkerMetrics;
+use crate::worker;
 
 pub(crate) use super::upload::BoxError;
 /// Request bodies sent upstream: empty for cached fetches, the client's (limited) body for
 /// pass-through.
 pub(crate) type UpstreamBody = BoxBody<Bytes, BoxError>;
 
+/// The origin client: one pool per proxy worker, one for the other threads, and the retry
+/// client. Cheap to clone: the clones share the pools.
 #[derive(Clone, Debug)]
 pub(crate) struct Upstream {
-    client: Client<HttpConnector, UpstreamBody>,
+    /// Proxy worker `i`'s pool is `workers[i]`: used only on that worker's thread.
+    workers: Arc<[Client<Connector, UpstreamBody>]>,
+    /// The pool of every thread that is no proxy worker.
+    shared: Client<Connector, UpstreamBody>,
     /// Without a pool: a retry after a pooled connection failed must not take another
     /// pooled connection, which may be just as dead.
-    fresh: Client<HttpConnector, UpstreamBody>,
+    fresh: Client<Connector, UpstreamBody>,
+    off_worker: OffWorkerMetrics,
     scheme_authority: String,
     /// Path prefix of `upstream.url`, without a trailing slash ("" for none).
     prefix: String,
@@ -52,7 +85,13 @@ pub(crate) struct Upstream {
 }
 
 impl Upstream {
-    pub(crate) fn new(config: &UpstreamConfig) -> anyhow::Result<Self> {
+    /// The client for `workers` proxy worker threads (`upstream.pool_max_idle` is divided
+    /// among them: see [`idle_per_pool`]).
+    pub(crate) fn new(
+        config: &UpstreamConfig,
+        workers: usize,
+        off_worker: OffWorkerMetrics,
+    ) -> anyhow::Result<Self> {
         let authority = config
             .url
             .authority()
@@ -61,23 +100,42 @@ impl Upstream {
         connector.set_connect_timeout(Some(config.connect_timeout));
         connector.set_nodelay(true);
         connector.enforce_http(true);
-        let client = Client::builder(TokioExecutor::new())
-            .pool_max_idle_per_host(config.pool_max_idle)
-            .pool_idle_timeout(config.pool_idle_timeout)
-            .pool_timer(TokioTimer::new())
-            .build(connector.clone());
+        let connector = Connector(connector);
+        let idle = idle_per_pool(config.pool_max_idle, workers);
+        let pool = || {
+            Client::builder(TokioExecutor::new())
+                .pool_max_idle_per_host(idle)
+                .pool_idle_timeout(config.pool_idle_timeout)
+                .pool_timer(TokioTimer::new())
+                .build(connector.clone())
+        };
         let fresh = Client::builder(TokioExecutor::new())
             .pool_max_idle_per_host(0)
-            .build(connector);
+            .build(connector.clone());
         Ok(Upstream {
-            client,
+            workers: (0..workers.max(1)).map(|_| pool()).collect(),
+            shared: pool(),
             fresh,
+            off_worker,
             scheme_authority: format!("http://{authority}"),
             prefix: config.url.path().trim_end_matches('/').to_owned(),
             authority: HeaderValue::from_str(authority.as_str())?,
             timeout: config.timeout,
             upload: UploadBounds::of(config),
         })
+    }
+
+    /// The proxy worker threads this client has a pool for.
+    pub(crate) fn workers(&self) -> usize {
+        self.workers.len()
+    }
+
+    /// The pool of the calling thread: its own on a proxy worker, the shared one elsewhere.
+    fn pool(&self) -> &Client<Connector, UpstreamBody> {
+        worker::index()
+            .checked_sub(1)
+            .and_then(|index| self.workers.get(index))
+            .unwrap_or(&self.shared)
     }
 
     /// The origin URI for a client path-and-query.
@@ -123,12 +181,19 @@ impl Upstream {
         make: impl Fn() -> Result<Request<UpstreamBody>, ProxyError>,
     ) -> Result<(Response<Incoming>, bool), ProxyError> {
         let deadline = tokio::time::Instant::now() + self.timeout;
-        let first = tokio::time::timeout_at(deadline, exchange(&self.client, make()?)).await;
+        let first =
+            tokio::time::timeout_at(deadline, exchange(self.pool(), make()?, &self.off_worker))
+                .await;
         match first {
             Err(_) => Err(ProxyError::OriginTimeout(self.timeout)),
             Ok(Ok(response)) => Ok((response, false)),
             Ok(Err(Failed::Client(error))) if unanswered(&error) => {
-                match tokio::time::timeout_at(deadline, exchange(&self.fresh, make()?)).await {
+                match tokio::time::timeout_at(
+                    deadline,
+                    exchange(&self.fresh, make()?, &self.off_worker),
+                )
+                .await
+                {
                     Err(_) => Err(ProxyError::OriginTimeout(self.timeout)),
                     Ok(Ok(response)) => Ok((response, true)),
                     Ok(Err(failed)) => Err(failed.into()),
@@ -156,7 +221,11 @@ impl Upstream {
     ) -> Result<Response<Incoming>, ProxyError> {
         let mut started = Instant::now();
         let result = if request.body().is_end_stream() {
-            tokio::time::timeout(self.timeout, exchange(&self.client, request)).await
+            tokio::time::timeout(
+                self.timeout,
+                exchange(self.pool(), request, &self.off_worker),
+            )
+            .await
         } else {
             let (sent, uploaded) = oneshot::channel();
             let taken = Arc::new(Taken::new());
@@ -166,7 +235,7 @@ impl Upstream {
                 sent: Some(sent),
                 taken: Arc::clone(&taken),
             });
-            let response = exchange(&self.client, request);
+            let response = exchange(self.pool(), request, &self.off_worker);
             tokio::pin!(response);
             let idle = self.upload.idle;
             let answered = tokio::select! {
@@ -194,6 +263,14 @@ impl Upstream {
             Ok(result) => result.map_err(Into::into),
         }
     }
+}
+
+/// The idle connections each pool keeps: `upstream.pool_max_idle` divided among the
+/// `workers`, rounded up. Divided, so the origin sees about as many idle connections as
+/// its operator sized it for, whatever `server.worker_threads` is; rounded up, so a value
+/// below the worker count still keeps one per worker rather than none.
+fn idle_per_pool(pool_max_idle: usize, workers: usize) -> usize {
+    pool_max_idle.div_ceil(workers.max(1))
 }
 
 /// The most informational (1xx) answers taken before the final one: a few `100 Continue`
@@ -232,10 +309,18 @@ impl From<Failed> for ProxyError {
 /// handing it out again, and is closed once hyper lets it go. Framing hyper refuses itself
 /// (two different `Content-Length` values, a bad chunk size, a body cut short, bytes past
 /// the end) already ends the connection in hyper.
+///
+/// A request sent from a thread that is no proxy worker, or on a connection another thread
+/// opened, is counted in `off_worker` (see the module docs).
 async fn exchange(
-    client: &Client<HttpConnector, UpstreamBody>,
+    client: &Client<Connector, UpstreamBody>,
     mut request: Request<UpstreamBody>,
+    off_worker: &OffWorkerMetrics,
 ) -> Result<Response<Incoming>, Failed> {
+    let sender = worker::index();
+    if sender == 0 {
+        off_worker.not_a_worker.inc();
+    }
     let connection = capture_connection(&mut request);
     let refuse = |why: &'static str| {
         if let Some(connected) = connection.connection_metadata().as_ref() {
@@ -254,8 +339,25 @@ async fn exchange(
     let response = tokio::select! {
         biased;
         () = flood.too_many.notified() => return Err(refuse(too_many)),
-        response = client.request(request) => response.map_err(Failed::Client)?,
+        response = client.request(request) => response,
     };
+    // The thread whose event loop drives the connection (hyper sets the connector's
+    // extras on the answer; a failed exchange has only the captured connection's).
+    let opened = match &response {
+        Ok(response) => response.extensions().get::<OpenedOn>().copied(),
+        Err(_) => connection
+            .connection_metadata()
+            .as_ref()
+            .and_then(|connected| {
+                let mut extras = http::Extensions::new();
+                connected.get_extras(&mut extras);
+                extras.get::<OpenedOn>().copied()
+            }),
+    };
+    if sender != 0 && opened.is_some_and(|OpenedOn(on)| on != sender) {
+        off_worker.other_worker.inc();
+    }
+    let response = response.map_err(Failed::Client)?;
     // The flood and the final answer may have come in one read.
     if flood.count.load(Ordering::Relaxed) > MAX_INFORMATIONAL {
         return Err(refuse(too_many));
@@ -269,6 +371,93 @@ async fn exchange(
         ));
     }
     Ok(response)
+}
+
+/// The thread that opened an origin connection, as [`worker::index`] (0: no proxy worker),
+/// carried in the connection's extras. hyper-util's client opens a connection in the
+/// future of the request that asked for it (or, when an idle one came back first, in a task
+/// that request spawns to finish it), and spawns the connection's task from there
+/// (`TokioExecutor`: `tokio::spawn`): on a worker's single-threaded runtime, the thread
+/// that opened a connection is the one whose event loop drives it for its whole life.
+#[derive(Clone, Copy, Debug)]
+struct OpenedOn(usize);
+
+/// hyper-util's TCP connector, its connections marked with the thread that opened them
+/// ([`OpenedOn`]). A connector of its own because hyper-util has no other place to attach
+/// data to a pooled connection: its extras come from the transport's [`Connection`].
+#[derive(Clone, Debug)]
+struct Connector(HttpConnector);
+
+impl tower_service::Service<Uri> for Connector {
+    type Response = TokioIo<Opened>;
+    type Error = BoxError;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, BoxError>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        self.0.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, uri: Uri) -> Self::Future {
+        let on = worker::index();
+        let connecting = self.0.call(uri);
+        Box::pin(async move {
+            let stream = connecting.await?.into_inner();
+            Ok(TokioIo::new(Opened { stream, on }))
+        })
+    }
+}
+
+/// An origin connection's socket, with the thread that opened it.
+#[derive(Debug)]
+struct Opened {
+    stream: TcpStream,
+    on: usize,
+}
+
+impl Connection for Opened {
+    fn connected(&self) -> Connected {
+        self.stream.connected().extra(OpenedOn(self.on))
+    }
+}
+
+impl AsyncRead for Opened {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().stream).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for Opened {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.get_mut().stream).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.get_mut().stream).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.stream.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().stream).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().stream).poll_shutdown(cx)
+    }
 }
 
 /// The informational answers of one exchange so far.
@@ -438,4 +627,21 @@ fn classify(error: &hyper_util::client::legacy::Error) -> ProxyError {
         source = cause.source();
     }
     ProxyError::OriginConnect(detail)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::idle_per_pool;
+
+    #[test]
+    fn pool_max_idle_is_divided_among_the_workers_rounded_up() {
+        assert_eq!(idle_per_pool(64, 2), 32);
+        assert_eq!(idle_per_pool(64, 3), 22);
+        assert_eq!(idle_per_pool(64, 1), 64);
+        // Fewer than the workers: one each, not none.
+        assert_eq!(idle_per_pool(1, 4), 1);
+        // 0 keeps none anywhere.
+        assert_eq!(idle_per_pool(0, 4), 0);
+        assert_eq!(idle_per_pool(8, 0), 8);
+    }
 }

@@ -44,6 +44,7 @@ mod lock_redlock;
 mod lock_zookeeper;
 mod logs;
 mod origin_mode;
+mod origin_pool;
 mod passthrough;
 mod read_path;
 mod redis_cost;

@@ -268,8 +268,18 @@ impl WarmConn {
 
     /// `GET path` on this connection, bounded by [`SHOT_TIMEOUT`].
     pub async fn get(&mut self, path: &str) -> Result<Resp, String> {
+        self.send(Method::GET, path, empty_body()).await
+    }
+
+    /// `method path` with `body` on this connection, bounded by [`SHOT_TIMEOUT`].
+    pub async fn send(
+        &mut self,
+        method: Method,
+        path: &str,
+        body: TestBody,
+    ) -> Result<Resp, String> {
         let host = self.addr.to_string();
-        let req = build_request(Method::GET, path, &[("host", &host)], empty_body())?;
+        let req = build_request(method, path, &[("host", &host)], body)?;
         within(SHOT_TIMEOUT, async {
             self.sender
                 .ready()
