@@ -940,8 +940,9 @@ impl RedisConn {
     /// [`super::worker_conn`]), whose driver runs on the worker: no thread is crossed.
     /// When the worker has none (being made, or it could not be made lately) or it turns
     /// out gone (a Redis restart, an idle timeout: an idle connection finds out only when
-    /// used), the command goes on the shared connection instead, which reconnects by itself and tells whether
-    /// Redis is really down; the worker makes a new one next time. A command without
+    /// used), the command goes on the shared connection instead, which reconnects by
+    /// itself and tells whether Redis is really down; the worker makes a new one in the
+    /// background (after a dropped one: at once). A command without
     /// `patience` (a lock renewal or release, strictly bounded) always takes the shared
     /// connection: on the worker's own, a busy worker would be late to read its answer.
     /// Elsewhere (the Redis thread's own tasks, background work, a host program's runtime)
