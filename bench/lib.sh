@@ -947,6 +947,17 @@ cpu_ticks() {
         awk '{ sub(/^.*\) /, ""); s += $12 + $13 } END { print s + 0 }'
 }
 
+# ctx_switches PID...: the context switches of the processes so far, summed:
+# voluntary_ctxt_switches + nonvoluntary_ctxt_switches of /proc/PID/task/*/status, every thread
+# of each process (a thread that has exited meanwhile no longer counts; its children are not
+# included: name them too, e.g. with proc_tree).
+ctx_switches() {
+    local pid
+    for pid in "$@"; do cat "/proc/$pid"/task/*/status 2>/dev/null || true; done |
+        awk '$1 == "voluntary_ctxt_switches:" || $1 == "nonvoluntary_ctxt_switches:" { s += $2 }
+            END { print s + 0 }'
+}
+
 # pss_kb PID...: the proportional set size of the processes, in kB, summed (Pss of
 # /proc/PID/smaps_rollup: pages shared between them, such as nginx's cache zone, count once).
 pss_kb() {

@@ -89,6 +89,7 @@ pub async fn cycle(args: CycleArgs) -> Result<Value, String> {
     let (first_id, keys) = (args.first_id, args.keys);
     let run = open_loop::run(
         lanes,
+        None,
         Duration::from_secs_f64(args.timeout_s),
         start,
         args.rate,

@@ -1,6 +1,7 @@
 //! The engine of the open-loop modes (`rate`, `cycle`): a pacer thread schedules request j at
 //! `start + j/rate` into the queue of its URL; each connection of that URL takes the oldest
-//! due request when it is free (a due request waits while all are busy), sends it and records
+//! due request when it is free (a due request waits while all are busy), sends it (a GET, or a
+//! POST of the run's body) and records
 //! it; a connection the server closed is replaced. After the last scheduled request the run
 //! waits at most the drain time for the rest.
 
@@ -8,6 +9,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
 use tokio::sync::mpsc;
 
 use crate::http::{Answer, ConnCounters, Sender, Target, ensure_ready, get_answer};
@@ -46,6 +48,8 @@ struct Lane {
     target: Target,
     url: usize,
     timeout: Duration,
+    /// Every request a POST of this body; None for GETs.
+    post_body: Option<Bytes>,
     queue: tokio::sync::Mutex<mpsc::UnboundedReceiver<Job>>,
     recs: Arc<std::sync::Mutex<Vec<Rec>>>,
     counters: Arc<Counters>,
@@ -73,7 +77,15 @@ async fn worker(lane: Arc<Lane>, first: Sender) {
         };
         counter.fetch_add(1, Ordering::Relaxed);
         let path = job.path.as_deref().unwrap_or(&lane.target.path);
-        let outcome = get_answer(&mut sender, ready, &lane.target, path, lane.timeout).await;
+        let outcome = get_answer(
+            &mut sender,
+            ready,
+            &lane.target,
+            path,
+            lane.post_body.as_ref(),
+            lane.timeout,
+        )
+        .await;
         let done = Instant::now();
         if job.measured {
             lane.recs.lock().expect("recs lock").push(Rec {
@@ -103,9 +115,12 @@ pub struct Finished {
 
 /// Runs `n` requests at `rate` from `start` over `lanes` (per URL: its target and its open
 /// connections), each request answered within `timeout` of its send; `job(j, t)` makes request
-/// j, scheduled at t, for the URL it returns. Waits at most `drain_s` after the last one.
+/// j, scheduled at t, for the URL it returns. Each request is a POST of `post_body` when given,
+/// else a GET. Waits at most `drain_s` after the last one.
+#[allow(clippy::too_many_arguments)]
 pub async fn run<F>(
     lanes: Vec<(Target, Vec<Sender>)>,
+    post_body: Option<Bytes>,
     timeout: Duration,
     start: Instant,
     rate: f64,
@@ -127,6 +142,7 @@ where
             target,
             url,
             timeout,
+            post_body: post_body.clone(),
             queue: tokio::sync::Mutex::new(rx),
             recs: recs.clone(),
             counters: counters.clone(),
