@@ -938,6 +938,29 @@ e_ratio_cell() {
 }
 declare -A E_OF=([static]=direct [nginx]=nginx2 [varnish]=varnish2 [cg-l2]=cg2)
 
+# wrk_table FILE TARGETS: the detail table of a wrk section (a, f, g, i): per target, req/s,
+# latencies, the requests that reached the origin, X-Cache after, and CPU and context switches
+# per request of the target's processes (and redis-server's) over the run.
+wrk_table() {
+    local f=$1 t
+    echo "| target | req/s | p50 ms | p99 ms | max ms | origin requests per rep | X-Cache after | CPU µs/req | ctx switches/req | redis-server µs/req | redis-server ctx switches/req |"
+    echo "|---|---|---|---|---|---|---|---|---|---|---|"
+    for t in $2; do
+        [[ -n $(values "$f" rps "$t") ]] || continue
+        echo "| $t | $(vcell int "$f" rps "$t") | $(vcell 3 "$f" p50_ms "$t") | $(vcell 3 "$f" p99_ms "$t") | $(vcell 3 "$f" max_ms "$t") | $(values "$f" origin_requests "$t" | paste -sd/) | $(values "$f" x_cache_after "$t" | sort -u | paste -sd,) | $(vcell 2 "$f" cpu_us_per_req "$t") | $(vcell 3 "$f" ctxsw_per_req "$t") | $([[ $t == *-l2 ]] && vcell 2 "$f" redis_us_per_req "$t" || printf '–') | $([[ $t == *-l2 ]] && vcell 3 "$f" redis_ctxsw_per_req "$t" || printf '–') |"
+    done
+}
+# cpu_table FILE TARGETS: the detail table of a fixed-rate section (b, f).
+cpu_table() {
+    local f=$1 t
+    echo "| target | processes | achieved req/s | CPU µs/req | redis-server µs/req | total µs/req | ctx switches/req | redis-server ctx switches/req |"
+    echo "|---|---|---|---|---|---|---|---|"
+    for t in $2; do
+        [[ -n $(values "$f" achieved_rps "$t") ]] || continue
+        echo "| $t | $(values "$f" processes "$t" | sort -u | paste -sd/) | $(vcell int "$f" achieved_rps "$t") | $(vcell 2 "$f" cpu_us_per_req "$t") | $([[ $t == *-l2 ]] && vcell 2 "$f" redis_us_per_req "$t" || printf '–') | $(vcell 2 "$f" total_us_per_req "$t") | $(vcell 3 "$f" ctxsw_per_req "$t") | $([[ $t == *-l2 ]] && vcell 3 "$f" redis_ctxsw_per_req "$t" || printf '–') |"
+    done
+}
+
 # the targets' figures
 RPS_NGINX=$(med "$OUT/throughput.tsv" rps nginx)
 CPU_NGINX=$(med "$OUT/cpu.tsv" total_us_per_req nginx)
@@ -1094,8 +1117,6 @@ fi
     fi
     echo "## Targets"
     echo
-    echo "| target | measured | verdict |"
-    echo "|---|---|---|"
     echo "Ratios of medians from this run. Context-switch targets: both readings shown, the verdict is the"
     echo "open-loop one (at $(fmt_int "$RATE") req/s, as the target is stated), the closed-loop one in its own row."
     echo
@@ -1135,11 +1156,7 @@ fi
         echo "\`wrk -t2 -c64 -d$DURATION --timeout 10s --latency\` on $KEY, warmed first. origin requests = requests that"
         echo "reached the origin during the run (its stub_status counter): 0 means every answer was a hit."
         echo
-        echo "| target | req/s | p50 ms | p99 ms | max ms | origin requests per rep | X-Cache after |"
-        echo "|---|---|---|---|---|---|---|"
-        for t in $TARGETS; do
-            echo "| $t | $(vcell int "$OUT/throughput.tsv" rps "$t") | $(vcell 3 "$OUT/throughput.tsv" p50_ms "$t") | $(vcell 3 "$OUT/throughput.tsv" p99_ms "$t") | $(vcell 3 "$OUT/throughput.tsv" max_ms "$t") | $(values "$OUT/throughput.tsv" origin_requests "$t" | paste -sd/) | $(values "$OUT/throughput.tsv" x_cache_after "$t" | sort -u | paste -sd,) |"
-        done
+        wrk_table "$OUT/throughput.tsv" "$TARGETS"
     fi
     if has b; then
         echo
@@ -1150,11 +1167,7 @@ fi
         echo "before and after the measured run, divided by the answers. Processes: static and nginx = master + workers"
         echo "(and the cache manager / loader), Varnish = manager + cache child, cacheguard = one process (every thread)."
         echo
-        echo "| target | processes | achieved req/s | CPU µs/req | redis-server µs/req | total µs/req |"
-        echo "|---|---|---|---|---|---|"
-        for t in $TARGETS; do
-            echo "| $t | $(values "$OUT/cpu.tsv" processes "$t" | sort -u | paste -sd/) | $(vcell int "$OUT/cpu.tsv" achieved_rps "$t") | $(vcell 2 "$OUT/cpu.tsv" cpu_us_per_req "$t") | $([[ $t == *-l2 ]] && vcell 2 "$OUT/cpu.tsv" redis_us_per_req "$t" || printf '–') | $(vcell 2 "$OUT/cpu.tsv" total_us_per_req "$t") |"
-        done
+        cpu_table "$OUT/cpu.tsv" "$TARGETS"
     fi
     if has c; then
         echo
@@ -1213,8 +1226,71 @@ fi
             echo "| $t | $(e_cell origin_cold "$t" 0) | $(e_cell p99_ms "$t" 1) | $(e_ratio_cell "$t") | $(e_values x_cache "$t" | merge_counts) |"
         done
     fi
+    if has f; then
+        echo
+        echo "## f. Plain forward: a POST of $BODY_BYTES bytes"
+        echo
+        echo "nginx-fwd = nginx \`proxy_pass\` (bench/forward.conf.tmpl: no cache, keep-alive upstream, 2 workers);"
+        echo "cg-fwd = cacheguard embedded mode, a write route for POST /items/{id} (no invalidate, stock gate or"
+        echo "serialize). Both read the body whole, then forward it to the origin, which answers $BODY_BYTES bytes."
+        echo "\`wrk -t2 -c64 -d$DURATION -s bench/post_body.lua\` (origin requests per rep: at least the answers), then"
+        echo "\`loadgen rate --post-bytes $BODY_BYTES\` at $(fmt_int "$RATE") req/s as in b."
+        echo
+        wrk_table "$OUT/forward-throughput.tsv" "$FWD_TARGETS"
+        echo
+        cpu_table "$OUT/forward-cpu.tsv" "$FWD_TARGETS"
+    fi
+    if has g; then
+        echo
+        echo "## g. Context switches per request"
+        echo
+        echo "voluntary_ctxt_switches + nonvoluntary_ctxt_switches over /proc/PID/task/*/status of every process of"
+        echo "the target, read before and after the run, divided by the answers (a thread that exits meanwhile drops"
+        echo "out). The $(fmt_int "$RATE") req/s open-loop reading comes from b's and f's runs (their tables, and the summary"
+        echo "above); this is the closed-loop one: \`wrk -t1 -c16 -d$DURATION\` (forward targets: the POST body), with CPU"
+        echo "per request over the same run."
+        echo
+        wrk_table "$OUT/ctxsw.tsv" "$G_TARGETS"
+    fi
+    if has h; then
+        echo
+        echo "## h. Allocations per hit (counting build)"
+        echo
+        if [[ -n $H_SKIPPED ]]; then
+            echo "Skipped: $H_SKIPPED."
+        else
+            echo "\`${COUNTED_BIN#"$ROOT"/}\` (cacheguard with a counting global allocator, built from this checkout) as"
+            echo "alloc-l1 (embedded, \`l1 = \"all\"\`) and alloc-l2 (shared, \`l1 = \"off\"\`). Per rep: a warm-up run, ${SETTLE_S} s,"
+            echo "a reading, $(fmt_int "$ALLOC_N") hits of $KEY (\`loadgen rate\` at $(fmt_int "$RATE") req/s, $RATE_CONNECTIONS new connections), ${SETTLE_S} s,"
+            echo "a reading, an idle window as long, a reading. Per request = (batch − idle) / answered; whole process."
+            echo
+            echo "| target | answered per rep | window s | allocations per hit | bytes per hit | idle window: allocations |"
+            echo "|---|---|---|---|---|---|"
+            for t in $ALLOC_TARGETS; do
+                echo "| $t | $(values "$OUT/alloc.tsv" answered "$t" | paste -sd/) | $(values "$OUT/alloc.tsv" window_s "$t" | paste -sd/) | $(vcell 2 "$OUT/alloc.tsv" allocs_per_req "$t") | $(vcell 0 "$OUT/alloc.tsv" bytes_per_req "$t") | $(values "$OUT/alloc.tsv" idle_allocs "$t" | paste -sd/) |"
+            done
+        fi
+    fi
+    if has i; then
+        echo
+        echo "## i. $(fmt_int "$I_KEYS")-key working set"
+        echo
+        echo "i-cg = cacheguard embedded, \`l1 = \"all\"\`, \`l1_max_bytes = $I_L1_MAX_BYTES\`; i-nginx = nginx proxy_cache,"
+        echo "keys_zone $I_KEYS_ZONE, max_size $I_NGINX_MAX_SIZE; TTL 3600s. Both filled with ids 1 .. $(fmt_int "$I_KEYS")"
+        echo "(\`loadgen list\`, $FILL_CONNECTIONS connections, every id once), then \`wrk -t2 -c64 -d$DURATION -s bench/random_keys.lua\`:"
+        echo "GET /items/<id at random in 1 .. $(fmt_int "$I_KEYS")>, the same id sequence for both. Hit share = 1 − origin"
+        echo "requests / requests: cacheguard $(r2 "$I_SHARE_CG"), nginx $(r2 "$I_SHARE_NGINX") (clean only at 1.00)."
+        echo
+        echo "| target | fill: answered | fill: X-Cache | entries after the fill | fill s |"
+        echo "|---|---|---|---|---|"
+        for t in $I_TARGETS; do
+            echo "| $t | $(fmt_int "$(values "$OUT/working-set-fill.tsv" answered "$t")") | $(values "$OUT/working-set-fill.tsv" x_cache "$t") | $(fmt_int "$(values "$OUT/working-set-fill.tsv" entries "$t")") | $(values "$OUT/working-set-fill.tsv" fill_s "$t") |"
+        done
+        echo
+        wrk_table "$OUT/working-set.tsv" "$I_TARGETS"
+    fi
     echo
-    echo "Raw data: \`${OUT#"$ROOT"/}/\` (throughput.tsv, cpu.tsv, redis.tsv, redis-batches.tsv, memory.tsv, stampede.tsv; wrk, loadgen, MONITOR, INFO and /metrics outputs under a/ .. e/; configs and logs)."
+    echo "Raw data: \`${OUT#"$ROOT"/}/\` (throughput.tsv, cpu.tsv, redis.tsv, redis-batches.tsv, memory.tsv, stampede.tsv, forward-throughput.tsv, forward-cpu.tsv, ctxsw.tsv, alloc.tsv, working-set.tsv, working-set-fill.tsv; wrk, loadgen, MONITOR, INFO and /metrics outputs under a/ .. i/; configs and logs)."
 } >"$OUT/summary.md"
 
 show_summary
