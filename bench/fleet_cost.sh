@@ -78,9 +78,10 @@
 #            reading, ALLOC_N requests of the warmed key (`loadgen rate` at RATE req/s over
 #            RATE_CONNECTIONS connections), SETTLE_S, a reading, an idle window as long as that,
 #            a reading. (Allocations, bytes) per request = (batch − idle) / answered (the 16 new
-#            connections of each run included). When the binary is not there the section is
-#            skipped and the summary says so. It is built from this checkout's sources, whatever
-#            CACHEGUARD_BIN is.
+#            connections of each run included). Built (`cargo build --release --bin
+#            cacheguard-counted` in bench/tools) when bench/tools/Cargo.toml declares it, from this
+#            checkout's sources, whatever CACHEGUARD_BIN is; when it is not there (or does not
+#            build) the section is skipped and the summary says so.
 #   i. 1M-key working set  cacheguard embedded (`l1 = "all"`, `l1_max_bytes = I_L1_MAX_BYTES`)
 #            and nginx proxy_cache (keys_zone and max_size for I_KEYS keys, as in d), both up
 #            at once, each filled with ids 1 .. I_KEYS (`loadgen list` over 64 connections:
@@ -516,7 +517,16 @@ run_alloc() {
 }
 
 if has h; then
-    if [[ ! -x $COUNTED_BIN ]]; then
+    # bench/tools may build it only when asked (its own --bin): build it when it declares it
+    if [[ $COUNTED_BIN == "$TOOLS_TARGET/release/cacheguard-counted" ]] &&
+        grep -q '^name = "cacheguard-counted"' bench/tools/Cargo.toml; then
+        log "h. cargo build --release --manifest-path bench/tools/Cargo.toml --bin cacheguard-counted"
+        CARGO_TARGET_DIR=$TOOLS_TARGET cargo build --release --manifest-path bench/tools/Cargo.toml \
+            --bin cacheguard-counted >&2 || H_SKIPPED="building \`cacheguard-counted\` failed (see the log)"
+    fi
+    if [[ -n $H_SKIPPED ]]; then
+        log "h. skipped: $H_SKIPPED"
+    elif [[ ! -x $COUNTED_BIN ]]; then
         H_SKIPPED="no counting build at \`${COUNTED_BIN#"$ROOT"/}\` (bench/tools builds no \`cacheguard-counted\`)"
         log "h. skipped: $H_SKIPPED"
     else
