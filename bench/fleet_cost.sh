@@ -948,6 +948,9 @@ e_ratio_cell() {
 }
 declare -A E_OF=([static]=direct [nginx]=nginx2 [varnish]=varnish2 [cg-l2]=cg2)
 
+# l2_cell KIND FILE COLUMN TARGET: vcell for an L2 target (its redis-server columns), "–" for
+# the others.
+l2_cell() { if [[ $4 == *-l2 ]]; then vcell "$@"; else printf '–'; fi; }
 # wrk_table FILE TARGETS: the detail table of a wrk section (a, f, g, i): per target, req/s,
 # latencies, the requests that reached the origin, X-Cache after, and CPU and context switches
 # per request of the target's processes (and redis-server's) over the run.
@@ -957,7 +960,7 @@ wrk_table() {
     echo "|---|---|---|---|---|---|---|---|---|---|---|"
     for t in $2; do
         [[ -n $(values "$f" rps "$t") ]] || continue
-        echo "| $t | $(vcell int "$f" rps "$t") | $(vcell 3 "$f" p50_ms "$t") | $(vcell 3 "$f" p99_ms "$t") | $(vcell 3 "$f" max_ms "$t") | $(values "$f" origin_requests "$t" | paste -sd/) | $(values "$f" x_cache_after "$t" | sort -u | paste -sd,) | $(vcell 2 "$f" cpu_us_per_req "$t") | $(vcell 3 "$f" ctxsw_per_req "$t") | $([[ $t == *-l2 ]] && vcell 2 "$f" redis_us_per_req "$t" || printf '–') | $([[ $t == *-l2 ]] && vcell 3 "$f" redis_ctxsw_per_req "$t" || printf '–') |"
+        echo "| $t | $(vcell int "$f" rps "$t") | $(vcell 3 "$f" p50_ms "$t") | $(vcell 3 "$f" p99_ms "$t") | $(vcell 3 "$f" max_ms "$t") | $(values "$f" origin_requests "$t" | paste -sd/) | $(values "$f" x_cache_after "$t" | sort -u | paste -sd,) | $(vcell 2 "$f" cpu_us_per_req "$t") | $(vcell 3 "$f" ctxsw_per_req "$t") | $(l2_cell 2 "$f" redis_us_per_req "$t") | $(l2_cell 3 "$f" redis_ctxsw_per_req "$t") |"
     done
 }
 # cpu_table FILE TARGETS: the detail table of a fixed-rate section (b, f).
@@ -967,7 +970,7 @@ cpu_table() {
     echo "|---|---|---|---|---|---|---|---|"
     for t in $2; do
         [[ -n $(values "$f" achieved_rps "$t") ]] || continue
-        echo "| $t | $(values "$f" processes "$t" | sort -u | paste -sd/) | $(vcell int "$f" achieved_rps "$t") | $(vcell 2 "$f" cpu_us_per_req "$t") | $([[ $t == *-l2 ]] && vcell 2 "$f" redis_us_per_req "$t" || printf '–') | $(vcell 2 "$f" total_us_per_req "$t") | $(vcell 3 "$f" ctxsw_per_req "$t") | $([[ $t == *-l2 ]] && vcell 3 "$f" redis_ctxsw_per_req "$t" || printf '–') |"
+        echo "| $t | $(values "$f" processes "$t" | sort -u | paste -sd/) | $(vcell int "$f" achieved_rps "$t") | $(vcell 2 "$f" cpu_us_per_req "$t") | $(l2_cell 2 "$f" redis_us_per_req "$t") | $(vcell 2 "$f" total_us_per_req "$t") | $(vcell 3 "$f" ctxsw_per_req "$t") | $(l2_cell 3 "$f" redis_ctxsw_per_req "$t") |"
     done
 }
 
