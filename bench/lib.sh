@@ -426,14 +426,15 @@ start_nginx() {
 
 # start_nginx_cache NAME PORT LABEL CONF_COPY KEY=VALUE...: nginx proxy_cache from
 # bench/nginx.conf.tmpl (PORT, ORIGIN_PORT of the script, KEY=VALUE...; KEYS_ZONE, the size of
-# the keys_zone, is 32m and MAX_SIZE, the cache's max_size, 1g unless given), waited for at
+# the keys_zone, is 32m, MAX_SIZE, the cache's max_size, 1g and INACTIVE, how long an entry not
+# read is kept, 10m unless given), waited for at
 # /nginx-ready (LABEL in the error); the rendered config is copied to CONF_COPY. Sets LAST_PID,
 # PID_OF[NAME] and URL_OF[NAME]. The cache files are in $BENCH_TMP/nginx-NAME/cache.
 start_nginx_cache() {
     local name=$1 port=$2 label=$3 copy=$4
     shift 4
     start_nginx "$name" bench/nginx.conf.tmpl PORT="$port" ORIGIN_PORT="$ORIGIN_PORT" "$@" \
-        KEYS_ZONE=32m MAX_SIZE=1g
+        KEYS_ZONE=32m MAX_SIZE=1g INACTIVE=10m
     PID_OF[$name]=$LAST_PID
     URL_OF[$name]=http://127.0.0.1:$port
     wait_http "${URL_OF[$name]}/nginx-ready" "$LAST_PID" "$label"
