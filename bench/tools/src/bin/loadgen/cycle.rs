@@ -89,7 +89,6 @@ pub async fn cycle(args: CycleArgs) -> Result<Value, String> {
     let (first_id, keys) = (args.first_id, args.keys);
     let run = open_loop::run(
         lanes,
-        None,
         Duration::from_secs_f64(args.timeout_s),
         start,
         args.rate,
@@ -101,6 +100,7 @@ pub async fn cycle(args: CycleArgs) -> Result<Value, String> {
             let job = Job {
                 scheduled: t,
                 path: Some(templates[url].replace("{id}", &id.to_string())),
+                post_body: None,
                 measured: true,
             };
             (url, job)

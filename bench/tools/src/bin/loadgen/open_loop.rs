@@ -1,8 +1,7 @@
 //! The engine of the open-loop modes (`rate`, `cycle`): a pacer thread schedules request j at
 //! `start + j/rate` into the queue of its URL; each connection of that URL takes the oldest
 //! due request when it is free (a due request waits while all are busy), sends it (a GET, or a
-//! POST of the run's body) and records
-//! it; a connection the server closed is replaced. After the last scheduled request the run
+//! POST of its body) and records it; a connection the server closed is replaced. After the last scheduled request the run
 //! waits at most the drain time for the rest.
 
 use std::sync::Arc;
@@ -19,6 +18,8 @@ pub struct Job {
     pub scheduled: Instant,
     /// The path to GET; None for the path of the URL itself.
     pub path: Option<String>,
+    /// POST this body instead of a GET.
+    pub post_body: Option<Bytes>,
     /// False for a warm-up request: counted, not recorded.
     pub measured: bool,
 }
@@ -48,8 +49,6 @@ struct Lane {
     target: Target,
     url: usize,
     timeout: Duration,
-    /// Every request a POST of this body; None for GETs.
-    post_body: Option<Bytes>,
     queue: tokio::sync::Mutex<mpsc::UnboundedReceiver<Job>>,
     recs: Arc<std::sync::Mutex<Vec<Rec>>>,
     counters: Arc<Counters>,
@@ -82,7 +81,7 @@ async fn worker(lane: Arc<Lane>, first: Sender) {
             ready,
             &lane.target,
             path,
-            lane.post_body.as_ref(),
+            job.post_body.as_ref(),
             lane.timeout,
         )
         .await;
@@ -115,12 +114,9 @@ pub struct Finished {
 
 /// Runs `n` requests at `rate` from `start` over `lanes` (per URL: its target and its open
 /// connections), each request answered within `timeout` of its send; `job(j, t)` makes request
-/// j, scheduled at t, for the URL it returns. Each request is a POST of `post_body` when given,
-/// else a GET. Waits at most `drain_s` after the last one.
-#[allow(clippy::too_many_arguments)]
+/// j, scheduled at t, for the URL it returns. Waits at most `drain_s` after the last one.
 pub async fn run<F>(
     lanes: Vec<(Target, Vec<Sender>)>,
-    post_body: Option<Bytes>,
     timeout: Duration,
     start: Instant,
     rate: f64,
@@ -142,7 +138,6 @@ where
             target,
             url,
             timeout,
-            post_body: post_body.clone(),
             queue: tokio::sync::Mutex::new(rx),
             recs: recs.clone(),
             counters: counters.clone(),

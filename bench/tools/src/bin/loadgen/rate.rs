@@ -37,7 +37,6 @@ pub async fn rate(args: RateArgs) -> Result<Value, String> {
     // the first W seconds are warm-up: sent at the same rate, left out of every figure
     let run = open_loop::run(
         vec![(target, conns)],
-        post_body,
         Duration::from_secs_f64(args.timeout_s),
         start,
         args.rate,
@@ -47,6 +46,7 @@ pub async fn rate(args: RateArgs) -> Result<Value, String> {
             let job = Job {
                 scheduled: t,
                 path: None,
+                post_body: post_body.clone(),
                 measured: i >= warmup_n,
             };
             (0, job)
