@@ -74,11 +74,11 @@
 #            `cacheguard --config FILE`, with a counting global allocator that writes
 #            "<allocations> <bytes>", cumulative for the whole process, to the file named by
 #            ALLOC_REPORT every 200 ms) as alloc-l1 (embedded, `l1 = "all"`) and alloc-l2
-#            (shared, `l1 = "off"`), warmed; per rep: a warm-up run (as b's), SETTLE_S, a
-#            reading, ALLOC_N requests of the warmed key (`loadgen rate` at RATE req/s over
-#            RATE_CONNECTIONS connections), SETTLE_S, a reading, an idle window as long as that,
-#            a reading. (Allocations, bytes) per request = (batch − idle) / answered (the 16 new
-#            connections of each run included). Built (`cargo build --release --bin
+#            (shared, `l1 = "off"`), warmed; per rep: a warm-up run (as b's), 0.5 s, a reading,
+#            ALLOC_N requests of the warmed key (`loadgen rate` at RATE req/s over
+#            RATE_CONNECTIONS connections), 0.5 s, a reading, an idle window as long as that, a
+#            reading. (Allocations, bytes) per request = (batch − idle) / answered (the
+#            RATE_CONNECTIONS new connections of each run included). Built (`cargo build --release --bin
 #            cacheguard-counted` in bench/tools) when bench/tools/Cargo.toml declares it, from this
 #            checkout's sources, whatever CACHEGUARD_BIN is; when it is not there (or does not
 #            build) the section is skipped and the summary says so.
@@ -118,9 +118,8 @@
 # redis.tsv and redis-batches.tsv (c), memory.tsv (d), stampede.tsv (e, from the sub-step's
 # raw.tsv), forward-throughput.tsv and forward-cpu.tsv (f), ctxsw.tsv (g), alloc.tsv (h),
 # working-set.tsv and working-set-fill.tsv (i), the raw wrk / loadgen / MONITOR / INFO /
-# /metrics outputs under a/ .. i/, the
-# sub-step's whole results dir under e/stampede/, configs, logs, env.txt and summary.md, and
-# prints the markdown summary on stdout. Every process it starts is stopped on exit, by PID.
+# /metrics outputs under a/ .. i/, the sub-step's whole results dir under e/stampede/, configs,
+# logs, env.txt and summary.md, and prints the markdown summary on stdout. Every process it starts is stopped on exit, by PID.
 
 set -euo pipefail
 
