@@ -1004,6 +1004,8 @@ hit_share() {
     awk -F'\t' -v t="$1" 'NR > 1 && $1 == t { o += $10; n += $7 }
         END { if (n > 0) printf "%.4f", 1 - o / n }' "$OUT/working-set.tsv" 2>/dev/null || true
 }
+# reported VALUE: the verdict of a figure without a target: "reported", or "not measured".
+reported() { if [[ -n $1 ]]; then echo reported; else echo "not measured"; fi; }
 # ctx_where LIMIT OPEN CLOSED: in which of the two readings (at RATE, open loop; closed loop)
 # a figure is within LIMIT.
 ctx_where() {
@@ -1043,60 +1045,76 @@ fi
     echo
     row measure "static nginx" "nginx proxy_cache" Varnish "cacheguard L1" "cacheguard L2"
     echo "|---|---|---|---|---|---|"
-    cells=()
-    for t in $MAIN_TARGETS; do cells+=("$(vcell int "$OUT/throughput.tsv" rps "$t")"); done
-    row "a. hit req/s (\`wrk -t2 -c64 -d$DURATION\`)" "${cells[@]}"
-    ratio_row "$OUT/throughput.tsv" rps "$TARGETS"
-    cells=()
-    for t in $MAIN_TARGETS; do cells+=("$(vcell 3 "$OUT/throughput.tsv" p99_ms "$t")"); done
-    row "a. hit p99 ms under that load" "${cells[@]}"
-    cells=()
-    for t in $MAIN_TARGETS; do cells+=("$(vcell 2 "$OUT/cpu.tsv" cpu_us_per_req "$t")"); done
-    row "b. CPU µs per hit at $(fmt_int "$RATE") req/s, the target's processes" "${cells[@]}"
-    row "b. redis-server CPU µs per hit" "" "" "" "" "$(vcell 2 "$OUT/cpu.tsv" redis_us_per_req cg-l2)"
-    cells=()
-    for t in $MAIN_TARGETS; do cells+=("$(vcell 2 "$OUT/cpu.tsv" total_us_per_req "$t")"); done
-    row "**b. CPU µs per hit, all processes** (cacheguard L2: + redis-server)" "${cells[@]}"
-    ratio_row "$OUT/cpu.tsv" total_us_per_req "$TARGETS"
-    cells=()
-    for t in $MAIN_TARGETS; do cells+=("$(vcell 3 "$OUT/cpu.tsv" ctxsw_per_req "$t")"); done
-    row "g. context switches per hit at $(fmt_int "$RATE") req/s (b's runs), the target's processes" "${cells[@]}"
-    row "g. redis-server context switches per hit at $(fmt_int "$RATE") req/s" "" "" "" "" "$(vcell 3 "$OUT/cpu.tsv" redis_ctxsw_per_req cg-l2)"
-    cells=()
-    for t in $MAIN_TARGETS; do cells+=("$(vcell 3 "$OUT/ctxsw.tsv" ctxsw_per_req "$t")"); done
-    row "g. context switches per hit, closed loop \`wrk -t1 -c16\`" "${cells[@]}"
-    row "g. redis-server context switches per hit, closed loop" "" "" "" "" "$(vcell 3 "$OUT/ctxsw.tsv" redis_ctxsw_per_req cg-l2)"
-    row "h. allocations (bytes) per hit, net of idle" "" "" "" "$(alloc_cell alloc-l1)" "$(alloc_cell alloc-l2)"
-    for mode in $L1_MODES; do
-        row "c. Redis commands per cold miss, \`l1 = \"$mode\"\` (sent by cacheguard; its metric; executed by Redis; Redis CPU µs)" "n/a" "n/a" "n/a" "0 (no Redis)" \
-            "$(r2 "$(c_total "$mode" miss client)") ($(r2 "$(c_metric "$mode" miss)")); $(r2 "$(c_total "$mode" miss commandstats)"); $(c_cpu "$mode" miss) µs"
-    done
-    row "c. Redis commands per L2 hit, \`l1 = \"off\"\` (sent by cacheguard; its metric; executed by Redis; Redis CPU µs)" "n/a" "n/a" "n/a" "0 (no Redis)" \
-        "$(r2 "$(c_total off hit client)") ($(r2 "$(c_metric off hit)")); $(r2 "$(c_total off hit commandstats)"); $(c_cpu off hit) µs"
-    cells=("")
-    for t in nginx varnish cg-l1; do cells+=("$(vcell 3 "$OUT/memory.tsv" kib_per_entry "$t")"); done
-    row "d. KiB of memory (Pss) per cached 1 KiB entry, $(fmt_int "$MEM_KEYS") keys" "${cells[@]}" ""
-    ratio_row "$OUT/memory.tsv" kib_per_entry "nginx varnish cg-l1"
-    row "d. nginx: KiB of disk per entry (du -sb)" "" "$(vcell 3 "$OUT/memory.tsv" disk_kib_per_entry nginx)" "" "" ""
-    row "i. req/s over $(fmt_int "$I_KEYS") cached keys, random (\`wrk -t2 -c64 -d$DURATION\`)" "" \
-        "$(vcell int "$OUT/working-set.tsv" rps i-nginx)" "" "$(vcell int "$OUT/working-set.tsv" rps i-cg)" ""
-    row "↳ ratio to nginx proxy_cache" "" "1.00" "" "$(r2 "$R_I_RPS")" ""
-    row "i. hit share (1 − origin requests / requests)" "" "$(r2 "$I_SHARE_NGINX")" "" "$(r2 "$I_SHARE_CG")" ""
-    cells=()
-    for t in static nginx varnish cg-l1 cg-l2; do
-        if [[ -n ${E_OF[$t]:-} ]]; then cells+=("$(e_cell origin_cold "${E_OF[$t]}" 0)"); else cells+=(""); fi
-    done
-    row "e. stampede, 2 instances, C = $(fmt_int "$STAMPEDE_C"): origin requests" "${cells[@]}"
-    cells=()
-    for t in static nginx varnish cg-l1 cg-l2; do
-        if [[ -n ${E_OF[$t]:-} ]]; then cells+=("$(e_cell p99_ms "${E_OF[$t]}" 1)"); else cells+=(""); fi
-    done
-    row "e. waiter p99 ms (origin delay $STAMPEDE_DELAY_MS ms)" "${cells[@]}"
-    cells=()
-    for t in static nginx varnish cg-l1 cg-l2; do
-        if [[ -n ${E_OF[$t]:-} ]]; then cells+=("$(e_ratio_cell "${E_OF[$t]}")"); else cells+=(""); fi
-    done
-    row "e. waiter p99 / origin delay" "${cells[@]}"
+    if has a; then
+        cells=()
+        for t in $MAIN_TARGETS; do cells+=("$(vcell int "$OUT/throughput.tsv" rps "$t")"); done
+        row "a. hit req/s (\`wrk -t2 -c64 -d$DURATION\`)" "${cells[@]}"
+        ratio_row "$OUT/throughput.tsv" rps "$TARGETS"
+        cells=()
+        for t in $MAIN_TARGETS; do cells+=("$(vcell 3 "$OUT/throughput.tsv" p99_ms "$t")"); done
+        row "a. hit p99 ms under that load" "${cells[@]}"
+    fi
+    if has b; then
+        cells=()
+        for t in $MAIN_TARGETS; do cells+=("$(vcell 2 "$OUT/cpu.tsv" cpu_us_per_req "$t")"); done
+        row "b. CPU µs per hit at $(fmt_int "$RATE") req/s, the target's processes" "${cells[@]}"
+        row "b. redis-server CPU µs per hit" "" "" "" "" "$(vcell 2 "$OUT/cpu.tsv" redis_us_per_req cg-l2)"
+        cells=()
+        for t in $MAIN_TARGETS; do cells+=("$(vcell 2 "$OUT/cpu.tsv" total_us_per_req "$t")"); done
+        row "**b. CPU µs per hit, all processes** (cacheguard L2: + redis-server)" "${cells[@]}"
+        ratio_row "$OUT/cpu.tsv" total_us_per_req "$TARGETS"
+        cells=()
+        for t in $MAIN_TARGETS; do cells+=("$(vcell 3 "$OUT/cpu.tsv" ctxsw_per_req "$t")"); done
+        row "g. context switches per hit at $(fmt_int "$RATE") req/s (b's runs), the target's processes" "${cells[@]}"
+        row "g. redis-server context switches per hit at $(fmt_int "$RATE") req/s" "" "" "" "" "$(vcell 3 "$OUT/cpu.tsv" redis_ctxsw_per_req cg-l2)"
+    fi
+    if has g; then
+        cells=()
+        for t in $MAIN_TARGETS; do cells+=("$(vcell 3 "$OUT/ctxsw.tsv" ctxsw_per_req "$t")"); done
+        row "g. context switches per hit, closed loop \`wrk -t1 -c16\`" "${cells[@]}"
+        row "g. redis-server context switches per hit, closed loop" "" "" "" "" "$(vcell 3 "$OUT/ctxsw.tsv" redis_ctxsw_per_req cg-l2)"
+    fi
+    if has h; then
+        row "h. allocations (bytes) per hit, net of idle" "" "" "" "$(alloc_cell alloc-l1)" "$(alloc_cell alloc-l2)"
+    fi
+    if has c; then
+        for mode in $L1_MODES; do
+            row "c. Redis commands per cold miss, \`l1 = \"$mode\"\` (sent by cacheguard; its metric; executed by Redis; Redis CPU µs)" "n/a" "n/a" "n/a" "0 (no Redis)" \
+                "$(r2 "$(c_total "$mode" miss client)") ($(r2 "$(c_metric "$mode" miss)")); $(r2 "$(c_total "$mode" miss commandstats)"); $(c_cpu "$mode" miss) µs"
+        done
+        row "c. Redis commands per L2 hit, \`l1 = \"off\"\` (sent by cacheguard; its metric; executed by Redis; Redis CPU µs)" "n/a" "n/a" "n/a" "0 (no Redis)" \
+            "$(r2 "$(c_total off hit client)") ($(r2 "$(c_metric off hit)")); $(r2 "$(c_total off hit commandstats)"); $(c_cpu off hit) µs"
+    fi
+    if has d; then
+        cells=("")
+        for t in nginx varnish cg-l1; do cells+=("$(vcell 3 "$OUT/memory.tsv" kib_per_entry "$t")"); done
+        row "d. KiB of memory (Pss) per cached 1 KiB entry, $(fmt_int "$MEM_KEYS") keys" "${cells[@]}" ""
+        ratio_row "$OUT/memory.tsv" kib_per_entry "nginx varnish cg-l1"
+        row "d. nginx: KiB of disk per entry (du -sb)" "" "$(vcell 3 "$OUT/memory.tsv" disk_kib_per_entry nginx)" "" "" ""
+    fi
+    if has i; then
+        row "i. req/s over $(fmt_int "$I_KEYS") cached keys, random (\`wrk -t2 -c64 -d$DURATION\`)" "" \
+            "$(vcell int "$OUT/working-set.tsv" rps i-nginx)" "" "$(vcell int "$OUT/working-set.tsv" rps i-cg)" ""
+        row "↳ ratio to nginx proxy_cache" "" "1.00" "" "$(r2 "$R_I_RPS")" ""
+        row "i. hit share (1 − origin requests / requests)" "" "$(r2 "$I_SHARE_NGINX")" "" "$(r2 "$I_SHARE_CG")" ""
+    fi
+    if has e; then
+        cells=()
+        for t in static nginx varnish cg-l1 cg-l2; do
+            if [[ -n ${E_OF[$t]:-} ]]; then cells+=("$(e_cell origin_cold "${E_OF[$t]}" 0)"); else cells+=(""); fi
+        done
+        row "e. stampede, 2 instances, C = $(fmt_int "$STAMPEDE_C"): origin requests" "${cells[@]}"
+        cells=()
+        for t in static nginx varnish cg-l1 cg-l2; do
+            if [[ -n ${E_OF[$t]:-} ]]; then cells+=("$(e_cell p99_ms "${E_OF[$t]}" 1)"); else cells+=(""); fi
+        done
+        row "e. waiter p99 ms (origin delay $STAMPEDE_DELAY_MS ms)" "${cells[@]}"
+        cells=()
+        for t in static nginx varnish cg-l1 cg-l2; do
+            if [[ -n ${E_OF[$t]:-} ]]; then cells+=("$(e_ratio_cell "${E_OF[$t]}")"); else cells+=(""); fi
+        done
+        row "e. waiter p99 / origin delay" "${cells[@]}"
+    fi
     echo
     echo "- ↳ rows: the target's median over nginx proxy_cache's median. Section e's cacheguard is two shared-mode"
     echo "  instances on one Redis (bench/stampede.sh \`cg2\`), shown in the L2 column; in the static column, the"
@@ -1139,17 +1157,17 @@ fi
     echo "| L2 hit req/s ≥ 1.0× nginx proxy_cache's (a) | $(r2 "$R_L2_RPS" ×) | $(judge "$R_L2_RPS" ">=" 1.0) |"
     echo "| memory (Pss) per cached 1 KiB entry at $(fmt_int "$MEM_KEYS") keys ≤ 1.25 KiB (d, cacheguard L1) | $(r2 "$MEM_CG" " KiB") | $(judge "$MEM_CG" "<=" 1.25) |"
     echo "| plain forward CPU ≤ 1.0× nginx proxy_pass's at $(fmt_int "$RATE") req/s (f) | $(r2 "$R_FWD_CPU" ×) | $(judge "$R_FWD_CPU" "<=" 1.0) |"
-    echo "| plain forward req/s, to nginx proxy_pass's (f; no target) | $(r2 "$R_FWD_RPS" ×) | reported |"
+    echo "| plain forward req/s, to nginx proxy_pass's (f; no target) | $(r2 "$R_FWD_RPS" ×) | $(reported "$R_FWD_RPS") |"
     echo "| context switches per L1 hit ≤ 0.05 at $(fmt_int "$RATE") req/s (g, b's runs; nginx proxy_cache: $(r2 "$(med "$OUT/cpu.tsv" ctxsw_per_req nginx)")) | $(r2 "$CTX_OPEN_L1") | $(judge "$CTX_OPEN_L1" "<=" 0.05) |"
     echo "| ↳ the same, closed loop \`wrk -t1 -c16\` (nginx proxy_cache: $(r2 "$(med "$OUT/ctxsw.tsv" ctxsw_per_req nginx)")) | $(r2 "$CTX_CLOSED_L1") | $(judge "$CTX_CLOSED_L1" "<=" 0.05) |"
     echo "| context switches per L2 hit ≤ 1.0 at $(fmt_int "$RATE") req/s, cacheguard's own (g; redis-server's: $(r2 "$(med "$OUT/cpu.tsv" redis_ctxsw_per_req cg-l2)")) | $(r2 "$CTX_OPEN_L2") | $(judge "$CTX_OPEN_L2" "<=" 1.0) |"
     echo "| ↳ the same, closed loop \`wrk -t1 -c16\` (redis-server's: $(r2 "$(med "$OUT/ctxsw.tsv" redis_ctxsw_per_req cg-l2)")) | $(r2 "$CTX_CLOSED_L2") | $(judge "$CTX_CLOSED_L2" "<=" 1.0) |"
-    echo "| allocations (bytes) per hit, L1 / L2 (h; no target) | ${H_SKIPPED:-$(alloc_cell alloc-l1) / $(alloc_cell alloc-l2)} | $([[ -n $H_SKIPPED ]] && echo "not measured" || echo reported) |"
+    echo "| allocations (bytes) per hit, L1 / L2 (h; no target) | ${H_SKIPPED:-$(alloc_cell alloc-l1) / $(alloc_cell alloc-l2)} | $(reported "$(med "$OUT/alloc.tsv" allocs_per_req alloc-l1)") |"
     echo "| $(fmt_int "$I_KEYS")-key working set req/s ≥ 1.9× nginx proxy_cache's (i) | $(r2 "$R_I_RPS" ×)$I_CLEAN | $(judge "$R_I_RPS" ">=" 1.9) |"
     echo "| Redis commands per cold miss ≤ 4 (c, the larger of \`l1 = \"off\"\` and \`\"hot\"\`) | $(r2 "$MISS_CMDS") | $(judge "$MISS_CMDS" "<=" 4) |"
     echo "| Redis commands per L2 hit ≤ 1 (c, \`l1 = \"off\"\`) | $(r2 "$(c_total off hit client)") | $(judge "$(c_total off hit client)" "<=" 1) |"
     echo "| stampede waiter p99 ≤ 1.10× the no-proxy floor (e: cacheguard's p99 / direct's, 2 instances, C = $(fmt_int "$STAMPEDE_C")) | $(r2 "$P99_FLOOR" ×) | $(judge "$P99_FLOOR" "<=" 1.10) |"
-    echo "| ↳ waiter p99 / origin delay (e; no target) | $(r2 "$P99_CG2" ×) | reported |"
+    echo "| ↳ waiter p99 / origin delay (e; no target) | $(r2 "$P99_CG2" ×) | $(reported "$P99_CG2") |"
     echo
     echo "- Context switches per L1 hit ≤ 0.05: $(ctx_where 0.05 "$CTX_OPEN_L1" "$CTX_CLOSED_L1"). Per L2 hit ≤ 1.0:"
     echo "  $(ctx_where 1.0 "$CTX_OPEN_L2" "$CTX_CLOSED_L2"). nginx proxy_cache's own: $(r2 "$(med "$OUT/cpu.tsv" ctxsw_per_req nginx)") at"
