@@ -1043,77 +1043,79 @@ fi
     echo "redis-server, \`l1 = \"off\"\`, L2 hits. Everything runs on 127.0.0.1 on the same $(nproc) cores: load generator,"
     echo "targets, origin, Redis. Sections: $SECTIONS."
     echo
-    row measure "static nginx" "nginx proxy_cache" Varnish "cacheguard L1" "cacheguard L2"
-    echo "|---|---|---|---|---|---|"
-    if has a; then
-        cells=()
-        for t in $MAIN_TARGETS; do cells+=("$(vcell int "$OUT/throughput.tsv" rps "$t")"); done
-        row "a. hit req/s (\`wrk -t2 -c64 -d$DURATION\`)" "${cells[@]}"
-        ratio_row "$OUT/throughput.tsv" rps "$TARGETS"
-        cells=()
-        for t in $MAIN_TARGETS; do cells+=("$(vcell 3 "$OUT/throughput.tsv" p99_ms "$t")"); done
-        row "a. hit p99 ms under that load" "${cells[@]}"
-    fi
-    if has b; then
-        cells=()
-        for t in $MAIN_TARGETS; do cells+=("$(vcell 2 "$OUT/cpu.tsv" cpu_us_per_req "$t")"); done
-        row "b. CPU µs per hit at $(fmt_int "$RATE") req/s, the target's processes" "${cells[@]}"
-        row "b. redis-server CPU µs per hit" "" "" "" "" "$(vcell 2 "$OUT/cpu.tsv" redis_us_per_req cg-l2)"
-        cells=()
-        for t in $MAIN_TARGETS; do cells+=("$(vcell 2 "$OUT/cpu.tsv" total_us_per_req "$t")"); done
-        row "**b. CPU µs per hit, all processes** (cacheguard L2: + redis-server)" "${cells[@]}"
-        ratio_row "$OUT/cpu.tsv" total_us_per_req "$TARGETS"
-        cells=()
-        for t in $MAIN_TARGETS; do cells+=("$(vcell 3 "$OUT/cpu.tsv" ctxsw_per_req "$t")"); done
-        row "g. context switches per hit at $(fmt_int "$RATE") req/s (b's runs), the target's processes" "${cells[@]}"
-        row "g. redis-server context switches per hit at $(fmt_int "$RATE") req/s" "" "" "" "" "$(vcell 3 "$OUT/cpu.tsv" redis_ctxsw_per_req cg-l2)"
-    fi
-    if has g; then
-        cells=()
-        for t in $MAIN_TARGETS; do cells+=("$(vcell 3 "$OUT/ctxsw.tsv" ctxsw_per_req "$t")"); done
-        row "g. context switches per hit, closed loop \`wrk -t1 -c16\`" "${cells[@]}"
-        row "g. redis-server context switches per hit, closed loop" "" "" "" "" "$(vcell 3 "$OUT/ctxsw.tsv" redis_ctxsw_per_req cg-l2)"
-    fi
-    if has h; then
-        row "h. allocations (bytes) per hit, net of idle" "" "" "" "$(alloc_cell alloc-l1)" "$(alloc_cell alloc-l2)"
-    fi
-    if has c; then
-        for mode in $L1_MODES; do
-            row "c. Redis commands per cold miss, \`l1 = \"$mode\"\` (sent by cacheguard; its metric; executed by Redis; Redis CPU µs)" "n/a" "n/a" "n/a" "0 (no Redis)" \
-                "$(r2 "$(c_total "$mode" miss client)") ($(r2 "$(c_metric "$mode" miss)")); $(r2 "$(c_total "$mode" miss commandstats)"); $(c_cpu "$mode" miss) µs"
-        done
-        row "c. Redis commands per L2 hit, \`l1 = \"off\"\` (sent by cacheguard; its metric; executed by Redis; Redis CPU µs)" "n/a" "n/a" "n/a" "0 (no Redis)" \
-            "$(r2 "$(c_total off hit client)") ($(r2 "$(c_metric off hit)")); $(r2 "$(c_total off hit commandstats)"); $(c_cpu off hit) µs"
-    fi
-    if has d; then
-        cells=("")
-        for t in nginx varnish cg-l1; do cells+=("$(vcell 3 "$OUT/memory.tsv" kib_per_entry "$t")"); done
-        row "d. KiB of memory (Pss) per cached 1 KiB entry, $(fmt_int "$MEM_KEYS") keys" "${cells[@]}" ""
-        ratio_row "$OUT/memory.tsv" kib_per_entry "nginx varnish cg-l1"
-        row "d. nginx: KiB of disk per entry (du -sb)" "" "$(vcell 3 "$OUT/memory.tsv" disk_kib_per_entry nginx)" "" "" ""
-    fi
-    if has i; then
-        row "i. req/s over $(fmt_int "$I_KEYS") cached keys, random (\`wrk -t2 -c64 -d$DURATION\`)" "" \
-            "$(vcell int "$OUT/working-set.tsv" rps i-nginx)" "" "$(vcell int "$OUT/working-set.tsv" rps i-cg)" ""
-        row "↳ ratio to nginx proxy_cache" "" "1.00" "" "$(r2 "$R_I_RPS")" ""
-        row "i. hit share (1 − origin requests / requests)" "" "$(r2 "$I_SHARE_NGINX")" "" "$(r2 "$I_SHARE_CG")" ""
-    fi
-    if has e; then
-        cells=()
-        for t in static nginx varnish cg-l1 cg-l2; do
-            if [[ -n ${E_OF[$t]:-} ]]; then cells+=("$(e_cell origin_cold "${E_OF[$t]}" 0)"); else cells+=(""); fi
-        done
-        row "e. stampede, 2 instances, C = $(fmt_int "$STAMPEDE_C"): origin requests" "${cells[@]}"
-        cells=()
-        for t in static nginx varnish cg-l1 cg-l2; do
-            if [[ -n ${E_OF[$t]:-} ]]; then cells+=("$(e_cell p99_ms "${E_OF[$t]}" 1)"); else cells+=(""); fi
-        done
-        row "e. waiter p99 ms (origin delay $STAMPEDE_DELAY_MS ms)" "${cells[@]}"
-        cells=()
-        for t in static nginx varnish cg-l1 cg-l2; do
-            if [[ -n ${E_OF[$t]:-} ]]; then cells+=("$(e_ratio_cell "${E_OF[$t]}")"); else cells+=(""); fi
-        done
-        row "e. waiter p99 / origin delay" "${cells[@]}"
+    if has_any a b c d e g h i; then
+        row measure "static nginx" "nginx proxy_cache" Varnish "cacheguard L1" "cacheguard L2"
+        echo "|---|---|---|---|---|---|"
+        if has a; then
+            cells=()
+            for t in $MAIN_TARGETS; do cells+=("$(vcell int "$OUT/throughput.tsv" rps "$t")"); done
+            row "a. hit req/s (\`wrk -t2 -c64 -d$DURATION\`)" "${cells[@]}"
+            ratio_row "$OUT/throughput.tsv" rps "$TARGETS"
+            cells=()
+            for t in $MAIN_TARGETS; do cells+=("$(vcell 3 "$OUT/throughput.tsv" p99_ms "$t")"); done
+            row "a. hit p99 ms under that load" "${cells[@]}"
+        fi
+        if has b; then
+            cells=()
+            for t in $MAIN_TARGETS; do cells+=("$(vcell 2 "$OUT/cpu.tsv" cpu_us_per_req "$t")"); done
+            row "b. CPU µs per hit at $(fmt_int "$RATE") req/s, the target's processes" "${cells[@]}"
+            row "b. redis-server CPU µs per hit" "" "" "" "" "$(vcell 2 "$OUT/cpu.tsv" redis_us_per_req cg-l2)"
+            cells=()
+            for t in $MAIN_TARGETS; do cells+=("$(vcell 2 "$OUT/cpu.tsv" total_us_per_req "$t")"); done
+            row "**b. CPU µs per hit, all processes** (cacheguard L2: + redis-server)" "${cells[@]}"
+            ratio_row "$OUT/cpu.tsv" total_us_per_req "$TARGETS"
+            cells=()
+            for t in $MAIN_TARGETS; do cells+=("$(vcell 3 "$OUT/cpu.tsv" ctxsw_per_req "$t")"); done
+            row "g. context switches per hit at $(fmt_int "$RATE") req/s (b's runs), the target's processes" "${cells[@]}"
+            row "g. redis-server context switches per hit at $(fmt_int "$RATE") req/s" "" "" "" "" "$(vcell 3 "$OUT/cpu.tsv" redis_ctxsw_per_req cg-l2)"
+        fi
+        if has g; then
+            cells=()
+            for t in $MAIN_TARGETS; do cells+=("$(vcell 3 "$OUT/ctxsw.tsv" ctxsw_per_req "$t")"); done
+            row "g. context switches per hit, closed loop \`wrk -t1 -c16\`" "${cells[@]}"
+            row "g. redis-server context switches per hit, closed loop" "" "" "" "" "$(vcell 3 "$OUT/ctxsw.tsv" redis_ctxsw_per_req cg-l2)"
+        fi
+        if has h; then
+            row "h. allocations (bytes) per hit, net of idle" "" "" "" "$(alloc_cell alloc-l1)" "$(alloc_cell alloc-l2)"
+        fi
+        if has c; then
+            for mode in $L1_MODES; do
+                row "c. Redis commands per cold miss, \`l1 = \"$mode\"\` (sent by cacheguard; its metric; executed by Redis; Redis CPU µs)" "n/a" "n/a" "n/a" "0 (no Redis)" \
+                    "$(r2 "$(c_total "$mode" miss client)") ($(r2 "$(c_metric "$mode" miss)")); $(r2 "$(c_total "$mode" miss commandstats)"); $(c_cpu "$mode" miss) µs"
+            done
+            row "c. Redis commands per L2 hit, \`l1 = \"off\"\` (sent by cacheguard; its metric; executed by Redis; Redis CPU µs)" "n/a" "n/a" "n/a" "0 (no Redis)" \
+                "$(r2 "$(c_total off hit client)") ($(r2 "$(c_metric off hit)")); $(r2 "$(c_total off hit commandstats)"); $(c_cpu off hit) µs"
+        fi
+        if has d; then
+            cells=("")
+            for t in nginx varnish cg-l1; do cells+=("$(vcell 3 "$OUT/memory.tsv" kib_per_entry "$t")"); done
+            row "d. KiB of memory (Pss) per cached 1 KiB entry, $(fmt_int "$MEM_KEYS") keys" "${cells[@]}" ""
+            ratio_row "$OUT/memory.tsv" kib_per_entry "nginx varnish cg-l1"
+            row "d. nginx: KiB of disk per entry (du -sb)" "" "$(vcell 3 "$OUT/memory.tsv" disk_kib_per_entry nginx)" "" "" ""
+        fi
+        if has i; then
+            row "i. req/s over $(fmt_int "$I_KEYS") cached keys, random (\`wrk -t2 -c64 -d$DURATION\`)" "" \
+                "$(vcell int "$OUT/working-set.tsv" rps i-nginx)" "" "$(vcell int "$OUT/working-set.tsv" rps i-cg)" ""
+            row "↳ ratio to nginx proxy_cache" "" "1.00" "" "$(r2 "$R_I_RPS")" ""
+            row "i. hit share (1 − origin requests / requests)" "" "$(r2 "$I_SHARE_NGINX")" "" "$(r2 "$I_SHARE_CG")" ""
+        fi
+        if has e; then
+            cells=()
+            for t in static nginx varnish cg-l1 cg-l2; do
+                if [[ -n ${E_OF[$t]:-} ]]; then cells+=("$(e_cell origin_cold "${E_OF[$t]}" 0)"); else cells+=(""); fi
+            done
+            row "e. stampede, 2 instances, C = $(fmt_int "$STAMPEDE_C"): origin requests" "${cells[@]}"
+            cells=()
+            for t in static nginx varnish cg-l1 cg-l2; do
+                if [[ -n ${E_OF[$t]:-} ]]; then cells+=("$(e_cell p99_ms "${E_OF[$t]}" 1)"); else cells+=(""); fi
+            done
+            row "e. waiter p99 ms (origin delay $STAMPEDE_DELAY_MS ms)" "${cells[@]}"
+            cells=()
+            for t in static nginx varnish cg-l1 cg-l2; do
+                if [[ -n ${E_OF[$t]:-} ]]; then cells+=("$(e_ratio_cell "${E_OF[$t]}")"); else cells+=(""); fi
+            done
+            row "e. waiter p99 / origin delay" "${cells[@]}"
+        fi
     fi
     echo
     echo "- ↳ rows: the target's median over nginx proxy_cache's median. Section e's cacheguard is two shared-mode"
