@@ -290,9 +290,9 @@ POST_BODY=$(awk -v n="$BODY_BYTES" 'BEGIN { h = "{\"payload\":\""; printf "%s", 
 # per_req DELTA N [FACTOR]: DELTA × FACTOR (default 1) / N, 3 decimals.
 per_req() { awk -v d="$1" -v n="$2" -v f="${3:-1}" 'BEGIN { printf "%.3f", (n > 0) ? d * f / n : 0 }'; }
 
-# Readings around a run (take_readings before, then after): CPU ticks and context switches of
-# the target's processes (R_PIDS) and, for an L2 target, of redis-server. Sets R_CPU, R_CTX,
-# R_RCPU and R_RCTX to the changes since the last `take_readings before`.
+# take_readings before|after TARGET: the readings around a run: CPU ticks and context switches
+# of TARGET's processes (R_PIDS, listed by `before`) and, for an L2 target, of redis-server.
+# `after` sets R_CPU, R_CTX, R_RCPU and R_RCTX to the changes since the last `before`.
 take_readings() {
     local when=$1 t=$2 c x rc=0 rx=0
     if [[ $when == before ]]; then mapfile -t R_PIDS < <(proc_tree "${PID_OF[$t]}"); fi
