@@ -426,14 +426,15 @@ start_nginx() {
 
 # start_nginx_cache NAME PORT LABEL CONF_COPY KEY=VALUE...: nginx proxy_cache from
 # bench/nginx.conf.tmpl (PORT, ORIGIN_PORT of the script, KEY=VALUE...; KEYS_ZONE, the size of
-# the keys_zone, is 32m and MAX_SIZE, the cache's max_size, 1g unless given), waited for at
+# the keys_zone, is 32m, MAX_SIZE, the cache's max_size, 1g and INACTIVE, how long an entry not
+# read is kept, 10m unless given), waited for at
 # /nginx-ready (LABEL in the error); the rendered config is copied to CONF_COPY. Sets LAST_PID,
 # PID_OF[NAME] and URL_OF[NAME]. The cache files are in $BENCH_TMP/nginx-NAME/cache.
 start_nginx_cache() {
     local name=$1 port=$2 label=$3 copy=$4
     shift 4
     start_nginx "$name" bench/nginx.conf.tmpl PORT="$port" ORIGIN_PORT="$ORIGIN_PORT" "$@" \
-        KEYS_ZONE=32m MAX_SIZE=1g
+        KEYS_ZONE=32m MAX_SIZE=1g INACTIVE=10m
     PID_OF[$name]=$LAST_PID
     URL_OF[$name]=http://127.0.0.1:$port
     wait_http "${URL_OF[$name]}/nginx-ready" "$LAST_PID" "$label"
@@ -945,6 +946,17 @@ cpu_ticks() {
     # a process that has exited meanwhile (nginx's cache loader ends by itself) counts 0
     for pid in "$@"; do cat "/proc/$pid/stat" 2>/dev/null || true; done |
         awk '{ sub(/^.*\) /, ""); s += $12 + $13 } END { print s + 0 }'
+}
+
+# ctx_switches PID...: the context switches of the processes so far, summed:
+# voluntary_ctxt_switches + nonvoluntary_ctxt_switches of /proc/PID/task/*/status, every thread
+# of each process (a thread that has exited meanwhile no longer counts; its children are not
+# included: name them too, e.g. with proc_tree).
+ctx_switches() {
+    local pid
+    for pid in "$@"; do cat "/proc/$pid"/task/*/status 2>/dev/null || true; done |
+        awk '$1 == "voluntary_ctxt_switches:" || $1 == "nonvoluntary_ctxt_switches:" { s += $2 }
+            END { print s + 0 }'
 }
 
 # pss_kb PID...: the proportional set size of the processes, in kB, summed (Pss of

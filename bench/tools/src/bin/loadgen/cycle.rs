@@ -100,6 +100,7 @@ pub async fn cycle(args: CycleArgs) -> Result<Value, String> {
             let job = Job {
                 scheduled: t,
                 path: Some(templates[url].replace("{id}", &id.to_string())),
+                post_body: None,
                 measured: true,
             };
             (url, job)

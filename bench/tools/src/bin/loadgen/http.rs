@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Empty};
+use http_body_util::{BodyExt, Full};
 use hyper::client::conn::http1;
 use hyper::header::{HOST, USER_AGENT};
 use hyper::{Method, Request, Uri};
@@ -13,8 +13,11 @@ use hyper_util::rt::TokioIo;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 
+/// A request body: empty for a GET (hyper sends no Content-Length then), or whole bytes.
+pub type Body = Full<Bytes>;
+
 /// The sending half of one keep-alive connection.
-pub type Sender = http1::SendRequest<Empty<Bytes>>;
+pub type Sender = http1::SendRequest<Body>;
 
 pub struct Target {
     pub url: String,
@@ -76,21 +79,43 @@ fn request(method: Method, t: &Target, path: &str) -> hyper::http::request::Buil
         .header(USER_AGENT, "cacheguard-bench-loadgen")
 }
 
-pub fn get(t: &Target, path: &str) -> Request<Empty<Bytes>> {
+pub fn get(t: &Target, path: &str) -> Request<Body> {
     request(Method::GET, t, path)
-        .body(Empty::new())
+        .body(Body::default())
         .expect("valid request")
 }
 
-pub fn put(t: &Target, path: &str) -> Request<Empty<Bytes>> {
+/// A POST of `body` (JSON) to `path`.
+pub fn post(t: &Target, path: &str, body: Bytes) -> Request<Body> {
+    request(Method::POST, t, path)
+        .header(hyper::header::CONTENT_TYPE, "application/json")
+        .body(Body::new(body))
+        .expect("valid request")
+}
+
+/// A JSON object of exactly `n` bytes (at least 14): `{"payload":"xx…x"}`, the body of
+/// bench/post_body.lua too.
+pub fn json_body(n: usize) -> Result<Bytes, String> {
+    const HEAD: &str = "{\"payload\":\"";
+    const TAIL: &str = "\"}";
+    let pad = n.checked_sub(HEAD.len() + TAIL.len()).ok_or_else(|| {
+        format!(
+            "a JSON body takes at least {} bytes",
+            HEAD.len() + TAIL.len()
+        )
+    })?;
+    Ok(Bytes::from(format!("{HEAD}{}{TAIL}", "x".repeat(pad))))
+}
+
+pub fn put(t: &Target, path: &str) -> Request<Body> {
     write(Method::PUT, t, path)
 }
 
 /// A write (`method` with an empty body) of `path`.
-pub fn write(method: Method, t: &Target, path: &str) -> Request<Empty<Bytes>> {
+pub fn write(method: Method, t: &Target, path: &str) -> Request<Body> {
     request(method, t, path)
         .header(hyper::header::CONTENT_LENGTH, "0")
-        .body(Empty::new())
+        .body(Body::default())
         .expect("valid request")
 }
 
@@ -104,7 +129,7 @@ pub async fn tcp_connect(addr: SocketAddr) -> Result<TcpStream, String> {
     Ok(stream)
 }
 
-/// The HTTP/1.1 handshake on `io`, for requests with bodies of type `B` (`Empty` for
+/// The HTTP/1.1 handshake on `io`, for requests with bodies of type `B` (`Body` for
 /// `Sender`); the connection itself is driven by a task of its own.
 pub async fn handshake<T, B>(io: T) -> Result<http1::SendRequest<B>, String>
 where
@@ -139,7 +164,7 @@ pub async fn connect_n(t: &Target, n: usize) -> Result<Vec<Sender>, String> {
 /// Sends `req` and reads the whole answer: status, X-Cache and body.
 pub async fn fetch(
     sender: &mut Sender,
-    req: Request<Empty<Bytes>>,
+    req: Request<Body>,
 ) -> Result<(u16, String, Bytes), String> {
     let resp = sender
         .send_request(req)
@@ -205,20 +230,26 @@ pub async fn ensure_ready(
     Err(conn_err.unwrap_or_else(|| "connection not ready".into()))
 }
 
-/// One GET of `path` on the connection `ready` says is usable (else its error is the answer),
-/// bounded by `timeout`. After an error or a timeout the connection is dropped.
+/// One GET of `path` (a POST of `post_body` when given) on the connection `ready` says is
+/// usable (else its error is the answer), bounded by `timeout`. After an error or a timeout
+/// the connection is dropped.
 pub async fn get_answer(
     sender: &mut Option<Sender>,
     ready: Result<(), String>,
     target: &Target,
     path: &str,
+    post_body: Option<&Bytes>,
     timeout: Duration,
 ) -> Answer {
     if let Err(e) = ready {
         return Answer::Error(e);
     }
     let s = sender.as_mut().expect("usable sender");
-    match tokio::time::timeout(timeout, fetch(s, get(target, path))).await {
+    let req = match post_body {
+        Some(b) => post(target, path, b.clone()),
+        None => get(target, path),
+    };
+    match tokio::time::timeout(timeout, fetch(s, req)).await {
         Ok(Ok((status, x_cache, body))) => Answer::Response {
             status,
             x_cache,

@@ -44,7 +44,7 @@ async fn list_worker(sh: Arc<ListShared>, first: Sender) -> Vec<ListRec> {
         let ready = ensure_ready(&mut sender, &sh.target, &sh.conn).await;
         let sent = Instant::now();
         let path = sh.path_template.replace("{id}", &sh.ids[idx]);
-        let outcome = get_answer(&mut sender, ready, &sh.target, &path, sh.timeout).await;
+        let outcome = get_answer(&mut sender, ready, &sh.target, &path, None, sh.timeout).await;
         recs.push(ListRec {
             idx,
             sent,

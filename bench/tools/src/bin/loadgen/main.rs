@@ -16,9 +16,11 @@
 //! (the first `write` on its connection after the release; recorded by a wrapper around the
 //! socket) to the end of its body. The send skew is the spread of those moments.
 //!
-//! `loadgen rate --url URL --rate R --duration-s D --connections C [--warmup-s W] [--drain-s 5]`
+//! `loadgen rate --url URL --rate R --duration-s D --connections C [--warmup-s W] [--drain-s 5]
+//!  [--post-bytes N]`
 //!
-//! Open loop at a fixed rate, free of coordinated omission:
+//! Open loop at a fixed rate, free of coordinated omission (GETs; with `--post-bytes N`, POSTs
+//! of a JSON body of exactly N bytes, `{"payload":"xx…x"}`, as bench/post_body.lua sends):
 //!
 //! 1. Opens C keep-alive HTTP/1.1 connections to URL (all must connect, or it fails).
 //! 2. A pacer thread (an OS thread with `std::thread::sleep`, not the 1 ms tokio timer)
@@ -168,7 +170,7 @@ struct Cli {
 enum Cmd {
     /// C connections, one GET of the same URL on each, released at once.
     Stampede(StampedeArgs),
-    /// Open-loop GETs of one URL at a fixed rate over C keep-alive connections.
+    /// Open-loop GETs (or POSTs) of one URL at a fixed rate over C keep-alive connections.
     Rate(RateArgs),
     /// Every id of a list GET once, at full speed over C keep-alive connections.
     List(ListArgs),
@@ -493,6 +495,9 @@ struct RateArgs {
     /// Tokio worker threads (the pacer is one more OS thread).
     #[arg(long, default_value_t = 1)]
     threads: usize,
+    /// POST a JSON body of exactly this many bytes (at least 14) instead of a GET.
+    #[arg(long)]
+    post_bytes: Option<usize>,
 }
 
 #[derive(Parser, Debug)]

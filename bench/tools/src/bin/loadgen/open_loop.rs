@@ -1,13 +1,14 @@
 //! The engine of the open-loop modes (`rate`, `cycle`): a pacer thread schedules request j at
 //! `start + j/rate` into the queue of its URL; each connection of that URL takes the oldest
-//! due request when it is free (a due request waits while all are busy), sends it and records
-//! it; a connection the server closed is replaced. After the last scheduled request the run
+//! due request when it is free (a due request waits while all are busy), sends it (a GET, or a
+//! POST of its body) and records it; a connection the server closed is replaced. After the last scheduled request the run
 //! waits at most the drain time for the rest.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
 use tokio::sync::mpsc;
 
 use crate::http::{Answer, ConnCounters, Sender, Target, ensure_ready, get_answer};
@@ -17,6 +18,8 @@ pub struct Job {
     pub scheduled: Instant,
     /// The path to GET; None for the path of the URL itself.
     pub path: Option<String>,
+    /// POST this body instead of a GET.
+    pub post_body: Option<Bytes>,
     /// False for a warm-up request: counted, not recorded.
     pub measured: bool,
 }
@@ -73,7 +76,15 @@ async fn worker(lane: Arc<Lane>, first: Sender) {
         };
         counter.fetch_add(1, Ordering::Relaxed);
         let path = job.path.as_deref().unwrap_or(&lane.target.path);
-        let outcome = get_answer(&mut sender, ready, &lane.target, path, lane.timeout).await;
+        let outcome = get_answer(
+            &mut sender,
+            ready,
+            &lane.target,
+            path,
+            job.post_body.as_ref(),
+            lane.timeout,
+        )
+        .await;
         let done = Instant::now();
         if job.measured {
             lane.recs.lock().expect("recs lock").push(Rec {

@@ -1,11 +1,12 @@
-//! `loadgen rate`: open-loop GETs of one URL at a fixed rate (see the crate docs).
+//! `loadgen rate`: open-loop GETs (or POSTs of a JSON body) of one URL at a fixed rate (see the
+//! crate docs).
 
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
-use crate::http::{Answer, connect_n, parse_target};
+use crate::http::{Answer, connect_n, json_body, parse_target};
 use crate::open_loop::{self, Job};
 use crate::stats::{Counts, fine_summary, ms, per_second, round3};
 use crate::{RateArgs, positive};
@@ -20,6 +21,7 @@ pub async fn rate(args: RateArgs) -> Result<Value, String> {
         return Err("--connections must be > 0".into());
     }
     let target = parse_target(&args.url)?;
+    let post_body = args.post_bytes.map(json_body).transpose()?;
 
     // all connections up before the clock starts
     let conns = connect_n(&target, args.connections)
@@ -44,6 +46,7 @@ pub async fn rate(args: RateArgs) -> Result<Value, String> {
             let job = Job {
                 scheduled: t,
                 path: None,
+                post_body: post_body.clone(),
                 measured: i >= warmup_n,
             };
             (0, job)
@@ -75,6 +78,8 @@ pub async fn rate(args: RateArgs) -> Result<Value, String> {
     let mut out = json!({
         "mode": "rate",
         "url": args.url,
+        "method": if args.post_bytes.is_some() { "POST" } else { "GET" },
+        "post_bytes": args.post_bytes,
         "rate_rps": args.rate,
         "duration_s": args.duration_s,
         "warmup_s": args.warmup_s,
