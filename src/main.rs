@@ -35,7 +35,7 @@ enum LogFormat {
     Json,
 }
 
-fn main() -> ExitCode {
+pub(crate) fn main() -> ExitCode {
     let args = Args::parse();
     if let Some(path) = &args.check_config {
         return match Config::load(path, &ProcessEnv) {

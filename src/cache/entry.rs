@@ -4,7 +4,7 @@
 //! copy is those two, the few numbers that age it and a small struct, nothing per header;
 //! an L2 value read from Redis becomes an entry without a copy (both are slices of the
 //! reply). A hit builds its response headers from the buffer's lines, each value a slice
-//! of it.
+//! of it, each name a standard one or a clone of one made with the entry.
 //!
 //! Wire format (L2), version 8:
 //!
@@ -114,6 +114,21 @@ struct Packed {
     head: Bytes,
     key_len: u32,
     body: Bytes,
+    /// The names of the lines that are not among http's standard headers, in line order
+    /// ([`is_custom`]). Making a `HeaderName` of such a name copies it: a hit clones these
+    /// instead (a reference count), so it allocates nothing per line. A standard name costs
+    /// nothing to make and is not kept.
+    custom: Box<[HeaderName]>,
+}
+
+/// Whether `name` is not one of http's standard headers, whose `HeaderName`s are made
+/// without an allocation. http has no test for it; a standard name's text is static, so a
+/// second parse of it points at the same bytes, while a custom name is copied anew by each
+/// parse. Only what a hit costs depends on the answer: the lines are matched by their
+/// bytes ([`Packed::lines`]).
+fn is_custom(name: &HeaderName) -> bool {
+    HeaderName::from_bytes(name.as_str().as_bytes())
+        .is_ok_and(|again| again.as_str().as_ptr() != name.as_str().as_ptr())
 }
 
 /// Why a packed head was refused.
@@ -128,6 +143,7 @@ impl Packed {
             .sum();
         let mut head = Vec::with_capacity(key.len() + lines);
         head.extend_from_slice(key.as_bytes());
+        let mut custom = Vec::new();
         for (name, value) in headers {
             // A HeaderName is at most 64 KiB; a value longer than 4 GiB cannot have come
             // through the origin's head limits. Such a line is left out, never truncated.
@@ -141,11 +157,15 @@ impl Packed {
             head.extend_from_slice(name.as_str().as_bytes());
             head.extend_from_slice(&value_len.to_be_bytes());
             head.extend_from_slice(value.as_bytes());
+            if is_custom(name) {
+                custom.push(name.clone());
+            }
         }
         Packed {
             head: Bytes::from(head),
             key_len: u32::try_from(key.len()).unwrap_or(u32::MAX),
             body,
+            custom: custom.into_boxed_slice(),
         }
     }
 
@@ -156,19 +176,27 @@ impl Packed {
             return Err(BadPacking);
         }
         std::str::from_utf8(&head[..key_end]).map_err(|_| BadPacking)?;
-        let packed = Packed {
+        let mut packed = Packed {
             head,
             key_len,
             body,
+            custom: Box::default(),
         };
+        let mut custom = Vec::new();
         let mut lines = packed.line_ranges();
         for (name, value) in lines.by_ref() {
-            HeaderName::from_bytes(&packed.head[name]).map_err(|_| BadPacking)?;
-            HeaderValue::from_bytes(&packed.head[value]).map_err(|_| BadPacking)?;
+            let name = HeaderName::from_bytes(&packed.head[name]).map_err(|_| BadPacking)?;
+            if is_custom(&name) {
+                custom.push(name);
+            }
+            // A slice of the buffer, not `from_bytes`, which would copy the value only to
+            // check it (an L2 hit reads every entry anew).
+            HeaderValue::from_maybe_shared(packed.head.slice(value)).map_err(|_| BadPacking)?;
         }
         if lines.broken {
             return Err(BadPacking);
         }
+        packed.custom = custom.into_boxed_slice();
         Ok(packed)
     }
 
@@ -185,8 +213,13 @@ impl Packed {
     }
 
     fn lines(&self) -> impl Iterator<Item = (HeaderName, HeaderValue)> + '_ {
-        self.line_ranges().filter_map(|(name, value)| {
-            let name = HeaderName::from_bytes(&self.head[name]).ok()?;
+        let mut custom = self.custom.iter().peekable();
+        self.line_ranges().filter_map(move |(name, value)| {
+            let bytes = &self.head[name];
+            let name = match custom.next_if(|custom| custom.as_str().as_bytes() == bytes) {
+                Some(custom) => custom.clone(),
+                None => HeaderName::from_bytes(bytes).ok()?,
+            };
             let value = HeaderValue::from_maybe_shared(self.head.slice(value)).ok()?;
             Some((name, value))
         })
@@ -502,7 +535,8 @@ impl Entry {
 
     /// Approximate memory held by this entry while it sits in L1, for L1's byte bound.
     ///
-    /// Counts the buffer (key, header lines, body), the tags and selecting headers, and a
+    /// Counts the buffer (key, header lines, body), the names of its custom header lines, the
+    /// tags and selecting headers, and a
     /// fixed per-entry overhead: the `Entry` and its `Arc`, allocator rounding, and moka's
     /// own bookkeeping (hash-table slot, access and expiry order nodes, timer-wheel node:
     /// about 400 bytes per entry, measured). The fixed part was sized from RSS measured
@@ -516,7 +550,13 @@ impl Entry {
             .iter()
             .map(|(n, v)| n.as_str().len() + v.as_ref().map_or(0, HeaderValue::len) + 96)
             .sum();
-        self.packed.head.len() + self.packed.body.len() + tags + selecting + PER_ENTRY
+        let custom: usize = self
+            .packed
+            .custom
+            .iter()
+            .map(|n| n.as_str().len() + 64)
+            .sum();
+        self.packed.head.len() + self.packed.body.len() + tags + selecting + custom + PER_ENTRY
     }
 
     /// The value stored in Redis (see the module docs).
@@ -701,6 +741,34 @@ mod tests {
         assert!(!e.selects(&request(&[("accept-language", "en, fr")])));
         assert!(!e.selects(&request(&[])));
         assert!(!e.selects(&request(&[("accept-language", "fr,en"), ("x-absent", "1")])));
+    }
+
+    /// Lines of standard and custom names, interleaved and repeated, come back in order
+    /// with their values, from a fresh entry and from a decoded one alike.
+    #[test]
+    fn custom_and_standard_names_come_back_in_line_order() {
+        let mut headers = HeaderMap::new();
+        headers.append("x-a", HeaderValue::from_static("1"));
+        headers.append(http::header::CONTENT_TYPE, HeaderValue::from_static("t"));
+        headers.append("x-b", HeaderValue::from_static("2"));
+        headers.append("x-a", HeaderValue::from_static("3"));
+        headers.append(http::header::ETAG, HeaderValue::from_static("\"e\""));
+        let e = Entry::new("k", StatusCode::OK, &headers, Bytes::new());
+        let lines = |e: &Entry| -> Vec<(String, String)> {
+            e.header_lines()
+                .map(|(n, v)| (n.to_string(), v.to_str().unwrap().to_owned()))
+                .collect()
+        };
+        let want: Vec<(String, String)> = headers
+            .iter()
+            .map(|(n, v)| (n.to_string(), v.to_str().unwrap().to_owned()))
+            .collect();
+        assert_eq!(lines(&e), want);
+        assert_eq!(e.packed.custom.len(), 3, "x-a, x-b, x-a: the standard names are not kept");
+        let d = Entry::decode(Bytes::from(e.encode().unwrap())).unwrap();
+        assert_eq!(lines(&d), want);
+        assert!(is_custom(&HeaderName::from_static("x-request-id")));
+        assert!(!is_custom(&http::header::CONTENT_TYPE));
     }
 
     #[test]

@@ -20,6 +20,8 @@
 //! `Entry::selects` compares them). It has the URL key's base, so it is a variant of the
 //! path like a query variant: same generation, hash tag and variant index.
 
+use std::ops::Range;
+
 use http::{HeaderMap, HeaderName, HeaderValue};
 
 use super::entry::selecting_value;
@@ -40,12 +42,41 @@ pub(crate) struct CacheKey {
     pub(crate) url: u128,
 }
 
-/// What the read path needs from one parse of the request.
+/// What the read path needs from one parse of the request: the key, and where in its
+/// text the path and query to send to the origin are (a hit needs no forwarded URL, so it
+/// is made only when asked for).
 #[derive(Debug)]
 pub(crate) struct Derived {
     pub(crate) key: CacheKey,
+    path: Range<usize>,
+    query: Range<usize>,
+}
+
+impl Derived {
     /// Path and query to send to the origin (normalized, unkeyed parameters removed).
-    pub(crate) forward_path_and_query: String,
+    pub(crate) fn forward_path_and_query(&self) -> String {
+        let path = self.key.full.get(self.path.clone()).unwrap_or("/");
+        let query = self.key.full.get(self.query.clone()).unwrap_or("");
+        if query.is_empty() {
+            return path.to_owned();
+        }
+        let mut forward = String::with_capacity(path.len() + 1 + query.len());
+        forward.push_str(path);
+        forward.push('?');
+        forward.push_str(query);
+        forward
+    }
+
+    /// The same request under `key`, a [`selected`] Vary variant of this one's key (whose
+    /// text begins with this key's: the path and query are where they were).
+    pub(crate) fn with_key(&self, key: CacheKey) -> Derived {
+        debug_assert!(key.full.starts_with(&self.key.full));
+        Derived {
+            key,
+            path: self.path.clone(),
+            query: self.query.clone(),
+        }
+    }
 }
 
 impl CacheKey {
@@ -140,14 +171,16 @@ pub(crate) fn derive(
     query: Option<&str>,
     headers: &HeaderMap,
 ) -> Derived {
-    let path = normalize_percent(path);
     let query = keyed_query(&route.query, query.unwrap_or(""));
 
     let mut full = String::with_capacity(route.name.len() + path.len() + query.len() + 8);
     full.push_str(&route.name);
     full.push('\n');
-    full.push_str(&path);
+    let path_start = full.len();
+    normalize_percent_into(&mut full, path);
+    let path_range = path_start..full.len();
     full.push('\n');
+    let query_range = full.len()..full.len() + query.len();
     full.push_str(&query);
     for name in &route.vary {
         full.push('\n');
@@ -169,17 +202,14 @@ pub(crate) fn derive(
     }
 
     let mut key = CacheKey::new(full);
-    if key.full.len() != base_len(route, &path) {
-        key.base = xxhash_rust::xxh3::xxh3_128(base_text(route, &path).as_bytes());
-    }
-    let mut forward = path;
-    if !query.is_empty() {
-        forward.push('?');
-        forward.push_str(&query);
+    let path = &key.full[path_range.clone()];
+    if key.full.len() != base_len(route, path) {
+        key.base = xxhash_rust::xxh3::xxh3_128(base_text(route, path).as_bytes());
     }
     Derived {
         key,
-        forward_path_and_query: forward,
+        path: path_range,
+        query: query_range,
     }
 }
 
@@ -244,11 +274,18 @@ pub(crate) fn normalized_params(params: &[(String, String)]) -> Vec<(String, Str
 /// the hex digits of every other escape are uppercased. Meaning is preserved, so the
 /// normalized form is also what is forwarded.
 pub(crate) fn normalize_percent(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    normalize_percent_into(&mut out, s);
+    out
+}
+
+/// [`normalize_percent`] of `s`, appended to `out`.
+fn normalize_percent_into(out: &mut String, s: &str) {
     let bytes = s.as_bytes();
     if !bytes.contains(&b'%') {
-        return s.to_owned();
+        out.push_str(s);
+        return;
     }
-    let mut out = String::with_capacity(s.len());
     let mut i = 0;
     while i < bytes.len() {
         if bytes[i] == b'%' && i + 2 < bytes.len() {
@@ -273,7 +310,6 @@ pub(crate) fn normalize_percent(s: &str) -> String {
         out.push(ch);
         i += ch.len_utf8();
     }
-    out
 }
 
 #[cfg(test)]
@@ -322,7 +358,7 @@ mod tests {
         let a = derive(&r, "/api/items/1", Some("b=2&a=1"), &h);
         let b = derive(&r, "/api/items/1", Some("a=1&b=2"), &h);
         assert_eq!(a.key, b.key);
-        assert_eq!(a.forward_path_and_query, "/api/items/1?a=1&b=2");
+        assert_eq!(a.forward_path_and_query(), "/api/items/1?a=1&b=2");
     }
 
     #[test]
@@ -332,7 +368,7 @@ mod tests {
         let a = derive(&r, "/api/items/1", Some("x=1"), &h);
         let b = derive(&r, "/api/items/1", None, &h);
         assert_eq!(a.key, b.key);
-        assert_eq!(a.forward_path_and_query, "/api/items/1");
+        assert_eq!(a.forward_path_and_query(), "/api/items/1");
     }
 
     #[test]
@@ -342,7 +378,7 @@ mod tests {
         let a = derive(&r, "/api/items/1", Some("utm=x&page=2"), &h);
         let b = derive(&r, "/api/items/1", Some("page=2"), &h);
         assert_eq!(a.key, b.key);
-        assert_eq!(a.forward_path_and_query, "/api/items/1?page=2");
+        assert_eq!(a.forward_path_and_query(), "/api/items/1?page=2");
         let c = derive(&r, "/api/items/1", Some("page=3"), &h);
         assert_ne!(a.key, c.key);
     }

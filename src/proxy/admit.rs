@@ -17,6 +17,8 @@
 //!   §5.6.2), gets 400: hyper takes a method of any length up to its read buffer, and
 //!   would have it forwarded.
 
+use std::cell::RefCell;
+
 use http::header::{self, HeaderMap};
 use http::{Method, Request, Version};
 
@@ -99,7 +101,28 @@ fn check_host<B>(request: &Request<B>) -> Result<(), ProxyError> {
 /// `uri-host [ ":" port ]` (RFC 9110 §7.2): a registered name (unreserved, sub-delims and
 /// percent-encoded bytes), an IPv4 address or a bracketed IP literal, then digits after a
 /// colon. Not empty, no userinfo.
+///
+/// http's parser copies the value it parses, and every request carries a `Host`: the last
+/// value found valid on this thread is remembered, and the same bytes again (the usual
+/// case: one client, one host) are valid without a parse.
 fn valid_host(value: &[u8]) -> bool {
+    thread_local! {
+        static LAST_VALID: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+    }
+    if !value.is_empty() && LAST_VALID.with_borrow(|last| last.as_slice() == value) {
+        return true;
+    }
+    let valid = parse_host(value);
+    if valid {
+        LAST_VALID.with_borrow_mut(|last| {
+            last.clear();
+            last.extend_from_slice(value);
+        });
+    }
+    valid
+}
+
+fn parse_host(value: &[u8]) -> bool {
     if value.is_empty() || value.contains(&b'@') {
         return false;
     }
@@ -178,6 +201,18 @@ mod tests {
         assert_eq!(status(v11, &[("host", "a/b")]), 400);
         assert_eq!(status(v11, &[("host", "[127.0.0.1]")]), 400);
         assert_eq!(status(v11, &[("host", "[::1")]), 400);
+    }
+
+    /// The remembered last valid `Host` answers only for the same bytes: a valid value
+    /// seen before does not make a longer or shorter one valid.
+    #[test]
+    fn a_remembered_host_vouches_for_itself_only() {
+        assert!(valid_host(b"example.com:8080"));
+        assert!(valid_host(b"example.com:8080"));
+        assert!(!valid_host(b"example.com:8080@evil"));
+        assert!(!valid_host(b"example.com:"));
+        assert!(!valid_host(b""));
+        assert!(valid_host(b"example.com:8080"));
     }
 
     #[test]

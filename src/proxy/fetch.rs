@@ -94,7 +94,7 @@ impl FillJob {
         FillJob {
             route: Arc::clone(route),
             key: derived.key.clone(),
-            forward: derived.forward_path_and_query.clone(),
+            forward: derived.forward_path_and_query(),
             headers: forwarded,
             client,
             background: false,

@@ -56,22 +56,30 @@ pub(crate) struct HeadTimer {
 }
 
 impl HeadTimer {
+    /// The wait from now; its sleep is inline, so hyper's one box per wait is the only
+    /// allocation (a wait begins with every request on a connection).
     fn wait(&self) -> HeadWait {
         let idle_since = Instant::now();
-        let mut wait = HeadWait {
+        // A head begun already (pipelined): `header_read_timeout` from now.
+        let began = self.head.begun().then_some(idle_since);
+        let deadline = match began {
+            Some(began) => began + self.header_read,
+            None => idle_since + self.keepalive,
+        };
+        HeadWait {
             timer: self.clone(),
             idle_since,
-            began: None,
-            sleep: Box::pin(tokio::time::sleep_until(idle_since + self.keepalive)),
-        };
-        wait.follow();
-        wait
+            began,
+            sleep: tokio::time::sleep_until(deadline),
+        }
     }
 }
 
 impl Timer for HeadTimer {
     fn sleep(&self, duration: Duration) -> Pin<Box<dyn Sleep>> {
-        Box::pin(Plain(Box::pin(tokio::time::sleep(duration))))
+        Box::pin(Plain {
+            sleep: tokio::time::sleep(duration),
+        })
     }
 
     /// hyper's wait for a request head.
@@ -80,58 +88,67 @@ impl Timer for HeadTimer {
     }
 }
 
-/// A plain sleep, for any other use hyper may make of its timer.
-struct Plain(Pin<Box<tokio::time::Sleep>>);
+pin_project_lite::pin_project! {
+    /// A plain sleep, for any other use hyper may make of its timer.
+    struct Plain {
+        #[pin]
+        sleep: tokio::time::Sleep,
+    }
+}
 
 impl Future for Plain {
     type Output = ();
 
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
-        self.0.as_mut().poll(cx)
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        self.project().sleep.poll(cx)
     }
 }
 
 impl Sleep for Plain {}
 
-/// One wait for a request head (see the module docs).
-pub(crate) struct HeadWait {
-    timer: HeadTimer,
-    idle_since: Instant,
-    /// When a head was first seen begun in this wait.
-    began: Option<Instant>,
-    sleep: Pin<Box<tokio::time::Sleep>>,
+pin_project_lite::pin_project! {
+    /// One wait for a request head (see the module docs).
+    pub(crate) struct HeadWait {
+        timer: HeadTimer,
+        idle_since: Instant,
+        // When a head was first seen begun in this wait.
+        began: Option<Instant>,
+        #[pin]
+        sleep: tokio::time::Sleep,
+    }
 }
 
 impl HeadWait {
     /// Moves the deadline to what the connection's bytes say now. hyper polls the wait
     /// after every read that leaves its head incomplete, so a head's first byte is seen
     /// as it arrives.
-    fn follow(&mut self) {
-        let begun = self.timer.head.begun();
-        let deadline = match (begun, self.began) {
+    fn follow(self: Pin<&mut Self>) {
+        let this = self.project();
+        let begun = this.timer.head.begun();
+        let deadline = match (begun, *this.began) {
             (true, Some(_)) | (false, None) => return,
             (true, None) => {
-                let began = Instant::now().max(self.idle_since);
-                self.began = Some(began);
-                began + self.timer.header_read
+                let began = Instant::now().max(*this.idle_since);
+                *this.began = Some(began);
+                began + this.timer.header_read
             }
             // Only empty lines came (skipped before a request line): idle again.
             (false, Some(_)) => {
-                self.began = None;
-                self.idle_since + self.timer.keepalive
+                *this.began = None;
+                *this.idle_since + this.timer.keepalive
             }
         };
-        self.sleep.as_mut().reset(deadline);
+        this.sleep.reset(deadline);
     }
 }
 
 impl Future for HeadWait {
     type Output = ();
 
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
-        let this = self.get_mut();
-        this.follow();
-        ready!(this.sleep.as_mut().poll(cx));
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        self.as_mut().follow();
+        let this = self.project();
+        ready!(this.sleep.poll(cx));
         this.timer.metrics.timed_out(if this.began.is_some() {
             ConnTimeout::HeaderRead
         } else {
@@ -158,22 +175,19 @@ mod tests {
     }
 
     /// How long `wait` takes to end from now, given `poke` run after `after`.
-    async fn ends_after(mut wait: HeadWait, after: Duration, poke: impl FnOnce()) -> Duration {
+    async fn ends_after(
+        wait: impl Future<Output = ()>,
+        after: Duration,
+        poke: impl FnOnce(),
+    ) -> Duration {
         let start = Instant::now();
-        let mut wait = std::pin::pin!(wait.sleep_until_polled());
+        let mut wait = std::pin::pin!(wait);
         tokio::select! {
             () = &mut wait => return start.elapsed(),
             () = tokio::time::sleep(after) => poke(),
         }
         wait.await;
         start.elapsed()
-    }
-
-    impl HeadWait {
-        /// Polled as hyper polls it: whenever the connection reads, and at its deadline.
-        async fn sleep_until_polled(&mut self) {
-            std::future::poll_fn(|cx| Pin::new(&mut *self).poll(cx)).await;
-        }
     }
 
     /// Idle: the connection lives `keepalive_timeout`, not `header_read_timeout`.
@@ -213,10 +227,10 @@ mod tests {
     async fn empty_lines_leave_the_connection_idle() {
         let timer = timer();
         let head = Arc::clone(&timer.head);
-        let mut wait = timer.wait();
+        let mut wait = Box::pin(timer.wait());
         tokio::time::sleep(Duration::from_secs(30)).await;
         head.set(true);
-        wait.follow();
+        wait.as_mut().follow();
         tokio::time::sleep(Duration::from_secs(1)).await;
         head.set(false);
         let took = ends_after(wait, Duration::from_secs(1), || {}).await;

@@ -134,10 +134,7 @@ impl ReadPath {
         }
         let spec = self.tiers.vary_spec(&derived.key)?;
         let selected = key::selected(&derived.key, &spec.names, headers);
-        (selected.hash != spec.held).then(|| Derived {
-            key: selected,
-            forward_path_and_query: derived.forward_path_and_query.clone(),
-        })
+        (selected.hash != spec.held).then(|| derived.with_key(selected))
     }
 
     /// The read of `derived`'s key, from the hot-key gate on.
