@@ -764,7 +764,11 @@ mod tests {
             .map(|(n, v)| (n.to_string(), v.to_str().unwrap().to_owned()))
             .collect();
         assert_eq!(lines(&e), want);
-        assert_eq!(e.packed.custom.len(), 3, "x-a, x-b, x-a: the standard names are not kept");
+        assert_eq!(
+            e.packed.custom.len(),
+            3,
+            "x-a, x-b, x-a: the standard names are not kept"
+        );
         let d = Entry::decode(Bytes::from(e.encode().unwrap())).unwrap();
         assert_eq!(lines(&d), want);
         assert!(is_custom(&HeaderName::from_static("x-request-id")));

@@ -262,10 +262,13 @@ impl Tiers {
             }
         }
         let since = self.since();
-        match self.l2_read(key).await {
+        // On the heap, and only past L1: the L2 read's future (a Redis command, a large
+        // value's pieces) is kilobytes, which every request's future would otherwise
+        // carry, an L1 hit's included.
+        match Box::pin(self.l2_read(key)).await {
             L2Read::Hit(entry) if self.selects(key, &entry, request) => {
                 if entry.freshness(now) == Freshness::Fresh && self.keeps_in_l1(l1, key.hash) {
-                    self.keep(key, Arc::clone(&entry), since).await;
+                    Box::pin(self.keep(key, Arc::clone(&entry), since)).await;
                 }
                 if let Some(fresh) = found.add(entry, now, Outcome::HitL2) {
                     return fresh;

@@ -186,7 +186,20 @@ mod tests {
 
     #[test]
     fn age_values_are_the_decimal_seconds() {
-        for secs in [0, 1, 9, 10, 99, 100, 999, 1000, 9999, 10_000, 123_456, u64::MAX] {
+        for secs in [
+            0,
+            1,
+            9,
+            10,
+            99,
+            100,
+            999,
+            1000,
+            9999,
+            10_000,
+            123_456,
+            u64::MAX,
+        ] {
             assert_eq!(age_value(secs), secs.to_string().as_str(), "{secs}");
         }
     }
