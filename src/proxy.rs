@@ -52,7 +52,7 @@ use self::write::WritePath;
 use crate::cache::l1::L1;
 use crate::cache::marks::LocalMarks;
 use crate::consistency::invalidate::{self, Invalidator};
-use crate::coord::events::{BusListener, Event, EventKind};
+use crate::coord::events::{BusListener, Delivery, Event, EventKind};
 use crate::coord::store::RedisStore;
 use crate::error::ProxyError;
 use crate::metrics::{Metrics, RouteMetrics};
@@ -158,9 +158,15 @@ impl BusListener for CacheEvents {
     }
 
     /// Copies read from Redis during the gap may predate an invalidation sent during it:
-    /// checked again too; then the bus counts as confirmed.
-    fn on_subscribed(self: Arc<Self>) {
-        self.marks.bus_confirmed_again();
+    /// checked again too; then the bus counts as confirmed, if it hears a write's
+    /// `invalidate` before the write's answer. A subscription that hears it later (another
+    /// cluster node than the channel's primary) leaves the bus unconfirmed until the bus
+    /// moves to the primary.
+    fn on_subscribed(self: Arc<Self>, delivery: Delivery) {
+        match delivery {
+            Delivery::Prompt => self.marks.bus_confirmed_again(),
+            Delivery::Late => self.marks.bus_lost(),
+        }
     }
 }
 

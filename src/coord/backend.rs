@@ -13,8 +13,10 @@
 //!   tag (see [`super::keyspace`]), so each Lua script touches one slot.
 //!
 //! Pub/sub (the event bus) needs a plain node connection: [`Backend::pubsub_clients`] lists
-//! the nodes to try, in order. On a cluster `PUBLISH` reaches every node, so any node will
-//! do; with Sentinel it is the current primary.
+//! the nodes to try, in order, and names the one that hears a `PUBLISH` before it answers
+//! (see [`PubSubNodes`]). On a cluster `PUBLISH` reaches every node, so any node will
+//! do to hear it, but only the channel's primary hears it before the publisher's answer;
+//! with Sentinel it is the current primary.
 //!
 //! At start ([`Backend::shared`]) a standalone `redis.url` that answers is asked what it is:
 //! a Sentinel or a cluster node there is refused (every command would fail or be redirected,
@@ -436,10 +438,41 @@ impl Backend {
         shared: Option<DataConn>,
         timeout: Duration,
         channel: &str,
-    ) -> Vec<redis::Client> {
+    ) -> PubSubNodes {
+        let clients = self.pubsub_candidates(shared, timeout, channel).await;
+        let prompt = match &*self.nodes() {
+            // The one node there is, or the primary: every PUBLISH is run there.
+            Nodes::Standalone(_) | Nodes::Sentinel(_) => {
+                clients.first().map(|(client, _)| client_addr(client))
+            }
+            // The channel's primary, when the cluster named it (first in the list, from
+            // `CLUSTER NODES`); a seed tried for want of an answer is not known to be it.
+            Nodes::Cluster { .. } => clients
+                .first()
+                .filter(|(_, owner)| *owner)
+                .map(|(client, _)| client_addr(client)),
+        };
+        PubSubNodes {
+            clients: clients.into_iter().map(|(client, _)| client).collect(),
+            prompt,
+        }
+    }
+
+    /// [`Backend::pubsub_clients`]' list, each client with whether the cluster named it
+    /// the primary of the channel's slot (always true outside a cluster).
+    async fn pubsub_candidates(
+        &self,
+        shared: Option<DataConn>,
+        timeout: Duration,
+        channel: &str,
+    ) -> Vec<(redis::Client, bool)> {
         match &*self.nodes() {
-            Nodes::Standalone(client) => vec![client.as_ref().clone()],
-            Nodes::Sentinel(sentinel) => sentinel.primary_client().into_iter().collect(),
+            Nodes::Standalone(client) => vec![(client.as_ref().clone(), true)],
+            Nodes::Sentinel(sentinel) => sentinel
+                .primary_client()
+                .into_iter()
+                .map(|client| (client, true))
+                .collect(),
             Nodes::Cluster {
                 seeds, template, ..
             } => {
@@ -473,12 +506,18 @@ impl Backend {
                     let start = rand::random_range(0..infos.len());
                     infos.rotate_left(start);
                 }
+                let owners = first.len();
                 first.extend(infos);
                 let mut infos = first;
                 infos.extend(seeds.iter().cloned());
                 infos
                     .into_iter()
-                    .filter_map(|info| redis::Client::open(info).ok())
+                    .enumerate()
+                    .filter_map(|(i, info)| {
+                        redis::Client::open(info)
+                            .ok()
+                            .map(|client| (client, i < owners))
+                    })
                     .collect()
             }
         }
@@ -728,6 +767,22 @@ pub(crate) fn parse_cluster_nodes(text: &str) -> Vec<ClusterNode> {
             })
         })
         .collect()
+}
+
+/// Where the event bus may subscribe ([`Backend::pubsub_clients`]).
+#[derive(Debug, Default)]
+pub(crate) struct PubSubNodes {
+    /// The nodes to try, best first.
+    pub(crate) clients: Vec<redis::Client>,
+    /// `host:port` of the node where every `PUBLISH` of the channel is run: its
+    /// subscribers have a message before its publisher has the answer. Any other cluster
+    /// node has it later, over the cluster bus. `None` when no such node is known.
+    pub(crate) prompt: Option<String>,
+}
+
+/// `host:port` of `client`'s server, as the event bus names the node it is on.
+pub(crate) fn client_addr(client: &redis::Client) -> String {
+    client.get_connection_info().addr().to_string()
 }
 
 #[cfg(test)]

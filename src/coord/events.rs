@@ -34,6 +34,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use super::RedisConn;
+use super::backend::{PubSubNodes, client_addr};
 use crate::config::RedisMode;
 
 /// What happened to a key, as carried on the bus.
@@ -231,7 +232,22 @@ pub(crate) trait BusListener: Send + Sync + std::fmt::Debug {
     /// The subscription was lost at `unix_ms`: events from then on may be missed.
     fn on_gap(&self, _unix_ms: u64) {}
     /// The subscription is live (again): resync whatever was missed since the gap.
-    fn on_subscribed(self: Arc<Self>) {}
+    /// `delivery` says whether a message is heard before its publisher's answer.
+    fn on_subscribed(self: Arc<Self>, _delivery: Delivery) {}
+}
+
+/// How soon a subscription hears a message, next to its publisher's `PUBLISH` answer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Delivery {
+    /// On the node where every `PUBLISH` of the channel is run (standalone, the Sentinel
+    /// primary, the cluster primary of the channel's slot): Redis writes the message to
+    /// its subscribers before it answers the publisher, so an instance has heard a write's
+    /// `invalidate` before that write's answer leaves the writer.
+    Prompt,
+    /// On another cluster node, which has the message over the cluster bus after the
+    /// publisher's answer: a read may begin after a write returned and before its
+    /// `invalidate` arrives here.
+    Late,
 }
 
 /// What a waiter is woken with: the latest event for its key, or `None` for "re-check,
@@ -445,6 +461,12 @@ const BACKOFF_MIN: Duration = Duration::from_millis(25);
 const BACKOFF_MAX: Duration = Duration::from_millis(500);
 /// How often a cluster subscription checks that it is on the channel's primary.
 const REHOME_EVERY: Duration = Duration::from_secs(2);
+
+/// How soon a cluster subscription that hears messages late (not on the channel's
+/// primary) first looks for the primary again: until it is there, reads that need the bus
+/// confirmed go to Redis. Doubled after each look that ends late again, up to
+/// [`REHOME_EVERY`].
+const REHOME_LATE_EVERY: Duration = Duration::from_millis(100);
 /// A subscription idle for this long is pinged, so a half-open connection is noticed.
 const IDLE_PING: Duration = Duration::from_secs(1);
 
@@ -483,6 +505,10 @@ impl EventBus {
         let mut backoff = BACKOFF_MIN;
         let mut failing = Failing::default();
         let mut first = true;
+        // How soon a late subscription looks for the channel's primary: doubling while
+        // each look ends on a late node again (a primary that refuses the subscription),
+        // up to REHOME_EVERY; back to the shortest once a subscription is prompt.
+        let mut late_every = REHOME_LATE_EVERY;
         let mut primary_changes = redis.backend().sentinel().map(|s| s.changes());
         loop {
             let subscribed = tokio::select! {
@@ -490,32 +516,52 @@ impl EventBus {
                 s = self.subscribe_any(&redis, connect_timeout) => s,
             };
             match subscribed {
-                Ok((pubsub, node)) => {
+                Ok((pubsub, node, delivery)) => {
                     backoff = BACKOFF_MIN;
                     failing.ended();
                     self.connected.store(true, Ordering::Relaxed);
                     metrics.subscribed.set(1);
                     if !first {
                         metrics.resubscriptions.inc();
-                        info!(message = "Event bus re-subscribed.", channel = %self.channel);
+                        info!(message = "Event bus re-subscribed.", channel = %self.channel, node = %node);
+                    }
+                    if delivery == Delivery::Late {
+                        info!(
+                            message = "Event bus on a node that hears messages after their publishers' answers; moving to the channel's primary when it takes the subscription.",
+                            channel = %self.channel,
+                            node = %node
+                        );
                     }
                     first = false;
                     // Anything published while we were away is lost: wake every waiter
                     // to re-check L2, and let the listeners resync.
                     self.waiters.wake_all();
                     for listener in &self.listeners {
-                        Arc::clone(listener).on_subscribed();
+                        Arc::clone(listener).on_subscribed(delivery);
                     }
                     if let Some(changes) = primary_changes.as_mut() {
                         changes.mark_unchanged();
                     }
                     // On a cluster, come back to the channel's primary when it is not the
                     // node we are on (after a failover moved the slot).
-                    let home = (redis.mode() == RedisMode::Cluster).then_some((
-                        &redis,
-                        node.as_str(),
-                        connect_timeout,
-                    ));
+                    let every = match delivery {
+                        Delivery::Prompt => {
+                            late_every = REHOME_LATE_EVERY;
+                            REHOME_EVERY
+                        }
+                        Delivery::Late => {
+                            let every = late_every;
+                            late_every = (late_every * 2).min(REHOME_EVERY);
+                            every
+                        }
+                    };
+                    let home = (redis.mode() == RedisMode::Cluster).then_some(Home {
+                        redis: &redis,
+                        node: node.as_str(),
+                        delivery,
+                        every,
+                        timeout: connect_timeout,
+                    });
                     let ended = self
                         .consume(pubsub, &metrics, &stop, primary_changes.as_mut(), home)
                         .await;
@@ -551,13 +597,14 @@ impl EventBus {
         }
     }
 
-    /// Subscribes on the first node that takes it, each bounded by `connect_timeout`.
+    /// Subscribes on the first node that takes it, each bounded by `connect_timeout`:
+    /// the subscription, the node's `host:port`, and how soon it hears messages there.
     async fn subscribe_any(
         &self,
         redis: &RedisConn,
         connect_timeout: Duration,
-    ) -> Result<(redis::aio::PubSub, String), String> {
-        let clients = redis
+    ) -> Result<(redis::aio::PubSub, String, Delivery), String> {
+        let PubSubNodes { clients, prompt } = redis
             .backend()
             .pubsub_clients(redis.shared(), connect_timeout, &self.channel)
             .await;
@@ -574,7 +621,13 @@ impl EventBus {
             .await;
             match attempt {
                 Ok(Ok(pubsub)) => {
-                    return Ok((pubsub, client.get_connection_info().addr().to_string()));
+                    let node = client_addr(&client);
+                    let delivery = if prompt.as_deref() == Some(node.as_str()) {
+                        Delivery::Prompt
+                    } else {
+                        Delivery::Late
+                    };
+                    return Ok((pubsub, node, delivery));
                 }
                 Ok(Err(error)) => last = error.to_string(),
                 Err(_) => last = format!("timed out after {connect_timeout:?}"),
@@ -589,23 +642,26 @@ impl EventBus {
         metrics: &BusMetrics,
         stop: &CancellationToken,
         mut primary_changes: Option<&mut watch::Receiver<u64>>,
-        home: Option<(&RedisConn, &str, Duration)>,
+        home: Option<Home<'_>>,
     ) -> Ended {
         let (mut sink, mut stream) = pubsub.split();
-        let mut rehome_at = tokio::time::Instant::now() + REHOME_EVERY;
+        let rehome_every = home.as_ref().map_or(REHOME_EVERY, |h| h.every);
+        let mut rehome_at = tokio::time::Instant::now() + rehome_every;
         loop {
-            if let Some((redis, node, timeout)) = home
+            if let Some(home) = &home
                 && tokio::time::Instant::now() >= rehome_at
             {
-                rehome_at = tokio::time::Instant::now() + REHOME_EVERY;
-                let best = redis
+                rehome_at = tokio::time::Instant::now() + rehome_every;
+                let prompt = home
+                    .redis
                     .backend()
-                    .pubsub_clients(redis.shared(), timeout, &self.channel)
+                    .pubsub_clients(home.redis.shared(), home.timeout, &self.channel)
                     .await
-                    .into_iter()
-                    .next()
-                    .map(|c| c.get_connection_info().addr().to_string());
-                if best.is_some_and(|best| best != node) {
+                    .prompt;
+                // Another node is the channel's primary now (a failover moved the slot),
+                // or this one is and was not known to be when subscribing: subscribe
+                // again, there, to hear messages before their publishers' answers.
+                if prompt.is_some_and(|p| p != home.node || home.delivery == Delivery::Late) {
                     return Ended::Rehome;
                 }
             }
@@ -666,6 +722,17 @@ impl EventBus {
             }
         }
     }
+}
+
+/// A cluster subscription's node, checked against the channel's primary now and then
+/// ([`EventBus::consume`]).
+struct Home<'a> {
+    redis: &'a RedisConn,
+    node: &'a str,
+    delivery: Delivery,
+    /// How often to look for the channel's primary.
+    every: Duration,
+    timeout: Duration,
 }
 
 #[derive(Debug, PartialEq, Eq)]

@@ -39,7 +39,7 @@ use tracing::{info, warn};
 use self::shared::{REPLAY_MARGIN_MS, Shared};
 use crate::clock::now_ms;
 use crate::config::BloomConfig;
-use crate::coord::events::{BloomAddEvent, BusListener};
+use crate::coord::events::{BloomAddEvent, BusListener, Delivery};
 use crate::coord::{Keyspace, RedisConn};
 use crate::metrics::{AddVia, FilterMetrics, Metrics};
 
@@ -809,7 +809,7 @@ impl BusListener for Filters {
         }
     }
 
-    fn on_subscribed(self: Arc<Self>) {
+    fn on_subscribed(self: Arc<Self>, _delivery: Delivery) {
         self.bus_up.store(true, Ordering::Release);
         if !self.order.is_empty() {
             tokio::spawn(self.replay_all());

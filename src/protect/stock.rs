@@ -82,7 +82,7 @@ use self::source::Source;
 use crate::cache::key::normalized_params;
 use crate::clock::now_ms;
 use crate::config::{InDoubtRetry, OnRedisError, StockConfig, UpstreamConfig, fill_pattern};
-use crate::coord::events::{BusListener, StockEvent, StockLevel};
+use crate::coord::events::{BusListener, Delivery, StockEvent, StockLevel};
 use crate::coord::redis::Unavailable;
 use crate::coord::{Keyspace, RedisConn, keyspace};
 use crate::metrics::{Metrics, StockCounts, StockMetrics, StockOutcome, StockSettled};
@@ -217,7 +217,7 @@ impl BusListener for Gates {
     }
 
     /// `restock` messages may have been missed: every instance asks Redis again.
-    fn on_subscribed(self: Arc<Self>) {
+    fn on_subscribed(self: Arc<Self>, _delivery: Delivery) {
         for gate in self.by_name.values() {
             for (_, resource) in gate.resources.iter() {
                 resource.clear_marks();

@@ -827,6 +827,81 @@ async fn the_floor_holds_while_the_bus_reconnects() {
     }
 }
 
+/// On a cluster only the channel's primary has a `PUBLISH` before it answers; another
+/// node has it later, over the cluster bus, so an instance subscribed there may read a
+/// key after another instance's write returned and before that write's `invalidate`
+/// arrives. While the primary refuses the subscription (it is taken on another node),
+/// the `version` route answers from Redis (`HIT-L2`), not from L1; once the primary takes
+/// it again, the bus moves there and L1 answers again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bus_on_another_cluster_node_than_the_channels_primary_is_not_trusted() {
+    let setup = Setup::one(Mode::Cluster, "all", Duration::ZERO).await;
+    let client = HttpClient::new();
+    let addr = setup.addrs()[0];
+    let path = "/trains/t1/seats/s1";
+    let cluster = setup.cluster.as_ref().expect("a cluster");
+    let home = cluster
+        .owner_of("cg:events")
+        .await
+        .expect("the channel's node");
+    let cache = |r: &Resp| r.header("x-cache").unwrap_or_default();
+    get(&client, addr, path).await;
+    assert_eq!(
+        cache(&get(&client, addr, path).await),
+        "HIT-L1",
+        "warm, bus on the primary"
+    );
+
+    let subscriptions = setup
+        .metric(&client, "cacheguard_event_bus_resubscriptions_total", &[])
+        .await;
+    acl(home, "-subscribe").await;
+    let killed: Option<i64> = common::redis_server::query_port(
+        home,
+        redis::cmd("CLIENT").arg("KILL").arg("TYPE").arg("pubsub"),
+    )
+    .await;
+    assert_eq!(killed, Some(1), "the bus was on the channel's primary");
+    let moved = common::poll_until(Duration::from_secs(10), Duration::from_millis(10), || {
+        let setup = &setup;
+        let client = client.clone();
+        async move {
+            (setup
+                .metric(&client, "cacheguard_event_bus_resubscriptions_total", &[])
+                .await
+                > subscriptions)
+                .then_some(())
+        }
+    })
+    .await;
+    assert!(moved.is_some(), "the bus never subscribed on another node");
+    // Several of the bus's looks for the primary (each refused) happen meanwhile.
+    let until = Instant::now() + Duration::from_millis(600);
+    let mut reads = 0;
+    while Instant::now() < until {
+        let resp = get(&client, addr, path).await;
+        assert_eq!(
+            cache(&resp),
+            "HIT-L2",
+            "read {reads} with the bus on another node than the channel's primary: {resp}"
+        );
+        reads += 1;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    acl(home, "+subscribe").await;
+    let back = common::poll_until(Duration::from_secs(5), Duration::from_millis(20), || {
+        let client = client.clone();
+        async move { (cache(&get(&client, addr, path).await) == "HIT-L1").then_some(()) }
+    })
+    .await;
+    assert!(
+        back.is_some(),
+        "L1 never answered again after the channel's primary took the subscription"
+    );
+    setup.shutdown().await;
+}
+
 /// (c) Sentinel fails over to a replica that lags, losing what the primary took since
 /// (generations, floors, deleted entries, even entries' deletions): measured, and stated
 /// in README. What the instances heard before (each `invalidate` event's floor, kept
