@@ -102,7 +102,10 @@ if command -v docker >/dev/null 2>&1 && docker info >/dev/null 2>&1; then
 else
     engine=podman
     missing=()
-    for tool in podman:podman runc:runc mmdebstrap:mmdebstrap; do
+    # dnsname: on podman's CNI backend, the compose stack's containers find each other by
+    # service name (demo-api, redis) only through this plugin, which podman only recommends.
+    for tool in podman:podman runc:runc mmdebstrap:mmdebstrap \
+        /usr/lib/cni/dnsname:golang-github-containernetworking-plugin-dnsname; do
         command -v "${tool%%:*}" >/dev/null 2>&1 || missing+=("${tool#*:}")
     done
     if [ "${#missing[@]}" -gt 0 ]; then
