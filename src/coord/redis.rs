@@ -44,7 +44,9 @@
 //!   at once, and the shared connection, and so every worker's, moves to each new primary
 //!   they name;
 //! - answers that say Redis is up do not count toward the breaker: a refusal no retry
-//!   changes ([`Refusals`]), and on a cluster a slot being migrated ([`Migrations`]).
+//!   changes ([`Refusals`]), and on a cluster a slot being migrated ([`Migrations`]);
+//!   nor does a dropped connection, which says nothing of Redis now: it wakes the probe,
+//!   which asks again on a new connection ([`RedisConn::dropped`]).
 //!
 //! At start the topology found is logged (mode, primaries, replicas) and exported
 //! (`cacheguard_redis_nodes`); a cluster that does not cover every slot is refused.
@@ -183,6 +185,9 @@ struct Inner {
     run_id: Mutex<Option<String>>,
     /// Notified each time the breaker closes (Redis is back): owed work retries at once.
     back: Arc<tokio::sync::Notify>,
+    /// Wakes the probe at once: a command found its connection dropped (see
+    /// [`RedisConn::dropped`]).
+    probe_now: tokio::sync::Notify,
     /// Commands Redis refused, for the rate-limited log.
     refusals: Refusals,
     /// Commands given up while their slot was migrated, for the rate-limited log.
@@ -602,6 +607,7 @@ impl RedisConn {
             breaker_failures: config.breaker_failures.max(1),
             run_id: Mutex::new(None),
             back: Arc::new(tokio::sync::Notify::new()),
+            probe_now: tokio::sync::Notify::new(),
             refusals: Refusals::default(),
             migrations: Migrations::default(),
             hysteresis: Mutex::new(Hysteresis::default()),
@@ -1400,6 +1406,11 @@ impl RedisConn {
                 self.timed_out(op, &format!("{op:?} timed out: {error}"));
                 Err(Unavailable::Down)
             }
+            Ok(Err(error)) if is_gone(&error) => {
+                self.inner.metrics.redis_error(op);
+                self.dropped();
+                Err(Unavailable::Down)
+            }
             Ok(Err(error)) => {
                 self.inner.metrics.redis_error(op);
                 self.failed(&format!("{op:?} failed: {error}"));
@@ -1433,6 +1444,17 @@ impl RedisConn {
         self.inner
             .liveness
             .answering(silence(self.inner.command_timeout))
+    }
+
+    /// A command found its connection dropped (closed, reset): that connection is gone,
+    /// not necessarily Redis. Every command in flight on it, and the first sent on it
+    /// after, fails at once — after a restart quicker than a probe, a middlebox's idle
+    /// timeout, `CLIENT KILL` — while the connection it is made again on works. So this is
+    /// not a failure toward the breaker: the probe is woken to ask Redis on a new
+    /// connection now (see [`RedisConn::probe`]), and opens the breaker at once if that
+    /// fails too (a Redis killed refuses the new connection).
+    fn dropped(&self) {
+        self.inner.probe_now.notify_one();
     }
 
     /// One more consecutive failure; enough of them open the breaker.
@@ -1493,12 +1515,13 @@ impl RedisConn {
     async fn probe_loop(self, stop: CancellationToken) {
         let mut ticks: u32 = 0;
         loop {
-            tokio::select! {
+            let asked = tokio::select! {
                 () = stop.cancelled() => return,
-                () = tokio::time::sleep(PROBE_INTERVAL) => {}
-            }
+                () = tokio::time::sleep(PROBE_INTERVAL) => false,
+                () = self.inner.probe_now.notified() => true,
+            };
             ticks = ticks.wrapping_add(1);
-            if self.is_up() && !ticks.is_multiple_of(UP_CHECK_EVERY) {
+            if !asked && self.is_up() && !ticks.is_multiple_of(UP_CHECK_EVERY) {
                 continue;
             }
             self.probe().await;
@@ -1507,7 +1530,9 @@ impl RedisConn {
 
     /// One `INFO server`, bounded by the probe timeout. It closes the breaker only when it
     /// is answered within `command_timeout`; a failure opens it at once (the probe is not
-    /// a request: one failed probe is evidence enough). The run id tells a restart.
+    /// a request: one failed probe is evidence enough) — except a dropped connection, which
+    /// says nothing of Redis now: it is asked once more, on the connection made again
+    /// (see [`RedisConn::dropped`]). The run id tells a restart.
     async fn probe(&self) {
         let cluster = self.inner.config.mode == RedisMode::Cluster;
         if cluster && self.shared().is_none() {
@@ -1524,14 +1549,22 @@ impl RedisConn {
             self.mark_down("no Redis connection (no primary known, or no node reached)");
             return;
         };
-        let started = Instant::now();
         let mut cmd = redis::cmd(if cluster { "CLUSTER" } else { "INFO" });
         cmd.arg(if cluster { "INFO" } else { "server" });
-        let info = tokio::time::timeout(
+        let mut started = Instant::now();
+        let mut info = tokio::time::timeout(
             self.inner.probe_timeout,
             cmd.query_async::<String>(&mut conn),
         )
         .await;
+        if matches!(&info, Ok(Err(error)) if is_gone(error)) {
+            started = Instant::now();
+            info = tokio::time::timeout(
+                self.inner.probe_timeout,
+                cmd.query_async::<String>(&mut conn),
+            )
+            .await;
+        }
         if !matches!(info, Ok(Ok(_)))
             && let Some(sentinel) = self.inner.backend.sentinel()
         {

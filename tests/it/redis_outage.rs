@@ -226,3 +226,116 @@ async fn redis_down_l1_copy_past_its_ttl_is_served_stale() {
     }
     cg.shutdown().await;
 }
+
+/// Redis drops every client connection (a restart quicker than a probe interval, a
+/// middlebox's idle timeout, `CLIENT KILL`) and goes on answering: the first commands on
+/// the old connections fail (broken pipe), but Redis is up, so the breaker stays closed —
+/// in each `redis.mode`, whether the first to find out is the breaker's own probe (an idle
+/// instance) or a burst of requests. In standalone and Sentinel modes the probe's one
+/// `INFO` on the dropped shared connection opened it, and the writes taken while it was
+/// open were journaled, not heard by the other instances: stale reads right after Redis
+/// came back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_connections_to_a_redis_that_answers_do_not_open_the_breaker() {
+    use crate::common::{RedisCluster, RedisSentinel, metric, redis_server::query_port};
+
+    for mode in ["standalone", "sentinel", "cluster"] {
+        let origin = TestOrigin::start().await;
+        let cfg = CgConfig::new(&origin).l1("off");
+        let (mut redis, mut sentinel, mut cluster) = (None, None, None);
+        let (cfg, ports) = match mode {
+            "standalone" => {
+                let r = redis.insert(RedisServer::start().await);
+                (cfg.redis(r), vec![r.port()])
+            }
+            "sentinel" => {
+                let s = sentinel.insert(RedisSentinel::start().await);
+                (cfg.redis_sentinel(s), s.data_ports())
+            }
+            _ => {
+                let c = cluster.insert(RedisCluster::start().await);
+                (cfg.redis_cluster(c), c.ports())
+            }
+        };
+        let cg = cfg.start().await;
+        let client = HttpClient::new();
+        let admin = cg.admin_addr();
+        let up = crate::common::poll_until(
+            Duration::from_secs(10),
+            Duration::from_millis(20),
+            || async {
+                (metric(&client, admin, "cacheguard_redis_up", &[]).await == 1.0).then_some(())
+            },
+        )
+        .await;
+        assert!(up.is_some(), "{mode}: Redis never seen up");
+        const KEYS: usize = 16;
+        for i in 0..KEYS {
+            let r = client
+                .get(&url(cg.addr(), &format!("/api/items/drop-{i}")))
+                .await;
+            assert_eq!(r.x_cache(), "MISS", "{mode}: {r}");
+        }
+        let changes = metric(&client, admin, "cacheguard_redis_state_changes_total", &[]).await;
+        let drop_all = || async {
+            for port in &ports {
+                let killed: Option<i64> = query_port(
+                    *port,
+                    redis::cmd("CLIENT").arg("KILL").arg("TYPE").arg("normal"),
+                )
+                .await;
+                assert!(
+                    killed.is_some(),
+                    "{mode}: CLIENT KILL TYPE normal on {port}"
+                );
+            }
+        };
+        let stays_up = |what: &'static str, until: Instant| {
+            let client = &client;
+            async move {
+                while Instant::now() < until {
+                    assert_eq!(
+                        metric(client, admin, "cacheguard_redis_up", &[]).await,
+                        1.0,
+                        "{mode}: the breaker opened after Redis dropped its connections \
+                         ({what}), though it answers"
+                    );
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            }
+        };
+
+        // Idle: the probe (every 800 ms while closed) is the first to use the connection.
+        drop_all().await;
+        stays_up("idle", Instant::now() + Duration::from_millis(2_000)).await;
+
+        // A burst of reads, all at once on the dropped connections.
+        drop_all().await;
+        let burst = (0..KEYS).map(|i| {
+            let client = &client;
+            let addr = cg.addr();
+            async move {
+                let r = client
+                    .get(&url(addr, &format!("/api/items/drop-{i}")))
+                    .await;
+                assert_eq!(r.status, 200, "{mode}: {r}");
+            }
+        });
+        futures_util::future::join_all(burst).await;
+        stays_up(
+            "a burst of reads",
+            Instant::now() + Duration::from_millis(1_000),
+        )
+        .await;
+
+        assert_eq!(
+            metric(&client, admin, "cacheguard_redis_state_changes_total", &[]).await,
+            changes,
+            "{mode}: the breaker moved after Redis dropped its connections, though it answers"
+        );
+        let r = client.get(&url(cg.addr(), "/api/items/drop-0")).await;
+        assert_eq!(r.x_cache(), "HIT-L2", "{mode}: L2 in use again: {r}");
+        cg.shutdown().await;
+        drop((redis, sentinel, cluster));
+    }
+}

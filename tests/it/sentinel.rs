@@ -350,10 +350,11 @@ async fn lock_wait_replicas_waits_for_the_replica() {
 ///
 /// To make the demoted primary certain to get commands, cacheguard reaches the sentinels
 /// through TCP proxies that are cut during a `SENTINEL FAILOVER`: it cannot hear the
-/// switch. The old primary, turning replica, drops its clients; cacheguard's breaker opens
-/// and closes again once its probe has reconnected, to the old primary, the only one it
-/// knows. Then the proxies are restored and writes go through at once (the periodic
-/// re-check is a second away): the first meets `READONLY`.
+/// switch. The old primary, turning replica, drops its clients; cacheguard's probe finds
+/// its connection dropped and asks again on a new one, to the old primary, the only one it
+/// knows (which answers: the breaker stays closed). Then the proxies are restored and
+/// writes go through at once (the periodic re-check is a second away): the first meets
+/// `READONLY`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readonly_from_a_demoted_primary_is_retried_on_the_new_one() {
     let sentinel = RedisSentinel::start().await;
@@ -399,19 +400,21 @@ async fn readonly_from_a_demoted_primary_is_retried_on_the_new_one() {
     )
     .await;
     assert!(demoted.is_some(), "the old primary was never demoted");
+    // The probe's `INFO` (every 800 ms) on a connection made after the demotion, which
+    // dropped every client but the sentinels'.
     let reconnected = common::poll_until(
         Duration::from_secs(15),
         Duration::from_millis(20),
         || async {
-            let opened = metric(
-                &client,
-                cg.admin_addr(),
-                "cacheguard_redis_breaker_transitions_total",
-                &[("to", "open")],
-            )
-            .await;
+            let clients: Option<String> =
+                common::redis_server::query_port(old_primary, redis::cmd("CLIENT").arg("LIST"))
+                    .await;
+            let probed = clients.is_some_and(|list| {
+                list.lines()
+                    .any(|c| c.contains(" cmd=info ") && !c.contains(" name=sentinel-"))
+            });
             let shown = admin_redis(&client, cg.admin_addr()).await;
-            (opened >= 1.0 && shown["up"] == true).then_some(())
+            (probed && shown["up"] == true).then_some(())
         },
     )
     .await;
