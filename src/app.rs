@@ -338,6 +338,7 @@ impl App {
             0 => std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get),
             n => n,
         };
+        metrics.set_workers(workers);
         let instance = rand::random::<u64>();
         let hot = HotKeys::new(
             &config.hot_keys,

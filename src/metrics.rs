@@ -6,7 +6,10 @@
 //! sets are bounded by construction: never a raw key or path as a label.
 //!
 //! Per-route handles ([`RouteMetrics`]) are resolved once when the routes are built, so the
-//! request path only touches atomics.
+//! request path only touches atomics; those bumped for every request are copied per proxy
+//! worker and added up at scrape time (see [`per_worker`]).
+
+mod per_worker;
 
 use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -412,9 +415,9 @@ const REJECTED_REASONS: [&str; 11] = [
 /// Process-wide metric families. Cheap to clone (every field is an `Arc` inside).
 #[derive(Clone, Debug)]
 pub struct Metrics {
-    requests: IntCounterVec,
-    request_redis_commands: IntCounterVec,
-    request_duration: HistogramVec,
+    /// `cacheguard_requests_total`, `cacheguard_request_redis_commands_total` and
+    /// `cacheguard_request_duration_seconds`, per worker (see [`per_worker`]).
+    requests: Arc<per_worker::RequestMetrics>,
     origin_requests: IntCounterVec,
     origin_duration: HistogramVec,
     shed: IntCounterVec,
@@ -608,28 +611,7 @@ impl Metrics {
     /// # Errors
     /// When a family is registered twice in the same registry.
     pub fn register(registry: &Registry) -> prometheus::Result<Self> {
-        let requests = IntCounterVec::new(
-            Opts::new(
-                "cacheguard_requests_total",
-                "Requests answered, by route and outcome (the X-Cache value).",
-            ),
-            &["route", "outcome"],
-        )?;
-        let request_redis_commands = IntCounterVec::new(
-            Opts::new(
-                "cacheguard_request_redis_commands_total",
-                "Redis commands sent for requests, by route and outcome: a request's own, and for a request that led a fill, the fill's. Divided by cacheguard_requests_total: commands per request.",
-            ),
-            &["route", "outcome"],
-        )?;
-        let request_duration = HistogramVec::new(
-            HistogramOpts::new(
-                "cacheguard_request_duration_seconds",
-                "Time from request head to response head, by route.",
-            )
-            .buckets(buckets_latency()),
-            &["route"],
-        )?;
+        let requests = Arc::new(per_worker::RequestMetrics::new(buckets_latency())?);
         let origin_requests = IntCounterVec::new(
             Opts::new(
                 "cacheguard_origin_requests_total",
@@ -1314,9 +1296,7 @@ impl Metrics {
         registry.register(Box::new(connections_open.clone()))?;
         registry.register(Box::new(connections_timed_out.clone()))?;
         registry.register(Box::new(lingering_closes.clone()))?;
-        registry.register(Box::new(requests.clone()))?;
-        registry.register(Box::new(request_redis_commands.clone()))?;
-        registry.register(Box::new(request_duration.clone()))?;
+        registry.register(Box::new(per_worker::Registered(Arc::clone(&requests))))?;
         registry.register(Box::new(origin_requests.clone()))?;
         registry.register(Box::new(origin_duration.clone()))?;
         registry.register(Box::new(shed.clone()))?;
@@ -1370,8 +1350,6 @@ impl Metrics {
 
         Ok(Metrics {
             requests,
-            request_redis_commands,
-            request_duration,
             origin_requests,
             origin_duration,
             shed,
@@ -1505,6 +1483,12 @@ impl Metrics {
             .inc();
     }
 
+    /// Gives each of `workers` proxy workers its own copies of the per-request metrics of
+    /// the routes resolved from now on (see [`per_worker`]); before, every thread shares one.
+    pub fn set_workers(&self, workers: usize) {
+        self.requests.set_workers(workers);
+    }
+
     /// Resolves every per-route handle once (at config load), so requests only touch atomics.
     pub fn for_route(&self, route: &str) -> Arc<RouteMetrics> {
         // Under the lock, so a scrape forgetting retired routes cannot remove a series this
@@ -1515,12 +1499,7 @@ impl Metrics {
             .unwrap_or_else(PoisonError::into_inner);
         retired.remove(route);
         Arc::new(RouteMetrics {
-            outcomes: Outcome::ALL.map(|o| self.requests.with_label_values(&[route, o.as_str()])),
-            redis_commands: Outcome::ALL.map(|o| {
-                self.request_redis_commands
-                    .with_label_values(&[route, o.as_str()])
-            }),
-            duration: self.request_duration.with_label_values(&[route]),
+            requests: self.requests.route(route),
             origin: OriginStatus::ALL
                 .map(|s| self.origin_requests.with_label_values(&[route, s.as_str()])),
             origin_duration: self.origin_duration.with_label_values(&[route]),
@@ -1576,12 +1555,7 @@ impl Metrics {
         for route in std::mem::take(&mut *retired) {
             let r = route.as_str();
             // A series that never existed is no error: ignored.
-            for outcome in Outcome::ALL {
-                let _ = self.requests.remove_label_values(&[r, outcome.as_str()]);
-                let _ = self
-                    .request_redis_commands
-                    .remove_label_values(&[r, outcome.as_str()]);
-            }
+            self.requests.forget(r);
             for status in OriginStatus::ALL {
                 let _ = self
                     .origin_requests
@@ -1600,7 +1574,6 @@ impl Metrics {
             for result in WARMUP_RESULTS {
                 let _ = self.warmup.remove_label_values(&[r, result]);
             }
-            let _ = self.request_duration.remove_label_values(&[r]);
             let _ = self.origin_duration.remove_label_values(&[r]);
             for family in [
                 &self.shed,
@@ -1773,9 +1746,8 @@ impl FilterMetrics {
 /// Handles for one route (or for the pass-through pseudo-route `_passthrough`).
 #[derive(Debug)]
 pub struct RouteMetrics {
-    outcomes: [IntCounter; Outcome::ALL.len()],
-    redis_commands: [IntCounter; Outcome::ALL.len()],
-    duration: Histogram,
+    /// Answers, their Redis commands and durations (see [`per_worker`]).
+    requests: Arc<per_worker::RouteCopies>,
     origin: [IntCounter; 7],
     origin_duration: Histogram,
     pub shed: IntCounter,
@@ -1905,13 +1877,12 @@ impl ConnectionMetrics {
 impl RouteMetrics {
     /// Records one answered request.
     pub fn answered(&self, outcome: Outcome, seconds: f64) {
-        self.outcomes[outcome.index()].inc();
-        self.duration.observe(seconds);
+        self.requests.answered(outcome, seconds);
     }
 
     /// Records the Redis commands one answered request cost.
     pub fn redis_commands(&self, outcome: Outcome, commands: u32) {
-        self.redis_commands[outcome.index()].inc_by(u64::from(commands));
+        self.requests.commands(outcome, commands);
     }
 
     /// Records what became of a miss on a new variant.
@@ -1932,7 +1903,7 @@ impl RouteMetrics {
 
     /// Answers so far, by outcome, in [`Outcome::ALL`] order (for the status page).
     pub fn outcome_counts(&self) -> [u64; Outcome::ALL.len()] {
-        self.outcomes.each_ref().map(IntCounter::get)
+        self.requests.outcome_counts()
     }
 }
 
