@@ -75,6 +75,46 @@ pub use raw_origin::RawOrigin;
 pub use redis_cluster::RedisCluster;
 pub use redis_sentinel::RedisSentinel;
 pub use redis_server::RedisServer;
+
+/// A Redis of one of the topologies users pick (`redis.mode`), for a test that runs in each.
+pub enum AnyRedis {
+    Standalone(RedisServer),
+    Sentinel(RedisSentinel),
+    Cluster(RedisCluster),
+}
+
+impl AnyRedis {
+    /// Every mode, by its `redis.mode` name.
+    pub const MODES: [&'static str; 3] = ["standalone", "sentinel", "cluster"];
+
+    /// Starts the topology of `mode` (a name from [`AnyRedis::MODES`]).
+    pub async fn start(mode: &str) -> AnyRedis {
+        match mode {
+            "standalone" => AnyRedis::Standalone(RedisServer::start().await),
+            "sentinel" => AnyRedis::Sentinel(RedisSentinel::start().await),
+            "cluster" => AnyRedis::Cluster(RedisCluster::start().await),
+            other => panic!("no Redis mode {other}"),
+        }
+    }
+
+    /// The ports of its data nodes (not the sentinels).
+    pub fn data_ports(&self) -> Vec<u16> {
+        match self {
+            AnyRedis::Standalone(r) => vec![r.port()],
+            AnyRedis::Sentinel(s) => s.data_ports(),
+            AnyRedis::Cluster(c) => c.ports(),
+        }
+    }
+
+    /// The ports of its primaries.
+    pub async fn primary_ports(&self) -> Vec<u16> {
+        match self {
+            AnyRedis::Standalone(r) => vec![r.port()],
+            AnyRedis::Sentinel(s) => vec![s.primary_port().await.expect("the primary")],
+            AnyRedis::Cluster(c) => c.primaries().await,
+        }
+    }
+}
 pub use shared::{SharedRedis, TestConn};
 pub use tcp_proxy::TcpProxy;
 
@@ -302,6 +342,15 @@ impl CgConfig {
             .set("redis", "urls", &format!("[{}]", urls.join(", ")))
             .set_str("redis", "master_name", redis_sentinel::MASTER_NAME)
             .set("redis", "command_timeout", &q("200ms"))
+    }
+
+    /// Shared mode against `redis`, whichever topology it is.
+    pub fn any_redis(self, redis: &AnyRedis) -> CgConfig {
+        match redis {
+            AnyRedis::Standalone(r) => self.redis(r),
+            AnyRedis::Sentinel(s) => self.redis_sentinel(s),
+            AnyRedis::Cluster(c) => self.redis_cluster(c),
+        }
     }
 
     /// Sets `key = value` in `[section]`; `value` is TOML (quote strings: `"\"10s\""`).

@@ -237,26 +237,13 @@ async fn redis_down_l1_copy_past_its_ttl_is_served_stale() {
 /// came back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dropped_connections_to_a_redis_that_answers_do_not_open_the_breaker() {
-    use crate::common::{RedisCluster, RedisSentinel, metric, redis_server::query_port};
+    use crate::common::{AnyRedis, metric, redis_server::query_port};
 
-    for mode in ["standalone", "sentinel", "cluster"] {
+    for mode in AnyRedis::MODES {
         let origin = TestOrigin::start().await;
-        let cfg = CgConfig::new(&origin).l1("off");
-        let (mut redis, mut sentinel, mut cluster) = (None, None, None);
-        let (cfg, ports) = match mode {
-            "standalone" => {
-                let r = redis.insert(RedisServer::start().await);
-                (cfg.redis(r), vec![r.port()])
-            }
-            "sentinel" => {
-                let s = sentinel.insert(RedisSentinel::start().await);
-                (cfg.redis_sentinel(s), s.data_ports())
-            }
-            _ => {
-                let c = cluster.insert(RedisCluster::start().await);
-                (cfg.redis_cluster(c), c.ports())
-            }
-        };
+        let redis = AnyRedis::start(mode).await;
+        let cfg = CgConfig::new(&origin).l1("off").any_redis(&redis);
+        let ports = redis.data_ports();
         let cg = cfg.start().await;
         let client = HttpClient::new();
         let admin = cg.admin_addr();
@@ -336,6 +323,5 @@ async fn dropped_connections_to_a_redis_that_answers_do_not_open_the_breaker() {
         let r = client.get(&url(cg.addr(), "/api/items/drop-0")).await;
         assert_eq!(r.x_cache(), "HIT-L2", "{mode}: L2 in use again: {r}");
         cg.shutdown().await;
-        drop((redis, sentinel, cluster));
     }
 }

@@ -12,7 +12,8 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use crate::common::{
-    self, CgConfig, HttpClient, RedisCluster, RedisSentinel, RedisServer, TestOrigin, metric, url,
+    self, AnyRedis, CgConfig, HttpClient, RedisCluster, RedisSentinel, RedisServer, TestOrigin,
+    metric, url,
 };
 
 const OFF_WORKER: &str = "cacheguard_redis_commands_off_worker_total";
@@ -250,4 +251,80 @@ async fn worker_connections_reconnect_after_a_redis_restart() {
     let took = l2_hits_again_within(&clients, cg.addr(), "restart", Duration::from_secs(5)).await;
     assert!(took.is_some(), "no L2 hits within 5 s of Redis restarting");
     settled_on_worker_connections(&clients, &cg, "after-restart").await;
+}
+
+/// The connections each Redis data node holds for cacheguard, from `CLIENT LIST` (every
+/// client but the sentinels', the replication links and the asking connection itself).
+async fn clients_per_node(ports: &[u16]) -> Vec<(u16, usize, String)> {
+    let mut counts = Vec::new();
+    for port in ports {
+        let list: Option<String> =
+            common::redis_server::query_port(*port, redis::cmd("CLIENT").arg("LIST")).await;
+        let list = list.unwrap_or_else(|| panic!("CLIENT LIST on {port}"));
+        let ours: Vec<&str> = list
+            .lines()
+            .filter(|c| {
+                !c.contains(" name=sentinel-")
+                    && !c.contains(" cmd=client|list ")
+                    && !c.contains(" flags=S ")
+                    && !c.contains(" flags=M ")
+            })
+            .collect();
+        let kinds = ours
+            .iter()
+            .map(|c| {
+                c.split_whitespace()
+                    .find_map(|f| f.strip_prefix("cmd="))
+                    .unwrap_or("?")
+            })
+            .collect::<Vec<_>>()
+            .join(",");
+        counts.push((*port, ours.len(), kinds));
+    }
+    counts
+}
+
+/// What one instance costs each Redis node in connections, with `workers` proxy workers:
+/// one per worker (its own), plus the shared connection, the heartbeat and the event bus —
+/// on a cluster, each worker's cluster connection reaches every primary. In a fleet of a
+/// hundred instances these add up on one Redis: README states the figure this test holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_holds_a_bounded_number_of_connections_per_redis_node() {
+    for mode in AnyRedis::MODES {
+        let origin = TestOrigin::start().await;
+        let redis = AnyRedis::start(mode).await;
+        let cfg = two_workers(CgConfig::new(&origin)).any_redis(&redis);
+        let ports = redis.data_ports();
+        let before = clients_per_node(&ports).await;
+        let cg = cfg.start().await;
+        let clients = clients();
+        until_on_worker_connections(&clients, &cg, mode, Duration::from_secs(10)).await;
+        let after = clients_per_node(&ports).await;
+        eprintln!("{mode}: before {before:?}\n{mode}: after {after:?}");
+        assert!(
+            before.iter().all(|(_, n, _)| *n == 0),
+            "{mode}: clients before cacheguard: {before:?}"
+        );
+        const WORKERS: usize = 2;
+        let primary_ports = redis.primary_ports().await;
+        let (primaries, replicas): (Vec<_>, Vec<_>) = after
+            .iter()
+            .partition(|(port, _, _)| primary_ports.contains(port));
+        let primaries: Vec<usize> = primaries.iter().map(|(_, n, _)| *n).collect();
+        let replicas: Vec<usize> = replicas.iter().map(|(_, n, _)| *n).collect();
+        let expected_primaries = if mode == "cluster" { 3 } else { 1 };
+        // Each primary: each worker's own connection (on a cluster, its cluster
+        // connection's link to that primary), the shared one, the heartbeat; on one node
+        // each, the event bus and the invalidation stream's reader. A replica: none, or on
+        // a cluster a few links its client keeps from the slot map's discovery.
+        assert_eq!(primaries.len(), expected_primaries, "{mode}: {after:?}");
+        assert!(
+            primaries
+                .iter()
+                .all(|n| (WORKERS + 2..=WORKERS + 4).contains(n)),
+            "{mode}: {after:?}"
+        );
+        assert!(replicas.iter().all(|n| *n <= WORKERS), "{mode}: {after:?}");
+        cg.shutdown().await;
+    }
 }
