@@ -78,6 +78,8 @@ const BULK_PIECE: usize = 1024 * 1024;
 const WAIT_POOL: usize = 16;
 /// How often a closed breaker checks on Redis (every this many probe intervals).
 const UP_CHECK_EVERY: u32 = 4;
+/// The least time between two probes woken by a dropped connection ([`RedisConn::dropped`]).
+const PROBE_WOKEN_EVERY: Duration = Duration::from_millis(50);
 
 /// Redis could not be used for this command.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -1514,17 +1516,27 @@ impl RedisConn {
     /// Probes Redis while the breaker is open (and, less often, while it is closed).
     async fn probe_loop(self, stop: CancellationToken) {
         let mut ticks: u32 = 0;
+        let mut last = tokio::time::Instant::now();
         loop {
             let asked = tokio::select! {
                 () = stop.cancelled() => return,
                 () = tokio::time::sleep(PROBE_INTERVAL) => false,
                 () = self.inner.probe_now.notified() => true,
             };
+            if asked {
+                // Connections dropped again and again (a middlebox resetting them) cost
+                // one probe per PROBE_WOKEN_EVERY, not a loop of them.
+                tokio::select! {
+                    () = stop.cancelled() => return,
+                    () = tokio::time::sleep_until(last + PROBE_WOKEN_EVERY) => {}
+                }
+            }
             ticks = ticks.wrapping_add(1);
             if !asked && self.is_up() && !ticks.is_multiple_of(UP_CHECK_EVERY) {
                 continue;
             }
             self.probe().await;
+            last = tokio::time::Instant::now();
         }
     }
 
@@ -1768,6 +1780,63 @@ fn refuse_partial_cluster(covered: u32) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `INFO` calls Redis has executed so far (`INFO commandstats`).
+    async fn info_calls(redis: &crate::test_redis::TestRedis) -> u64 {
+        let mut conn = redis.conn().await;
+        let stats: String = redis::cmd("INFO")
+            .arg("commandstats")
+            .query_async(&mut conn)
+            .await
+            .expect("INFO commandstats");
+        stats
+            .lines()
+            .find_map(|l| l.strip_prefix("cmdstat_info:calls="))
+            .and_then(|rest| rest.split(',').next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0)
+    }
+
+    /// A connection dropped again and again wakes the probe at most once per
+    /// `PROBE_WOKEN_EVERY`: a thousand drops in half a second cost about ten `INFO`s (and
+    /// the breaker stays closed: Redis answers each), not a loop of them.
+    #[tokio::test]
+    async fn dropped_connections_wake_the_probe_at_most_every_fifty_ms() {
+        let redis = crate::test_redis::TestRedis::start().await;
+        let toml = format!(
+            "[upstream]\nurl = \"http://127.0.0.1:9\"\n[redis]\nurl = \"{}\"\n",
+            redis.url()
+        );
+        let vars = HashMap::<String, String>::new();
+        let config = crate::config::Config::from_toml(&toml, "test.toml", &vars).expect("config");
+        let stop = CancellationToken::new();
+        let conn = RedisConn::start(
+            config.redis.as_ref().expect("shared mode"),
+            Metrics::unregistered(),
+            stop.clone(),
+        )
+        .await
+        .expect("redis");
+        assert!(conn.is_up());
+        let before = info_calls(&redis).await;
+        let started = tokio::time::Instant::now();
+        for _ in 0..1_000 {
+            conn.dropped();
+            tokio::time::sleep(Duration::from_micros(500)).await;
+        }
+        let elapsed = started.elapsed();
+        let woken = info_calls(&redis).await - before;
+        // One per 50 ms of the loop, and the closed breaker's own every 800 ms.
+        let bound = u64::try_from(elapsed.as_millis() / 50 + elapsed.as_millis() / 800 + 2)
+            .unwrap_or(u64::MAX);
+        assert!(woken >= 1, "the probe was never woken");
+        assert!(
+            woken <= bound,
+            "{woken} INFO probes in {elapsed:?} of dropped connections (bound {bound})"
+        );
+        assert!(conn.is_up(), "Redis answers: the breaker stays closed");
+        stop.cancel();
+    }
 
     /// Regression: the scope was an `async move` block awaiting the future it captured,
     /// which holds it twice over: with `timing_origin` around it too, a miss's fill task
