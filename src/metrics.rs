@@ -512,6 +512,17 @@ pub struct Metrics {
     bloom_add_failures: IntCounterVec,
 }
 
+// The per-request families, kept per proxy worker by `per_worker` (named here, with every
+// other metric).
+const REQUESTS: &str = "cacheguard_requests_total";
+const REQUESTS_HELP: &str = "Requests answered, by route and outcome (the X-Cache value).";
+const COMMANDS: &str = "cacheguard_request_redis_commands_total";
+const COMMANDS_HELP: &str = "Redis commands sent for requests, by route and outcome: a \
+    request's own, and for a request that led a fill, the fill's. Divided by \
+    cacheguard_requests_total: commands per request.";
+const DURATION: &str = "cacheguard_request_duration_seconds";
+const DURATION_HELP: &str = "Time from request head to response head, by route.";
+
 fn buckets_latency() -> Vec<f64> {
     vec![
         0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,

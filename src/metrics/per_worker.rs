@@ -23,16 +23,7 @@ use prometheus::core::{Collector, Desc, Metric as _};
 use prometheus::proto::{self, MetricFamily, MetricType};
 use prometheus::{Histogram, HistogramOpts};
 
-use super::Outcome;
-
-const REQUESTS: &str = "cacheguard_requests_total";
-const REQUESTS_HELP: &str = "Requests answered, by route and outcome (the X-Cache value).";
-const COMMANDS: &str = "cacheguard_request_redis_commands_total";
-const COMMANDS_HELP: &str = "Redis commands sent for requests, by route and outcome: a \
-    request's own, and for a request that led a fill, the fill's. Divided by \
-    cacheguard_requests_total: commands per request.";
-const DURATION: &str = "cacheguard_request_duration_seconds";
-const DURATION_HELP: &str = "Time from request head to response head, by route.";
+use super::{COMMANDS, COMMANDS_HELP, DURATION, DURATION_HELP, Outcome, REQUESTS, REQUESTS_HELP};
 
 /// One thread's copy of a route's request metrics, on cache lines of its own.
 #[repr(align(128))]
