@@ -247,15 +247,17 @@ async fn dropped_connections_to_a_redis_that_answers_do_not_open_the_breaker() {
         let cg = cfg.start().await;
         let client = HttpClient::new();
         let admin = cg.admin_addr();
-        let up = crate::common::poll_until(
+        crate::common::wait_metric(
+            &client,
+            admin,
+            "cacheguard_redis_up",
+            &[],
             Duration::from_secs(10),
             Duration::from_millis(20),
-            || async {
-                (metric(&client, admin, "cacheguard_redis_up", &[]).await == 1.0).then_some(())
-            },
+            |up| up == 1.0,
+            crate::common::no_poke,
         )
         .await;
-        assert!(up.is_some(), "{mode}: Redis never seen up");
         const KEYS: usize = 16;
         for i in 0..KEYS {
             let r = client
