@@ -413,7 +413,7 @@ impl Admin {
             filter.refresh_age();
         }
         // Gauges that mirror another structure are refreshed at scrape time.
-        let (entries, bytes) = self.l1.usage().await;
+        let (entries, bytes) = self.l1.usage();
         self.metrics
             .l1_entries
             .set(i64::try_from(entries).unwrap_or(i64::MAX));

@@ -239,12 +239,12 @@ fn read_path(
     })
 }
 
-/// Drops L1 index members whose entries left the cache.
+/// Every 30 s: drops the L1 entries past their end, and index members whose entries left.
 async fn sweep_l1_index(l1: L1, stop: CancellationToken) {
     loop {
         tokio::select! {
             () = stop.cancelled() => return,
-            () = tokio::time::sleep(Duration::from_secs(30)) => l1.sweep_index(),
+            () = tokio::time::sleep(Duration::from_secs(30)) => l1.sweep(),
         }
     }
 }
@@ -324,7 +324,11 @@ impl App {
         };
         let horizon = invalidation_horizon(&config);
         let marks = Arc::new(LocalMarks::new(horizon, metrics.marks_overflow.clone()));
-        let l1 = L1::new(config.cache.l1_max_bytes, Arc::clone(&marks));
+        let l1 = L1::new(
+            config.cache.l1_max_bytes,
+            config.cache.max_entry_bytes,
+            Arc::clone(&marks),
+        );
         tokio::spawn(sweep_l1_index(l1.clone(), stop_tasks.clone()));
         let l2 = match (&redis, &config.redis) {
             (Some(conn), Some(rc)) => Some(L2::new(

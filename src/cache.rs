@@ -4,7 +4,7 @@
 //! - [`control`]: what an origin answer's `Cache-Control`, `Vary` and `Age` allow.
 //! - [`entry`]: the versioned binary entry format; a corrupt or foreign value is a miss.
 //! - [`ttl`]: jitter as a pure function.
-//! - [`l1`]: the in-process moka cache, bounded by bytes.
+//! - [`l1`]: the in-process cache (quick_cache), bounded by bytes.
 //! - [`l2`]: entries in Redis, through `coord`.
 //! - [`marks`]: local invalidation marks, the generation check of L1 copies.
 //! - [`version`]: row versions the origin tells, and the floors writes set with them.

@@ -9,7 +9,7 @@
 //! - [`app`]: builds every component from a [`Config`] and runs the listeners.
 //! - `proxy/`: the HTTP server, routing, the read pipeline, the upstream client, the
 //!   origin guard and the access log.
-//! - `cache/`: cache keys, the entry format, TTL jitter, L1 (moka) and L2 (Redis).
+//! - `cache/`: cache keys, the entry format, TTL jitter, L1 (quick_cache) and L2 (Redis).
 //! - `protect/`: Bloom filters, single-flight (local and the distributed lock), hot keys.
 //! - `consistency/`: invalidation (L1, Redis, the retry journal), local generation marks,
 //!   surrogate keys, and the invalidation stream consumer; the write route itself is

@@ -537,13 +537,15 @@ impl Entry {
     ///
     /// Counts the buffer (key, header lines, body), the names of its custom header lines, the
     /// tags and selecting headers, and a
-    /// fixed per-entry overhead: the `Entry` and its `Arc`, allocator rounding, and moka's
-    /// own bookkeeping (hash-table slot, access and expiry order nodes, timer-wheel node:
-    /// about 400 bytes per entry, measured). The fixed part was sized from RSS measured
-    /// under a million distinct keys (see BENCHMARKS.md, memory); an under-count lets RSS
-    /// outgrow `l1_max_bytes`, which is a weight, not a memory bound.
+    /// fixed per-entry overhead: the `Entry` and its `Arc` (224 bytes with the allocator's
+    /// header), allocator rounding, the body's shared-buffer record, and the cache's own
+    /// bookkeeping (a slab slot and a hash-table index). The fixed part was sized from RSS
+    /// measured under a million distinct keys (see BENCHMARKS.md, memory: 1,576 bytes per
+    /// entry of a 1 KiB body and about 140 bytes of key and header lines, so about 410 of
+    /// overhead), with a margin; an under-count lets RSS outgrow `l1_max_bytes`, which is a
+    /// weight, not a memory bound.
     pub(crate) fn weight(&self) -> usize {
-        const PER_ENTRY: usize = 704;
+        const PER_ENTRY: usize = 448;
         let tags: usize = self.tags.iter().map(|t| t.len() + 24).sum();
         let selecting: usize = self
             .selecting

@@ -1,4 +1,4 @@
-//! The two cache tiers behind one gate: L1 (this process, moka) over L2 (Redis).
+//! The two cache tiers behind one gate: L1 (this process, quick_cache) over L2 (Redis).
 //!
 //! Every read of the read path goes through [`Tiers::lookup`] or [`Tiers::fresh_in_l2`],
 //! and every copy into L1 through [`Tiers::keep`], so the rules live here once:
@@ -218,7 +218,7 @@ impl Tiers {
     /// The L1 copy of `key` unless it is unverified while Redis answers (then it is
     /// checked there: L2 has the current copy or none).
     async fn trusted_l1(&self, key: &CacheKey, needs_bus: bool) -> Option<Arc<Entry>> {
-        let copy = self.l1.get(key).await?;
+        let copy = self.l1.get(key)?;
         self.trusts(&copy, needs_bus).then_some(copy.entry)
     }
 
@@ -250,7 +250,7 @@ impl Tiers {
         let mut unverified = None;
         if l1 != L1Policy::Off
             && !skip_l1
-            && let Some(copy) = self.l1.get(key).await
+            && let Some(copy) = self.l1.get(key)
             && self.selects(key, &copy.entry, request)
         {
             if self.trusts(&copy, needs_bus) {
@@ -362,9 +362,9 @@ impl Tiers {
             self.metrics.fill_refused(FillRefusal::Generation);
             return false;
         }
-        self.l1.insert(key, Arc::clone(&entry), since).await;
+        self.l1.insert(key, Arc::clone(&entry), since);
         if !self.marks.allows(key.base, &entry.tags, since) {
-            self.l1.invalidate(key.hash).await;
+            self.l1.invalidate(key.hash);
             self.metrics.fill_refused(FillRefusal::Generation);
             return false;
         }

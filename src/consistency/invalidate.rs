@@ -373,7 +373,7 @@ impl Invalidator {
             }
             Invalidation::Tag(tag) => {
                 self.marks.mark_tag(tag);
-                for hash in self.l1.invalidate_tag(tag).await {
+                for hash in self.l1.invalidate_tag(tag) {
                     self.hot.invalidated(hash);
                 }
             }
@@ -438,7 +438,7 @@ impl Invalidator {
 /// Drops base key `base` and its variants from L1 and ends their hot-key L1 grace (also
 /// what another instance's `invalidate` event does here).
 pub(crate) async fn drop_base(l1: &L1, hot: &HotKeys, base: u128) {
-    for hash in l1.invalidate_base(base).await {
+    for hash in l1.invalidate_base(base) {
         hot.invalidated(hash);
     }
 }
