@@ -35,7 +35,8 @@
 //! Concurrent reads of one key in this process share `GET`s: a burst of requests for one
 //! key costs Redis about two reads per instance, not one per request (nor, for a large
 //! entry, one transfer of it per request). The first reader reads; the others wait for its
-//! answer on a `watch` channel. A miss is as true when it arrives as when the read was sent
+//! answer on a `watch` channel, made when the first of them arrives (a read nobody waits
+//! for, the common case, makes none). A miss is as true when it arrives as when the read was sent
 //! (the fill that follows re-checks), so every waiter takes it. A copy is taken only by the
 //! requests that arrived before its read was sent: for a request that came later, a write
 //! whose answer its client already saw may have invalidated the copy after the read was
@@ -72,9 +73,16 @@ pub(crate) enum Lookup {
 /// Reads in progress, by key hash.
 type Reads = Mutex<HashMap<u128, Read>>;
 
-/// A read in progress: when it was sent (on the arrival counter) and its answer, once there.
-#[derive(Clone, Debug)]
+/// A read in progress: when it was sent (on the arrival counter), and the channel its answer
+/// goes out on, once a request waits for it.
+#[derive(Debug)]
 struct Read {
+    sent: u64,
+    answer: Option<watch::Sender<Option<Lookup>>>,
+}
+
+/// A wait for another request's read: when that read was sent, and its answer, once there.
+struct Awaited {
     sent: u64,
     answer: watch::Receiver<Option<Lookup>>,
 }
@@ -95,27 +103,48 @@ pub(crate) struct L2 {
     live: Arc<Live>,
 }
 
-/// The read of one key in progress: removed from the table when its reader is done or
-/// dropped (cancelled), so no later reader waits on a read nobody drives.
+/// The read of one key in progress: removed from the table when its reader is done
+/// ([`Reading::answered`]) or dropped (cancelled: its waiters' channel closes and they read
+/// for themselves), so no later reader waits on a read nobody drives.
 struct Reading<'a> {
     reads: &'a Reads,
     hash: u128,
-    answer: watch::Sender<Option<Lookup>>,
+}
+
+impl Reading<'_> {
+    /// The read's answer: out of the table, and to whoever waits for it.
+    fn answered(self, answer: &Lookup) {
+        let read = self.take();
+        std::mem::forget(self);
+        if let Some(Read {
+            answer: Some(waiters),
+            ..
+        }) = read
+        {
+            waiters.send_replace(Some(answer.clone()));
+        }
+    }
+
+    /// This read's entry, out of the table (the entry at its hash is its own: one is made
+    /// only where there is none, and only its reader removes it).
+    fn take(&self) -> Option<Read> {
+        self.reads
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&self.hash)
+    }
 }
 
 impl Drop for Reading<'_> {
     fn drop(&mut self) {
-        self.reads
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .remove(&self.hash);
+        drop(self.take());
     }
 }
 
 /// Whether this request reads the key itself or waits for another's read.
 enum Role<'a> {
     Reader(Reading<'a>),
-    Waiter(Read),
+    Waiter(Awaited),
 }
 
 impl L2 {
@@ -145,10 +174,10 @@ impl L2 {
             match self.role(key.hash) {
                 Role::Reader(reading) => {
                     let answer = self.read(key).await;
-                    reading.answer.send_replace(Some(answer.clone()));
+                    reading.answered(&answer);
                     return answer;
                 }
-                Role::Waiter(Read { sent, mut answer }) => {
+                Role::Waiter(Awaited { sent, mut answer }) => {
                     let shared = match answer.wait_for(Option::is_some).await {
                         Ok(found) => found.clone(),
                         // The reader went away without an answer.
@@ -171,22 +200,21 @@ impl L2 {
 
     fn role(&self, hash: u128) -> Role<'_> {
         let mut reads = self.reads.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(read) = reads.get(&hash) {
-            return Role::Waiter(read.clone());
+        if let Some(read) = reads.get_mut(&hash) {
+            let answer = read
+                .answer
+                .get_or_insert_with(|| watch::channel(None).0)
+                .subscribe();
+            return Role::Waiter(Awaited {
+                sent: read.sent,
+                answer,
+            });
         }
-        let (answer, waiters) = watch::channel(None);
         let sent = self.order.fetch_add(1, Ordering::AcqRel);
-        reads.insert(
-            hash,
-            Read {
-                sent,
-                answer: waiters,
-            },
-        );
+        reads.insert(hash, Read { sent, answer: None });
         Role::Reader(Reading {
             reads: &self.reads,
             hash,
-            answer,
         })
     }
 

@@ -94,7 +94,19 @@ impl Keyspace {
 
     /// `<p>{<base>}:<suffix>`.
     fn tagged(&self, base: u128, suffix: &str) -> String {
-        format!("{}{{{base:032x}}}:{suffix}", self.prefix)
+        let mut name = self.with_room(base, suffix.len());
+        name.push_str(suffix);
+        name
+    }
+
+    /// `<p>{<base>}:`, in a string with room for `more` bytes after it: built in one
+    /// allocation (a `format!` grows its string as it goes; a name is built per request).
+    fn with_room(&self, base: u128, more: usize) -> String {
+        use std::fmt::Write as _;
+        let mut name = String::with_capacity(self.prefix.len() + 35 + more);
+        // Writing to a String cannot fail.
+        let _ = write!(name, "{}{{{base:032x}}}:", self.prefix);
+        name
     }
 
     /// The entry key of the cache key `hash` whose base is `base` (equal for a base key).
@@ -103,7 +115,11 @@ impl Keyspace {
         if hash == base {
             self.tagged(base, "v")
         } else {
-            self.tagged(base, &format!("v:{hash:032x}"))
+            use std::fmt::Write as _;
+            let mut name = self.with_room(base, 34);
+            // Writing to a String cannot fail.
+            let _ = write!(name, "v:{hash:032x}");
+            name
         }
     }
 

@@ -1098,8 +1098,13 @@ impl RedisConn {
     /// the shared connection (nor time out on it); read the rest with
     /// [`RedisConn::bulk_get_rest`] (or all of it with [`RedisConn::bulk_get`]).
     pub(crate) async fn get_up_to(&self, key: &str, max: usize) -> Result<Vec<u8>, Unavailable> {
-        let mut cmd = redis::cmd("GETRANGE");
-        cmd.arg(key).arg(0).arg(max.saturating_sub(1));
+        // Sized at once (`redis::cmd` grows its buffers argument by argument): this is an
+        // L2 hit's command.
+        let mut cmd = redis::Cmd::with_capacity(4, 8 + key.len() + 1 + 20);
+        cmd.arg("GETRANGE")
+            .arg(key)
+            .arg(0)
+            .arg(max.saturating_sub(1));
         self.query(RedisOp::Get, &cmd).await
     }
 
