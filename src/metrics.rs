@@ -2276,6 +2276,7 @@ pub(crate) struct SerializeFamilies {
     wait: HistogramVec,
     lost: IntCounterVec,
     late: IntCounterVec,
+    passed_on: IntCounterVec,
 }
 
 impl SerializeFamilies {
@@ -2315,12 +2316,22 @@ impl SerializeFamilies {
                 ),
                 &["route"],
             )?,
+            passed_on: IntCounterVec::new(
+                Opts::new(
+                    "cacheguard_serialized_passed_on_total",
+                    "Locks passed on by a write that was answered to the next write of the \
+                     same resource waiting in this instance, with a fresh fencing token, \
+                     instead of being released, by route.",
+                ),
+                &["route"],
+            )?,
         };
         for family in [
             Box::new(families.writes.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(families.wait.clone()),
             Box::new(families.lost.clone()),
             Box::new(families.late.clone()),
+            Box::new(families.passed_on.clone()),
         ] {
             registry.register(family)?;
         }
@@ -2335,6 +2346,7 @@ impl SerializeFamilies {
             wait: self.wait.with_label_values(&[route]),
             lost: self.lost.with_label_values(&[route]),
             late_grants: self.late.with_label_values(&[route]),
+            passed_on: self.passed_on.with_label_values(&[route]),
         }
     }
 }
@@ -2346,6 +2358,7 @@ pub(crate) struct SerializeMetrics {
     wait: Histogram,
     pub(crate) lost: IntCounter,
     pub(crate) late_grants: IntCounter,
+    pub(crate) passed_on: IntCounter,
 }
 
 impl SerializeMetrics {

@@ -146,6 +146,26 @@ impl LockService {
         }
     }
 
+    /// Passes `grant` on to the next holder in this process without letting go of the lock:
+    /// a fresh fencing token (above every earlier one, as a new grant's) and a lease of
+    /// `lease` from now. `false`: not passed on (the lock was lost, the backend did not
+    /// answer, or it has no way to: etcd, ZooKeeper, MySQL and Redlock mint a token only
+    /// with a new grant), and the caller releases it as usual.
+    pub(crate) async fn pass_on(&self, grant: &mut Grant, lease: Duration) -> bool {
+        match self {
+            LockService::Redis(redis) => redis.pass_on(grant, lease).await,
+            LockService::Memory(memory) => {
+                memory.pass_on(grant, lease);
+                true
+            }
+            LockService::Etcd(_)
+            | LockService::ZooKeeper(_)
+            | LockService::Mysql(_)
+            | LockService::Redlock(_)
+            | LockService::Unusable => false,
+        }
+    }
+
     /// Ends `grant` (if still held) and wakes the next waiter. `false`: the backend did not
     /// answer, and the lock may still be held until its lease ends.
     pub(crate) async fn release(&self, grant: &Grant) -> bool {

@@ -13,6 +13,18 @@
 //! 2. for the fleet lock (`coord/locks.rs`), woken by the holder's release event or its
 //!    lease end.
 //!
+//! A write that was answered while others of its resource wait here **passes the lock on**
+//! to the next of them instead of releasing it: one round trip to the lock service gives a
+//! fresh fencing token and a full lease (`LockService::pass_on`), where a release, its event
+//! and the next acquire take three and a wake-up. So that the other instances are served
+//! too, a lock is passed on only while this instance's *run* of writes has held it for less
+//! than a third of the lease or a quarter of `wait_timeout`, the shorter. A run that ends
+//! with writes still waiting here releases the lock, and the next write here asks for it
+//! again only a moment later ([`Serializer::COURTESY`]), so that writes waiting in other
+//! instances, woken by the release's event, take it first. Lock services that mint a token
+//! only with a new grant (etcd, ZooKeeper, MySQL, Redlock) release and take again after
+//! each write, as a run of one.
+//!
 //! Either wait that runs out is answered 503 with `Retry-After`. A client that hangs up
 //! while waiting leaves the queue (its future, and with it its place, is dropped). A write
 //! that got the lock is forwarded from a task of its own (`proxy/write.rs`): the lock is
@@ -48,11 +60,23 @@ struct Queue {
     turn: Arc<Semaphore>,
     /// Writes waiting for `turn` or holding it.
     waiting: AtomicUsize,
+    /// A lock passed on by the last holder, for whoever takes `turn` next; released by the
+    /// queue's last write if nobody took it.
+    handed: Mutex<Option<Handed>>,
     /// Whether `turn` is held by a write that was answered and is giving the lock back: a
     /// waiter whose wait runs out then was kept by the lock service not answering the
     /// release, not by another write, so it is refused as `Unavailable` (the route's
     /// `on_redis_error` applies) rather than as a timeout.
     releasing: AtomicBool,
+}
+
+/// A lock passed on, waiting in its queue for the next write.
+#[derive(Debug)]
+struct Handed {
+    service: Arc<LockService>,
+    grant: Grant,
+    /// When this instance took the lock from the lock service, before passing it on.
+    since: Instant,
 }
 
 /// Why a write was not serialized.
@@ -72,6 +96,10 @@ pub(crate) struct Held {
     service: Arc<LockService>,
     grant: Grant,
     lease: Duration,
+    /// When this instance took the lock from the lock service (it may have been passed on
+    /// since), and how long it may keep passing it on from then.
+    since: Instant,
+    run_for: Duration,
     _turn: OwnedSemaphorePermit,
     _place: Place,
 }
@@ -94,11 +122,27 @@ impl Drop for Place {
             .unwrap_or_else(PoisonError::into_inner);
         if self.queue.waiting.fetch_sub(1, Ordering::AcqRel) == 1 {
             queues.remove(&self.resource);
+            // A lock passed on to a write that then left (its client hung up, its wait ran
+            // out) is released, not left to its lease's end.
+            let handed = self
+                .queue
+                .handed
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .take();
+            if let (Some(handed), Ok(runtime)) = (handed, tokio::runtime::Handle::try_current()) {
+                runtime.spawn(async move { handed.service.release(&handed.grant).await });
+            }
         }
     }
 }
 
 impl Serializer {
+    /// How long, at most, the next write here waits after a release that ended a run
+    /// before it asks for the lock again (see the module docs); a twentieth of the run's
+    /// length when that is shorter.
+    pub(crate) const COURTESY: Duration = Duration::from_millis(5);
+
     pub(crate) fn new(default: LockService, named: HashMap<String, LockService>) -> Arc<Self> {
         Arc::new(Serializer {
             default: Arc::new(default),
@@ -145,6 +189,7 @@ impl Serializer {
                 Arc::new(Queue {
                     turn: Arc::new(Semaphore::new(1)),
                     waiting: AtomicUsize::new(0),
+                    handed: Mutex::new(None),
                     releasing: AtomicBool::new(false),
                 })
             });
@@ -178,6 +223,37 @@ impl Serializer {
         // A grant with less than a third of its lease left (a slow backend) is given back
         // and tried again: the write must reach the origin with time for a renewal.
         let margin = config.lease / 3;
+        let run_for = margin.min(config.wait_timeout / 4);
+        let handed = place
+            .queue
+            .handed
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(handed) = handed {
+            // Passed on by the write before: the lock's lease was renewed then, and a
+            // route of another lock service on the same resource gives it back.
+            if Arc::ptr_eq(&handed.service, &service)
+                && handed
+                    .grant
+                    .expires
+                    .saturating_duration_since(Instant::now())
+                    >= margin
+            {
+                metrics.waited(started.elapsed());
+                metrics.outcome(SerializeOutcome::Granted);
+                return Ok(Held {
+                    service,
+                    grant: handed.grant,
+                    lease: config.lease,
+                    since: handed.since,
+                    run_for,
+                    _turn: turn,
+                    _place: place,
+                });
+            }
+            handed.service.release(&handed.grant).await;
+        }
         loop {
             let grant = match service
                 .acquire(resource, path, config.lease, deadline)
@@ -200,6 +276,8 @@ impl Serializer {
                     service,
                     grant,
                     lease: config.lease,
+                    since: Instant::now(),
+                    run_for,
                     _turn: turn,
                     _place: place,
                 });
@@ -214,11 +292,12 @@ impl Serializer {
     }
 
     /// Runs `write` while holding `held`, renewing the lease a third of it after the grant
-    /// or the last renewal was sent, then releases the lock: in a task of its own, so the
-    /// write's answer does not wait for the release's round trip (and a release Redis did
-    /// not take is tried again while the lease lasts). The turn here is given up once the
-    /// release was tried, so the next write of this instance asks Redis after it, as every
-    /// other instance's waiter does (woken by the release's event).
+    /// or the last renewal was sent, then passes the lock on to the next write waiting here
+    /// or releases it (see the module docs): in a task of its own, so the write's answer
+    /// does not wait for that round trip (and a release Redis did not take is tried again
+    /// while the lease lasts). The turn here is given up once the lock was passed on or
+    /// its release tried, so after a release the next write of this instance asks the lock
+    /// service again, as every other instance's waiter does (woken by the release's event).
     ///
     /// A renewal that fails (Redis did not answer within `command_timeout`) is tried again
     /// a twelfth of the lease later, and so on while the write is at the origin: the lease
@@ -254,17 +333,43 @@ impl Serializer {
                 }
             }
         };
+        let passed_on = metrics.passed_on.clone();
         tokio::spawn(async move {
             let Held {
                 service,
-                grant,
+                mut grant,
                 lease,
+                since,
+                run_for,
                 _turn: turn,
                 _place: place,
             } = held;
-            place.queue.releasing.store(true, Ordering::Release);
+            let queue = Arc::clone(&place.queue);
+            queue.releasing.store(true, Ordering::Release);
+            // The holder counts itself: more than one is a write waiting here.
+            let waited_for = queue.waiting.load(Ordering::Acquire) > 1;
+            if waited_for
+                && !lost
+                && since.elapsed() < run_for
+                && service.pass_on(&mut grant, lease).await
+            {
+                passed_on.inc();
+                *queue.handed.lock().unwrap_or_else(PoisonError::into_inner) = Some(Handed {
+                    service,
+                    grant,
+                    since,
+                });
+                queue.releasing.store(false, Ordering::Release);
+                drop((turn, place));
+                return;
+            }
             let mut released = service.release(&grant).await;
-            place.queue.releasing.store(false, Ordering::Release);
+            queue.releasing.store(false, Ordering::Release);
+            if waited_for && released && since.elapsed() >= run_for {
+                // The run is over: writes waiting in other instances, woken by the
+                // release's event, get a moment to take the lock before the next one here.
+                tokio::time::sleep(Self::COURTESY.min(run_for / 20)).await;
+            }
             drop((turn, place));
             // A release the backend did not take leaves the resource locked for everyone
             // until the lease ends: it is tried again (compare-and-delete, so a late one is
@@ -306,6 +411,22 @@ mod tests {
         }
     }
 
+    /// One write of `/r/1`: waits for the lock, runs `body` holding it, and gives its token.
+    async fn write(
+        serializer: &Arc<Serializer>,
+        config: &SerializeConfig,
+        metrics: &SerializeMetrics,
+        body: impl Future<Output = ()>,
+    ) -> u64 {
+        let held = serializer
+            .acquire(config, "/r/1", metrics)
+            .await
+            .expect("granted");
+        let token = held.token();
+        serializer.hold(held, body, metrics).await;
+        token
+    }
+
     #[tokio::test(start_paused = true)]
     async fn writes_to_one_resource_go_one_at_a_time_in_order_with_growing_tokens() {
         let serializer = Serializer::new(LockService::Memory(MemoryLocks::new()), HashMap::new());
@@ -316,23 +437,12 @@ mod tests {
             let (serializer, metrics, order) =
                 (Arc::clone(&serializer), metrics.clone(), Arc::clone(&order));
             tasks.push(tokio::spawn(async move {
-                let held = serializer
-                    .acquire(&config(16, 10_000), "/r/1", &metrics)
-                    .await
-                    .expect("granted");
-                let token = held.token();
-                serializer
-                    .hold(
-                        held,
-                        async {
-                            order.lock().unwrap().push((i, "start"));
-                            tokio::time::sleep(Duration::from_millis(100)).await;
-                            order.lock().unwrap().push((i, "end"));
-                        },
-                        &metrics,
-                    )
-                    .await;
-                token
+                write(&serializer, &config(16, 10_000), &metrics, async {
+                    order.lock().unwrap().push((i, "start"));
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    order.lock().unwrap().push((i, "end"));
+                })
+                .await
             }));
             // Arrivals 1 ms apart: the queue keeps their order.
             tokio::time::sleep(Duration::from_millis(1)).await;
@@ -347,10 +457,61 @@ mod tests {
         let expected: Vec<(i32, &str)> = (0..5).flat_map(|i| [(i, "start"), (i, "end")]).collect();
         assert_eq!(order, expected, "one at a time, in arrival order");
         assert!(tokens.windows(2).all(|w| w[0] < w[1]), "{tokens:?}");
+        assert_eq!(
+            metrics.passed_on.get(),
+            4,
+            "each write passed the lock on to the next"
+        );
         assert!(
             serializer.queues.lock().unwrap().is_empty(),
             "queues go with their last write"
         );
+    }
+
+    /// A run of writes passing the lock on ends once it held the lock for a quarter of
+    /// `wait_timeout` (a third of the lease being longer): the lock is released, and the
+    /// next write here takes it again only after the courtesy pause, with a fresh grant
+    /// whose run starts anew.
+    #[tokio::test(start_paused = true)]
+    async fn a_run_of_writes_ends_after_its_length_and_the_next_waits_a_moment() {
+        let serializer = Serializer::new(LockService::Memory(MemoryLocks::new()), HashMap::new());
+        let metrics = Metrics::unregistered().serialize.for_route("r");
+        // wait_timeout 400 ms: runs of 100 ms, a courtesy of 5 ms.
+        let config = config(16, 400);
+        let times = Arc::new(Mutex::new(Vec::new()));
+        let origin = Instant::now();
+        let mut tasks = Vec::new();
+        for i in 0..5 {
+            let (serializer, metrics, times, config) = (
+                Arc::clone(&serializer),
+                metrics.clone(),
+                Arc::clone(&times),
+                config.clone(),
+            );
+            tasks.push(tokio::spawn(async move {
+                write(&serializer, &config, &metrics, async {
+                    let start = origin.elapsed().as_millis();
+                    tokio::time::sleep(Duration::from_millis(40)).await;
+                    times.lock().unwrap().push((i, start));
+                })
+                .await
+            }));
+            tokio::task::yield_now().await;
+        }
+        let mut tokens = Vec::new();
+        for task in tasks {
+            tokens.push(task.await.unwrap());
+        }
+        assert!(tokens.windows(2).all(|w| w[0] < w[1]), "{tokens:?}");
+        // 0 → 1 → 2 passed on (the run is 80 ms old when 1 ends); 2 ends it at 120 ms;
+        // 3 starts a run 5 ms later and passes on to 4.
+        let times = times.lock().unwrap().clone();
+        assert_eq!(
+            times,
+            [(0, 0), (1, 40), (2, 80), (3, 125), (4, 165)],
+            "start times in ms"
+        );
+        assert_eq!(metrics.passed_on.get(), 3);
     }
 
     #[tokio::test(start_paused = true)]

@@ -9,9 +9,10 @@ use std::time::Duration;
 
 use crate::common;
 use crate::common::history::{Epoch, check_exclusion, check_fencing};
+use crate::common::redis_server::command_calls;
 use crate::common::shop::{FENCING_TOKEN, Fault, Scope, Shop, seat};
 use crate::common::{
-    CgConfig, HttpClient, RedisCluster, RedisServer, Resp, TcpProxy, metrics, route, url,
+    AnyRedis, CgConfig, HttpClient, RedisCluster, RedisServer, Resp, TcpProxy, metrics, route, url,
 };
 use tokio::time::Instant;
 
@@ -345,6 +346,178 @@ async fn a_write_behind_a_release_redis_does_not_answer_follows_the_policy() {
         proxy.restore();
         lost.cg.shutdown().await;
     }
+}
+
+/// `PUBLISH`es the primaries of `redis` executed so far (the scripts' own included).
+async fn publishes(redis: &AnyRedis) -> u64 {
+    let mut total = 0;
+    for port in redis.primary_ports().await {
+        let client = redis::Client::open(common::redis_server::redis_url(port)).expect("url");
+        let mut con = client
+            .get_multiplexed_async_connection()
+            .await
+            .expect("connect to a primary");
+        total += command_calls(&mut con)
+            .await
+            .get("publish")
+            .copied()
+            .unwrap_or(0);
+    }
+    total
+}
+
+/// Writes waiting for one resource in one instance get the lock passed on from the write
+/// before, each with a fresh token, in every Redis mode: eight writes cost one acquire and
+/// one release (one `released` event on the bus), not eight of each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_waiting_in_one_instance_get_the_lock_passed_on() {
+    for mode in AnyRedis::MODES {
+        let resource = seat("t7", "1A");
+        let shop = Shop::start(Epoch::now(), &[]).await;
+        shop.set_fencing(Some(FENCING_TOKEN));
+        let redis = AnyRedis::start(mode).await;
+        // Runs of a third of the lease (1.67 s): the eight writes fit in one.
+        let cg = config(&shop, "wait_timeout = \"10s\"")
+            .any_redis(&redis)
+            .start()
+            .await;
+        let client = HttpClient::new();
+        // Scripts loaded, connections made.
+        let first = put(&client, cg.addr(), &resource, "{\"n\":0}").await;
+        assert_eq!(first.status.as_u16(), 200, "{mode}: {first:?}");
+        let events = common::poll_until(
+            Duration::from_secs(5),
+            Duration::from_millis(20),
+            || async {
+                let n = publishes(&redis).await;
+                (n > 0).then_some(n)
+            },
+        )
+        .await
+        .unwrap_or_else(|| panic!("{mode}: the first write's release published nothing"));
+        shop.set_latency(Scope::Writes, Duration::from_millis(50));
+        let tasks: Vec<_> = (1..=8)
+            .map(|i| {
+                let (client, addr, path) = (client.clone(), cg.addr(), resource.clone());
+                tokio::spawn(
+                    async move { put(&client, addr, &path, &format!("{{\"n\":{i}}}")).await },
+                )
+            })
+            .collect();
+        for answer in common::join_within(tasks, Duration::from_secs(30), "writes").await {
+            assert_eq!(answer.status.as_u16(), 200, "{mode}: {answer:?}");
+        }
+        // The last write's release runs after its answer.
+        let released = common::poll_until(
+            Duration::from_secs(5),
+            Duration::from_millis(20),
+            || async {
+                let n = publishes(&redis).await;
+                (n > events).then_some(n - events)
+            },
+        )
+        .await;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let released_after = publishes(&redis).await - events;
+        assert_eq!(
+            (released, released_after),
+            (Some(1), 1),
+            "{mode}: one release for the eight writes"
+        );
+        let passed_on = metrics(&client, cg.admin_addr()).await.sum(
+            "cacheguard_serialized_passed_on_total",
+            &[("route", "seat-update")],
+        );
+        assert_eq!(passed_on, 7.0, "{mode}");
+        let log = shop.write_log();
+        let exclusion = check_exclusion(&log);
+        assert!(exclusion.ok(), "{mode}: {exclusion}");
+        let fencing = check_fencing(&log);
+        assert!(fencing.ok(), "{mode}: {fencing}");
+        assert_eq!(
+            fencing.accepted, 9,
+            "{mode}: every write carried a fresh token: {fencing}"
+        );
+        cg.shutdown().await;
+    }
+}
+
+/// Two instances with writes always waiting for one resource take turns: a run of writes
+/// passing the lock on in one instance ends after a quarter of `wait_timeout`, and the
+/// other instance's waiting write, woken by the release, takes the lock before the next
+/// one of the first. So no write waits out its `wait_timeout`, and both get through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn instances_with_writes_always_waiting_take_turns() {
+    let resource = seat("t8", "1A");
+    let shop = Shop::start(Epoch::now(), &[]).await;
+    shop.set_fencing(Some(FENCING_TOKEN));
+    shop.set_latency(Scope::Writes, Duration::from_millis(10));
+    let redis = RedisServer::start().await;
+    // Runs of 250 ms.
+    let cfg = config(&shop, "wait_timeout = \"1s\"").redis(&redis);
+    let client = HttpClient::new();
+    let [a, b] = common::fleet::start_coordinated::<2>(&cfg, &client).await;
+    let until = Instant::now() + Duration::from_secs(2);
+    // Four writers per instance, each writing again as soon as answered.
+    let tasks: Vec<_> = (0..8)
+        .map(|i| {
+            let (client, addr, path) = (
+                client.clone(),
+                if i % 2 == 0 { a.addr() } else { b.addr() },
+                resource.clone(),
+            );
+            tokio::spawn(async move {
+                let mut answers = Vec::new();
+                while Instant::now() < until {
+                    let answer = put(&client, addr, &path, &format!("{{\"w\":{i}}}")).await;
+                    answers.push(answer.status.as_u16());
+                }
+                answers
+            })
+        })
+        .collect();
+    let answers = common::join_within(tasks, Duration::from_secs(30), "writers").await;
+    let per_instance: Vec<Vec<u16>> = [0, 1]
+        .map(|k| {
+            answers
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| i % 2 == k)
+                .flat_map(|(_, a)| a.iter().copied())
+                .collect()
+        })
+        .into();
+    for (name, answers) in ["a", "b"].iter().zip(&per_instance) {
+        let refused = answers.iter().filter(|s| **s != 200).count();
+        assert_eq!(
+            refused,
+            0,
+            "instance {name}: {refused} of {} refused",
+            answers.len()
+        );
+    }
+    let (ok_a, ok_b) = (per_instance[0].len(), per_instance[1].len());
+    let share = ok_a.min(ok_b) as f64 / (ok_a + ok_b) as f64;
+    assert!(
+        share >= 0.25,
+        "one instance got {ok_a} writes through, the other {ok_b}"
+    );
+    for instance in [&a, &b] {
+        let passed_on = metrics(&client, instance.admin_addr()).await.sum(
+            "cacheguard_serialized_passed_on_total",
+            &[("route", "seat-update")],
+        );
+        assert!(
+            passed_on > 0.0,
+            "each instance passed the lock on in its runs"
+        );
+    }
+    let log = shop.write_log();
+    let exclusion = check_exclusion(&log);
+    assert!(exclusion.ok(), "{exclusion}");
+    let fencing = check_fencing(&log);
+    assert!(fencing.ok() && fencing.refused == 0, "{fencing}");
+    common::fleet::shutdown_all([a, b]).await;
 }
 
 /// What [`redis_lost_during_a_write`] leaves running.

@@ -27,22 +27,30 @@ impl MemoryLocks {
     }
 
     pub(super) fn acquire(&self, resource: u128, lease: Duration) -> Grant {
-        let now_us = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX));
-        // The entry's own lock makes the read-and-bump atomic per resource.
-        let token = self
-            .last
-            .entry(resource)
-            .and_upsert_with(|last| next_token(last.map_or(0, |e| *e.value()), now_us))
-            .into_value();
         Grant {
-            token,
+            token: self.mint(resource),
             expires: Instant::now() + lease,
             resource,
             owner: String::new(),
             handle: Handle::None,
             key: String::new(),
         }
+    }
+
+    /// A fresh token for `grant`, and a lease of `lease` from now.
+    pub(super) fn pass_on(&self, grant: &mut Grant, lease: Duration) {
+        grant.token = self.mint(grant.resource);
+        grant.expires = Instant::now() + lease;
+    }
+
+    fn mint(&self, resource: u128) -> u64 {
+        let now_us = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX));
+        // The entry's own lock makes the read-and-bump atomic per resource.
+        self.last
+            .entry(resource)
+            .and_upsert_with(|last| next_token(last.map_or(0, |e| *e.value()), now_us))
+            .into_value()
     }
 }

@@ -23,16 +23,9 @@ const FENCE_IDLE: Duration = Duration::from_secs(24 * 3600);
 /// lease end is the holder's instance having died: one `SET NX` wins).
 const TAKEOVER_SLACK: Duration = Duration::from_millis(20);
 
-/// Takes the lock and mints its token.
-///
-/// - `KEYS[1]` lock, `KEYS[2]` fence; `ARGV[1]` owner id, `ARGV[2]` lease ms, `ARGV[3]` the
-///   fence key's idle expiry ms
-/// - returns `{1, token}` granted (token as a decimal string), `{0, pttl}` held by another
-///   for `pttl` more ms (a lock without expiry, never set by cacheguard, is given one)
-static ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
-        r"
-if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+/// Mints the token of a grant just taken or passed on: `max(stored + 1, Redis TIME in µs)`,
+/// stored back with the fence key's idle expiry (`KEYS[2]`, `ARGV[3]`); returns `{1, token}`.
+const MINT: &str = r"
   local t = redis.call('TIME')
   local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
   local token = tonumber(redis.call('GET', KEYS[2]) or '0') + 1
@@ -42,15 +35,46 @@ if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
   token = string.format('%.0f', token)
   redis.call('SET', KEYS[2], token, 'PX', ARGV[3])
   return {1, token}
+";
+
+/// Takes the lock and mints its token.
+///
+/// - `KEYS[1]` lock, `KEYS[2]` fence; `ARGV[1]` owner id, `ARGV[2]` lease ms, `ARGV[3]` the
+///   fence key's idle expiry ms
+/// - returns `{1, token}` granted (token as a decimal string), `{0, pttl}` held by another
+///   for `pttl` more ms (a lock without expiry, never set by cacheguard, is given one)
+static ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(&format!(
+        r"
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+{MINT}
 end
 local pttl = redis.call('PTTL', KEYS[1])
 if pttl < 0 then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
   pttl = tonumber(ARGV[2])
 end
-return {0, pttl}
-",
-    )
+return {{0, pttl}}
+"
+    ))
+});
+
+/// Passes a held lock on to the next write of this instance: a full lease from now and a
+/// fresh token, in one round trip instead of a release, its event and an acquire.
+///
+/// - the keys and arguments of [`ACQUIRE`]
+/// - returns `{1, token}` passed on, `{0, ''}` the lock is no longer this owner's (its lease
+///   ended: another may hold it, and nothing is changed)
+static PASS_ON: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(&format!(
+        r"
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+{MINT}
+end
+return {{0, ''}}
+"
+    ))
 });
 
 /// The write locks in the shared Redis.
@@ -154,6 +178,39 @@ impl RedisLocks {
             grant.expires = sent + lease;
         }
         Ok(renewed == 1)
+    }
+
+    /// `true`: `grant` holds a fresh token and a lease of `lease` from now; `false`: not
+    /// passed on (the lock was lost, or Redis did not answer), and it is to be released.
+    pub(super) async fn pass_on(&self, grant: &mut Grant, lease: Duration) -> bool {
+        let names = self.keys.serialized(grant.resource);
+        let lease_ms = millis(lease).to_string();
+        let idle_ms = millis(FENCE_IDLE.max(lease * 4)).to_string();
+        let sent = Instant::now();
+        let reply: Result<(i64, String), _> = self
+            .redis
+            .run_script(
+                RedisOp::Serialize,
+                &PASS_ON,
+                &[&names.lock, &names.fence],
+                &[
+                    grant.owner.as_bytes(),
+                    lease_ms.as_bytes(),
+                    idle_ms.as_bytes(),
+                ],
+            )
+            .await;
+        match reply {
+            Ok((1, token)) => match token.parse() {
+                Ok(token) => {
+                    grant.token = token;
+                    grant.expires = sent + lease;
+                    true
+                }
+                Err(_) => false,
+            },
+            _ => false,
+        }
     }
 
     /// `false` when Redis did not answer (the lock may still be held).

@@ -29,6 +29,11 @@
 //!   - With `--kv-tags` both carry `Surrogate-Key: kv-<key> kv-all`. Other methods get 405.
 //!   - `--delay-ms` does not apply to `/kv`. `/stats` adds `kv_reads` and `kv_writes`;
 //!     `/stats/reset` zeroes those counters but keeps the versions.
+//!   - The **write gap** of a key: from a write's answer (its commit) to the next write of
+//!     the same key arriving, when none was at the origin between them; for serialized
+//!     writes of one key, how long the lock took to go from one writer to the next
+//!     (bench/serialize.sh). `/stats` adds `kv_write_gap_us: {count, p50, p99, max}`;
+//!     `/stats/reset` forgets the gaps (at most 1,000,000 are kept between resets).
 //!   - Keys live in 64 mutex-guarded shards; each key keeps only the commits younger than
 //!     the lag (the rest are folded into the version the replica shows).
 //!
@@ -136,6 +141,8 @@ struct KvKey {
     replica: u64,
     /// Commits younger than the lag, `(commit time, version)`, oldest first.
     pending: VecDeque<(Instant, u64)>,
+    /// When the last write was committed, if no write of the key is at the origin since.
+    idle_since: Option<Instant>,
 }
 
 impl KvKey {
@@ -168,6 +175,8 @@ struct KvStore {
     shards: Vec<Mutex<HashMap<String, KvKey>>>,
     reads: AtomicU64,
     writes: AtomicU64,
+    /// Write gaps in µs since the last reset (see the module docs).
+    gaps: Mutex<Vec<u64>>,
 }
 
 impl KvStore {
@@ -184,7 +193,47 @@ impl KvStore {
                 .collect(),
             reads: AtomicU64::new(0),
             writes: AtomicU64::new(0),
+            gaps: Mutex::new(Vec::new()),
         }
+    }
+
+    const MAX_GAPS: usize = 1_000_000;
+
+    /// A write of `key` arrived: its gap since the last one's commit is recorded, if the key
+    /// was idle since.
+    fn write_arrived(&self, key: &str) {
+        let gap = {
+            let mut shard = lock(self.shard(key));
+            shard
+                .get_mut(key)
+                .and_then(|k| k.idle_since.take())
+                .map(|since| since.elapsed())
+        };
+        if let Some(gap) = gap {
+            let mut gaps = lock(&self.gaps);
+            if gaps.len() < Self::MAX_GAPS {
+                gaps.push(u64::try_from(gap.as_micros()).unwrap_or(u64::MAX));
+            }
+        }
+    }
+
+    /// `{count, p50, p99, max}` of the write gaps, in µs.
+    fn gaps_json(&self) -> serde_json::Value {
+        let mut gaps = lock(&self.gaps).clone();
+        gaps.sort_unstable();
+        let at = |q: f64| -> u64 {
+            if gaps.is_empty() {
+                return 0;
+            }
+            let i = ((gaps.len() as f64 * q).ceil() as usize).clamp(1, gaps.len()) - 1;
+            gaps[i]
+        };
+        serde_json::json!({
+            "count": gaps.len(),
+            "p50": at(0.50),
+            "p99": at(0.99),
+            "max": gaps.last().copied().unwrap_or(0),
+        })
     }
 
     fn shard(&self, key: &str) -> &Mutex<HashMap<String, KvKey>> {
@@ -206,13 +255,12 @@ impl KvStore {
     fn write(&self, key: &str) -> u64 {
         let mut shard = lock(self.shard(key));
         let now = Instant::now();
-        match shard.get_mut(key) {
-            Some(k) => k.commit(now, self.lag),
-            None => shard
-                .entry(key.to_owned())
-                .or_default()
-                .commit(now, self.lag),
-        }
+        let k = match shard.get_mut(key) {
+            Some(k) => k,
+            None => shard.entry(key.to_owned()).or_default(),
+        };
+        k.idle_since = Some(now);
+        k.commit(now, self.lag)
     }
 }
 
@@ -696,6 +744,7 @@ async fn handle(
             if let Some(kv) = &state.kv {
                 kv.reads.store(0, Ordering::SeqCst);
                 kv.writes.store(0, Ordering::SeqCst);
+                lock(&kv.gaps).clear();
             }
             return Ok(json_response(StatusCode::OK, state.stats_json()));
         }
@@ -769,6 +818,7 @@ impl State {
         if let Some(kv) = &self.kv {
             json["kv_reads"] = kv.reads.load(Ordering::SeqCst).into();
             json["kv_writes"] = kv.writes.load(Ordering::SeqCst).into();
+            json["kv_write_gap_us"] = kv.gaps_json();
         }
         json.to_string()
     }
@@ -804,6 +854,7 @@ async fn kv_handle(kv: &KvStore, req: Request<Incoming>, key: &str) -> Response<
         // PATCH and DELETE are writes like PUT (so one instance can serve one method
         // through one route and another through another: bench/serialize.sh).
         Method::PUT | Method::PATCH | Method::DELETE => {
+            kv.write_arrived(key);
             // read (and drop) the body, so the connection stays usable; bounded
             if read_body(req, 1 << 20).await.is_none() {
                 return json_response(StatusCode::BAD_REQUEST, r#"{"error":"bad body"}"#);
