@@ -23,12 +23,14 @@
 #            redis-server, read TAIL_S after wrk ended (the buys in flight settle). Per answer
 #            cacheguard counted (its metrics; wrk leaves a few unread): commandstats calls (all of them: background commands
 #            included), EVALSHA/EVAL calls (scripts), and the buy and settle scripts told apart
-#            by the calls only each makes inside Redis (BUY: ZRANGEBYSCORE; SETTLE of a sale:
-#            ZREMRANGEBYSCORE; a reconcile's APPLY makes one and two of those, subtracted).
+#            by the calls only each makes inside Redis (BUY: ZRANGEBYSCORE; SETTLE of a sale or
+#            SETTLE_SALES of a batch: ZREMRANGEBYSCORE; a reconcile's APPLY makes one and two
+#            of those, subtracted).
 #   b. what one buy sends  redis-cli MONITOR during BUY_SAMPLE buys (`loadgen buyers`, one
 #            client, no pause) on the buy resource and as many on the sold-out one: every
-#            top-level command, each script by its key count (BUY 3 keys and 8 args, SETTLE 4
-#            keys: src/protect/stock/shared.rs) with the calls it made inside Redis.
+#            top-level command, each script by its key count and arguments (BUY 3 keys, SETTLE 4
+#            keys, SETTLE_SALES 3 keys and 2 + 2 per sale args: src/protect/stock/shared.rs)
+#            with the calls it made inside Redis.
 #   c. the sold-out mark across a fleet  three instances A, B, C on one Redis (reconcile
 #            5s), `loadgen soldout-probe`, MARK_REPS reps: per rep a fresh resource with 2
 #            units at the shop, one bought through A, then the last one bought through A
@@ -373,8 +375,10 @@ monitor_sample() {
 }
 
 # monitor_rows NAME N: per kind of top-level command in b/NAME.monitor, "name kind calls
-# per-answer inner-calls" lines (TSV): scripts by key count (BUY: 3 keys and 8 args, SETTLE: 4
-# keys), with the calls they made inside Redis (the `[0 lua]` lines after them).
+# per-answer inner-calls" lines (TSV): scripts by key count and arguments (BUY: 3 keys, a
+# member second; SETTLE: 4 keys; SETTLE_SALES: 3 keys, a member third: a batch of sales;
+# APPLY: 3 keys, numbers only), with the calls
+# they made inside Redis (the `[0 lua]` lines after them: the first of each kind's).
 monitor_rows() {
     awk -v name="$1" -v n="$2" '
         function flush() { if (cur != "" && !(cur in inner)) inner[cur] = sig }
@@ -384,8 +388,16 @@ monitor_rows() {
             c = toupper($4); gsub(/"/, "", c)
             if (c == "EVALSHA" || c == "EVAL") {
                 k = $6; gsub(/"/, "", k)
-                argc = NF - 6 - k
-                kind = (k == 3 && argc == 8) ? "BUY script" : (k == 4 ? "SETTLE script" : "script, " k " keys")
+                # BUY, SETTLE_SALES and APPLY all have 3 keys: the second argument of BUY is
+                # a reservation member (<units>.<id>), the third of SETTLE_SALES is one, and
+                # APPLY has numbers only.
+                second = $(6 + k + 2); gsub(/"/, "", second)
+                third = $(6 + k + 3); gsub(/"/, "", third)
+                if (k == 3) {
+                    kind = (second ~ /\./) ? "BUY script" : (third ~ /\./ ? "SETTLE_SALES script" : "APPLY script")
+                } else {
+                    kind = (k == 4) ? "SETTLE script" : "script, " k " keys"
+                }
             } else {
                 kind = c
             }
@@ -585,6 +597,13 @@ paired() {
         END { for (k in reps) if (r[a "," k] > 0 && r[b "," k] > 0) printf "%.4f\n", r[a "," k] / r[b "," k] }' \
         "$OUT/throughput.tsv"
 }
+# paired_col COL A B: per rep, A's COL ÷ B's (section a), one per line.
+paired_col() {
+    awk -F'\t' -v c="$1" -v a="$2" -v b="$3" 'NR == 1 { for (i = 1; i <= NF; i++) if ($i == c) k = i; next }
+        { r[$1 "," $2] = $k; reps[$2] = 1 }
+        END { for (x in reps) if (r[a "," x] > 0 && r[b "," x] > 0) printf "%.4f\n", r[a "," x] / r[b "," x] }' \
+        "$OUT/throughput.tsv"
+}
 r2() { if [[ -n $1 ]]; then LC_ALL=C printf '%.2f%s' "$1" "${2:-}"; else printf '–'; fi; }
 judge() {
     if [[ -z $1 ]]; then
@@ -600,6 +619,13 @@ if has a; then
     mapfile -t SO_RATIO < <(paired soldout l1)
     mapfile -t BUY_RATIO < <(paired buy l1)
     mapfile -t FWD_RATIO < <(paired forward l1)
+    mapfile -t BUY_FWD_RATE < <(paired buy forward)
+    mapfile -t BUY_FWD_CPU < <(paired_col cg_us buy forward)
+    R_BUY_FWD_RATE=$(median "${BUY_FWD_RATE[@]}")
+    R_BUY_FWD_CPU=$(median "${BUY_FWD_CPU[@]}")
+    BUY_CALLS=$(med "$OUT/throughput.tsv" redis_calls_per_answer target=buy)
+    BUY_REDIS_US=$(med "$OUT/throughput.tsv" redis_us target=buy)
+    FWD_CPU=$(med "$OUT/throughput.tsv" cg_us target=forward)
     R_SO=$(median "${SO_RATIO[@]}")
     mapfile -t SO_CMDS < <(values "$OUT/throughput.tsv" redis_calls_per_answer target=soldout)
     SO_CMDS_MAX=$(largest "${SO_CMDS[@]}")
@@ -619,7 +645,8 @@ SCRIPTS_FROM=a
 if has b; then
     monitor_per() { awk -F'\t' -v k="$1" '$1 == "buy" && $2 == k { v = $4 } END { print v + 0 }' "$OUT/monitor.tsv"; }
     BUY_SCRIPTS=$(monitor_per "BUY script")
-    ALL_SCRIPTS=$(awk -v a="$BUY_SCRIPTS" -v b="$(monitor_per "SETTLE script")" 'BEGIN { printf "%.3f", a + b }')
+    ALL_SCRIPTS=$(awk -v a="$BUY_SCRIPTS" -v b="$(monitor_per "SETTLE script")" \
+        -v c="$(monitor_per "SETTLE_SALES script")" 'BEGIN { printf "%.3f", a + b + c }')
     SCRIPTS_FROM="b, $BUY_SAMPLE attempts under MONITOR"
 fi
 if has c; then
@@ -665,6 +692,10 @@ LOADED=$(awk -F'\t' 'NR > 1 && $3 > 2 { l = 1 } END { print l + 0 }' "$OUT/load.
     if [[ -n ${scripts_rows:-} ]]; then
         echo "| … with one Redis script each: every script an attempt runs (BUY + SETTLE, per attempt; from $SCRIPTS_FROM) | $(LC_ALL=C printf '%.3f' "$ALL_SCRIPTS") | $(judge "$ALL_SCRIPTS" "<=" 1.0) | $(load_cell "${SCRIPTS_FROM%%,*}") |"
         echo "| … of which the buy decision (BUY scripts per attempt; from $SCRIPTS_FROM) | $(LC_ALL=C printf '%.3f' "$BUY_SCRIPTS") | $(judge "$BUY_SCRIPTS" "<=" 1.0) | $(load_cell "${SCRIPTS_FROM%%,*}") |"
+        echo "| cacheguard CPU per gated buy ≤ 1.5× its CPU per ungated forward of the same POST (median of per-rep ratios) | $(r2 "$R_BUY_FWD_CPU" ×) ($(r2 "$BUY_CPU") against $(r2 "$FWD_CPU") µs; per rep $(cell_dec 2 "${BUY_FWD_CPU[@]}")) | $(judge "$R_BUY_FWD_CPU" "<=" 1.5) | $(load_cell a) |"
+        echo "| ≤ 8 Redis commands executed per buy (commandstats, the scripts' own and the batched settlements included; median) | $(r2 "$BUY_CALLS") | $(judge "$BUY_CALLS" "<=" 8) | $(load_cell a) |"
+        echo "| ≤ 15 µs of redis-server CPU per buy (median) | $(r2 "$BUY_REDIS_US" " µs") | $(judge "$BUY_REDIS_US" "<=" 15) | $(load_cell a) |"
+        echo "| buy attempts/s ≥ 0.7× the ungated forward's, same instance (median of per-rep ratios) | $(r2 "$R_BUY_FWD_RATE" ×) (per rep $(cell_dec 2 "${BUY_FWD_RATE[@]}")) | $(judge "$R_BUY_FWD_RATE" ">=" 0.7) | $(load_cell a) |"
     fi
     if has c; then
         echo "| the sold-out mark reaches every instance within 50 ms p99 ($(jq '.reps' "$OUT/mark.json") reps; p50 $(r2 "$MARK_P50" " ms")) | $(r2 "$MARK_P99" " ms") | $(judge "$MARK_P99" "<=" 50) | $(load_cell c) |"
@@ -724,7 +755,7 @@ LOADED=$(awk -F'\t' 'NR > 1 && $3 > 2 { l = 1 } END { print l + 0 }' "$OUT/load.
         echo
         echo "$BUY_SAMPLE buys of a resource with units and $BUY_SAMPLE POSTs to a sold-out one, \`loadgen buyers\` with one"
         echo "client and no pause, under \`redis-cli MONITOR\`. Top-level commands as sent; scripts by their key count"
-        echo "(BUY: 3 keys and 8 args; SETTLE: 4 keys), with the calls each made inside Redis."
+        echo "(BUY: 3 keys; SETTLE: 4 keys; SETTLE_SALES: 3 keys, a batch of sales), with the calls each made inside Redis."
         echo
         echo "| sample | command | calls | per request | calls inside the script |"
         echo "|---|---|---|---|---|"

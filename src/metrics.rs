@@ -2062,6 +2062,8 @@ pub(crate) struct StockFamilies {
     reconcile_delta: IntGaugeVec,
     redis_errors: IntCounterVec,
     sold_out_events: IntCounterVec,
+    sales_queued: IntGaugeVec,
+    sale_batches: IntCounterVec,
 }
 
 impl StockFamilies {
@@ -2124,6 +2126,21 @@ impl StockFamilies {
                 ),
                 &["gate"],
             )?,
+            sales_queued: IntGaugeVec::new(
+                Opts::new(
+                    "cacheguard_stock_sales_queued",
+                    "Sales answered and waiting for their batch's settlement, by gate.",
+                ),
+                &["gate"],
+            )?,
+            sale_batches: IntCounterVec::new(
+                Opts::new(
+                    "cacheguard_stock_sale_batches_total",
+                    "Ledger calls that settled a batch of sales of one segment, by gate (with \
+                     cacheguard_stock_settled_total{result=\"sold\"}: the sales per call).",
+                ),
+                &["gate"],
+            )?,
         };
         for family in [
             Box::new(families.requests.clone()) as Box<dyn prometheus::core::Collector>,
@@ -2133,6 +2150,8 @@ impl StockFamilies {
             Box::new(families.reconcile_delta.clone()),
             Box::new(families.redis_errors.clone()),
             Box::new(families.sold_out_events.clone()),
+            Box::new(families.sales_queued.clone()),
+            Box::new(families.sale_batches.clone()),
         ] {
             registry.register(family)?;
         }
@@ -2153,6 +2172,8 @@ impl StockFamilies {
             delta: self.reconcile_delta.with_label_values(&[gate]),
             redis_errors: self.redis_errors.with_label_values(&[gate]),
             sold_out_marks: self.sold_out_events.with_label_values(&[gate]),
+            sales_queued: self.sales_queued.with_label_values(&[gate]),
+            sale_batches: self.sale_batches.with_label_values(&[gate]),
         }
     }
 }
@@ -2196,6 +2217,8 @@ pub(crate) struct StockMetrics {
     delta: IntGauge,
     pub(crate) redis_errors: IntCounter,
     pub(crate) sold_out_marks: IntCounter,
+    pub(crate) sales_queued: IntGauge,
+    pub(crate) sale_batches: IntCounter,
 }
 
 impl StockMetrics {

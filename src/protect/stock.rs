@@ -57,6 +57,7 @@ mod ledger;
 mod memory;
 mod ops;
 pub(crate) mod record;
+mod sales;
 mod shared;
 mod source;
 
@@ -158,6 +159,7 @@ impl Gates {
                     loads: Semaphore::new(MAX_LOADS),
                     instance,
                     metrics: metrics.stock.for_gate(&config.name),
+                    sales: OnceLock::new(),
                 };
                 (config.name.clone(), Arc::new(gate))
             })
@@ -270,6 +272,8 @@ pub(crate) struct Gate {
     loads: Semaphore,
     instance: u64,
     pub(crate) metrics: StockMetrics,
+    /// The queue of sales settled in batches (`sales.rs`), with its task once used.
+    sales: OnceLock<tokio::sync::mpsc::Sender<sales::Queued>>,
 }
 
 /// What this instance knows of one resource.
@@ -794,6 +798,13 @@ impl Gate {
             Settlement::OriginSoldOut => (Outcome::NoneLeft, StockSettled::OriginSoldOut),
             Settlement::InDoubt => (Outcome::Doubt, StockSettled::InDoubt),
         };
+        // A sale without a key has no record to write and nobody waiting on it: it is
+        // settled in a batch (`sales.rs`).
+        if outcome == Outcome::Sold && reservation.key.is_none() && !reservation.member.is_empty() {
+            self.metrics.settled(result);
+            self.queue_sale(reservation).await;
+            return;
+        }
         let record = reservation.key.map(|(key, home)| {
             let (kind, ttl, answer) = match settlement {
                 // Refused retries are refused for the key's whole life: past the

@@ -114,6 +114,21 @@ impl AnyRedis {
             AnyRedis::Cluster(c) => c.primaries().await,
         }
     }
+
+    /// A connection to each of its primaries.
+    pub async fn primary_connections(&self) -> Vec<redis::aio::MultiplexedConnection> {
+        let mut connections = Vec::new();
+        for port in self.primary_ports().await {
+            let client = redis::Client::open(redis_server::redis_url(port)).expect("url");
+            connections.push(
+                client
+                    .get_multiplexed_async_connection()
+                    .await
+                    .expect("connect to a primary"),
+            );
+        }
+        connections
+    }
 }
 pub use shared::{SharedRedis, TestConn};
 pub use tcp_proxy::TcpProxy;

@@ -13,7 +13,7 @@ use crate::common::history::Epoch;
 use crate::common::redis_server::{command_calls, reset_command_stats};
 use crate::common::shop::{Fault, Scope, Shop, orders_path, seat};
 use crate::common::{
-    CgConfig, HttpClient, RedisCluster, RedisServer, Resp, metrics, post, route, url,
+    AnyRedis, CgConfig, HttpClient, RedisCluster, RedisServer, Resp, metrics, post, route, url,
 };
 
 const STOCK: &str = r#"
@@ -101,7 +101,11 @@ async fn a_sold_out_resource_is_answered_from_memory() {
             }
         }
         assert_eq!(sold, 3, "shared={shared}");
-        let before = shop.requests();
+        // The last sale is settled in a batch after its answer, and asks for a reconcile
+        // (the segment is sold out with no buy in flight): both are done before the count.
+        sales_settled(&client, &cg).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let before = shop.sale_log().buy_requests();
         let mut con = match &redis {
             Some(redis) => Some(redis.client().await),
             None => None,
@@ -122,7 +126,7 @@ async fn a_sold_out_resource_is_answered_from_memory() {
             );
         }
         assert_eq!(
-            shop.requests(),
+            shop.sale_log().buy_requests(),
             before,
             "no sold-out buy reached the origin"
         );
@@ -371,7 +375,136 @@ async fn one_sold(
     let client = HttpClient::new();
     let first = buy(&client, cg.addr(), resource, None, "{}").await;
     assert_eq!(first.status.as_u16(), 201, "{policy}: {first:?}");
+    // The sale is settled in a batch just after its answer: settled before any fault.
+    sales_settled(&client, &cg).await;
     (shop, redis, cg, client)
+}
+
+/// Over the primaries of `redis`: the calls of each command since their stats were reset,
+/// and the members of the gate's keys whose names end in each of `suffixes`.
+async fn primaries_report(
+    redis: &AnyRedis,
+    suffixes: &[&str],
+) -> (std::collections::BTreeMap<String, u64>, Vec<u64>) {
+    let mut calls = std::collections::BTreeMap::new();
+    let mut members = vec![0; suffixes.len()];
+    for mut con in redis.primary_connections().await {
+        for (name, n) in command_calls(&mut con).await {
+            *calls.entry(name).or_insert(0) += n;
+        }
+        let keys: Vec<String> = redis::cmd("KEYS")
+            .arg("*stock:*")
+            .query_async(&mut con)
+            .await
+            .expect("KEYS");
+        for key in keys {
+            if let Some(i) = suffixes.iter().position(|s| key.ends_with(s)) {
+                let n: u64 = redis::cmd("ZCARD")
+                    .arg(&key)
+                    .query_async(&mut con)
+                    .await
+                    .expect("ZCARD");
+                members[i] += n;
+            }
+        }
+    }
+    (calls, members)
+}
+
+/// In every mode: sales without an idempotency key are settled in batches after their
+/// answers. 64 buys at once take far fewer settlement calls than sales (in Redis, fewer
+/// scripts than a BUY and a SETTLE each), and once settled no reservation is left and
+/// every sale is in the consumed set, as when each was settled on its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sales_are_settled_in_batches() {
+    const CROWD: usize = 64;
+    for mode in ["embedded", "standalone", "sentinel", "cluster"] {
+        let resource = seat("t9", "a");
+        let shop = Shop::start(Epoch::now(), &[(resource.clone(), 1000)]).await;
+        let redis = match mode {
+            "embedded" => None,
+            mode => Some(AnyRedis::start(mode).await),
+        };
+        let cg = match &redis {
+            Some(redis) => config(&shop, None, "").any_redis(redis),
+            None => config(&shop, None, ""),
+        }
+        .start()
+        .await;
+        let client = HttpClient::new();
+        // The resource loaded, the scripts too.
+        let first = buy(&client, cg.addr(), &resource, None, "{}").await;
+        assert_eq!(first.status.as_u16(), 201, "{mode}: {first:?}");
+        sales_settled(&client, &cg).await;
+        if let Some(redis) = &redis {
+            for mut con in redis.primary_connections().await {
+                reset_command_stats(&mut con).await;
+            }
+        }
+        let batches_before = stock_metric(
+            &client,
+            cg.admin_addr(),
+            "cacheguard_stock_sale_batches_total",
+            "gate",
+            "seats",
+        )
+        .await;
+        let tasks: Vec<_> = (0..CROWD)
+            .map(|i| {
+                let (client, addr, resource) = (client.clone(), cg.addr(), resource.clone());
+                tokio::spawn(async move {
+                    buy(&client, addr, &resource, None, &format!("{{\"n\":{i}}}")).await
+                })
+            })
+            .collect();
+        for answer in common::join_within(tasks, Duration::from_secs(30), "buys").await {
+            assert_eq!(answer.status.as_u16(), 201, "{mode}: {answer:?}");
+        }
+        sales_settled(&client, &cg).await;
+        let batches = stock_metric(
+            &client,
+            cg.admin_addr(),
+            "cacheguard_stock_sale_batches_total",
+            "gate",
+            "seats",
+        )
+        .await
+            - batches_before;
+        assert!(
+            batches >= 1.0 && batches <= (CROWD / 4) as f64,
+            "{mode}: {CROWD} sales settled in {batches} calls"
+        );
+        if let Some(redis) = &redis {
+            let (calls, members) = primaries_report(redis, &[":res", ":done"]).await;
+            let scripts = calls.get("evalsha").copied().unwrap_or(0);
+            assert!(
+                scripts <= (CROWD + CROWD / 4) as u64,
+                "{mode}: {scripts} scripts for {CROWD} buys: {calls:?}"
+            );
+            assert_eq!(
+                members,
+                [0, CROWD as u64 + 1],
+                "{mode}: reservations left, sales consumed"
+            );
+        }
+        assert_eq!(shop.sale_log().sold(), CROWD as u64 + 1, "{mode}");
+        cg.shutdown().await;
+    }
+}
+
+/// Waits until the sales `cg` answered are settled (none waits for its batch).
+async fn sales_settled(client: &HttpClient, cg: &cacheguard::Running) {
+    let settled = common::poll_until(Duration::from_secs(5), Duration::from_millis(5), || async {
+        let queued = metrics(client, cg.admin_addr())
+            .await
+            .sum("cacheguard_stock_sales_queued", &[("gate", "seats")]);
+        (queued == 0.0).then_some(())
+    })
+    .await;
+    assert!(
+        settled.is_some(),
+        "sales still wait for their batch after 5 s"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -3,7 +3,7 @@
 //! five operations; the gate (`super`) decides what to do with the answers.
 
 use super::memory::MemoryLedger;
-use super::ops::{Applied, Buy, BuyRequest, Settle, Settled};
+use super::ops::{Applied, Buy, BuyRequest, Sale, SalesSettled, Settle, Settled};
 use super::shared::RedisLedger;
 use crate::coord::redis::Unavailable;
 
@@ -45,6 +45,39 @@ impl Ledger {
         match self {
             Ledger::Redis(redis) => redis.settle(resource, segment, settle).await,
             Ledger::Memory(memory) => Ok(memory.settle(resource, segment, settle)),
+        }
+    }
+
+    /// Settles sales of one segment together: in Redis one script call for all of them.
+    pub(crate) async fn settle_sales(
+        &self,
+        resource: u128,
+        segment: u16,
+        sales: &[Sale],
+        idle_ms: u64,
+        consumed_kept_ms: u64,
+    ) -> Result<SalesSettled, Unavailable> {
+        match self {
+            Ledger::Redis(redis) => {
+                redis
+                    .settle_sales(resource, segment, sales, idle_ms, consumed_kept_ms)
+                    .await
+            }
+            Ledger::Memory(memory) => {
+                let mut last = SalesSettled {
+                    left: -1,
+                    reserved: 0,
+                };
+                for sale in sales {
+                    let settled =
+                        memory.settle(resource, segment, &sale.settle(idle_ms, consumed_kept_ms));
+                    last = SalesSettled {
+                        left: settled.left,
+                        reserved: settled.reserved,
+                    };
+                }
+                Ok(last)
+            }
         }
     }
 

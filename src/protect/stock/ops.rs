@@ -103,6 +103,40 @@ pub(crate) struct RecordWrite {
     pub(crate) forget: bool,
 }
 
+/// A sale of one reservation, settled in a batch with others of its segment: what
+/// [`Settle`] with [`Outcome::Sold`] and no record says.
+#[derive(Clone, Debug)]
+pub(crate) struct Sale {
+    /// `<units>.<id>`.
+    pub(crate) member: String,
+    pub(crate) units: u64,
+    /// When the origin answered.
+    pub(crate) answered: tokio::time::Instant,
+}
+
+impl Sale {
+    /// The settlement of this sale on its own.
+    pub(crate) fn settle(&self, idle_ms: u64, consumed_kept_ms: u64) -> Settle {
+        Settle {
+            member: self.member.clone(),
+            outcome: Outcome::Sold,
+            units: self.units,
+            idle_ms,
+            consumed_kept_ms,
+            answered: self.answered,
+            record: None,
+        }
+    }
+}
+
+/// What a batch of sales did to their segment: units left afterwards (-1: not loaded) and
+/// units still reserved by buys in flight, as [`Settled`] says them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct SalesSettled {
+    pub(crate) left: i64,
+    pub(crate) reserved: u64,
+}
+
 /// What a settlement did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Settled {

@@ -17,7 +17,7 @@ use std::sync::LazyLock;
 
 use redis::{Script, Value};
 
-use super::ops::{Applied, Buy, BuyRequest, Settle, Settled};
+use super::ops::{Applied, Buy, BuyRequest, Sale, SalesSettled, Settle, Settled};
 use crate::coord::Keyspace;
 use crate::coord::keyspace::StockKeys;
 use crate::coord::redis::{RedisConn, Unavailable};
@@ -146,6 +146,45 @@ return {removed, n, tonumber(redis.call('HGET', KEYS[1], 'rsv') or '0')}
     ))
 });
 
+/// Settles a batch of sales of one segment: what [`SETTLE`] does for `sold`, for every
+/// member at once, so its cost per sale falls with the batch.
+///
+/// - `KEYS[1]` state, `KEYS[2]` reservations, `KEYS[3]` consumed
+/// - `ARGV[1]` idle expiry ms, `ARGV[2]` how long consumed members are kept (ms), then per
+///   sale two: its member and how long ago (ms) the origin answered
+/// - returns `{left, reserved}` afterwards (`left` -1: the segment is not loaded)
+static SETTLE_SALES: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(&format!(
+        "{NOW}{UNITS_OF}{}",
+        r"
+local members, consumed = {}, {}
+for i = 3, #ARGV, 2 do
+  members[#members + 1] = ARGV[i]
+  consumed[#consumed + 1] = now - tonumber(ARGV[i + 1])
+  consumed[#consumed + 1] = ARGV[i]
+end
+local live = redis.call('ZMSCORE', KEYS[2], unpack(members))
+local removed, units = {}, 0
+for i, score in ipairs(live) do
+  if score then
+    removed[#removed + 1] = members[i]
+    units = units + units_of(members[i])
+  end
+end
+local rsv
+if #removed > 0 then
+  redis.call('ZREM', KEYS[2], unpack(removed))
+  rsv = redis.call('HINCRBY', KEYS[1], 'rsv', -units)
+end
+redis.call('ZADD', KEYS[3], unpack(consumed))
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now - tonumber(ARGV[2]))
+redis.call('PEXPIRE', KEYS[3], ARGV[1])
+local state = redis.call('HMGET', KEYS[1], 'n', 'rsv')
+return {tonumber(state[1] or '-1'), tonumber(state[2] or '0')}
+"
+    ))
+});
+
 /// A reconcile's step on one segment: `n = budget − reserved − consumed since`, where
 /// `budget` is the segment's share of what the origin said is left, `reserved` the units of
 /// its live reservations (counted again here: the `rsv` field is only a cache of it) and
@@ -259,6 +298,39 @@ impl RedisLedger {
             )
             .await?;
         Ok(parse_buy(&reply))
+    }
+
+    /// Settles `sales` of one segment in one script (see [`SETTLE_SALES`]).
+    pub(crate) async fn settle_sales(
+        &self,
+        resource: u128,
+        segment: u16,
+        sales: &[Sale],
+        idle_ms: u64,
+        consumed_kept_ms: u64,
+    ) -> Result<SalesSettled, Unavailable> {
+        let keys = self.segment(resource, segment);
+        let mut args: Vec<Vec<u8>> = Vec::with_capacity(2 + 2 * sales.len());
+        args.push(idle_ms.to_string().into_bytes());
+        args.push(consumed_kept_ms.to_string().into_bytes());
+        for sale in sales {
+            args.push(sale.member.clone().into_bytes());
+            args.push(sale.answered.elapsed().as_millis().to_string().into_bytes());
+        }
+        let args: Vec<&[u8]> = args.iter().map(Vec::as_slice).collect();
+        let reply: Vec<i64> = self
+            .redis
+            .run_script(
+                RedisOp::Stock,
+                &SETTLE_SALES,
+                &[&keys.state, &keys.reservations, &keys.consumed],
+                &args,
+            )
+            .await?;
+        Ok(SalesSettled {
+            left: reply.first().copied().unwrap_or(-1),
+            reserved: u64::try_from(reply.get(1).copied().unwrap_or(0)).unwrap_or(0),
+        })
     }
 
     pub(crate) async fn settle(
