@@ -88,9 +88,9 @@ use crate::coord::redis::Unavailable;
 use crate::coord::{Keyspace, RedisConn, keyspace};
 use crate::metrics::{Metrics, StockCounts, StockMetrics, StockOutcome, StockSettled};
 
-/// A resource's keys expire after this long without a write (or after 4 ×
-/// `reservation_ttl` / `reconcile` when longer): a resource nobody buys is forgotten, and
-/// loaded again from the origin when somebody does.
+/// A resource's keys expire at most this long after its last buy, and at least half of it
+/// (or 4 × `reservation_ttl` / `reconcile` when longer): a resource nobody buys is
+/// forgotten, and loaded again from the origin when somebody does.
 const IDLE: Duration = Duration::from_secs(3600);
 
 /// How long consumed reservations are kept for reconciles to count (at least).

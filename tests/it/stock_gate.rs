@@ -381,13 +381,19 @@ async fn one_sold(
 }
 
 /// Over the primaries of `redis`: the calls of each command since their stats were reset,
-/// and the members of the gate's keys whose names end in each of `suffixes`.
+/// the members of the gate's keys whose names end in each of `suffixes`, and the gate's
+/// keys that have no expiry.
 async fn primaries_report(
     redis: &AnyRedis,
     suffixes: &[&str],
-) -> (std::collections::BTreeMap<String, u64>, Vec<u64>) {
+) -> (
+    std::collections::BTreeMap<String, u64>,
+    Vec<u64>,
+    Vec<String>,
+) {
     let mut calls = std::collections::BTreeMap::new();
     let mut members = vec![0; suffixes.len()];
+    let mut lasting = Vec::new();
     for mut con in redis.primary_connections().await {
         for (name, n) in command_calls(&mut con).await {
             *calls.entry(name).or_insert(0) += n;
@@ -398,6 +404,14 @@ async fn primaries_report(
             .await
             .expect("KEYS");
         for key in keys {
+            let pttl: i64 = redis::cmd("PTTL")
+                .arg(&key)
+                .query_async(&mut con)
+                .await
+                .expect("PTTL");
+            if pttl == -1 {
+                lasting.push(key.clone());
+            }
             if let Some(i) = suffixes.iter().position(|s| key.ends_with(s)) {
                 let n: u64 = redis::cmd("ZCARD")
                     .arg(&key)
@@ -408,13 +422,14 @@ async fn primaries_report(
             }
         }
     }
-    (calls, members)
+    (calls, members, lasting)
 }
 
 /// In every mode: sales without an idempotency key are settled in batches after their
 /// answers. 64 buys at once take far fewer settlement calls than sales (in Redis, fewer
-/// scripts than a BUY and a SETTLE each), and once settled no reservation is left and
-/// every sale is in the consumed set, as when each was settled on its own.
+/// scripts than a BUY and a SETTLE each, and at most 8 commands per buy, everything
+/// counted), and once settled no reservation is left, every sale is in the consumed set,
+/// as when each was settled on its own, and every key of the gate still expires.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sales_are_settled_in_batches() {
     const CROWD: usize = 64;
@@ -475,11 +490,27 @@ async fn sales_are_settled_in_batches() {
             "{mode}: {CROWD} sales settled in {batches} calls"
         );
         if let Some(redis) = &redis {
-            let (calls, members) = primaries_report(redis, &[":res", ":done"]).await;
+            let (calls, members, lasting) = primaries_report(redis, &[":res", ":done"]).await;
             let scripts = calls.get("evalsha").copied().unwrap_or(0);
             assert!(
                 scripts <= (CROWD + CROWD / 4) as u64,
                 "{mode}: {scripts} scripts for {CROWD} buys: {calls:?}"
+            );
+            // Every command the primaries executed meanwhile (the instance's background
+            // ones too): BUY is 6 (EVALSHA TIME HMGET ZRANGEBYSCORE HSET ZADD) while its
+            // keys are fresh, and a batch of sales 9.
+            let commands: u64 = calls
+                .iter()
+                .filter(|(name, _)| name.as_str() != "config|resetstat")
+                .map(|(_, n)| n)
+                .sum();
+            assert!(
+                commands <= 8 * CROWD as u64,
+                "{mode}: {commands} commands for {CROWD} buys: {calls:?}"
+            );
+            assert!(
+                lasting.is_empty(),
+                "{mode}: keys without expiry: {lasting:?}"
             );
             assert_eq!(
                 members,
