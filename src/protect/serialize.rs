@@ -70,6 +70,16 @@ struct Queue {
     releasing: AtomicBool,
 }
 
+impl Queue {
+    /// Puts `handed` in the queue's slot (`None`: empties it); gives what was there.
+    fn hand(&self, handed: Option<Handed>) -> Option<Handed> {
+        std::mem::replace(
+            &mut *self.handed.lock().unwrap_or_else(PoisonError::into_inner),
+            handed,
+        )
+    }
+}
+
 /// A lock passed on, waiting in its queue for the next write.
 #[derive(Debug)]
 struct Handed {
@@ -124,12 +134,7 @@ impl Drop for Place {
             queues.remove(&self.resource);
             // A lock passed on to a write that then left (its client hung up, its wait ran
             // out) is released, not left to its lease's end.
-            let handed = self
-                .queue
-                .handed
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .take();
+            let handed = self.queue.hand(None);
             if let (Some(handed), Ok(runtime)) = (handed, tokio::runtime::Handle::try_current()) {
                 runtime.spawn(async move { handed.service.release(&handed.grant).await });
             }
@@ -224,13 +229,7 @@ impl Serializer {
         // and tried again: the write must reach the origin with time for a renewal.
         let margin = config.lease / 3;
         let run_for = margin.min(config.wait_timeout / 4);
-        let handed = place
-            .queue
-            .handed
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take();
-        if let Some(handed) = handed {
+        if let Some(handed) = place.queue.hand(None) {
             // Passed on by the write before: the lock's lease was renewed then, and a
             // route of another lock service on the same resource gives it back.
             if Arc::ptr_eq(&handed.service, &service)
@@ -354,11 +353,11 @@ impl Serializer {
                 && service.pass_on(&mut grant, lease).await
             {
                 passed_on.inc();
-                *queue.handed.lock().unwrap_or_else(PoisonError::into_inner) = Some(Handed {
+                queue.hand(Some(Handed {
                     service,
                     grant,
                     since,
-                });
+                }));
                 queue.releasing.store(false, Ordering::Release);
                 drop((turn, place));
                 return;
